@@ -1,0 +1,27 @@
+# Compiler flags shared by every Tessera target, and the helper that declares a
+# folder's library: tessera_add_library(<name> SOURCES ... DEPS ...).
+set(TESSERA_WARNINGS -Wall -Wextra -Wno-unused-parameter)
+if(TESSERA_WERROR)
+  list(APPEND TESSERA_WARNINGS -Werror)
+endif()
+
+set(TESSERA_SANITIZE_FLAGS "")
+if(TESSERA_SANITIZE)
+  string(REPLACE "," ";" _san_list "${TESSERA_SANITIZE}")
+  foreach(_san IN LISTS _san_list)
+    if(NOT _san MATCHES "^(address|undefined)$")
+      message(FATAL_ERROR "TESSERA_SANITIZE: unknown sanitizer '${_san}' (address, undefined)")
+    endif()
+  endforeach()
+  set(TESSERA_SANITIZE_FLAGS -fsanitize=${TESSERA_SANITIZE} -fno-omit-frame-pointer)
+  add_compile_options(${TESSERA_SANITIZE_FLAGS})
+  add_link_options(${TESSERA_SANITIZE_FLAGS})
+endif()
+
+# Applies Tessera's warnings to a target (third-party headers are SYSTEM includes).
+function(tessera_target_defaults target)
+  target_compile_options(${target} PRIVATE ${TESSERA_WARNINGS})
+  target_include_directories(${target} PUBLIC
+    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+    $<INSTALL_INTERFACE:include>)
+endfunction()

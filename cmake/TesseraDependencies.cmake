@@ -1,0 +1,50 @@
+# Finds every third-party dependency once, for all targets.
+#
+# LibTorch comes either from Debian's libtorch-dev 1.13 (CPU; the default) or from
+# CMAKE_PREFIX_PATH, e.g. the LibTorch inside a PyTorch 2.x CUDA wheel:
+#   cmake -DCMAKE_PREFIX_PATH=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+find_package(Torch REQUIRED)
+message(STATUS "Tessera: LibTorch ${Torch_VERSION} from ${TORCH_INSTALL_PREFIX}")
+
+# TORCH_LIBRARIES carries c10_cuda / torch_cuda only in a CUDA build of LibTorch.
+set(TESSERA_TORCH_HAS_CUDA OFF)
+if(TARGET torch_cuda OR TARGET c10_cuda OR "${TORCH_LIBRARIES}" MATCHES "c10_cuda")
+  set(TESSERA_TORCH_HAS_CUDA ON)
+endif()
+if(TESSERA_WITH_CUDA STREQUAL "AUTO")
+  set(TESSERA_CUDA_ENABLED ${TESSERA_TORCH_HAS_CUDA})
+else()
+  set(TESSERA_CUDA_ENABLED ${TESSERA_WITH_CUDA})
+endif()
+if(TESSERA_CUDA_ENABLED)
+  find_package(CUDAToolkit REQUIRED)
+  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} $ENV{NCCL_HOME}/include /usr/local/cuda/include)
+  find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} $ENV{NCCL_HOME}/lib /usr/local/cuda/lib64)
+  if(NOT NCCL_INCLUDE_DIR OR NOT NCCL_LIBRARY)
+    message(FATAL_ERROR "TESSERA_WITH_CUDA is on but NCCL was not found (set NCCL_HOME)")
+  endif()
+  message(STATUS "Tessera: CUDA + NCCL backend ON (${NCCL_LIBRARY}); LibTorch has CUDA: ${TESSERA_TORCH_HAS_CUDA}")
+else()
+  message(STATUS "Tessera: CUDA + NCCL backend OFF")
+endif()
+
+# c10d's ProcessGroupGloo headers include gloo's; Debian ships them in libgloo-dev,
+# the PyTorch wheel ships them inside its include directory.
+find_path(GLOO_INCLUDE_DIR gloo/config.h HINTS ${TORCH_INCLUDE_DIRS})
+if(NOT GLOO_INCLUDE_DIR)
+  message(FATAL_ERROR "gloo headers (gloo/config.h) not found: install libgloo-dev")
+endif()
+
+find_package(yaml-cpp REQUIRED)
+find_package(spdlog REQUIRED)
+find_package(CLI11 REQUIRED)
+find_package(nlohmann_json REQUIRED)
+find_path(XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
+find_library(XXHASH_LIBRARY xxhash REQUIRED)
+find_package(Threads REQUIRED)
+if(TESSERA_BUILD_TESTS)
+  find_package(GTest REQUIRED)
+endif()
+if(TESSERA_BUILD_BENCH)
+  find_package(benchmark REQUIRED)
+endif()

@@ -1,0 +1,56 @@
+// Exit-status mapping and torchelastic error files (see app_main.h).
+#include "common/app_main.h"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <exception>
+#include <fstream>
+#include <iostream>
+
+#include "common/errors.h"
+#include "common/logging.h"
+
+namespace tessera {
+
+void writeErrorFile(const std::string& message) {
+  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
+  if (!path || !*path) return;
+  try {
+    const auto now = std::chrono::system_clock::now().time_since_epoch();
+    nlohmann::json j = {
+        {"message",
+         {{"message", message},
+          {"extraInfo",
+           {{"py_callstack", ""}, {"timestamp", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count())}}}}}};
+    std::ofstream out(path);
+    out << j.dump() << "\n";
+  } catch (...) {
+    // Reporting must never turn one failure into another.
+  }
+}
+
+int runMain(const std::string& programName, const std::function<int()>& body) {
+  auto report = [&](const char* kind, const std::string& what, int status) {
+    const std::string message = strCat(programName, ": ", kind, what);
+    std::cerr << message << std::endl;
+    if (log::rank() >= 0) TLOG_DEBUG(message);
+    writeErrorFile(message);
+    log::flush();
+    return status;
+  };
+  try {
+    return body();
+  } catch (const ConfigError& e) {
+    return report("config error: ", e.what(), 2);
+  } catch (const UsageError& e) {
+    return report("usage error: ", e.what(), 2);
+  } catch (const std::exception& e) {
+    return report("error: ", e.what(), 1);
+  } catch (...) {
+    return report("error: ", "unknown exception", 1);
+  }
+}
+
+}  // namespace tessera

@@ -1,0 +1,531 @@
+// yaml-cpp-backed implementation of the config schema (see config.h).
+#include "common/config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/errors.h"
+
+namespace tessera::config {
+
+std::string SourceLocation::str() const {
+  if (source.empty()) return "<default>";
+  if (line <= 0) return source;
+  return strCat(source, ":", line, ":", column);
+}
+
+size_t editDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t subst = prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, subst});
+    }
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+struct ConfigSchema::Field {
+  std::string path;
+  FieldTarget target;
+  std::string doc;
+  std::string defaultText;
+  std::optional<double> min, max, greaterThan, lessThan;
+  std::vector<std::string> choices;
+  std::optional<size_t> exactSize;
+  bool required = false;
+  bool nonEmpty = false;
+  SourceLocation location;  // where the current value came from
+};
+
+struct ConfigSchema::Impl {
+  std::vector<Field> fields;
+  std::map<std::string, size_t> byPath;
+  std::set<std::string> sectionPaths;  // every proper prefix of a field path
+  std::map<std::string, std::string> sectionDocs;
+
+  // Converts `node` into the field's type, checks its constraints, stores it.
+  void assign(Field& field, const YAML::Node& node, const SourceLocation& loc);
+  // Walks a YAML mapping at key prefix `prefix` ("" for the root).
+  void loadMap(const YAML::Node& map, const std::string& prefix, const std::string& source,
+               const ConfigSchema& schema);
+  // The closest key for an unknown `path`, phrased for an error message.
+  static std::string suggestion(const ConfigSchema& schema, const std::string& path);
+};
+
+namespace {
+
+std::string typeName(const FieldTarget& target) {
+  struct Visitor {
+    std::string operator()(bool*) const { return "bool"; }
+    std::string operator()(int64_t*) const { return "int"; }
+    std::string operator()(double*) const { return "float"; }
+    std::string operator()(std::string*) const { return "string"; }
+    std::string operator()(std::optional<std::string>*) const { return "string|null"; }
+    std::string operator()(std::vector<int64_t>*) const { return "list[int]"; }
+    std::string operator()(std::vector<double>*) const { return "list[float]"; }
+    std::string operator()(std::vector<std::string>*) const { return "list[string]"; }
+  };
+  return std::visit(Visitor{}, target);
+}
+
+std::string formatDouble(double v) {
+  std::ostringstream out;
+  out.precision(17);
+  out << v;
+  std::string s = out.str();
+  // Keep floats recognisable as floats in YAML ("1.0", not "1").
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return s;
+}
+
+YAML::Node valueNode(const FieldTarget& target) {
+  struct Visitor {
+    YAML::Node operator()(bool* v) const { return YAML::Node(*v); }
+    YAML::Node operator()(int64_t* v) const { return YAML::Node(*v); }
+    YAML::Node operator()(double* v) const { return YAML::Node(formatDouble(*v)); }
+    YAML::Node operator()(std::string* v) const { return YAML::Node(*v); }
+    YAML::Node operator()(std::optional<std::string>* v) const {
+      return v->has_value() ? YAML::Node(**v) : YAML::Node(YAML::NodeType::Null);
+    }
+    YAML::Node operator()(std::vector<int64_t>* v) const {
+      YAML::Node n(YAML::NodeType::Sequence);
+      for (auto x : *v) n.push_back(x);
+      n.SetStyle(YAML::EmitterStyle::Flow);
+      return n;
+    }
+    YAML::Node operator()(std::vector<double>* v) const {
+      YAML::Node n(YAML::NodeType::Sequence);
+      for (auto x : *v) n.push_back(formatDouble(x));
+      n.SetStyle(YAML::EmitterStyle::Flow);
+      return n;
+    }
+    YAML::Node operator()(std::vector<std::string>* v) const {
+      YAML::Node n(YAML::NodeType::Sequence);
+      for (const auto& x : *v) n.push_back(x);
+      n.SetStyle(YAML::EmitterStyle::Flow);
+      return n;
+    }
+  };
+  return std::visit(Visitor{}, target);
+}
+
+std::string emitInline(const YAML::Node& node) {
+  YAML::Emitter out;
+  out.SetMapFormat(YAML::Flow);
+  out.SetSeqFormat(YAML::Flow);
+  out << node;
+  return out.c_str();
+}
+
+SourceLocation locate(const std::string& source, const YAML::Node& node) {
+  SourceLocation loc;
+  loc.source = source;
+  const YAML::Mark mark = node.Mark();
+  if (mark.line >= 0) {
+    loc.line = mark.line + 1;
+    loc.column = mark.column + 1;
+  }
+  return loc;
+}
+
+[[noreturn]] void fail(const SourceLocation& loc, const std::string& path, const std::string& what) {
+  throw ConfigError(strCat(loc.str(), ": ", path, ": ", what));
+}
+
+std::string describe(const YAML::Node& node) {
+  if (node.IsNull()) return "null";
+  if (node.IsScalar()) return strCat("'", node.Scalar(), "'");
+  if (node.IsSequence()) return "a list";
+  if (node.IsMap()) return "a mapping";
+  return "an undefined value";
+}
+
+bool parseInt(const std::string& text, int64_t* out) {
+  if (text.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || end != text.c_str() + text.size()) return false;
+  *out = v;
+  return true;
+}
+
+bool parseDouble(const std::string& text, double* out) {
+  if (text.empty()) return false;
+  // YAML's spellings of infinity/nan are not accepted: no Tessera key wants them.
+  errno = 0;
+  char* end = nullptr;
+  double v = std::strtod(text.c_str(), &end);
+  if (errno != 0 || end != text.c_str() + text.size() || !std::isfinite(v)) return false;
+  *out = v;
+  return true;
+}
+
+bool parseBool(const std::string& text, bool* out) {
+  std::string lower = text;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (lower == "true" || lower == "yes" || lower == "on") { *out = true; return true; }
+  if (lower == "false" || lower == "no" || lower == "off") { *out = false; return true; }
+  return false;
+}
+
+int64_t toInt(const YAML::Node& node, const SourceLocation& loc, const std::string& path) {
+  int64_t v = 0;
+  if (!node.IsScalar() || !parseInt(node.Scalar(), &v)) fail(loc, path, strCat("expected an integer, got ", describe(node)));
+  return v;
+}
+double toDouble(const YAML::Node& node, const SourceLocation& loc, const std::string& path) {
+  double v = 0;
+  if (!node.IsScalar() || !parseDouble(node.Scalar(), &v)) fail(loc, path, strCat("expected a number, got ", describe(node)));
+  return v;
+}
+std::string toString(const YAML::Node& node, const SourceLocation& loc, const std::string& path) {
+  if (!node.IsScalar()) fail(loc, path, strCat("expected a string, got ", describe(node)));
+  return node.Scalar();
+}
+
+template <typename T, typename Convert>
+std::vector<T> toList(const YAML::Node& node, const SourceLocation& loc, const std::string& path,
+                      const char* what, Convert convert) {
+  if (!node.IsSequence()) fail(loc, path, strCat("expected a list of ", what, ", got ", describe(node)));
+  std::vector<T> out;
+  for (size_t i = 0; i < node.size(); ++i) {
+    const YAML::Node item = node[i];
+    SourceLocation itemLoc = loc.line > 0 && item.Mark().line >= 0 ? locate(loc.source, item) : loc;
+    out.push_back(convert(item, itemLoc, strCat(path, "[", i, "]")));
+  }
+  return out;
+}
+
+}  // namespace
+
+// ---- FieldRef ---------------------------------------------------------------------
+
+#define TESSERA_FIELD (schema_->impl_->fields[index_])
+FieldRef& FieldRef::min(double value) { TESSERA_FIELD.min = value; return *this; }
+FieldRef& FieldRef::max(double value) { TESSERA_FIELD.max = value; return *this; }
+FieldRef& FieldRef::greaterThan(double value) { TESSERA_FIELD.greaterThan = value; return *this; }
+FieldRef& FieldRef::lessThan(double value) { TESSERA_FIELD.lessThan = value; return *this; }
+FieldRef& FieldRef::oneOf(std::vector<std::string> choices) { TESSERA_FIELD.choices = std::move(choices); return *this; }
+FieldRef& FieldRef::required() { TESSERA_FIELD.required = true; return *this; }
+FieldRef& FieldRef::nonEmpty() { TESSERA_FIELD.nonEmpty = true; return *this; }
+FieldRef& FieldRef::size(size_t exact) { TESSERA_FIELD.exactSize = exact; return *this; }
+#undef TESSERA_FIELD
+
+// ---- ConfigSchema -------------------------------------------------------------------
+
+ConfigSchema::ConfigSchema() : impl_(std::make_unique<Impl>()) {}
+ConfigSchema::~ConfigSchema() = default;
+
+FieldRef ConfigSchema::add(const std::string& path, FieldTarget target, std::string doc) {
+  TESSERA_CHECK(!path.empty() && path.front() != '.' && path.back() != '.',
+                "ConfigSchema::add: bad key path '", path, "'");
+  TESSERA_CHECK(!impl_->byPath.count(path) && !impl_->sectionPaths.count(path),
+                "ConfigSchema::add: key '", path, "' registered twice");
+  for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', dot + 1)) {
+    std::string prefix = path.substr(0, dot);
+    TESSERA_CHECK(!impl_->byPath.count(prefix), "ConfigSchema::add: '", path, "' is inside value key '", prefix, "'");
+    impl_->sectionPaths.insert(prefix);
+  }
+  Field field;
+  field.path = path;
+  field.target = target;
+  field.doc = std::move(doc);
+  field.defaultText = emitInline(valueNode(target));
+  impl_->byPath[path] = impl_->fields.size();
+  impl_->fields.push_back(std::move(field));
+  return FieldRef(impl_->fields.size() - 1, this);
+}
+
+void ConfigSchema::describeSection(const std::string& path, std::string doc) {
+  impl_->sectionDocs[path] = std::move(doc);
+}
+
+bool ConfigSchema::hasKey(const std::string& path) const { return impl_->byPath.count(path) > 0; }
+
+std::string ConfigSchema::closestKey(const std::string& path) const {
+  std::string best;
+  size_t bestDistance = std::string::npos;
+  auto consider = [&](const std::string& candidate) {
+    size_t d = editDistance(path, candidate);
+    if (d < bestDistance) { bestDistance = d; best = candidate; }
+  };
+  for (const auto& f : impl_->fields) consider(f.path);
+  for (const auto& s : impl_->sectionPaths) consider(s);
+  // Also match on the last component alone, so "optim.learning_rate" can suggest
+  // "optim.lr" only when reasonably close; beyond a third of the length it's noise.
+  if (bestDistance == std::string::npos || bestDistance > std::max<size_t>(2, path.size() / 3)) return "";
+  return best;
+}
+
+SourceLocation ConfigSchema::locationOf(const std::string& path) const {
+  auto it = impl_->byPath.find(path);
+  TESSERA_CHECK(it != impl_->byPath.end(), "ConfigSchema::locationOf: unknown key '", path, "'");
+  return impl_->fields[it->second].location;
+}
+
+std::string ConfigSchema::errorMessage(const std::string& path, const std::string& what) const {
+  return strCat(locationOf(path).str(), ": ", path, ": ", what);
+}
+
+std::vector<FieldInfo> ConfigSchema::fields() const {
+  std::vector<FieldInfo> out;
+  for (const auto& f : impl_->fields) {
+    FieldInfo info;
+    info.path = f.path;
+    info.type = typeName(f.target);
+    info.doc = f.doc;
+    info.defaultText = f.defaultText;
+    info.required = f.required;
+    std::vector<std::string> parts;
+    if (f.min) parts.push_back(strCat(">= ", *f.min));
+    if (f.greaterThan) parts.push_back(strCat("> ", *f.greaterThan));
+    if (f.max) parts.push_back(strCat("<= ", *f.max));
+    if (f.lessThan) parts.push_back(strCat("< ", *f.lessThan));
+    if (!f.choices.empty()) {
+      std::string c = "one of:";
+      for (size_t i = 0; i < f.choices.size(); ++i) c += strCat(i ? ", " : " ", f.choices[i]);
+      parts.push_back(c);
+    }
+    if (f.nonEmpty) parts.push_back("not empty");
+    if (f.exactSize) parts.push_back(strCat(*f.exactSize, " elements"));
+    for (size_t i = 0; i < parts.size(); ++i) info.constraint += (i ? "; " : "") + parts[i];
+    out.push_back(std::move(info));
+  }
+  return out;
+}
+
+std::map<std::string, std::string> ConfigSchema::sections() const {
+  std::map<std::string, std::string> out;
+  for (const auto& s : impl_->sectionPaths) {
+    auto it = impl_->sectionDocs.find(s);
+    out[s] = it == impl_->sectionDocs.end() ? "" : it->second;
+  }
+  return out;
+}
+
+std::string ConfigSchema::Impl::suggestion(const ConfigSchema& schema, const std::string& path) {
+  std::string closest = schema.closestKey(path);
+  return closest.empty() ? std::string() : strCat(" (did you mean '", closest, "'?)");
+}
+
+void ConfigSchema::Impl::assign(Field& field, const YAML::Node& node, const SourceLocation& loc) {
+  const std::string& path = field.path;
+  auto checkNumber = [&](double v, const std::string& shown, const std::string& where, const SourceLocation& at) {
+    const SourceLocation& loc = at;
+    if (field.min && v < *field.min) fail(loc, where, strCat("value ", shown, " is out of range: must be >= ", *field.min));
+    if (field.max && v > *field.max) fail(loc, where, strCat("value ", shown, " is out of range: must be <= ", *field.max));
+    if (field.greaterThan && !(v > *field.greaterThan))
+      fail(loc, where, strCat("value ", shown, " is out of range: must be > ", *field.greaterThan));
+    if (field.lessThan && !(v < *field.lessThan))
+      fail(loc, where, strCat("value ", shown, " is out of range: must be < ", *field.lessThan));
+  };
+  auto checkChoice = [&](const std::string& v, const std::string& where, const SourceLocation& loc) {
+    if (field.choices.empty() || std::find(field.choices.begin(), field.choices.end(), v) != field.choices.end()) return;
+    std::string list;
+    for (size_t i = 0; i < field.choices.size(); ++i) list += (i ? ", " : "") + field.choices[i];
+    fail(loc, where, strCat("'", v, "' is not one of: ", list));
+  };
+  auto checkSize = [&](size_t n) {
+    if (field.nonEmpty && n == 0) fail(loc, path, "must not be empty");
+    if (field.exactSize && n != *field.exactSize)
+      fail(loc, path, strCat("expected ", *field.exactSize, " elements, got ", n));
+  };
+
+  struct Visitor {
+    const YAML::Node& node;
+    const SourceLocation& loc;
+    const std::string& path;
+    decltype(checkNumber)& number;
+    decltype(checkChoice)& choice;
+    decltype(checkSize)& sizeCheck;
+
+    void operator()(bool* v) const {
+      bool b = false;
+      if (!node.IsScalar() || !parseBool(node.Scalar(), &b)) fail(loc, path, strCat("expected true or false, got ", describe(node)));
+      *v = b;
+    }
+    void operator()(int64_t* v) const {
+      int64_t x = toInt(node, loc, path);
+      number(static_cast<double>(x), std::to_string(x), path, loc);
+      *v = x;
+    }
+    void operator()(double* v) const {
+      double x = toDouble(node, loc, path);
+      number(x, node.Scalar(), path, loc);
+      *v = x;
+    }
+    void operator()(std::string* v) const {
+      std::string x = toString(node, loc, path);
+      sizeCheck(x.size());
+      choice(x, path, loc);
+      *v = x;
+    }
+    void operator()(std::optional<std::string>* v) const {
+      if (node.IsNull()) { v->reset(); return; }
+      std::string x = toString(node, loc, path);
+      choice(x, path, loc);
+      *v = x;
+    }
+    void operator()(std::vector<int64_t>* v) const {
+      auto list = toList<int64_t>(node, loc, path, "integers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
+        int64_t x = toInt(n, l, p);
+        number(static_cast<double>(x), std::to_string(x), p, l);
+        return x;
+      });
+      sizeCheck(list.size());
+      *v = list;
+    }
+    void operator()(std::vector<double>* v) const {
+      auto list = toList<double>(node, loc, path, "numbers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
+        double x = toDouble(n, l, p);
+        number(x, n.Scalar(), p, l);
+        return x;
+      });
+      sizeCheck(list.size());
+      *v = list;
+    }
+    void operator()(std::vector<std::string>* v) const {
+      auto list = toList<std::string>(node, loc, path, "strings", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
+        std::string x = toString(n, l, p);
+        choice(x, p, l);
+        return x;
+      });
+      sizeCheck(list.size());
+      *v = list;
+    }
+  };
+  std::visit(Visitor{node, loc, path, checkNumber, checkChoice, checkSize}, field.target);
+  field.location = loc;
+}
+
+void ConfigSchema::Impl::loadMap(const YAML::Node& map, const std::string& prefix, const std::string& source,
+                                 const ConfigSchema& schema) {
+  std::set<std::string> seen;
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    const YAML::Node keyNode = it->first;
+    const YAML::Node value = it->second;
+    SourceLocation keyLoc = locate(source, keyNode);
+    if (!keyNode.IsScalar()) fail(keyLoc, prefix.empty() ? "<root>" : prefix, "keys must be plain names");
+    const std::string path = prefix.empty() ? keyNode.Scalar() : prefix + "." + keyNode.Scalar();
+    if (!seen.insert(keyNode.Scalar()).second) fail(keyLoc, path, "duplicate key");
+    auto found = byPath.find(path);
+    if (found != byPath.end()) {
+      // Values are located at the value (e.g. the "fast" of "lr: fast"), or at the
+      // key when the value is empty.
+      SourceLocation valueLoc = value.Mark().line >= 0 ? locate(source, value) : keyLoc;
+      assign(fields[found->second], value, valueLoc);
+    } else if (sectionPaths.count(path)) {
+      if (value.IsNull()) continue;  // "ema:" with nothing under it keeps the defaults
+      if (!value.IsMap()) fail(keyLoc, path, strCat("is a section: expected a mapping, got ", describe(value)));
+      loadMap(value, path, source, schema);
+    } else {
+      fail(keyLoc, path, strCat("unknown key", suggestion(schema, path)));
+    }
+  }
+}
+
+void ConfigSchema::loadString(const std::string& yamlText, const std::string& sourceName) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yamlText);
+  } catch (const YAML::Exception& e) {
+    SourceLocation loc{sourceName, e.mark.line + 1, e.mark.column + 1};
+    if (e.mark.line < 0) loc.line = 0;
+    throw ConfigError(strCat(loc.str(), ": malformed YAML: ", e.msg));
+  }
+  if (root.IsNull()) return;  // an empty file sets nothing
+  if (!root.IsMap()) fail(locate(sourceName, root), "<root>", strCat("expected a mapping of sections, got ", describe(root)));
+  impl_->loadMap(root, "", sourceName, *this);
+}
+
+void ConfigSchema::loadFile(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw ConfigError(strCat(file, ": cannot read config file: ", std::strerror(errno)));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw ConfigError(strCat(file, ": cannot read config file"));
+  loadString(text.str(), file);
+}
+
+void ConfigSchema::applyOverride(const std::string& assignment) {
+  const SourceLocation loc{strCat("--set ", assignment), 0, 0};
+  const size_t eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw ConfigError(strCat(loc.str(), ": expected KEY=VALUE, e.g. --set optim.lr=1e-4"));
+  const std::string path = assignment.substr(0, eq);
+  const std::string text = assignment.substr(eq + 1);
+  auto found = impl_->byPath.find(path);
+  if (found == impl_->byPath.end()) {
+    if (impl_->sectionPaths.count(path)) fail(loc, path, "is a section, not a value; set one of its keys");
+    fail(loc, path, strCat("unknown key", Impl::suggestion(*this, path)));
+  }
+  Field& field = impl_->fields[found->second];
+  YAML::Node node;
+  const bool isStringField = std::holds_alternative<std::string*>(field.target) ||
+                             std::holds_alternative<std::optional<std::string>*>(field.target);
+  if (isStringField && text != "null" && text != "~") {
+    node = YAML::Node(text);  // strings are taken verbatim: "--set run.name=a: b" is fine
+  } else {
+    try {
+      node = YAML::Load(text);
+    } catch (const YAML::Exception& e) {
+      fail(loc, path, strCat("cannot parse value '", text, "': ", e.msg));
+    }
+  }
+  impl_->assign(field, node, loc);
+}
+
+void ConfigSchema::checkRequired() const {
+  for (const auto& f : impl_->fields) {
+    if (f.required && f.location.source.empty()) {
+      // Point at the section the key belongs in, if that section was given.
+      std::string section = f.path.substr(0, f.path.rfind('.'));
+      SourceLocation where;
+      for (const auto& other : impl_->fields) {
+        if (!other.location.source.empty() && other.path.rfind(section + ".", 0) == 0) {
+          where = other.location;
+          break;
+        }
+      }
+      std::string at = where.source.empty() ? "<config>" : where.str();
+      throw ConfigError(strCat(at, ": ", f.path, ": missing required key"));
+    }
+  }
+}
+
+std::string ConfigSchema::toYaml() const {
+  YAML::Node root(YAML::NodeType::Map);
+  for (const auto& f : impl_->fields) {
+    // Build the nested path; yaml-cpp keeps insertion order when emitting.
+    std::vector<std::string> parts;
+    std::stringstream ss(f.path);
+    for (std::string part; std::getline(ss, part, '.');) parts.push_back(part);
+    YAML::Node node = root;
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      YAML::Node child = node[parts[i]];
+      if (!child.IsDefined() || child.IsNull()) {
+        node[parts[i]] = YAML::Node(YAML::NodeType::Map);
+      }
+      node.reset(node[parts[i]]);
+    }
+    node[parts.back()] = valueNode(f.target);
+  }
+  YAML::Emitter out;
+  out << root;
+  return std::string(out.c_str()) + "\n";
+}
+
+}  // namespace tessera::config

@@ -1,0 +1,125 @@
+// Schema-driven configuration: typed options structs bound to YAML keys.
+//
+// An options struct keeps its defaults in-class; a bind function registers each of
+// its fields with a ConfigSchema under a dotted key path, with a doc string and its
+// constraints. The schema then loads YAML files, applies `--set a.b.c=value`
+// overrides (typed like the key they set), validates, and prints the resolved config.
+//
+//   struct RunOptions { int64_t steps = 200; double lr = 3e-4; };
+//   ConfigSchema schema;
+//   schema.add("run.steps", &opts.steps, "Optimizer steps to run").min(1);
+//   schema.loadFile("my.yaml");          // throws ConfigError "my.yaml:3:10: run.steps: ..."
+//   schema.applyOverride("run.steps=5");
+//
+// Every error is a tessera::ConfigError whose message names the key path and, for
+// YAML input, the file, line and column (1-based); apps exit with status 2 on it.
+// yaml-cpp stays inside config.cpp.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace tessera::config {
+
+// Where a value came from, for error messages: "file.yaml:12:7" or "--set a.b=c".
+struct SourceLocation {
+  std::string source;  // file name, "--set a.b=c", or "" when the default is in effect
+  int line = 0;        // 1-based; 0 = unknown
+  int column = 0;      // 1-based; 0 = unknown
+  std::string str() const;
+};
+
+// The C++ variables a key can be bound to.
+using FieldTarget = std::variant<bool*, int64_t*, double*, std::string*, std::optional<std::string>*,
+                                 std::vector<int64_t>*, std::vector<double>*, std::vector<std::string>*>;
+
+class ConfigSchema;
+
+// Constraints on one registered key; returned by ConfigSchema::add for chaining.
+class FieldRef {
+ public:
+  FieldRef& min(double value);           // numbers (and each element of numeric lists) >= value
+  FieldRef& max(double value);           // <= value
+  FieldRef& greaterThan(double value);   // > value
+  FieldRef& lessThan(double value);      // < value
+  FieldRef& oneOf(std::vector<std::string> choices);  // strings (and string list elements)
+  FieldRef& required();                  // the key must appear in the YAML (or a --set)
+  FieldRef& nonEmpty();                  // strings and lists must not be empty
+  FieldRef& size(size_t exact);          // lists must have exactly this many elements
+
+ private:
+  friend class ConfigSchema;
+  explicit FieldRef(size_t index, ConfigSchema* schema) : index_(index), schema_(schema) {}
+  size_t index_;
+  ConfigSchema* schema_;
+};
+
+// Description of one key, for docs and tests.
+struct FieldInfo {
+  std::string path;
+  std::string type;         // "bool", "int", "float", "string", "string|null", "list[int]", ...
+  std::string doc;
+  std::string defaultText;  // the default value as YAML
+  std::string constraint;   // human-readable, e.g. ">= 1", "one of: mlp, gpt"
+  bool required = false;
+};
+
+class ConfigSchema {
+ public:
+  ConfigSchema();
+  ~ConfigSchema();
+  ConfigSchema(const ConfigSchema&) = delete;
+  ConfigSchema& operator=(const ConfigSchema&) = delete;
+
+  // Registers `path` (dotted, e.g. "optim.lr") bound to `target`. The variable's
+  // current value is the default. Paths must be unique and not prefix one another.
+  FieldRef add(const std::string& path, FieldTarget target, std::string doc);
+
+  // Documents a section ("optim") for the printed schema; optional.
+  void describeSection(const std::string& path, std::string doc);
+
+  // Loads YAML text/file onto the bound variables; keys not mentioned keep their
+  // values. Throws ConfigError for unreadable files, malformed YAML, unknown keys
+  // (with the closest known key), wrong types, out-of-range values, duplicate keys.
+  void loadFile(const std::string& file);
+  void loadString(const std::string& yamlText, const std::string& sourceName = "<string>");
+
+  // Applies one "a.b.c=value" override; the value is parsed as a YAML scalar or flow
+  // sequence and converted to the key's type.
+  void applyOverride(const std::string& assignment);
+
+  // Throws ConfigError for every required key that was never given (the first one).
+  void checkRequired() const;
+
+  // The resolved configuration as YAML (every key, in registration order).
+  std::string toYaml() const;
+
+  // Where the current value of `path` came from (empty source = default).
+  SourceLocation locationOf(const std::string& path) const;
+  // Builds a ConfigError message for a cross-field check: "<location>: <path>: <what>".
+  std::string errorMessage(const std::string& path, const std::string& what) const;
+
+  std::vector<FieldInfo> fields() const;
+  std::map<std::string, std::string> sections() const;
+  bool hasKey(const std::string& path) const;
+
+  // The known key closest to `path` by edit distance ("" if none is close).
+  std::string closestKey(const std::string& path) const;
+
+ private:
+  friend class FieldRef;
+  struct Field;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Levenshtein distance, used for "did you mean" suggestions.
+size_t editDistance(const std::string& a, const std::string& b);
+
+}  // namespace tessera::config

@@ -1,0 +1,71 @@
+// Tessera's exception types and the checks that throw them.
+//
+// Library code never calls exit() or aborts: it throws one of these, with a message
+// that names the thing that is wrong (file, key, rank, tensor). Apps map them to
+// exit codes: ConfigError/UsageError -> 2 (bad input), everything else -> 1.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace tessera {
+
+// Base of every Tessera exception.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Bad configuration: YAML file, --set override, or a value out of range. Exit status 2.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Bad command-line arguments. Exit status 2.
+class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A collective, rendezvous or wait that did not finish within its timeout.
+class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+
+namespace detail {
+template <typename... Args>
+std::string concat(Args&&... args) {
+  std::ostringstream out;
+  (out << ... << std::forward<Args>(args));
+  return out.str();
+}
+}  // namespace detail
+
+// Builds a message from any streamable pieces: strCat("rank ", r, ": ", what).
+template <typename... Args>
+std::string strCat(Args&&... args) {
+  return detail::concat(std::forward<Args>(args)...);
+}
+
+}  // namespace tessera
+
+// TESSERA_CHECK(cond, "Class::method: ", details...) throws tessera::Error.
+// (Not TORCH_CHECK_EQ & co: Debian's LibTorch maps those to glog CHECK, which aborts.)
+#define TESSERA_CHECK(cond, ...)                                          \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      throw ::tessera::Error(::tessera::strCat(__VA_ARGS__));             \
+    }                                                                     \
+  } while (false)
+
+// Same, with a chosen exception type: TESSERA_CHECK_AS(ConfigError, cond, ...).
+#define TESSERA_CHECK_AS(ExceptionType, cond, ...)                        \
+  do {                                                                    \
+    if (!(cond)) {                                                        \
+      throw ::tessera::ExceptionType(::tessera::strCat(__VA_ARGS__));     \
+    }                                                                     \
+  } while (false)

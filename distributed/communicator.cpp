@@ -1,0 +1,332 @@
+// The backend-independent half of Communicator: argument checks, byte counters, the
+// world-of-one and empty-tensor shortcuts, split bookkeeping and the backend factory.
+#include "distributed/communicator.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <mutex>
+#include <set>
+
+#include "common/errors.h"
+#include "distributed/gloo_communicator.h"
+#include "distributed/store.h"
+#if defined(TESSERA_WITH_NCCL)
+#include "distributed/nccl_communicator.h"
+#endif
+
+namespace tessera::distributed {
+
+struct CommHealth {
+  std::mutex mutex;
+  bool broken = false;
+  std::string why;
+};
+
+namespace {
+
+// A handle for operations with nothing to send (world of one, empty tensors).
+class CompletedHandle final : public CommHandle {
+ public:
+  void wait() override {}
+  bool isCompleted() override { return true; }
+};
+
+std::string formatBytes(int64_t bytes) {
+  if (bytes < 1024) return strCat(bytes, " B");
+  char buf[32];
+  const double kib = static_cast<double>(bytes) / 1024.0;
+  if (kib < 1024) {
+    std::snprintf(buf, sizeof buf, "%.1f KiB", kib);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", kib / 1024.0);
+  }
+  return buf;
+}
+
+std::string shapeOf(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::string out = strCat(c10::toString(t.scalar_type()), "[");
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (d > 0) out += ",";
+    out += std::to_string(t.size(d));
+  }
+  return out + "]";
+}
+
+void checkTensor(const char* method, const char* name, const at::Tensor& t) {
+  TESSERA_CHECK_AS(UsageError, t.defined(), "Communicator::", method, ": ", name, " is undefined");
+  TESSERA_CHECK_AS(UsageError, t.is_contiguous(), "Communicator::", method, ": ", name, " (", shapeOf(t),
+                   ") must be contiguous");
+}
+
+void checkPair(const char* method, const char* flatName, const at::Tensor& flat, const char* localName,
+               const at::Tensor& local, int world) {
+  checkTensor(method, flatName, flat);
+  checkTensor(method, localName, local);
+  TESSERA_CHECK_AS(UsageError, flat.scalar_type() == local.scalar_type(), "Communicator::", method, ": ", flatName,
+                   " is ", shapeOf(flat), " but ", localName, " is ", shapeOf(local), " (dtypes differ)");
+  TESSERA_CHECK_AS(UsageError, flat.device() == local.device(), "Communicator::", method, ": ", flatName, " is on ",
+                   flat.device(), " but ", localName, " is on ", local.device());
+  TESSERA_CHECK_AS(UsageError, flat.numel() == local.numel() * world, "Communicator::", method, ": ", flatName, " (",
+                   shapeOf(flat), ", ", flat.numel(), " elements) must hold world size ", world, " x ", localName, " (",
+                   shapeOf(local), ", ", local.numel(), " elements) = ", local.numel() * world,
+                   " elements; pad the chunks to equal size");
+}
+
+void checkReduceOp(const char* method, const at::Tensor& t, ReduceOp op) {
+  TESSERA_CHECK_AS(UsageError, op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), "Communicator::", method,
+                   ": ReduceOp avg needs a floating-point tensor, got ", shapeOf(t));
+}
+
+// Copies src into dst unless they are the same memory.
+void copyUnlessSame(const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.data_ptr() != src.data_ptr()) dst.reshape({-1}).copy_(src.reshape({-1}));
+}
+
+}  // namespace
+
+const char* reduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "?";
+}
+
+const char* commOpName(CommOp op) {
+  switch (op) {
+    case CommOp::kAllGather: return "all_gather";
+    case CommOp::kReduceScatter: return "reduce_scatter";
+    case CommOp::kAllReduce: return "all_reduce";
+    case CommOp::kBroadcast: return "broadcast";
+    case CommOp::kGather: return "gather";
+    case CommOp::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+int64_t tensorBytes(const at::Tensor& t) {
+  return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+int64_t CommStats::totalBytes() const {
+  int64_t total = 0;
+  for (const auto& op : ops) total += op.bytes;
+  return total;
+}
+
+int64_t CommStats::totalCalls() const {
+  int64_t total = 0;
+  for (const auto& op : ops) total += op.calls;
+  return total;
+}
+
+std::string CommStats::toString() const {
+  std::string out;
+  for (int i = 0; i < kNumCommOps; ++i) {
+    const auto& op = ops[static_cast<size_t>(i)];
+    if (op.calls == 0) continue;
+    if (!out.empty()) out += ", ";
+    out += strCat(commOpName(static_cast<CommOp>(i)), " ", op.calls, op.calls == 1 ? " call " : " calls ",
+                  formatBytes(op.bytes));
+  }
+  return out.empty() ? "no collectives" : out;
+}
+
+Communicator::Communicator(int rank, int world, CommOptions options)
+    : rank_(rank), world_(world), options_(std::move(options)), health_(std::make_shared<CommHealth>()) {
+  TESSERA_CHECK_AS(UsageError, world >= 1 && rank >= 0 && rank < world, "Communicator: rank ", rank,
+                   " is out of range for world size ", world);
+  TESSERA_CHECK_AS(UsageError, options_.timeout.count() > 0, "Communicator: timeout must be positive, got ",
+                   options_.timeout.count(), " ms");
+}
+
+Communicator::~Communicator() = default;
+
+std::string Communicator::describe() const {
+  return strCat(backendName(), " group '", options_.name, "' rank ", rank_, " of ", world_);
+}
+
+std::string Communicator::describeOp(const char* method, const at::Tensor& t, const char* detail) const {
+  std::string what = method;
+  if (detail != nullptr) what += strCat("(", detail, ")");
+  if (t.defined()) what += strCat(" of ", formatBytes(tensorBytes(t)), " (", shapeOf(t), ")");
+  return strCat(what, " on ", describe());
+}
+
+void markCommBroken(const std::shared_ptr<CommHealth>& health, const std::string& why) {
+  std::lock_guard<std::mutex> lock(health->mutex);
+  if (!health->broken) {
+    health->broken = true;
+    health->why = why;
+  }
+}
+
+void Communicator::ensureUsable(const char* method) const {
+  std::lock_guard<std::mutex> lock(health_->mutex);
+  if (health_->broken) {
+    throw Error(strCat("Communicator::", method, ": ", describe(),
+                       " is unusable after an earlier failure (ranks no longer agree on what was sent): ", health_->why));
+  }
+}
+
+void Communicator::count(CommOp op, int64_t bytes) {
+  calls_[static_cast<size_t>(op)].fetch_add(1, std::memory_order_relaxed);
+  bytes_[static_cast<size_t>(op)].fetch_add(bytes, std::memory_order_relaxed);
+}
+
+std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& flat_out, const at::Tensor& local_in) {
+  ensureUsable("allGatherInto");
+  checkPair("allGatherInto", "flat_out", flat_out, "local_in", local_in, world_);
+  count(CommOp::kAllGather, (world_ - 1) * tensorBytes(local_in));
+  if (world_ == 1 || local_in.numel() == 0) {
+    if (local_in.numel() > 0) copyUnlessSame(flat_out, local_in);
+    return std::make_shared<CompletedHandle>();
+  }
+  return doAllGatherInto(flat_out, local_in);
+}
+
+std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& local_out, const at::Tensor& flat_in,
+                                                             ReduceOp op) {
+  ensureUsable("reduceScatter");
+  checkPair("reduceScatter", "flat_in", flat_in, "local_out", local_out, world_);
+  checkReduceOp("reduceScatter", flat_in, op);
+  count(CommOp::kReduceScatter, (world_ - 1) * tensorBytes(local_out));
+  if (world_ == 1 || local_out.numel() == 0) {
+    if (local_out.numel() > 0) copyUnlessSame(local_out, flat_in);
+    return std::make_shared<CompletedHandle>();
+  }
+  return doReduceScatter(local_out, flat_in, op);
+}
+
+std::shared_ptr<CommHandle> Communicator::allReduceAsync(const at::Tensor& t, ReduceOp op) {
+  ensureUsable("allReduce");
+  checkTensor("allReduce", "t", t);
+  checkReduceOp("allReduce", t, op);
+  count(CommOp::kAllReduce, 2 * (world_ - 1) * tensorBytes(t) / world_);
+  if (world_ == 1 || t.numel() == 0) return std::make_shared<CompletedHandle>();
+  return doAllReduce(t, op);
+}
+
+std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, int root) {
+  ensureUsable("broadcast");
+  checkTensor("broadcast", "t", t);
+  TESSERA_CHECK_AS(UsageError, root >= 0 && root < world_, "Communicator::broadcast: root ", root,
+                   " is out of range for world size ", world_);
+  count(CommOp::kBroadcast, rank_ == root && world_ > 1 ? tensorBytes(t) : 0);
+  if (world_ == 1 || t.numel() == 0) return std::make_shared<CompletedHandle>();
+  return doBroadcast(t, root);
+}
+
+std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& out, const at::Tensor& local_in,
+                                                            int root) {
+  ensureUsable("gatherToRoot");
+  TESSERA_CHECK_AS(UsageError, root >= 0 && root < world_, "Communicator::gatherToRoot: root ", root,
+                   " is out of range for world size ", world_);
+  if (rank_ == root) {
+    checkPair("gatherToRoot", "out", out, "local_in", local_in, world_);
+  } else {
+    checkTensor("gatherToRoot", "local_in", local_in);
+  }
+  count(CommOp::kGather, rank_ == root ? 0 : tensorBytes(local_in));
+  if (world_ == 1 || local_in.numel() == 0) {
+    if (rank_ == root && local_in.numel() > 0) copyUnlessSame(out, local_in);
+    return std::make_shared<CompletedHandle>();
+  }
+  return doGatherToRoot(rank_ == root ? out : at::Tensor(), local_in, root);
+}
+
+std::shared_ptr<CommHandle> Communicator::barrierAsync() {
+  ensureUsable("barrier");
+  count(CommOp::kBarrier, 0);
+  if (world_ == 1) return std::make_shared<CompletedHandle>();
+  return doBarrier();
+}
+
+void Communicator::allGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) {
+  allGatherIntoAsync(flat_out, local_in)->wait();
+}
+void Communicator::reduceScatter(const at::Tensor& local_out, const at::Tensor& flat_in, ReduceOp op) {
+  reduceScatterAsync(local_out, flat_in, op)->wait();
+}
+void Communicator::allReduce(const at::Tensor& t, ReduceOp op) { allReduceAsync(t, op)->wait(); }
+void Communicator::broadcast(const at::Tensor& t, int root) { broadcastAsync(t, root)->wait(); }
+void Communicator::gatherToRoot(const at::Tensor& out, const at::Tensor& local_in, int root) {
+  gatherToRootAsync(out, local_in, root)->wait();
+}
+void Communicator::barrier() { barrierAsync()->wait(); }
+
+std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks) {
+  ensureUsable("split");
+  TESSERA_CHECK_AS(UsageError, !ranks.empty(), "Communicator::split: empty rank list on ", describe());
+  std::set<int> seen;
+  int subRank = -1;
+  std::string members;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    const int r = ranks[i];
+    TESSERA_CHECK_AS(UsageError, r >= 0 && r < world_, "Communicator::split: rank ", r,
+                     " is out of range for world size ", world_, " of ", describe());
+    TESSERA_CHECK_AS(UsageError, seen.insert(r).second, "Communicator::split: rank ", r, " is listed twice");
+    if (r == rank_) subRank = static_cast<int>(i);
+    members += (i == 0 ? "" : ",") + std::to_string(r);
+  }
+  TESSERA_CHECK_AS(UsageError, subRank >= 0, "Communicator::split: rank ", rank_, " is not in the subset [", members,
+                   "]; only members call split()");
+  return doSplit(ranks, subRank, strCat(options_.name, "/split[", members, "]"));
+}
+
+CommStats Communicator::stats() const {
+  CommStats s;
+  for (int i = 0; i < kNumCommOps; ++i) {
+    s.ops[static_cast<size_t>(i)].calls = calls_[static_cast<size_t>(i)].load(std::memory_order_relaxed);
+    s.ops[static_cast<size_t>(i)].bytes = bytes_[static_cast<size_t>(i)].load(std::memory_order_relaxed);
+  }
+  return s;
+}
+
+void Communicator::resetStats() {
+  for (int i = 0; i < kNumCommOps; ++i) {
+    calls_[static_cast<size_t>(i)].store(0, std::memory_order_relaxed);
+    bytes_[static_cast<size_t>(i)].store(0, std::memory_order_relaxed);
+  }
+}
+
+std::string groupKeyPrefix(Store& store, const std::string& name, int rank) {
+  const int64_t generation = store.add(strCat("tessera/comm/", name, "/created_by/", rank), 1);
+  return strCat("tessera/comm/", name, "#", generation);
+}
+
+bool ncclAvailable() {
+#if defined(TESSERA_WITH_NCCL)
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::shared_ptr<Communicator> makeCommunicator(const std::string& backend, std::shared_ptr<Store> store, int rank,
+                                               int world, const CommOptions& options) {
+  if (backend == "gloo") {
+    GlooOptions gloo;
+    gloo.comm = options;
+    return makeGlooCommunicator(std::move(store), rank, world, gloo);
+  }
+  if (backend == "nccl") {
+#if defined(TESSERA_WITH_NCCL)
+    NcclOptions nccl;
+    nccl.comm = options;
+    return makeNcclCommunicator(std::move(store), rank, world, nccl);
+#else
+    throw ConfigError(
+        "makeCommunicator: backend 'nccl' is not in this build: it needs CUDA LibTorch and NCCL "
+        "(configure with -DTESSERA_WITH_CUDA=ON); this build has the CPU backend 'gloo' only");
+#endif
+  }
+  throw ConfigError(strCat("makeCommunicator: unknown backend '", backend, "' (gloo | nccl)"));
+}
+
+}  // namespace tessera::distributed

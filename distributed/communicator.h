@@ -1,0 +1,214 @@
+// Communicator: the project-owned seam every sharded component talks through.
+//
+// Collectives over the ranks of one group, on LibTorch tensors only (no c10d, gloo or
+// NCCL type appears here). Backends: gloo (CPU tensors, c10d ProcessGroupGloo; see
+// gloo_communicator.h) and nccl (CUDA tensors, NCCL called directly; see
+// nccl_communicator.h). Contracts common to every call below:
+//
+// - Collective: every rank of the group calls the same operations in the same order,
+//   with the same sizes and dtypes. A rank that does not shows up as a TimeoutError on
+//   the others after CommOptions::timeout, never as a hang.
+// - Buffers are contiguous, on the backend's device (CPU for gloo, the communicator's
+//   CUDA device for nccl), of any dtype (reductions: see ReduceOp). Shapes are free:
+//   only element counts matter ("flat" = any shape, numel N x chunk).
+// - Equal sizes: all-gather, reduce-scatter and gather move equal-size chunks; chunk r
+//   belongs to rank r. Padding a ragged tensor to chunk size c = ceil(rows / N) is the
+//   caller's job (ShardSpec does it); a chunk may be empty (numel 0) on every rank.
+// - Async: each xAsync() returns a CommHandle at once; the result is defined only after
+//   handle->wait(). Do not touch the buffers in between. The sync form is async + wait.
+//   Wait every handle: gloo's composite operations (reduce-scatter's local reduction,
+//   AVG's division) finish inside wait().
+// - Streams (nccl): the operation is ordered after all work already queued on the
+//   caller's current CUDA stream, and runs on the communicator's own stream (one for
+//   all-gathers, one for reduce-scatters, one for everything else); wait() orders the
+//   current stream after it. gloo: CPU, no streams.
+// - Errors: bad arguments throw tessera::UsageError before anything is sent; a timeout
+//   throws tessera::TimeoutError naming the operation, rank, world size and bytes; a
+//   transport failure throws tessera::Error. After a timeout or transport failure the
+//   communicator is broken (ranks disagree on what was sent): every later call throws.
+// - Byte counters: stats() counts, per operation kind, the bytes this rank sends under
+//   the bandwidth-optimal (ring) algorithm, in the tensor's dtype, whatever the
+//   transport does on the wire:
+//     all-gather       (N-1)/N x flat_out bytes   ((N-1) x local chunk)
+//     reduce-scatter   (N-1)/N x flat_in bytes    ((N-1) x local chunk)
+//     all-reduce       2(N-1)/N x tensor bytes
+//     broadcast        tensor bytes on the root, 0 elsewhere
+//     gather           local bytes on non-root ranks, 0 on the root
+//     barrier          0 (counted in calls only)
+//   A world of one sends nothing.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace tessera::distributed {
+
+class Store;
+struct CommHealth;  // shared by a communicator and its handles (communicator.cpp)
+
+enum class ReduceOp {
+  kSum,
+  kAvg,  // sum / N; floating-point dtypes only
+  kMax,
+  kMin,
+};
+const char* reduceOpName(ReduceOp op);
+
+enum class CommOp { kAllGather = 0, kReduceScatter, kAllReduce, kBroadcast, kGather, kBarrier };
+constexpr int kNumCommOps = 6;
+const char* commOpName(CommOp op);
+
+struct CommOptions {
+  // Every operation (and wait()) gives up after this long with TimeoutError.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // Unique name of the group in the store; key namespace of its rendezvous.
+  std::string name = "world";
+};
+
+struct CommOpStats {
+  int64_t calls = 0;
+  int64_t bytes = 0;  // bytes this rank sent (model above)
+};
+
+struct CommStats {
+  std::array<CommOpStats, kNumCommOps> ops{};
+
+  const CommOpStats& operator[](CommOp op) const { return ops[static_cast<size_t>(op)]; }
+  int64_t totalBytes() const;
+  int64_t totalCalls() const;
+  // "all_gather 3 calls 1.5 KiB, reduce_scatter ..." (kinds with calls only).
+  std::string toString() const;
+};
+
+// Wait handle of one asynchronous operation.
+class CommHandle {
+ public:
+  virtual ~CommHandle() = default;
+  // Blocks until the operation is complete (gloo) or ordered before later work on the
+  // caller's current stream (nccl), then finishes any local step (the sum of a gloo
+  // reduce-scatter, the division of AVG). Throws TimeoutError after CommOptions::timeout
+  // counted from this call. Idempotent: later calls return (or rethrow) at once.
+  virtual void wait() = 0;
+  // Non-blocking: true once wait() would not block on communication.
+  virtual bool isCompleted() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int worldSize() const { return world_; }
+  virtual std::string backendName() const = 0;
+  const CommOptions& options() const { return options_; }
+  // "gloo group 'world' rank 1 of 4" for messages.
+  std::string describe() const;
+
+  // All-gather. flat_out.numel() == N * local_in.numel(), same dtype; rank r's local_in
+  // lands in elements [r*k, (r+1)*k) of flat_out (k = local_in.numel()). In place: local_in
+  // may be the view of flat_out's own chunk r. local_in is not modified.
+  std::shared_ptr<CommHandle> allGatherIntoAsync(const at::Tensor& flat_out, const at::Tensor& local_in);
+  void allGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in);
+
+  // Reduce-scatter. flat_in.numel() == N * local_out.numel(), same dtype; local_out on rank
+  // r receives op over ranks of flat_in's chunk r. op: any ReduceOp (kAvg floating only).
+  // In place: local_out may be the view of flat_in's own chunk r. flat_in is otherwise not
+  // modified. gloo: moves (N-1)/N of flat_in per rank (all-to-all, then a local reduction
+  // in rank order, so results are deterministic run to run).
+  std::shared_ptr<CommHandle> reduceScatterAsync(const at::Tensor& local_out, const at::Tensor& flat_in,
+                                                 ReduceOp op = ReduceOp::kSum);
+  void reduceScatter(const at::Tensor& local_out, const at::Tensor& flat_in, ReduceOp op = ReduceOp::kSum);
+
+  // All-reduce, in place: t becomes op over ranks of t. Same numel and dtype everywhere.
+  std::shared_ptr<CommHandle> allReduceAsync(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
+  void allReduce(const at::Tensor& t, ReduceOp op = ReduceOp::kSum);
+
+  // Broadcast, in place: t on every rank becomes the root's t. 0 <= root < N.
+  std::shared_ptr<CommHandle> broadcastAsync(const at::Tensor& t, int root);
+  void broadcast(const at::Tensor& t, int root);
+
+  // Gather to one rank (exports go one tensor at a time to rank 0, so no rank ever holds
+  // more than one full tensor). On root: out.numel() == N * local_in.numel(), rank r's
+  // local_in lands in chunk r (root's own chunk may alias local_in). Elsewhere `out` is
+  // ignored and may be undefined.
+  std::shared_ptr<CommHandle> gatherToRootAsync(const at::Tensor& out, const at::Tensor& local_in, int root);
+  void gatherToRoot(const at::Tensor& out, const at::Tensor& local_in, int root);
+
+  // Returns once every rank has entered the barrier.
+  std::shared_ptr<CommHandle> barrierAsync();
+  void barrier();
+
+  // A new communicator over a subset of this group's ranks (DeviceMesh's shard and
+  // replicate groups). `ranks` are ranks of this group, without duplicates; the new
+  // group's rank i is ranks[i]. Called by every member of the subset (and only them; the
+  // other ranks are not involved), in the same order as their other split() calls with
+  // the same subset. Blocks until all members arrive (TimeoutError naming the missing).
+  std::shared_ptr<Communicator> split(const std::vector<int>& ranks);
+
+  CommStats stats() const;
+  void resetStats();
+
+ protected:
+  Communicator(int rank, int world, CommOptions options);
+
+  // Backend hooks; arguments are already validated and counted.
+  virtual std::shared_ptr<CommHandle> doAllGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) = 0;
+  virtual std::shared_ptr<CommHandle> doReduceScatter(const at::Tensor& local_out, const at::Tensor& flat_in,
+                                                      ReduceOp op) = 0;
+  virtual std::shared_ptr<CommHandle> doAllReduce(const at::Tensor& t, ReduceOp op) = 0;
+  virtual std::shared_ptr<CommHandle> doBroadcast(const at::Tensor& t, int root) = 0;
+  virtual std::shared_ptr<CommHandle> doGatherToRoot(const at::Tensor& out, const at::Tensor& local_in, int root) = 0;
+  virtual std::shared_ptr<CommHandle> doBarrier() = 0;
+  // `name` names the subset (parent name + member list); `subRank` is this rank's index
+  // in `ranks`.
+  virtual std::shared_ptr<Communicator> doSplit(const std::vector<int>& ranks, int subRank,
+                                                const std::string& name) = 0;
+
+  // Shared with the backend's handles, which mark it broken (markCommBroken).
+  const std::shared_ptr<CommHealth>& health() const { return health_; }
+  // "allReduce(sum) of 1.0 KiB (float[256]) on gloo group 'world' rank 1 of 4".
+  std::string describeOp(const char* method, const at::Tensor& t, const char* detail = nullptr) const;
+
+ private:
+  void ensureUsable(const char* method) const;
+  void count(CommOp op, int64_t bytes);
+
+  int rank_;
+  int world_;
+  CommOptions options_;
+  std::array<std::atomic<int64_t>, kNumCommOps> calls_{};
+  std::array<std::atomic<int64_t>, kNumCommOps> bytes_{};
+  std::shared_ptr<CommHealth> health_;
+};
+
+// Creates a communicator over `store` ("gloo" or "nccl"); every rank of the group calls it
+// with the same backend and options.name. Throws ConfigError for an unknown backend and
+// for "nccl" in a build without CUDA (TESSERA_WITH_CUDA=OFF).
+std::shared_ptr<Communicator> makeCommunicator(const std::string& backend, std::shared_ptr<Store> store, int rank,
+                                               int world, const CommOptions& options = {});
+
+// Backends' handles call this when an operation timed out or failed: every later call on
+// the communicator owning `health` then throws.
+void markCommBroken(const std::shared_ptr<CommHealth>& health, const std::string& why);
+
+// True when this build has the nccl backend.
+bool ncclAvailable();
+
+// The store key namespace of a group called `name`, unique per creation: the k-th group
+// named `name` that a rank creates gets "tessera/comm/<name>#k" on every rank (one store
+// add), so re-creating a group of the same name never reads the old group's keys.
+std::string groupKeyPrefix(Store& store, const std::string& name, int rank);
+
+// Bytes of a tensor's elements.
+int64_t tensorBytes(const at::Tensor& t);
+
+}  // namespace tessera::distributed

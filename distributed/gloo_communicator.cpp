@@ -1,0 +1,305 @@
+// Communicator over c10d ProcessGroupGloo, with the operations LibTorch 1.13's Gloo lacks
+// built from the ones it has (see gloo_communicator.h).
+#include "distributed/gloo_communicator.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+
+#include "common/errors.h"
+#include "common/logging.h"
+#include "distributed/rendezvous.h"
+#include "distributed/store_impl.h"
+
+namespace tessera::distributed {
+namespace {
+
+std::string firstLine(const std::string& message) { return message.substr(0, message.find('\n')); }
+
+bool looksLikeTimeout(const std::string& message) {
+  return message.find("imed out") != std::string::npos || message.find("imeout") != std::string::npos;
+}
+
+// The tensor's elements as a flat byte tensor sharing its memory (t is contiguous).
+at::Tensor bytesOf(const at::Tensor& t) { return t.reshape({-1}).view(at::kByte); }
+
+// Chunk views [r*chunk, (r+1)*chunk) of a flat tensor, one per rank.
+std::vector<at::Tensor> chunksOf(const at::Tensor& flat, int world, int64_t chunk) {
+  std::vector<at::Tensor> views;
+  views.reserve(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) views.push_back(flat.narrow(0, r * chunk, chunk));
+  return views;
+}
+
+c10d::ReduceOp toC10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+    case ReduceOp::kAvg:  // Gloo rejects AVG: SUM, then divide in wait()
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// The dtype Gloo reduces a tensor of `type` in: Gloo 1.13 reduces float, double, half,
+// int8, uint8, int32 and int64 only.
+c10::optional<at::ScalarType> glooReduceType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kChar:
+    case at::kByte:
+    case at::kInt:
+    case at::kLong:
+      return type;
+    case at::kBFloat16:
+      return at::kFloat;
+    case at::kShort:
+      return at::kInt;
+    default:
+      return c10::nullopt;
+  }
+}
+
+std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& hostname) {
+  if (!hostname.empty()) return c10d::ProcessGroupGloo::createDeviceForHostname(hostname);
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
+    const std::string first = std::string(ifname).substr(0, std::string(ifname).find(','));
+    return c10d::ProcessGroupGloo::createDeviceForInterface(first);
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+class GlooHandle final : public CommHandle {
+ public:
+  GlooHandle(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string method, std::string what,
+             std::chrono::milliseconds timeout, std::shared_ptr<CommHealth> health)
+      : work_(std::move(work)),
+        finish_(std::move(finish)),
+        method_(std::move(method)),
+        what_(std::move(what)),
+        timeout_(timeout),
+        health_(std::move(health)) {}
+
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    done_ = true;
+    try {
+      work_->wait(timeout_);
+    } catch (const std::exception& e) {
+      // Either c10d's wait gave up ("Operation timed out!", the work still runs) or Gloo's
+      // own timeout or a transport error ended the work.
+      const std::string cause = firstLine(e.what());
+      const bool timedOut = !work_->isCompleted() || looksLikeTimeout(cause);
+      const std::string message =
+          timedOut ? strCat("GlooCommunicator::", method_, ": timed out after ", formatDuration(timeout_), ": ", what_,
+                            " (gloo: ", cause, ")")
+                   : strCat("GlooCommunicator::", method_, ": failed: ", what_, " (gloo: ", cause, ")");
+      markCommBroken(health_, message);
+      error_ = timedOut ? std::make_exception_ptr(TimeoutError(message)) : std::make_exception_ptr(Error(message));
+      std::rethrow_exception(error_);
+    }
+    if (finish_) finish_();
+    finish_ = nullptr;  // drops the references to the buffers
+  }
+
+  bool isCompleted() override { return work_->isCompleted(); }
+
+ private:
+  std::mutex mutex_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::function<void()> finish_;
+  std::string method_;
+  std::string what_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<CommHealth> health_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(std::shared_ptr<Store> store, int rank, int world, const GlooOptions& options)
+      : Communicator(rank, world, options.comm), store_(std::move(store)), gloo_(options) {
+    TESSERA_CHECK_AS(UsageError, store_ != nullptr, "GlooCommunicator: no store");
+    TESSERA_CHECK_AS(UsageError, options.threads >= 1, "GlooCommunicator: threads must be >= 1, got ",
+                     options.threads);
+    const std::string prefix = groupKeyPrefix(*store_, options.comm.name, rank);
+    // Our own arrival check first: it names the missing ranks, Gloo's would not.
+    try {
+      waitForRanks(*store_, prefix + "/arrived", rank, world, options.comm.timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(strCat("GlooCommunicator: creating ", describe(), ": ", e.what()));
+    }
+    auto pgStore = store_->withPrefix(prefix + "/gloo");
+    auto pgOptions = c10d::ProcessGroupGloo::Options::create(options.comm.timeout);
+    try {
+      pgOptions->devices.push_back(makeDevice(options.hostname));
+      pgOptions->threads = options.threads;
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(c10dStore(*pgStore), rank, world, pgOptions);
+    } catch (const std::exception& e) {
+      const std::string message = strCat("GlooCommunicator: connecting ", describe(), " over ", store_->address(),
+                                         " failed: ", firstLine(e.what()));
+      if (looksLikeTimeout(e.what())) throw TimeoutError(message);
+      throw Error(message);
+    }
+    TLOG_DEBUG("GlooCommunicator: " << describe() << " connected (" << prefix << ")");
+  }
+
+  std::string backendName() const override { return "gloo"; }
+
+ protected:
+  std::shared_ptr<CommHandle> doAllGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) override {
+    checkCpu("allGatherInto", flat_out);
+    checkCpu("allGatherInto", local_in);
+    const at::Tensor in = bytesOf(local_in);
+    std::vector<std::vector<at::Tensor>> outputs{chunksOf(bytesOf(flat_out), worldSize(), in.numel())};
+    std::vector<at::Tensor> inputs{in};
+    c10d::AllgatherOptions opts;
+    opts.timeout = options().timeout;
+    return handle("allGatherInto", describeOp("allGatherInto", local_in), pg_->allgather(outputs, inputs, opts));
+  }
+
+  std::shared_ptr<CommHandle> doReduceScatter(const at::Tensor& local_out, const at::Tensor& flat_in,
+                                              ReduceOp op) override {
+    checkCpu("reduceScatter", local_out);
+    checkCpu("reduceScatter", flat_in);
+    // All-to-all with equal splits: chunk r of every rank's flat_in lands on rank r, in
+    // rank order; then rank r reduces its N received chunks locally.
+    at::Tensor send = bytesOf(flat_in);
+    at::Tensor received = at::empty_like(send);
+    std::vector<int64_t> equalSplits;
+    c10d::AllToAllOptions opts;
+    opts.timeout = options().timeout;
+    auto work = pg_->alltoall_base(received, send, equalSplits, equalSplits, opts);
+    const int world = worldSize();
+    const int64_t chunk = local_out.numel();
+    const at::ScalarType type = local_out.scalar_type();
+    auto finish = [received, local_out, world, chunk, type, op]() {
+      const at::Tensor parts = received.view(type).view({world, chunk});
+      at::Tensor out = local_out.view({chunk});
+      switch (op) {
+        case ReduceOp::kSum:
+          at::sum_out(out, parts, {0});
+          break;
+        case ReduceOp::kAvg:
+          at::sum_out(out, parts, {0});
+          out.div_(world);
+          break;
+        case ReduceOp::kMax:
+          at::amax_out(out, parts, {0});
+          break;
+        case ReduceOp::kMin:
+          at::amin_out(out, parts, {0});
+          break;
+      }
+    };
+    return handle("reduceScatter", describeOp("reduceScatter", flat_in, reduceOpName(op)), std::move(work),
+                  std::move(finish));
+  }
+
+  std::shared_ptr<CommHandle> doAllReduce(const at::Tensor& t, ReduceOp op) override {
+    checkCpu("allReduce", t);
+    const std::string what = describeOp("allReduce", t, reduceOpName(op));
+    const at::ScalarType type = t.scalar_type();
+    at::Tensor buffer = t;
+    bool copyBack = false;  // the reduction ran in a wider temporary
+    if (type == at::kBool && (op == ReduceOp::kMax || op == ReduceOp::kMin)) {
+      buffer = t.view(at::kByte);  // same memory: max = any, min = all
+    } else {
+      const auto reduceType = glooReduceType(type);
+      TESSERA_CHECK_AS(UsageError, reduceType.has_value(), "GlooCommunicator::allReduce: gloo cannot reduce ", what);
+      if (*reduceType != type) {
+        buffer = t.to(*reduceType);
+        copyBack = true;
+      }
+    }
+    std::vector<at::Tensor> tensors{buffer};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = toC10d(op);
+    opts.timeout = options().timeout;
+    auto work = pg_->allreduce(tensors, opts);
+    std::function<void()> finish;
+    const int world = worldSize();
+    if (op == ReduceOp::kAvg || copyBack) {
+      finish = [t, buffer, op, world, copyBack]() {
+        if (op == ReduceOp::kAvg) buffer.div_(world);
+        if (copyBack) t.copy_(buffer);
+      };
+    }
+    return handle("allReduce", what, std::move(work), std::move(finish));
+  }
+
+  std::shared_ptr<CommHandle> doBroadcast(const at::Tensor& t, int root) override {
+    checkCpu("broadcast", t);
+    std::vector<at::Tensor> tensors{bytesOf(t)};
+    c10d::BroadcastOptions opts;
+    opts.rootRank = root;
+    opts.rootTensor = 0;
+    opts.timeout = options().timeout;
+    return handle("broadcast", describeOp("broadcast", t, strCat("root ", root).c_str()), pg_->broadcast(tensors, opts));
+  }
+
+  std::shared_ptr<CommHandle> doGatherToRoot(const at::Tensor& out, const at::Tensor& local_in, int root) override {
+    checkCpu("gatherToRoot", local_in);
+    const at::Tensor in = bytesOf(local_in);
+    std::vector<std::vector<at::Tensor>> outputs;
+    if (rank() == root) {
+      checkCpu("gatherToRoot", out);
+      outputs.push_back(chunksOf(bytesOf(out), worldSize(), in.numel()));
+    }
+    std::vector<at::Tensor> inputs{in};
+    c10d::GatherOptions opts;
+    opts.rootRank = root;
+    opts.timeout = options().timeout;
+    return handle("gatherToRoot", describeOp("gatherToRoot", local_in, strCat("root ", root).c_str()),
+                  pg_->gather(outputs, inputs, opts));
+  }
+
+  std::shared_ptr<CommHandle> doBarrier() override {
+    c10d::BarrierOptions opts;
+    opts.timeout = options().timeout;
+    return handle("barrier", describeOp("barrier", at::Tensor()), pg_->barrier(opts));
+  }
+
+  std::shared_ptr<Communicator> doSplit(const std::vector<int>& ranks, int subRank, const std::string& name) override {
+    GlooOptions sub = gloo_;
+    sub.comm.name = name;
+    return std::make_shared<GlooCommunicator>(store_, subRank, static_cast<int>(ranks.size()), sub);
+  }
+
+ private:
+  void checkCpu(const char* method, const at::Tensor& t) const {
+    TESSERA_CHECK_AS(UsageError, t.device().is_cpu(), "GlooCommunicator::", method,
+                     ": gloo moves CPU tensors only, got a tensor on ", t.device(), " (", describe(),
+                     "); use the nccl backend for CUDA tensors");
+  }
+
+  std::shared_ptr<CommHandle> handle(const char* method, std::string what, c10::intrusive_ptr<c10d::Work> work,
+                                     std::function<void()> finish = nullptr) {
+    return std::make_shared<GlooHandle>(std::move(work), std::move(finish), method, std::move(what),
+                                        options().timeout, health());
+  }
+
+  std::shared_ptr<Store> store_;
+  GlooOptions gloo_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> makeGlooCommunicator(std::shared_ptr<Store> store, int rank, int world,
+                                                   const GlooOptions& options) {
+  return std::make_shared<GlooCommunicator>(std::move(store), rank, world, options);
+}
+
+}  // namespace tessera::distributed

@@ -1,0 +1,772 @@
+// tessera-run's launcher core (see launcher.h): fork/exec of the local ranks, a poll()
+// loop over their output pipes and a self-pipe for signals, and the teardown that stops
+// whole process groups. Single-threaded on purpose: fork() and signal handling stay simple.
+#include "distributed/launcher.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "common/errors.h"
+#include "common/logging.h"
+
+extern char** environ;
+
+namespace tessera::distributed {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Signals the launcher forwards to every rank's process group.
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+// After SIGKILL, how long to wait for the process groups to disappear before giving up.
+constexpr double kKillWaitS = 5.0;
+// After the ranks are gone, how long to wait for their pipes to close: a process that left
+// the rank's process group (setsid) can hold them open forever.
+constexpr double kDrainWaitS = 1.0;
+// Poll period: bounds how late the launcher notices a grandchild's exit on systems
+// without a child subreaper (children's exits wake it at once through SIGCHLD).
+constexpr double kPollPeriodS = 0.05;
+// A rank line longer than this is printed in pieces rather than buffered without bound.
+constexpr size_t kMaxLineBytes = 64 * 1024;
+// Error-file text longer than this is cut (a rank may write anything there).
+constexpr size_t kMaxErrorMessageBytes = 8 * 1024;
+
+// Self-pipe: the signal handler writes the signal number, the poll() loop reads it.
+int g_signalPipe[2] = {-1, -1};
+
+extern "C" void onSignal(int signal) {
+  const int savedErrno = errno;
+  const unsigned char byte = static_cast<unsigned char>(signal);
+  [[maybe_unused]] const ssize_t ignored = ::write(g_signalPipe[1], &byte, 1);
+  errno = savedErrno;
+}
+
+double secondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+std::string formatSeconds(double seconds, int precision = 2) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(precision) << seconds;
+  return out.str();
+}
+
+std::string errnoText(int error) { return std::strerror(error); }
+
+void setFdFlag(int fd, int getCmd, int setCmd, int flag) {
+  const int flags = ::fcntl(fd, getCmd);
+  if (flags < 0 || ::fcntl(fd, setCmd, flags | flag) < 0) {
+    throw Error(strCat("Launcher: fcntl on fd ", fd, " failed: ", errnoText(errno)));
+  }
+}
+
+// A pipe whose ends are not inherited by exec'd programs (the child dup2()s what it needs).
+void makePipe(int fds[2]) {
+  if (::pipe(fds) != 0) throw Error(strCat("Launcher: pipe() failed: ", errnoText(errno)));
+  setFdFlag(fds[0], F_GETFD, F_SETFD, FD_CLOEXEC);
+  setFdFlag(fds[1], F_GETFD, F_SETFD, FD_CLOEXEC);
+}
+
+void closeFd(int& fd) {
+  if (fd >= 0) ::close(fd);
+  fd = -1;
+}
+
+// Writes everything unless the reader is gone (EPIPE: SIGPIPE is ignored) or the fd
+// fails; rank output must never stop the launcher.
+void writeAll(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    done += static_cast<size_t>(n);
+  }
+}
+
+bool isExecutableFile(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
+}
+
+// Mirrors execvp()'s lookup so a missing program is a usage error, not N rank failures.
+bool findProgram(const std::string& program) {
+  if (program.find('/') != std::string::npos) return isExecutableFile(program);
+  const char* pathEnv = std::getenv("PATH");
+  const std::string path = pathEnv ? pathEnv : "/usr/local/bin:/usr/bin:/bin";
+  size_t begin = 0;
+  while (begin <= path.size()) {
+    size_t end = path.find(':', begin);
+    if (end == std::string::npos) end = path.size();
+    const std::string dir = path.substr(begin, end - begin);
+    if (isExecutableFile((dir.empty() ? std::string(".") : dir) + "/" + program)) return true;
+    begin = end + 1;
+  }
+  return false;
+}
+
+std::string trim(const std::string& text) {
+  const auto first = text.find_first_not_of(" \t\r\n");
+  if (first == std::string::npos) return "";
+  const auto last = text.find_last_not_of(" \t\r\n");
+  return text.substr(first, last - first + 1);
+}
+
+// How a rank's leader process ended, in words: "exit code 7", "killed by signal SIGKILL".
+std::string describeStatus(int waitStatus) {
+  if (WIFSIGNALED(waitStatus)) return strCat("killed by signal ", signalName(WTERMSIG(waitStatus)));
+  return strCat("exit code ", WEXITSTATUS(waitStatus));
+}
+
+bool isFailure(int waitStatus) { return !WIFEXITED(waitStatus) || WEXITSTATUS(waitStatus) != 0; }
+
+class Launcher {
+ public:
+  explicit Launcher(LaunchOptions options);
+  ~Launcher();
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
+
+  int run();
+
+ private:
+  struct OutputStream {
+    int fd = -1;
+    int consoleFd = -1;    // the launcher's stdout or stderr
+    std::string pending;   // the partial line read so far
+  };
+  struct Rank {
+    int localRank = 0;
+    int globalRank = 0;
+    pid_t pid = -1;        // also the process group id
+    bool running = false;  // started and not yet reaped
+    int waitStatus = 0;
+    std::string execError; // set when execvp() failed
+    OutputStream out;
+    OutputStream err;
+    int logFd = -1;
+    std::string errorFile;
+  };
+  struct Failure {
+    int globalRank = 0;
+    int waitStatus = 0;
+    std::string execError;
+    double afterS = 0;     // since the attempt started
+  };
+  enum class Outcome { kSucceeded, kFailed, kInterrupted };
+
+  void installSignalHandlers();
+  void restoreSignalHandlers();
+  Outcome runAttempt(int restartCount);
+  void spawn(Rank& rank, int restartCount);
+  [[noreturn]] void execChild(const int outPipe[2], const int errPipe[2], int execPipe, char** argv, char** envp);
+  void pump(double timeoutS);
+  void readOutput(Rank& rank, OutputStream& stream);
+  void emitLine(Rank& rank, OutputStream& stream, const std::string& line);
+  void closeStream(Rank& rank, OutputStream& stream);
+  void reapChildren();
+  bool anyProcessLeft() const;
+  bool anyStreamOpen() const;
+  void signalGroups(int signal) const;
+  double stopRanks(int signal);
+  void killEverythingNow();
+  void reportFailure(double stoppedInS);
+
+  LaunchOptions options_;
+  bool console_ = true;
+  std::vector<Rank> ranks_;
+  std::string tempDir_;      // holds the error files when there is no --log-dir
+  int devNull_ = -1;         // the ranks' stdin
+  int signalsReceived_ = 0;
+  int firstSignal_ = 0;
+  bool stopping_ = false;    // exits while stopping are not failures
+  std::optional<Failure> failure_;
+  Clock::time_point start_;
+  Clock::time_point attemptStart_;
+  std::vector<std::pair<int, struct sigaction>> savedActions_;
+};
+
+Launcher::Launcher(LaunchOptions options) : options_(std::move(options)), start_(Clock::now()) {
+  console_ = options_.logDir.empty() || options_.tee;
+
+  // Make sure fds 0-2 exist, so no pipe lands on them and confuses the children's dup2().
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) < 0) ::open("/dev/null", O_RDWR);
+  }
+  devNull_ = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  if (devNull_ < 0) throw Error(strCat("Launcher: cannot open /dev/null: ", errnoText(errno)));
+
+  if (options_.logDir.empty()) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = strCat(tmp && *tmp ? tmp : "/tmp", "/tessera-run-XXXXXX");
+    if (!::mkdtemp(pattern.data())) {
+      throw Error(strCat("Launcher: cannot create a temporary directory '", pattern, "': ", errnoText(errno)));
+    }
+    tempDir_ = pattern;
+  } else {
+    std::error_code ec;
+    std::filesystem::create_directories(options_.logDir, ec);
+    if (ec) throw Error(strCat("--log-dir '", options_.logDir, "': cannot create directory: ", ec.message()));
+  }
+
+  const int nproc = options_.nprocPerNode;
+  ranks_.resize(static_cast<size_t>(nproc));
+  for (int local = 0; local < nproc; ++local) {
+    Rank& rank = ranks_[static_cast<size_t>(local)];
+    rank.localRank = local;
+    rank.globalRank = options_.nodeRank * nproc + local;
+    rank.out.consoleFd = STDOUT_FILENO;
+    rank.err.consoleFd = STDERR_FILENO;
+    const std::string dir = options_.logDir.empty() ? tempDir_ : options_.logDir;
+    rank.errorFile = strCat(dir, "/rank_", rank.globalRank, ".error.json");
+    if (!options_.logDir.empty()) {
+      const std::string logFile = strCat(options_.logDir, "/rank_", rank.globalRank, ".log");
+      rank.logFd = ::open(logFile.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
+      if (rank.logFd < 0) throw Error(strCat("--log-dir: cannot open '", logFile, "': ", errnoText(errno)));
+    }
+  }
+  installSignalHandlers();
+#ifdef __linux__
+  // Orphaned grandchildren are re-parented to the launcher, which reaps them: no zombies
+  // left behind by ranks whose helpers outlive them.
+  ::prctl(PR_SET_CHILD_SUBREAPER, 1);
+#endif
+}
+
+Launcher::~Launcher() {
+  killEverythingNow();
+  restoreSignalHandlers();
+  for (Rank& rank : ranks_) {
+    closeFd(rank.out.fd);
+    closeFd(rank.err.fd);
+    closeFd(rank.logFd);
+  }
+  closeFd(devNull_);
+  if (!tempDir_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(tempDir_, ec);
+  }
+}
+
+void Launcher::installSignalHandlers() {
+  makePipe(g_signalPipe);
+  setFdFlag(g_signalPipe[0], F_GETFL, F_SETFL, O_NONBLOCK);
+  setFdFlag(g_signalPipe[1], F_GETFL, F_SETFL, O_NONBLOCK);
+  struct sigaction action {};
+  action.sa_handler = onSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  std::vector<int> handled(std::begin(kForwardedSignals), std::end(kForwardedSignals));
+  handled.push_back(SIGCHLD);
+  for (int sig : handled) {
+    struct sigaction old {};
+    ::sigaction(sig, &action, &old);
+    savedActions_.emplace_back(sig, old);
+  }
+  // A closed console (`tessera-run ... | head`) must not kill the launcher and orphan the ranks.
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  struct sigaction old {};
+  ::sigaction(SIGPIPE, &ignore, &old);
+  savedActions_.emplace_back(SIGPIPE, old);
+}
+
+void Launcher::restoreSignalHandlers() {
+  for (const auto& [sig, action] : savedActions_) ::sigaction(sig, &action, nullptr);
+  savedActions_.clear();
+  closeFd(g_signalPipe[0]);
+  closeFd(g_signalPipe[1]);
+}
+
+int Launcher::run() {
+  const int nproc = options_.nprocPerNode;
+  if (nproc > 1) {
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    if (!omp || !*omp) {
+      TLOG_INFO("tessera-run: setting OMP_NUM_THREADS=1 for each of the " << nproc
+                << " ranks (set OMP_NUM_THREADS to choose another value)");
+    }
+  }
+  for (int restart = 0;; ++restart) {
+    const Outcome outcome = runAttempt(restart);
+    if (outcome == Outcome::kSucceeded) {
+      const std::string ranks = options_.nnodes == 1
+                                    ? strCat("all ", nproc, " ranks")
+                                    : strCat("all ", nproc, " local ranks of node ", options_.nodeRank);
+      const std::string restarts = restart > 0 ? strCat(" (after ", restart, " restart", restart > 1 ? "s" : "", ")") : "";
+      TLOG_INFO("tessera-run: " << ranks << " exited 0 in " << formatSeconds(secondsSince(start_)) << " s" << restarts);
+      return 0;
+    }
+    if (outcome == Outcome::kInterrupted) return 128 + firstSignal_;
+    if (restart >= options_.maxRestarts) {
+      if (options_.maxRestarts > 0) {
+        TLOG_ERROR("tessera-run: giving up after " << options_.maxRestarts << " restart"
+                   << (options_.maxRestarts > 1 ? "s" : "") << " (--max-restarts " << options_.maxRestarts << ")");
+      }
+      return 1;
+    }
+    TLOG_WARN("tessera-run: restarting all " << nproc << " ranks (restart " << restart + 1 << " of "
+              << options_.maxRestarts << ")");
+  }
+}
+
+Launcher::Outcome Launcher::runAttempt(int restartCount) {
+  failure_.reset();
+  attemptStart_ = Clock::now();
+  for (Rank& rank : ranks_) {
+    std::remove(rank.errorFile.c_str());  // a stale message must not be blamed on this attempt
+    if (rank.logFd >= 0 && restartCount > 0) {
+      writeAll(rank.logFd, strCat("tessera-run: restart ", restartCount, " of ", options_.maxRestarts,
+                                  " (TORCHELASTIC_RESTART_COUNT=", restartCount, ")\n"));
+    }
+    spawn(rank, restartCount);
+  }
+  const int nproc = options_.nprocPerNode;
+  const int world = options_.nnodes * nproc;
+  const int firstRank = options_.nodeRank * nproc;
+  TLOG_INFO("tessera-run: started " << nproc << " rank" << (nproc > 1 ? "s" : "") << " (RANK " << firstRank
+            << (nproc > 1 ? strCat("-", firstRank + nproc - 1) : "") << " of WORLD_SIZE " << world << ", MASTER "
+            << options_.masterAddr << ":" << options_.masterPort
+            << (restartCount > 0 ? strCat(", restart ", restartCount) : "") << ") in "
+            << formatSeconds(secondsSince(attemptStart_) * 1000.0, 1) << " ms ("
+            << formatSeconds(secondsSince(start_) * 1000.0, 1) << " ms after launcher start)");
+
+  while (true) {
+    pump(kPollPeriodS * 10);
+    if (firstSignal_ != 0) {
+      TLOG_WARN("tessera-run: got " << signalName(firstSignal_) << "; forwarding it to the ranks");
+      const double stoppedIn = stopRanks(firstSignal_);
+      TLOG_WARN("tessera-run: ranks stopped in " << formatSeconds(stoppedIn) << " s after "
+                << signalName(firstSignal_) << "; exiting with status " << 128 + firstSignal_);
+      return Outcome::kInterrupted;
+    }
+    if (failure_) {
+      const double stoppedIn = stopRanks(SIGTERM);
+      reportFailure(stoppedIn);
+      // A signal during the teardown ends the run: no restart after the user said stop.
+      return firstSignal_ != 0 ? Outcome::kInterrupted : Outcome::kFailed;
+    }
+    if (!std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; })) {
+      if (anyProcessLeft()) {
+        TLOG_WARN("tessera-run: every rank exited 0 but left processes behind in its process group; stopping them");
+        stopRanks(SIGTERM);
+      } else {
+        const double deadline = kDrainWaitS;
+        const auto drainStart = Clock::now();
+        while (anyStreamOpen() && secondsSince(drainStart) < deadline) pump(deadline - secondsSince(drainStart));
+        for (Rank& rank : ranks_) {
+          closeStream(rank, rank.out);
+          closeStream(rank, rank.err);
+        }
+      }
+      return Outcome::kSucceeded;
+    }
+  }
+}
+
+void Launcher::spawn(Rank& rank, int restartCount) {
+  // Everything the child needs is built before fork(): the child only calls
+  // async-signal-safe functions.
+  const auto overrides =
+      rankEnvironment(options_, rank.localRank, restartCount, rank.errorFile, std::getenv("OMP_NUM_THREADS"));
+  std::vector<std::string> envStrings;
+  for (char** entry = environ; *entry; ++entry) {
+    const std::string kv = *entry;
+    if (overrides.count(kv.substr(0, kv.find('='))) == 0) envStrings.push_back(kv);
+  }
+  for (const auto& [key, value] : overrides) envStrings.push_back(key + "=" + value);
+  std::vector<char*> envp;
+  for (std::string& s : envStrings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argStrings = options_.command;
+  std::vector<char*> argv;
+  for (std::string& s : argStrings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+
+  int outPipe[2], errPipe[2], execPipe[2];
+  makePipe(outPipe);
+  makePipe(errPipe);
+  makePipe(execPipe);
+  // Signals stay blocked across fork() so that none runs the launcher's handler in the
+  // child (which still shares the self-pipe) before the child resets it.
+  sigset_t all, previous;
+  sigfillset(&all);
+  ::sigprocmask(SIG_BLOCK, &all, &previous);
+  const pid_t pid = ::fork();
+  if (pid == 0) execChild(outPipe, errPipe, execPipe[1], argv.data(), envp.data());
+  const int forkErrno = errno;
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+  if (pid < 0) throw Error(strCat("Launcher: fork() for rank ", rank.globalRank, " failed: ", errnoText(forkErrno)));
+
+  // Also set in the child; doing it here too closes the race with an early killpg().
+  ::setpgid(pid, pid);
+  rank.pid = pid;
+  rank.running = true;
+  rank.waitStatus = 0;
+  rank.execError.clear();
+  ::close(outPipe[1]);
+  ::close(errPipe[1]);
+  ::close(execPipe[1]);
+  rank.out.fd = outPipe[0];
+  rank.err.fd = errPipe[0];
+  rank.out.pending.clear();
+  rank.err.pending.clear();
+  setFdFlag(rank.out.fd, F_GETFL, F_SETFL, O_NONBLOCK);
+  setFdFlag(rank.err.fd, F_GETFL, F_SETFL, O_NONBLOCK);
+
+  // The exec pipe closes on a successful exec (FD_CLOEXEC) or carries execvp()'s errno.
+  // Waiting for it makes "started" mean "running PROGRAM".
+  int childErrno = 0;
+  ssize_t n;
+  do {
+    n = ::read(execPipe[0], &childErrno, sizeof childErrno);
+  } while (n < 0 && errno == EINTR);
+  ::close(execPipe[0]);
+  if (n == static_cast<ssize_t>(sizeof childErrno)) {
+    rank.execError = strCat("cannot execute '", options_.command[0], "': ", errnoText(childErrno));
+  }
+}
+
+void Launcher::execChild(const int outPipe[2], const int errPipe[2], int execPipe, char** argv, char** envp) {
+  // The program gets default signal dispositions and an empty mask (exec keeps ignored
+  // signals and the mask). Signals are still blocked here, from before fork().
+  for (int sig : kForwardedSignals) ::signal(sig, SIG_DFL);
+  ::signal(SIGCHLD, SIG_DFL);
+  ::signal(SIGPIPE, SIG_DFL);
+  ::setpgid(0, 0);
+#ifdef __linux__
+  // If the launcher is killed outright (SIGKILL), its ranks still get SIGTERM.
+  const pid_t launcherPid = ::getppid();
+  ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (::getppid() != launcherPid) ::_exit(1);
+#endif
+  sigset_t none;
+  sigemptyset(&none);
+  ::sigprocmask(SIG_SETMASK, &none, nullptr);
+  ::dup2(devNull_, STDIN_FILENO);
+  ::dup2(outPipe[1], STDOUT_FILENO);
+  ::dup2(errPipe[1], STDERR_FILENO);
+  environ = envp;
+  ::execvp(argv[0], argv);
+  const int error = errno;
+  [[maybe_unused]] const ssize_t ignored = ::write(execPipe, &error, sizeof error);
+  ::_exit(127);
+}
+
+void Launcher::pump(double timeoutS) {
+  std::vector<pollfd> fds;
+  std::vector<std::pair<Rank*, OutputStream*>> owners;
+  fds.push_back({g_signalPipe[0], POLLIN, 0});
+  owners.emplace_back(nullptr, nullptr);
+  for (Rank& rank : ranks_) {
+    for (OutputStream* stream : {&rank.out, &rank.err}) {
+      if (stream->fd < 0) continue;
+      fds.push_back({stream->fd, POLLIN, 0});
+      owners.emplace_back(&rank, stream);
+    }
+  }
+  const int timeoutMs = std::max(0, static_cast<int>(std::ceil(timeoutS * 1000.0)));
+  const int ready = ::poll(fds.data(), fds.size(), timeoutMs);
+  if (ready < 0 && errno != EINTR) throw Error(strCat("Launcher: poll() failed: ", errnoText(errno)));
+  if (ready > 0) {
+    if (fds[0].revents & POLLIN) {
+      unsigned char sig;
+      while (::read(g_signalPipe[0], &sig, 1) == 1) {
+        if (sig == SIGCHLD) continue;  // reaped below, whatever woke us
+        ++signalsReceived_;
+        if (firstSignal_ == 0) firstSignal_ = sig;
+      }
+    }
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) readOutput(*owners[i].first, *owners[i].second);
+    }
+  }
+  reapChildren();
+}
+
+void Launcher::readOutput(Rank& rank, OutputStream& stream) {
+  char buffer[64 * 1024];
+  const ssize_t n = ::read(stream.fd, buffer, sizeof buffer);
+  if (n < 0 && (errno == EINTR || errno == EAGAIN)) return;
+  if (n <= 0) {  // EOF: every writer (the rank and its children) is gone
+    closeStream(rank, stream);
+    return;
+  }
+  stream.pending.append(buffer, static_cast<size_t>(n));
+  size_t start = 0;
+  for (size_t newline; (newline = stream.pending.find('\n', start)) != std::string::npos; start = newline + 1) {
+    emitLine(rank, stream, stream.pending.substr(start, newline - start));
+  }
+  stream.pending.erase(0, start);
+  while (stream.pending.size() >= kMaxLineBytes) {
+    emitLine(rank, stream, stream.pending.substr(0, kMaxLineBytes));
+    stream.pending.erase(0, kMaxLineBytes);
+  }
+}
+
+void Launcher::emitLine(Rank& rank, OutputStream& stream, const std::string& line) {
+  if (rank.logFd >= 0) writeAll(rank.logFd, line + "\n");
+  if (console_) writeAll(stream.consoleFd, strCat("[rank ", rank.globalRank, "]: ", line, "\n"));
+}
+
+void Launcher::closeStream(Rank& rank, OutputStream& stream) {
+  if (!stream.pending.empty()) emitLine(rank, stream, stream.pending);
+  stream.pending.clear();
+  closeFd(stream.fd);
+}
+
+void Launcher::reapChildren() {
+  while (true) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid <= 0) return;  // 0: none exited; -1/ECHILD: no children at all
+    for (Rank& rank : ranks_) {
+      if (rank.pid != pid || !rank.running) continue;
+      rank.running = false;
+      rank.waitStatus = status;
+      if ((isFailure(status) || !rank.execError.empty()) && !stopping_ && !failure_) {
+        failure_ = Failure{rank.globalRank, status, rank.execError, secondsSince(attemptStart_)};
+      }
+    }
+    // Other pids are grandchildren re-parented to the launcher (child subreaper).
+  }
+}
+
+bool Launcher::anyProcessLeft() const {
+  for (const Rank& rank : ranks_) {
+    if (rank.running) return true;
+    // The rank's own process is gone, but its process group may still have members.
+    if (rank.pid > 0 && (::kill(-rank.pid, 0) == 0 || errno == EPERM)) return true;
+  }
+  return false;
+}
+
+bool Launcher::anyStreamOpen() const {
+  return std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.out.fd >= 0 || r.err.fd >= 0; });
+}
+
+void Launcher::signalGroups(int signal) const {
+  for (const Rank& rank : ranks_) {
+    if (rank.pid > 0) ::kill(-rank.pid, signal);  // ESRCH: that group is already gone
+  }
+}
+
+double Launcher::stopRanks(int signal) {
+  const auto start = Clock::now();
+  stopping_ = true;
+  const int signalsBefore = signalsReceived_;
+  signalGroups(signal);
+  // Wait out the grace period, unless another signal to the launcher asks to hurry.
+  while (anyProcessLeft() && secondsSince(start) < options_.gracePeriodS && signalsReceived_ == signalsBefore) {
+    pump(std::min(kPollPeriodS, options_.gracePeriodS - secondsSince(start)));
+  }
+  if (anyProcessLeft()) {
+    TLOG_WARN("tessera-run: ranks still running " << formatSeconds(secondsSince(start)) << " s after "
+              << signalName(signal) << "; sending SIGKILL");
+    signalGroups(SIGKILL);
+    const auto killStart = Clock::now();
+    while (anyProcessLeft() && secondsSince(killStart) < kKillWaitS) pump(kPollPeriodS);
+    if (anyProcessLeft()) {
+      TLOG_ERROR("tessera-run: some rank processes survived SIGKILL for " << kKillWaitS << " s; giving up on them");
+    }
+  }
+  const auto drainStart = Clock::now();
+  while (anyStreamOpen() && secondsSince(drainStart) < kDrainWaitS) pump(kDrainWaitS - secondsSince(drainStart));
+  for (Rank& rank : ranks_) {
+    closeStream(rank, rank.out);
+    closeStream(rank, rank.err);
+  }
+  stopping_ = false;
+  return secondsSince(start);
+}
+
+void Launcher::killEverythingNow() {
+  // Only reached with live ranks when run() threw; never leave orphans behind.
+  if (!anyProcessLeft()) return;
+  signalGroups(SIGKILL);
+  for (Rank& rank : ranks_) {
+    if (rank.running && ::waitpid(rank.pid, nullptr, 0) == rank.pid) rank.running = false;
+  }
+}
+
+void Launcher::reportFailure(double stoppedInS) {
+  const Failure& f = *failure_;
+  const std::string how = f.execError.empty() ? describeStatus(f.waitStatus) : f.execError;
+  const int others = options_.nprocPerNode - 1;
+  TLOG_ERROR("tessera-run: rank " << f.globalRank << " failed (" << how << ") after " << formatSeconds(f.afterS)
+             << " s; stopped the other " << others << " rank" << (others == 1 ? "" : "s") << " in "
+             << formatSeconds(stoppedInS, 3) << " s");
+  const Rank& rank = ranks_[static_cast<size_t>(f.globalRank - options_.nodeRank * options_.nprocPerNode)];
+  if (const auto message = readErrorFile(rank.errorFile)) {
+    TLOG_ERROR("tessera-run: rank " << f.globalRank << " error: " << *message);
+  }
+}
+
+}  // namespace
+
+void validateLaunchOptions(const LaunchOptions& o) {
+  if (o.command.empty()) throw UsageError("missing PROGRAM (usage: tessera-run [OPTIONS] PROGRAM [ARGS...])");
+  const std::string& program = o.command[0];
+  if (!program.empty() && program[0] == '-') {
+    throw UsageError(strCat("unknown option '", program, "' (tessera-run's options go before PROGRAM)"));
+  }
+  if (o.nprocPerNode < 1) throw UsageError(strCat("--nproc-per-node must be at least 1, got ", o.nprocPerNode));
+  if (o.nnodes < 1) throw UsageError(strCat("--nnodes must be at least 1, got ", o.nnodes));
+  if (o.nodeRank < 0 || o.nodeRank >= o.nnodes) {
+    throw UsageError(strCat("--node-rank ", o.nodeRank, " is out of range for --nnodes ", o.nnodes, " (0..",
+                            o.nnodes - 1, ")"));
+  }
+  if (o.standalone && o.nnodes > 1) {
+    throw UsageError(strCat("--standalone runs a single node; it cannot be combined with --nnodes ", o.nnodes));
+  }
+  if (o.masterPort < 1 || o.masterPort > 65535) {
+    throw UsageError(strCat("--master-port ", o.masterPort, " is out of range (1..65535)"));
+  }
+  if (o.masterAddr.empty()) throw UsageError("--master-addr must not be empty");
+  if (o.maxRestarts < 0) throw UsageError(strCat("--max-restarts must be at least 0, got ", o.maxRestarts));
+  if (!std::isfinite(o.gracePeriodS) || o.gracePeriodS < 0) {
+    throw UsageError(strCat("--grace-period-s must be a non-negative number of seconds, got ", o.gracePeriodS));
+  }
+  if (!findProgram(program)) {
+    throw UsageError(program.find('/') != std::string::npos
+                         ? strCat("PROGRAM '", program, "' is not an executable file")
+                         : strCat("PROGRAM '", program, "' not found in PATH"));
+  }
+}
+
+std::map<std::string, std::string> rankEnvironment(const LaunchOptions& o, int localRank, int restartCount,
+                                                   const std::string& errorFile, const char* inheritedOmpThreads) {
+  const int rank = o.nodeRank * o.nprocPerNode + localRank;
+  const int world = o.nnodes * o.nprocPerNode;
+  std::map<std::string, std::string> env = {
+      {"RANK", std::to_string(rank)},
+      {"LOCAL_RANK", std::to_string(localRank)},
+      {"WORLD_SIZE", std::to_string(world)},
+      {"LOCAL_WORLD_SIZE", std::to_string(o.nprocPerNode)},
+      {"GROUP_RANK", std::to_string(o.nodeRank)},
+      {"GROUP_WORLD_SIZE", std::to_string(o.nnodes)},
+      {"ROLE_NAME", "default"},
+      {"ROLE_RANK", std::to_string(rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(world)},
+      {"MASTER_ADDR", o.masterAddr},
+      {"MASTER_PORT", std::to_string(o.masterPort)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restartCount)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.maxRestarts)},
+      {"TORCHELASTIC_RUN_ID", o.runId},
+      // Rank 0 hosts the TCPStore itself (no agent store), as with torchrun's static rendezvous.
+      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
+      {"TORCHELASTIC_ERROR_FILE", errorFile},
+  };
+  if (o.nprocPerNode > 1 && (!inheritedOmpThreads || !*inheritedOmpThreads)) env["OMP_NUM_THREADS"] = "1";
+  return env;
+}
+
+std::optional<std::string> readErrorFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string text = trim(buffer.str());
+  if (text.empty()) return std::nullopt;
+  try {
+    const auto json = nlohmann::json::parse(text);
+    if (json.is_object() && json.contains("message")) {
+      const auto& message = json.at("message");
+      if (message.is_string()) return message.get<std::string>();
+      if (message.is_object() && message.contains("message") && message.at("message").is_string()) {
+        return message.at("message").get<std::string>();
+      }
+    }
+  } catch (const nlohmann::json::exception&) {
+    // Not JSON: the rank wrote plain text, which is reported as it is.
+  }
+  if (text.size() > kMaxErrorMessageBytes) return text.substr(0, kMaxErrorMessageBytes) + " [...]";
+  return text;
+}
+
+std::string signalName(int signal) {
+  switch (signal) {
+    case SIGHUP: return "SIGHUP";
+    case SIGINT: return "SIGINT";
+    case SIGQUIT: return "SIGQUIT";
+    case SIGILL: return "SIGILL";
+    case SIGTRAP: return "SIGTRAP";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGKILL: return "SIGKILL";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGUSR2: return "SIGUSR2";
+    case SIGPIPE: return "SIGPIPE";
+    case SIGALRM: return "SIGALRM";
+    case SIGTERM: return "SIGTERM";
+    case SIGCHLD: return "SIGCHLD";
+    case SIGCONT: return "SIGCONT";
+    case SIGSTOP: return "SIGSTOP";
+    case SIGTSTP: return "SIGTSTP";
+    case SIGXCPU: return "SIGXCPU";
+    case SIGXFSZ: return "SIGXFSZ";
+    case SIGSYS: return "SIGSYS";
+    default: return strCat("signal ", signal);
+  }
+}
+
+int pickFreePort(const std::string& host) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(strCat("pickFreePort: socket() failed: ", errnoText(errno)));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = 0;
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+    ::close(fd);
+    throw Error(strCat("pickFreePort: '", host, "' is not an IPv4 address"));
+  }
+  socklen_t length = sizeof addr;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
+    const int error = errno;
+    ::close(fd);
+    throw Error(strCat("pickFreePort: cannot bind a port on ", host, ": ", errnoText(error)));
+  }
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+int launch(LaunchOptions options) {
+  validateLaunchOptions(options);
+  if (options.standalone) {
+    options.masterAddr = "127.0.0.1";
+    options.masterPort = pickFreePort(options.masterAddr);
+  }
+  Launcher launcher(std::move(options));
+  return launcher.run();
+}
+
+}  // namespace tessera::distributed

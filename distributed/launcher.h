@@ -1,0 +1,75 @@
+// The core of tessera-run, a torchrun-like launcher: starts the local ranks of any
+// program with torchrun's environment contract, prefixes and logs their output, and
+// tears the whole group down (SIGTERM, grace period, SIGKILL, whole process groups)
+// when one rank fails, restarting all ranks up to --max-restarts times.
+//
+// Pure POSIX + C++17 (no LibTorch), so the launcher builds and starts fast. The launcher
+// itself does no rendezvous: ranks meet at the c10d TCPStore that global rank 0 hosts at
+// MASTER_ADDR:MASTER_PORT, so one launcher per node (--nnodes M --node-rank R) forms one
+// world, like torchrun with a static rendezvous.
+//
+// Output (console and --log-dir):
+//   - Every line a rank writes to stdout (stderr) goes to the launcher's stdout (stderr)
+//     as "[rank G]: line", G the global rank (torchrun --tee's "[rank]:" style). A last
+//     line without a newline is printed with one at the rank's exit.
+//   - --log-dir D: each rank's raw output, stdout and stderr interleaved as they arrive and
+//     without prefixes, goes to D/rank_G.log (truncated once at start, appended to by
+//     restarts, each restart preceded by a marker line). The console then shows rank
+//     output only with --tee. The error files are D/rank_G.error.json.
+//   - The launcher's own lines ("tessera-run: ...") go to stderr through common/logging.
+//
+// Exit status of launch(): 0 all ranks exited 0; 1 a rank failed (after the restarts);
+// 128+N the launcher got signal N (SIGINT, SIGTERM, SIGHUP, SIGQUIT), which it forwarded to
+// every rank's process group. Bad options throw tessera::UsageError (tessera-run exits 2).
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tessera::distributed {
+
+struct LaunchOptions {
+  int nprocPerNode = 1;
+  int nnodes = 1;
+  int nodeRank = 0;
+  std::string masterAddr = "127.0.0.1";
+  int masterPort = 29500;
+  int maxRestarts = 0;
+  std::string logDir;         // "" = no per-rank log files, output on the console
+  bool tee = false;           // with logDir: also print rank output on the console
+  bool standalone = false;    // single node: pick a free port on 127.0.0.1
+  double gracePeriodS = 5.0;  // SIGTERM -> SIGKILL delay when stopping ranks
+  std::string runId = "none"; // TORCHELASTIC_RUN_ID
+  std::vector<std::string> command;  // PROGRAM [ARGS...], PROGRAM looked up in PATH
+};
+
+// Checks the options (ranges, combinations, PROGRAM present and found in PATH);
+// throws tessera::UsageError naming the option that is wrong.
+void validateLaunchOptions(const LaunchOptions& options);
+
+// The environment variables the launcher sets for one local rank (on top of its own
+// environment). OMP_NUM_THREADS=1 is included when more than one rank runs per node and
+// `inheritedOmpThreads` (the launcher's OMP_NUM_THREADS) is unset or empty.
+std::map<std::string, std::string> rankEnvironment(const LaunchOptions& options, int localRank, int restartCount,
+                                                   const std::string& errorFile,
+                                                   const char* inheritedOmpThreads = nullptr);
+
+// The message a rank left in its TORCHELASTIC_ERROR_FILE: torchelastic's JSON
+// {"message": {"message": "...", "extraInfo": {...}}} or {"message": "..."}, or else the
+// file's text. std::nullopt when the file is missing or empty.
+std::optional<std::string> readErrorFile(const std::string& path);
+
+// "SIGTERM", "SIGKILL", ... ("signal 42" for others).
+std::string signalName(int signal);
+
+// A TCP port that was free on `host` a moment ago (binds port 0, reads it, closes).
+int pickFreePort(const std::string& host = "127.0.0.1");
+
+// Runs the job described by `options` (validated first) and returns the launcher's exit
+// status (see above). It installs signal handlers and reaps every child of this process,
+// so call it once, from the launcher's main().
+int launch(LaunchOptions options);
+
+}  // namespace tessera::distributed

@@ -1,0 +1,91 @@
+// Rendezvous through a c10d TCPStore with arrival checks that name missing ranks (see
+// rendezvous.h).
+#include "distributed/rendezvous.h"
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/logging.h"
+
+namespace tessera::distributed {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string arrivalKey(const std::string& key, int rank) { return strCat(key, "/arrived/", rank); }
+
+// "[2, 3]"; long lists are shortened: "[4, 5, 6, ... (120 ranks)]".
+std::string rankList(const std::vector<int>& ranks) {
+  constexpr size_t kMaxShown = 16;
+  std::string out = "[";
+  for (size_t i = 0; i < ranks.size() && i < kMaxShown; ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(ranks[i]);
+  }
+  if (ranks.size() > kMaxShown) out += strCat(", ... (", ranks.size(), " ranks)");
+  return out + "]";
+}
+
+}  // namespace
+
+void waitForRanks(Store& store, const std::string& key, int rank, int world, std::chrono::milliseconds timeout) {
+  TESSERA_CHECK_AS(UsageError, world >= 1 && rank >= 0 && rank < world, "waitForRanks: rank ", rank,
+                   " is out of range for world size ", world);
+  std::vector<std::string> keys;
+  keys.reserve(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) keys.push_back(arrivalKey(key, r));
+  store.set(keys[static_cast<size_t>(rank)], "1");
+
+  const auto deadline = Clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  while (!store.check(keys)) {
+    if (Clock::now() >= deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < world; ++r) {
+        if (!store.check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
+      }
+      if (missing.empty()) return;  // the last one arrived just now
+      throw TimeoutError(strCat("rendezvous: waited ", formatDuration(timeout), " for ", missing.size() == 1 ? "rank " : "ranks ",
+                                missing.size() == 1 ? std::to_string(missing[0]) : rankList(missing), " of ", world, " at ",
+                                store.address(), " (key ", key, "; this is rank ", rank, ")"));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  }
+}
+
+std::shared_ptr<Store> rendezvous(const RankEnv& env, const RendezvousOptions& options) {
+  const auto start = Clock::now();
+  std::shared_ptr<Store> store;
+  if (env.world_size == 1 && !env.use_agent_store) {
+    store = Store::createInProcess();
+  } else if (env.use_agent_store) {
+    try {
+      store = Store::createTcp(env.master_addr, env.master_port, /*isServer=*/false, options.timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(strCat("rendezvous: rank ", env.rank, " of ", env.world_size,
+                                " found no store at torchrun's agent: ", e.what()));
+    }
+    store = store->withPrefix(strCat("/worker/attempt_", env.restart_count));
+  } else if (env.rank == 0) {
+    store = Store::createTcp(env.master_addr, env.master_port, /*isServer=*/true, options.timeout);
+  } else {
+    try {
+      store = Store::createTcp(env.master_addr, env.master_port, /*isServer=*/false, options.timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(strCat("rendezvous: rank ", env.rank, " of ", env.world_size, " waited ",
+                                formatDuration(options.timeout), " for rank 0 (the store host) at ", env.master_addr, ":",
+                                env.master_port, ": ", e.what()));
+    }
+  }
+  const auto remaining = std::max(std::chrono::milliseconds(0),
+                                  options.timeout - std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start));
+  waitForRanks(*store, strCat(options.key, "/", env.restart_count), env.rank, env.world_size, remaining);
+  TLOG_DEBUG("rendezvous: " << env.world_size << " ranks at " << store->address() << " after "
+                            << std::chrono::duration<double>(Clock::now() - start).count() << " s");
+  return store;
+}
+
+}  // namespace tessera::distributed

@@ -1,0 +1,133 @@
+// Store over c10d TCPStore / HashStore / PrefixStore (see store.h).
+#include "distributed/store.h"
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#include "common/errors.h"
+#include "distributed/store_impl.h"
+
+namespace tessera::distributed {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<uint8_t> toBytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+std::string joinKeys(const std::vector<std::string>& keys) {
+  std::string out = "[";
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += keys[i];
+  }
+  return out + "]";
+}
+
+// First line of a c10d message (its later lines are a C++ backtrace).
+std::string firstLine(const std::string& message) { return message.substr(0, message.find('\n')); }
+
+}  // namespace
+
+std::string formatDuration(std::chrono::milliseconds duration) {
+  const auto ms = duration.count();
+  if (ms < 1000) return strCat(ms, " ms");
+  if (ms % 1000 == 0) return strCat(ms / 1000, " s");
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f s", static_cast<double>(ms) / 1000.0);
+  return buf;
+}
+
+Store::Store(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Store::~Store() = default;
+
+std::shared_ptr<Store> Store::createInProcess() {
+  auto impl = std::make_unique<Impl>();
+  impl->store = c10::make_intrusive<c10d::HashStore>();
+  impl->address = "in-process";
+  return std::make_shared<Store>(std::move(impl));
+}
+
+std::shared_ptr<Store> Store::createTcp(const std::string& host, int port, bool isServer,
+                                        std::chrono::milliseconds timeout) {
+  TESSERA_CHECK_AS(UsageError, port >= 0 && port <= 65535, "Store::createTcp: port ", port, " is not a port");
+  TESSERA_CHECK_AS(UsageError, isServer || port > 0, "Store::createTcp: a client needs the server's port, got 0");
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(port);
+  options.isServer = isServer;
+  // Arrival of the ranks is checked by rendezvous() with a message naming the missing
+  // ones; c10d's own worker count check would only say "timed out".
+  options.numWorkers = c10::nullopt;
+  options.waitWorkers = false;
+  options.timeout = timeout;
+  // Two stores of one process on the same host:port (e.g. two runtimes in a test) share it.
+  options.multiTenant = true;
+  const auto start = Clock::now();
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
+  try {
+    tcp = c10::make_intrusive<c10d::TCPStore>(host, options);
+  } catch (const std::exception& e) {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+    if (isServer) {
+      throw Error(strCat("Store::createTcp: cannot host the store on port ", port, " (", host,
+                         "): ", firstLine(e.what())));
+    }
+    throw TimeoutError(strCat("Store::createTcp: waited ", formatDuration(waited), " for the store host at ", host, ":",
+                              port, " (rank 0 never came up or the address is wrong): ", firstLine(e.what())));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->port = tcp->getPort();
+  impl->address = strCat("tcp ", host, ":", impl->port);
+  impl->store = tcp;
+  return std::make_shared<Store>(std::move(impl));
+}
+
+std::shared_ptr<Store> Store::withPrefix(const std::string& prefix) const {
+  auto impl = std::make_unique<Impl>();
+  impl->store = c10::make_intrusive<c10d::PrefixStore>(prefix, impl_->store);
+  impl->address = impl_->address + " /" + prefix;
+  impl->port = impl_->port;
+  return std::make_shared<Store>(std::move(impl));
+}
+
+void Store::set(const std::string& key, const std::string& value) { impl_->store->set(key, toBytes(value)); }
+
+std::string Store::get(const std::string& key, std::chrono::milliseconds timeout) {
+  wait({key}, timeout);
+  const auto bytes = impl_->store->get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+int64_t Store::add(const std::string& key, int64_t delta) { return impl_->store->add(key, delta); }
+
+bool Store::check(const std::vector<std::string>& keys) { return impl_->store->check(keys); }
+
+void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  // Polls check() instead of c10d's wait(timeout): a TCPStore wait that times out leaves
+  // its reply in flight on the socket, and the message names nothing.
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  while (!impl_->store->check(keys)) {
+    if (Clock::now() >= deadline) {
+      std::vector<std::string> missing;
+      for (const auto& key : keys) {
+        if (!impl_->store->check({key})) missing.push_back(key);
+      }
+      throw TimeoutError(strCat("Store::wait: waited ", formatDuration(timeout), " for keys ", joinKeys(missing),
+                                " in store ", impl_->address));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  }
+}
+
+const std::string& Store::address() const { return impl_->address; }
+
+int Store::port() const { return impl_->port; }
+
+}  // namespace tessera::distributed

@@ -1,0 +1,103 @@
+// tessera-train's command line: every kind of bad config or argument exits with
+// status 2 and a message naming the key and the YAML line:column.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int status = -1;
+  std::string output;
+};
+
+// Runs a shell command (bounded by `timeout`), capturing stdout+stderr.
+Result runCommand(const std::string& command) {
+  const fs::path out = fs::temp_directory_path() / ("tessera_cli_" + std::to_string(::getpid()) + ".out");
+  const std::string full = "timeout 120 " + command + " > '" + out.string() + "' 2>&1";
+  const int raw = std::system(full.c_str());
+  Result r;
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  std::ifstream in(out);
+  std::stringstream s;
+  s << in.rdbuf();
+  r.output = s.str();
+  fs::remove(out);
+  return r;
+}
+
+std::string writeConfig(const std::string& name, const std::string& text) {
+  const fs::path path = fs::temp_directory_path() / name;
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+const std::string kTrain = std::string(TESSERA_BIN_DIR) + "/tessera-train";
+const std::string kGood = "data:\n  path: /usr/share/common-licenses/GPL-3\n";
+
+void expectConfigError(const std::string& yaml, const std::string& extraArgs, const std::string& expected) {
+  const std::string file = writeConfig("tessera_cli_case.yaml", yaml);
+  Result r = runCommand(kTrain + " --config " + file + " " + extraArgs);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find(expected), std::string::npos) << "expected '" << expected << "' in:\n" << r.output;
+}
+
+TEST(TrainCliTest, UnknownKeyWithSuggestion) {
+  expectConfigError(kGood + "optim:\n  lrr: 0.1\n", "",
+                    "tessera_cli_case.yaml:4:3: optim.lrr: unknown key (did you mean 'optim.lr'?)");
+}
+
+TEST(TrainCliTest, WrongType) {
+  expectConfigError(kGood + "optim:\n  lr: fast\n", "", "tessera_cli_case.yaml:4:7: optim.lr: expected a number, got 'fast'");
+}
+
+TEST(TrainCliTest, OutOfRange) {
+  expectConfigError(kGood + "run:\n  steps: -1\n", "", "tessera_cli_case.yaml:4:10: run.steps: value -1 is out of range");
+  expectConfigError(kGood + "optim:\n  betas: [0.9, 1.5]\n", "",
+                    "tessera_cli_case.yaml:4:16: optim.betas[1]: value 1.5 is out of range: must be < 1");
+}
+
+TEST(TrainCliTest, MissingRequiredKey) {
+  expectConfigError("run:\n  steps: 3\n", "", "data.path: missing required key");
+}
+
+TEST(TrainCliTest, MalformedYaml) {
+  expectConfigError(kGood + "run: {steps: 3\n", "", "tessera_cli_case.yaml:");
+  expectConfigError(kGood + "run: {steps: 3\n", "", "malformed YAML");
+}
+
+TEST(TrainCliTest, UnreadableFile) {
+  Result r = runCommand(kTrain + " --config /nonexistent/run.yaml");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("/nonexistent/run.yaml: cannot read config file"), std::string::npos) << r.output;
+}
+
+TEST(TrainCliTest, BadOverrides) {
+  expectConfigError(kGood, "--set optim.lrate=1", "--set optim.lrate=1: optim.lrate: unknown key (did you mean 'optim.lr'?)");
+  expectConfigError(kGood, "--set run.steps=many", "--set run.steps=many: run.steps: expected an integer, got 'many'");
+}
+
+TEST(TrainCliTest, BadArguments) {
+  Result r = runCommand(kTrain + " --no-such-flag");
+  EXPECT_EQ(r.status, 2) << r.output;
+  r = runCommand(kTrain);  // --config is required
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("--config"), std::string::npos) << r.output;
+}
+
+TEST(TrainCliTest, PrintConfigShowsOverrides) {
+  const std::string file = writeConfig("tessera_cli_ok.yaml", kGood);
+  Result r = runCommand(kTrain + " --config " + file + " --set run.steps=7 --set model.hidden=[8,4] --print-config");
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("steps: 7"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("hidden: [8, 4]"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("path: /usr/share/common-licenses/GPL-3"), std::string::npos) << r.output;
+}
+
+}  // namespace

@@ -1,0 +1,233 @@
+// Tests of the config schema machinery: loading, overrides, and every error kind,
+// each checked for the key path and the YAML line:column it names.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "common/config.h"
+#include "common/errors.h"
+
+namespace tessera::config {
+namespace {
+
+struct Options {
+  std::string name = "demo";
+  int64_t steps = 200;
+  double lr = 3e-4;
+  double decay = 0.999;
+  bool shuffle = true;
+  std::optional<std::string> initFrom;
+  std::vector<int64_t> dims = {4, 8};
+  std::vector<double> betas = {0.9, 0.999};
+  std::vector<std::string> wrap = {"blocks"};
+  std::string arch = "mlp";
+  std::string path;
+};
+
+class ConfigSchemaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    schema.add("run.name", &o.name, "name").nonEmpty();
+    schema.add("run.steps", &o.steps, "steps").min(1);
+    schema.add("optim.lr", &o.lr, "lr").greaterThan(0.0);
+    schema.add("ema.decay", &o.decay, "decay").min(0.0).lessThan(1.0);
+    schema.add("data.shuffle", &o.shuffle, "shuffle");
+    schema.add("model.init_from", &o.initFrom, "init");
+    schema.add("model.dims", &o.dims, "dims").min(1).nonEmpty();
+    schema.add("optim.betas", &o.betas, "betas").min(0.0).lessThan(1.0).size(2);
+    schema.add("sharding.wrap", &o.wrap, "wrap");
+    schema.add("model.arch", &o.arch, "arch").oneOf({"mlp", "gpt"});
+    schema.add("data.path", &o.path, "path").required();
+  }
+
+  // Runs `fn`, expects a ConfigError, returns its message.
+  template <typename Fn>
+  std::string errorOf(Fn fn) {
+    try {
+      fn();
+    } catch (const ConfigError& e) {
+      return e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "expected ConfigError, got: " << e.what();
+      return "";
+    }
+    ADD_FAILURE() << "expected ConfigError, nothing was thrown";
+    return "";
+  }
+
+  Options o;
+  ConfigSchema schema;
+};
+
+TEST_F(ConfigSchemaTest, DefaultsStayWhenKeysAreAbsent) {
+  schema.loadString("run:\n  steps: 5\n", "a.yaml");
+  EXPECT_EQ(o.steps, 5);
+  EXPECT_EQ(o.name, "demo");
+  EXPECT_DOUBLE_EQ(o.lr, 3e-4);
+  EXPECT_EQ(schema.locationOf("run.steps").str(), "a.yaml:2:10");
+  EXPECT_EQ(schema.locationOf("run.name").str(), "<default>");
+}
+
+TEST_F(ConfigSchemaTest, LoadsEveryType) {
+  schema.loadString(
+      "run: {name: x, steps: 7}\n"
+      "optim: {lr: 1.5e-3, betas: [0.8, 0.95]}\n"
+      "ema: {decay: 0.5}\n"
+      "data: {shuffle: false, path: /tmp/t}\n"
+      "model: {init_from: w.safetensors, dims: [3, 5, 2], arch: gpt}\n"
+      "sharding: {wrap: [a, b]}\n",
+      "t.yaml");
+  EXPECT_EQ(o.name, "x");
+  EXPECT_EQ(o.steps, 7);
+  EXPECT_DOUBLE_EQ(o.lr, 1.5e-3);
+  EXPECT_EQ(o.betas, (std::vector<double>{0.8, 0.95}));
+  EXPECT_DOUBLE_EQ(o.decay, 0.5);
+  EXPECT_FALSE(o.shuffle);
+  EXPECT_EQ(o.path, "/tmp/t");
+  EXPECT_EQ(o.initFrom, std::optional<std::string>("w.safetensors"));
+  EXPECT_EQ(o.dims, (std::vector<int64_t>{3, 5, 2}));
+  EXPECT_EQ(o.arch, "gpt");
+  EXPECT_EQ(o.wrap, (std::vector<std::string>{"a", "b"}));
+  schema.loadString("model: {init_from: null}\n", "u.yaml");
+  EXPECT_FALSE(o.initFrom.has_value());
+}
+
+TEST_F(ConfigSchemaTest, UnknownKeySuggestsClosest) {
+  std::string msg = errorOf([&] { schema.loadString("optim:\n  lrr: 0.1\n", "c.yaml"); });
+  EXPECT_NE(msg.find("c.yaml:2:3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("optim.lrr"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unknown key"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("did you mean 'optim.lr'"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigSchemaTest, UnknownSectionSuggestsClosest) {
+  std::string msg = errorOf([&] { schema.loadString("optm:\n  lr: 0.1\n", "c.yaml"); });
+  EXPECT_NE(msg.find("c.yaml:1:1: optm: unknown key (did you mean 'optim'?)"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigSchemaTest, WrongTypeNamesKeyAndLine) {
+  std::string msg = errorOf([&] { schema.loadString("run:\n  steps: 3\noptim:\n  lr: fast\n", "w.yaml"); });
+  EXPECT_NE(msg.find("w.yaml:4:7: optim.lr: expected a number, got 'fast'"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("run:\n  steps: 2.5\n", "w.yaml"); });
+  EXPECT_NE(msg.find("w.yaml:2:10: run.steps: expected an integer"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("data:\n  shuffle: maybe\n", "w.yaml"); });
+  EXPECT_NE(msg.find("w.yaml:2:12: data.shuffle: expected true or false"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("model:\n  dims: 5\n", "w.yaml"); });
+  EXPECT_NE(msg.find("model.dims: expected a list of integers"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("model:\n  dims: [1, x]\n", "w.yaml"); });
+  EXPECT_NE(msg.find("w.yaml:2:13: model.dims[1]: expected an integer, got 'x'"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("run: 5\n", "w.yaml"); });
+  EXPECT_NE(msg.find("w.yaml:1:1: run: is a section: expected a mapping"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("run:\n  name: [a]\n", "w.yaml"); });
+  EXPECT_NE(msg.find("w.yaml:2:9: run.name: expected a string, got a list"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigSchemaTest, OutOfRangeValues) {
+  std::string msg = errorOf([&] { schema.loadString("run:\n  steps: -1\n", "r.yaml"); });
+  EXPECT_NE(msg.find("r.yaml:2:10: run.steps: value -1 is out of range: must be >= 1"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("ema:\n  decay: 1.5\n", "r.yaml"); });
+  EXPECT_NE(msg.find("r.yaml:2:10: ema.decay: value 1.5 is out of range: must be < 1"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("optim:\n  lr: 0\n", "r.yaml"); });
+  EXPECT_NE(msg.find("optim.lr: value 0 is out of range: must be > 0"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("model:\n  arch: rnn\n", "r.yaml"); });
+  EXPECT_NE(msg.find("r.yaml:2:9: model.arch: 'rnn' is not one of: mlp, gpt"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("optim:\n  betas: [0.9]\n", "r.yaml"); });
+  EXPECT_NE(msg.find("optim.betas: expected 2 elements, got 1"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("model:\n  dims: []\n", "r.yaml"); });
+  EXPECT_NE(msg.find("model.dims: must not be empty"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("model:\n  dims: [4, 0]\n", "r.yaml"); });
+  EXPECT_NE(msg.find("r.yaml:2:13: model.dims[1]: value 0 is out of range"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigSchemaTest, MissingRequiredKey) {
+  schema.loadString("data:\n  shuffle: true\n", "m.yaml");
+  std::string msg = errorOf([&] { schema.checkRequired(); });
+  EXPECT_NE(msg.find("m.yaml:2:12: data.path: missing required key"), std::string::npos) << msg;
+  ConfigSchema empty;
+  std::string p;
+  empty.add("data.path", &p, "p").required();
+  msg = errorOf([&] { empty.checkRequired(); });
+  EXPECT_NE(msg.find("data.path: missing required key"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigSchemaTest, MalformedAndUnreadable) {
+  std::string msg = errorOf([&] { schema.loadString("run:\n  steps: [1, 2\n", "bad.yaml"); });
+  EXPECT_NE(msg.find("bad.yaml:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("malformed YAML"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadFile("/nonexistent/dir/x.yaml"); });
+  EXPECT_NE(msg.find("/nonexistent/dir/x.yaml: cannot read config file"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("- a\n- b\n", "list.yaml"); });
+  EXPECT_NE(msg.find("list.yaml:1:1: <root>: expected a mapping"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.loadString("run:\n  steps: 1\n  steps: 2\n", "dup.yaml"); });
+  EXPECT_NE(msg.find("dup.yaml:3:3: run.steps: duplicate key"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigSchemaTest, OverridesAreTypedLikeTheirKey) {
+  schema.applyOverride("run.steps=12");
+  schema.applyOverride("optim.lr=1e-2");
+  schema.applyOverride("model.dims=[2,3]");
+  schema.applyOverride("run.name=a: b");
+  schema.applyOverride("data.shuffle=false");
+  schema.applyOverride("model.init_from=null");
+  EXPECT_EQ(o.steps, 12);
+  EXPECT_DOUBLE_EQ(o.lr, 1e-2);
+  EXPECT_EQ(o.dims, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(o.name, "a: b");
+  EXPECT_FALSE(o.shuffle);
+  EXPECT_EQ(schema.locationOf("run.steps").str(), "--set run.steps=12");
+
+  std::string msg = errorOf([&] { schema.applyOverride("run.steps=abc"); });
+  EXPECT_NE(msg.find("--set run.steps=abc: run.steps: expected an integer, got 'abc'"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.applyOverride("optim.lrate=1"); });
+  EXPECT_NE(msg.find("optim.lrate: unknown key (did you mean 'optim.lr'?)"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.applyOverride("optim=1"); });
+  EXPECT_NE(msg.find("optim: is a section"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.applyOverride("novalue"); });
+  EXPECT_NE(msg.find("expected KEY=VALUE"), std::string::npos) << msg;
+  msg = errorOf([&] { schema.applyOverride("ema.decay=1.5"); });
+  EXPECT_NE(msg.find("ema.decay: value 1.5 is out of range"), std::string::npos) << msg;
+}
+
+TEST_F(ConfigSchemaTest, ResolvedYamlRoundTrips) {
+  schema.loadString("run: {steps: 9}\ndata: {path: \"/x y\"}\noptim: {lr: 0.5}\n", "a.yaml");
+  const std::string yaml = schema.toYaml();
+  Options copy;
+  ConfigSchema second;
+  second.add("run.name", &copy.name, "");
+  second.add("run.steps", &copy.steps, "");
+  second.add("optim.lr", &copy.lr, "");
+  second.add("ema.decay", &copy.decay, "");
+  second.add("data.shuffle", &copy.shuffle, "");
+  second.add("model.init_from", &copy.initFrom, "");
+  second.add("model.dims", &copy.dims, "");
+  second.add("optim.betas", &copy.betas, "");
+  second.add("sharding.wrap", &copy.wrap, "");
+  second.add("model.arch", &copy.arch, "");
+  second.add("data.path", &copy.path, "");
+  second.loadString(yaml, "resolved.yaml");
+  EXPECT_EQ(copy.steps, 9);
+  EXPECT_EQ(copy.path, "/x y");
+  EXPECT_DOUBLE_EQ(copy.lr, 0.5);
+  EXPECT_EQ(copy.betas, o.betas);
+  EXPECT_EQ(copy.dims, o.dims);
+  EXPECT_EQ(second.toYaml(), yaml);
+}
+
+TEST(EditDistanceTest, Basics) {
+  EXPECT_EQ(editDistance("", "abc"), 3u);
+  EXPECT_EQ(editDistance("lr", "lrr"), 1u);
+  EXPECT_EQ(editDistance("kitten", "sitting"), 3u);
+}
+
+TEST(ConfigSchemaRegistration, RejectsDuplicatesAndNesting) {
+  ConfigSchema s;
+  int64_t a = 0, b = 0;
+  s.add("x.y", &a, "");
+  EXPECT_THROW(s.add("x.y", &b, ""), Error);
+  EXPECT_THROW(s.add("x.y.z", &b, ""), Error);
+  EXPECT_THROW(s.add("x", &b, ""), Error);
+}
+
+}  // namespace
+}  // namespace tessera::config

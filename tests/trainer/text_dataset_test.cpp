@@ -1,0 +1,86 @@
+// Byte-level text dataset and the distributed sampler: contents, splits, determinism,
+// and that the union of the ranks' slices is the global batch at every world size.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "common/errors.h"
+#include "trainer/text_dataset.h"
+
+namespace tessera::trainer {
+namespace {
+
+std::string writeText(const std::string& name, const std::string& text) {
+  auto path = std::filesystem::temp_directory_path() / name;
+  std::ofstream(path, std::ios::binary) << text;
+  return path.string();
+}
+
+TEST(TextDatasetTest, SamplesAreContextAndNextByte) {
+  const std::string path = writeText("tessera_ds_a.txt", "abcdefghijklmnopqrst");  // 20 bytes
+  TextDataset ds(path, 4, 0.25);  // train: first 15 bytes, eval: last 5
+  EXPECT_EQ(ds.trainSamples(), 11);
+  EXPECT_EQ(ds.evalSamples(), 1);
+  auto [x, y] = ds.trainBatch({0, 10});
+  EXPECT_EQ(x.sizes(), (c10::IntArrayRef{2, 4}));
+  EXPECT_EQ(x[0][0].item<int64_t>(), 'a');
+  EXPECT_EQ(x[1][3].item<int64_t>(), 'n');
+  EXPECT_EQ(y[0].item<int64_t>(), 'e');
+  EXPECT_EQ(y[1].item<int64_t>(), 'o');
+  auto [ex, ey] = ds.evalBatch(0, 1);
+  EXPECT_EQ(ex[0][0].item<int64_t>(), 'p');
+  EXPECT_EQ(ey[0].item<int64_t>(), 't');
+  EXPECT_THROW(ds.trainBatch({11}), Error);
+}
+
+TEST(TextDatasetTest, ErrorsNameTheFile) {
+  try {
+    TextDataset("/nonexistent/file.txt", 4, 0.1);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent/file.txt"), std::string::npos);
+  }
+  const std::string tiny = writeText("tessera_ds_tiny.txt", "abc");
+  EXPECT_THROW(TextDataset(tiny, 4, 0.0), Error);
+}
+
+TEST(DistributedSamplerTest, RanksPartitionTheGlobalBatchAtEveryWorldSize) {
+  DistributedSampler sampler(1000, 24, 7, true);
+  for (int64_t step : {0, 5, 41, 42, 100}) {
+    std::vector<int64_t> reference;
+    for (int world : {1, 2, 3, 4}) {
+      std::vector<int64_t> all;
+      for (int r = 0; r < world; ++r) {
+        auto part = sampler.indicesFor(step, r, world);
+        EXPECT_EQ(part.size(), 24u / world);
+        all.insert(all.end(), part.begin(), part.end());
+      }
+      if (world == 1) reference = all;
+      EXPECT_EQ(all, reference) << "step " << step << " world " << world;
+      EXPECT_EQ(std::set<int64_t>(all.begin(), all.end()).size(), all.size());
+    }
+  }
+}
+
+TEST(DistributedSamplerTest, EpochsAreSeededPermutations) {
+  DistributedSampler a(100, 10, 3, true), b(100, 10, 3, true), c(100, 10, 4, true);
+  EXPECT_EQ(a.stepsPerEpoch(), 10);
+  std::set<int64_t> epoch0;
+  for (int64_t s = 0; s < 10; ++s) {
+    auto idx = a.indicesFor(s, 0, 1);
+    EXPECT_EQ(idx, b.indicesFor(s, 0, 1));
+    epoch0.insert(idx.begin(), idx.end());
+  }
+  EXPECT_EQ(epoch0.size(), 100u);
+  EXPECT_NE(a.indicesFor(0, 0, 1), c.indicesFor(0, 0, 1));
+  EXPECT_NE(a.indicesFor(0, 0, 1), a.indicesFor(10, 0, 1));  // next epoch, new order
+  DistributedSampler ordered(100, 10, 3, false);
+  EXPECT_EQ(ordered.indicesFor(1, 1, 2), (std::vector<int64_t>{15, 16, 17, 18, 19}));
+  EXPECT_THROW(ordered.indicesFor(0, 0, 3), Error);
+}
+
+}  // namespace
+}  // namespace tessera::trainer

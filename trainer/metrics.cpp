@@ -1,0 +1,128 @@
+// Metrics log, console progress and SVG loss curve (see metrics.h).
+#include "trainer/metrics.h"
+
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <sstream>
+
+#include "common/errors.h"
+#include "common/logging.h"
+
+namespace tessera::trainer {
+namespace {
+double nowSec() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+}  // namespace
+
+MetricsLog::MetricsLog(const std::string& jsonlPath, int64_t totalSteps)
+    : totalSteps_(totalSteps), terminal_(::isatty(STDERR_FILENO) == 1), startSec_(nowSec()) {
+  std::filesystem::create_directories(std::filesystem::path(jsonlPath).parent_path());
+  out_.open(jsonlPath, std::ios::app);
+  if (!out_) throw Error(strCat("MetricsLog: cannot open '", jsonlPath, "' for writing"));
+}
+
+void MetricsLog::record(const StepMetrics& m) {
+  nlohmann::json j = {{"step", m.step},          {"loss", m.loss},
+                      {"lr", m.lr},              {"grad_norm", m.gradNorm},
+                      {"samples_per_sec", m.samplesPerSec}, {"step_time_ms", m.stepTimeMs},
+                      {"peak_rss_mib", m.peakRssMiB},       {"comm_mib", m.commMiB}};
+  for (const auto& [k, v] : m.extra) j[k] = v;
+  out_ << j.dump() << "\n";
+  out_.flush();
+  losses_.emplace_back(m.step, m.loss);
+
+  const double elapsed = nowSec() - startSec_;
+  const double eta = m.step > 0 ? elapsed / static_cast<double>(m.step) * static_cast<double>(totalSteps_ - m.step) : 0;
+  std::ostringstream line;
+  line << "step " << m.step << "/" << totalSteps_ << " loss " << fixed(m.loss, 4) << " lr " << m.lr << " gnorm "
+       << fixed(m.gradNorm, 3) << " " << fixed(m.samplesPerSec, 1) << " samples/s " << fixed(m.stepTimeMs, 1)
+       << " ms/step rss " << fixed(m.peakRssMiB, 0) << " MiB comm " << fixed(m.commMiB, 2) << " MiB";
+  for (const auto& [k, v] : m.extra) line << " " << k << " " << fixed(v, 4);
+  if (terminal_) {
+    // A progress bar with ETA on a terminal; plain log lines otherwise.
+    const int width = 30;
+    const int filled = totalSteps_ > 0 ? static_cast<int>(width * m.step / totalSteps_) : width;
+    std::string bar = "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
+    std::fprintf(stderr, "\r%s %s ETA %ss\n", bar.c_str(), line.str().c_str(), fixed(eta, 0).c_str());
+  } else {
+    TLOG_INFO(line.str() << " eta " << fixed(eta, 0) << "s");
+  }
+}
+
+void MetricsLog::writeLossCurve(const std::string& svgPath) const {
+  std::ofstream svg(svgPath);
+  if (!svg) throw Error(strCat("MetricsLog: cannot write '", svgPath, "'"));
+  svg << renderLineChartSvg(losses_, "training loss", "step", "loss");
+}
+
+std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& points, const std::string& title,
+                               const std::string& xLabel, const std::string& yLabel) {
+  const double W = 640, H = 400, left = 70, right = 20, top = 40, bottom = 50;
+  double xMin = 0, xMax = 1, yMin = 0, yMax = 1;
+  if (!points.empty()) {
+    xMin = static_cast<double>(points.front().first);
+    xMax = static_cast<double>(points.back().first);
+    yMin = yMax = points.front().second;
+    for (const auto& [x, y] : points) {
+      yMin = std::min(yMin, y);
+      yMax = std::max(yMax, y);
+    }
+  }
+  if (xMax <= xMin) xMax = xMin + 1;
+  if (yMax <= yMin) yMax = yMin + 1;
+  auto px = [&](double x) { return left + (x - xMin) / (xMax - xMin) * (W - left - right); };
+  auto py = [&](double y) { return top + (yMax - y) / (yMax - yMin) * (H - top - bottom); };
+  std::ostringstream s;
+  s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\" font-family=\"sans-serif\">\n"
+    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"16\">" << title << "</text>\n"
+    << "<line x1=\"" << left << "\" y1=\"" << H - bottom << "\" x2=\"" << W - right << "\" y2=\"" << H - bottom
+    << "\" stroke=\"black\"/>\n"
+    << "<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left << "\" y2=\"" << H - bottom
+    << "\" stroke=\"black\"/>\n";
+  for (int i = 0; i <= 4; ++i) {
+    const double y = yMin + (yMax - yMin) * i / 4.0;
+    const double x = xMin + (xMax - xMin) * i / 4.0;
+    s << "<text x=\"" << left - 6 << "\" y=\"" << py(y) + 4 << "\" text-anchor=\"end\" font-size=\"11\">" << fixed(y, 3)
+      << "</text>\n"
+      << "<text x=\"" << px(x) << "\" y=\"" << H - bottom + 16 << "\" text-anchor=\"middle\" font-size=\"11\">"
+      << fixed(x, 0) << "</text>\n";
+  }
+  s << "<text x=\"" << W / 2 << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\" font-size=\"12\">" << xLabel
+    << "</text>\n"
+    << "<text x=\"16\" y=\"" << H / 2 << "\" text-anchor=\"middle\" font-size=\"12\" transform=\"rotate(-90 16 " << H / 2
+    << ")\">" << yLabel << "</text>\n";
+  if (!points.empty()) {
+    s << "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"";
+    for (const auto& [x, y] : points) s << fixed(px(static_cast<double>(x)), 1) << "," << fixed(py(y), 1) << " ";
+    s << "\"/>\n";
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+double peakRssMiB() {
+  FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return 0;
+  char line[256];
+  double kib = 0;
+  while (std::fgets(line, sizeof(line), f)) {
+    if (std::sscanf(line, "VmHWM: %lf kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return kib / 1024.0;
+}
+
+}  // namespace tessera::trainer

@@ -1,0 +1,53 @@
+// Run metrics: JSON lines in <run.dir>/metrics.jsonl, a console line (or a progress
+// bar with ETA on a terminal), and the loss curve as an SVG at the end of the run.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace tessera::trainer {
+
+struct StepMetrics {
+  int64_t step = 0;           // optimizer steps completed
+  double loss = 0;            // mean training loss over the global batch
+  double lr = 0;
+  double gradNorm = 0;        // global L2 norm of the averaged gradients (before clipping)
+  double samplesPerSec = 0;   // over all ranks
+  double stepTimeMs = 0;      // mean wall time per step since the last record
+  double peakRssMiB = 0;      // max over ranks of the peak resident set size
+  double commMiB = 0;         // bytes sent by this rank since the last record
+  std::map<std::string, double> extra;  // e.g. eval_loss, eval_loss_ema
+};
+
+class MetricsLog {
+ public:
+  // Appends to `jsonlPath` (created with its directory when missing).
+  MetricsLog(const std::string& jsonlPath, int64_t totalSteps);
+
+  // Writes one JSON line and a console line.
+  void record(const StepMetrics& m);
+  // Writes the loss curve of everything recorded to `svgPath`.
+  void writeLossCurve(const std::string& svgPath) const;
+
+  const std::vector<std::pair<int64_t, double>>& lossHistory() const { return losses_; }
+
+ private:
+  std::ofstream out_;
+  int64_t totalSteps_;
+  bool terminal_;
+  double startSec_;
+  std::vector<std::pair<int64_t, double>> losses_;
+};
+
+// Renders (x, y) series as a standalone SVG line chart (hand-written: a few dozen lines
+// of SVG need no plotting library, and none is packaged for C++ in Debian).
+std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& points, const std::string& title,
+                               const std::string& xLabel, const std::string& yLabel);
+
+// Peak resident set size of this process in MiB (VmHWM from /proc/self/status).
+double peakRssMiB();
+
+}  // namespace tessera::trainer

@@ -1,0 +1,95 @@
+// Byte-level text dataset and deterministic distributed sampler (see text_dataset.h).
+#include "trainer/text_dataset.h"
+
+#include <algorithm>
+#include <fstream>
+#include <iterator>
+#include <numeric>
+#include <random>
+
+#include "common/errors.h"
+
+namespace tessera::trainer {
+
+TextDataset::TextDataset(const std::string& path, int64_t context, double evalFraction)
+    : path_(path), context_(context) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(strCat("TextDataset: cannot read data file '", path, "'"));
+  bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  TESSERA_CHECK(context >= 1, "TextDataset: context must be >= 1, got ", context);
+  const auto size = static_cast<int64_t>(bytes_.size());
+  trainEnd_ = size - static_cast<int64_t>(static_cast<double>(size) * evalFraction);
+  TESSERA_CHECK(trainSamples() >= 1, "TextDataset: '", path, "' has ", size, " bytes: too short for context ",
+                context, " (train split ", trainEnd_, " bytes)");
+  TESSERA_CHECK(evalFraction == 0.0 || evalSamples() >= 1, "TextDataset: '", path, "': held-out split of ",
+                size - trainEnd_, " bytes is too short for context ", context, " (raise data.eval_fraction)");
+}
+
+std::pair<at::Tensor, at::Tensor> TextDataset::gather(const std::vector<int64_t>& starts) const {
+  const auto n = static_cast<int64_t>(starts.size());
+  at::Tensor inputs = at::empty({n, context_}, at::kLong);
+  at::Tensor targets = at::empty({n}, at::kLong);
+  auto* in = inputs.data_ptr<int64_t>();
+  auto* tg = targets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = starts[i];
+    for (int64_t j = 0; j < context_; ++j) in[i * context_ + j] = bytes_[s + j];
+    tg[i] = bytes_[s + context_];
+  }
+  return {inputs, targets};
+}
+
+std::pair<at::Tensor, at::Tensor> TextDataset::trainBatch(const std::vector<int64_t>& indices) const {
+  for (int64_t i : indices) {
+    TESSERA_CHECK(i >= 0 && i < trainSamples(), "TextDataset::trainBatch: sample ", i, " out of range [0, ",
+                  trainSamples(), ")");
+  }
+  return gather(indices);
+}
+
+std::pair<at::Tensor, at::Tensor> TextDataset::evalBatch(int64_t first, int64_t n) const {
+  TESSERA_CHECK(first >= 0 && n >= 0 && first + n <= evalSamples(), "TextDataset::evalBatch: [", first, ", ",
+                first + n, ") out of range [0, ", evalSamples(), ")");
+  std::vector<int64_t> starts(n);
+  for (int64_t i = 0; i < n; ++i) starts[i] = trainEnd_ + first + i;
+  return gather(starts);
+}
+
+DistributedSampler::DistributedSampler(int64_t numSamples, int64_t globalBatch, int64_t seed, bool shuffle)
+    : numSamples_(numSamples), globalBatch_(globalBatch), seed_(seed), shuffle_(shuffle) {
+  TESSERA_CHECK(globalBatch >= 1, "DistributedSampler: global batch ", globalBatch);
+  TESSERA_CHECK(numSamples >= globalBatch, "DistributedSampler: ", numSamples,
+                " samples are fewer than one global batch of ", globalBatch);
+  stepsPerEpoch_ = numSamples / globalBatch;  // the incomplete last batch is dropped
+}
+
+const std::vector<int64_t>& DistributedSampler::permutation(int64_t epoch) const {
+  if (epoch != cachedEpoch_) {
+    cachedPerm_.resize(numSamples_);
+    std::iota(cachedPerm_.begin(), cachedPerm_.end(), 0);
+    if (shuffle_) {
+      // mt19937_64 and a hand-rolled Fisher-Yates: std::shuffle's algorithm is
+      // implementation-defined, and the order must not change with the toolchain.
+      std::mt19937_64 rng(static_cast<uint64_t>(seed_) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(epoch));
+      for (int64_t i = numSamples_ - 1; i > 0; --i) {
+        const auto j = static_cast<int64_t>(rng() % static_cast<uint64_t>(i + 1));
+        std::swap(cachedPerm_[i], cachedPerm_[j]);
+      }
+    }
+    cachedEpoch_ = epoch;
+  }
+  return cachedPerm_;
+}
+
+std::vector<int64_t> DistributedSampler::indicesFor(int64_t step, int rank, int worldSize) const {
+  TESSERA_CHECK(worldSize >= 1 && rank >= 0 && rank < worldSize, "DistributedSampler: rank ", rank, " of ", worldSize);
+  TESSERA_CHECK(globalBatch_ % worldSize == 0, "DistributedSampler: global batch ", globalBatch_,
+                " is not divisible by world size ", worldSize);
+  const int64_t epoch = step / stepsPerEpoch_;
+  const int64_t first = (step % stepsPerEpoch_) * globalBatch_;
+  const int64_t perRank = globalBatch_ / worldSize;
+  const auto& perm = permutation(epoch);
+  return std::vector<int64_t>(perm.begin() + first + rank * perRank, perm.begin() + first + (rank + 1) * perRank);
+}
+
+}  // namespace tessera::trainer

@@ -1,0 +1,72 @@
+// Binds TrainConfig's fields to YAML keys (docs and constraints live here, next to
+// the key they describe) and loads a run config with overrides.
+#include "trainer/train_config.h"
+
+#include "common/config.h"
+#include "common/errors.h"
+
+namespace tessera::trainer {
+
+void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
+  s.describeSection("run", "Identity, length and seed of the run");
+  s.add("run.name", &c.run.name, "Run name, shown in logs and metrics").nonEmpty();
+  s.add("run.dir", &c.run.dir, "Run directory: resolved config, metrics, logs, checkpoints, exports").nonEmpty();
+  s.add("run.seed", &c.run.seed, "Seed for model init, data order and dropout").min(0);
+  s.add("run.steps", &c.run.steps, "Optimizer steps to run").min(1);
+  s.add("run.log_every", &c.run.log_every, "Print and record metrics every N steps").min(1);
+
+  s.describeSection("log", "Logging");
+  s.add("log.level", &c.log.level, "Log level; the TESSERA_LOG_LEVEL environment variable overrides it")
+      .oneOf({"trace", "debug", "info", "warn", "error", "off"});
+  s.add("log.per_rank_files", &c.log.per_rank_files, "Also write <run.dir>/logs/rank_N.log per rank");
+
+  s.describeSection("model", "The model to train");
+  s.add("model.arch", &c.model.arch, "Model architecture").oneOf({"mlp"});
+  s.add("model.vocab_size", &c.model.vocab_size, "Vocabulary size (256 for byte-level text)").min(2);
+  s.add("model.context", &c.model.context, "Context length in tokens").min(1);
+  s.add("model.embed_dim", &c.model.embed_dim, "Token embedding width").min(1);
+  s.add("model.hidden", &c.model.hidden, "Hidden layer widths of the MLP").min(1).nonEmpty();
+  s.add("model.activation", &c.model.activation, "Activation between MLP layers").oneOf({"relu", "gelu"});
+
+  s.describeSection("data", "Training data");
+  s.add("data.kind", &c.data.kind, "Dataset kind").oneOf({"text"});
+  s.add("data.path", &c.data.path, "Input file (for text: any UTF-8 or binary file, read as bytes)").required().nonEmpty();
+  s.add("data.global_batch", &c.data.global_batch, "Samples per optimizer step over all ranks").min(1);
+  s.add("data.micro_batch", &c.data.micro_batch, "Samples per forward/backward on one rank").min(1);
+  s.add("data.shuffle", &c.data.shuffle, "Seeded shuffle per epoch; false reads samples in file order");
+  s.add("data.eval_fraction", &c.data.eval_fraction, "Fraction at the end of the file held out for evaluation")
+      .min(0.0).lessThan(1.0);
+
+  s.describeSection("optim", "Optimizer");
+  s.add("optim.name", &c.optim.name, "Optimizer").oneOf({"adamw", "adam", "sgd"});
+  s.add("optim.lr", &c.optim.lr, "Learning rate").greaterThan(0.0);
+  s.add("optim.betas", &c.optim.betas, "Adam betas (beta1, beta2)").min(0.0).lessThan(1.0).size(2);
+  s.add("optim.eps", &c.optim.eps, "Adam epsilon").greaterThan(0.0);
+  s.add("optim.weight_decay", &c.optim.weight_decay, "Weight decay (decoupled for adamw)").min(0.0);
+  s.add("optim.momentum", &c.optim.momentum, "SGD momentum").min(0.0).lessThan(1.0);
+}
+
+void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, int worldSize) {
+  TESSERA_CHECK(worldSize >= 1, "validateTrainConfig: world size ", worldSize);
+  const int64_t perStep = c.data.micro_batch * worldSize;
+  if (c.data.global_batch % perStep != 0) {
+    throw ConfigError(s.errorMessage(
+        "data.global_batch",
+        strCat(c.data.global_batch, " is not a multiple of data.micro_batch (", c.data.micro_batch,
+               ") x world size (", worldSize, ")")));
+  }
+}
+
+LoadedConfig loadTrainConfig(const std::string& file, const std::vector<std::string>& overrides, int worldSize) {
+  LoadedConfig out;
+  config::ConfigSchema schema;
+  bindTrainConfig(schema, out.config);
+  if (!file.empty()) schema.loadFile(file);
+  for (const auto& o : overrides) schema.applyOverride(o);
+  schema.checkRequired();
+  validateTrainConfig(schema, out.config, worldSize);
+  out.resolvedYaml = schema.toYaml();
+  return out;
+}
+
+}  // namespace tessera::trainer

@@ -1,0 +1,80 @@
+// The run configuration of tessera-train: typed options with in-class defaults, bound
+// to YAML keys by bindTrainConfig(). configs/README.md documents every key (a test
+// checks that), and configs/default.yaml is the main job's config.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tessera::config {
+class ConfigSchema;
+}
+
+namespace tessera::trainer {
+
+struct RunOptions {
+  std::string name = "demo";      // shown in logs and metrics
+  std::string dir = "runs/demo";  // run directory: resolved config, metrics, logs, checkpoints
+  int64_t seed = 1234;            // seeds model init, data order and dropout
+  int64_t steps = 200;            // optimizer steps to run
+  int64_t log_every = 10;         // metrics every N steps
+};
+
+struct LogSection {
+  std::string level = "info";  // trace|debug|info|warn|error|off; TESSERA_LOG_LEVEL overrides when set
+  bool per_rank_files = true;  // also write <run.dir>/logs/rank_N.log
+};
+
+struct ModelOptions {
+  std::string arch = "mlp";             // mlp (more come with the trainer issue)
+  int64_t vocab_size = 256;             // byte-level text: 256
+  int64_t context = 16;                 // tokens of context the model sees
+  int64_t embed_dim = 32;               // token embedding width
+  std::vector<int64_t> hidden = {256, 256};  // hidden layer widths of the MLP
+  std::string activation = "gelu";      // relu | gelu
+};
+
+struct DataOptions {
+  std::string kind = "text";   // text (byte-level)
+  std::string path = "";       // input file; required
+  int64_t global_batch = 32;   // samples per optimizer step over all ranks
+  int64_t micro_batch = 16;    // samples per forward/backward on one rank
+  bool shuffle = true;         // seeded shuffle per epoch; false reads in file order
+  double eval_fraction = 0.05; // tail of the file held out for evaluation
+};
+
+struct OptimOptions {
+  std::string name = "adamw";              // adamw | adam | sgd
+  double lr = 3.0e-4;
+  std::vector<double> betas = {0.9, 0.999};
+  double eps = 1.0e-8;
+  double weight_decay = 0.01;
+  double momentum = 0.0;                   // sgd only
+};
+
+struct TrainConfig {
+  RunOptions run;
+  LogSection log;
+  ModelOptions model;
+  DataOptions data;
+  OptimOptions optim;
+};
+
+// Registers every key of `config` with `schema` (the variables are bound by pointer).
+void bindTrainConfig(config::ConfigSchema& schema, TrainConfig& config);
+
+// Cross-field checks (e.g. global_batch divisible by micro_batch x world size);
+// throws ConfigError naming the keys and where they were set.
+void validateTrainConfig(const config::ConfigSchema& schema, const TrainConfig& config, int worldSize);
+
+// Loads `file` (if not empty), then each "a.b=c" override, then checks required keys.
+// Returns the resolved YAML text alongside the config.
+struct LoadedConfig {
+  TrainConfig config;
+  std::string resolvedYaml;
+};
+LoadedConfig loadTrainConfig(const std::string& file, const std::vector<std::string>& overrides, int worldSize);
+
+}  // namespace tessera::trainer
