@@ -80,6 +80,39 @@ void checkReduceOp(const char* method, const at::Tensor& t, ReduceOp op) {
                    ": ReduceOp avg needs a floating-point tensor, got ", shapeOf(t));
 }
 
+// A group of one rank: every operation is local, handled by Communicator itself (the
+// world-of-one shortcuts), so a split into single ranks costs no store traffic or sockets.
+class SelfCommunicator final : public Communicator {
+ public:
+  SelfCommunicator(std::string backend, CommOptions options)
+      : Communicator(0, 1, std::move(options)), backend_(std::move(backend)) {}
+  std::string backendName() const override { return backend_; }
+
+ protected:
+  std::shared_ptr<CommHandle> doAllGatherInto(const at::Tensor&, const at::Tensor&) override { return unreachable(); }
+  std::shared_ptr<CommHandle> doReduceScatter(const at::Tensor&, const at::Tensor&, ReduceOp) override {
+    return unreachable();
+  }
+  std::shared_ptr<CommHandle> doAllReduce(const at::Tensor&, ReduceOp) override { return unreachable(); }
+  std::shared_ptr<CommHandle> doBroadcast(const at::Tensor&, int) override { return unreachable(); }
+  std::shared_ptr<CommHandle> doGatherToRoot(const at::Tensor&, const at::Tensor&, int) override {
+    return unreachable();
+  }
+  std::shared_ptr<CommHandle> doBarrier() override { return unreachable(); }
+  std::shared_ptr<Communicator> doSplit(const std::vector<int>&, int, const std::string& name) override {
+    CommOptions sub = options();
+    sub.name = name;
+    return std::make_shared<SelfCommunicator>(backend_, sub);
+  }
+
+ private:
+  std::shared_ptr<CommHandle> unreachable() const {
+    throw Error(strCat("SelfCommunicator: internal error: a world-of-one operation reached the backend (", describe(),
+                       ")"));
+  }
+  std::string backend_;
+};
+
 // Copies src into dst unless they are the same memory.
 void copyUnlessSame(const at::Tensor& dst, const at::Tensor& src) {
   if (dst.data_ptr() != src.data_ptr()) dst.reshape({-1}).copy_(src.reshape({-1}));
@@ -276,7 +309,13 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks)
   }
   TESSERA_CHECK_AS(UsageError, subRank >= 0, "Communicator::split: rank ", rank_, " is not in the subset [", members,
                    "]; only members call split()");
-  return doSplit(ranks, subRank, strCat(options_.name, "/split[", members, "]"));
+  const std::string name = strCat(options_.name, "/split[", members, "]");
+  if (ranks.size() == 1) {
+    CommOptions sub = options_;
+    sub.name = name;
+    return std::make_shared<SelfCommunicator>(backendName(), sub);
+  }
+  return doSplit(ranks, subRank, name);
 }
 
 CommStats Communicator::stats() const {

@@ -316,9 +316,9 @@ int Launcher::run() {
   for (int restart = 0;; ++restart) {
     const Outcome outcome = runAttempt(restart);
     if (outcome == Outcome::kSucceeded) {
-      const std::string ranks = options_.nnodes == 1
-                                    ? strCat("all ", nproc, " ranks")
-                                    : strCat("all ", nproc, " local ranks of node ", options_.nodeRank);
+      std::string ranks = nproc == 1 ? "1 rank" : strCat("all ", nproc, " ranks");
+      if (options_.nnodes > 1) ranks = strCat(nproc == 1 ? "1 local rank" : strCat("all ", nproc, " local ranks"),
+                                              " of node ", options_.nodeRank);
       const std::string restarts = restart > 0 ? strCat(" (after ", restart, " restart", restart > 1 ? "s" : "", ")") : "";
       TLOG_INFO("tessera-run: " << ranks << " exited 0 in " << formatSeconds(secondsSince(start_)) << " s" << restarts);
       return 0;

@@ -56,6 +56,7 @@ int main(int argc, char** argv) {
       throw tessera::UsageError("--standalone picks its own address and port; drop --master-addr/--master-port");
     }
     o.command = app.remaining();
+    if (!o.command.empty() && o.command[0] == "--") o.command.erase(o.command.begin());  // "tessera-run -- PROGRAM"
     return tessera::distributed::launch(std::move(o));
   });
 }

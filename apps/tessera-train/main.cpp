@@ -11,9 +11,8 @@
 #include "common/app_main.h"
 #include "common/errors.h"
 #include "common/logging.h"
-#include "distributed/communicator.h"
 #include "distributed/rank_env.h"
-#include "distributed/rendezvous.h"
+#include "distributed/runtime.h"
 #include "trainer/trainer.h"
 
 int main(int argc, char** argv) {
@@ -49,9 +48,9 @@ int main(int argc, char** argv) {
     }
     tessera::log::init(logOptions);
 
-    auto store = tessera::distributed::rendezvous(env);
-    auto comm = tessera::distributed::makeCommunicator("gloo", store, env.rank, env.world_size);
-    tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, comm);
+    auto runtime = tessera::distributed::Runtime::init(env);
+    TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s");
+    tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, runtime->comm());
     const auto summary = trainer.run();
     TLOG_INFO0("done: " << summary.steps << " steps, loss " << summary.firstLoss << " -> " << summary.finalLoss
                         << ", held-out loss " << summary.evalLoss << ", " << summary.samplesPerSec << " samples/s");

@@ -91,6 +91,7 @@ class LauncherProcess {
     }
     done_ = true;
     elapsedS_ = secondsSince(start_);
+    exitedAtS_ = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   }
 
@@ -98,6 +99,8 @@ class LauncherProcess {
   std::string err() const { return readFile(errFile_); }
   std::string output() const { return "--- stdout ---\n" + out() + "--- stderr ---\n" + err(); }
   double elapsedS() const { return elapsedS_; }
+  // When wait() saw the launcher gone, in seconds since the epoch (compare with `date +%s.%N`).
+  double exitedAtS() const { return exitedAtS_; }
 
  private:
   fs::path outFile_;
@@ -106,6 +109,7 @@ class LauncherProcess {
   pid_t pid_ = -1;
   bool done_ = false;
   double elapsedS_ = 0;
+  double exitedAtS_ = 0;
 };
 
 // "VAR=value" lines that rank `rank` printed, from "[rank R]: VAR=value" in `text`.
@@ -337,6 +341,14 @@ TEST_F(LauncherTest, RankExitCodeStopsTheOthersWithNoProcessLeft) {
   EXPECT_FALSE(contains(err, "SIGKILL")) << err;
   EXPECT_LT(run.elapsedS(), 10.0);
   expectNoProcessLeft();
+  // The figure for issue 3: the failing rank's last moment to the launcher's exit.
+  double failedAt = 0;
+  std::ifstream(dir_ / "failed_at") >> failedAt;
+  ASSERT_GT(failedAt, 0);
+  const double failureToExitMs = (run.exitedAtS() - failedAt) * 1000.0;
+  RecordProperty("failure_to_exit_ms", std::to_string(failureToExitMs));
+  std::cout << "rank 1 failure -> tessera-run exit (3 other ranks stopped): " << failureToExitMs << " ms\n";
+  EXPECT_LT(failureToExitMs, 10000.0);
 }
 
 TEST_F(LauncherTest, RankKilledBySignalIsReported) {

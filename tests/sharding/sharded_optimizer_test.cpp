@@ -40,7 +40,7 @@ std::unique_ptr<torch::optim::Optimizer> reference(const OptimizerOptions& o, st
     zero.weight_decay(0);
     return std::make_unique<AdamW>(std::vector<OptimizerParamGroup>{
         OptimizerParamGroup(decay, std::make_unique<AdamWOptions>(opts)),
-        OptimizerParamGroup(noDecay, std::make_unique<AdamWOptions>(zero))});
+        OptimizerParamGroup(noDecay, std::make_unique<AdamWOptions>(zero))}, opts);
   }
   if (o.name == "adam") {
     auto opts = AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
@@ -48,14 +48,14 @@ std::unique_ptr<torch::optim::Optimizer> reference(const OptimizerOptions& o, st
     zero.weight_decay(0);
     return std::make_unique<Adam>(std::vector<OptimizerParamGroup>{
         OptimizerParamGroup(decay, std::make_unique<AdamOptions>(opts)),
-        OptimizerParamGroup(noDecay, std::make_unique<AdamOptions>(zero))});
+        OptimizerParamGroup(noDecay, std::make_unique<AdamOptions>(zero))}, opts);
   }
   auto opts = SGDOptions(o.lr).momentum(o.momentum).nesterov(o.nesterov).weight_decay(o.weightDecay);
   auto zero = opts;
   zero.weight_decay(0);
   return std::make_unique<SGD>(std::vector<OptimizerParamGroup>{
       OptimizerParamGroup(decay, std::make_unique<SGDOptions>(opts)),
-      OptimizerParamGroup(noDecay, std::make_unique<SGDOptions>(zero))});
+      OptimizerParamGroup(noDecay, std::make_unique<SGDOptions>(zero))}, opts);
 }
 
 void expectParity(const OptimizerOptions& o) {

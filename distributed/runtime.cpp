@@ -1,0 +1,62 @@
+// Runtime: rendezvous + communicators from the rank environment (see runtime.h).
+#include "distributed/runtime.h"
+
+#include <ATen/Context.h>
+
+#include "common/errors.h"
+#include "common/logging.h"
+#include "distributed/gloo_communicator.h"
+#include "distributed/rendezvous.h"
+#if defined(TESSERA_WITH_NCCL)
+#include "distributed/nccl_communicator.h"
+#endif
+
+namespace tessera::distributed {
+
+std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  std::string backend = options.backend;
+  if (backend == "auto") backend = ncclAvailable() && at::hasCUDA() ? "nccl" : "gloo";
+  if (backend != "gloo" && backend != "nccl") {
+    throw ConfigError(strCat("Runtime::init: unknown backend '", options.backend, "' (gloo | nccl | auto)"));
+  }
+  if (backend == "nccl" && !ncclAvailable()) {
+    // Fail before rendezvous, with makeCommunicator's explanation.
+    makeCommunicator("nccl", nullptr, env.rank, env.world_size);
+  }
+
+  std::shared_ptr<Runtime> runtime(new Runtime());
+  runtime->env_ = env;
+  RendezvousOptions rendezvousOptions;
+  rendezvousOptions.timeout = options.rendezvousTimeout;
+  runtime->store_ = rendezvous(env, rendezvousOptions);
+
+  GlooOptions gloo;
+  gloo.comm.timeout = options.commTimeout;
+  gloo.comm.name = "world_cpu";
+  // Loopback is always right on one machine; across machines c10d's default device (the
+  // host name's address, or $GLOO_SOCKET_IFNAME) is.
+  gloo.hostname = env.singleNode() ? "127.0.0.1" : "";
+  runtime->cpuComm_ = makeGlooCommunicator(runtime->store_, env.rank, env.world_size, gloo);
+  if (backend == "gloo") {
+    runtime->comm_ = runtime->cpuComm_;
+  } else {
+#if defined(TESSERA_WITH_NCCL)
+    NcclOptions nccl;
+    nccl.comm.timeout = options.commTimeout;
+    nccl.comm.name = "world_nccl";
+    nccl.device = env.local_rank;
+    runtime->comm_ = makeNcclCommunicator(runtime->store_, env.rank, env.world_size, nccl);
+#endif
+  }
+  runtime->startupSeconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  TLOG_DEBUG("Runtime: " << env.describe() << ", backend " << runtime->comm_->backendName() << ", ready after "
+                         << runtime->startupSeconds_ << " s");
+  return runtime;
+}
+
+std::shared_ptr<Communicator> initProcessGroup(const RankEnv& env, const RuntimeOptions& options) {
+  return Runtime::init(env, options)->comm();
+}
+
+}  // namespace tessera::distributed

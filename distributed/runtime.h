@@ -1,0 +1,57 @@
+// Runtime: one process's view of the distributed job, set up in one call from the rank
+// environment: rendezvous (store), the main communicator, and a CPU (gloo) communicator
+// that is always there, also in GPU runs, for checkpoint and export traffic.
+//
+//   auto env = RankEnv::fromEnvironment();          // torchrun, tessera-run, srun, mpirun
+//   auto runtime = Runtime::init(env);              // or: auto comm = initProcessGroup(env);
+//   runtime->comm()->allReduce(t, ReduceOp::kAvg);
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "distributed/communicator.h"
+#include "distributed/rank_env.h"
+#include "distributed/store.h"
+
+namespace tessera::distributed {
+
+struct RuntimeOptions {
+  // "gloo" (CPU tensors), "nccl" (CUDA tensors; needs a TESSERA_WITH_CUDA build), or
+  // "auto": nccl when this build has it and a CUDA device is present, else gloo.
+  std::string backend = "gloo";
+  // Store host + all ranks arriving; then each communicator's creation.
+  std::chrono::milliseconds rendezvousTimeout = std::chrono::seconds(300);
+  // Every collective.
+  std::chrono::milliseconds commTimeout = std::chrono::seconds(300);
+};
+
+class Runtime {
+ public:
+  // Rendezvous and communicator creation; every rank of env calls it. Throws TimeoutError
+  // naming missing ranks, ConfigError for an unknown or unavailable backend.
+  static std::shared_ptr<Runtime> init(const RankEnv& env, const RuntimeOptions& options = {});
+
+  const RankEnv& env() const { return env_; }
+  const std::shared_ptr<Store>& store() const { return store_; }
+  // The backend's world communicator (options.backend).
+  const std::shared_ptr<Communicator>& comm() const { return comm_; }
+  // A gloo world communicator (the same object as comm() when the backend is gloo).
+  const std::shared_ptr<Communicator>& cpuComm() const { return cpuComm_; }
+  // Seconds from init() to all ranks past rendezvous and connected.
+  double startupSeconds() const { return startupSeconds_; }
+
+ private:
+  Runtime() = default;
+  RankEnv env_;
+  std::shared_ptr<Store> store_;
+  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> cpuComm_;
+  double startupSeconds_ = 0;
+};
+
+// Runtime::init(env, options)->comm(): the world communicator (it keeps the store alive).
+std::shared_ptr<Communicator> initProcessGroup(const RankEnv& env, const RuntimeOptions& options = {});
+
+}  // namespace tessera::distributed

@@ -1,0 +1,209 @@
+// ShardedModelEMAManager (see ema_manager.h).
+#include "ema/ema_manager.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "common/errors.h"
+
+namespace tessera::ema {
+
+ShardedModelEMAManager::ShardedModelEMAManager(EmaOptions o) : options_(std::move(o)) {
+  TESSERA_CHECK_AS(ConfigError, !options_.decays.empty(), "ShardedModelEMAManager: no decays given");
+  for (double d : options_.decays) {
+    TESSERA_CHECK_AS(ConfigError, d >= 0.0 && d < 1.0, "ShardedModelEMAManager: decay ", d, " is not in [0, 1)");
+  }
+  TESSERA_CHECK_AS(ConfigError, options_.updateEvery >= 1, "ShardedModelEMAManager: update_every must be >= 1");
+  TESSERA_CHECK_AS(ConfigError, options_.startStep >= 0, "ShardedModelEMAManager: start_step must be >= 0");
+  TESSERA_CHECK_AS(ConfigError, options_.buffers == "copy" || options_.buffers == "average",
+                   "ShardedModelEMAManager: buffers must be copy or average, got '", options_.buffers, "'");
+  TESSERA_CHECK_AS(ConfigError, options_.invGamma > 0 && options_.power > 0,
+                   "ShardedModelEMAManager: warmup inv_gamma and power must be > 0");
+  TESSERA_CHECK_AS(ConfigError, at::isFloatingType(options_.dtype), "ShardedModelEMAManager: EMA dtype must be floating");
+}
+
+void ShardedModelEMAManager::addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live) {
+  TESSERA_CHECK(!params_.count(name) && !buffers_.count(name), "ShardedModelEMAManager::addParam: '", name,
+                "' registered twice");
+  TESSERA_CHECK(live.defined() && live.is_contiguous(), "ShardedModelEMAManager::addParam: '", name,
+                "' must be a defined contiguous tensor");
+  Entry e{spec, live, {}};
+  for (size_t i = 0; i < options_.decays.size(); ++i) e.ema.push_back(live.detach().to(options_.dtype).clone());
+  params_.emplace(name, std::move(e));
+  paramNames_.push_back(name);
+}
+
+void ShardedModelEMAManager::addBuffer(const std::string& name, const at::Tensor& live) {
+  TESSERA_CHECK(!params_.count(name) && !buffers_.count(name), "ShardedModelEMAManager::addBuffer: '", name,
+                "' registered twice");
+  BufferEntry e{live, {}};
+  for (size_t i = 0; i < options_.decays.size(); ++i) e.ema.push_back(live.detach().clone());
+  buffers_.emplace(name, std::move(e));
+  bufferNames_.push_back(name);
+}
+
+void ShardedModelEMAManager::resetFromLive() {
+  at::NoGradGuard noGrad;
+  for (auto& [name, e] : params_) {
+    for (auto& t : e.ema) t.copy_(e.live);
+  }
+  for (auto& [name, b] : buffers_) {
+    for (auto& t : b.ema) t.copy_(b.live);
+  }
+  updates_ = 0;
+}
+
+void ShardedModelEMAManager::initializeFrom(const std::map<std::string, at::Tensor>& full, int decayIndex) {
+  at::NoGradGuard noGrad;
+  std::vector<std::string> missing;
+  for (const auto& name : paramNames_) {
+    if (!full.count(name)) missing.push_back(name);
+  }
+  if (!missing.empty()) {
+    std::string list;
+    for (const auto& m : missing) list += (list.empty() ? "" : ", ") + m;
+    throw Error(strCat("ShardedModelEMAManager::initializeFrom: missing tensors: ", list));
+  }
+  for (auto& [name, e] : params_) {
+    const at::Tensor& src = full.at(name);
+    TESSERA_CHECK(src.sizes().vec() == e.spec.globalShape(), "ShardedModelEMAManager::initializeFrom: '", name,
+                  "' has shape ", src.sizes(), ", the model's is ", at::IntArrayRef(e.spec.globalShape()));
+    at::Tensor local = e.spec.shardOf(src.to(e.spec.dtype()));
+    for (size_t i = 0; i < e.ema.size(); ++i) {
+      if (decayIndex < 0 || static_cast<size_t>(decayIndex) == i) e.ema[i].copy_(local.view(e.ema[i].sizes()));
+    }
+  }
+  for (auto& [name, b] : buffers_) {
+    auto it = full.find(name);
+    if (it == full.end()) continue;  // buffers are optional in imports
+    for (size_t i = 0; i < b.ema.size(); ++i) {
+      if (decayIndex < 0 || static_cast<size_t>(decayIndex) == i) b.ema[i].copy_(it->second);
+    }
+  }
+}
+
+double ShardedModelEMAManager::effectiveDecay(size_t decayIndex, int64_t k) const {
+  double d = options_.decays.at(decayIndex);
+  if (options_.warmup) {
+    d = std::min(d, 1.0 - std::pow(1.0 + static_cast<double>(k) / options_.invGamma, -options_.power));
+    d = std::max(d, 0.0);
+  }
+  return std::pow(d, static_cast<double>(options_.updateEvery));
+}
+
+void ShardedModelEMAManager::blend(at::Tensor& ema, const at::Tensor& live, double decay) const {
+  if (ema.device().is_cpu() && ema.scalar_type() == at::kFloat && live.scalar_type() == at::kFloat &&
+      ema.is_contiguous() && live.is_contiguous()) {
+    // One pass over memory (read e, read p, write e): the update is bandwidth bound, and
+    // mul_ + add_ would read and write e twice.
+    float* e = ema.data_ptr<float>();
+    const float* p = live.data_ptr<float>();
+    const float d = static_cast<float>(decay), w = static_cast<float>(1.0 - decay);
+    at::parallel_for(0, ema.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) e[i] = d * e[i] + w * p[i];
+    });
+    return;
+  }
+  ema.mul_(decay).add_(live.to(ema.scalar_type()), 1.0 - decay);
+}
+
+void ShardedModelEMAManager::update(int64_t step, bool optimizerApplied) {
+  if (!optimizerApplied) return;
+  at::NoGradGuard noGrad;
+  const bool copyOnly = step < options_.startStep;
+  if (!copyOnly && (step % options_.updateEvery) != 0) return;
+  for (size_t i = 0; i < options_.decays.size(); ++i) {
+    const double d = copyOnly ? 0.0 : effectiveDecay(i, updates_);
+    for (auto& [name, e] : params_) blend(e.ema[i], e.live, d);
+    for (auto& [name, b] : buffers_) {
+      if (copyOnly || options_.buffers == "copy" || !at::isFloatingType(b.live.scalar_type())) {
+        b.ema[i].copy_(b.live);
+      } else {
+        blend(b.ema[i], b.live, d);
+      }
+    }
+  }
+  if (!copyOnly) ++updates_;
+}
+
+std::string ShardedModelEMAManager::stateName(size_t decayIndex) const {
+  TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::stateName: decay index ", decayIndex);
+  if (decayIndex == 0) return options_.prefix;
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g", options_.decays[decayIndex]);
+  return options_.prefix + "_" + buf;
+}
+
+size_t ShardedModelEMAManager::decayIndexOf(const std::string& name) const {
+  for (size_t i = 0; i < options_.decays.size(); ++i) {
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%g", options_.decays[i]);
+    if (name == stateName(i) || name == options_.prefix + "_" + buf) return i;
+  }
+  throw Error(strCat("ShardedModelEMAManager: no EMA named '", name, "' (have ", stateName(0),
+                     options_.decays.size() > 1 ? ", ..." : "", ")"));
+}
+
+ShardedModelEMAManager::Entry& ShardedModelEMAManager::entry(const std::string& name) {
+  auto it = params_.find(name);
+  TESSERA_CHECK(it != params_.end(), "ShardedModelEMAManager: no parameter named '", name, "'");
+  return it->second;
+}
+
+const sharding::ShardSpec& ShardedModelEMAManager::spec(const std::string& name) const {
+  auto it = params_.find(name);
+  TESSERA_CHECK(it != params_.end(), "ShardedModelEMAManager: no parameter named '", name, "'");
+  return it->second.spec;
+}
+
+at::Tensor& ShardedModelEMAManager::emaShard(size_t decayIndex, const std::string& name) {
+  return entry(name).ema.at(decayIndex);
+}
+
+at::Tensor& ShardedModelEMAManager::emaBuffer(size_t decayIndex, const std::string& name) {
+  auto it = buffers_.find(name);
+  TESSERA_CHECK(it != buffers_.end(), "ShardedModelEMAManager: no buffer named '", name, "'");
+  return it->second.ema.at(decayIndex);
+}
+
+void ShardedModelEMAManager::withEmaWeights(size_t decayIndex, const std::function<void()>& fn) {
+  TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::withEmaWeights: decay index ", decayIndex);
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved;  // (live, its value before the swap)
+  {
+    at::NoGradGuard noGrad;  // only around the copies: fn runs in the caller's grad mode
+    for (auto& [name, e] : params_) {
+      saved.emplace_back(e.live, e.live.clone());
+      e.live.copy_(e.ema[decayIndex]);
+    }
+    for (auto& [name, b] : buffers_) {
+      saved.emplace_back(b.live, b.live.clone());
+      b.live.copy_(b.ema[decayIndex]);
+    }
+  }
+  auto restore = [&] {
+    at::NoGradGuard noGrad;
+    for (auto& [live, value] : saved) live.copy_(value);
+  };
+  try {
+    fn();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+}
+
+int64_t ShardedModelEMAManager::bytes() const {
+  int64_t total = 0;
+  for (const auto& [name, e] : params_) {
+    for (const auto& t : e.ema) total += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  for (const auto& [name, b] : buffers_) {
+    for (const auto& t : b.ema) total += t.numel() * static_cast<int64_t>(t.element_size());
+  }
+  return total;
+}
+
+}  // namespace tessera::ema

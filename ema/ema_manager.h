@@ -1,0 +1,118 @@
+// ShardedModelEMAManager: exponential moving averages of a model's parameters, held as
+// shards that mirror the train model's sharding (ARCHITECTURE.md §3 "EMA").
+//
+// Every EMA tensor has the ShardSpec of the live tensor it follows: the parameter's
+// shard under zero3/hybrid, or this rank's slice of a replicated parameter under the
+// optimizer's layout (no_shard/zero1/zero2). So EMA memory per rank is 1/N of the
+// model under every strategy, and the update needs no communication.
+//
+// Update (after the optimizer step; skipped when the optimizer skipped the step):
+//   e = d * e + (1 - d) * p     in the EMA dtype (fp32 by default)
+// Schedule, with k the number of updates applied so far (0 for the first):
+//   step < start_step:  e = p (the EMA copies the parameters; not counted as an update)
+//   warmup on:          d = min(decay, 1 - (1 + k / inv_gamma)^(-power))
+//   update_every = m:   updates only every m-th step, with d^m, so the time constant in
+//                       steps stays the same.
+// Several decays at once each get their own set of shards. Naming (used in checkpoints
+// and exports): the first decay is "<prefix>" (default prefix "generator_ema"), and every
+// decay d is also reachable as "<prefix>_<d>" with d printed by %g, e.g.
+// "generator_ema_0.999". stateName(i) gives the canonical name of decay i.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "sharding/shard_spec.h"
+
+namespace tessera::ema {
+
+struct EmaOptions {
+  std::vector<double> decays = {0.999};
+  at::ScalarType dtype = at::kFloat;
+  int64_t startStep = 0;      // steps before this copy the parameters
+  int64_t updateEvery = 1;    // update every k-th step with decay^k
+  bool warmup = false;        // use the warmup formula above
+  double invGamma = 1.0;
+  double power = 2.0 / 3.0;
+  std::string buffers = "copy";  // copy | average: how buffers (e.g. BN running stats) follow the model
+  std::string prefix = "generator_ema";
+};
+
+class ShardedModelEMAManager {
+ public:
+  // Throws tessera::ConfigError for decays outside [0, 1), updateEvery < 1, an unknown
+  // buffers mode, an empty decay list.
+  explicit ShardedModelEMAManager(EmaOptions options);
+
+  // Registers a live parameter shard to follow. `live` is read at every update (it is the
+  // tensor the optimizer updates in place: an fp32 master shard, or a bf16 compute slice);
+  // the EMA starts as a copy of it, in the EMA dtype.
+  void addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live);
+  // Registers a buffer (replicated, e.g. BatchNorm running_mean): copied or averaged
+  // according to options.buffers. Integer buffers (num_batches_tracked) are always copied.
+  void addBuffer(const std::string& name, const at::Tensor& live);
+
+  // Re-initialises every EMA from the live tensors (the default start).
+  void resetFromLive();
+  // Initialises the EMA of decay set `decayIndex` (or all when -1) from full tensors by
+  // name (e.g. an exported generator_ema when fine-tuning); each rank takes its slice by
+  // the registered spec. Throws naming missing or mismatched tensors.
+  void initializeFrom(const std::map<std::string, at::Tensor>& fullTensors, int decayIndex = -1);
+
+  // Called once per optimizer step with the step just completed (1-based: the first call
+  // is step 1) and whether the optimizer applied it.
+  void update(int64_t step, bool optimizerApplied = true);
+
+  // The decay the next update would use, for update count k (already raised to
+  // updateEvery), for decay set i.
+  double effectiveDecay(size_t decayIndex, int64_t k) const;
+
+  size_t numDecays() const { return options_.decays.size(); }
+  std::string stateName(size_t decayIndex) const;  // "generator_ema", "generator_ema_0.9999"
+  // Index of a decay set by any of its names; throws for an unknown name.
+  size_t decayIndexOf(const std::string& name) const;
+  const EmaOptions& options() const { return options_; }
+  int64_t updateCount() const { return updates_; }
+  void setUpdateCount(int64_t k) { updates_ = k; }
+
+  // Registered names, in order, and their specs / local EMA shards.
+  const std::vector<std::string>& paramNames() const { return paramNames_; }
+  const std::vector<std::string>& bufferNames() const { return bufferNames_; }
+  const sharding::ShardSpec& spec(const std::string& name) const;
+  at::Tensor& emaShard(size_t decayIndex, const std::string& name);
+  at::Tensor& emaBuffer(size_t decayIndex, const std::string& name);
+
+  // Swaps EMA values into the live tensors (full buffers and live shards), runs `fn`,
+  // and restores the live values exactly, also when `fn` throws. The caller is
+  // responsible for making the module see the live shards (e.g. zero1/2 re-gather).
+  void withEmaWeights(size_t decayIndex, const std::function<void()>& fn);
+
+  // Bytes of EMA state on this rank (all decays).
+  int64_t bytes() const;
+
+ private:
+  struct Entry {
+    sharding::ShardSpec spec;
+    at::Tensor live;
+    std::vector<at::Tensor> ema;  // one per decay
+  };
+  struct BufferEntry {
+    at::Tensor live;
+    std::vector<at::Tensor> ema;
+  };
+  Entry& entry(const std::string& name);
+  void blend(at::Tensor& ema, const at::Tensor& live, double decay) const;
+
+  EmaOptions options_;
+  std::vector<std::string> paramNames_, bufferNames_;
+  std::map<std::string, Entry> params_;
+  std::map<std::string, BufferEntry> buffers_;
+  int64_t updates_ = 0;
+};
+
+}  // namespace tessera::ema

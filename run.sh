@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs the main job: configs/default.yaml on
+# 2 CPU ranks started by tessera-run. Extra arguments go to tessera-train
+# (e.g. ./run.sh --set run.steps=50).
+set -euo pipefail
+cd "$(dirname "$0")"
+./scripts/setup.sh
+./scripts/build.sh
+BIN=${TESSERA_BUILD_DIR:-build}/bin
+RUN_DIR=$(sed -n 's/^  dir: *//p' configs/default.yaml | head -1)
+for arg in "$@"; do
+  case "$arg" in run.dir=*) RUN_DIR=${arg#run.dir=} ;; esac
+done
+rm -rf "$RUN_DIR"   # the main job starts fresh each time
+"$BIN/tessera-run" --standalone --nproc-per-node 2 --log-dir "$RUN_DIR/launcher" --tee \
+  "$BIN/tessera-train" --config configs/default.yaml "$@"
+echo
+echo "run directory:   $RUN_DIR"
+echo "resolved config: $RUN_DIR/config.resolved.yaml"
+echo "metrics:         $RUN_DIR/metrics.jsonl"
+echo "loss curve:      $RUN_DIR/loss.svg"
+first=$(head -1 "$RUN_DIR/metrics.jsonl" | sed 's/.*"loss":\([0-9.]*\).*/\1/')
+last=$(tail -1 "$RUN_DIR/metrics.jsonl" | sed 's/.*"loss":\([0-9.]*\).*/\1/')
+echo "training loss:   $first (first window) -> $last (last window)"
