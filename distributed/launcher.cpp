@@ -194,6 +194,8 @@ class Launcher {
   bool anyStreamOpen() const;
   void signalGroups(int signal) const;
   double stopRanks(int signal);
+  // Reads what the ranks wrote until their pipes close (bounded by kDrainWaitS).
+  void drainOutput();
   void killEverythingNow();
   void reportFailure(double stoppedInS);
 
@@ -377,13 +379,7 @@ Launcher::Outcome Launcher::runAttempt(int restartCount) {
         TLOG_WARN("tessera-run: every rank exited 0 but left processes behind in its process group; stopping them");
         stopRanks(SIGTERM);
       } else {
-        const double deadline = kDrainWaitS;
-        const auto drainStart = Clock::now();
-        while (anyStreamOpen() && secondsSince(drainStart) < deadline) pump(deadline - secondsSince(drainStart));
-        for (Rank& rank : ranks_) {
-          closeStream(rank, rank.out);
-          closeStream(rank, rank.err);
-        }
+        drainOutput();
       }
       return Outcome::kSucceeded;
     }
@@ -596,14 +592,18 @@ double Launcher::stopRanks(int signal) {
       TLOG_ERROR("tessera-run: some rank processes survived SIGKILL for " << kKillWaitS << " s; giving up on them");
     }
   }
-  const auto drainStart = Clock::now();
-  while (anyStreamOpen() && secondsSince(drainStart) < kDrainWaitS) pump(kDrainWaitS - secondsSince(drainStart));
+  drainOutput();
+  stopping_ = false;
+  return secondsSince(start);
+}
+
+void Launcher::drainOutput() {
+  const auto start = Clock::now();
+  while (anyStreamOpen() && secondsSince(start) < kDrainWaitS) pump(kDrainWaitS - secondsSince(start));
   for (Rank& rank : ranks_) {
     closeStream(rank, rank.out);
     closeStream(rank, rank.err);
   }
-  stopping_ = false;
-  return secondsSince(start);
 }
 
 void Launcher::killEverythingNow() {

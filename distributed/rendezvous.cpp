@@ -36,23 +36,56 @@ void waitForRanks(Store& store, const std::string& key, int rank, int world, std
   std::vector<std::string> keys;
   keys.reserve(static_cast<size_t>(world));
   for (int r = 0; r < world; ++r) keys.push_back(arrivalKey(key, r));
-  store.set(keys[static_cast<size_t>(rank)], "1");
+  const auto timedOutKey = [&key](int r) { return strCat(key, "/timed_out/", r); };
+
+  // A store call failing means the store host (rank 0) is gone.
+  const auto storeLost = [&](const std::exception& e) {
+    return Error(strCat("rendezvous: lost the store at ", store.address(), " while rank ", rank, " waited for all ",
+                        world, " ranks (rank 0, the store host, exited, e.g. after its own rendezvous timeout): ",
+                        std::string(e.what()).substr(0, std::string(e.what()).find('\n'))));
+  };
 
   const auto deadline = Clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
-  while (!store.check(keys)) {
-    if (Clock::now() >= deadline) {
+  try {
+    store.set(keys[static_cast<size_t>(rank)], "1");
+    while (!store.check(keys)) {
+      if (Clock::now() < deadline) {
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, std::chrono::milliseconds(20));
+        continue;
+      }
       std::vector<int> missing;
       for (int r = 0; r < world; ++r) {
         if (!store.check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
       }
       if (missing.empty()) return;  // the last one arrived just now
-      throw TimeoutError(strCat("rendezvous: waited ", formatDuration(timeout), " for ", missing.size() == 1 ? "rank " : "ranks ",
-                                missing.size() == 1 ? std::to_string(missing[0]) : rankList(missing), " of ", world, " at ",
-                                store.address(), " (key ", key, "; this is rank ", rank, ")"));
+      const std::string message =
+          strCat("rendezvous: waited ", formatDuration(timeout), " for ", missing.size() == 1 ? "rank " : "ranks ",
+                 missing.size() == 1 ? std::to_string(missing[0]) : rankList(missing), " of ", world, " at ",
+                 store.address(), " (key ", key, "; this is rank ", rank, ")");
+      store.set(timedOutKey(rank), "1");
+      if (rank == 0) {
+        // The store lives in this process: keep it up briefly, until the ranks that did
+        // arrive have made their own diagnosis, so that they too report the missing ranks
+        // instead of a lost connection.
+        std::vector<std::string> present;
+        for (int r = 1; r < world; ++r) {
+          if (std::find(missing.begin(), missing.end(), r) == missing.end()) present.push_back(timedOutKey(r));
+        }
+        const auto graceEnd = Clock::now() + std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(2));
+        while (!present.empty() && !store.check(present) && Clock::now() < graceEnd) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+      }
+      throw TimeoutError(message);
     }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(20));
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw storeLost(e);
   }
 }
 

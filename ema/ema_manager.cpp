@@ -9,6 +9,15 @@
 #include "common/errors.h"
 
 namespace tessera::ema {
+namespace {
+
+// e = d*e + w*p over n floats. __restrict and -O3 (set for this file in CMake) let the
+// compiler vectorise it; it then runs at the speed of one fused add_ (bench/ema_bench).
+void blendKernel(float* __restrict e, const float* __restrict p, float d, float w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) e[i] = d * e[i] + w * p[i];
+}
+
+}  // namespace
 
 ShardedModelEMAManager::ShardedModelEMAManager(EmaOptions o) : options_(std::move(o)) {
   TESSERA_CHECK_AS(ConfigError, !options_.decays.empty(), "ShardedModelEMAManager: no decays given");
@@ -101,9 +110,8 @@ void ShardedModelEMAManager::blend(at::Tensor& ema, const at::Tensor& live, doub
     float* e = ema.data_ptr<float>();
     const float* p = live.data_ptr<float>();
     const float d = static_cast<float>(decay), w = static_cast<float>(1.0 - decay);
-    at::parallel_for(0, ema.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) e[i] = d * e[i] + w * p[i];
-    });
+    at::parallel_for(0, ema.numel(), 1 << 16,
+                     [&](int64_t begin, int64_t end) { blendKernel(e + begin, p + begin, d, w, end - begin); });
     return;
   }
   ema.mul_(decay).add_(live.to(ema.scalar_type()), 1.0 - decay);

@@ -1,0 +1,64 @@
+// Global-norm gradient clipping over sharded gradients (see grad_clip.h).
+#include "sharding/grad_clip.h"
+
+#include <cmath>
+
+#include "common/errors.h"
+#include "distributed/communicator.h"
+
+namespace tessera::sharding {
+
+bool GradNorm::finite() const { return std::isfinite(norm); }
+
+double localSquaredNorm(const at::Tensor& grad, const ShardSpec& spec) {
+  if (!grad.defined() || spec.localRows() == 0 || spec.rowNumel() == 0) return 0.0;
+  at::NoGradGuard noGrad;
+  const at::Tensor real = spec.realRows(grad.detach().reshape({-1}));
+  return real.to(at::kDouble).square().sum().item<double>();
+}
+
+double globalGradNorm(const std::vector<at::Tensor>& grads, const std::vector<ShardSpec>& specs,
+                      distributed::Communicator& comm) {
+  TESSERA_CHECK(grads.size() == specs.size(), "globalGradNorm: ", grads.size(), " gradients for ", specs.size(),
+                " specs");
+  double sharded = 0.0, replicated = 0.0;
+  bool communicate = false;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const ShardSpec& spec = specs[i];
+    if (spec.placement() == Placement::kShard0 && spec.worldSize() > 1) {
+      TESSERA_CHECK(spec.worldSize() == comm.worldSize() && spec.rank() == comm.rank(), "globalGradNorm: spec ",
+                    spec.str(), " is not over ", comm.describe());
+      sharded += localSquaredNorm(grads[i], spec);
+      communicate = true;
+    } else {
+      replicated += localSquaredNorm(grads[i], spec);
+    }
+  }
+  if (communicate) {
+    at::Tensor sum = at::full({1}, sharded, at::TensorOptions().dtype(at::kDouble));
+    comm.allReduce(sum, distributed::ReduceOp::kSum);
+    sharded = sum.item<double>();
+  }
+  return std::sqrt(sharded + replicated);
+}
+
+double clipCoefficient(double norm, double maxNorm) {
+  if (maxNorm <= 0 || !std::isfinite(norm)) return 1.0;
+  return std::min(1.0, maxNorm / (norm + 1e-6));
+}
+
+GradNorm clipGradNorm(const std::vector<at::Tensor>& grads, const std::vector<ShardSpec>& specs, double maxNorm,
+                      distributed::Communicator& comm) {
+  GradNorm result;
+  result.norm = globalGradNorm(grads, specs, comm);
+  result.clipCoef = clipCoefficient(result.norm, maxNorm);
+  if (result.clipCoef < 1.0) {
+    at::NoGradGuard noGrad;
+    for (const at::Tensor& g : grads) {
+      if (g.defined()) g.mul_(result.clipCoef);
+    }
+  }
+  return result;
+}
+
+}  // namespace tessera::sharding

@@ -1,0 +1,49 @@
+// Gradient clipping by global L2 norm over sharded and replicated gradients.
+//
+// The norm must be the one a single process would compute on the full, averaged
+// gradients, whatever the layout: each element is counted once. A Shard(0) gradient
+// contributes the squares of its real rows (padding excluded) and the partial sums are
+// added across the ranks with ONE all-reduce of one double; a Replicate gradient is the
+// same on every rank, so it contributes its full square sum locally, uncommunicated.
+// Clipping follows torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6),
+// gradients scaled by coef when coef < 1. A non-finite norm is reported, not clipped:
+// the caller skips the step (every rank sees the same norm, so all skip together).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "sharding/shard_spec.h"
+
+namespace tessera::distributed {
+class Communicator;
+}
+
+namespace tessera::sharding {
+
+struct GradNorm {
+  double norm = 0.0;      // global L2 norm before clipping (NaN or inf when non-finite)
+  double clipCoef = 1.0;  // factor the gradients were scaled by (1 = untouched)
+  bool finite() const;
+};
+
+// Sum of squares (in double) of the real rows of `grad`, laid out by `spec`.
+double localSquaredNorm(const at::Tensor& grad, const ShardSpec& spec);
+
+// Global L2 norm of `grads` (one per spec; undefined = no gradient, contributes 0).
+// Collective over `comm` (the group the Shard(0) specs shard over) when any spec is
+// Shard(0) over more than one rank: every rank must call it, in the same order.
+double globalGradNorm(const std::vector<at::Tensor>& grads, const std::vector<ShardSpec>& specs,
+                      distributed::Communicator& comm);
+
+// torch's clip coefficient: min(1, maxNorm / (norm + 1e-6)); 1 when maxNorm <= 0
+// (clipping off) or the norm is not finite.
+double clipCoefficient(double norm, double maxNorm);
+
+// globalGradNorm, then scales the gradients in place by clipCoefficient(norm, maxNorm)
+// when it is below 1. Collective like globalGradNorm.
+GradNorm clipGradNorm(const std::vector<at::Tensor>& grads, const std::vector<ShardSpec>& specs, double maxNorm,
+                      distributed::Communicator& comm);
+
+}  // namespace tessera::sharding

@@ -1,0 +1,436 @@
+// Collectives on the gloo backend for world sizes 1-4, as threads and as processes:
+// sizes that do not divide by the world size, empty shards, every ReduceOp, in-place
+// forms, async handles, dtypes, the byte counters, and timeouts instead of hangs.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <tuple>
+
+#include "common/errors.h"
+#include "distributed/communicator.h"
+#include "distributed/gloo_communicator.h"
+#include "distributed/store.h"
+#include "tests/support/multi_rank.h"
+
+namespace tessera::distributed {
+namespace {
+
+using test::HarnessMode;
+using test::HarnessOptions;
+using test::RankContext;
+using test::runOnRanks;
+
+// Global lengths around the world sizes: empty, smaller than N (ranks with no real rows),
+// not divisible, divisible.
+const std::vector<int64_t> kLengths = {0, 1, 5, 7, 12};
+
+int64_t chunkOf(int64_t length, int world) { return (length + world - 1) / world; }
+
+// Rank r's padded chunk of `global` (rows [r*c, min((r+1)*c, L)), zero padding to c).
+at::Tensor paddedChunk(const at::Tensor& global, int rank, int world) {
+  const int64_t length = global.size(0);
+  const int64_t c = chunkOf(length, world);
+  std::vector<int64_t> shape = global.sizes().vec();
+  shape[0] = c;
+  at::Tensor chunk = at::zeros(shape, global.options());
+  const int64_t begin = std::min(length, rank * c);
+  const int64_t end = std::min(length, (rank + 1) * c);
+  if (end > begin) chunk.narrow(0, 0, end - begin).copy_(global.narrow(0, begin, end - begin));
+  return chunk;
+}
+
+// The same "global" tensor on every rank: distinct, exactly representable values.
+at::Tensor globalTensor(int64_t length, int64_t cols = 3) {
+  return (at::arange(length * cols, at::kFloat) * 0.5f + 1.0f).view({length, cols});
+}
+
+class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, HarnessMode>> {
+ protected:
+  int world() const { return std::get<0>(GetParam()); }
+  HarnessOptions options() const {
+    HarnessOptions o;
+    o.mode = std::get<1>(GetParam());
+    o.timeout = std::chrono::seconds(60);
+    o.commTimeout = std::chrono::seconds(20);
+    return o;
+  }
+};
+
+TEST_P(CollectivesTest, AllGatherIntoWithPaddingAndEmptyShards) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    for (int64_t length : kLengths) {
+      SCOPED_TRACE(strCat("length ", length));
+      const at::Tensor global = globalTensor(length);
+      const int64_t c = chunkOf(length, ctx.world);
+      const at::Tensor local = paddedChunk(global, ctx.rank, ctx.world);
+      at::Tensor flat = at::full({ctx.world * c, 3}, -1.0f);
+      comm.allGatherInto(flat, local);
+      EXPECT_TRUE(flat.narrow(0, 0, length).equal(global));
+      EXPECT_TRUE(flat.narrow(0, length, ctx.world * c - length).eq(0).all().item<bool>()) << "padding is zeros";
+
+      // In place: local_in is this rank's chunk of flat_out.
+      at::Tensor inPlace = at::zeros({ctx.world * c, 3});
+      at::Tensor mine = inPlace.narrow(0, ctx.rank * c, c);
+      mine.copy_(local);
+      comm.allGatherInto(inPlace, mine);
+      EXPECT_TRUE(inPlace.equal(flat));
+    }
+  }, options());
+}
+
+TEST_P(CollectivesTest, ReduceScatterEveryOp) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    const int n = ctx.world;
+    for (int64_t length : kLengths) {
+      SCOPED_TRACE(strCat("length ", length));
+      const int64_t c = chunkOf(length, n);
+      const at::Tensor base = at::arange(n * c, at::kFloat) + 1.0f;  // flat, padded length N*c
+      const at::Tensor want = base.narrow(0, ctx.rank * c, c);
+
+      at::Tensor out = at::full({c}, -7.0f);
+      comm.reduceScatter(out, base * static_cast<float>(ctx.rank + 1), ReduceOp::kSum);
+      EXPECT_TRUE(out.equal(want * static_cast<float>(n * (n + 1) / 2))) << out;
+
+      comm.reduceScatter(out, base * static_cast<float>(ctx.rank + 1), ReduceOp::kAvg);
+      EXPECT_TRUE(at::allclose(out, want * ((n + 1) / 2.0f))) << out;
+
+      comm.reduceScatter(out, base + static_cast<float>(ctx.rank), ReduceOp::kMax);
+      EXPECT_TRUE(out.equal(want + static_cast<float>(n - 1)));
+
+      comm.reduceScatter(out, base + static_cast<float>(ctx.rank), ReduceOp::kMin);
+      EXPECT_TRUE(out.equal(want));
+
+      // In place: local_out is this rank's chunk of flat_in; the input is otherwise intact.
+      at::Tensor flat = base * static_cast<float>(ctx.rank + 1);
+      const at::Tensor before = flat.clone();
+      at::Tensor myChunk = flat.narrow(0, ctx.rank * c, c);
+      comm.reduceScatter(myChunk, flat, ReduceOp::kSum);
+      EXPECT_TRUE(myChunk.equal(want * static_cast<float>(n * (n + 1) / 2)));
+      for (int r = 0; r < n; ++r) {
+        if (r != ctx.rank) {
+          EXPECT_TRUE(flat.narrow(0, r * c, c).equal(before.narrow(0, r * c, c)));
+        }
+      }
+    }
+  }, options());
+}
+
+TEST_P(CollectivesTest, AllReduceEveryOpAndDtype) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    const int n = ctx.world;
+    const float r1 = static_cast<float>(ctx.rank + 1);
+    at::Tensor t = at::full({7}, r1);
+    comm.allReduce(t, ReduceOp::kSum);
+    EXPECT_TRUE(t.equal(at::full({7}, n * (n + 1) / 2.0f)));
+    t = at::full({2, 3}, r1);
+    comm.allReduce(t, ReduceOp::kAvg);
+    EXPECT_TRUE(at::allclose(t, at::full({2, 3}, (n + 1) / 2.0f)));
+    t = at::full({5}, r1);
+    comm.allReduce(t, ReduceOp::kMax);
+    EXPECT_TRUE(t.equal(at::full({5}, static_cast<float>(n))));
+    t = at::full({5}, r1);
+    comm.allReduce(t, ReduceOp::kMin);
+    EXPECT_TRUE(t.equal(at::full({5}, 1.0f)));
+
+    at::Tensor scalar = at::scalar_tensor(r1, at::kDouble);
+    comm.allReduce(scalar);
+    EXPECT_EQ(scalar.item<double>(), n * (n + 1) / 2.0);
+    at::Tensor longs = at::full({4}, int64_t{ctx.rank} + 1, at::kLong);
+    comm.allReduce(longs);
+    EXPECT_TRUE(longs.equal(at::full({4}, int64_t{n} * (n + 1) / 2, at::kLong)));
+    // bfloat16: gloo cannot reduce it; it runs in float32 and is copied back.
+    at::Tensor bf = at::full({6}, r1, at::kBFloat16);
+    comm.allReduce(bf, ReduceOp::kAvg);
+    EXPECT_TRUE(bf.to(at::kFloat).equal(at::full({6}, (n + 1) / 2.0f)));
+    at::Tensor flags = at::zeros({3}, at::kBool);
+    flags[ctx.rank % 3] = true;
+    comm.allReduce(flags, ReduceOp::kMax);  // logical or
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(flags[i].item<bool>(), i < n) << i;
+    at::Tensor empty = at::zeros({0});
+    comm.allReduce(empty);
+    // Integers have no average.
+    EXPECT_THROW(comm.allReduce(longs, ReduceOp::kAvg), UsageError);
+  }, options());
+}
+
+TEST_P(CollectivesTest, BroadcastFromEveryRoot) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    for (int root = 0; root < ctx.world; ++root) {
+      const at::Tensor want = at::arange(10, at::kFloat).view({2, 5}) + 100.0f * root;
+      at::Tensor t = ctx.rank == root ? want.clone() : at::zeros({2, 5});
+      comm.broadcast(t, root);
+      EXPECT_TRUE(t.equal(want)) << "root " << root;
+    }
+    // Any dtype: bytes are moved as they are.
+    at::Tensor flags = at::full({4}, ctx.rank == 0, at::kBool);
+    comm.broadcast(flags, 0);
+    EXPECT_TRUE(flags.all().item<bool>());
+  }, options());
+}
+
+TEST_P(CollectivesTest, GatherToRoot) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    for (int root : {0, ctx.world - 1}) {
+      for (int64_t length : kLengths) {
+        const at::Tensor global = globalTensor(length, 2);
+        const int64_t c = chunkOf(length, ctx.world);
+        const at::Tensor local = paddedChunk(global, ctx.rank, ctx.world);
+        at::Tensor out = ctx.rank == root ? at::full({ctx.world * c, 2}, -1.0f) : at::Tensor();
+        comm.gatherToRoot(out, local, root);
+        if (ctx.rank == root) {
+          EXPECT_TRUE(out.narrow(0, 0, length).equal(global)) << "root " << root << " length " << length;
+        }
+      }
+    }
+    comm.barrier();
+  }, options());
+}
+
+TEST_P(CollectivesTest, ByteCountersAreRingVolumes) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    const int n = ctx.world;
+    const int64_t full = 10;  // elements of the full tensor: chunk 3 for N=4 (padded to 12)
+    const int64_t c = chunkOf(full, n);
+    comm.resetStats();
+    EXPECT_EQ(comm.stats().totalBytes(), 0);
+
+    at::Tensor flat = at::zeros({n * c});
+    comm.allGatherInto(flat, at::ones({c}));
+    comm.reduceScatter(at::empty({c}), at::ones({n * c}));
+    at::Tensor t = at::ones({full});
+    comm.allReduce(t);
+    comm.broadcast(t, 0);
+    at::Tensor gathered = ctx.rank == 0 ? at::empty({n * c}) : at::Tensor();
+    comm.gatherToRoot(gathered, at::ones({c}), 0);
+    comm.barrier();
+
+    const CommStats s = comm.stats();
+    const int64_t flatBytes = n * c * 4;
+    // (N-1)/N of the (padded) full tensor per rank, for all-gather and reduce-scatter.
+    EXPECT_EQ(s[CommOp::kAllGather].bytes, (n - 1) * flatBytes / n);
+    EXPECT_EQ(s[CommOp::kReduceScatter].bytes, (n - 1) * flatBytes / n);
+    EXPECT_EQ(s[CommOp::kAllReduce].bytes, 2 * (n - 1) * full * 4 / n);
+    EXPECT_EQ(s[CommOp::kBroadcast].bytes, ctx.rank == 0 && n > 1 ? full * 4 : 0);
+    EXPECT_EQ(s[CommOp::kGather].bytes, ctx.rank == 0 ? 0 : c * 4);
+    EXPECT_EQ(s[CommOp::kBarrier].bytes, 0);
+    for (int op = 0; op < kNumCommOps; ++op) EXPECT_EQ(s.ops[static_cast<size_t>(op)].calls, 1) << op;
+    EXPECT_EQ(s.totalCalls(), kNumCommOps);
+    comm.resetStats();
+    EXPECT_EQ(comm.stats().totalBytes(), 0);
+    EXPECT_EQ(comm.stats().totalCalls(), 0);
+  }, options());
+}
+
+TEST_P(CollectivesTest, AsyncHandlesOverlap) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    const int n = ctx.world;
+    const int64_t c = 5;
+    // An all-gather (prefetch) and a reduce-scatter (gradients) in flight together,
+    // waited in the opposite order.
+    at::Tensor gathered = at::zeros({n * c});
+    const at::Tensor local = at::full({c}, static_cast<float>(ctx.rank));
+    at::Tensor grads = at::arange(n * c, at::kFloat);
+    at::Tensor shard = at::zeros({c});
+    auto ag = comm.allGatherIntoAsync(gathered, local);
+    auto rs = comm.reduceScatterAsync(shard, grads, ReduceOp::kAvg);
+    at::Tensor loss = at::arange(c, at::kFloat);  // not grads: in-flight buffers are off limits
+    auto ar = comm.allReduceAsync(loss, ReduceOp::kSum);
+    rs->wait();
+    ag->wait();
+    EXPECT_TRUE(ag->isCompleted());
+    EXPECT_TRUE(rs->isCompleted());
+    ag->wait();  // idempotent
+    EXPECT_TRUE(gathered.equal(at::arange(n, at::kFloat).repeat_interleave(c)));
+    EXPECT_TRUE(at::allclose(shard, at::arange(ctx.rank * c, (ctx.rank + 1) * c, at::kFloat)));
+    ar->wait();
+    EXPECT_TRUE(loss.equal(at::arange(c, at::kFloat) * static_cast<float>(n)));
+    comm.barrierAsync()->wait();
+  }, options());
+}
+
+TEST_P(CollectivesTest, AnyDtypeMovesAsBytes) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    const int n = ctx.world;
+    for (auto type : {at::kBool, at::kBFloat16, at::kHalf, at::kLong, at::kByte, at::kDouble}) {
+      SCOPED_TRACE(c10::toString(type));
+      const at::Tensor local = (at::arange(3, at::kLong) + ctx.rank).remainder(2).to(type);
+      at::Tensor flat = at::zeros({n * 3}, type);
+      comm.allGatherInto(flat, local);
+      for (int r = 0; r < n; ++r) {
+        EXPECT_TRUE(flat.narrow(0, r * 3, 3).equal((at::arange(3, at::kLong) + r).remainder(2).to(type)));
+      }
+    }
+    // bfloat16 reduce-scatter: the local reduction runs in LibTorch (any dtype).
+    at::Tensor out = at::zeros({2}, at::kBFloat16);
+    comm.reduceScatter(out, at::ones({n * 2}, at::kBFloat16), ReduceOp::kSum);
+    EXPECT_TRUE(out.to(at::kFloat).equal(at::full({2}, static_cast<float>(n))));
+  }, options());
+}
+
+std::string paramName(const ::testing::TestParamInfo<std::tuple<int, HarnessMode>>& info) {
+  return strCat("World", std::get<0>(info.param), std::get<1>(info.param) == HarnessMode::kThreads ? "Threads"
+                                                                                                  : "Processes");
+}
+
+INSTANTIATE_TEST_SUITE_P(Gloo, CollectivesTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(HarnessMode::kThreads, HarnessMode::kProcesses)),
+                         paramName);
+
+// ---- argument checks, timeouts, sub-communicators ---------------------------------
+
+TEST(CommunicatorTest, RejectsBadArgumentsBeforeSending) {
+  runOnRanks(2, [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    EXPECT_THROW(comm.allGatherInto(at::zeros({5}), at::zeros({3})), UsageError);  // not 2 x 3
+    EXPECT_THROW(comm.allGatherInto(at::zeros({6}, at::kDouble), at::zeros({3})), UsageError);
+    EXPECT_THROW(comm.reduceScatter(at::zeros({3}), at::zeros({7})), UsageError);
+    EXPECT_THROW(comm.allReduce(at::zeros({4, 4}).t()), UsageError);  // not contiguous
+    EXPECT_THROW(comm.allReduce(at::Tensor()), UsageError);
+    EXPECT_THROW(comm.broadcast(at::zeros({2}), 2), UsageError);
+    EXPECT_THROW(comm.gatherToRoot(at::Tensor(), at::zeros({2}), -1), UsageError);
+    if (ctx.rank == 0) {
+      EXPECT_THROW(comm.gatherToRoot(at::zeros({3}), at::zeros({2}), 0), UsageError);
+    }
+    try {
+      comm.allGatherInto(at::zeros({5}), at::zeros({3}));
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("Communicator::allGatherInto"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("pad the chunks"), std::string::npos) << e.what();
+    }
+    // Nothing was sent: the group still works.
+    at::Tensor t = at::ones({2});
+    comm.allReduce(t);
+    EXPECT_TRUE(t.equal(at::full({2}, 2.0f)));
+    EXPECT_EQ(comm.backendName(), "gloo");
+    EXPECT_EQ(comm.rank(), ctx.rank);
+    EXPECT_EQ(comm.worldSize(), 2);
+  });
+}
+
+// One rank skips a collective: the others get TimeoutError naming the operation, their
+// rank and the size, within the timeout; the group is then marked unusable.
+void skippedCollectiveTimesOut(HarnessMode mode, int world) {
+  HarnessOptions options;
+  options.mode = mode;
+  options.commTimeout = std::chrono::seconds(1);
+  options.timeout = std::chrono::seconds(30);
+  runOnRanks(world, [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    const int skipper = ctx.world - 1;
+    if (ctx.rank == skipper) {
+      // Stay alive (a closed connection would fail the others at once, not time out).
+      ctx.store->wait({"others_done"}, std::chrono::seconds(20));
+      return;
+    }
+    at::Tensor t = at::ones({64});
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      comm.allReduce(t);
+      ADD_FAILURE() << "allReduce returned although rank " << skipper << " never joined";
+    } catch (const TimeoutError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find("GlooCommunicator::allReduce"), std::string::npos) << message;
+      EXPECT_NE(message.find(strCat("rank ", ctx.rank, " of ", ctx.world)), std::string::npos) << message;
+      EXPECT_NE(message.find("256 B"), std::string::npos) << message;
+      EXPECT_NE(message.find("timed out after 1 s"), std::string::npos) << message;
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, 5.0);
+    try {
+      comm.barrier();
+      ADD_FAILURE() << "a broken communicator accepted another collective";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("unusable"), std::string::npos) << e.what();
+    }
+    if (ctx.store->add("timed_out", 1) == ctx.world - 1) ctx.store->set("others_done", "1");
+  }, options);
+}
+
+TEST(CommunicatorTest, SkippedCollectiveTimesOutThreads) { skippedCollectiveTimesOut(HarnessMode::kThreads, 2); }
+TEST(CommunicatorTest, SkippedCollectiveTimesOutProcesses) { skippedCollectiveTimesOut(HarnessMode::kProcesses, 3); }
+
+TEST(CommunicatorTest, MissingRankTimesOutAtCreation) {
+  HarnessOptions options;
+  options.commTimeout = std::chrono::seconds(1);
+  runOnRanks(3, [](RankContext& ctx) {
+    if (ctx.rank == 1) return;  // never creates the communicator
+    try {
+      ctx.comm();
+      ADD_FAILURE() << "created a group without rank 1";
+    } catch (const TimeoutError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1 of 3"), std::string::npos) << e.what();
+    }
+  }, options);
+}
+
+TEST(CommunicatorTest, SplitIntoSubgroups) {
+  runOnRanks(4, [](RankContext& ctx) {
+    auto world = ctx.comm();
+    // Only the members of a subset call split(); ranks 1 and 3 form a second group.
+    const std::vector<int> members = ctx.rank % 2 == 0 ? std::vector<int>{2, 0} : std::vector<int>{1, 3};
+    auto sub = world->split(members);
+    EXPECT_EQ(sub->worldSize(), 2);
+    EXPECT_EQ(members[static_cast<size_t>(sub->rank())], ctx.rank) << "group rank i is members[i]";
+    at::Tensor t = at::full({3}, static_cast<float>(ctx.rank));
+    sub->allReduce(t);
+    const float want = ctx.rank % 2 == 0 ? 2.0f : 4.0f;
+    EXPECT_TRUE(t.equal(at::full({3}, want)));
+    at::Tensor flat = at::zeros({2});
+    sub->allGatherInto(flat, at::full({1}, static_cast<float>(ctx.rank)));
+    EXPECT_EQ(flat[0].item<float>(), static_cast<float>(members[0]));
+    EXPECT_EQ(flat[1].item<float>(), static_cast<float>(members[1]));
+    // The same subset again is a new, independent group (the store keys do not collide).
+    auto again = world->split(members);
+    at::Tensor u = at::ones({1});
+    again->allReduce(u);
+    EXPECT_EQ(u.item<float>(), 2.0f);
+    // A group of one needs nobody else.
+    auto alone = world->split({ctx.rank});
+    EXPECT_EQ(alone->worldSize(), 1);
+    at::Tensor v = at::full({2}, 5.0f);
+    alone->allReduce(v, ReduceOp::kAvg);
+    EXPECT_TRUE(v.equal(at::full({2}, 5.0f)));
+    // Stats are per communicator.
+    EXPECT_EQ(sub->stats()[CommOp::kAllReduce].calls, 1);
+    EXPECT_EQ(world->stats()[CommOp::kAllReduce].calls, 0);
+
+    EXPECT_THROW(world->split({}), UsageError);
+    EXPECT_THROW(world->split({ctx.rank, ctx.rank}), UsageError);
+    EXPECT_THROW(world->split({ctx.rank, 4}), UsageError);
+    EXPECT_THROW(world->split({(ctx.rank + 1) % 4}), UsageError);  // caller not a member
+    world->barrier();
+  });
+}
+
+TEST(CommunicatorTest, FactoryErrors) {
+  auto store = Store::createInProcess();
+  EXPECT_THROW(makeCommunicator("mpi", store, 0, 1), ConfigError);
+  if (!ncclAvailable()) {
+    try {
+      makeCommunicator("nccl", store, 0, 1);
+      ADD_FAILURE() << "nccl without CUDA";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("TESSERA_WITH_CUDA"), std::string::npos) << e.what();
+    }
+  }
+  auto comm = makeCommunicator("gloo", store, 0, 1);
+  EXPECT_EQ(comm->backendName(), "gloo");
+  EXPECT_EQ(comm->worldSize(), 1);
+  at::Tensor flat = at::zeros({3});
+  comm->allGatherInto(flat, at::ones({3}));
+  EXPECT_TRUE(flat.equal(at::ones({3})));
+  EXPECT_EQ(comm->stats().totalBytes(), 0) << "a world of one sends nothing";
+}
+
+}  // namespace
+}  // namespace tessera::distributed
