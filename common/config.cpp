@@ -257,15 +257,22 @@ bool ConfigSchema::hasKey(const std::string& path) const { return impl_->byPath.
 
 std::string ConfigSchema::closestKey(const std::string& path) const {
   std::string best;
-  size_t bestDistance = std::string::npos;
+  size_t bestDistance = std::string::npos, bestPrefix = 0;
+  // Ties go to the candidate sharing the longest prefix with `path` ("optim.lrate"
+  // suggests "optim.lr", not "optim.name").
   auto consider = [&](const std::string& candidate) {
-    size_t d = editDistance(path, candidate);
-    if (d < bestDistance) { bestDistance = d; best = candidate; }
+    const size_t d = editDistance(path, candidate);
+    size_t prefix = 0;
+    while (prefix < path.size() && prefix < candidate.size() && path[prefix] == candidate[prefix]) ++prefix;
+    if (d < bestDistance || (d == bestDistance && prefix > bestPrefix)) {
+      bestDistance = d;
+      bestPrefix = prefix;
+      best = candidate;
+    }
   };
   for (const auto& f : impl_->fields) consider(f.path);
   for (const auto& s : impl_->sectionPaths) consider(s);
-  // Also match on the last component alone, so "optim.learning_rate" can suggest
-  // "optim.lr" only when reasonably close; beyond a third of the length it's noise.
+  // Beyond a third of the key's length a suggestion is noise.
   if (bestDistance == std::string::npos || bestDistance > std::max<size_t>(2, path.size() / 3)) return "";
   return best;
 }

@@ -215,12 +215,15 @@ void Communicator::count(CommOp op, int64_t bytes) {
 std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& flat_out, const at::Tensor& local_in) {
   ensureUsable("allGatherInto");
   checkPair("allGatherInto", "flat_out", flat_out, "local_in", local_in, world_);
-  count(CommOp::kAllGather, (world_ - 1) * tensorBytes(local_in));
+  std::shared_ptr<CommHandle> handle;
   if (world_ == 1 || local_in.numel() == 0) {
     if (local_in.numel() > 0) copyUnlessSame(flat_out, local_in);
-    return std::make_shared<CompletedHandle>();
+    handle = std::make_shared<CompletedHandle>();
+  } else {
+    handle = doAllGatherInto(flat_out, local_in);
   }
-  return doAllGatherInto(flat_out, local_in);
+  count(CommOp::kAllGather, (world_ - 1) * tensorBytes(local_in));
+  return handle;
 }
 
 std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& local_out, const at::Tensor& flat_in,
@@ -228,21 +231,24 @@ std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& l
   ensureUsable("reduceScatter");
   checkPair("reduceScatter", "flat_in", flat_in, "local_out", local_out, world_);
   checkReduceOp("reduceScatter", flat_in, op);
-  count(CommOp::kReduceScatter, (world_ - 1) * tensorBytes(local_out));
+  std::shared_ptr<CommHandle> handle;
   if (world_ == 1 || local_out.numel() == 0) {
     if (local_out.numel() > 0) copyUnlessSame(local_out, flat_in);
-    return std::make_shared<CompletedHandle>();
+    handle = std::make_shared<CompletedHandle>();
+  } else {
+    handle = doReduceScatter(local_out, flat_in, op);
   }
-  return doReduceScatter(local_out, flat_in, op);
+  count(CommOp::kReduceScatter, (world_ - 1) * tensorBytes(local_out));
+  return handle;
 }
 
 std::shared_ptr<CommHandle> Communicator::allReduceAsync(const at::Tensor& t, ReduceOp op) {
   ensureUsable("allReduce");
   checkTensor("allReduce", "t", t);
   checkReduceOp("allReduce", t, op);
+  std::shared_ptr<CommHandle> handle = world_ == 1 || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doAllReduce(t, op);
   count(CommOp::kAllReduce, 2 * (world_ - 1) * tensorBytes(t) / world_);
-  if (world_ == 1 || t.numel() == 0) return std::make_shared<CompletedHandle>();
-  return doAllReduce(t, op);
+  return handle;
 }
 
 std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, int root) {
@@ -250,9 +256,9 @@ std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, in
   checkTensor("broadcast", "t", t);
   TESSERA_CHECK_AS(UsageError, root >= 0 && root < world_, "Communicator::broadcast: root ", root,
                    " is out of range for world size ", world_);
+  std::shared_ptr<CommHandle> handle = world_ == 1 || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doBroadcast(t, root);
   count(CommOp::kBroadcast, rank_ == root && world_ > 1 ? tensorBytes(t) : 0);
-  if (world_ == 1 || t.numel() == 0) return std::make_shared<CompletedHandle>();
-  return doBroadcast(t, root);
+  return handle;
 }
 
 std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& out, const at::Tensor& local_in,
@@ -265,19 +271,22 @@ std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& ou
   } else {
     checkTensor("gatherToRoot", "local_in", local_in);
   }
-  count(CommOp::kGather, rank_ == root ? 0 : tensorBytes(local_in));
+  std::shared_ptr<CommHandle> handle;
   if (world_ == 1 || local_in.numel() == 0) {
     if (rank_ == root && local_in.numel() > 0) copyUnlessSame(out, local_in);
-    return std::make_shared<CompletedHandle>();
+    handle = std::make_shared<CompletedHandle>();
+  } else {
+    handle = doGatherToRoot(rank_ == root ? out : at::Tensor(), local_in, root);
   }
-  return doGatherToRoot(rank_ == root ? out : at::Tensor(), local_in, root);
+  count(CommOp::kGather, rank_ == root ? 0 : tensorBytes(local_in));
+  return handle;
 }
 
 std::shared_ptr<CommHandle> Communicator::barrierAsync() {
   ensureUsable("barrier");
+  std::shared_ptr<CommHandle> handle = world_ == 1 ? std::make_shared<CompletedHandle>() : doBarrier();
   count(CommOp::kBarrier, 0);
-  if (world_ == 1) return std::make_shared<CompletedHandle>();
-  return doBarrier();
+  return handle;
 }
 
 void Communicator::allGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) {

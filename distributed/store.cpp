@@ -5,8 +5,15 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include "common/errors.h"
@@ -30,6 +37,56 @@ std::string joinKeys(const std::vector<std::string>& keys) {
 
 // First line of a c10d message (its later lines are a C++ backtrace).
 std::string firstLine(const std::string& message) { return message.substr(0, message.find('\n')); }
+
+// Blocks until something accepts TCP connections at host:port or `deadline` passes.
+// LibTorch 1.13's TCPStore client gives up at once on a refused connection when its
+// timeout is short and otherwise retries only once a second, so ranks that start before
+// rank 0 is listening would fail or lose a second; this probe retries every few ms.
+bool waitForListener(const std::string& host, int port, Clock::time_point deadline, std::string& lastError) {
+  auto pause = std::chrono::milliseconds(5);
+  for (;;) {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* addresses = nullptr;
+    const int resolved = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &addresses);
+    if (resolved != 0) {
+      lastError = strCat("cannot resolve ", host, ": ", ::gai_strerror(resolved));
+    } else {
+      for (addrinfo* a = addresses; a != nullptr; a = a->ai_next) {
+        const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        bool connected = ::connect(fd, a->ai_addr, a->ai_addrlen) == 0;
+        if (!connected && errno == EINPROGRESS) {
+          // Bounded wait for the handshake (an unreachable host would block for minutes).
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+          pollfd pending{fd, POLLOUT, 0};
+          if (::poll(&pending, 1, static_cast<int>(std::clamp<int64_t>(left, 1, 1000))) == 1) {
+            int error = 0;
+            socklen_t length = sizeof error;
+            ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length);
+            connected = error == 0;
+            if (!connected) lastError = std::strerror(error);
+          } else {
+            lastError = "connection attempt timed out";
+          }
+        } else if (!connected) {
+          lastError = std::strerror(errno);
+        }
+        ::close(fd);
+        if (connected) {
+          ::freeaddrinfo(addresses);
+          return true;
+        }
+      }
+      ::freeaddrinfo(addresses);
+    }
+    const auto now = Clock::now();
+    if (now >= deadline) return false;
+    std::this_thread::sleep_for(std::min<Clock::duration>(pause, deadline - now));
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+}
 
 }  // namespace
 
@@ -67,16 +124,25 @@ std::shared_ptr<Store> Store::createTcp(const std::string& host, int port, bool 
   // Two stores of one process on the same host:port (e.g. two runtimes in a test) share it.
   options.multiTenant = true;
   const auto start = Clock::now();
+  const auto waited = [&start]() {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+  };
+  if (!isServer) {
+    std::string lastError = "no answer";
+    if (!waitForListener(host, port, start + timeout, lastError)) {
+      throw TimeoutError(strCat("Store::createTcp: waited ", formatDuration(waited()), " for the store host at ", host,
+                                ":", port, " (rank 0 never came up or the address is wrong): ", lastError));
+    }
+  }
   c10::intrusive_ptr<c10d::TCPStore> tcp;
   try {
     tcp = c10::make_intrusive<c10d::TCPStore>(host, options);
   } catch (const std::exception& e) {
-    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
     if (isServer) {
       throw Error(strCat("Store::createTcp: cannot host the store on port ", port, " (", host,
                          "): ", firstLine(e.what())));
     }
-    throw TimeoutError(strCat("Store::createTcp: waited ", formatDuration(waited), " for the store host at ", host, ":",
+    throw TimeoutError(strCat("Store::createTcp: waited ", formatDuration(waited()), " for the store host at ", host, ":",
                               port, " (rank 0 never came up or the address is wrong): ", firstLine(e.what())));
   }
   auto impl = std::make_unique<Impl>();

@@ -38,8 +38,19 @@ void ShardedModelEMAManager::addParam(const std::string& name, const sharding::S
                 "' registered twice");
   TESSERA_CHECK(live.defined() && live.is_contiguous(), "ShardedModelEMAManager::addParam: '", name,
                 "' must be a defined contiguous tensor");
-  Entry e{spec, live, {}};
-  for (size_t i = 0; i < options_.decays.size(); ++i) e.ema.push_back(live.detach().to(options_.dtype).clone());
+  const int64_t realNumel = spec.localRows() * spec.rowNumel();
+  TESSERA_CHECK(live.numel() == spec.paddedNumel() || live.numel() == realNumel, "ShardedModelEMAManager::addParam: '",
+                name, "' has ", live.numel(), " elements; spec ", spec.str(), " needs ", spec.paddedNumel(),
+                " (padded) or ", realNumel, " (real rows)");
+  // The EMA is always a padded local buffer; the live tensor may be padded too (a shard)
+  // or just this rank's real rows (a slice of a replicated parameter).
+  at::Tensor liveRows = live.numel() == spec.paddedNumel() ? spec.realRows(live) : live.view({spec.localRows(), spec.rowNumel()});
+  Entry e{spec, liveRows, {}};
+  for (size_t i = 0; i < options_.decays.size(); ++i) {
+    at::Tensor buffer = at::zeros({spec.paddedNumel()}, live.options().dtype(options_.dtype)).view(spec.localShape());
+    spec.realRows(buffer).copy_(liveRows);
+    e.ema.push_back(buffer);
+  }
   params_.emplace(name, std::move(e));
   paramNames_.push_back(name);
 }
@@ -56,7 +67,7 @@ void ShardedModelEMAManager::addBuffer(const std::string& name, const at::Tensor
 void ShardedModelEMAManager::resetFromLive() {
   at::NoGradGuard noGrad;
   for (auto& [name, e] : params_) {
-    for (auto& t : e.ema) t.copy_(e.live);
+    for (auto& t : e.ema) e.spec.realRows(t).copy_(e.live);
   }
   for (auto& [name, b] : buffers_) {
     for (auto& t : b.ema) t.copy_(b.live);
@@ -124,7 +135,10 @@ void ShardedModelEMAManager::update(int64_t step, bool optimizerApplied) {
   if (!copyOnly && (step % options_.updateEvery) != 0) return;
   for (size_t i = 0; i < options_.decays.size(); ++i) {
     const double d = copyOnly ? 0.0 : effectiveDecay(i, updates_);
-    for (auto& [name, e] : params_) blend(e.ema[i], e.live, d);
+    for (auto& [name, e] : params_) {
+      at::Tensor rows = e.spec.realRows(e.ema[i]);
+      blend(rows, e.live, d);
+    }
     for (auto& [name, b] : buffers_) {
       if (copyOnly || options_.buffers == "copy" || !at::isFloatingType(b.live.scalar_type())) {
         b.ema[i].copy_(b.live);
@@ -183,7 +197,7 @@ void ShardedModelEMAManager::withEmaWeights(size_t decayIndex, const std::functi
     at::NoGradGuard noGrad;  // only around the copies: fn runs in the caller's grad mode
     for (auto& [name, e] : params_) {
       saved.emplace_back(e.live, e.live.clone());
-      e.live.copy_(e.ema[decayIndex]);
+      e.live.copy_(e.spec.realRows(e.ema[decayIndex]));
     }
     for (auto& [name, b] : buffers_) {
       saved.emplace_back(b.live, b.live.clone());

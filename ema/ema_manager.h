@@ -50,8 +50,10 @@ class ShardedModelEMAManager {
   explicit ShardedModelEMAManager(EmaOptions options);
 
   // Registers a live parameter shard to follow. `live` is read at every update (it is the
-  // tensor the optimizer updates in place: an fp32 master shard, or a bf16 compute slice);
-  // the EMA starts as a copy of it, in the EMA dtype.
+  // tensor the optimizer updates in place: an fp32 master shard, or a bf16 compute slice):
+  // either the padded local buffer of `spec`, or only its real rows (e.g. this rank's
+  // rows of a replicated parameter, a contiguous view). The EMA is a padded buffer of
+  // `spec` in the EMA dtype, starting as a copy of `live`.
   void addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live);
   // Registers a buffer (replicated, e.g. BatchNorm running_mean): copied or averaged
   // according to options.buffers. Integer buffers (num_batches_tracked) are always copied.
@@ -98,8 +100,8 @@ class ShardedModelEMAManager {
  private:
   struct Entry {
     sharding::ShardSpec spec;
-    at::Tensor live;
-    std::vector<at::Tensor> ema;  // one per decay
+    at::Tensor live;              // the live real rows, [localRows, rowNumel]
+    std::vector<at::Tensor> ema;  // one padded buffer per decay
   };
   struct BufferEntry {
     at::Tensor live;

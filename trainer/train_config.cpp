@@ -14,6 +14,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("run.seed", &c.run.seed, "Seed for model init, data order and dropout").min(0);
   s.add("run.steps", &c.run.steps, "Optimizer steps to run").min(1);
   s.add("run.log_every", &c.run.log_every, "Print and record metrics every N steps").min(1);
+  s.add("run.eval_every", &c.run.eval_every, "Held-out loss with live and EMA weights every N steps (0: at the end only)")
+      .min(0);
 
   s.describeSection("log", "Logging");
   s.add("log.level", &c.log.level, "Log level; the TESSERA_LOG_LEVEL environment variable overrides it")
@@ -44,10 +46,50 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("optim.eps", &c.optim.eps, "Adam epsilon").greaterThan(0.0);
   s.add("optim.weight_decay", &c.optim.weight_decay, "Weight decay (decoupled for adamw)").min(0.0);
   s.add("optim.momentum", &c.optim.momentum, "SGD momentum").min(0.0).lessThan(1.0);
+  s.add("optim.nesterov", &c.optim.nesterov, "SGD Nesterov momentum (needs momentum > 0)");
+  s.add("optim.grad_clip", &c.optim.grad_clip, "Clip gradients to this global L2 norm; 0 = off").min(0.0);
+  s.add("optim.schedule.kind", &c.optim.schedule.kind, "LR schedule").oneOf({"constant", "cosine", "linear", "step"});
+  s.add("optim.schedule.warmup_steps", &c.optim.schedule.warmup_steps, "Linear warmup steps").min(0);
+  s.add("optim.schedule.min_lr", &c.optim.schedule.min_lr, "Floor of cosine and linear decay").min(0.0);
+  s.add("optim.schedule.step_size", &c.optim.schedule.step_size, "Step decay: period in steps").min(1);
+  s.add("optim.schedule.gamma", &c.optim.schedule.gamma, "Step decay: factor per period").greaterThan(0.0).max(1.0);
+
+  s.describeSection("sharding", "How training state is split over the ranks");
+  s.add("sharding.strategy", &c.sharding.strategy, "Data-parallel strategy").oneOf({"no_shard", "zero1", "zero2"});
+  s.add("sharding.bucket_mb", &c.sharding.bucket_mb, "Gradient bucket size in MiB (fewer, larger messages)")
+      .greaterThan(0.0);
+  s.add("sharding.param_dtype", &c.sharding.param_dtype, "Compute dtype of the parameters (masters stay fp32)")
+      .oneOf({"fp32", "bf16", "fp16"});
+  s.add("sharding.reduce_dtype", &c.sharding.reduce_dtype, "Dtype gradients are reduced in").oneOf({"fp32", "bf16", "fp16"});
+  s.add("sharding.buffer_sync", &c.sharding.buffer_sync, "How module buffers stay equal across ranks")
+      .oneOf({"broadcast", "average", "none"});
+
+  s.describeSection("ema", "Exponential moving average of the parameters (generator_ema)");
+  s.add("ema.enabled", &c.ema.enabled, "Keep an EMA of the parameters");
+  s.add("ema.decays", &c.ema.decays, "EMA decays; the first is generator_ema, each also generator_ema_<decay>")
+      .min(0.0).lessThan(1.0).nonEmpty();
+  s.add("ema.dtype", &c.ema.dtype, "EMA dtype").oneOf({"fp32", "bf16"});
+  s.add("ema.start_step", &c.ema.start_step, "Steps before this copy the parameters instead of averaging").min(0);
+  s.add("ema.update_every", &c.ema.update_every, "Update every k steps with decay^k").min(1);
+  s.add("ema.warmup", &c.ema.warmup, "Warmup: decay = min(decay, 1 - (1 + k/inv_gamma)^-power)");
+  s.add("ema.inv_gamma", &c.ema.inv_gamma, "Warmup inv_gamma").greaterThan(0.0);
+  s.add("ema.power", &c.ema.power, "Warmup power").greaterThan(0.0);
+  s.add("ema.buffers", &c.ema.buffers, "Buffers (e.g. BatchNorm statistics): copied or averaged").oneOf({"copy", "average"});
 }
 
 void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, int worldSize) {
   TESSERA_CHECK(worldSize >= 1, "validateTrainConfig: world size ", worldSize);
+  if (c.optim.nesterov && c.optim.momentum <= 0) {
+    throw ConfigError(s.errorMessage("optim.nesterov", "needs optim.momentum > 0"));
+  }
+  if ((c.optim.schedule.kind == "cosine" || c.optim.schedule.kind == "linear") &&
+      c.optim.schedule.warmup_steps >= c.run.steps) {
+    throw ConfigError(s.errorMessage("optim.schedule.warmup_steps",
+                                     strCat(c.optim.schedule.warmup_steps, " must be below run.steps (", c.run.steps, ")")));
+  }
+  if (c.optim.schedule.min_lr > c.optim.lr) {
+    throw ConfigError(s.errorMessage("optim.schedule.min_lr", strCat(c.optim.schedule.min_lr, " is above optim.lr (", c.optim.lr, ")")));
+  }
   const int64_t perStep = c.data.micro_batch * worldSize;
   if (c.data.global_batch % perStep != 0) {
     throw ConfigError(s.errorMessage(

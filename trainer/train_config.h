@@ -20,6 +20,7 @@ struct RunOptions {
   int64_t seed = 1234;            // seeds model init, data order and dropout
   int64_t steps = 200;            // optimizer steps to run
   int64_t log_every = 10;         // metrics every N steps
+  int64_t eval_every = 0;         // held-out loss (live and EMA weights) every N steps; 0 = at the end only
 };
 
 struct LogSection {
@@ -45,6 +46,14 @@ struct DataOptions {
   double eval_fraction = 0.05; // tail of the file held out for evaluation
 };
 
+struct ScheduleOptions {
+  std::string kind = "constant";  // constant | cosine | linear | step
+  int64_t warmup_steps = 0;
+  double min_lr = 0.0;            // floor of cosine / linear decay
+  int64_t step_size = 100;        // step decay period
+  double gamma = 0.1;             // step decay factor
+};
+
 struct OptimOptions {
   std::string name = "adamw";              // adamw | adam | sgd
   double lr = 3.0e-4;
@@ -52,6 +61,29 @@ struct OptimOptions {
   double eps = 1.0e-8;
   double weight_decay = 0.01;
   double momentum = 0.0;                   // sgd only
+  bool nesterov = false;                   // sgd only
+  double grad_clip = 0.0;                  // max global grad norm; 0 = off
+  ScheduleOptions schedule;
+};
+
+struct ShardingOptions {
+  std::string strategy = "no_shard";  // no_shard | zero1 | zero2 (zero3, hybrid: issue 5)
+  double bucket_mb = 25.0;            // gradient bucket size in MiB
+  std::string param_dtype = "fp32";   // compute dtype: fp32 | bf16 | fp16
+  std::string reduce_dtype = "fp32";  // gradient reduction dtype
+  std::string buffer_sync = "broadcast";  // broadcast | average | none
+};
+
+struct EmaSection {
+  bool enabled = true;
+  std::vector<double> decays = {0.999};
+  std::string dtype = "fp32";   // fp32 | bf16
+  int64_t start_step = 0;
+  int64_t update_every = 1;
+  bool warmup = false;
+  double inv_gamma = 1.0;
+  double power = 2.0 / 3.0;
+  std::string buffers = "copy";  // copy | average
 };
 
 struct TrainConfig {
@@ -60,6 +92,8 @@ struct TrainConfig {
   ModelOptions model;
   DataOptions data;
   OptimOptions optim;
+  ShardingOptions sharding;
+  EmaSection ema;
 };
 
 // Registers every key of `config` with `schema` (the variables are bound by pointer).

@@ -3,20 +3,22 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/functional/loss.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
 #include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <map>
 
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
+#include "ema/ema_manager.h"
+#include "sharding/lr_schedule.h"
+#include "sharding/strategy.h"
 #include "trainer/metrics.h"
 #include "trainer/models.h"
 #include "trainer/text_dataset.h"
@@ -36,52 +38,118 @@ double nowSec() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const OptimOptions& o, std::vector<at::Tensor> params) {
-  if (o.name == "adamw") {
-    return std::make_unique<torch::optim::AdamW>(
-        params, torch::optim::AdamWOptions(o.lr).betas({o.betas[0], o.betas[1]}).eps(o.eps).weight_decay(o.weight_decay));
-  }
-  if (o.name == "adam") {
-    return std::make_unique<torch::optim::Adam>(
-        params, torch::optim::AdamOptions(o.lr).betas({o.betas[0], o.betas[1]}).eps(o.eps).weight_decay(o.weight_decay));
-  }
-  if (o.name == "sgd") {
-    return std::make_unique<torch::optim::SGD>(
-        params, torch::optim::SGDOptions(o.lr).momentum(o.momentum).weight_decay(o.weight_decay));
-  }
-  throw ConfigError(strCat("optim.name: unknown optimizer '", o.name, "'"));
+at::ScalarType parseDtype(const std::string& name) {
+  if (name == "fp32") return at::kFloat;
+  if (name == "bf16") return at::kBFloat16;
+  if (name == "fp16") return at::kHalf;
+  throw ConfigError(strCat("unknown dtype '", name, "' (fp32, bf16, fp16)"));
 }
 
-// Averages every gradient over the ranks with one flat all-reduce.
-void allReduceGradients(distributed::Communicator& comm, const std::vector<at::Tensor>& params) {
-  if (comm.worldSize() == 1) return;
-  std::vector<at::Tensor> grads;
-  for (const auto& p : params) grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
-  at::Tensor flat = at::cat(grads.empty() ? std::vector<at::Tensor>{} : [&] {
-    std::vector<at::Tensor> views;
-    for (const auto& g : grads) views.push_back(g.reshape({-1}));
-    return views;
-  }());
-  comm.allReduce(flat, distributed::ReduceOp::kAvg);
-  int64_t offset = 0;
-  for (const auto& p : params) {
-    const int64_t n = p.numel();
-    at::Tensor slice = flat.narrow(0, offset, n).view(p.sizes());
-    if (p.grad().defined()) {
-      p.mutable_grad().copy_(slice);
+sharding::StrategyOptions strategyOptions(const TrainConfig& cfg) {
+  sharding::StrategyOptions o;
+  o.strategy = cfg.sharding.strategy;
+  o.bucketBytes = static_cast<int64_t>(cfg.sharding.bucket_mb * 1024 * 1024);
+  o.paramDtype = parseDtype(cfg.sharding.param_dtype);
+  o.reduceDtype = parseDtype(cfg.sharding.reduce_dtype);
+  o.bufferSync = cfg.sharding.buffer_sync;
+  o.gradClip = cfg.optim.grad_clip;
+  o.optimizer.name = cfg.optim.name;
+  o.optimizer.lr = cfg.optim.lr;
+  o.optimizer.beta1 = cfg.optim.betas[0];
+  o.optimizer.beta2 = cfg.optim.betas[1];
+  o.optimizer.eps = cfg.optim.eps;
+  o.optimizer.weightDecay = cfg.optim.weight_decay;
+  o.optimizer.momentum = cfg.optim.momentum;
+  o.optimizer.nesterov = cfg.optim.nesterov;
+  return o;
+}
+
+sharding::LrSchedule makeSchedule(const TrainConfig& cfg) {
+  sharding::LrScheduleOptions o;
+  o.kind = cfg.optim.schedule.kind;
+  o.baseLr = cfg.optim.lr;
+  o.warmupSteps = cfg.optim.schedule.warmup_steps;
+  o.totalSteps = cfg.run.steps;
+  o.minLr = cfg.optim.schedule.min_lr;
+  o.stepSize = cfg.optim.schedule.step_size;
+  o.gamma = cfg.optim.schedule.gamma;
+  return sharding::LrSchedule(o);
+}
+
+// The EMA follows each parameter's fp32 master. Sharded masters (zero1/2) are followed
+// shard for shard; a replicated master (no_shard) is followed in this rank's rows only,
+// so EMA memory per rank is 1/N of the model under every strategy.
+std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, sharding::ShardingStrategy& strategy) {
+  if (!cfg.ema.enabled) return nullptr;
+  ema::EmaOptions o;
+  o.decays = cfg.ema.decays;
+  o.dtype = parseDtype(cfg.ema.dtype);
+  o.startStep = cfg.ema.start_step;
+  o.updateEvery = cfg.ema.update_every;
+  o.warmup = cfg.ema.warmup;
+  o.invGamma = cfg.ema.inv_gamma;
+  o.power = cfg.ema.power;
+  o.buffers = cfg.ema.buffers;
+  auto manager = std::make_unique<ema::ShardedModelEMAManager>(o);
+  const int world = strategy.comm().worldSize(), rank = strategy.comm().rank();
+  for (const auto& name : strategy.paramNames()) {
+    const sharding::ShardSpec& spec = strategy.spec(name);
+    at::Tensor master = strategy.masterShard(name);
+    if (spec.placement() == sharding::Placement::kReplicate) {
+      sharding::ShardSpec slice(spec.globalShape(), spec.dtype(), world, rank);
+      auto [begin, end] = slice.localRowRange();
+      manager->addParam(name, slice, master.reshape({slice.globalRows(), slice.rowNumel()}).narrow(0, begin, end - begin));
     } else {
-      p.mutable_grad() = slice.clone();
+      manager->addParam(name, spec, master);
     }
-    offset += n;
   }
+  return manager;
 }
 
-double globalGradNorm(const std::vector<at::Tensor>& params) {
-  double sq = 0;
-  for (const auto& p : params) {
-    if (p.grad().defined()) sq += p.grad().pow(2).sum().item<double>();
+// Sum of cross-entropy over this rank's share of the first `n` held-out samples,
+// all-reduced to the mean over all of them.
+double heldOutLoss(ContextMlp& model, const TextDataset& data, distributed::Communicator& comm) {
+  torch::NoGradGuard noGrad;
+  const int rank = comm.rank(), world = comm.worldSize();
+  const int64_t n = std::min<int64_t>(data.evalSamples(), 4096);
+  const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
+  at::Tensor sums = at::zeros({2}, at::kDouble);  // [loss sum, count]
+  if (end > begin) {
+    auto [inputs, targets] = data.evalBatch(begin, end - begin);
+    at::Tensor loss = torch::nn::functional::cross_entropy(
+        model->forward(inputs).to(at::kFloat), targets,
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
+    sums[0] = loss.item<double>();
+    sums[1] = static_cast<double>(end - begin);
   }
-  return std::sqrt(sq);
+  comm.allReduce(sums, distributed::ReduceOp::kSum);
+  return sums[0].item<double>() / sums[1].item<double>();
+}
+
+// Runs `fn` with the module's parameters replaced by the gathered EMA of decay 0 and
+// restores them exactly afterwards, also when `fn` throws.
+double withEmaModel(ema::ShardedModelEMAManager& emaManager, sharding::ShardingStrategy& strategy,
+                    const std::function<double()>& fn) {
+  torch::NoGradGuard noGrad;
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved;
+  for (const auto& name : strategy.paramNames()) {
+    at::Tensor live = strategy.moduleParam(name).variable_data();
+    at::Tensor full = emaManager.spec(name).fullTensor(emaManager.emaShard(0, name), strategy.comm());
+    saved.emplace_back(live, live.clone());
+    live.copy_(full.view(live.sizes()));
+  }
+  auto restore = [&] {
+    for (auto& [live, value] : saved) live.copy_(value);
+  };
+  double result = 0;
+  try {
+    result = fn();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+  return result;
 }
 
 }  // namespace
@@ -107,18 +175,17 @@ TrainSummary Trainer::run() {
     std::ofstream(runDir / "config.resolved.yaml") << state_->resolvedYaml;
   }
 
-  // Identical seeded initialisation on every rank, then a broadcast from rank 0 so that
-  // replicas agree even if an initialiser were ever nondeterministic.
+  // Every rank builds the model from the same seed; the strategy then broadcasts rank
+  // 0's parameters and buffers, so replicas agree whatever happened before.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   ContextMlp model(cfg.model);
-  std::vector<at::Tensor> params = model->parameters();
-  {
-    torch::NoGradGuard noGrad;
-    for (auto& p : params) comm.broadcast(p, 0);
-  }
+  auto strategy = sharding::makeStrategy(*model, state_->comm, strategyOptions(cfg));
+  auto emaManager = makeEma(cfg, *strategy);
+  const sharding::LrSchedule schedule = makeSchedule(cfg);
   int64_t numParams = 0;
-  for (const auto& p : params) numParams += p.numel();
-  TLOG_INFO0("model " << cfg.model.arch << ": " << numParams << " parameters; world size " << world);
+  for (const auto& p : model->parameters()) numParams += p.numel();
+  TLOG_INFO0("model " << cfg.model.arch << ": " << numParams << " parameters; strategy " << cfg.sharding.strategy
+                      << " over " << world << " ranks; resident " << strategy->residentBytes().str());
 
   TextDataset data(cfg.data.path, cfg.model.context, cfg.data.eval_fraction);
   DistributedSampler sampler(data.trainSamples(), cfg.data.global_batch, cfg.run.seed, cfg.data.shuffle);
@@ -128,55 +195,71 @@ TrainSummary Trainer::run() {
                      << " steps per epoch; " << accumulation << " micro-batches of " << cfg.data.micro_batch
                      << " per rank per step");
 
-  auto optimizer = makeOptimizer(cfg.optim, params);
   std::unique_ptr<MetricsLog> metrics;
   if (rank == 0) metrics = std::make_unique<MetricsLog>((runDir / "metrics.jsonl").string(), cfg.run.steps);
+
+  auto evaluate = [&](std::map<std::string, double>& out) {
+    if (data.evalSamples() <= 0) return;
+    out["eval_loss"] = heldOutLoss(model, data, comm);
+    if (emaManager) {
+      out["eval_loss_ema"] = withEmaModel(*emaManager, *strategy, [&] { return heldOutLoss(model, data, comm); });
+    }
+  };
 
   TrainSummary summary;
   summary.runDir = runDir.string();
   double windowLoss = 0, windowStart = nowSec(), runStart = nowSec();
-  int64_t windowSteps = 0;
+  int64_t windowSteps = 0, skippedSteps = 0;
   bool firstWindow = true;
   comm.resetStats();
 
   for (int64_t step = 0; step < cfg.run.steps; ++step) {
-    optimizer->zero_grad();
+    strategy->zeroGrad();
     const std::vector<int64_t> indices = sampler.indicesFor(step, rank, world);
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
     for (int64_t micro = 0; micro < accumulation; ++micro) {
       std::vector<int64_t> slice(indices.begin() + micro * cfg.data.micro_batch,
                                  indices.begin() + (micro + 1) * cfg.data.micro_batch);
       auto [inputs, targets] = data.trainBatch(slice);
-      at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(inputs), targets) /
+      at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(inputs).to(at::kFloat), targets) /
                         static_cast<double>(accumulation);
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble);
     }
-    allReduceGradients(comm, params);
-    const double gradNorm = globalGradNorm(params);
-    optimizer->step();
+    const double lr = schedule.lrAt(step);
+    const sharding::StepResult result = strategy->step(lr);
+    if (result.skipped) {
+      ++skippedSteps;
+      TLOG_WARN0("step " << step + 1 << ": gradient norm " << result.gradNorm << " is not finite; step skipped");
+    }
+    if (emaManager) emaManager->update(step + 1, !result.skipped);
     comm.allReduce(stepLoss, distributed::ReduceOp::kAvg);
     windowLoss += stepLoss.item<double>();
     ++windowSteps;
 
     const bool last = step + 1 == cfg.run.steps;
-    if ((step + 1) % cfg.run.log_every == 0 || last) {
+    const bool evalNow = cfg.run.eval_every > 0 && (step + 1) % cfg.run.eval_every == 0;
+    if ((step + 1) % cfg.run.log_every == 0 || last || evalNow) {
       const double elapsed = nowSec() - windowStart;
       at::Tensor rss = at::full({1}, peakRssMiB(), at::kDouble);
       comm.allReduce(rss, distributed::ReduceOp::kMax);
       StepMetrics m;
       m.step = step + 1;
       m.loss = windowLoss / static_cast<double>(windowSteps);
-      m.lr = cfg.optim.lr;
-      m.gradNorm = gradNorm;
+      m.lr = lr;
+      m.gradNorm = result.gradNorm;
       m.samplesPerSec = static_cast<double>(cfg.data.global_batch * windowSteps) / elapsed;
       m.stepTimeMs = elapsed * 1000.0 / static_cast<double>(windowSteps);
       m.peakRssMiB = rss.item<double>();
       m.commMiB = static_cast<double>(comm.stats().totalBytes()) / (1024.0 * 1024.0);
+      if (skippedSteps > 0) m.extra["skipped_steps"] = static_cast<double>(skippedSteps);
+      if (evalNow || last) evaluate(m.extra);
       if (metrics) metrics->record(m);
       if (firstWindow) summary.firstLoss = m.loss;
       firstWindow = false;
       summary.finalLoss = m.loss;
+      if (m.extra.count("eval_loss")) summary.evalLoss = m.extra["eval_loss"];
+      if (m.extra.count("eval_loss_ema")) summary.evalLossEma = m.extra["eval_loss_ema"];
       windowLoss = 0;
       windowSteps = 0;
       windowStart = nowSec();
@@ -185,24 +268,6 @@ TrainSummary Trainer::run() {
   }
   summary.steps = cfg.run.steps;
   summary.samplesPerSec = static_cast<double>(cfg.data.global_batch * cfg.run.steps) / (nowSec() - runStart);
-
-  // Held-out loss, computed on every rank over its share of the eval samples.
-  summary.evalLoss = std::numeric_limits<double>::quiet_NaN();
-  if (data.evalSamples() > 0) {
-    torch::NoGradGuard noGrad;
-    const int64_t n = std::min<int64_t>(data.evalSamples(), 4096);
-    const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
-    at::Tensor sums = at::zeros({2}, at::kDouble);  // [loss sum, count]
-    if (end > begin) {
-      auto [inputs, targets] = data.evalBatch(begin, end - begin);
-      at::Tensor loss = torch::nn::functional::cross_entropy(
-          model->forward(inputs), targets, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-      sums[0] = loss.item<double>();
-      sums[1] = static_cast<double>(end - begin);
-    }
-    comm.allReduce(sums, distributed::ReduceOp::kSum);
-    summary.evalLoss = sums[0].item<double>() / sums[1].item<double>();
-  }
 
   if (rank == 0) {
     summary.metricsPath = (runDir / "metrics.jsonl").string();

@@ -1,11 +1,11 @@
 // The train loop of tessera-train: builds model, optimizer and data from a TrainConfig,
 // trains data-parallel over a Communicator, records metrics and the loss curve.
 //
-// Gradient synchronisation is plain data parallelism (one flat all-reduce of the
-// averaged gradients per step); the sharded strategies (zero1/2/3, hybrid) replace it
-// as issues 4 and 5 land.
+// The sharding strategy (sharding/strategy.h) owns gradient synchronisation, the
+// sharded optimizer and parameter publication; the EMA follows its fp32 masters.
 #pragma once
 
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -21,7 +21,8 @@ struct TrainSummary {
   int64_t steps = 0;
   double firstLoss = 0;  // mean train loss of the first logged window
   double finalLoss = 0;  // mean train loss of the last logged window
-  double evalLoss = 0;   // held-out loss at the end (NaN when there is no held-out split)
+  double evalLoss = std::numeric_limits<double>::quiet_NaN();     // held-out loss at the end
+  double evalLossEma = std::numeric_limits<double>::quiet_NaN();  // same, with the EMA weights
   double samplesPerSec = 0;
   std::string runDir;
   std::string metricsPath;

@@ -53,7 +53,7 @@ int main(int argc, char** argv) {
     tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, runtime->comm());
     const auto summary = trainer.run();
     TLOG_INFO0("done: " << summary.steps << " steps, loss " << summary.firstLoss << " -> " << summary.finalLoss
-                        << ", held-out loss " << summary.evalLoss << ", " << summary.samplesPerSec << " samples/s");
+                        << ", held-out loss " << summary.evalLoss << " (EMA " << summary.evalLossEma << "), " << summary.samplesPerSec << " samples/s");
     TLOG_INFO0("metrics: " << summary.metricsPath << "; loss curve: " << summary.lossCurvePath);
     return 0;
   });

@@ -18,8 +18,14 @@ struct Result {
 };
 
 // Runs a shell command (bounded by `timeout`), capturing stdout+stderr.
+// A file name unique to the running test: ctest runs the tests of this suite in parallel.
+std::string uniqueName(const std::string& suffix) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::string("tessera_cli_") + info->name() + "_" + std::to_string(::getpid()) + suffix;
+}
+
 Result runCommand(const std::string& command) {
-  const fs::path out = fs::temp_directory_path() / ("tessera_cli_" + std::to_string(::getpid()) + ".out");
+  const fs::path out = fs::temp_directory_path() / uniqueName(".out");
   const std::string full = "timeout 120 " + command + " > '" + out.string() + "' 2>&1";
   const int raw = std::system(full.c_str());
   Result r;
@@ -32,8 +38,8 @@ Result runCommand(const std::string& command) {
   return r;
 }
 
-std::string writeConfig(const std::string& name, const std::string& text) {
-  const fs::path path = fs::temp_directory_path() / name;
+std::string writeConfig(const std::string& text) {
+  const fs::path path = fs::temp_directory_path() / uniqueName(".yaml");
   std::ofstream(path) << text;
   return path.string();
 }
@@ -42,25 +48,27 @@ const std::string kTrain = std::string(TESSERA_BIN_DIR) + "/tessera-train";
 const std::string kGood = "data:\n  path: /usr/share/common-licenses/GPL-3\n";
 
 void expectConfigError(const std::string& yaml, const std::string& extraArgs, const std::string& expected) {
-  const std::string file = writeConfig("tessera_cli_case.yaml", yaml);
+  const std::string file = writeConfig(yaml);
   Result r = runCommand(kTrain + " --config " + file + " " + extraArgs);
   EXPECT_EQ(r.status, 2) << r.output;
-  EXPECT_NE(r.output.find(expected), std::string::npos) << "expected '" << expected << "' in:\n" << r.output;
+  // ".yaml:L:C: ..." stands for "<the config file>:L:C: ...".
+  const std::string want = expected.rfind(".yaml:", 0) == 0 ? file + expected.substr(5) : expected;
+  EXPECT_NE(r.output.find(want), std::string::npos) << "expected '" << want << "' in:\n" << r.output;
 }
 
 TEST(TrainCliTest, UnknownKeyWithSuggestion) {
   expectConfigError(kGood + "optim:\n  lrr: 0.1\n", "",
-                    "tessera_cli_case.yaml:4:3: optim.lrr: unknown key (did you mean 'optim.lr'?)");
+                    ".yaml:4:3: optim.lrr: unknown key (did you mean 'optim.lr'?)");
 }
 
 TEST(TrainCliTest, WrongType) {
-  expectConfigError(kGood + "optim:\n  lr: fast\n", "", "tessera_cli_case.yaml:4:7: optim.lr: expected a number, got 'fast'");
+  expectConfigError(kGood + "optim:\n  lr: fast\n", "", ".yaml:4:7: optim.lr: expected a number, got 'fast'");
 }
 
 TEST(TrainCliTest, OutOfRange) {
-  expectConfigError(kGood + "run:\n  steps: -1\n", "", "tessera_cli_case.yaml:4:10: run.steps: value -1 is out of range");
+  expectConfigError(kGood + "run:\n  steps: -1\n", "", ".yaml:4:10: run.steps: value -1 is out of range");
   expectConfigError(kGood + "optim:\n  betas: [0.9, 1.5]\n", "",
-                    "tessera_cli_case.yaml:4:16: optim.betas[1]: value 1.5 is out of range: must be < 1");
+                    ".yaml:4:16: optim.betas[1]: value 1.5 is out of range: must be < 1");
 }
 
 TEST(TrainCliTest, MissingRequiredKey) {
@@ -68,7 +76,7 @@ TEST(TrainCliTest, MissingRequiredKey) {
 }
 
 TEST(TrainCliTest, MalformedYaml) {
-  expectConfigError(kGood + "run: {steps: 3\n", "", "tessera_cli_case.yaml:");
+  expectConfigError(kGood + "run: {steps: 3\n", "", ".yaml:");
   expectConfigError(kGood + "run: {steps: 3\n", "", "malformed YAML");
 }
 
@@ -92,7 +100,7 @@ TEST(TrainCliTest, BadArguments) {
 }
 
 TEST(TrainCliTest, PrintConfigShowsOverrides) {
-  const std::string file = writeConfig("tessera_cli_ok.yaml", kGood);
+  const std::string file = writeConfig(kGood);
   Result r = runCommand(kTrain + " --config " + file + " --set run.steps=7 --set model.hidden=[8,4] --print-config");
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("steps: 7"), std::string::npos) << r.output;

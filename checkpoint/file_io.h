@@ -1,0 +1,63 @@
+// POSIX file helpers for the commit protocol: full writes and positional reads that
+// report the file and errno, fsync of files and directories, atomic small-file
+// replacement, and a bounded whole-file read. Every failure throws tessera::Error (or
+// CheckpointError for a file that is missing or shorter than needed) naming the path.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace tessera::checkpoint {
+
+class File {
+ public:
+  File() = default;
+  ~File();
+  File(File&& other) noexcept;
+  File& operator=(File&& other) noexcept;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+
+  // Opens for reading. A missing file throws CheckpointError ("missing file ...").
+  static File openRead(const std::string& path);
+  // Creates or truncates for writing (mode 0644).
+  static File openWrite(const std::string& path);
+
+  bool isOpen() const { return fd_ >= 0; }
+  const std::string& path() const { return path_; }
+  int fd() const { return fd_; }
+
+  // Writes all bytes at the current position (retries short writes and EINTR).
+  void writeAll(const void* data, size_t bytes);
+  // Reads exactly `bytes` at `offset`; a file that ends earlier throws CheckpointError
+  // ("truncated"), naming `what` (e.g. the tensor being read).
+  void readAt(void* data, size_t bytes, int64_t offset, const std::string& what = "") const;
+  int64_t size() const;
+  // fsync(2); throws on failure (EIO here means the data may not be on disk).
+  void sync();
+  // Drops the file's pages from the page cache (benchmarks; best effort).
+  void dropCache();
+  // Closes, reporting close(2) errors (NFS reports write errors here).
+  void close();
+
+ private:
+  File(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_ = -1;
+  std::string path_;
+};
+
+// fsyncs a directory, so that entries created, renamed or removed in it are durable.
+void syncDirectory(const std::string& dir);
+// Writes `content` to path + ".tmp", fsyncs it, renames it over `path` and fsyncs the
+// directory: readers see the old or the new content, never a mix.
+void writeFileAtomic(const std::string& path, const std::string& content);
+// Reads a whole file of at most maxBytes; CheckpointError when missing or larger.
+std::string readFileBounded(const std::string& path, int64_t maxBytes);
+bool pathExists(const std::string& path);
+// Removes a directory tree, ignoring a missing one; throws naming the path on failure.
+void removeTree(const std::string& path);
+// rename(2), throwing naming both paths.
+void renamePath(const std::string& from, const std::string& to);
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,87 @@
+// Dtype names, checksums and checked arithmetic shared by both formats (see format.h).
+#include "checkpoint/format.h"
+
+#include <xxhash.h>
+
+#include <cstdio>
+#include <limits>
+
+namespace tessera::checkpoint {
+
+namespace {
+struct DtypeRow {
+  at::ScalarType dtype;
+  const char* name;
+};
+constexpr DtypeRow kDtypes[] = {
+    {at::kBool, "BOOL"}, {at::kByte, "U8"},      {at::kChar, "I8"},    {at::kShort, "I16"}, {at::kInt, "I32"},
+    {at::kLong, "I64"},  {at::kHalf, "F16"},     {at::kBFloat16, "BF16"}, {at::kFloat, "F32"}, {at::kDouble, "F64"},
+};
+}  // namespace
+
+std::string dtypeName(at::ScalarType dtype) {
+  for (const auto& row : kDtypes) {
+    if (row.dtype == dtype) return row.name;
+  }
+  throw Error(strCat("checkpoint: dtype ", c10::toString(dtype), " cannot be stored (supported: bool, uint8, int8, ",
+                     "int16, int32, int64, float16, bfloat16, float32, float64)"));
+}
+
+at::ScalarType parseDtypeName(const std::string& name, const std::string& where) {
+  for (const auto& row : kDtypes) {
+    if (name == row.name) return row.dtype;
+  }
+  throw CheckpointError(strCat(where, ": unknown dtype '", name, "'"));
+}
+
+bool isKnownDtypeName(const std::string& name) {
+  for (const auto& row : kDtypes) {
+    if (name == row.name) return true;
+  }
+  return false;
+}
+
+int64_t dtypeBytes(at::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
+
+uint64_t checksum(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+
+std::string checksumHex(uint64_t value) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(value));
+  return buf;
+}
+
+uint64_t parseChecksumHex(const std::string& text, const std::string& where) {
+  if (text.size() != 16) throw CheckpointError(strCat(where, ": checksum '", text, "' is not 16 hex digits"));
+  uint64_t value = 0;
+  for (char c : text) {
+    int digit;
+    if (c >= '0' && c <= '9') {
+      digit = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      digit = c - 'a' + 10;
+    } else if (c >= 'A' && c <= 'F') {
+      digit = c - 'A' + 10;
+    } else {
+      throw CheckpointError(strCat(where, ": checksum '", text, "' is not 16 hex digits"));
+    }
+    value = (value << 4) | static_cast<uint64_t>(digit);
+  }
+  return value;
+}
+
+int64_t checkedMul(int64_t a, int64_t b, const std::string& where) {
+  int64_t out;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &out)) {
+    throw CheckpointError(strCat(where, ": size ", a, " x ", b, " overflows"));
+  }
+  return out;
+}
+
+int64_t checkedAdd(int64_t a, int64_t b, const std::string& where) {
+  int64_t out;
+  if (__builtin_add_overflow(a, b, &out)) throw CheckpointError(strCat(where, ": offset ", a, " + ", b, " overflows"));
+  return out;
+}
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,51 @@
+// Shared vocabulary of the checkpoint and safetensors formats: the error type for bad or
+// corrupt files, dtype names (safetensors' "F32", "BF16", ... used by both formats),
+// the checksum (XXH3-64, printed as 16 hex digits), and little-endian helpers.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/errors.h"
+
+namespace tessera::checkpoint {
+
+// A checkpoint or safetensors file that is missing, truncated, corrupt, or does not match
+// what the caller expects. The message names the file and, where there is one, the tensor.
+// resume-auto falls back to an older checkpoint on these.
+class CheckpointError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Safetensors dtype names: BOOL U8 I8 I16 I32 I64 F16 BF16 F32 F64. Throws tessera::Error
+// for a dtype neither format can hold (complex, quantized).
+std::string dtypeName(at::ScalarType dtype);
+// Inverse of dtypeName; throws CheckpointError naming `where` for an unknown name.
+at::ScalarType parseDtypeName(const std::string& name, const std::string& where);
+// True when `name` is a dtype this build can read.
+bool isKnownDtypeName(const std::string& name);
+// Bytes per element.
+int64_t dtypeBytes(at::ScalarType dtype);
+
+// The checksum of checkpoint blocks: XXH3 64-bit, seed 0.
+uint64_t checksum(const void* data, size_t bytes);
+std::string checksumHex(uint64_t value);  // 16 lowercase hex digits
+// Parses 16 hex digits; throws CheckpointError naming `where` otherwise.
+uint64_t parseChecksumHex(const std::string& text, const std::string& where);
+constexpr const char* kChecksumAlgorithm = "xxh3_64";
+
+// Both formats are little-endian; Tessera runs on little-endian hosts only (x86-64,
+// aarch64), which this checks at compile time where the compiler says.
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "Tessera's checkpoint formats assume a little-endian host"
+#endif
+
+// a*b and a+b for sizes read from files, throwing CheckpointError (naming `where`) on
+// overflow of int64 instead of wrapping.
+int64_t checkedMul(int64_t a, int64_t b, const std::string& where);
+int64_t checkedAdd(int64_t a, int64_t b, const std::string& where);
+
+}  // namespace tessera::checkpoint

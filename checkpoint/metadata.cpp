@@ -1,0 +1,329 @@
+// metadata.json / rank index / trainer state: serialisation and validating parsers.
+#include "checkpoint/metadata.h"
+
+#include <cstdio>
+#include <set>
+
+#include "checkpoint/format.h"
+#include "checkpoint/json_internal.h"
+
+namespace tessera::checkpoint {
+
+using detail::asArray;
+using detail::asInt;
+using detail::asObject;
+using detail::asString;
+using detail::Json;
+using detail::member;
+
+namespace {
+
+constexpr int64_t kMaxDims = 64;
+constexpr int kMaxWorldSize = 1 << 20;
+
+// Tensor names become safetensors keys and log text: printable, bounded.
+void checkTensorName(const std::string& name, const std::string& where) {
+  if (name.empty() || name.size() > 4096) throw CheckpointError(strCat(where, ": tensor name of length ", name.size()));
+  for (unsigned char c : name) {
+    if (c < 0x20 || c == 0x7f) throw CheckpointError(strCat(where, ": tensor name '", name, "' has a control character"));
+  }
+}
+
+// Data files live inside the checkpoint directory: a plain file name, never a path.
+void checkFileName(const std::string& name, const std::string& where) {
+  bool ok = !name.empty() && name.size() <= 255 && name != "." && name != "..";
+  for (char c : name) {
+    const bool allowed = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
+                         c == '-' || c == '.';
+    ok = ok && allowed;
+  }
+  if (!ok) throw CheckpointError(strCat(where, ": file name '", name, "' is not a plain file name"));
+}
+
+const char* placementName(sharding::Placement p) { return p == sharding::Placement::kShard0 ? "shard0" : "replicate"; }
+
+sharding::Placement parsePlacement(const std::string& s, const std::string& where) {
+  if (s == "shard0") return sharding::Placement::kShard0;
+  if (s == "replicate") return sharding::Placement::kReplicate;
+  throw CheckpointError(strCat(where, ": unknown placement '", s, "' (shard0 | replicate)"));
+}
+
+Json chunkToJson(const ChunkInfo& c) {
+  Json sums = Json::array();
+  for (uint64_t s : c.checksums) sums.push_back(checksumHex(s));
+  return Json{{"rank", c.rank},        {"file", c.file}, {"offset", c.offset}, {"length", c.length},
+              {"rows", {c.rowBegin, c.rowEnd}}, {"checksums", sums}};
+}
+
+Json tensorToJson(const TensorInfo& t) {
+  Json chunks = Json::array();
+  for (const auto& c : t.chunks) chunks.push_back(chunkToJson(c));
+  return Json{{"name", t.name},
+              {"dtype", dtypeName(t.dtype)},
+              {"shape", t.shape},
+              {"placement", placementName(t.placement)},
+              {"chunks", chunks}};
+}
+
+// Parses the tensor's own fields (not the chunks).
+TensorInfo parseTensorHead(const Json& j, const std::string& where) {
+  asObject(j, where);
+  TensorInfo t;
+  t.name = asString(member(j, "name", where), where + ".name");
+  const std::string tw = strCat(where, " (tensor '", t.name, "')");
+  checkTensorName(t.name, tw);
+  t.dtype = parseDtypeName(asString(member(j, "dtype", tw), tw + ".dtype", 16), tw + ".dtype");
+  const Json& shape = asArray(member(j, "shape", tw), tw + ".shape");
+  if (static_cast<int64_t>(shape.size()) > kMaxDims) throw CheckpointError(strCat(tw, ": shape has ", shape.size(), " dims"));
+  int64_t numel = 1;
+  for (const auto& d : shape) {
+    t.shape.push_back(asInt(d, tw + ".shape", 0));
+    numel = checkedMul(numel, t.shape.back(), tw + ".shape");
+  }
+  checkedMul(numel, dtypeBytes(t.dtype), tw + ".shape");
+  t.placement = parsePlacement(asString(member(j, "placement", tw), tw + ".placement", 16), tw + ".placement");
+  return t;
+}
+
+ChunkInfo parseChunk(const Json& j, const TensorInfo& t, int64_t blockBytes, const std::string& where) {
+  asObject(j, where);
+  ChunkInfo c;
+  c.rank = static_cast<int>(asInt(member(j, "rank", where), where + ".rank", 0, kMaxWorldSize));
+  c.file = asString(member(j, "file", where), where + ".file", 255);
+  checkFileName(c.file, where + ".file");
+  c.offset = asInt(member(j, "offset", where), where + ".offset", 0);
+  c.length = asInt(member(j, "length", where), where + ".length", 0);
+  checkedAdd(c.offset, c.length, where);
+  const Json& rows = asArray(member(j, "rows", where), where + ".rows");
+  if (rows.size() != 2) throw CheckpointError(strCat(where, ".rows: expected [begin, end]"));
+  c.rowBegin = asInt(rows[0], where + ".rows", 0, t.rows());
+  c.rowEnd = asInt(rows[1], where + ".rows", c.rowBegin, t.rows());
+  if (c.rowEnd == c.rowBegin) throw CheckpointError(strCat(where, ": empty row range [", c.rowBegin, ", ", c.rowEnd, ")"));
+  const int64_t expected = checkedMul(c.rowEnd - c.rowBegin, t.rowBytes(), where);
+  if (c.length != expected) {
+    throw CheckpointError(strCat(where, ": length ", c.length, " does not match rows [", c.rowBegin, ", ", c.rowEnd,
+                                 ") of ", t.rowBytes(), " bytes each (", expected, ")"));
+  }
+  const Json& sums = asArray(member(j, "checksums", where), where + ".checksums");
+  const int64_t blocks = blockBytes > 0 ? (c.length + blockBytes - 1) / blockBytes : 0;
+  if (static_cast<int64_t>(sums.size()) != blocks) {
+    throw CheckpointError(strCat(where, ": ", sums.size(), " checksums for ", blocks, " blocks of ", blockBytes, " bytes"));
+  }
+  c.checksums.reserve(sums.size());
+  for (const auto& s : sums) c.checksums.push_back(parseChecksumHex(asString(s, where + ".checksums", 64), where));
+  return c;
+}
+
+std::string rankStateText(const Json& v, const std::string& where) {
+  asObject(v, where);
+  return v.dump();
+}
+
+}  // namespace
+
+int64_t TensorInfo::rowElements() const {
+  int64_t n = 1;
+  for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+  return n;
+}
+int64_t TensorInfo::rowBytes() const { return rowElements() * dtypeBytes(dtype); }
+int64_t TensorInfo::numel() const { return rows() * rowElements(); }
+int64_t TensorInfo::bytes() const { return numel() * dtypeBytes(dtype); }
+
+const TensorInfo* CheckpointMetadata::find(const std::string& name) const {
+  for (const auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+int64_t CheckpointMetadata::tensorBytes() const {
+  int64_t total = 0;
+  for (const auto& t : tensors) total += t.bytes();
+  return total;
+}
+
+std::string toJson(const CheckpointMetadata& m) {
+  Json files = Json::array();
+  for (const auto& f : m.files) files.push_back({{"name", f.name}, {"bytes", f.bytes}});
+  Json tensors = Json::array();
+  for (const auto& t : m.tensors) tensors.push_back(tensorToJson(t));
+  Json rankStates = Json::array();
+  for (const auto& s : m.rankStates) rankStates.push_back(Json::parse(s));
+  Json j{{"format", kFormatName},
+         {"version", m.version},
+         {"step", m.step},
+         {"world_size", m.worldSize},
+         {"strategy", m.strategy},
+         {"checksum", {{"algorithm", kChecksumAlgorithm}, {"block_bytes", m.blockBytes}}},
+         {"trainer_state",
+          {{"file", m.trainerState.name},
+           {"bytes", m.trainerState.bytes},
+           {"checksum", checksumHex(m.trainerStateChecksum)}}},
+         {"rank_states", rankStates},
+         {"aliases", m.aliases},
+         {"files", files},
+         {"tensors", tensors}};
+  return j.dump(1) + "\n";
+}
+
+CheckpointMetadata parseMetadata(const std::string& text, const std::string& source) {
+  if (static_cast<int64_t>(text.size()) > kMaxJsonBytes) throw CheckpointError(strCat(source, ": too large"));
+  const Json j = detail::parseJson(text, source);
+  asObject(j, source);
+  CheckpointMetadata m;
+  const std::string format = asString(member(j, "format", source), source + ".format", 64);
+  if (format != kFormatName) throw CheckpointError(strCat(source, ": format '", format, "' is not ", kFormatName));
+  m.version = static_cast<int>(asInt(member(j, "version", source), source + ".version", 1, 1000));
+  if (m.version != kFormatVersion) {
+    throw CheckpointError(strCat(source, ": format version ", m.version, "; this build reads version ", kFormatVersion));
+  }
+  m.step = asInt(member(j, "step", source), source + ".step", 0);
+  m.worldSize = static_cast<int>(asInt(member(j, "world_size", source), source + ".world_size", 1, kMaxWorldSize));
+  m.strategy = asString(member(j, "strategy", source), source + ".strategy", 256);
+  const Json& cs = asObject(member(j, "checksum", source), source + ".checksum");
+  const std::string algo = asString(member(cs, "algorithm", source + ".checksum"), source + ".checksum.algorithm", 64);
+  if (algo != kChecksumAlgorithm) throw CheckpointError(strCat(source, ": unknown checksum algorithm '", algo, "'"));
+  m.blockBytes = asInt(member(cs, "block_bytes", source + ".checksum"), source + ".checksum.block_bytes", 8, int64_t{1} << 34);
+  if (m.blockBytes % 8 != 0) throw CheckpointError(strCat(source, ": block_bytes ", m.blockBytes, " is not a multiple of 8"));
+
+  const Json& ts = asObject(member(j, "trainer_state", source), source + ".trainer_state");
+  m.trainerState.name = asString(member(ts, "file", source + ".trainer_state"), source + ".trainer_state.file", 255);
+  checkFileName(m.trainerState.name, source + ".trainer_state.file");
+  m.trainerState.bytes = asInt(member(ts, "bytes", source + ".trainer_state"), source + ".trainer_state.bytes", 0, kMaxJsonBytes);
+  m.trainerStateChecksum = parseChecksumHex(asString(member(ts, "checksum", source), source + ".trainer_state.checksum", 64),
+                                            source + ".trainer_state.checksum");
+
+  const Json& rs = asArray(member(j, "rank_states", source), source + ".rank_states");
+  if (static_cast<int64_t>(rs.size()) != m.worldSize) {
+    throw CheckpointError(strCat(source, ": ", rs.size(), " rank_states for world size ", m.worldSize));
+  }
+  for (size_t r = 0; r < rs.size(); ++r) m.rankStates.push_back(rankStateText(rs[r], strCat(source, ".rank_states[", r, "]")));
+
+  if (hasMember(j, "aliases")) {
+    for (const auto& [k, v] : asObject(j["aliases"], source + ".aliases").items()) {
+      checkTensorName(k, source + ".aliases");
+      m.aliases[k] = asString(v, strCat(source, ".aliases.", k), 4096);
+    }
+  }
+
+  std::map<std::string, int64_t> fileBytes;
+  const Json& files = asArray(member(j, "files", source), source + ".files");
+  for (size_t i = 0; i < files.size(); ++i) {
+    const std::string where = strCat(source, ".files[", i, "]");
+    FileInfo f;
+    f.name = asString(member(files[i], "name", where), where + ".name", 255);
+    checkFileName(f.name, where);
+    f.bytes = asInt(member(files[i], "bytes", where), where + ".bytes", 0);
+    if (!fileBytes.emplace(f.name, f.bytes).second) throw CheckpointError(strCat(where, ": file '", f.name, "' listed twice"));
+    m.files.push_back(f);
+  }
+
+  std::set<std::string> names;
+  const Json& tensors = asArray(member(j, "tensors", source), source + ".tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string where = strCat(source, ".tensors[", i, "]");
+    TensorInfo t = parseTensorHead(tensors[i], where);
+    const std::string tw = strCat(source, ": tensor '", t.name, "'");
+    if (!names.insert(t.name).second) throw CheckpointError(strCat(tw, " is listed twice"));
+    const Json& chunks = asArray(member(tensors[i], "chunks", tw), tw + ".chunks");
+    int64_t nextRow = 0;
+    for (size_t k = 0; k < chunks.size(); ++k) {
+      const std::string cw = strCat(tw, " chunk ", k);
+      ChunkInfo c = parseChunk(chunks[k], t, m.blockBytes, cw);
+      if (c.rank >= m.worldSize) throw CheckpointError(strCat(cw, ": rank ", c.rank, " of world size ", m.worldSize));
+      auto f = fileBytes.find(c.file);
+      if (f == fileBytes.end()) throw CheckpointError(strCat(cw, ": file '", c.file, "' is not in the file list"));
+      if (c.offset + c.length > f->second) {
+        throw CheckpointError(strCat(cw, ": bytes [", c.offset, ", ", c.offset + c.length, ") lie outside ", c.file, " (",
+                                     f->second, " bytes)"));
+      }
+      if (c.rowBegin != nextRow) {
+        throw CheckpointError(strCat(cw, ": rows [", c.rowBegin, ", ", c.rowEnd, ") do not start at row ", nextRow,
+                                     " (chunks must cover the rows once, in order)"));
+      }
+      nextRow = c.rowEnd;
+      t.chunks.push_back(std::move(c));
+    }
+    if (nextRow != t.rows()) {
+      throw CheckpointError(strCat(tw, ": chunks cover rows [0, ", nextRow, ") of ", t.rows()));
+    }
+    m.tensors.push_back(std::move(t));
+  }
+  return m;
+}
+
+std::string toJson(const RankIndex& index) {
+  Json tensors = Json::array();
+  for (const auto& t : index.tensors) tensors.push_back(tensorToJson(t));
+  Json j{{"rank", index.rank},
+         {"world_size", index.worldSize},
+         {"step", index.step},
+         {"block_bytes", index.blockBytes},
+         {"file", {{"name", index.file.name}, {"bytes", index.file.bytes}}},
+         {"rank_state", Json::parse(index.rankState)},
+         {"tensors", tensors}};
+  return j.dump() + "\n";
+}
+
+RankIndex parseRankIndex(const std::string& text, const std::string& source) {
+  if (static_cast<int64_t>(text.size()) > kMaxJsonBytes) throw CheckpointError(strCat(source, ": too large"));
+  const Json j = detail::parseJson(text, source);
+  asObject(j, source);
+  RankIndex r;
+  r.worldSize = static_cast<int>(asInt(member(j, "world_size", source), source + ".world_size", 1, kMaxWorldSize));
+  r.rank = static_cast<int>(asInt(member(j, "rank", source), source + ".rank", 0, r.worldSize - 1));
+  r.step = asInt(member(j, "step", source), source + ".step", 0);
+  r.blockBytes = asInt(member(j, "block_bytes", source), source + ".block_bytes", 8, int64_t{1} << 34);
+  const Json& f = asObject(member(j, "file", source), source + ".file");
+  r.file.name = asString(member(f, "name", source + ".file"), source + ".file.name", 255);
+  checkFileName(r.file.name, source + ".file.name");
+  r.file.bytes = asInt(member(f, "bytes", source + ".file"), source + ".file.bytes", 0);
+  r.rankState = rankStateText(member(j, "rank_state", source), source + ".rank_state");
+  const Json& tensors = asArray(member(j, "tensors", source), source + ".tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string where = strCat(source, ".tensors[", i, "]");
+    TensorInfo t = parseTensorHead(tensors[i], where);
+    const Json& chunks = asArray(member(tensors[i], "chunks", where), where + ".chunks");
+    if (chunks.size() > 1) throw CheckpointError(strCat(where, ": a rank index holds at most one chunk per tensor"));
+    for (const auto& c : chunks) {
+      ChunkInfo chunk = parseChunk(c, t, r.blockBytes, where + ".chunks[0]");
+      if (chunk.file != r.file.name || chunk.rank != r.rank || chunk.offset + chunk.length > r.file.bytes) {
+        throw CheckpointError(strCat(where, ": chunk does not lie in this rank's file ", r.file.name));
+      }
+      t.chunks.push_back(std::move(chunk));
+    }
+    r.tensors.push_back(std::move(t));
+  }
+  return r;
+}
+
+std::string parseTrainerState(const std::string& text, const std::string& source) {
+  if (static_cast<int64_t>(text.size()) > kMaxJsonBytes) throw CheckpointError(strCat(source, ": too large"));
+  const Json j = detail::parseJson(text, source, 64);
+  asObject(j, source);
+  return j.dump();
+}
+
+std::string rankDataFile(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "rank_%05d.bin", rank);
+  return buf;
+}
+std::string rankIndexFile(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "rank_%05d.json", rank);
+  return buf;
+}
+std::string rankErrorFile(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "rank_%05d.error", rank);
+  return buf;
+}
+std::string stepDirName(int64_t step) {
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "step_%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,82 @@
+// DataParallelStrategy: no_shard (DDP), zero1 and zero2 — every rank holds the full
+// parameters and runs the whole model on its slice of the global batch; what differs is
+// which training state is sharded (ARCHITECTURE.md §3 table):
+//
+//   no_shard  gradients all-reduced (averaged) in buckets; masters, optimizer replicated
+//             (Replicate specs; every rank applies the same update).
+//   zero1     gradients reduce-scattered in buckets into Shard(0) gradient shards; each
+//             rank updates its rows of the masters (optimizer states sharded), then one
+//             all-gather per bucket rebuilds the full parameters. The full (local,
+//             unreduced) gradients stay in the module's .grad() until zeroGrad().
+//   zero2     as zero1, but each bucket's full gradients are freed (.grad() reset) as soon
+//             as they are packed for the reduce-scatter; the reduced gradient shards are
+//             what the strategy keeps until zeroGrad().
+//
+// Per step, per rank, in bytes of the reduce/param dtype: no_shard all-reduces
+// 2 Psi (N-1)/N; zero1/zero2 reduce-scatter Psi' (N-1)/N and all-gather Psi' (N-1)/N,
+// where Psi' = Psi + padding (each parameter padded to N x ceil(rows/N) rows). Plus
+// one all-reduce of one double for the global gradient norm (zero1/zero2, N > 1).
+//
+// Buckets: parameters in registration order, grouped into buckets of at most
+// options.bucketBytes (counted in the flat reduce buffer, padding included; a larger
+// parameter is a bucket of its own). A bucket's flat buffer is rank-major (FlatLayout),
+// so one collective per bucket moves every member. At most kMaxInflightBuckets buckets
+// are in flight, so the transient buffers stay within a few buckets.
+//
+// Master weights. fp32 compute: no_shard's masters are the module's parameters; for
+// zero1/zero2 each parameter's storage is reallocated padded to N x chunkRows rows, the
+// module parameter views its real rows and the master is this rank's chunk of the same
+// storage, so the masters cost nothing beyond padding (8 Psi + 8 Psi/N, not + 4 Psi/N).
+// bf16/fp16 compute: masters are separate fp32 buffers (no_shard: full; zero1/2: one
+// shard), the module's parameters are cast copies, refreshed after every step (zero1/2:
+// the shards are cast before the all-gather, which equals gathering fp32 and casting,
+// at half the bytes).
+//
+// Parameters without a gradient on a rank contribute zeros to the average (every rank
+// takes part in every bucket's collective); they are then stepped with that gradient.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "sharding/flat_layout.h"
+#include "sharding/strategy.h"
+
+namespace tessera::sharding {
+
+class DataParallelStrategy final : public ShardingStrategy {
+ public:
+  static constexpr size_t kMaxInflightBuckets = 2;
+
+  // options.strategy: no_shard, zero1 or zero2 (tessera::ConfigError otherwise).
+  // Collective over `comm` (initial broadcast). The module's parameters must be
+  // contiguous CPU tensors of the communicator's device.
+  DataParallelStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
+                       StrategyOptions options);
+
+  void publishParameters() override;
+
+  // The gradient buckets: parameter indices (paramNames() order) and flat layouts.
+  size_t bucketCount() const { return buckets_.size(); }
+  const std::vector<size_t>& bucketMembers(size_t b) const { return buckets_.at(b).members; }
+  const FlatLayout& bucketLayout(size_t b) const { return buckets_.at(b).layout; }
+
+ protected:
+  std::vector<at::Tensor> synchronizeGradients() override;
+
+ private:
+  struct Bucket {
+    std::vector<size_t> members;  // parameter indices
+    FlatLayout layout;
+  };
+
+  std::vector<at::Tensor> allReduceGradients();
+  std::vector<at::Tensor> reduceScatterGradients();
+
+  bool sharded_ = false;         // zero1 / zero2
+  bool freeFullGrads_ = false;   // zero2
+  bool mastersAreParams_ = false;// fp32 compute: masters alias the module's parameters
+  std::vector<Bucket> buckets_;
+};
+
+}  // namespace tessera::sharding

@@ -1,0 +1,228 @@
+// The shared half of every sharding strategy: parameter registry, initial broadcast,
+// the step template (clip, non-finite skip, optimizer), buffer sync, byte accounting,
+// and the factory (see strategy.h).
+#include "sharding/strategy.h"
+
+#include <torch/nn/module.h>
+
+#include <sstream>
+#include <unordered_set>
+
+#include "common/errors.h"
+#include "distributed/communicator.h"
+#include "sharding/data_parallel.h"
+#include "sharding/grad_clip.h"
+#include "sharding/mixed_precision.h"
+#include "sharding/tensor_sync.h"
+
+namespace tessera::sharding {
+
+StrategyKind parseStrategyKind(const std::string& name) {
+  if (name == "no_shard") return StrategyKind::kNoShard;
+  if (name == "zero1") return StrategyKind::kZero1;
+  if (name == "zero2") return StrategyKind::kZero2;
+  if (name == "zero3") return StrategyKind::kZero3;
+  if (name == "hybrid") return StrategyKind::kHybrid;
+  throw ConfigError(strCat("sharding strategy: unknown '", name, "' (no_shard, zero1, zero2, zero3, hybrid)"));
+}
+
+const char* strategyKindName(StrategyKind kind) {
+  switch (kind) {
+    case StrategyKind::kNoShard: return "no_shard";
+    case StrategyKind::kZero1: return "zero1";
+    case StrategyKind::kZero2: return "zero2";
+    case StrategyKind::kZero3: return "zero3";
+    case StrategyKind::kHybrid: return "hybrid";
+  }
+  return "?";
+}
+
+BufferSync parseBufferSync(const std::string& name) {
+  if (name == "broadcast") return BufferSync::kBroadcast;
+  if (name == "average") return BufferSync::kAverage;
+  if (name == "none") return BufferSync::kNone;
+  throw ConfigError(strCat("sharding buffer sync: unknown '", name, "' (broadcast, average, none)"));
+}
+
+const char* bufferSyncName(BufferSync sync) {
+  switch (sync) {
+    case BufferSync::kBroadcast: return "broadcast";
+    case BufferSync::kAverage: return "average";
+    case BufferSync::kNone: return "none";
+  }
+  return "?";
+}
+
+std::string ResidentBytes::str() const {
+  std::ostringstream s;
+  s << "params " << params << " B, grads " << grads << " B, optimizer " << optimizer << " B, buffers " << buffers
+    << " B, total " << total() << " B";
+  return s.str();
+}
+
+ShardingStrategy::ShardingStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
+                                   StrategyOptions options)
+    : module_(module),
+      comm_(std::move(comm)),
+      options_(std::move(options)),
+      kind_(parseStrategyKind(options_.strategy)),
+      bufferSync_(parseBufferSync(options_.bufferSync)),
+      optimizer_(options_.optimizer) {
+  TESSERA_CHECK_AS(UsageError, comm_ != nullptr, "ShardingStrategy: no communicator");
+  checkFloatDtype(options_.paramDtype, "sharding param dtype");
+  checkFloatDtype(options_.reduceDtype, "sharding reduce dtype");
+  TESSERA_CHECK_AS(ConfigError, options_.bucketBytes > 0, "ShardingStrategy: bucket size must be > 0 bytes, got ",
+                   options_.bucketBytes);
+  TESSERA_CHECK_AS(ConfigError, options_.gradClip >= 0, "ShardingStrategy: grad clip must be >= 0 (0 = off), got ",
+                   options_.gradClip);
+
+  std::vector<at::Tensor> everything;  // what rank 0 broadcasts: all parameters, all buffers
+  for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    TESSERA_CHECK(p.defined() && p.is_floating_point(), "ShardingStrategy: parameter '", item.key(),
+                  "' must be a defined floating-point tensor");
+    everything.push_back(p);
+    if (p.requires_grad()) trainable_.push_back({item.key(), p});
+  }
+  for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
+    if (!item.value().defined()) continue;
+    buffers_.push_back(item.value());
+    everything.push_back(item.value());
+  }
+  // Identical start on every rank, whatever each rank's init did.
+  broadcastCoalesced(everything, *comm_, /*root=*/0, options_.bucketBytes);
+  for (const auto& np : trainable_) np.param.mutable_grad().reset();
+}
+
+ShardingStrategy::~ShardingStrategy() = default;
+
+void ShardingStrategy::registerParam(const std::string& name, const at::Tensor& param, ShardSpec spec,
+                                     at::Tensor master) {
+  TESSERA_CHECK(!index_.count(name), "ShardingStrategy::registerParam: parameter '", name, "' registered twice");
+  TESSERA_CHECK(master.defined() && master.scalar_type() == at::kFloat && master.sizes().vec() == spec.localShape(),
+                "ShardingStrategy::registerParam: master of '", name, "' must be fp32 with the local shape of ",
+                spec.str());
+  const bool decay = defaultDecays(name, spec.globalShape());
+  index_[name] = names_.size();
+  names_.push_back(name);
+  params_.push_back(param);
+  specs_.push_back(spec);
+  masters_.push_back(master);
+  optimizer_.addParam(name, std::move(spec), std::move(master), decay);
+}
+
+size_t ShardingStrategy::paramIndex(const std::string& name) const {
+  auto it = index_.find(name);
+  TESSERA_CHECK(it != index_.end(), "ShardingStrategy: no trainable parameter named '", name, "'");
+  return it->second;
+}
+
+const ShardSpec& ShardingStrategy::spec(const std::string& name) const { return specs_[paramIndex(name)]; }
+at::Tensor ShardingStrategy::masterShard(const std::string& name) const { return masters_[paramIndex(name)]; }
+const at::Tensor& ShardingStrategy::moduleParam(const std::string& name) const { return params_[paramIndex(name)]; }
+
+at::Tensor ShardingStrategy::optimizerState(const std::string& name, const std::string& key) const {
+  return optimizer_.state(paramIndex(name), key);
+}
+
+void ShardingStrategy::zeroGrad() {
+  for (const at::Tensor& p : params_) p.mutable_grad().reset();
+  heldGradShards_.clear();
+}
+
+StepResult ShardingStrategy::step(double lr) {
+  std::vector<at::Tensor> grads = synchronizeGradients();
+  TESSERA_CHECK(grads.size() == params_.size(), "ShardingStrategy::step: ", strategyKindName(kind_), " returned ",
+                grads.size(), " gradients for ", params_.size(), " parameters");
+  StepResult result;
+  const GradNorm norm = clipGradNorm(grads, specs_, options_.gradClip, *comm_);
+  result.gradNorm = norm.norm;
+  result.clipCoef = norm.clipCoef;
+  if (!norm.finite()) {
+    // Same norm on every rank (one all-reduce, or identical replicated gradients), so
+    // every rank skips: parameters stay identical and no collective is left unmatched.
+    result.skipped = true;
+    grads.clear();
+    zeroGrad();
+    ++stepsSkipped_;
+    synchronizeBuffers();
+    return result;
+  }
+  optimizer_.step(grads, lr);
+  grads.clear();  // transient gradient shards (zero1) are freed here
+  publishParameters();
+  afterStep();
+  synchronizeBuffers();
+  ++stepsApplied_;
+  return result;
+}
+
+void ShardingStrategy::synchronizeBuffers() {
+  if (buffers_.empty() || comm_->worldSize() == 1) return;
+  switch (bufferSync_) {
+    case BufferSync::kNone:
+      return;
+    case BufferSync::kBroadcast:
+      broadcastCoalesced(buffers_, *comm_, 0, options_.bucketBytes);
+      return;
+    case BufferSync::kAverage: {
+      std::vector<at::Tensor> floating, other;
+      for (const at::Tensor& b : buffers_) (b.is_floating_point() ? floating : other).push_back(b);
+      allReduceCoalesced(floating, *comm_, distributed::ReduceOp::kAvg, options_.bucketBytes);
+      broadcastCoalesced(other, *comm_, 0, options_.bucketBytes);  // e.g. num_batches_tracked
+      return;
+    }
+  }
+}
+
+namespace {
+
+// Sums storage bytes, each storage once.
+class StorageCounter {
+ public:
+  int64_t add(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return 0;
+    const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    if (!seen_.insert(storage).second) return 0;
+    return static_cast<int64_t>(storage->nbytes());
+  }
+
+ private:
+  std::unordered_set<const c10::StorageImpl*> seen_;
+};
+
+}  // namespace
+
+ResidentBytes ShardingStrategy::residentBytes() const {
+  ResidentBytes bytes;
+  StorageCounter counter;
+  const auto parameters = module_.parameters(/*recurse=*/true);
+  for (const at::Tensor& p : parameters) bytes.params += counter.add(p);
+  for (const at::Tensor& p : parameters) bytes.grads += counter.add(p.grad());
+  for (const at::Tensor& g : heldGradShards_) bytes.grads += counter.add(g);
+  for (const at::Tensor& m : masters_) bytes.optimizer += counter.add(m);
+  for (size_t i = 0; i < optimizer_.size(); ++i) {
+    for (const std::string& key : optimizer_.stateNames()) bytes.optimizer += counter.add(optimizer_.state(i, key));
+  }
+  for (const at::Tensor& b : module_.buffers(/*recurse=*/true)) bytes.buffers += counter.add(b);
+  return bytes;
+}
+
+std::unique_ptr<ShardingStrategy> makeStrategy(torch::nn::Module& module,
+                                               std::shared_ptr<distributed::Communicator> comm,
+                                               const StrategyOptions& options) {
+  switch (parseStrategyKind(options.strategy)) {
+    case StrategyKind::kNoShard:
+    case StrategyKind::kZero1:
+    case StrategyKind::kZero2:
+      return std::make_unique<DataParallelStrategy>(module, std::move(comm), options);
+    case StrategyKind::kZero3:
+    case StrategyKind::kHybrid:
+      break;
+  }
+  throw ConfigError(strCat("makeStrategy: strategy '", options.strategy,
+                           "' needs fullyShard (sharded module units), which this build does not have yet; "
+                           "use no_shard, zero1 or zero2"));
+}
+
+}  // namespace tessera::sharding
