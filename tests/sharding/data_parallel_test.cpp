@@ -120,7 +120,9 @@ const Reference& reference(size_t config) {
     }
     opt->step();
   }
-  if (c.clip > 0) EXPECT_GT(clipped, kSteps / 2) << c.name << ": clipping should be active in most steps";
+  if (c.clip > 0) {
+    EXPECT_GT(clipped, kSteps / 2) << c.name << ": clipping should be active in most steps";
+  }
   ref.params = paramValues(*model);
   for (const auto& item : model->named_parameters()) {
     for (const auto& key : stateKeys(c.optimizer)) {
@@ -258,7 +260,7 @@ TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
   useOneThread();
   (void)data();
   for (const char* strategy : {"no_shard", "zero1", "zero2"}) {
-    for (double bad : {std::nan(""), INFINITY}) {
+    for (double bad : std::vector<double>{std::nan(""), INFINITY}) {
       runOnRanks(2, [&](RankContext& ctx) {
         TinyMlp model;
         StrategyOptions o = strategyOptions(strategy, kConfigs[0]);

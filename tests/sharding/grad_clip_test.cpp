@@ -2,7 +2,7 @@
 // torch::nn::utils::clip_grad_norm_ on the full gradients, for world sizes 1-4 and
 // uneven shapes; one all-reduce when something is sharded, none when all is replicated.
 #include <gtest/gtest.h>
-#include <torch/nn/utils/clip_grad.h>
+#include <torch/torch.h>  // clip_grad.h alone is not self-contained in 1.13
 
 #include <cmath>
 

@@ -131,8 +131,9 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
   auto zero = opts;
   zero.weight_decay(0);
   return std::make_unique<SGD>(std::vector<OptimizerParamGroup>{
-      OptimizerParamGroup(decay, std::make_unique<SGDOptions>(opts)),
-      OptimizerParamGroup(noDecay, std::make_unique<SGDOptions>(zero))});
+                                   OptimizerParamGroup(decay, std::make_unique<SGDOptions>(opts)),
+                                   OptimizerParamGroup(noDecay, std::make_unique<SGDOptions>(zero))},
+                               opts);
 }
 
 // State `key` of `param` in a torch::optim optimizer (undefined if absent).

@@ -1,0 +1,144 @@
+// Checkpointer: collective sharded save with an atomic commit, optional async writing,
+// and keep_last retention (ARCHITECTURE.md §3 "Checkpoint format").
+//
+// Layout under a run's checkpoints directory:
+//   step_00000100/   metadata.json, trainer_state.json, rank_0000R.bin (see metadata.h)
+//   latest           "step_00000100\n", replaced atomically after the step is durable
+//   step_00000200.tmp/  a save in progress, or the remains of one that crashed: never
+//                       loaded, removed by the next save
+//
+// Commit protocol (one save):
+//   1. every rank waits for its previous save; the ranks agree (all-reduce) whether any
+//      rank's previous save failed, and if so all throw (an async failure is never lost);
+//   2. rank 0 removes stale *.tmp directories and creates step_N.tmp/; ranks agree it did;
+//   3. every rank stages the real rows of its entries (async: copies in CPU memory,
+//      pinned for CUDA tensors; sync: the tensors themselves when already CPU), then
+//      writes them to step_N.tmp/rank_R.bin with XXH3 checksums per block, fsyncs it, and
+//      publishes its chunk table as rank_R.json (write, fsync, rename); on failure it
+//      writes rank_R.error with the message instead;
+//   4. rank 0 waits (polling, CheckpointOptions::commitTimeout) for every rank's .json or
+//      .error, merges the chunk tables, validates the result, writes trainer_state.json,
+//      then metadata.json LAST, fsyncs, renames step_N.tmp -> step_N, fsyncs the parent,
+//      replaces `latest`, and only then deletes checkpoints beyond keep_last.
+// Step 3-4 run on the calling thread (sync) or on one background writer thread per rank
+// (async). The writer threads never use the communicator: the hand-off between ranks
+// goes through the (shared) filesystem, so training collectives and the writer never
+// interleave on one communicator. The directory must therefore be on a filesystem every
+// rank sees (one machine, or NFS/Lustre/GPFS for several).
+//
+// A crash at any point leaves either the previous checkpoints untouched plus an
+// ignored step_N.tmp, or a complete step_N (possibly newer than `latest`; resumeAuto
+// takes the newest complete step).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "checkpoint/state.h"
+
+namespace tessera::distributed {
+class Communicator;
+}
+
+namespace tessera::checkpoint {
+
+// Points of the protocol where tests inject failures (throw) or crashes (SIGKILL).
+enum class SavePoint {
+  kBeforeData,       // every rank, before creating its data file
+  kAfterData,        // every rank, data fsynced, index not yet published
+  kAfterRankIndex,   // every rank, index published
+  kBeforeMetadata,   // rank 0, chunk tables merged, trainer_state.json written
+  kBeforeRename,     // rank 0, metadata.json written and fsynced
+  kBeforeLatest,     // rank 0, step_N renamed into place
+  kBeforeRetention,  // rank 0, `latest` replaced
+};
+const char* savePointName(SavePoint point);
+
+struct CheckpointOptions {
+  // Keep this many newest complete checkpoints (0 = keep all).
+  int keepLast = 0;
+  // Write in a background thread; save() returns after staging.
+  bool async = false;
+  // Checksum granularity (multiple of 8): a resharding reader reads at most 2 extra
+  // blocks per chunk. 4 MiB keeps metadata small (16 hex digits per 4 MiB).
+  int64_t blockBytes = int64_t{4} << 20;
+  // How long rank 0 waits for the other ranks' chunk tables.
+  std::chrono::milliseconds commitTimeout = std::chrono::minutes(10);
+  // Tests: called at each SavePoint with the rank; a throw fails the save there.
+  std::function<void(SavePoint point, int rank)> faultHook;
+};
+
+struct SaveRequest {
+  int64_t step = 0;
+  std::string strategy;                 // recorded for info / resume checks ("zero3", ...)
+  std::vector<StateEntry> entries;      // same names, order, shapes and dtypes on every rank
+  std::string trainerState = "{}";      // JSON object; rank 0's is saved
+  std::string rankState = "{}";         // JSON object; every rank's is saved (RNG, ...)
+  // Export names -> tensor-name prefixes, e.g. {"generator_ema_0.999": "ema/generator_ema/"}
+  // (rank 0's are saved).
+  std::map<std::string, std::string> aliases;
+};
+
+struct SaveStats {
+  int64_t step = 0;
+  std::string dir;              // the final step_N directory
+  int64_t bytes = 0;            // data bytes this rank writes
+  double waitSeconds = 0;       // waiting for the previous save + agreeing on its outcome
+  double stagingSeconds = 0;    // copying the shards (async), or 0
+  double stallSeconds = 0;      // total time save() kept the caller (the training stall)
+  bool async = false;
+};
+
+class Checkpointer {
+ public:
+  // `comm`: the group the entries' specs are sharded over (nullptr: one process).
+  Checkpointer(std::string checkpointsDir, std::shared_ptr<distributed::Communicator> comm,
+               CheckpointOptions options = {});
+  // Waits for an in-flight save; a failure there is logged (a destructor cannot throw:
+  // call finish() at the end of a run to get it as an exception).
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  // Collective. Saves the request as step_<step>; returns once written and committed
+  // (sync) or once staged (async). Throws tessera::Error on every rank when any rank's
+  // previous async save failed or (sync) this save failed anywhere. Saving a step that
+  // already exists replaces it.
+  SaveStats save(const SaveRequest& request);
+  // Collective. Waits for the in-flight save and throws on every rank if it failed on any.
+  void finish();
+
+  const std::string& checkpointsDir() const { return root_; }
+  const CheckpointOptions& options() const { return options_; }
+  // Seconds the last finished write took on this rank (data, plus the commit on rank 0).
+  double lastWriteSeconds() const;
+
+  struct Job;  // one rank's write of one step (checkpointer.cpp)
+
+ private:
+  std::string waitLocal();  // joins the writer; returns its error ("" when none)
+  void agree(const std::string& localError, const std::string& what);
+
+  std::string root_;
+  std::shared_ptr<distributed::Communicator> comm_;
+  CheckpointOptions options_;
+  int rank_ = 0;
+  int world_ = 1;
+  std::thread writer_;
+  std::shared_ptr<Job> job_;
+  int64_t inFlightStep_ = -1;
+  mutable std::mutex mutex_;
+  double lastWriteSeconds_ = 0;
+};
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,329 @@
+// Checkpoint reading, resharding load, verification and resume-auto (see reader.h).
+#include "checkpoint/reader.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+
+#include "checkpoint/format.h"
+#include "common/errors.h"
+#include "common/logging.h"
+#include "distributed/communicator.h"
+
+namespace tessera::checkpoint {
+
+namespace fs = std::filesystem;
+
+void checkEntry(const StateEntry& e, const char* where) {
+  TESSERA_CHECK(!e.name.empty(), where, ": a state entry has an empty name");
+  TESSERA_CHECK(e.local.defined(), where, ": entry '", e.name, "' has an undefined tensor");
+  const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+  const int64_t need = replicated ? e.spec.globalNumel() : e.spec.paddedNumel();
+  TESSERA_CHECK(e.local.numel() == need, where, ": entry '", e.name, "' holds ", e.local.numel(),
+                " elements, its spec ", e.spec.str(), " needs ", need);
+  TESSERA_CHECK(e.local.scalar_type() == e.spec.dtype(), where, ": entry '", e.name, "' is ", e.local.scalar_type(),
+                ", its spec says ", c10::toString(e.spec.dtype()));
+}
+
+CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
+  const std::string path = (fs::path(dir_) / kMetadataFile).string();
+  if (!pathExists(path)) {
+    throw CheckpointError(strCat("checkpoint ", dir_, " is not a complete checkpoint: it has no ", kMetadataFile));
+  }
+  metadata_ = parseMetadata(readFileBounded(path, kMaxJsonBytes), path);
+  for (const auto& f : metadata_.files) recordedBytes_[f.name] = f.bytes;
+}
+
+const TensorInfo& CheckpointReader::tensor(const std::string& name) const {
+  const TensorInfo* t = metadata_.find(name);
+  if (t == nullptr) {
+    std::string some;
+    for (size_t i = 0; i < metadata_.tensors.size() && i < 5; ++i) some += (i ? ", " : "") + metadata_.tensors[i].name;
+    throw CheckpointError(strCat("checkpoint ", dir_, ": tensor '", name, "' is missing (the checkpoint has ",
+                                 metadata_.tensors.size(), " tensors", some.empty() ? "" : ": ", some,
+                                 metadata_.tensors.size() > 5 ? ", ..." : "", ")"));
+  }
+  return *t;
+}
+
+const File& CheckpointReader::file(const std::string& name, const std::string& tensorName) {
+  auto it = files_.find(name);
+  if (it != files_.end()) return it->second;
+  const std::string path = (fs::path(dir_) / name).string();
+  File f;
+  try {
+    f = File::openRead(path);
+  } catch (const CheckpointError& e) {
+    throw CheckpointError(strCat("checkpoint ", dir_, ": ", e.what(), " (needed by tensor '", tensorName, "')"));
+  }
+  const int64_t size = f.size();
+  const int64_t recorded = recordedBytes_.at(name);
+  if (size != recorded) {
+    throw CheckpointError(strCat("checkpoint ", dir_, ": file ", path, " is ", size, " bytes, metadata records ", recorded,
+                                 size < recorded ? " (truncated)" : " (wrong size)", "; needed by tensor '", tensorName,
+                                 "'"));
+  }
+  return files_.emplace(name, std::move(f)).first->second;
+}
+
+void CheckpointReader::checksumMismatch(const TensorInfo& t, const ChunkInfo& c, int64_t block, uint64_t got) const {
+  const int64_t b = block * metadata_.blockBytes;
+  const int64_t e = std::min(c.length, b + metadata_.blockBytes);
+  throw CheckpointError(strCat("checkpoint ", dir_, ": checksum mismatch in file ", (fs::path(dir_) / c.file).string(),
+                               ", tensor '", t.name, "' (rows [", c.rowBegin, ", ", c.rowEnd, ") saved by rank ", c.rank,
+                               ", block ", block, " = file bytes [", c.offset + b, ", ", c.offset + e, ")): expected ",
+                               checksumHex(c.checksums.at(static_cast<size_t>(block))), ", got ", checksumHex(got)));
+}
+
+void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, int64_t begin, int64_t end, uint8_t* dst,
+                                      bool verify) {
+  if (end <= begin) return;
+  const File& f = file(c.file, t.name);
+  const std::string what = strCat("tensor '", t.name, "'");
+  bytesRead_ += end - begin;
+  if (!verify) {
+    f.readAt(dst, static_cast<size_t>(end - begin), c.offset + begin, what);
+    return;
+  }
+  const int64_t B = metadata_.blockBytes;
+  int64_t block = begin / B;
+  const int64_t lastBlock = (end - 1) / B;
+  while (block <= lastBlock) {
+    const int64_t kb = block * B;
+    const int64_t ke = std::min(c.length, kb + B);
+    if (kb >= begin && ke <= end) {
+      // A run of whole blocks goes straight into dst with one read, hashed in place.
+      int64_t runEnd = block;
+      while (runEnd + 1 <= lastBlock && std::min(c.length, (runEnd + 2) * B) <= end) ++runEnd;
+      const int64_t re = std::min(c.length, (runEnd + 1) * B);
+      uint8_t* out = dst + (kb - begin);
+      f.readAt(out, static_cast<size_t>(re - kb), c.offset + kb, what);
+      for (int64_t k = block; k <= runEnd; ++k) {
+        const int64_t b0 = k * B - kb;
+        const int64_t b1 = std::min(c.length, (k + 1) * B) - kb;
+        const uint64_t got = checksum(out + b0, static_cast<size_t>(b1 - b0));
+        if (got != c.checksums[static_cast<size_t>(k)]) checksumMismatch(t, c, k, got);
+      }
+      block = runEnd + 1;
+    } else {
+      // Edge block: read all of it to check it, keep the part asked for.
+      scratch_.resize(static_cast<size_t>(ke - kb));
+      f.readAt(scratch_.data(), scratch_.size(), c.offset + kb, what);
+      bytesRead_ += (ke - kb) - (std::min(ke, end) - std::max(kb, begin));
+      const uint64_t got = checksum(scratch_.data(), scratch_.size());
+      if (got != c.checksums[static_cast<size_t>(block)]) checksumMismatch(t, c, block, got);
+      const int64_t from = std::max(kb, begin), to = std::min(ke, end);
+      std::memcpy(dst + (from - begin), scratch_.data() + (from - kb), static_cast<size_t>(to - from));
+      ++block;
+    }
+  }
+}
+
+void CheckpointReader::readRows(const TensorInfo& t, int64_t rowBegin, int64_t rowEnd, void* dst, bool verify) {
+  TESSERA_CHECK(0 <= rowBegin && rowBegin <= rowEnd && rowEnd <= t.rows(), "CheckpointReader::readRows: rows [",
+                rowBegin, ", ", rowEnd, ") of tensor '", t.name, "' with ", t.rows(), " rows");
+  const int64_t rowBytes = t.rowBytes();
+  auto* out = static_cast<uint8_t*>(dst);
+  for (const auto& c : t.chunks) {
+    const int64_t b = std::max(rowBegin, c.rowBegin);
+    const int64_t e = std::min(rowEnd, c.rowEnd);
+    if (e <= b) continue;
+    readChunkRange(t, c, (b - c.rowBegin) * rowBytes, (e - c.rowBegin) * rowBytes, out + (b - rowBegin) * rowBytes,
+                   verify);
+  }
+}
+
+void CheckpointReader::streamTensor(const TensorInfo& t, const std::function<void(const void*, int64_t)>& fn,
+                                    bool verify) {
+  const int64_t B = metadata_.blockBytes;
+  std::vector<uint8_t> buf;
+  for (const auto& c : t.chunks) {
+    for (int64_t off = 0; off < c.length; off += B) {
+      const int64_t n = std::min(B, c.length - off);
+      buf.resize(static_cast<size_t>(n));
+      readChunkRange(t, c, off, off + n, buf.data(), verify);
+      fn(buf.data(), n);
+    }
+  }
+}
+
+at::Tensor CheckpointReader::readFull(const std::string& name, bool verify) {
+  const TensorInfo& t = tensor(name);
+  at::Tensor out = at::empty(t.shape, at::TensorOptions().dtype(t.dtype));
+  if (out.numel() > 0) readRows(t, 0, t.rows(), out.data_ptr(), verify);
+  return out;
+}
+
+std::string CheckpointReader::trainerState(bool verify) {
+  const std::string path = (fs::path(dir_) / metadata_.trainerState.name).string();
+  std::string text = readFileBounded(path, kMaxJsonBytes);
+  if (verify) {
+    if (static_cast<int64_t>(text.size()) != metadata_.trainerState.bytes) {
+      throw CheckpointError(strCat("checkpoint ", dir_, ": file ", path, " is ", text.size(), " bytes, metadata records ",
+                                   metadata_.trainerState.bytes));
+    }
+    const uint64_t got = checksum(text.data(), text.size());
+    if (got != metadata_.trainerStateChecksum) {
+      throw CheckpointError(strCat("checkpoint ", dir_, ": checksum mismatch in file ", path, ": expected ",
+                                   checksumHex(metadata_.trainerStateChecksum), ", got ", checksumHex(got)));
+    }
+  }
+  return parseTrainerState(text, path);
+}
+
+void CheckpointReader::verifyAll() {
+  for (const auto& f : metadata_.files) file(f.name, "(file list)");
+  for (const auto& t : metadata_.tensors) streamTensor(t, [](const void*, int64_t) {}, true);
+  trainerState(true);
+}
+
+LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>& entries, const LoadOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  CheckpointReader reader(dir);
+  const auto& md = reader.metadata();
+  std::map<std::string, bool> used;
+  for (const auto& e : entries) {
+    checkEntry(e, "loadCheckpoint");
+    const TensorInfo& t = reader.tensor(e.name);
+    used[e.name] = true;
+    if (t.dtype != e.spec.dtype()) {
+      throw CheckpointError(strCat("checkpoint ", dir, ": tensor '", e.name, "' was saved as ", dtypeName(t.dtype),
+                                   ", the model expects ", dtypeName(e.spec.dtype())));
+    }
+    if (t.shape != e.spec.globalShape()) {
+      throw CheckpointError(strCat("checkpoint ", dir, ": tensor '", e.name, "' was saved with shape ",
+                                   at::IntArrayRef(t.shape), ", the model expects ", at::IntArrayRef(e.spec.globalShape())));
+    }
+    auto [rb, re] = e.spec.localRowRange();
+    const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+    const int64_t bufferRows = replicated ? t.rows() : e.spec.chunkRows();
+    const int64_t rowElems = t.rowElements();
+    // Read straight into the destination when it is plain CPU memory.
+    const bool direct = e.local.device().is_cpu() && e.local.is_contiguous();
+    at::Tensor buf = direct ? e.local.view({bufferRows, rowElems})
+                            : at::empty({bufferRows, rowElems}, at::TensorOptions().dtype(t.dtype));
+    if (re > rb) reader.readRows(t, rb, re, buf.data_ptr(), options.verify);
+    if (bufferRows > re - rb) buf.narrow(0, re - rb, bufferRows - (re - rb)).zero_();
+    if (!direct) e.local.copy_(buf.view(e.local.sizes()));
+  }
+  if (options.strict) {
+    std::string unused;
+    for (const auto& t : md.tensors) {
+      if (!used.count(t.name)) unused += (unused.empty() ? "" : ", ") + t.name;
+    }
+    if (!unused.empty()) throw CheckpointError(strCat("checkpoint ", dir, ": tensors no entry asked for: ", unused));
+  }
+  LoadResult r;
+  r.dir = dir;
+  r.step = md.step;
+  r.savedWorldSize = md.worldSize;
+  r.strategy = md.strategy;
+  r.trainerState = reader.trainerState(options.verify);
+  r.rankStates = md.rankStates;
+  r.bytesRead = reader.bytesRead();
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+std::vector<CheckpointRef> listCheckpoints(const std::string& checkpointsDir) {
+  std::vector<CheckpointRef> out;
+  std::error_code ec;
+  if (!fs::is_directory(checkpointsDir, ec)) return out;
+  for (const auto& entry : fs::directory_iterator(checkpointsDir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0) continue;
+    const std::string digits = name.substr(5);
+    if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      continue;  // step_N.tmp, step_N.deleting, ...
+    }
+    if (!entry.is_directory(ec) || !pathExists((entry.path() / kMetadataFile).string())) continue;
+    out.push_back({std::stoll(digits), entry.path().string()});
+  }
+  std::sort(out.begin(), out.end(), [](const CheckpointRef& a, const CheckpointRef& b) { return a.step < b.step; });
+  return out;
+}
+
+std::string readLatest(const std::string& checkpointsDir) {
+  const std::string path = (fs::path(checkpointsDir) / "latest").string();
+  if (!pathExists(path)) return "";
+  std::string text = readFileBounded(path, 4096);
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const std::vector<StateEntry>& entries,
+                                     distributed::Communicator* comm, const LoadOptions& options) {
+  // Rank 0's listing decides the candidates, so every rank tries the same ones in the
+  // same order even if directory listings differ momentarily on a shared filesystem.
+  std::vector<CheckpointRef> local = listCheckpoints(checkpointsDir);
+  std::vector<int64_t> steps;
+  for (auto it = local.rbegin(); it != local.rend(); ++it) steps.push_back(it->step);
+  if (comm != nullptr && comm->worldSize() > 1) {
+    at::Tensor count = at::tensor({static_cast<int64_t>(steps.size())}, at::kLong);
+    comm->broadcast(count, 0);
+    at::Tensor list = at::zeros({std::max<int64_t>(1, count.item<int64_t>())}, at::kLong);
+    if (comm->rank() == 0 && !steps.empty()) std::memcpy(list.data_ptr<int64_t>(), steps.data(), steps.size() * 8);
+    comm->broadcast(list, 0);
+    steps.assign(list.data_ptr<int64_t>(), list.data_ptr<int64_t>() + count.item<int64_t>());
+  }
+  if (steps.empty()) {
+    TLOG_INFO0("resume auto: no complete checkpoint in " << checkpointsDir << ", starting fresh");
+    return std::nullopt;
+  }
+  const std::string latest = readLatest(checkpointsDir);
+  std::string failures;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const std::string dir = (fs::path(checkpointsDir) / stepDirName(steps[i])).string();
+    std::optional<LoadResult> result;
+    std::string error;
+    try {
+      result = loadCheckpoint(dir, entries, options);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    int failedRank = error.empty() ? -1 : (comm ? comm->rank() : 0);
+    if (comm != nullptr && comm->worldSize() > 1) {
+      // Agree: the lowest failing rank (or -1).
+      at::Tensor flag = at::tensor({failedRank < 0 ? int64_t{1} << 40 : int64_t{failedRank}}, at::kLong);
+      comm->allReduce(flag, distributed::ReduceOp::kMin);
+      const int64_t v = flag.item<int64_t>();
+      failedRank = v == (int64_t{1} << 40) ? -1 : static_cast<int>(v);
+    }
+    if (failedRank < 0) {
+      if (i > 0 || (!latest.empty() && fs::path(latest).filename() != stepDirName(steps[i]))) {
+        TLOG_WARN0("resume auto: resuming from " << dir << " (latest names '" << latest << "')");
+      }
+      TLOG_INFO0("resume auto: loaded " << dir << " (step " << result->step << ", saved on " << result->savedWorldSize
+                                        << " ranks) in " << result->seconds << " s");
+      return result;
+    }
+    if (!error.empty()) {
+      TLOG_WARN("resume auto: checkpoint " << dir << " failed on this rank: " << error);
+    }
+    const std::string next =
+        i + 1 < steps.size() ? (fs::path(checkpointsDir) / stepDirName(steps[i + 1])).string() : "nothing (no older one)";
+    TLOG_WARN0("resume auto: checkpoint " << dir << " failed verification on rank " << failedRank
+                                          << "; falling back to " << next);
+    failures += strCat("\n  ", dir, ": failed on rank ", failedRank, error.empty() ? "" : ": ", error);
+  }
+  throw CheckpointError(strCat("resume auto: no checkpoint in ", checkpointsDir, " could be loaded:", failures));
+}
+
+CheckpointSummary summarizeCheckpoint(const std::string& dir) {
+  CheckpointReader reader(dir);
+  const auto& md = reader.metadata();
+  CheckpointSummary s;
+  s.dir = dir;
+  s.step = md.step;
+  s.worldSize = md.worldSize;
+  s.strategy = md.strategy;
+  s.tensorBytes = md.tensorBytes();
+  for (const auto& f : md.files) s.fileBytes += f.bytes;
+  s.fileBytes += md.trainerState.bytes;
+  s.tensors = md.tensors;
+  s.aliases = md.aliases;
+  return s;
+}
+
+}  // namespace tessera::checkpoint

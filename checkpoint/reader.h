@@ -1,0 +1,140 @@
+// Reading sharded checkpoints: an opened checkpoint (CheckpointReader), loading a new
+// layout's shards from it (resharding), verification, and finding the checkpoint to
+// resume from.
+//
+// Resharding: a rank that needs global rows [b, e) of a tensor reads, from each saved
+// chunk that intersects them, only the intersecting bytes, so the same code loads a
+// checkpoint saved on any number of ranks into any other (and Shard(0) <-> Replicate:
+// a replicated destination needs all rows). Checksums cover blocks of block_bytes
+// (4 MiB by default) of each chunk: a verified read also reads the rest of the first
+// and last block it touches (at most 2 blocks extra per chunk), never whole chunks.
+//
+// Errors are CheckpointError naming the checkpoint directory, the file and the tensor:
+// missing metadata, missing or truncated rank files, metadata pointing outside a file,
+// checksum mismatches, a tensor missing from the checkpoint, dtype or shape mismatch
+// with the destination.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/metadata.h"
+#include "checkpoint/state.h"
+
+namespace tessera::distributed {
+class Communicator;
+}
+
+namespace tessera::checkpoint {
+
+class CheckpointReader {
+ public:
+  // Reads and validates <dir>/metadata.json. A directory without it is not a checkpoint
+  // (CheckpointError "... is not a complete checkpoint").
+  explicit CheckpointReader(std::string dir);
+
+  const std::string& dir() const { return dir_; }
+  const CheckpointMetadata& metadata() const { return metadata_; }
+  // The tensor's metadata; CheckpointError naming the checkpoint when absent.
+  const TensorInfo& tensor(const std::string& name) const;
+
+  // Reads global rows [rowBegin, rowEnd) of `t` into dst ((rowEnd - rowBegin) x row bytes,
+  // contiguous, CPU), reading only the intersecting bytes of each chunk (plus the edges
+  // of the checksum blocks touched, when verify).
+  void readRows(const TensorInfo& t, int64_t rowBegin, int64_t rowEnd, void* dst, bool verify = true);
+  // Streams the whole tensor in row-major order, one checksum block at a time (each
+  // verified first): fn(data, bytes). Memory: one block.
+  void streamTensor(const TensorInfo& t, const std::function<void(const void* data, int64_t bytes)>& fn,
+                    bool verify = true);
+  // The whole tensor (CPU, its saved dtype and global shape).
+  at::Tensor readFull(const std::string& name, bool verify = true);
+  // Reads every block of every chunk and the trainer state, checking every checksum and
+  // file size. Throws at the first problem.
+  void verifyAll();
+  // trainer_state.json, checked against its recorded size and checksum.
+  std::string trainerState(bool verify = true);
+
+  int64_t bytesRead() const { return bytesRead_; }
+
+ private:
+  const File& file(const std::string& name, const std::string& tensorName);
+  void readChunkRange(const TensorInfo& t, const ChunkInfo& c, int64_t begin, int64_t end, uint8_t* dst, bool verify);
+  [[noreturn]] void checksumMismatch(const TensorInfo& t, const ChunkInfo& c, int64_t block, uint64_t got) const;
+
+  std::string dir_;
+  CheckpointMetadata metadata_;
+  std::map<std::string, int64_t> recordedBytes_;
+  std::map<std::string, File> files_;
+  std::vector<uint8_t> scratch_;
+  int64_t bytesRead_ = 0;
+};
+
+struct LoadOptions {
+  // Verify the checksum of every block read (costs one XXH3 pass, ~10+ GB/s per core).
+  bool verify = true;
+  // Throw when the checkpoint holds tensors that no entry asked for (off: loading only
+  // the model, or a subset, is normal).
+  bool strict = false;
+};
+
+struct LoadResult {
+  std::string dir;
+  int64_t step = 0;
+  int savedWorldSize = 1;
+  std::string strategy;
+  std::string trainerState;              // the JSON object the caller saved
+  std::vector<std::string> rankStates;   // per saved rank (RNG state...): convert or refuse
+                                         // when savedWorldSize differs from the new one
+  int64_t bytesRead = 0;
+  double seconds = 0;
+};
+
+// Loads every entry's shard (entry.spec: the NEW layout, this rank) from checkpoint
+// directory `dir` into entry.local in place (CPU or CUDA; padding rows zeroed). Each rank
+// calls it independently; no communication.
+LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>& entries, const LoadOptions& options = {});
+
+struct CheckpointRef {
+  int64_t step = 0;
+  std::string dir;  // full path of step_XXXXXXXX
+};
+
+// Complete checkpoints (step_N directories holding metadata.json) under a run's
+// checkpoints directory, oldest first. *.tmp directories and directories without
+// metadata are skipped. A missing directory yields an empty list.
+std::vector<CheckpointRef> listCheckpoints(const std::string& checkpointsDir);
+// The directory `latest` names (empty when there is no `latest` file).
+std::string readLatest(const std::string& checkpointsDir);
+
+// resume: auto. Tries the complete checkpoints newest first (by step: `latest` is moved
+// after the rename, so a checkpoint newer than `latest` is complete too) and loads the
+// first one that every rank loads without error; a candidate that fails on any rank is
+// logged with the reason and the next older one is tried. Collective over `comm`
+// (nullptr: a single process). Returns nullopt when there is no checkpoint; throws
+// CheckpointError listing every candidate's failure when all fail. A failed attempt
+// may have overwritten some destination buffers; the next attempt rewrites all of them.
+std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const std::vector<StateEntry>& entries,
+                                     distributed::Communicator* comm, const LoadOptions& options = {});
+
+// Offline summary for tessera-ckpt info.
+struct CheckpointSummary {
+  std::string dir;
+  int64_t step = 0;
+  int worldSize = 1;
+  std::string strategy;
+  int64_t tensorBytes = 0;
+  int64_t fileBytes = 0;
+  std::vector<TensorInfo> tensors;
+  std::map<std::string, std::string> aliases;
+};
+CheckpointSummary summarizeCheckpoint(const std::string& dir);
+
+}  // namespace tessera::checkpoint
