@@ -13,6 +13,7 @@ using detail::asArray;
 using detail::asInt;
 using detail::asObject;
 using detail::asString;
+using detail::hasMember;
 using detail::Json;
 using detail::member;
 

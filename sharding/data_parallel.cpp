@@ -113,7 +113,9 @@ std::vector<at::Tensor> DataParallelStrategy::allReduceGradients() {
     job.bucket = b;
     job.flat = at::empty({bucket.layout.flatNumel()},
                          at::TensorOptions().dtype(options_.reduceDtype).device(param(bucket.members[0]).device()));
-    for (size_t k = 0; k < bucket.members.size(); ++k) bucket.layout.packFull(job.flat, k, param(bucket.members[k]).grad());
+    for (size_t k = 0; k < bucket.members.size(); ++k) {
+      bucket.layout.packFull(job.flat, k, param(bucket.members[k]).grad());
+    }
     // kAvg: the one division by N of the gradient average.
     job.handle = comm_->allReduceAsync(job.flat, distributed::ReduceOp::kAvg);
     return job;

@@ -64,6 +64,7 @@ ShardingStrategy::ShardingStrategy(torch::nn::Module& module, std::shared_ptr<di
                                    StrategyOptions options)
     : module_(module),
       comm_(std::move(comm)),
+      shardComm_(comm_),
       options_(std::move(options)),
       kind_(parseStrategyKind(options_.strategy)),
       bufferSync_(parseBufferSync(options_.bufferSync)),
@@ -135,7 +136,7 @@ StepResult ShardingStrategy::step(double lr) {
   TESSERA_CHECK(grads.size() == params_.size(), "ShardingStrategy::step: ", strategyKindName(kind_), " returned ",
                 grads.size(), " gradients for ", params_.size(), " parameters");
   StepResult result;
-  const GradNorm norm = clipGradNorm(grads, specs_, options_.gradClip, *comm_);
+  const GradNorm norm = clipGradNorm(grads, specs_, options_.gradClip, *shardComm_);
   result.gradNorm = norm.norm;
   result.clipCoef = norm.clipCoef;
   if (!norm.finite()) {
@@ -151,7 +152,6 @@ StepResult ShardingStrategy::step(double lr) {
   optimizer_.step(grads, lr);
   grads.clear();  // transient gradient shards (zero1) are freed here
   publishParameters();
-  afterStep();
   synchronizeBuffers();
   ++stepsApplied_;
   return result;
@@ -198,6 +198,7 @@ ResidentBytes ShardingStrategy::residentBytes() const {
   StorageCounter counter;
   const auto parameters = module_.parameters(/*recurse=*/true);
   for (const at::Tensor& p : parameters) bytes.params += counter.add(p);
+  for (const at::Tensor& p : heldParamShards_) bytes.params += counter.add(p);
   for (const at::Tensor& p : parameters) bytes.grads += counter.add(p.grad());
   for (const at::Tensor& g : heldGradShards_) bytes.grads += counter.add(g);
   for (const at::Tensor& m : masters_) bytes.optimizer += counter.add(m);

@@ -28,6 +28,19 @@
 // (strategy specific: all-gather for zero1/2, a cast for replicated mixed precision,
 // nothing for zero3 whose next forward gathers), then the buffer synchronisation.
 //
+// How zero3 and hybrid plug in (issue 5): a FullyShardStrategy derives from this class.
+// Its constructor wraps the module's units (fullyShard), registers every parameter with
+// a Shard(0) spec whose master is the unit's local shard (a FlatLayout slot, so one
+// all-gather per unit rebuilds it), and installs the forward / backward hooks that
+// unshard, reshard and reduce-scatter each unit into heldGradShards_ during backward.
+// Its synchronizeGradients() flushes what the hooks left pending and returns views of
+// the gradient shards; publishParameters() is a no-op in fp32 (the next unshard gathers
+// the updated masters) or casts masters into the compute shards (heldParamShards_) for
+// bf16. hybrid sets shardComm_ to its shard group and all-reduces the gradient shards
+// over the replica group inside synchronizeGradients(). The step template, clipping,
+// non-finite skip, optimizer, buffer sync, state accessors and byte accounting are
+// shared unchanged.
+//
 // Gradient averaging: each rank's loss is the mean over its local batch, gradients are
 // averaged over ranks (divided by N exactly once), so equal local batches give the
 // gradient of the mean loss over the global batch.
@@ -171,9 +184,6 @@ class ShardingStrategy {
   // parameter this step (the optimizer leaves it and its states alone). May keep
   // gradient shards in heldGradShards_.
   virtual std::vector<at::Tensor> synchronizeGradients() = 0;
-  // Called after a step was applied (parameters published), before buffer sync.
-  virtual void afterStep() {}
-
   // Buffers: made equal across ranks per options().bufferSync (collective).
   void synchronizeBuffers();
 
@@ -188,12 +198,18 @@ class ShardingStrategy {
   size_t paramCount() const { return params_.size(); }
 
   torch::nn::Module& module_;
-  std::shared_ptr<distributed::Communicator> comm_;
+  std::shared_ptr<distributed::Communicator> comm_;  // the world: broadcasts, buffers
+  // The group the Shard(0) specs shard over: the world here; hybrid's shard group. The
+  // gradient-norm all-reduce runs over it (replica groups hold equal gradients).
+  std::shared_ptr<distributed::Communicator> shardComm_;
   StrategyOptions options_;
   StrategyKind kind_;
   BufferSync bufferSync_;
   // Gradient storage the strategy keeps between step() and zeroGrad() (zero2's shards).
   std::vector<at::Tensor> heldGradShards_;
+  // Parameter storage the strategy keeps besides the module's parameters and the masters
+  // (zero3's local compute shards); counted as parameters by residentBytes().
+  std::vector<at::Tensor> heldParamShards_;
 
  private:
   std::vector<NamedParam> trainable_;  // collected at construction

@@ -29,6 +29,19 @@ std::string fixed(double v, int digits) {
 MetricsLog::MetricsLog(const std::string& jsonlPath, int64_t totalSteps)
     : totalSteps_(totalSteps), terminal_(::isatty(STDERR_FILENO) == 1), startSec_(nowSec()) {
   std::filesystem::create_directories(std::filesystem::path(jsonlPath).parent_path());
+  // A resumed run appends to the metrics of the run it continues; its loss curve
+  // covers both.
+  {
+    std::ifstream previous(jsonlPath);
+    for (std::string line; std::getline(previous, line);) {
+      try {
+        const auto j = nlohmann::json::parse(line);
+        losses_.emplace_back(j.at("step").get<int64_t>(), j.at("loss").get<double>());
+      } catch (const nlohmann::json::exception&) {
+        // A line cut short by a crash is skipped, not fatal.
+      }
+    }
+  }
   out_.open(jsonlPath, std::ios::app);
   if (!out_) throw Error(strCat("MetricsLog: cannot open '", jsonlPath, "' for writing"));
 }

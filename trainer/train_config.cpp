@@ -75,6 +75,18 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("ema.inv_gamma", &c.ema.inv_gamma, "Warmup inv_gamma").greaterThan(0.0);
   s.add("ema.power", &c.ema.power, "Warmup power").greaterThan(0.0);
   s.add("ema.buffers", &c.ema.buffers, "Buffers (e.g. BatchNorm statistics): copied or averaged").oneOf({"copy", "average"});
+
+  s.describeSection("checkpoint", "Sharded checkpoints, resume and export");
+  s.add("checkpoint.every_steps", &c.checkpoint.every_steps, "Save every N steps (0: only at the end)").min(0);
+  s.add("checkpoint.at_end", &c.checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");
+  s.add("checkpoint.keep_last", &c.checkpoint.keep_last, "Newest complete checkpoints to keep (0: all)").min(0);
+  s.add("checkpoint.async", &c.checkpoint.async, "Write checkpoints in a background thread");
+  s.add("checkpoint.resume", &c.checkpoint.resume, "auto (latest complete checkpoint of run.dir), none, or a directory")
+      .nonEmpty();
+  s.add("checkpoint.export", &c.checkpoint.export_what,
+        "Exported as <run.dir>/export/<name>.safetensors at the end: generator_ema, generator_ema_<decay>, model");
+  s.add("checkpoint.export_dtype", &c.checkpoint.export_dtype, "Dtype of exported floating tensors")
+      .oneOf({"fp32", "bf16", "fp16"});
 }
 
 void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, int worldSize) {
@@ -89,6 +101,11 @@ void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, in
   }
   if (c.optim.schedule.min_lr > c.optim.lr) {
     throw ConfigError(s.errorMessage("optim.schedule.min_lr", strCat(c.optim.schedule.min_lr, " is above optim.lr (", c.optim.lr, ")")));
+  }
+  for (const auto& what : c.checkpoint.export_what) {
+    if (what.rfind("generator_ema", 0) == 0 && !c.ema.enabled) {
+      throw ConfigError(s.errorMessage("checkpoint.export", strCat("exports '", what, "' but ema.enabled is false")));
+    }
   }
   const int64_t perStep = c.data.micro_batch * worldSize;
   if (c.data.global_batch % perStep != 0) {

@@ -86,6 +86,16 @@ struct EmaSection {
   std::string buffers = "copy";  // copy | average
 };
 
+struct CheckpointSection {
+  int64_t every_steps = 0;       // save every N steps (0: only at the end)
+  bool at_end = true;            // save when the run finishes (or is preempted by SIGTERM)
+  int64_t keep_last = 3;         // newest complete checkpoints kept (0: all)
+  bool async = true;             // write in a background thread
+  std::string resume = "auto";   // auto | none | a checkpoint directory
+  std::vector<std::string> export_what = {"generator_ema"};  // exported at the end of the run
+  std::string export_dtype = "fp32";  // fp32 | bf16 | fp16
+};
+
 struct TrainConfig {
   RunOptions run;
   LogSection log;
@@ -94,6 +104,7 @@ struct TrainConfig {
   OptimOptions optim;
   ShardingOptions sharding;
   EmaSection ema;
+  CheckpointSection checkpoint;
 };
 
 // Registers every key of `config` with `schema` (the variables are bound by pointer).

@@ -5,23 +5,30 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/utils.h>
 
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/exporter.h"
+#include "checkpoint/reader.h"
 #include "ema/ema_manager.h"
 #include "sharding/lr_schedule.h"
 #include "sharding/strategy.h"
 #include "trainer/metrics.h"
 #include "trainer/models.h"
 #include "trainer/text_dataset.h"
+#include "trainer/train_state.h"
 
 namespace tessera::trainer {
 namespace fs = std::filesystem;
@@ -33,6 +40,10 @@ struct Trainer::State {
 };
 
 namespace {
+
+// Set by SIGTERM (preemption): the loop checkpoints and stops at the next step.
+std::atomic<bool> g_stopRequested{false};
+extern "C" void onStopSignal(int) { g_stopRequested = true; }
 
 double nowSec() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -195,6 +206,73 @@ TrainSummary Trainer::run() {
                      << " steps per epoch; " << accumulation << " micro-batches of " << cfg.data.micro_batch
                      << " per rank per step");
 
+  // Checkpoints: resume first (every rank loads its own shards, resharding as needed).
+  const fs::path checkpointsDir = runDir / "checkpoints";
+  checkpoint::CheckpointOptions ckptOptions;
+  ckptOptions.keepLast = static_cast<int>(cfg.checkpoint.keep_last);
+  ckptOptions.async = cfg.checkpoint.async;
+  checkpoint::Checkpointer checkpointer(checkpointsDir.string(), state_->comm, ckptOptions);
+  TrainerCounters counters;
+  counters.globalBatch = cfg.data.global_batch;
+  counters.seed = cfg.run.seed;
+  counters.strategy = cfg.sharding.strategy;
+  counters.worldSize = world;
+  counters.resolvedConfig = state_->resolvedYaml;
+  int64_t startStep = 0;
+  if (cfg.checkpoint.resume != "none") {
+    std::vector<checkpoint::StateEntry> entries = collectStateEntries(*strategy, emaManager.get());
+    std::optional<checkpoint::LoadResult> loaded;
+    if (cfg.checkpoint.resume == "auto") {
+      loaded = checkpoint::resumeAuto(checkpointsDir.string(), entries, &comm);
+    } else {
+      loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, entries);
+    }
+    if (loaded) {
+      const TrainerCounters saved = countersFromJson(loaded->trainerState);
+      if (saved.globalBatch != cfg.data.global_batch) {
+        throw ConfigError(strCat("data.global_batch: ", cfg.data.global_batch, " differs from the ", saved.globalBatch,
+                                 " that checkpoint ", loaded->dir,
+                                 " was trained with; the data position cannot be converted"));
+      }
+      if (saved.seed != cfg.run.seed) {
+        throw ConfigError(strCat("run.seed: ", cfg.run.seed, " differs from the ", saved.seed, " of checkpoint ",
+                                 loaded->dir, "; the data order would change"));
+      }
+      for (const auto& name : strategy->paramNames()) {
+        auto it = saved.optimizerSteps.find(name);
+        strategy->optimizer().setStepCount(strategy->paramIndex(name), it == saved.optimizerSteps.end() ? 0 : it->second);
+      }
+      if (emaManager) emaManager->setUpdateCount(saved.emaUpdates);
+      strategy->publishParameters();
+      startStep = saved.step;
+      counters.skippedSteps = saved.skippedSteps;
+      TLOG_INFO0("resumed from " << loaded->dir << " (step " << saved.step << ", saved by " << saved.worldSize
+                                 << " ranks with " << saved.strategy << "; now " << world << " ranks with "
+                                 << cfg.sharding.strategy << "), read " << loaded->bytesRead << " bytes in "
+                                 << loaded->seconds << " s");
+    }
+  }
+  TESSERA_CHECK_AS(ConfigError, startStep <= cfg.run.steps, "run.steps: ", cfg.run.steps,
+                   " is below the step the run resumes from (", startStep, ")");
+
+  auto saveCheckpoint = [&](int64_t stepsDone) {
+    counters.step = stepsDone;
+    counters.emaUpdates = emaManager ? emaManager->updateCount() : 0;
+    for (const auto& name : strategy->paramNames()) {
+      counters.optimizerSteps[name] = strategy->optimizer().stepCount(strategy->paramIndex(name));
+    }
+    checkpoint::SaveRequest request;
+    request.step = stepsDone;
+    request.strategy = cfg.sharding.strategy;
+    request.entries = collectStateEntries(*strategy, emaManager.get());
+    request.trainerState = countersToJson(counters);
+    request.aliases = emaAliases(emaManager.get());
+    checkpointer.save(request);  // logs the training stall it caused
+  };
+
+  g_stopRequested = false;
+  auto previousHandler = std::signal(SIGTERM, onStopSignal);
+
   std::unique_ptr<MetricsLog> metrics;
   if (rank == 0) metrics = std::make_unique<MetricsLog>((runDir / "metrics.jsonl").string(), cfg.run.steps);
 
@@ -213,7 +291,17 @@ TrainSummary Trainer::run() {
   bool firstWindow = true;
   comm.resetStats();
 
-  for (int64_t step = 0; step < cfg.run.steps; ++step) {
+  bool preempted = false;
+  int64_t step = startStep;
+  for (; step < cfg.run.steps; ++step) {
+    // Stop on SIGTERM at the same step on every rank: one tiny all-reduce per step.
+    at::Tensor stop = at::full({1}, g_stopRequested ? 1.0 : 0.0, at::kFloat);
+    comm.allReduce(stop, distributed::ReduceOp::kMax);
+    if (stop.item<float>() > 0) {
+      preempted = true;
+      TLOG_WARN0("SIGTERM: stopping at step " << step << " with a checkpoint");
+      break;
+    }
     strategy->zeroGrad();
     const std::vector<int64_t> indices = sampler.indicesFor(step, rank, world);
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
@@ -233,6 +321,7 @@ TrainSummary Trainer::run() {
       TLOG_WARN0("step " << step + 1 << ": gradient norm " << result.gradNorm << " is not finite; step skipped");
     }
     if (emaManager) emaManager->update(step + 1, !result.skipped);
+    if (result.skipped) ++counters.skippedSteps;
     comm.allReduce(stepLoss, distributed::ReduceOp::kAvg);
     windowLoss += stepLoss.item<double>();
     ++windowSteps;
@@ -265,9 +354,34 @@ TrainSummary Trainer::run() {
       windowStart = nowSec();
       comm.resetStats();
     }
+    if (cfg.checkpoint.every_steps > 0 && (step + 1) % cfg.checkpoint.every_steps == 0 && !last) {
+      saveCheckpoint(step + 1);
+    }
   }
-  summary.steps = cfg.run.steps;
-  summary.samplesPerSec = static_cast<double>(cfg.data.global_batch * cfg.run.steps) / (nowSec() - runStart);
+  std::signal(SIGTERM, previousHandler);
+  summary.steps = step;
+  summary.preempted = preempted;
+  summary.samplesPerSec =
+      static_cast<double>(cfg.data.global_batch * (step - startStep)) / std::max(1e-9, nowSec() - runStart);
+  if ((cfg.checkpoint.at_end || preempted) && step > startStep) saveCheckpoint(step);
+  checkpointer.finish();
+
+  if (!preempted) {
+    // Consolidated exports, gathered one tensor at a time to rank 0.
+    const auto entries = collectStateEntries(*strategy, emaManager.get());
+    std::map<std::string, std::string> prefixes = emaAliases(emaManager.get());
+    for (const auto& what : cfg.checkpoint.export_what) {
+      std::string prefix = what == "model" ? "model/" : (prefixes.count(what) ? prefixes[what] : "ema/" + what + "/");
+      checkpoint::ExportOptions exportOptions;
+      exportOptions.what = what;
+      exportOptions.dtype = parseDtype(cfg.checkpoint.export_dtype);
+      exportOptions.metadata["tessera_step"] = std::to_string(step);
+      const std::string out = (runDir / "export" / (what + ".safetensors")).string();
+      if (rank == 0) fs::create_directories(runDir / "export");
+      checkpoint::exportOnline(entries, prefix, &comm, out, exportOptions);  // logs what it wrote
+      if (rank == 0) summary.exports.push_back(out);
+    }
+  }
 
   if (rank == 0) {
     summary.metricsPath = (runDir / "metrics.jsonl").string();

@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "trainer/train_config.h"
 
@@ -27,6 +28,8 @@ struct TrainSummary {
   std::string runDir;
   std::string metricsPath;
   std::string lossCurvePath;
+  std::vector<std::string> exports;  // safetensors files written (rank 0)
+  bool preempted = false;            // stopped early by SIGTERM (after a checkpoint)
 };
 
 class Trainer {

@@ -1,5 +1,5 @@
 // tessera-train: runs one YAML-configured training job on this rank.
-//   tessera-train --config FILE [--set key=value ...] [--print-config]
+//   tessera-train --config FILE [--set key=value ...] [--resume auto|none|DIR] [--print-config]
 // Started once per rank by tessera-run or torchrun (reads their environment); with no
 // launcher it runs as a single process. Exit status: 0 ok, 2 bad config/arguments,
 // 1 run-time failure (message also in $TORCHELASTIC_ERROR_FILE when set).
@@ -21,8 +21,11 @@ int main(int argc, char** argv) {
     std::string configFile;
     std::vector<std::string> overrides;
     bool printConfig = false;
+    std::string resume;
     app.add_option("--config", configFile, "YAML run configuration")->required();
     app.add_option("--set", overrides, "Override one key: --set optim.lr=1e-4 (repeatable)")->take_all();
+    app.add_option("--resume", resume, "auto (latest complete checkpoint of run.dir), none, or a checkpoint directory "
+                   "(overrides checkpoint.resume)");
     app.add_flag("--print-config", printConfig, "Print the resolved configuration and exit");
     try {
       app.parse(argc, argv);
@@ -32,6 +35,7 @@ int main(int argc, char** argv) {
       throw tessera::UsageError(e.what());
     }
 
+    if (!resume.empty()) overrides.push_back("checkpoint.resume=" + resume);
     const auto env = tessera::distributed::RankEnv::fromEnvironment();
     auto loaded = tessera::trainer::loadTrainConfig(configFile, overrides, env.world_size);
     if (printConfig) {
@@ -55,6 +59,8 @@ int main(int argc, char** argv) {
     TLOG_INFO0("done: " << summary.steps << " steps, loss " << summary.firstLoss << " -> " << summary.finalLoss
                         << ", held-out loss " << summary.evalLoss << " (EMA " << summary.evalLossEma << "), " << summary.samplesPerSec << " samples/s");
     TLOG_INFO0("metrics: " << summary.metricsPath << "; loss curve: " << summary.lossCurvePath);
+    for (const auto& file : summary.exports) TLOG_INFO0("export: " << file);
+    if (summary.preempted) TLOG_WARN0("stopped by SIGTERM after step " << summary.steps << " (checkpoint saved)");
     return 0;
   });
 }

@@ -255,6 +255,76 @@ TEST(StrategyDeterminismTest, RerunsAreBitwiseIdentical) {
   }
 }
 
+// The same run with ranks as forked processes over TCP (what tessera-run does), checked
+// inside each rank against the reference and against rank 0 (broadcast).
+TEST(StrategyProcessTest, ForkedRanksMatchReference) {
+  useOneThread();
+  const size_t config = 1;
+  const Reference& ref = reference(config);  // computed before the fork, inherited
+  (void)data();
+  (void)initialParams();
+  for (const char* strategy : {"no_shard", "zero2"}) {
+    test::HarnessOptions options;
+    options.mode = test::HarnessMode::kProcesses;
+    runOnRanks(3, [&](RankContext& ctx) {
+      TinyMlp model;
+      if (ctx.rank == 0) loadParamValues(*model, initialParams());
+      auto engine = makeStrategy(*model, ctx.comm(), strategyOptions(strategy, kConfigs[config]));
+      for (int t = 0; t < kSteps; ++t) {
+        engine->zeroGrad();
+        torch::mse_loss(model->forward(rankSlice(data().x[t], ctx.rank, 3)), rankSlice(data().y[t], ctx.rank, 3))
+            .backward();
+        const StepResult r = engine->step(kConfigs[config].optimizer.lr);
+        EXPECT_NEAR(r.gradNorm, ref.norms[static_cast<size_t>(t)], kTolerance * ref.norms[static_cast<size_t>(t)]);
+      }
+      for (const auto& [name, want] : ref.params) {
+        const at::Tensor mine = engine->moduleParam(name).detach().clone();
+        EXPECT_LE(relativeError(mine, want), kTolerance) << name;
+        at::Tensor rank0 = mine.clone();
+        ctx.comm()->broadcast(rank0, 0);
+        EXPECT_TRUE(rank0.equal(mine)) << "rank " << ctx.rank << " differs from rank 0: " << name;
+        const at::Tensor sq = gatherFull(engine->spec(name), engine->optimizerState(name, "exp_avg_sq"), *ctx.comm());
+        EXPECT_LE(relativeError(sq, ref.states.at(name).at("exp_avg_sq")), kTolerance) << name;
+      }
+    }, options);
+  }
+}
+
+// Without zeroGrad() between steps gradients accumulate across steps, as in torch
+// (zero2 adds into the gradient shards it kept, since its full gradients are freed).
+TEST(StrategyAccumulationTest, GradientsAccumulateAcrossStepsWithoutZeroGrad) {
+  useOneThread();
+  (void)data();
+  (void)initialParams();
+  const OptimizerOptions o = sgd(0.05, 0.0, 0.9, false);
+  TinyMlp refModel;
+  loadParamValues(*refModel, initialParams());
+  auto refOpt = referenceOptimizer(o, *refModel);
+  for (int t = 0; t < 3; ++t) {
+    torch::mse_loss(refModel->forward(data().x[t]), data().y[t]).backward();  // no zero_grad
+    refOpt->step();
+  }
+  const auto want = paramValues(*refModel);
+  for (const char* strategy : {"no_shard", "zero1", "zero2"}) {
+    runOnRanks(2, [&](RankContext& ctx) {
+      TinyMlp model;
+      if (ctx.rank == 0) loadParamValues(*model, initialParams());
+      StrategyOptions so;
+      so.strategy = strategy;
+      so.optimizer = o;
+      auto engine = makeStrategy(*model, ctx.comm(), so);
+      for (int t = 0; t < 3; ++t) {
+        torch::mse_loss(model->forward(rankSlice(data().x[t], ctx.rank, 2)), rankSlice(data().y[t], ctx.rank, 2))
+            .backward();
+        engine->step(o.lr);
+      }
+      for (const auto& [name, p] : paramValues(*model)) {
+        EXPECT_LE(relativeError(p, want.at(name)), kTolerance) << strategy << " " << name;
+      }
+    });
+  }
+}
+
 // A NaN or inf gradient on one rank: every rank skips, nothing changes, training goes on.
 TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
   useOneThread();

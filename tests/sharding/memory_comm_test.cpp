@@ -34,7 +34,8 @@ struct Measurement {
 };
 
 // Two steps of the wide MLP on every rank; measures the second (optimizer states exist).
-std::vector<Measurement> measure(const std::string& strategy, int world, int64_t bucketBytes = 25 * 1024 * 1024) {
+std::vector<Measurement> measure(const std::string& strategy, int world, int64_t bucketBytes = 25 * 1024 * 1024,
+                                 at::ScalarType paramDtype = at::kFloat) {
   torch::manual_seed(5);
   const Batches batches = makeBatches(2, 8, 16, 7, 5);
   std::vector<Measurement> out(static_cast<size_t>(world));
@@ -44,13 +45,14 @@ std::vector<Measurement> measure(const std::string& strategy, int world, int64_t
     o.strategy = strategy;
     o.bucketBytes = bucketBytes;
     o.optimizer.name = "adamw";
+    o.paramDtype = paramDtype;
     auto engine = makeStrategy(*model, ctx.comm(), o);
     Measurement& m = out[static_cast<size_t>(ctx.rank)];
     for (int t = 0; t < 2; ++t) {
       engine->zeroGrad();
       if (t == 1) ctx.comm()->resetStats();
-      torch::mse_loss(model->forward(rankSlice(batches.x[t], ctx.rank, world)), rankSlice(batches.y[t], ctx.rank, world))
-          .backward();
+      const at::Tensor x = rankSlice(batches.x[t], ctx.rank, world).to(paramDtype);
+      torch::mse_loss(model->forward(x).to(at::kFloat), rankSlice(batches.y[t], ctx.rank, world)).backward();
       ASSERT_FALSE(engine->step(1e-3).skipped);
     }
     m.comm = ctx.comm()->stats();
@@ -117,10 +119,34 @@ TEST_P(StrategyMemoryTest, ResidentBytesFollowZeroFormulas) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, StrategyMemoryTest,
-                         ::testing::Combine(::testing::Values("no_shard", "zero1", "zero2"), ::testing::Values(1, 2, 4)),
+                         ::testing::Combine(::testing::Values("no_shard", "zero1", "zero2"),
+                                            ::testing::Values(1, 2, 4)),
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return std::get<0>(info.param) + "_world" + std::to_string(std::get<1>(info.param));
                          });
+
+// bf16 compute, fp32 masters, fp32 reduction (ZeRO's mixed precision, K = 12: masters
+// and both Adam moments): parameters and gradients 2 bytes each, masters held apart
+// from the parameters and counted with the optimizer. zero2's gradient shards are in
+// the reduce dtype (fp32).
+TEST(StrategyMemoryTest, Bf16ComputeWithFp32Masters) {
+  useOneThread();
+  const int n = 2;
+  for (const std::string strategy : {"no_shard", "zero1", "zero2"}) {
+    const auto ms = measure(strategy, n, 25 * 1024 * 1024, at::kBFloat16);
+    const Measurement& m = ms[1];
+    const bool sharded = strategy != "no_shard";
+    const int64_t opt = sharded ? m.shardNumel : m.psi;
+    EXPECT_EQ(m.resident.params, 2 * m.psi) << strategy;
+    EXPECT_EQ(m.resident.grads, strategy == "zero2" ? 4 * m.shardNumel : 2 * m.psi) << strategy;
+    EXPECT_EQ(m.resident.optimizer, 12 * opt) << strategy;
+    std::printf("[memory] %-8s N=%d bf16 compute + fp32 masters: params %lld grads %lld optimizer %lld total %lld B "
+                "(Psi=%lld)\n",
+                strategy.c_str(), n, static_cast<long long>(m.resident.params),
+                static_cast<long long>(m.resident.grads), static_cast<long long>(m.resident.optimizer),
+                static_cast<long long>(m.resident.total()), static_cast<long long>(m.psi));
+  }
+}
 
 class StrategyCommTest : public ::testing::TestWithParam<Case> {};
 

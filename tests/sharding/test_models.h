@@ -127,7 +127,8 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
         OptimizerParamGroup(decay, std::make_unique<AdamOptions>(opts)),
         OptimizerParamGroup(noDecay, std::make_unique<AdamOptions>(zero))});
   }
-  auto opts = SGDOptions(o.lr).momentum(o.momentum).dampening(o.dampening).nesterov(o.nesterov).weight_decay(o.weightDecay);
+  auto opts =
+      SGDOptions(o.lr).momentum(o.momentum).dampening(o.dampening).nesterov(o.nesterov).weight_decay(o.weightDecay);
   auto zero = opts;
   zero.weight_decay(0);
   return std::make_unique<SGD>(std::vector<OptimizerParamGroup>{

@@ -1,0 +1,78 @@
+// Consolidated safetensors export: offline from a checkpoint directory (no distributed
+// job, any saved world size) and online at the end of a run (rank 0 writes, gathering
+// one tensor at a time over the CPU communicator).
+//
+// Names: the tensors under a prefix ("ema/generator_ema/", "model/") with the prefix
+// stripped, i.e. the user's module names ("layers.0.weight"). Memory: the offline export
+// streams each tensor from its chunks one checksum block (4 MiB) at a time, so its peak
+// is about one block plus the process, whatever the model size; the online export holds
+// one full tensor at a time on rank 0.
+// Splitting: with maxShardBytes, tensors go, in order, into files of at most that many
+// data bytes (a larger tensor gets a file of its own) named
+// <base>-00001-of-0000K.safetensors, plus <base>.safetensors.index.json in Hugging Face's
+// format {"metadata": {"total_size": N}, "weight_map": {name: file}}; when everything
+// fits in one file it is written as <base>.safetensors with no index (as HF does).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/metadata.h"
+#include "checkpoint/state.h"
+
+namespace tessera::distributed {
+class Communicator;
+}
+
+namespace tessera::checkpoint {
+
+struct ExportOptions {
+  // What to export: "model", an EMA name ("generator_ema", "generator_ema_0.999"), an
+  // alias recorded in the checkpoint, or a raw prefix ending in '/'. See resolveExportPrefix.
+  std::string what = "model";
+  // Cast floating-point tensors to this dtype (integer and bool tensors are kept).
+  std::optional<at::ScalarType> dtype;
+  // 0: one file at `out`. Otherwise `out` is a directory of shards (see above).
+  int64_t maxShardBytes = 0;
+  std::string shardBaseName = "model";
+  // Extra __metadata__ entries ("format": "pt" is always there).
+  std::map<std::string, std::string> metadata;
+  bool verify = true;  // offline: check checksums while reading
+};
+
+struct ExportResult {
+  std::string prefix;               // the tensor-name prefix exported
+  std::vector<std::string> files;   // safetensors files written
+  std::string indexFile;            // "" when not split
+  int64_t tensors = 0;
+  int64_t totalBytes = 0;           // data bytes written (after casting)
+  int64_t largestTensorBytes = 0;   // as written
+  double seconds = 0;
+};
+
+// Maps `what` to a tensor-name prefix of the checkpoint: a raw prefix ending in '/' is
+// used as is; an alias recorded at save time wins; "model" -> "model/"; anything else
+// -> "ema/<what>/". Throws CheckpointError when no tensor has the prefix, listing the
+// names that would work.
+std::string resolveExportPrefix(const CheckpointMetadata& metadata, const std::string& what);
+
+// Offline export of checkpoint directory `checkpointDir` to `out`.
+ExportResult exportCheckpoint(const std::string& checkpointDir, const std::string& out, const ExportOptions& options);
+
+// Online export, collective over `comm` (the CPU/gloo group; nullptr: one process):
+// the entries whose names start with `prefix` (stripped in the file), in order. Every
+// rank passes the same entries; rank 0 writes. Errors on rank 0 are raised on every rank.
+ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::string& prefix,
+                          distributed::Communicator* comm, const std::string& out, const ExportOptions& options);
+
+// "2GB" (10^9, as Hugging Face), "500MiB" (2^20), "123" bytes; UsageError otherwise.
+int64_t parseByteSize(const std::string& text);
+// "fp32" | "bf16" | "fp16" (also float32, bfloat16, float16); UsageError otherwise.
+at::ScalarType parseExportDtype(const std::string& text);
+
+}  // namespace tessera::checkpoint

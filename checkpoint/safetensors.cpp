@@ -1,0 +1,343 @@
+// Safetensors writer, bounds-checked reader and strict import (see safetensors.h).
+#include "checkpoint/safetensors.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+#include "checkpoint/format.h"
+#include "checkpoint/json_internal.h"
+#include "common/errors.h"
+
+namespace tessera::checkpoint {
+
+namespace fs = std::filesystem;
+using detail::asArray;
+using detail::asInt;
+using detail::asObject;
+using detail::asString;
+using detail::Json;
+
+namespace {
+
+std::string shapeStr(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+int64_t rowsOf(const std::vector<int64_t>& shape) { return shape.empty() ? 1 : shape[0]; }
+
+}  // namespace
+
+int64_t SafetensorsEntry::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+const SafetensorsEntry* SafetensorsHeader::find(const std::string& name) const {
+  for (const auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64_t fileSize, const std::string& source) {
+  if (size < 8 || fileSize < 8) throw CheckpointError(strCat(source, ": shorter than the 8-byte header length"));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];
+  if (n < 2 || n > static_cast<uint64_t>(kMaxSafetensorsHeader)) {
+    throw CheckpointError(strCat(source, ": header length ", n, " is outside [2, ", kMaxSafetensorsHeader, "]"));
+  }
+  SafetensorsHeader h;
+  h.headerBytes = static_cast<int64_t>(n);
+  if (h.dataOffset() > fileSize) {
+    throw CheckpointError(strCat(source, ": header of ", n, " bytes runs past the end of the file (", fileSize, " bytes)"));
+  }
+  if (static_cast<int64_t>(size) < h.dataOffset()) throw CheckpointError(strCat(source, ": header not fully read"));
+  const std::string text(reinterpret_cast<const char*>(data) + 8, static_cast<size_t>(n));
+  if (text[0] != '{') throw CheckpointError(strCat(source, ": header does not start with '{'"));
+  const Json j = detail::parseJson(text, source + " header", 8);
+  asObject(j, source + " header");
+  const int64_t dataBytes = fileSize - h.dataOffset();
+  for (const auto& [name, v] : j.items()) {
+    if (name == "__metadata__") {
+      for (const auto& [k, mv] : asObject(v, source + ": __metadata__").items()) {
+        h.metadata[k] = asString(mv, strCat(source, ": __metadata__.", k));
+      }
+      continue;
+    }
+    const std::string where = strCat(source, ": tensor '", name, "'");
+    asObject(v, where);
+    for (const auto& [k, unused] : v.items()) {
+      (void)unused;
+      if (k != "dtype" && k != "shape" && k != "data_offsets") throw CheckpointError(strCat(where, ": unknown key '", k, "'"));
+    }
+    SafetensorsEntry e;
+    e.name = name;
+    e.dtype = parseDtypeName(asString(detail::member(v, "dtype", where), where + ".dtype", 16), where);
+    int64_t nbytes = dtypeBytes(e.dtype);
+    const Json& shape = asArray(detail::member(v, "shape", where), where + ".shape");
+    if (shape.size() > 64) throw CheckpointError(strCat(where, ": shape has ", shape.size(), " dims"));
+    for (const auto& d : shape) {
+      e.shape.push_back(asInt(d, where + ".shape", 0));
+      nbytes = checkedMul(nbytes, e.shape.back(), where + ".shape");
+    }
+    const Json& off = asArray(detail::member(v, "data_offsets", where), where + ".data_offsets");
+    if (off.size() != 2) throw CheckpointError(strCat(where, ": data_offsets must be [begin, end]"));
+    e.begin = asInt(off[0], where + ".data_offsets", 0, dataBytes);
+    e.end = asInt(off[1], where + ".data_offsets", e.begin, dataBytes);
+    if (e.end - e.begin != nbytes) {
+      throw CheckpointError(strCat(where, ": data_offsets [", e.begin, ", ", e.end, ") hold ", e.end - e.begin,
+                                   " bytes, but shape ", shapeStr(e.shape), " of ", dtypeName(e.dtype), " needs ", nbytes));
+    }
+    h.tensors.push_back(std::move(e));
+  }
+  std::sort(h.tensors.begin(), h.tensors.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  int64_t next = 0;
+  for (const auto& e : h.tensors) {
+    if (e.begin != next) {
+      throw CheckpointError(strCat(source, ": tensor '", e.name, "' starts at data offset ", e.begin, ", expected ", next,
+                                   e.begin < next ? " (overlap)" : " (hole)"));
+    }
+    next = e.end;
+  }
+  if (next != dataBytes) {
+    throw CheckpointError(strCat(source, ": tensors cover ", next, " bytes of a ", dataBytes, "-byte data section"));
+  }
+  return h;
+}
+
+std::string buildSafetensorsHeader(std::vector<SafetensorsEntry>& tensors, std::map<std::string, std::string> metadata) {
+  if (!metadata.count("format")) metadata["format"] = "pt";
+  Json j = Json::object();
+  j["__metadata__"] = metadata;
+  int64_t offset = 0;
+  std::set<std::string> names;
+  for (auto& t : tensors) {
+    TESSERA_CHECK(!t.name.empty() && t.name != "__metadata__" && names.insert(t.name).second,
+                  "buildSafetensorsHeader: bad or duplicate tensor name '", t.name, "'");
+    t.begin = offset;
+    t.end = offset + t.numel() * dtypeBytes(t.dtype);
+    offset = t.end;
+    j[t.name] = {{"dtype", dtypeName(t.dtype)}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+  }
+  std::string text = j.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string out(8, '\0');
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) out[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + text;
+}
+
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsEntry> tensors,
+                                     std::map<std::string, std::string> metadata)
+    : path_(std::move(path)), tensors_(std::move(tensors)) {
+  const std::string header = buildSafetensorsHeader(tensors_, std::move(metadata));
+  headerSize_ = static_cast<int64_t>(header.size());
+  dataBytes_ = tensors_.empty() ? 0 : tensors_.back().end;
+  file_ = File::openWrite(path_ + ".tmp");
+  file_.writeAll(header.data(), header.size());
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (!finished_) {
+    std::error_code ec;
+    fs::remove(path_ + ".tmp", ec);
+  }
+}
+
+void SafetensorsWriter::write(const void* data, int64_t bytes) {
+  TESSERA_CHECK(bytes >= 0 && written_ + bytes <= dataBytes_, "SafetensorsWriter: ", path_, ": writing ", bytes,
+                " bytes at data offset ", written_, " of ", dataBytes_);
+  if (bytes > 0) file_.writeAll(data, static_cast<size_t>(bytes));
+  written_ += bytes;
+}
+
+void SafetensorsWriter::writeTensor(const at::Tensor& t) {
+  TESSERA_CHECK(t.device().is_cpu() && t.is_contiguous(), "SafetensorsWriter::writeTensor: needs a contiguous CPU tensor");
+  write(t.data_ptr(), t.numel() * static_cast<int64_t>(t.element_size()));
+}
+
+void SafetensorsWriter::finish() {
+  TESSERA_CHECK(written_ == dataBytes_, "SafetensorsWriter: ", path_, ": ", written_, " of ", dataBytes_,
+                " data bytes written");
+  file_.sync();
+  file_.close();
+  renamePath(path_ + ".tmp", path_);
+  const fs::path parent = fs::path(path_).parent_path();
+  syncDirectory(parent.empty() ? "." : parent.string());
+  finished_ = true;
+}
+
+SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)), file_(File::openRead(path_)) {
+  const int64_t size = file_.size();
+  uint8_t lenBytes[8] = {};
+  if (size < 8) throw CheckpointError(strCat(path_, ": shorter than the 8-byte header length"));
+  file_.readAt(lenBytes, 8, 0, "the header length");
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | lenBytes[i];
+  // Bound before allocating: never trust a length field.
+  const int64_t want = static_cast<int64_t>(std::min<uint64_t>(n, static_cast<uint64_t>(kMaxSafetensorsHeader)));
+  std::vector<uint8_t> buf(static_cast<size_t>(8 + std::min(want, size - 8)));
+  file_.readAt(buf.data(), buf.size(), 0, "the header");
+  header_ = parseSafetensorsHeader(buf.data(), buf.size(), size, path_);
+}
+
+const SafetensorsEntry& SafetensorsReader::entry(const std::string& name) const {
+  const SafetensorsEntry* e = header_.find(name);
+  if (e == nullptr) throw CheckpointError(strCat(path_, ": no tensor '", name, "'"));
+  return *e;
+}
+
+at::Tensor SafetensorsReader::read(const std::string& name) const {
+  const SafetensorsEntry& e = entry(name);
+  at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  if (e.bytes() > 0) file_.readAt(out.data_ptr(), static_cast<size_t>(e.bytes()), header_.dataOffset() + e.begin, "tensor '" + name + "'");
+  return out;
+}
+
+void SafetensorsReader::readRows(const SafetensorsEntry& e, int64_t rowBegin, int64_t rowEnd, void* dst) const {
+  const int64_t rows = rowsOf(e.shape);
+  TESSERA_CHECK(0 <= rowBegin && rowBegin <= rowEnd && rowEnd <= rows, "SafetensorsReader::readRows: rows [", rowBegin,
+                ", ", rowEnd, ") of '", e.name, "' with ", rows, " rows");
+  const int64_t rowBytes = rows == 0 ? 0 : e.bytes() / rows;
+  const int64_t n = (rowEnd - rowBegin) * rowBytes;
+  if (n > 0) file_.readAt(dst, static_cast<size_t>(n), header_.dataOffset() + e.begin + rowBegin * rowBytes, "tensor '" + e.name + "'");
+}
+
+namespace {
+
+// A single file, or the files of a sharded export listed by its index.json.
+struct FileSet {
+  std::vector<std::unique_ptr<SafetensorsReader>> readers;
+  std::map<std::string, std::pair<const SafetensorsReader*, const SafetensorsEntry*>> byName;
+
+  explicit FileSet(const std::string& path) {
+    const bool isIndex = path.size() > 11 && path.compare(path.size() - 11, 11, ".index.json") == 0;
+    std::vector<std::string> files;
+    if (isIndex) {
+      const Json j = detail::parseJson(readFileBounded(path, int64_t{64} << 20), path);
+      const Json& map = asObject(detail::member(j, "weight_map", path), path + ".weight_map");
+      std::set<std::string> unique;
+      std::map<std::string, std::string> expectedFile;
+      for (const auto& [name, f] : map.items()) {
+        const std::string file = asString(f, path + ".weight_map." + name, 255);
+        if (file.empty() || file == ".." || file == "." || file.find('/') != std::string::npos) {
+          throw CheckpointError(strCat(path, ": weight_map file '", file, "' is not a plain file name"));
+        }
+        expectedFile[name] = file;
+        if (unique.insert(file).second) files.push_back((fs::path(path).parent_path() / file).string());
+      }
+      open(files);
+      for (const auto& [name, file] : expectedFile) {
+        auto it = byName.find(name);
+        if (it == byName.end() || fs::path(it->second.first->path()).filename() != file) {
+          throw CheckpointError(strCat(path, ": weight_map puts '", name, "' in ", file, ", which does not hold it"));
+        }
+      }
+    } else {
+      open({path});
+    }
+  }
+
+  void open(const std::vector<std::string>& files) {
+    for (const auto& f : files) {
+      readers.push_back(std::make_unique<SafetensorsReader>(f));
+      const auto* r = readers.back().get();
+      for (const auto& e : r->header().tensors) {
+        if (!byName.emplace(e.name, std::make_pair(r, &e)).second) {
+          throw CheckpointError(strCat(f, ": tensor '", e.name, "' also appears in another file of the set"));
+        }
+      }
+    }
+  }
+};
+
+}  // namespace
+
+std::map<std::string, at::Tensor> loadSafetensors(const std::string& path) {
+  FileSet set(path);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, re] : set.byName) out[name] = re.first->read(name);
+  return out;
+}
+
+std::string MatchReport::str() const {
+  std::string out;
+  auto list = [&out](const char* what, const std::vector<std::string>& names) {
+    if (names.empty()) return;
+    out += strCat(out.empty() ? "" : "\n", what, " (", names.size(), "):");
+    for (const auto& n : names) out += "\n  " + n;
+  };
+  list("missing", missing);
+  list("unexpected", unexpected);
+  list("shape mismatch", mismatched);
+  return out;
+}
+
+MatchReport matchTensors(const std::map<std::string, std::vector<int64_t>>& found,
+                         const std::map<std::string, std::vector<int64_t>>& expected) {
+  MatchReport r;
+  for (const auto& [name, shape] : expected) {
+    auto it = found.find(name);
+    if (it == found.end()) {
+      r.missing.push_back(name);
+    } else if (it->second != shape) {
+      r.mismatched.push_back(strCat(name, ": file has ", shapeStr(it->second), ", expected ", shapeStr(shape)));
+    }
+  }
+  for (const auto& [name, shape] : found) {
+    if (!expected.count(name)) r.unexpected.push_back(name);
+  }
+  return r;
+}
+
+void importSafetensors(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options) {
+  FileSet set(path);
+  std::map<std::string, std::vector<int64_t>> found, expected;
+  for (const auto& [name, re] : set.byName) found[name] = re.second->shape;
+  std::vector<std::string> fileNames;
+  for (const auto& e : entries) {
+    checkEntry(e, "importSafetensors");
+    TESSERA_CHECK(e.name.compare(0, options.stripPrefix.size(), options.stripPrefix) == 0, "importSafetensors: entry '",
+                  e.name, "' does not start with the prefix '", options.stripPrefix, "'");
+    fileNames.push_back(e.name.substr(options.stripPrefix.size()));
+    expected[fileNames.back()] = e.spec.globalShape();
+  }
+  const MatchReport report = matchTensors(found, expected);
+  if (!report.ok(options.strict)) {
+    throw CheckpointError(strCat("importSafetensors: ", path, " does not match the model:\n", report.str()));
+  }
+  std::vector<std::string> dtypeErrors;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& se = *set.byName.at(fileNames[i]).second;
+    if (se.dtype != entries[i].spec.dtype() && !options.allowCast) {
+      dtypeErrors.push_back(strCat(fileNames[i], ": file has ", dtypeName(se.dtype), ", expected ",
+                                   dtypeName(entries[i].spec.dtype())));
+    }
+  }
+  if (!dtypeErrors.empty()) {
+    std::string msg;
+    for (const auto& d : dtypeErrors) msg += "\n  " + d;
+    throw CheckpointError(strCat("importSafetensors: ", path, ": dtype mismatch (", dtypeErrors.size(), "):", msg));
+  }
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    const auto& [reader, se] = set.byName.at(fileNames[i]);
+    const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+    auto [rb, re] = e.spec.localRowRange();
+    const int64_t bufferRows = replicated ? e.spec.globalRows() : e.spec.chunkRows();
+    at::Tensor rows = at::empty({re - rb, e.spec.rowNumel()}, at::TensorOptions().dtype(se->dtype));
+    reader->readRows(*se, rb, re, rows.data_ptr());
+    at::Tensor buf = at::zeros({bufferRows, e.spec.rowNumel()}, at::TensorOptions().dtype(e.spec.dtype()));
+    if (re > rb) buf.narrow(0, 0, re - rb).copy_(rows);
+    e.local.copy_(buf.view(e.local.sizes()));
+  }
+}
+
+}  // namespace tessera::checkpoint

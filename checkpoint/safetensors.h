@@ -1,0 +1,135 @@
+// Safetensors files (the format Hugging Face uses for weights), written and read without
+// Python: streaming writer, bounds-checked reader, and strict import into shards.
+//
+// Format: 8-byte little-endian header length N; N bytes of JSON header, padded with
+// spaces to a multiple of 8; then the data section. The header maps each tensor name to
+// {"dtype": "F32"|"BF16"|..., "shape": [...], "data_offsets": [begin, end)} (offsets
+// relative to the data section) and may hold "__metadata__": a string -> string map
+// ({"format": "pt"} for PyTorch). Tensors are laid out back to back: the offsets cover
+// the data section exactly, with no holes or overlaps. Data is raw little-endian,
+// row-major.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/state.h"
+
+namespace tessera::checkpoint {
+
+// The safetensors library refuses headers above 100 MB; so does this reader.
+constexpr int64_t kMaxSafetensorsHeader = 100'000'000;
+
+struct SafetensorsEntry {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  int64_t begin = 0;  // data_offsets, relative to the data section
+  int64_t end = 0;
+
+  int64_t numel() const;
+  int64_t bytes() const { return end - begin; }
+};
+
+struct SafetensorsHeader {
+  int64_t headerBytes = 0;  // N
+  std::vector<SafetensorsEntry> tensors;  // in data order
+  std::map<std::string, std::string> metadata;
+
+  int64_t dataOffset() const { return 8 + headerBytes; }
+  int64_t dataBytes() const { return tensors.empty() ? 0 : tensors.back().end; }
+  const SafetensorsEntry* find(const std::string& name) const;
+};
+
+// Validates a header held in data[0, size) of a file of fileSize bytes (size may be the
+// whole file or just its first 8 + N bytes). Throws CheckpointError naming `source` for
+// a header length that is absurd or past the end of the file, invalid JSON, unknown
+// dtypes, negative or overflowing shapes, offsets outside the data section, sizes that
+// differ from shape x dtype size, overlaps or holes.
+SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64_t fileSize, const std::string& source);
+
+// Lays `tensors` out back to back in the given order (sets begin/end) and returns the
+// 8-byte length + JSON header padded to a multiple of 8. metadata gets "format": "pt"
+// unless it sets "format" itself.
+std::string buildSafetensorsHeader(std::vector<SafetensorsEntry>& tensors, std::map<std::string, std::string> metadata);
+
+// Writes one file: the header at construction, then the data section streamed through
+// write() in tensor order, then finish() (checks the byte count, fsyncs, renames
+// path.tmp -> path). Without finish() (an exception) the .tmp file is removed.
+class SafetensorsWriter {
+ public:
+  SafetensorsWriter(std::string path, std::vector<SafetensorsEntry> tensors, std::map<std::string, std::string> metadata);
+  ~SafetensorsWriter();
+  SafetensorsWriter(const SafetensorsWriter&) = delete;
+  SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  void write(const void* data, int64_t bytes);
+  // Writes a whole tensor (contiguous CPU, the planned dtype and numel).
+  void writeTensor(const at::Tensor& t);
+  void finish();
+  const std::vector<SafetensorsEntry>& tensors() const { return tensors_; }
+  int64_t fileBytes() const { return headerSize_ + dataBytes_; }
+
+ private:
+  std::string path_;
+  std::vector<SafetensorsEntry> tensors_;
+  File file_;
+  int64_t headerSize_ = 0;
+  int64_t dataBytes_ = 0;
+  int64_t written_ = 0;
+  bool finished_ = false;
+};
+
+class SafetensorsReader {
+ public:
+  explicit SafetensorsReader(std::string path);
+  const std::string& path() const { return path_; }
+  const SafetensorsHeader& header() const { return header_; }
+  // The entry; CheckpointError naming the file when absent.
+  const SafetensorsEntry& entry(const std::string& name) const;
+  at::Tensor read(const std::string& name) const;
+  // Rows [rowBegin, rowEnd) of a tensor (0-d: one row) into dst (contiguous CPU).
+  void readRows(const SafetensorsEntry& e, int64_t rowBegin, int64_t rowEnd, void* dst) const;
+
+ private:
+  std::string path_;
+  File file_;
+  SafetensorsHeader header_;
+};
+
+// Every tensor of a file (or of a sharded export: a *.index.json path), by name.
+std::map<std::string, at::Tensor> loadSafetensors(const std::string& path);
+
+// Names and shapes expected vs found.
+struct MatchReport {
+  std::vector<std::string> missing;     // expected, not in the file
+  std::vector<std::string> unexpected;  // in the file, not expected
+  std::vector<std::string> mismatched;  // "name: file has [2, 3], expected [3, 2]"
+  bool ok(bool strict = true) const { return missing.empty() && mismatched.empty() && (!strict || unexpected.empty()); }
+  std::string str() const;  // one line per problem, grouped
+};
+MatchReport matchTensors(const std::map<std::string, std::vector<int64_t>>& found,
+                         const std::map<std::string, std::vector<int64_t>>& expected);
+
+struct ImportOptions {
+  // Entry names start with this; the file's names are the rest ("model/" + "layers.0.weight").
+  std::string stripPrefix;
+  // Tensors in the file that no entry takes are an error.
+  bool strict = true;
+  // Convert dtypes (a bf16 export into an fp32 model); off: a dtype difference is an error.
+  bool allowCast = true;
+};
+
+// Initialises each entry's shard (its spec's rows of this rank, padding zeroed) from a
+// safetensors file or a sharded export's *.index.json, reading only those rows. Checks
+// all names and shapes first and throws CheckpointError listing every missing,
+// unexpected (strict) and mismatched tensor. Each rank calls it independently.
+void importSafetensors(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options = {});
+
+}  // namespace tessera::checkpoint

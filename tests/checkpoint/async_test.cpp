@@ -1,0 +1,147 @@
+// Async saves: staging decouples the saved values from training, a writer failure (an
+// injected fault, or a real ENOSPC) surfaces at the next save or finish() on every rank,
+// at most one save is in flight, and the stall is measured.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <thread>
+
+#include "checkpoint/metadata.h"
+#include "tests/checkpoint/checkpoint_test_util.h"
+
+namespace tessera::checkpoint {
+namespace {
+
+using namespace testing;  // NOLINT
+namespace fs = std::filesystem;
+
+TEST(AsyncSaveTest, SavesTheValuesAtSaveTimeWhileTrainingGoesOn) {
+  TempDir tmp;
+  const auto model = sampleModel();
+  CheckpointOptions options;
+  options.async = true;
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    Checkpointer ckpt(tmp.path(), ctx.comm(), options);
+    SaveRequest req;
+    req.step = 1;
+    req.entries = entriesFor(model, ctx.world, ctx.rank);
+    const SaveStats stats = ckpt.save(req);
+    EXPECT_TRUE(stats.async);
+    EXPECT_GE(stats.stallSeconds, stats.stagingSeconds);
+    // "Training" overwrites the live tensors at once; the checkpoint must not see it.
+    for (auto& e : req.entries) e.local.fill_(e.local.is_floating_point() ? -1.0 : -1);
+    ckpt.finish();
+  });
+  for (int rank = 0; rank < 3; ++rank) {
+    auto got = junkEntriesFor(model, 3, rank);
+    loadCheckpoint(tmp / "step_00000001", got);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(bitwiseEqual(got[i].local, got[i].spec.shardOf(model[i].full)));
+  }
+}
+
+TEST(AsyncSaveTest, WriterFailureSurfacesAtTheNextSaveOnEveryRank) {
+  TempDir tmp;
+  const auto model = sampleModel();
+  CheckpointOptions options;
+  options.async = true;
+  options.commitTimeout = std::chrono::seconds(10);
+  options.faultHook = [](SavePoint p, int rank) {
+    if (p == SavePoint::kAfterData && rank == 1) throw Error("injected writer failure");
+  };
+  std::vector<std::string> messages(2);
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    Checkpointer ckpt(tmp.path(), ctx.comm(), options);
+    SaveRequest req;
+    req.step = 1;
+    req.entries = entriesFor(model, ctx.world, ctx.rank);
+    EXPECT_NO_THROW(ckpt.save(req));  // returns after staging
+    req.step = 2;
+    try {
+      ckpt.save(req);
+      ADD_FAILURE() << "the failure of step 1 was not reported on rank " << ctx.rank;
+    } catch (const Error& e) {
+      messages[static_cast<size_t>(ctx.rank)] = e.what();
+    }
+  });
+  EXPECT_NE(messages[1].find("injected writer failure"), std::string::npos) << messages[1];
+  EXPECT_NE(messages[0].find("previous save (step 1)"), std::string::npos) << messages[0];
+  EXPECT_TRUE(listCheckpoints(tmp.path()).empty());
+  EXPECT_EQ(readLatest(tmp.path()), "");
+}
+
+TEST(AsyncSaveTest, RealDiskFullErrorSurfacesAtFinish) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full";
+  TempDir tmp;
+  const auto model = sampleModel();
+  CheckpointOptions options;
+  options.async = true;
+  const std::string tmpDir = tmp / "step_00000001.tmp";
+  // The data file is a link to /dev/full: every write fails with ENOSPC.
+  options.faultHook = [&](SavePoint p, int) {
+    if (p == SavePoint::kBeforeData) fs::create_symlink("/dev/full", tmpDir + "/rank_00000.bin");
+  };
+  Checkpointer ckpt(tmp.path(), nullptr, options);
+  SaveRequest req;
+  req.step = 1;
+  req.entries = entriesFor(model, 1, 0);
+  ckpt.save(req);
+  try {
+    ckpt.finish();
+    ADD_FAILURE() << "finish() did not report the failed write";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank_00000.bin"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(listCheckpoints(tmp.path()).empty());
+}
+
+TEST(AsyncSaveTest, AtMostOneSaveInFlight) {
+  TempDir tmp;
+  const auto model = sampleModel();
+  CheckpointOptions options;
+  options.async = true;
+  std::atomic<int> active{0}, maxActive{0};
+  options.faultHook = [&](SavePoint p, int) {
+    if (p == SavePoint::kBeforeData) {
+      maxActive = std::max(maxActive.load(), ++active);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    } else if (p == SavePoint::kBeforeRetention) {
+      --active;
+    }
+  };
+  Checkpointer ckpt(tmp.path(), nullptr, options);
+  SaveRequest req;
+  req.entries = entriesFor(model, 1, 0);
+  req.step = 1;
+  ckpt.save(req);
+  req.step = 2;
+  const SaveStats second = ckpt.save(req);
+  EXPECT_GE(second.waitSeconds, 0.1);  // waited for step 1's writer
+  EXPECT_GE(second.stallSeconds, second.waitSeconds);
+  ckpt.finish();
+  EXPECT_EQ(maxActive.load(), 1);
+  EXPECT_EQ(listCheckpoints(tmp.path()).size(), 2u);
+  EXPECT_EQ(readLatest(tmp.path()), "step_00000002");
+}
+
+TEST(AsyncSaveTest, DestructorWaitsForTheWriter) {
+  TempDir tmp;
+  const auto model = sampleModel();
+  {
+    CheckpointOptions options;
+    options.async = true;
+    options.faultHook = [](SavePoint p, int) {
+      if (p == SavePoint::kBeforeData) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    };
+    Checkpointer ckpt(tmp.path(), nullptr, options);
+    SaveRequest req;
+    req.step = 9;
+    req.entries = entriesFor(model, 1, 0);
+    ckpt.save(req);
+  }
+  EXPECT_EQ(readLatest(tmp.path()), "step_00000009");
+}
+
+}  // namespace
+}  // namespace tessera::checkpoint

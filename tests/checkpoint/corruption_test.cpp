@@ -1,0 +1,222 @@
+// Every kind of damage is detected with the file and the tensor named: flipped bytes,
+// truncated or missing rank files, metadata pointing outside a file, a tampered trainer
+// state or metadata, dtype/shape mismatches with the model, a missing tensor. resume
+// auto then falls back to the previous complete checkpoint on every rank.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "checkpoint/metadata.h"
+#include "tests/checkpoint/checkpoint_test_util.h"
+
+namespace tessera::checkpoint {
+namespace {
+
+using namespace testing;  // NOLINT
+namespace fs = std::filesystem;
+
+class CorruptionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    CheckpointOptions options;
+    options.blockBytes = 32;
+    saveOnRanks(2, tmp_.path(), model_, 1, options);
+    dir_ = tmp_ / "step_00000001";
+    md_ = CheckpointReader(dir_).metadata();
+  }
+
+  // The chunk of `tensor` saved by `rank`.
+  const ChunkInfo& chunkOf(const std::string& tensor, int rank) const {
+    for (const auto& c : md_.find(tensor)->chunks) {
+      if (c.rank == rank) return c;
+    }
+    throw std::runtime_error("no chunk");
+  }
+
+  void flipByte(const std::string& path, int64_t offset) const {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(offset);
+    char c;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(offset);
+    f.write(&c, 1);
+  }
+
+  // Loads on (world, rank) and returns the CheckpointError's message ("" if none thrown).
+  std::string loadError(int world = 2, int rank = 1, std::vector<StateEntry> entries = {}) const {
+    if (entries.empty()) entries = junkEntriesFor(model_, world, rank);
+    try {
+      loadCheckpoint(dir_, entries);
+    } catch (const CheckpointError& e) {
+      return e.what();
+    }
+    return "";
+  }
+
+  std::string verifyError() const {
+    try {
+      CheckpointReader(dir_).verifyAll();
+    } catch (const CheckpointError& e) {
+      return e.what();
+    }
+    return "";
+  }
+
+  TempDir tmp_;
+  std::vector<GlobalTensor> model_ = sampleModel();
+  std::string dir_;
+  CheckpointMetadata md_;
+};
+
+#define EXPECT_HAS(haystack, needle) EXPECT_NE((haystack).find(needle), std::string::npos) << (haystack)
+
+TEST_F(CorruptionTest, ChecksumMismatchNamesFileAndTensor) {
+  const std::string tensor = "optim/exp_avg/layers.0.weight";
+  const auto& c = chunkOf(tensor, 1);
+  flipByte(dir_ + "/rank_00001.bin", c.offset + c.length - 3);
+  const std::string e = loadError();
+  EXPECT_HAS(e, "checksum mismatch");
+  EXPECT_HAS(e, "rank_00001.bin");
+  EXPECT_HAS(e, "'" + tensor + "'");
+  const std::string v = verifyError();
+  EXPECT_HAS(v, "checksum mismatch");
+  EXPECT_HAS(v, tensor);
+  // A rank that does not read the damaged block does not see it (no whole-file reads);
+  // rank 0 of 2 owns rows [0, 5), the flipped byte is in rows [5, 10).
+  EXPECT_EQ(loadError(2, 0), "");
+  // Without verification the damage goes through unnoticed: verification is what catches it.
+  auto entries = junkEntriesFor(model_, 2, 1);
+  LoadOptions noVerify;
+  noVerify.verify = false;
+  EXPECT_NO_THROW(loadCheckpoint(dir_, entries, noVerify));
+}
+
+TEST_F(CorruptionTest, TruncatedRankFile) {
+  fs::resize_file(dir_ + "/rank_00001.bin", fs::file_size(dir_ + "/rank_00001.bin") - 5);
+  const std::string e = loadError();
+  EXPECT_HAS(e, "rank_00001.bin");
+  EXPECT_HAS(e, "truncated");
+  EXPECT_HAS(e, "needed by tensor '");
+  EXPECT_HAS(verifyError(), "truncated");
+}
+
+TEST_F(CorruptionTest, MissingRankFile) {
+  fs::remove(dir_ + "/rank_00000.bin");
+  const std::string e = loadError(1, 0);
+  EXPECT_HAS(e, "missing file");
+  EXPECT_HAS(e, "rank_00000.bin");
+  EXPECT_HAS(e, "needed by tensor 'model/layers.0.weight'");
+}
+
+TEST_F(CorruptionTest, MetadataPointingOutsideAFile) {
+  auto j = nlohmann::json::parse(readText(dir_ + "/metadata.json"));
+  for (auto& t : j["tensors"]) {
+    if (t["name"] == "model/layers.0.bias") t["chunks"][0]["offset"] = 1 << 20;
+  }
+  writeText(dir_ + "/metadata.json", j.dump());
+  const std::string e = loadError();
+  EXPECT_HAS(e, "metadata.json");
+  EXPECT_HAS(e, "'model/layers.0.bias'");
+  EXPECT_HAS(e, "lie outside rank_00000.bin");
+}
+
+TEST_F(CorruptionTest, MetadataWithAGapInTheChunks) {
+  auto j = nlohmann::json::parse(readText(dir_ + "/metadata.json"));
+  for (auto& t : j["tensors"]) {
+    if (t["name"] == "model/layers.0.weight") t["chunks"].erase(1);
+  }
+  writeText(dir_ + "/metadata.json", j.dump());
+  const std::string e = loadError();
+  EXPECT_HAS(e, "'model/layers.0.weight'");
+  EXPECT_HAS(e, "cover rows [0, 5) of 10");
+}
+
+TEST_F(CorruptionTest, GarbledMetadataIsNotACheckpoint) {
+  writeText(dir_ + "/metadata.json", "{\"format\": \"tessera-checkpoint\", \"vers");
+  const std::string e = loadError();
+  EXPECT_HAS(e, "metadata.json");
+  EXPECT_HAS(e, "not valid JSON");
+}
+
+TEST_F(CorruptionTest, TamperedTrainerState) {
+  std::string ts = readText(dir_ + "/trainer_state.json");
+  ts[ts.size() - 2] = ts[ts.size() - 2] == '1' ? '2' : '1';
+  writeText(dir_ + "/trainer_state.json", ts);
+  const std::string e = loadError();
+  EXPECT_HAS(e, "trainer_state.json");
+  EXPECT_HAS(e, "checksum mismatch");
+}
+
+TEST_F(CorruptionTest, DtypeShapeAndMissingTensorMismatchesWithTheModel) {
+  auto entries = junkEntriesFor(model_, 2, 0);
+  entries[0].spec = sharding::ShardSpec({10, 3}, at::kBFloat16, 2, 0);
+  entries[0].local = at::zeros({5, 3}, at::kBFloat16);
+  std::string e = loadError(2, 0, entries);
+  EXPECT_HAS(e, "'model/layers.0.weight' was saved as F32, the model expects BF16");
+
+  entries = junkEntriesFor(model_, 2, 0);
+  entries[0].spec = sharding::ShardSpec({3, 10}, at::kFloat, 2, 0);
+  entries[0].local = at::zeros({2, 10});
+  e = loadError(2, 0, entries);
+  EXPECT_HAS(e, "'model/layers.0.weight' was saved with shape [10, 3], the model expects [3, 10]");
+
+  entries = junkEntriesFor(model_, 2, 0);
+  entries[0].name = "model/layers.1.weight";
+  e = loadError(2, 0, entries);
+  EXPECT_HAS(e, "tensor 'model/layers.1.weight' is missing");
+  EXPECT_HAS(e, dir_);
+}
+
+TEST_F(CorruptionTest, StrictLoadRefusesUnusedTensors) {
+  auto entries = junkEntriesFor(model_, 2, 0);
+  entries.pop_back();
+  LoadOptions strict;
+  strict.strict = true;
+  try {
+    loadCheckpoint(dir_, entries, strict);
+    ADD_FAILURE() << "no error";
+  } catch (const CheckpointError& e) {
+    EXPECT_HAS(std::string(e.what()), "ema/generator_ema/steps");
+  }
+}
+
+TEST_F(CorruptionTest, ResumeAutoFallsBackOnEveryRankWhenOneRankSeesCorruption) {
+  // Step 2 is damaged only in rows that rank 1 (of 2) reads: both ranks must fall back.
+  const auto newer = sampleModel(5);
+  saveOnRanks(2, tmp_.path(), newer, 2);
+  const std::string dir2 = tmp_ / "step_00000002";
+  const auto md2 = CheckpointReader(dir2).metadata();
+  const auto& c = md2.find("model/layers.0.weight")->chunks.back();
+  flipByte(dir2 + "/" + c.file, c.offset + 1);
+  std::vector<int64_t> steps(2, -1);
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    auto entries = junkEntriesFor(model_, ctx.world, ctx.rank);
+    auto r = resumeAuto(tmp_.path(), entries, ctx.comm().get());
+    ASSERT_TRUE(r.has_value());
+    steps[static_cast<size_t>(ctx.rank)] = r->step;
+    const auto want = entriesFor(model_, ctx.world, ctx.rank);
+    for (size_t i = 0; i < entries.size(); ++i) EXPECT_TRUE(bitwiseEqual(entries[i].local, want[i].local));
+  });
+  EXPECT_EQ(steps[0], 1);
+  EXPECT_EQ(steps[1], 1);
+}
+
+TEST_F(CorruptionTest, ResumeAutoListsEveryFailureWhenNothingLoads) {
+  flipByte(dir_ + "/rank_00000.bin", 0);
+  auto entries = junkEntriesFor(model_, 1, 0);
+  try {
+    resumeAuto(tmp_.path(), entries, nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const CheckpointError& e) {
+    const std::string msg = e.what();
+    EXPECT_HAS(msg, "step_00000001");
+    EXPECT_HAS(msg, "checksum mismatch");
+  }
+}
+
+}  // namespace
+}  // namespace tessera::checkpoint

@@ -1,0 +1,54 @@
+// The trainer's sharded state as checkpoint entries, and its JSON trainer state.
+//
+// Entry names (the checkpoint's tensor names; exports strip the prefix back to the
+// user's module names):
+//   model/<param>                 fp32 master, the strategy's spec (Shard(0) or Replicate)
+//   optim/<state>/<param>         exp_avg, exp_avg_sq, momentum_buffer (same spec)
+//   ema/<ema name>/<param>        generator_ema, generator_ema_0.999, ... (the EMA's spec)
+// Loading the same names with the new run's specs reshards them (any world size, any
+// strategy).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "checkpoint/state.h"
+
+namespace tessera::sharding {
+class ShardingStrategy;
+}
+namespace tessera::ema {
+class ShardedModelEMAManager;
+}
+
+namespace tessera::trainer {
+
+// All tensors of the run's state on this rank. Creates zero optimizer states for
+// parameters that have none yet, so every rank lists the same entries.
+std::vector<checkpoint::StateEntry> collectStateEntries(sharding::ShardingStrategy& strategy,
+                                                        ema::ShardedModelEMAManager* ema);
+
+// Export aliases: each EMA's decay name ("generator_ema_0.99") -> its prefix.
+std::map<std::string, std::string> emaAliases(const ema::ShardedModelEMAManager* ema);
+
+// Counters that are not tensors: optimizer step counts per parameter, the EMA update
+// count, and where the run is.
+struct TrainerCounters {
+  int64_t step = 0;               // optimizer steps completed
+  int64_t globalBatch = 0;        // the data position is step x globalBatch samples
+  int64_t seed = 0;
+  int64_t emaUpdates = 0;
+  int64_t skippedSteps = 0;
+  std::map<std::string, int64_t> optimizerSteps;  // per parameter name
+  std::string strategy;
+  int worldSize = 1;
+  std::string resolvedConfig;     // YAML text of the run that saved
+};
+
+std::string countersToJson(const TrainerCounters& c);
+// Throws tessera::Error naming the key when the JSON lacks one or has the wrong type.
+TrainerCounters countersFromJson(const std::string& json);
+
+}  // namespace tessera::trainer
