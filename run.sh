@@ -12,13 +12,18 @@ for arg in "$@"; do
   case "$arg" in run.dir=*) RUN_DIR=${arg#run.dir=} ;; esac
 done
 rm -rf "$RUN_DIR"   # the main job starts fresh each time
-"$BIN/tessera-run" --standalone --nproc-per-node 2 --log-dir "$RUN_DIR/launcher" --tee \
-  "$BIN/tessera-train" --config configs/default.yaml "$@"
+LAUNCH=("$BIN/tessera-run" --standalone --nproc-per-node 2 --log-dir "$RUN_DIR/launcher" --tee)
+echo "== part 1: train until step 150, checkpoint, stop"
+"${LAUNCH[@]}" "$BIN/tessera-train" --config configs/default.yaml --set run.stop_after_steps=150 "$@"
+echo "== part 2: resume from the checkpoint, finish, export generator_ema"
+"${LAUNCH[@]}" "$BIN/tessera-train" --config configs/default.yaml --resume auto "$@"
 echo
 echo "run directory:   $RUN_DIR"
 echo "resolved config: $RUN_DIR/config.resolved.yaml"
 echo "metrics:         $RUN_DIR/metrics.jsonl"
 echo "loss curve:      $RUN_DIR/loss.svg"
+echo "checkpoints:     $RUN_DIR/checkpoints ($(ls "$RUN_DIR/checkpoints" | grep -c '^step_') kept)"
+echo "export:          $(ls "$RUN_DIR"/export/*.safetensors | tr '\n' ' ')"
 first=$(head -1 "$RUN_DIR/metrics.jsonl" | sed 's/.*"loss":\([0-9.]*\).*/\1/')
 last=$(tail -1 "$RUN_DIR/metrics.jsonl" | sed 's/.*"loss":\([0-9.]*\).*/\1/')
 echo "training loss:   $first (first window) -> $last (last window)"

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/format.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/state.h"
 

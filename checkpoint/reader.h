@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/format.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/state.h"
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/format.h"
 #include "checkpoint/state.h"
 
 namespace tessera::checkpoint {

@@ -14,6 +14,9 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("run.seed", &c.run.seed, "Seed for model init, data order and dropout").min(0);
   s.add("run.steps", &c.run.steps, "Optimizer steps to run").min(1);
   s.add("run.log_every", &c.run.log_every, "Print and record metrics every N steps").min(1);
+  s.add("run.stop_after_steps", &c.run.stop_after_steps,
+        "Stop with a checkpoint after this many steps of this invocation (time-limited jobs); 0 = run to the end")
+      .min(0);
   s.add("run.eval_every", &c.run.eval_every, "Held-out loss with live and EMA weights every N steps (0: at the end only)")
       .min(0);
 

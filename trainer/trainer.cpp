@@ -302,6 +302,11 @@ TrainSummary Trainer::run() {
       TLOG_WARN0("SIGTERM: stopping at step " << step << " with a checkpoint");
       break;
     }
+    if (cfg.run.stop_after_steps > 0 && step - startStep >= cfg.run.stop_after_steps) {
+      preempted = true;
+      TLOG_INFO0("run.stop_after_steps: stopping at step " << step << " with a checkpoint; resume to continue");
+      break;
+    }
     strategy->zeroGrad();
     const std::vector<int64_t> indices = sampler.indicesFor(step, rank, world);
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);

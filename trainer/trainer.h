@@ -29,7 +29,7 @@ struct TrainSummary {
   std::string metricsPath;
   std::string lossCurvePath;
   std::vector<std::string> exports;  // safetensors files written (rank 0)
-  bool preempted = false;            // stopped early by SIGTERM (after a checkpoint)
+  bool preempted = false;            // stopped early (SIGTERM or run.stop_after_steps), after a checkpoint
 };
 
 class Trainer {

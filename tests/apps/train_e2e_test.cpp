@@ -193,3 +193,53 @@ assert end == len(body)
 }
 
 }  // namespace
+
+namespace {
+
+// A rank SIGKILLed in the middle of a run: tessera-run --max-restarts 1 restarts both
+// ranks, they resume from the latest complete checkpoint, and the final generator_ema
+// equals that of a run that was never interrupted.
+TEST(TrainE2ETest, KilledRankIsRestartedAndResumes) {
+  const std::string args = kResumeArgs + " --set run.steps=150 --set run.log_every=50 --set run.eval_every=0" +
+                           " --set checkpoint.every_steps=5 --set checkpoint.keep_last=2";
+  std::string out;
+  const std::string full = uniqueDir("uninterrupted");
+  ASSERT_EQ(run(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + args +
+                    " --set run.dir=" + full,
+                &out),
+            0)
+      << out;
+
+  const std::string dir = uniqueDir("killed");
+  const fs::path log = fs::temp_directory_path() / ("tessera_killed_" + std::to_string(::getpid()) + ".log");
+  // Start the run in the background, wait for its step-10 checkpoint, SIGKILL the newest
+  // tessera-train process of this run (one rank), then wait for the launcher.
+  const std::string script =
+      "( " + kBin + "/tessera-run --standalone --max-restarts 1 --nproc-per-node 2 " + kBin + "/tessera-train" + args +
+      " --set run.dir=" + dir + " > " + log.string() + " 2>&1; echo $? > " + log.string() + ".rc ) & " +
+      "for i in $(seq 1 3000); do [ -d " + dir + "/checkpoints/step_00000010 ] && break; sleep 0.01; done; " +
+      "pkill -KILL -n -f 'tessera-train.*" + dir + "' && echo killed; wait";
+  const fs::path scriptFile = fs::temp_directory_path() / ("tessera_killed_" + std::to_string(::getpid()) + ".sh");
+  std::ofstream(scriptFile) << script << "\n";
+  ASSERT_EQ(run("bash " + scriptFile.string(), &out), 0) << out;
+  EXPECT_NE(out.find("killed"), std::string::npos) << "the run finished before a rank could be killed";
+  std::ifstream rcFile(log.string() + ".rc");
+  int rc = -1;
+  rcFile >> rc;
+  std::ifstream logFile(log);
+  std::stringstream logText;
+  logText << logFile.rdbuf();
+  EXPECT_EQ(rc, 0) << logText.str();
+  EXPECT_NE(logText.str().find("SIGKILL"), std::string::npos) << logText.str();
+  EXPECT_NE(logText.str().find("resumed from"), std::string::npos) << logText.str();
+
+  const auto reference = exportOf(full);
+  const auto restarted = exportOf(dir);
+  ASSERT_EQ(reference.size(), restarted.size());
+  for (const auto& [name, tensor] : reference) {
+    ASSERT_TRUE(restarted.count(name)) << name;
+    EXPECT_TRUE(at::equal(tensor, restarted.at(name))) << name << " differs after the restart";
+  }
+}
+
+}  // namespace

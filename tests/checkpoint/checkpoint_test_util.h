@@ -136,7 +136,7 @@ inline SaveStats saveSingle(const std::string& dir, const std::vector<GlobalTens
 inline bool bitwiseEqual(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   if (a.numel() == 0) return true;
-  return a.contiguous().view(at::kByte).equal(b.contiguous().view(at::kByte));
+  return a.reshape({-1}).contiguous().view(at::kByte).equal(b.reshape({-1}).contiguous().view(at::kByte));
 }
 
 struct ProcessResult {
