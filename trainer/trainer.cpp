@@ -41,7 +41,8 @@ struct Trainer::State {
 
 namespace {
 
-// Set by SIGTERM (preemption): the loop checkpoints and stops at the next step.
+// Set by SIGTERM (preemption) or SIGINT (Ctrl-C): the loop checkpoints and stops at the
+// next step.
 std::atomic<bool> g_stopRequested{false};
 extern "C" void onStopSignal(int) { g_stopRequested = true; }
 
@@ -271,7 +272,8 @@ TrainSummary Trainer::run() {
   };
 
   g_stopRequested = false;
-  auto previousHandler = std::signal(SIGTERM, onStopSignal);
+  auto previousTerm = std::signal(SIGTERM, onStopSignal);
+  auto previousInt = std::signal(SIGINT, onStopSignal);
 
   std::unique_ptr<MetricsLog> metrics;
   if (rank == 0) metrics = std::make_unique<MetricsLog>((runDir / "metrics.jsonl").string(), cfg.run.steps);
@@ -299,7 +301,7 @@ TrainSummary Trainer::run() {
     comm.allReduce(stop, distributed::ReduceOp::kMax);
     if (stop.item<float>() > 0) {
       preempted = true;
-      TLOG_WARN0("SIGTERM: stopping at step " << step << " with a checkpoint");
+      TLOG_WARN0("SIGTERM/SIGINT: stopping at step " << step << " with a checkpoint");
       break;
     }
     if (cfg.run.stop_after_steps > 0 && step - startStep >= cfg.run.stop_after_steps) {
@@ -363,7 +365,8 @@ TrainSummary Trainer::run() {
       saveCheckpoint(step + 1);
     }
   }
-  std::signal(SIGTERM, previousHandler);
+  std::signal(SIGTERM, previousTerm);
+  std::signal(SIGINT, previousInt);
   summary.steps = step;
   summary.preempted = preempted;
   summary.samplesPerSec =

@@ -243,3 +243,59 @@ TEST(TrainE2ETest, KilledRankIsRestartedAndResumes) {
 }
 
 }  // namespace
+
+namespace {
+
+// SIGTERM to the launcher (a preempted job): the ranks stop at the same step, save a
+// checkpoint of that very step, and a resumed run ends where an uninterrupted one does.
+TEST(TrainE2ETest, SigtermSavesTheCurrentStepAndResumes) {
+  const std::string args = kResumeArgs + " --set run.steps=200 --set run.log_every=50 --set run.eval_every=0" +
+                           " --set checkpoint.every_steps=0";
+  std::string out;
+  const std::string full = uniqueDir("uninterrupted");
+  ASSERT_EQ(run(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + args +
+                    " --set run.dir=" + full,
+                &out),
+            0)
+      << out;
+
+  const std::string dir = uniqueDir("preempted");
+  const fs::path log = fs::temp_directory_path() / ("tessera_term_" + std::to_string(::getpid()) + ".log");
+  // Wait until training logs its first metrics line, then SIGTERM the launcher.
+  const std::string script =
+      kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + args + " --set run.dir=" + dir +
+      " > " + log.string() + " 2>&1 & pid=$!\n" +
+      "for i in $(seq 1 3000); do [ -s " + dir + "/metrics.jsonl ] && break; sleep 0.01; done\n" +
+      "kill -TERM $pid; wait $pid; echo launcher exit $?\n";
+  const fs::path scriptFile = fs::temp_directory_path() / ("tessera_term_" + std::to_string(::getpid()) + ".sh");
+  std::ofstream(scriptFile) << script;
+  ASSERT_EQ(run("bash " + scriptFile.string(), &out), 0) << out;
+  std::ifstream logFile(log);
+  std::stringstream logText;
+  logText << logFile.rdbuf();
+  ASSERT_NE(logText.str().find("stopping at step"), std::string::npos) << out << logText.str();
+  const auto checkpoints = [&] {
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(fs::path(dir) / "checkpoints")) names.push_back(e.path().filename());
+    return names;
+  }();
+  bool found = false;
+  for (const auto& n : checkpoints) found |= n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos;
+  ASSERT_TRUE(found) << "no complete checkpoint after SIGTERM:\n" << logText.str();
+
+  ASSERT_EQ(run(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + args +
+                    " --set run.dir=" + dir,
+                &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+  const auto reference = exportOf(full);
+  const auto resumed = exportOf(dir);
+  ASSERT_EQ(reference.size(), resumed.size());
+  for (const auto& [name, tensor] : reference) {
+    ASSERT_TRUE(resumed.count(name)) << name;
+    EXPECT_TRUE(at::equal(tensor, resumed.at(name))) << name << " differs after the preemption";
+  }
+}
+
+}  // namespace

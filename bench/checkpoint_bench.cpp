@@ -1,0 +1,264 @@
+// Checkpoint benchmark (issue 7): one run prints, each next to a baseline measured in the
+// same run on the same disk:
+//   save:   a sharded checkpoint of --mib MiB over --world ranks (threads, gloo), sync,
+//           vs raw sequential write()+fsync of the same bytes (one file per rank, same
+//           threads); ratio = raw seconds / save seconds (1.0 = as fast as raw).
+//   load:   loading it back on the same world size (checksums verified) and resharded to
+//           world-1 ranks, vs raw sequential pread of the same files; page cache dropped
+//           (posix_fadvise DONTNEED) before each, so both read from the disk.
+//   async:  the training stall of an async save (staging copy + hand-off) vs the
+//           staging copy alone (clone of the same shards).
+//   export: peak RSS of `tessera-export` (child process) exporting the checkpoint vs the
+//           largest tensor, and vs the RSS of a process that only loads the libraries
+//           (`tessera-ckpt info`).
+// Usage: bench_checkpoint_bench [--mib 256] [--world 4] [--dir /tmp/tessera_ckpt_bench]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/file_io.h"
+#include "checkpoint/metadata.h"
+#include "checkpoint/reader.h"
+#include "common/logging.h"
+#include "distributed/gloo_communicator.h"
+#include "distributed/store.h"
+
+namespace fs = std::filesystem;
+namespace ckpt = tessera::checkpoint;
+using tessera::sharding::ShardSpec;
+
+namespace {
+
+double nowSec() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Runs fn(rank) on `world` threads and returns the wall time.
+double onThreads(int world, const std::function<void(int)>& fn) {
+  const double start = nowSec();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back(fn, r);
+  for (auto& t : threads) t.join();
+  return nowSec() - start;
+}
+
+void dropCacheOf(const std::string& dir) {
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) ckpt::File::openRead(e.path().string()).dropCache();
+  }
+}
+
+// A model of `tensors` global tensors of [rows, 4096] fp32 (rows uneven over the ranks).
+struct Model {
+  std::vector<std::string> names;
+  std::vector<std::vector<int64_t>> shapes;
+  int64_t bytes = 0;
+  int64_t largest = 0;
+};
+
+Model makeModel(int64_t mib) {
+  Model m;
+  const int64_t total = mib << 20;
+  // Tensors of decreasing size: 1/2, 1/4, ... so the largest one is half the model.
+  int64_t left = total;
+  for (int i = 0; left > (1 << 20); ++i) {
+    int64_t bytes = i == 0 ? total / 2 : left / 2;
+    if (left - bytes < (1 << 20)) bytes = left;
+    const int64_t rows = std::max<int64_t>(1, bytes / (4096 * 4)) + (i % 3);  // not divisible by the world
+    m.names.push_back("model/layers." + std::to_string(i) + ".weight");
+    m.shapes.push_back({rows, 4096});
+    m.bytes += rows * 4096 * 4;
+    m.largest = std::max(m.largest, rows * 4096 * 4);
+    left -= bytes;
+  }
+  return m;
+}
+
+std::vector<ckpt::StateEntry> entriesOf(const Model& m, int world, int rank, bool fill) {
+  std::vector<ckpt::StateEntry> out;
+  for (size_t i = 0; i < m.names.size(); ++i) {
+    ShardSpec spec(m.shapes[i], at::kFloat, world, rank);
+    at::Tensor local = fill ? at::rand(spec.localShape()) : at::empty(spec.localShape());
+    out.push_back({m.names[i], spec, local});
+  }
+  return out;
+}
+
+std::vector<std::shared_ptr<tessera::distributed::Communicator>> makeComms(int world, const std::string& name) {
+  auto store = tessera::distributed::Store::createInProcess();
+  std::vector<std::shared_ptr<tessera::distributed::Communicator>> comms(static_cast<size_t>(world));
+  onThreads(world, [&](int r) {
+    tessera::distributed::GlooOptions o;
+    o.hostname = "127.0.0.1";
+    o.comm.name = name;
+    comms[static_cast<size_t>(r)] = tessera::distributed::makeGlooCommunicator(store, r, world, o);
+  });
+  return comms;
+}
+
+// Peak RSS (KiB) of a child running `argv`.
+long childPeakRssKiB(const std::vector<std::string>& argv) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::freopen("/dev/null", "w", stdout);
+    ::execv(args[0], args.data());
+    ::_exit(127);
+  }
+  int status = 0;
+  struct rusage ru {};
+  ::wait4(pid, &status, 0, &ru);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) std::fprintf(stderr, "%s failed (status %d)\n", argv[0].c_str(), status);
+  return ru.ru_maxrss;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"Checkpoint save/load/async/export benchmark"};
+  int64_t mib = 256;
+  int world = 4;
+  std::string dir = (fs::temp_directory_path() / "tessera_ckpt_bench").string();
+  app.add_option("--mib", mib, "Checkpoint size in MiB");
+  app.add_option("--world", world, "Ranks (threads)");
+  app.add_option("--dir", dir, "Scratch directory (removed at the end)");
+  CLI11_PARSE(app, argc, argv);
+  tessera::log::LogOptions logOptions;
+  logOptions.level = "warn";
+  tessera::log::init(logOptions);
+  at::set_num_threads(1);
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+
+  const Model model = makeModel(mib);
+  std::vector<std::vector<ckpt::StateEntry>> entries;
+  for (int r = 0; r < world; ++r) entries.push_back(entriesOf(model, world, r, true));
+  std::printf("checkpoint bench: %.1f MiB in %zu tensors (largest %.1f MiB) over %d ranks (threads), dir %s\n",
+              model.bytes / 1048576.0, model.names.size(), model.largest / 1048576.0, world, dir.c_str());
+
+  // --- raw sequential write baseline: each rank's real rows, one file per rank, fsync.
+  const std::string rawDir = dir + "/raw";
+  fs::create_directories(rawDir);
+  const double rawWrite = onThreads(world, [&](int r) {
+    ckpt::File f = ckpt::File::openWrite(rawDir + "/rank_" + std::to_string(r) + ".bin");
+    for (const auto& e : entries[static_cast<size_t>(r)]) {
+      at::Tensor rows = e.spec.realRows(e.local);
+      f.writeAll(rows.data_ptr(), static_cast<size_t>(rows.numel() * 4));
+    }
+    f.sync();
+    f.close();
+  });
+  ckpt::syncDirectory(rawDir);
+
+  // --- sharded sync save.
+  const std::string root = dir + "/checkpoints";
+  auto comms = makeComms(world, "bench_save");
+  const double save = onThreads(world, [&](int r) {
+    ckpt::Checkpointer c(root, comms[static_cast<size_t>(r)]);
+    ckpt::SaveRequest req;
+    req.step = 1;
+    req.entries = entries[static_cast<size_t>(r)];
+    c.save(req);
+  });
+  const double gib = model.bytes / double(1 << 30);
+  std::printf("save   sharded %.3f s (%.2f GiB/s)  raw write+fsync %.3f s (%.2f GiB/s)  ratio %.2fx\n", save, gib / save,
+              rawWrite, gib / rawWrite, rawWrite / save);
+
+  // --- load (same world size, verified) vs raw read; caches dropped before each.
+  const std::string stepDir = root + "/step_00000001";
+  dropCacheOf(rawDir);
+  const double rawRead = onThreads(world, [&](int r) {
+    ckpt::File f = ckpt::File::openRead(rawDir + "/rank_" + std::to_string(r) + ".bin");
+    std::vector<char> buf(static_cast<size_t>(f.size()));
+    f.readAt(buf.data(), buf.size(), 0);
+  });
+  std::vector<std::vector<ckpt::StateEntry>> dest;
+  for (int r = 0; r < world; ++r) dest.push_back(entriesOf(model, world, r, false));
+  dropCacheOf(stepDir);
+  const double load = onThreads(world, [&](int r) { ckpt::loadCheckpoint(stepDir, dest[static_cast<size_t>(r)]); });
+  bool same = true;
+  for (int r = 0; r < world; ++r) {
+    for (size_t i = 0; i < dest[static_cast<size_t>(r)].size(); ++i) {
+      same = same && dest[static_cast<size_t>(r)][i].local.equal(entries[static_cast<size_t>(r)][i].local);
+    }
+  }
+  std::printf("load   sharded %.3f s (%.2f GiB/s, verified, %s)  raw read %.3f s (%.2f GiB/s)  ratio %.2fx\n", load,
+              gib / load, same ? "identical" : "MISMATCH", rawRead, gib / rawRead, rawRead / load);
+  const int other = std::max(1, world - 1);
+  dest.clear();
+  for (int r = 0; r < other; ++r) dest.push_back(entriesOf(model, other, r, false));
+  dropCacheOf(stepDir);
+  const double reshard = onThreads(other, [&](int r) { ckpt::loadCheckpoint(stepDir, dest[static_cast<size_t>(r)]); });
+  std::printf("load   resharded %d -> %d ranks %.3f s (%.2f GiB/s)  ratio to raw read %.2fx\n", world, other, reshard,
+              gib / reshard, rawRead / reshard);
+  dest.clear();
+
+  // --- async: stall vs the staging copy alone.
+  const double stageOnly = onThreads(world, [&](int r) {
+    for (const auto& e : entries[static_cast<size_t>(r)]) {
+      at::Tensor copy = e.spec.realRows(e.local).clone();
+      (void)copy;
+    }
+  });
+  auto asyncComms = makeComms(world, "bench_async");
+  std::vector<double> stall(static_cast<size_t>(world)), staging(static_cast<size_t>(world));
+  double asyncTotal = 0;
+  {
+    std::vector<std::unique_ptr<ckpt::Checkpointer>> cps(static_cast<size_t>(world));
+    ckpt::CheckpointOptions o;
+    o.async = true;
+    const double start = nowSec();
+    onThreads(world, [&](int r) {
+      cps[static_cast<size_t>(r)] = std::make_unique<ckpt::Checkpointer>(root, asyncComms[static_cast<size_t>(r)], o);
+      ckpt::SaveRequest req;
+      req.step = 2;
+      req.entries = entries[static_cast<size_t>(r)];
+      const auto s = cps[static_cast<size_t>(r)]->save(req);
+      stall[static_cast<size_t>(r)] = s.stallSeconds;
+      staging[static_cast<size_t>(r)] = s.stagingSeconds;
+    });
+    onThreads(world, [&](int r) { cps[static_cast<size_t>(r)]->finish(); });
+    asyncTotal = nowSec() - start;
+  }
+  const double maxStall = *std::max_element(stall.begin(), stall.end());
+  const double maxStaging = *std::max_element(staging.begin(), staging.end());
+  std::printf("async  stall %.3f s (max over ranks; staging inside save %.3f s)  staging copy alone %.3f s  "
+              "ratio %.2fx; save finished in background after %.3f s (sync save %.3f s)\n",
+              maxStall, maxStaging, stageOnly, maxStall / stageOnly, asyncTotal, save);
+
+  // --- export peak RSS vs the largest tensor.
+  const std::string binDir = fs::canonical("/proc/self/exe").parent_path().string();
+  const std::string exporter = binDir + "/tessera-export";
+  const std::string info = binDir + "/tessera-ckpt";
+  if (fs::exists(exporter) && fs::exists(info)) {
+    const long baseline = childPeakRssKiB({info, "info", stepDir});
+    const long exportRss =
+        childPeakRssKiB({exporter, stepDir, "--what", "model", "--out", dir + "/export/model.safetensors"});
+    const long exportBf16 = childPeakRssKiB(
+        {exporter, stepDir, "--what", "model", "--dtype", "bf16", "--out", dir + "/export/model_bf16.safetensors"});
+    std::printf("export peak RSS %.1f MiB (bf16 cast: %.1f MiB); process baseline (tessera-ckpt info) %.1f MiB; "
+                "largest tensor %.1f MiB; model %.1f MiB; export above baseline %.1f MiB = %.2fx the largest tensor\n",
+                exportRss / 1024.0, exportBf16 / 1024.0, baseline / 1024.0, model.largest / 1048576.0,
+                model.bytes / 1048576.0, (exportRss - baseline) / 1024.0,
+                (exportRss - baseline) * 1024.0 / static_cast<double>(model.largest));
+  } else {
+    std::printf("export: build tessera-export and tessera-ckpt next to this program to measure peak RSS\n");
+  }
+  fs::remove_all(dir);
+  return 0;
+}
