@@ -15,7 +15,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
-#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -92,6 +91,8 @@ std::vector<ckpt::StateEntry> entriesOf(const Model& m, int world, int rank, boo
   for (size_t i = 0; i < m.names.size(); ++i) {
     ShardSpec spec(m.shapes[i], at::kFloat, world, rank);
     at::Tensor local = fill ? at::rand(spec.localShape()) : at::empty(spec.localShape());
+    if (fill) spec.realRows(local);  // (validates the buffer)
+    if (fill && spec.chunkRows() > spec.localRows()) local.narrow(0, spec.localRows(), spec.chunkRows() - spec.localRows()).zero_();
     out.push_back({m.names[i], spec, local});
   }
   return out;
@@ -109,8 +110,24 @@ std::vector<std::shared_ptr<tessera::distributed::Communicator>> makeComms(int w
   return comms;
 }
 
-// Peak RSS (KiB) of a child running `argv`.
+// Peak RSS (KiB) of a child running `argv`: its VmHWM, polled from /proc until it exits.
+// (getrusage's ru_maxrss of a forked child would include this big process's pages
+// from before the exec.)
+long readHwmKiB(pid_t pid) {
+  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/status").c_str(), "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long kib = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::sscanf(line, "VmHWM: %ld kB", &kib) == 1) break;
+  }
+  std::fclose(f);
+  return kib;
+}
+
 long childPeakRssKiB(const std::vector<std::string>& argv) {
+  std::fflush(stdout);
+  std::fflush(stderr);
   const pid_t pid = ::fork();
   if (pid == 0) {
     std::vector<char*> args;
@@ -121,10 +138,24 @@ long childPeakRssKiB(const std::vector<std::string>& argv) {
     ::_exit(127);
   }
   int status = 0;
-  struct rusage ru {};
-  ::wait4(pid, &status, 0, &ru);
+  long peak = -1;
+  // Poll while the child runs; waitid(WNOWAIT) leaves the zombie so /proc/pid stays valid
+  // until the last read.
+  for (;;) {
+    siginfo_t info{};
+    info.si_pid = 0;
+    ::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT);
+    if (info.si_pid == pid) break;
+    // Only once the child runs the new program: before exec it is a copy of this process.
+    std::error_code ec;
+    if (fs::read_symlink("/proc/" + std::to_string(pid) + "/exe", ec) == fs::path(argv[0])) {
+      peak = std::max(peak, readHwmKiB(pid));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ::waitpid(pid, &status, 0);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) std::fprintf(stderr, "%s failed (status %d)\n", argv[0].c_str(), status);
-  return ru.ru_maxrss;
+  return peak;
 }
 
 }  // namespace
@@ -136,6 +167,8 @@ int main(int argc, char** argv) {
   std::string dir = (fs::temp_directory_path() / "tessera_ckpt_bench").string();
   app.add_option("--mib", mib, "Checkpoint size in MiB");
   app.add_option("--world", world, "Ranks (threads)");
+  int reps = 3;
+  app.add_option("--reps", reps, "Repetitions (medians are printed)");
   app.add_option("--dir", dir, "Scratch directory (removed at the end)");
   CLI11_PARSE(app, argc, argv);
   tessera::log::LogOptions logOptions;
@@ -151,52 +184,75 @@ int main(int argc, char** argv) {
   std::printf("checkpoint bench: %.1f MiB in %zu tensors (largest %.1f MiB) over %d ranks (threads), dir %s\n",
               model.bytes / 1048576.0, model.names.size(), model.largest / 1048576.0, world, dir.c_str());
 
-  // --- raw sequential write baseline: each rank's real rows, one file per rank, fsync.
+  // Disks on shared machines are noisy: every figure is the median of --reps runs, the
+  // sharded and raw runs interleaved.
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   const std::string rawDir = dir + "/raw";
-  fs::create_directories(rawDir);
-  const double rawWrite = onThreads(world, [&](int r) {
-    ckpt::File f = ckpt::File::openWrite(rawDir + "/rank_" + std::to_string(r) + ".bin");
-    for (const auto& e : entries[static_cast<size_t>(r)]) {
-      at::Tensor rows = e.spec.realRows(e.local);
-      f.writeAll(rows.data_ptr(), static_cast<size_t>(rows.numel() * 4));
-    }
-    f.sync();
-    f.close();
-  });
-  ckpt::syncDirectory(rawDir);
-
-  // --- sharded sync save.
   const std::string root = dir + "/checkpoints";
   auto comms = makeComms(world, "bench_save");
-  const double save = onThreads(world, [&](int r) {
-    ckpt::Checkpointer c(root, comms[static_cast<size_t>(r)]);
-    ckpt::SaveRequest req;
-    req.step = 1;
-    req.entries = entries[static_cast<size_t>(r)];
-    c.save(req);
-  });
+  std::vector<double> rawWrites, saves;
+  for (int rep = 0; rep < reps; ++rep) {
+    // --- raw sequential write baseline: each rank's real rows, one file per rank, fsync.
+    fs::remove_all(rawDir);
+    fs::create_directories(rawDir);
+    rawWrites.push_back(onThreads(world, [&](int r) {
+      ckpt::File f = ckpt::File::openWrite(rawDir + "/rank_" + std::to_string(r) + ".bin");
+      for (const auto& e : entries[static_cast<size_t>(r)]) {
+        at::Tensor rows = e.spec.realRows(e.local);
+        f.writeAll(rows.data_ptr(), static_cast<size_t>(rows.numel() * 4));
+      }
+      f.sync();
+      f.close();
+      if (r == 0) ckpt::syncDirectory(rawDir);
+    }));
+    // --- sharded sync save. The previous rep's checkpoint is deleted outside the timing
+    // (keep_last would delete it inside the save, which the raw baseline does not do).
+    for (const auto& old : ckpt::listCheckpoints(root)) fs::remove_all(old.dir);
+    saves.push_back(onThreads(world, [&](int r) {
+      ckpt::Checkpointer c(root, comms[static_cast<size_t>(r)]);
+      ckpt::SaveRequest req;
+      req.step = 1 + rep;
+      req.entries = entries[static_cast<size_t>(r)];
+      c.save(req);
+    }));
+  }
+  const double rawWrite = median(rawWrites), save = median(saves);
   const double gib = model.bytes / double(1 << 30);
-  std::printf("save   sharded %.3f s (%.2f GiB/s)  raw write+fsync %.3f s (%.2f GiB/s)  ratio %.2fx\n", save, gib / save,
-              rawWrite, gib / rawWrite, rawWrite / save);
+  std::printf("save   sharded %.3f s (%.2f GiB/s)  raw write+fsync %.3f s (%.2f GiB/s)  ratio %.2fx  (median of %d)\n",
+              save, gib / save, rawWrite, gib / rawWrite, rawWrite / save, reps);
 
-  // --- load (same world size, verified) vs raw read; caches dropped before each.
-  const std::string stepDir = root + "/step_00000001";
-  dropCacheOf(rawDir);
-  const double rawRead = onThreads(world, [&](int r) {
-    ckpt::File f = ckpt::File::openRead(rawDir + "/rank_" + std::to_string(r) + ".bin");
-    std::vector<char> buf(static_cast<size_t>(f.size()));
-    f.readAt(buf.data(), buf.size(), 0);
-  });
-  std::vector<std::vector<ckpt::StateEntry>> dest;
-  for (int r = 0; r < world; ++r) dest.push_back(entriesOf(model, world, r, false));
-  dropCacheOf(stepDir);
-  const double load = onThreads(world, [&](int r) { ckpt::loadCheckpoint(stepDir, dest[static_cast<size_t>(r)]); });
+  // --- load (same world size, verified) vs raw read; caches dropped before each; both
+  // read into fresh, untouched buffers allocated outside the timing.
+  const std::string stepDir = root + "/" + ckpt::stepDirName(reps);
+  std::vector<double> rawReads, loads;
   bool same = true;
-  for (int r = 0; r < world; ++r) {
-    for (size_t i = 0; i < dest[static_cast<size_t>(r)].size(); ++i) {
-      same = same && dest[static_cast<size_t>(r)][i].local.equal(entries[static_cast<size_t>(r)][i].local);
+  std::vector<std::vector<ckpt::StateEntry>> dest;
+  for (int rep = 0; rep < reps; ++rep) {
+    std::vector<at::Tensor> rawBuffers;
+    for (int r = 0; r < world; ++r) {
+      rawBuffers.push_back(at::empty(
+          {static_cast<int64_t>(fs::file_size(rawDir + "/rank_" + std::to_string(r) + ".bin"))}, at::kByte));
+    }
+    dropCacheOf(rawDir);
+    rawReads.push_back(onThreads(world, [&](int r) {
+      ckpt::File f = ckpt::File::openRead(rawDir + "/rank_" + std::to_string(r) + ".bin");
+      f.readAt(rawBuffers[static_cast<size_t>(r)].data_ptr(), static_cast<size_t>(f.size()), 0);
+    }));
+    rawBuffers.clear();
+    dest.clear();
+    for (int r = 0; r < world; ++r) dest.push_back(entriesOf(model, world, r, false));
+    dropCacheOf(stepDir);
+    loads.push_back(onThreads(world, [&](int r) { ckpt::loadCheckpoint(stepDir, dest[static_cast<size_t>(r)]); }));
+    for (int r = 0; r < world; ++r) {
+      for (size_t i = 0; i < dest[static_cast<size_t>(r)].size(); ++i) {
+        same = same && dest[static_cast<size_t>(r)][i].local.equal(entries[static_cast<size_t>(r)][i].local);
+      }
     }
   }
+  const double rawRead = median(rawReads), load = median(loads);
   std::printf("load   sharded %.3f s (%.2f GiB/s, verified, %s)  raw read %.3f s (%.2f GiB/s)  ratio %.2fx\n", load,
               gib / load, same ? "identical" : "MISMATCH", rawRead, gib / rawRead, rawRead / load);
   const int other = std::max(1, world - 1);
@@ -226,7 +282,7 @@ int main(int argc, char** argv) {
     onThreads(world, [&](int r) {
       cps[static_cast<size_t>(r)] = std::make_unique<ckpt::Checkpointer>(root, asyncComms[static_cast<size_t>(r)], o);
       ckpt::SaveRequest req;
-      req.step = 2;
+      req.step = 1000;
       req.entries = entries[static_cast<size_t>(r)];
       const auto s = cps[static_cast<size_t>(r)]->save(req);
       stall[static_cast<size_t>(r)] = s.stallSeconds;

@@ -158,7 +158,7 @@ struct Checkpointer::Job {
                                   tmpDir, " within ", options.commitTimeout.count(), " ms"));
       }
       std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+      pause = std::min(pause * 2, std::chrono::milliseconds(10));
     }
     return out;
   }

@@ -1,0 +1,160 @@
+// Loading safetensors sets (a file, or a sharded export's index) and strict import into
+// shards (see safetensors.h). Separate from safetensors.cpp so the format code builds
+// on its own (the fuzz target links only the readers).
+#include <filesystem>
+#include <memory>
+#include <set>
+
+#include "checkpoint/format.h"
+#include "checkpoint/json_internal.h"
+#include "checkpoint/safetensors.h"
+#include "common/errors.h"
+
+namespace tessera::checkpoint {
+
+namespace fs = std::filesystem;
+using detail::asObject;
+using detail::asString;
+using detail::Json;
+
+namespace {
+
+std::string shapeStr(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+namespace {
+
+// A single file, or the files of a sharded export listed by its index.json.
+struct FileSet {
+  std::vector<std::unique_ptr<SafetensorsReader>> readers;
+  std::map<std::string, std::pair<const SafetensorsReader*, const SafetensorsEntry*>> byName;
+
+  explicit FileSet(const std::string& path) {
+    const bool isIndex = path.size() > 11 && path.compare(path.size() - 11, 11, ".index.json") == 0;
+    std::vector<std::string> files;
+    if (isIndex) {
+      const Json j = detail::parseJson(readFileBounded(path, int64_t{64} << 20), path);
+      const Json& map = asObject(detail::member(j, "weight_map", path), path + ".weight_map");
+      std::set<std::string> unique;
+      std::map<std::string, std::string> expectedFile;
+      for (const auto& [name, f] : map.items()) {
+        const std::string file = asString(f, path + ".weight_map." + name, 255);
+        if (file.empty() || file == ".." || file == "." || file.find('/') != std::string::npos) {
+          throw CheckpointError(strCat(path, ": weight_map file '", file, "' is not a plain file name"));
+        }
+        expectedFile[name] = file;
+        if (unique.insert(file).second) files.push_back((fs::path(path).parent_path() / file).string());
+      }
+      open(files);
+      for (const auto& [name, file] : expectedFile) {
+        auto it = byName.find(name);
+        if (it == byName.end() || fs::path(it->second.first->path()).filename() != file) {
+          throw CheckpointError(strCat(path, ": weight_map puts '", name, "' in ", file, ", which does not hold it"));
+        }
+      }
+    } else {
+      open({path});
+    }
+  }
+
+  void open(const std::vector<std::string>& files) {
+    for (const auto& f : files) {
+      readers.push_back(std::make_unique<SafetensorsReader>(f));
+      const auto* r = readers.back().get();
+      for (const auto& e : r->header().tensors) {
+        if (!byName.emplace(e.name, std::make_pair(r, &e)).second) {
+          throw CheckpointError(strCat(f, ": tensor '", e.name, "' also appears in another file of the set"));
+        }
+      }
+    }
+  }
+};
+
+}  // namespace
+
+std::map<std::string, at::Tensor> loadSafetensors(const std::string& path) {
+  FileSet set(path);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, re] : set.byName) out[name] = re.first->read(name);
+  return out;
+}
+
+std::string MatchReport::str() const {
+  std::string out;
+  auto list = [&out](const char* what, const std::vector<std::string>& names) {
+    if (names.empty()) return;
+    out += strCat(out.empty() ? "" : "\n", what, " (", names.size(), "):");
+    for (const auto& n : names) out += "\n  " + n;
+  };
+  list("missing", missing);
+  list("unexpected", unexpected);
+  list("shape mismatch", mismatched);
+  return out;
+}
+
+MatchReport matchTensors(const std::map<std::string, std::vector<int64_t>>& found,
+                         const std::map<std::string, std::vector<int64_t>>& expected) {
+  MatchReport r;
+  for (const auto& [name, shape] : expected) {
+    auto it = found.find(name);
+    if (it == found.end()) {
+      r.missing.push_back(name);
+    } else if (it->second != shape) {
+      r.mismatched.push_back(strCat(name, ": file has ", shapeStr(it->second), ", expected ", shapeStr(shape)));
+    }
+  }
+  for (const auto& [name, shape] : found) {
+    if (!expected.count(name)) r.unexpected.push_back(name);
+  }
+  return r;
+}
+
+void importSafetensors(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options) {
+  FileSet set(path);
+  std::map<std::string, std::vector<int64_t>> found, expected;
+  for (const auto& [name, re] : set.byName) found[name] = re.second->shape;
+  std::vector<std::string> fileNames;
+  for (const auto& e : entries) {
+    checkEntry(e, "importSafetensors");
+    TESSERA_CHECK(e.name.compare(0, options.stripPrefix.size(), options.stripPrefix) == 0, "importSafetensors: entry '",
+                  e.name, "' does not start with the prefix '", options.stripPrefix, "'");
+    fileNames.push_back(e.name.substr(options.stripPrefix.size()));
+    expected[fileNames.back()] = e.spec.globalShape();
+  }
+  const MatchReport report = matchTensors(found, expected);
+  if (!report.ok(options.strict)) {
+    throw CheckpointError(strCat("importSafetensors: ", path, " does not match the model:\n", report.str()));
+  }
+  std::vector<std::string> dtypeErrors;
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& se = *set.byName.at(fileNames[i]).second;
+    if (se.dtype != entries[i].spec.dtype() && !options.allowCast) {
+      dtypeErrors.push_back(strCat(fileNames[i], ": file has ", dtypeName(se.dtype), ", expected ",
+                                   dtypeName(entries[i].spec.dtype())));
+    }
+  }
+  if (!dtypeErrors.empty()) {
+    std::string msg;
+    for (const auto& d : dtypeErrors) msg += "\n  " + d;
+    throw CheckpointError(strCat("importSafetensors: ", path, ": dtype mismatch (", dtypeErrors.size(), "):", msg));
+  }
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const auto& e = entries[i];
+    const auto& [reader, se] = set.byName.at(fileNames[i]);
+    const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+    auto [rb, re] = e.spec.localRowRange();
+    const int64_t bufferRows = replicated ? e.spec.globalRows() : e.spec.chunkRows();
+    at::Tensor rows = at::empty({re - rb, e.spec.rowNumel()}, at::TensorOptions().dtype(se->dtype));
+    reader->readRows(*se, rb, re, rows.data_ptr());
+    at::Tensor buf = at::zeros({bufferRows, e.spec.rowNumel()}, at::TensorOptions().dtype(e.spec.dtype()));
+    if (re > rb) buf.narrow(0, 0, re - rb).copy_(rows);
+    e.local.copy_(buf.view(e.local.sizes()));
+  }
+}
+
+}  // namespace tessera::checkpoint
