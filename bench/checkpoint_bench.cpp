@@ -264,49 +264,55 @@ int main(int argc, char** argv) {
               gib / reshard, rawRead / reshard);
   dest.clear();
 
-  // --- async: stall vs the staging copy alone.
-  const double stageOnly = onThreads(world, [&](int r) {
-    for (const auto& e : entries[static_cast<size_t>(r)]) {
-      at::Tensor copy = e.spec.realRows(e.local).clone();
-      (void)copy;
-    }
-  });
+  // --- async: stall vs the staging copy alone (medians over --reps, interleaved).
   auto asyncComms = makeComms(world, "bench_async");
-  std::vector<double> stall(static_cast<size_t>(world)), staging(static_cast<size_t>(world));
-  double asyncTotal = 0;
-  {
+  std::vector<double> stageOnlies, stalls, stagings, asyncTotals;
+  for (int rep = 0; rep < reps; ++rep) {
+    stageOnlies.push_back(onThreads(world, [&](int r) {
+      for (const auto& e : entries[static_cast<size_t>(r)]) {
+        at::Tensor copy = e.spec.realRows(e.local).clone();
+        (void)copy;
+      }
+    }));
+    for (const auto& old : ckpt::listCheckpoints(root)) fs::remove_all(old.dir);
+    std::vector<double> stall(static_cast<size_t>(world)), staging(static_cast<size_t>(world));
     std::vector<std::unique_ptr<ckpt::Checkpointer>> cps(static_cast<size_t>(world));
     ckpt::CheckpointOptions o;
     o.async = true;
+    for (int r = 0; r < world; ++r) {
+      cps[static_cast<size_t>(r)] = std::make_unique<ckpt::Checkpointer>(root, asyncComms[static_cast<size_t>(r)], o);
+    }
     const double start = nowSec();
     onThreads(world, [&](int r) {
-      cps[static_cast<size_t>(r)] = std::make_unique<ckpt::Checkpointer>(root, asyncComms[static_cast<size_t>(r)], o);
       ckpt::SaveRequest req;
-      req.step = 1000;
+      req.step = 1000 + rep;
       req.entries = entries[static_cast<size_t>(r)];
-      const auto s = cps[static_cast<size_t>(r)]->save(req);
-      stall[static_cast<size_t>(r)] = s.stallSeconds;
-      staging[static_cast<size_t>(r)] = s.stagingSeconds;
+      const auto st = cps[static_cast<size_t>(r)]->save(req);
+      stall[static_cast<size_t>(r)] = st.stallSeconds;
+      staging[static_cast<size_t>(r)] = st.stagingSeconds;
     });
     onThreads(world, [&](int r) { cps[static_cast<size_t>(r)]->finish(); });
-    asyncTotal = nowSec() - start;
+    asyncTotals.push_back(nowSec() - start);
+    stalls.push_back(*std::max_element(stall.begin(), stall.end()));
+    stagings.push_back(*std::max_element(staging.begin(), staging.end()));
   }
-  const double maxStall = *std::max_element(stall.begin(), stall.end());
-  const double maxStaging = *std::max_element(staging.begin(), staging.end());
+  const double stageOnly = median(stageOnlies), maxStall = median(stalls), maxStaging = median(stagings);
   std::printf("async  stall %.3f s (max over ranks; staging inside save %.3f s)  staging copy alone %.3f s  "
-              "ratio %.2fx; save finished in background after %.3f s (sync save %.3f s)\n",
-              maxStall, maxStaging, stageOnly, maxStall / stageOnly, asyncTotal, save);
+              "ratio %.2fx; whole save done in the background after %.3f s (sync save %.3f s)\n",
+              maxStall, maxStaging, stageOnly, maxStall / stageOnly, median(asyncTotals), save);
 
   // --- export peak RSS vs the largest tensor.
   const std::string binDir = fs::canonical("/proc/self/exe").parent_path().string();
   const std::string exporter = binDir + "/tessera-export";
   const std::string info = binDir + "/tessera-ckpt";
-  if (fs::exists(exporter) && fs::exists(info)) {
-    const long baseline = childPeakRssKiB({info, "info", stepDir});
+  const auto remaining = ckpt::listCheckpoints(root);  // the last async save's checkpoint
+  if (fs::exists(exporter) && fs::exists(info) && !remaining.empty()) {
+    const std::string exportDir = remaining.back().dir;
+    const long baseline = childPeakRssKiB({info, "info", exportDir});
     const long exportRss =
-        childPeakRssKiB({exporter, stepDir, "--what", "model", "--out", dir + "/export/model.safetensors"});
+        childPeakRssKiB({exporter, exportDir, "--what", "model", "--out", dir + "/export/model.safetensors"});
     const long exportBf16 = childPeakRssKiB(
-        {exporter, stepDir, "--what", "model", "--dtype", "bf16", "--out", dir + "/export/model_bf16.safetensors"});
+        {exporter, exportDir, "--what", "model", "--dtype", "bf16", "--out", dir + "/export/model_bf16.safetensors"});
     std::printf("export peak RSS %.1f MiB (bf16 cast: %.1f MiB); process baseline (tessera-ckpt info) %.1f MiB; "
                 "largest tensor %.1f MiB; model %.1f MiB; export above baseline %.1f MiB = %.2fx the largest tensor\n",
                 exportRss / 1024.0, exportBf16 / 1024.0, baseline / 1024.0, model.largest / 1048576.0,

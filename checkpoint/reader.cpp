@@ -279,8 +279,11 @@ std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const st
     std::string error;
     try {
       result = loadCheckpoint(dir, entries, options);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
+      // Any failure (also a c10::Error from a tensor op) must reach the agreement below,
+      // or the other ranks would wait for this one in the all-reduce.
       error = e.what();
+      if (error.empty()) error = "unknown error";
     }
     int failedRank = error.empty() ? -1 : (comm ? comm->rank() : 0);
     if (comm != nullptr && comm->worldSize() > 1) {
