@@ -79,6 +79,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("ema.power", &c.ema.power, "Warmup power").greaterThan(0.0);
   s.add("ema.buffers", &c.ema.buffers, "Buffers (e.g. BatchNorm statistics): copied or averaged").oneOf({"copy", "average"});
 
+  s.add("ema.init_from", &c.ema.init_from,
+        "Safetensors file (e.g. an exported generator_ema) to start every EMA from instead of the initial parameters");
   s.describeSection("checkpoint", "Sharded checkpoints, resume and export");
   s.add("checkpoint.every_steps", &c.checkpoint.every_steps, "Save every N steps (0: only at the end)").min(0);
   s.add("checkpoint.at_end", &c.checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");

@@ -85,6 +85,7 @@ struct EmaSection {
   double inv_gamma = 1.0;
   double power = 2.0 / 3.0;
   std::string buffers = "copy";  // copy | average
+  std::optional<std::string> init_from;  // safetensors file to start every EMA from (fresh runs)
 };
 
 struct CheckpointSection {

@@ -22,7 +22,9 @@
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/exporter.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/safetensors.h"
 #include "ema/ema_manager.h"
+#include "ema/strategy_ema.h"
 #include "sharding/lr_schedule.h"
 #include "sharding/strategy.h"
 #include "trainer/metrics.h"
@@ -88,9 +90,6 @@ sharding::LrSchedule makeSchedule(const TrainConfig& cfg) {
   return sharding::LrSchedule(o);
 }
 
-// The EMA follows each parameter's fp32 master. Sharded masters (zero1/2) are followed
-// shard for shard; a replicated master (no_shard) is followed in this rank's rows only,
-// so EMA memory per rank is 1/N of the model under every strategy.
 std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, sharding::ShardingStrategy& strategy) {
   if (!cfg.ema.enabled) return nullptr;
   ema::EmaOptions o;
@@ -103,18 +102,7 @@ std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, sha
   o.power = cfg.ema.power;
   o.buffers = cfg.ema.buffers;
   auto manager = std::make_unique<ema::ShardedModelEMAManager>(o);
-  const int world = strategy.comm().worldSize(), rank = strategy.comm().rank();
-  for (const auto& name : strategy.paramNames()) {
-    const sharding::ShardSpec& spec = strategy.spec(name);
-    at::Tensor master = strategy.masterShard(name);
-    if (spec.placement() == sharding::Placement::kReplicate) {
-      sharding::ShardSpec slice(spec.globalShape(), spec.dtype(), world, rank);
-      auto [begin, end] = slice.localRowRange();
-      manager->addParam(name, slice, master.reshape({slice.globalRows(), slice.rowNumel()}).narrow(0, begin, end - begin));
-    } else {
-      manager->addParam(name, spec, master);
-    }
-  }
+  ema::followStrategy(*manager, strategy);
   return manager;
 }
 
@@ -252,6 +240,12 @@ TrainSummary Trainer::run() {
                                  << cfg.sharding.strategy << "), read " << loaded->bytesRead << " bytes in "
                                  << loaded->seconds << " s");
     }
+  }
+  if (startStep == 0 && emaManager && cfg.ema.init_from) {
+    // Fine-tuning: the EMA starts from given weights (names as the module's), each rank
+    // keeping its slice. A resumed run keeps the checkpoint's EMA instead.
+    emaManager->initializeFrom(checkpoint::loadSafetensors(*cfg.ema.init_from));
+    TLOG_INFO0("EMA initialised from " << *cfg.ema.init_from);
   }
   TESSERA_CHECK_AS(ConfigError, startStep <= cfg.run.steps, "run.steps: ", cfg.run.steps,
                    " is below the step the run resumes from (", startStep, ")");
