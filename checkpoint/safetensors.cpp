@@ -21,12 +21,6 @@ using detail::Json;
 
 namespace {
 
-std::string shapeStr(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 int64_t rowsOf(const std::vector<int64_t>& shape) { return shape.empty() ? 1 : shape[0]; }
 
 }  // namespace
@@ -91,7 +85,7 @@ SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64
     e.end = asInt(off[1], where + ".data_offsets", e.begin, dataBytes);
     if (e.end - e.begin != nbytes) {
       throw CheckpointError(strCat(where, ": data_offsets [", e.begin, ", ", e.end, ") hold ", e.end - e.begin,
-                                   " bytes, but shape ", shapeStr(e.shape), " of ", dtypeName(e.dtype), " needs ", nbytes));
+                                   " bytes, but shape ", at::IntArrayRef(e.shape), " of ", dtypeName(e.dtype), " needs ", nbytes));
     }
     h.tensors.push_back(std::move(e));
   }

@@ -19,16 +19,6 @@ using detail::Json;
 
 namespace {
 
-std::string shapeStr(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
-}  // namespace
-
-namespace {
-
 // A single file, or the files of a sharded export listed by its index.json.
 struct FileSet {
   std::vector<std::unique_ptr<SafetensorsReader>> readers;
@@ -105,7 +95,7 @@ MatchReport matchTensors(const std::map<std::string, std::vector<int64_t>>& foun
     if (it == found.end()) {
       r.missing.push_back(name);
     } else if (it->second != shape) {
-      r.mismatched.push_back(strCat(name, ": file has ", shapeStr(it->second), ", expected ", shapeStr(shape)));
+      r.mismatched.push_back(strCat(name, ": file has ", at::IntArrayRef(it->second), ", expected ", at::IntArrayRef(shape)));
     }
   }
   for (const auto& [name, shape] : found) {
