@@ -11,10 +11,14 @@
 //   export: peak RSS of `tessera-export` (child process) exporting the checkpoint vs the
 //           largest tensor, and vs the RSS of a process that only loads the libraries
 //           (`tessera-ckpt info`).
-// Usage: bench_checkpoint_bench [--mib 256] [--world 4] [--dir /tmp/tessera_ckpt_bench]
+// With --device cuda the state lives on the GPU (ranks share it): saves then include the
+// device-to-host staging (pinned memory), while the raw baselines write and read host
+// memory, and the staging-alone baseline is a copy into pinned host memory.
+// Usage: bench_checkpoint_bench [--mib 256] [--world 4] [--dir /tmp/tessera_ckpt_bench] [--device cpu|cuda]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+#include <torch/cuda.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,6 +38,7 @@
 #include "common/logging.h"
 #include "distributed/gloo_communicator.h"
 #include "distributed/store.h"
+#include "common/filesystem.h"
 
 namespace fs = std::filesystem;
 namespace ckpt = tessera::checkpoint;
@@ -86,6 +91,8 @@ Model makeModel(int64_t mib) {
   return m;
 }
 
+at::Device gDevice = at::kCPU;
+
 std::vector<ckpt::StateEntry> entriesOf(const Model& m, int world, int rank, bool fill) {
   std::vector<ckpt::StateEntry> out;
   for (size_t i = 0; i < m.names.size(); ++i) {
@@ -93,7 +100,7 @@ std::vector<ckpt::StateEntry> entriesOf(const Model& m, int world, int rank, boo
     at::Tensor local = fill ? at::rand(spec.localShape()) : at::empty(spec.localShape());
     if (fill) spec.realRows(local);  // (validates the buffer)
     if (fill && spec.chunkRows() > spec.localRows()) local.narrow(0, spec.localRows(), spec.chunkRows() - spec.localRows()).zero_();
-    out.push_back({m.names[i], spec, local});
+    out.push_back({m.names[i], spec, local.to(gDevice)});
   }
   return out;
 }
@@ -170,19 +177,35 @@ int main(int argc, char** argv) {
   int reps = 3;
   app.add_option("--reps", reps, "Repetitions (medians are printed)");
   app.add_option("--dir", dir, "Scratch directory (removed at the end)");
+  std::string deviceName = "cpu";
+  app.add_option("--device", deviceName, "Where the state lives")->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
+  if (deviceName == "cuda") {
+    if (!torch::cuda::is_available()) {
+      std::fprintf(stderr, "bench_checkpoint_bench: --device cuda but no CUDA device\n");
+      return 2;
+    }
+    gDevice = at::kCUDA;
+  }
   tessera::log::LogOptions logOptions;
   logOptions.level = "warn";
   tessera::log::init(logOptions);
   at::set_num_threads(1);
-  fs::remove_all(dir);
+  tessera::removeTree(dir);
   fs::create_directories(dir);
 
   const Model model = makeModel(mib);
   std::vector<std::vector<ckpt::StateEntry>> entries;
   for (int r = 0; r < world; ++r) entries.push_back(entriesOf(model, world, r, true));
-  std::printf("checkpoint bench: %.1f MiB in %zu tensors (largest %.1f MiB) over %d ranks (threads), dir %s\n",
-              model.bytes / 1048576.0, model.names.size(), model.largest / 1048576.0, world, dir.c_str());
+  std::printf("checkpoint bench: %.1f MiB in %zu tensors (largest %.1f MiB) over %d ranks (threads), state on %s, dir %s\n",
+              model.bytes / 1048576.0, model.names.size(), model.largest / 1048576.0, world, deviceName.c_str(), dir.c_str());
+  // The raw baseline writes host memory: the real rows, copied off the device beforehand.
+  std::vector<std::vector<at::Tensor>> hostRows(static_cast<size_t>(world));
+  for (int r = 0; r < world; ++r) {
+    for (const auto& e : entries[static_cast<size_t>(r)]) {
+      hostRows[static_cast<size_t>(r)].push_back(e.spec.realRows(e.local).cpu().contiguous());
+    }
+  }
 
   // Disks on shared machines are noisy: every figure is the median of --reps runs, the
   // sharded and raw runs interleaved.
@@ -196,12 +219,11 @@ int main(int argc, char** argv) {
   std::vector<double> rawWrites, saves;
   for (int rep = 0; rep < reps; ++rep) {
     // --- raw sequential write baseline: each rank's real rows, one file per rank, fsync.
-    fs::remove_all(rawDir);
+    tessera::removeTree(rawDir);
     fs::create_directories(rawDir);
     rawWrites.push_back(onThreads(world, [&](int r) {
       ckpt::File f = ckpt::File::openWrite(rawDir + "/rank_" + std::to_string(r) + ".bin");
-      for (const auto& e : entries[static_cast<size_t>(r)]) {
-        at::Tensor rows = e.spec.realRows(e.local);
+      for (const auto& rows : hostRows[static_cast<size_t>(r)]) {
         f.writeAll(rows.data_ptr(), static_cast<size_t>(rows.numel() * 4));
       }
       f.sync();
@@ -210,7 +232,7 @@ int main(int argc, char** argv) {
     }));
     // --- sharded sync save. The previous rep's checkpoint is deleted outside the timing
     // (keep_last would delete it inside the save, which the raw baseline does not do).
-    for (const auto& old : ckpt::listCheckpoints(root)) fs::remove_all(old.dir);
+    for (const auto& old : ckpt::listCheckpoints(root)) tessera::removeTree(old.dir);
     saves.push_back(onThreads(world, [&](int r) {
       ckpt::Checkpointer c(root, comms[static_cast<size_t>(r)]);
       ckpt::SaveRequest req;
@@ -270,11 +292,12 @@ int main(int argc, char** argv) {
   for (int rep = 0; rep < reps; ++rep) {
     stageOnlies.push_back(onThreads(world, [&](int r) {
       for (const auto& e : entries[static_cast<size_t>(r)]) {
-        at::Tensor copy = e.spec.realRows(e.local).clone();
-        (void)copy;
+        const at::Tensor rows = e.spec.realRows(e.local);
+        at::Tensor copy = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(rows.is_cuda()));
+        copy.copy_(rows);
       }
     }));
-    for (const auto& old : ckpt::listCheckpoints(root)) fs::remove_all(old.dir);
+    for (const auto& old : ckpt::listCheckpoints(root)) tessera::removeTree(old.dir);
     std::vector<double> stall(static_cast<size_t>(world)), staging(static_cast<size_t>(world));
     std::vector<std::unique_ptr<ckpt::Checkpointer>> cps(static_cast<size_t>(world));
     ckpt::CheckpointOptions o;
@@ -321,6 +344,6 @@ int main(int argc, char** argv) {
   } else {
     std::printf("export: build tessera-export and tessera-ckpt next to this program to measure peak RSS\n");
   }
-  fs::remove_all(dir);
+  tessera::removeTree(dir);
   return 0;
 }

@@ -4,11 +4,14 @@
 // against two baselines over the same bytes, measured in the same run:
 //   flat:      one add_ over a flat buffer of equal size, the bandwidth bound (it reads
 //              2 buffers and writes 1, like the EMA update);
-//   per-param: a mul_ + add_ loop over the parameters, as NeMo's and BAGEL's EMA do.
-// Usage: bench_ema_bench [--params N] [--world W] [--iters K]
+//   per-param: a mul_ + add_ loop over the parameters, as NeMo's and BAGEL's EMA do;
+//   copy:      (--device cuda) a device-to-device copy of a buffer of equal size, the
+//              GPU's practical bandwidth; compared by bytes per second.
+// Usage: bench_ema_bench [--params N] [--world W] [--iters K] [--device cpu|cuda]
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
+#include <torch/cuda.h>
 
 #include <algorithm>
 #include <chrono>
@@ -24,14 +27,21 @@ double nowSec() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Median seconds of `iters` runs of fn (after one warm-up run).
+bool gOnCuda = false;
+void syncDevice() {
+  if (gOnCuda) torch::cuda::synchronize();
+}
+
+// Median seconds of `iters` runs of fn (after one warm-up run); device work is waited for.
 template <typename Fn>
 double timeIt(int iters, Fn fn) {
   fn();
+  syncDevice();
   std::vector<double> t;
   for (int i = 0; i < iters; ++i) {
     const double s = nowSec();
     fn();
+    syncDevice();
     t.push_back(nowSec() - s);
   }
   std::sort(t.begin(), t.end());
@@ -48,7 +58,15 @@ int main(int argc, char** argv) {
   app.add_option("--params", totalParams, "Model parameters in total")->check(CLI::Range(int64_t{1000}, int64_t{1} << 40));
   app.add_option("--world", world, "Ranks the model is sharded over (this process holds one shard)")->check(CLI::Range(1, 1 << 16));
   app.add_option("--iters", iters, "Timed repetitions (median reported)")->check(CLI::Range(1, 1000));
+  std::string deviceName = "cpu";
+  app.add_option("--device", deviceName, "Where the model lives")->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
+  gOnCuda = deviceName == "cuda";
+  if (gOnCuda && !torch::cuda::is_available()) {
+    std::fprintf(stderr, "bench_ema_bench: --device cuda but no CUDA device\n");
+    return 2;
+  }
+  const auto device = at::TensorOptions().dtype(at::kFloat).device(gOnCuda ? at::kCUDA : at::kCPU);
   // A GPT-like mix of shapes: per block 4 matrices d x d-ish, plus biases and norms.
   const int64_t d = 1024;
   std::vector<std::vector<int64_t>> shapes;
@@ -69,14 +87,14 @@ int main(int argc, char** argv) {
   int64_t localElems = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
     tessera::sharding::ShardSpec spec(shapes[i], at::kFloat, world, 0);
-    live.push_back(at::randn(spec.localShape()));
+    live.push_back(at::randn(spec.localShape(), device));
     ema.addParam("p" + std::to_string(i), spec, live.back());
     localElems += spec.paddedNumel();
   }
   const double bytesMoved = 3.0 * static_cast<double>(localElems) * 4.0;  // read e, read p, write e
 
-  at::Tensor flatE = at::randn({localElems});
-  at::Tensor flatP = at::randn({localElems});
+  at::Tensor flatE = at::randn({localElems}, device);
+  at::Tensor flatP = at::randn({localElems}, device);
   std::vector<at::Tensor> emaCopies;
   for (const auto& t : live) emaCopies.push_back(t.clone());
 
@@ -87,12 +105,24 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < live.size(); ++i) emaCopies[i].mul_(0.999).add_(live[i], 0.001);
   });
 
-  std::printf("EMA update benchmark: %lld parameters (%zu tensors) sharded over %d ranks: %lld fp32 elements on this rank, %d threads\n",
+  double tCopy = 0;
+  if (gOnCuda) {
+    // The same bytes as the EMA update's three streams: 1.5x its elements read + written.
+    at::Tensor src = at::randn({localElems * 3 / 2}, device);
+    at::Tensor dst = at::empty_like(src);
+    tCopy = timeIt(iters, [&] { dst.copy_(src); });
+  }
+
+  std::printf("EMA update benchmark: %lld parameters (%zu tensors) sharded over %d ranks: %lld fp32 elements on this rank, on %s\n",
               static_cast<long long>(count), shapes.size(), world, static_cast<long long>(localElems),
-              at::get_num_threads());
+              gOnCuda ? "cuda" : (std::to_string(at::get_num_threads()) + " CPU threads").c_str());
   std::printf("  %-34s %9.2f ms  %7.2f GB/s\n", "tessera ShardedModelEMAManager", tTessera * 1e3, bytesMoved / tTessera / 1e9);
   std::printf("  %-34s %9.2f ms  %7.2f GB/s\n", "baseline: one fused add_ (flat)", tFlat * 1e3, bytesMoved / tFlat / 1e9);
   std::printf("  %-34s %9.2f ms  %7.2f GB/s\n", "baseline: per-param mul_+add_ loop", tLoop * 1e3, bytesMoved / tLoop / 1e9);
+  if (gOnCuda) {
+    std::printf("  %-34s %9.2f ms  %7.2f GB/s\n", "baseline: device-to-device copy", tCopy * 1e3, bytesMoved / tCopy / 1e9);
+    std::printf("  bandwidth tessera / copy        = %.3f  (target >= 0.9)\n", tCopy / tTessera);
+  }
   std::printf("  ratio tessera / flat add_       = %.3f  (target <= 1.15)\n", tTessera / tFlat);
   std::printf("  ratio tessera / per-param loop  = %.3f  (target < 1)\n", tTessera / tLoop);
   return 0;

@@ -14,6 +14,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
+#include "common/filesystem.h"
 
 namespace tessera::checkpoint {
 

@@ -147,12 +147,6 @@ bool pathExists(const std::string& path) {
   return fs::exists(path, ec);
 }
 
-void removeTree(const std::string& path) {
-  std::error_code ec;
-  fs::remove_all(path, ec);
-  if (ec) throw Error(strCat("cannot remove ", path, ": ", ec.message()));
-}
-
 void renamePath(const std::string& from, const std::string& to) {
   if (::rename(from.c_str(), to.c_str()) != 0) {
     throw Error(strCat("cannot rename ", from, " to ", to, ": ", errnoText(errno)));

@@ -55,8 +55,6 @@ void writeFileAtomic(const std::string& path, const std::string& content);
 // Reads a whole file of at most maxBytes; CheckpointError when missing or larger.
 std::string readFileBounded(const std::string& path, int64_t maxBytes);
 bool pathExists(const std::string& path);
-// Removes a directory tree, ignoring a missing one; throws naming the path on failure.
-void removeTree(const std::string& path);
 // rename(2), throwing naming both paths.
 void renamePath(const std::string& from, const std::string& to);
 

@@ -20,7 +20,7 @@ endif()
 
 # Applies Tessera's warnings to a target (third-party headers are SYSTEM includes).
 function(tessera_target_defaults target)
-  target_compile_options(${target} PRIVATE ${TESSERA_WARNINGS})
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${TESSERA_WARNINGS}>)
   target_include_directories(${target} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
     $<INSTALL_INTERFACE:include>)

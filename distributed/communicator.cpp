@@ -216,7 +216,7 @@ std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& f
   ensureUsable("allGatherInto");
   checkPair("allGatherInto", "flat_out", flat_out, "local_in", local_in, world_);
   std::shared_ptr<CommHandle> handle;
-  if (world_ == 1 || local_in.numel() == 0) {
+  if (local() || local_in.numel() == 0) {
     if (local_in.numel() > 0) copyUnlessSame(flat_out, local_in);
     handle = std::make_shared<CompletedHandle>();
   } else {
@@ -232,7 +232,7 @@ std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& l
   checkPair("reduceScatter", "flat_in", flat_in, "local_out", local_out, world_);
   checkReduceOp("reduceScatter", flat_in, op);
   std::shared_ptr<CommHandle> handle;
-  if (world_ == 1 || local_out.numel() == 0) {
+  if (local() || local_out.numel() == 0) {
     if (local_out.numel() > 0) copyUnlessSame(local_out, flat_in);
     handle = std::make_shared<CompletedHandle>();
   } else {
@@ -246,7 +246,7 @@ std::shared_ptr<CommHandle> Communicator::allReduceAsync(const at::Tensor& t, Re
   ensureUsable("allReduce");
   checkTensor("allReduce", "t", t);
   checkReduceOp("allReduce", t, op);
-  std::shared_ptr<CommHandle> handle = world_ == 1 || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doAllReduce(t, op);
+  std::shared_ptr<CommHandle> handle = local() || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doAllReduce(t, op);
   count(CommOp::kAllReduce, 2 * (world_ - 1) * tensorBytes(t) / world_);
   return handle;
 }
@@ -256,7 +256,7 @@ std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, in
   checkTensor("broadcast", "t", t);
   TESSERA_CHECK_AS(UsageError, root >= 0 && root < world_, "Communicator::broadcast: root ", root,
                    " is out of range for world size ", world_);
-  std::shared_ptr<CommHandle> handle = world_ == 1 || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doBroadcast(t, root);
+  std::shared_ptr<CommHandle> handle = local() || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doBroadcast(t, root);
   count(CommOp::kBroadcast, rank_ == root && world_ > 1 ? tensorBytes(t) : 0);
   return handle;
 }
@@ -272,7 +272,7 @@ std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& ou
     checkTensor("gatherToRoot", "local_in", local_in);
   }
   std::shared_ptr<CommHandle> handle;
-  if (world_ == 1 || local_in.numel() == 0) {
+  if (local() || local_in.numel() == 0) {
     if (rank_ == root && local_in.numel() > 0) copyUnlessSame(out, local_in);
     handle = std::make_shared<CompletedHandle>();
   } else {
@@ -284,7 +284,7 @@ std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& ou
 
 std::shared_ptr<CommHandle> Communicator::barrierAsync() {
   ensureUsable("barrier");
-  std::shared_ptr<CommHandle> handle = world_ == 1 ? std::make_shared<CompletedHandle>() : doBarrier();
+  std::shared_ptr<CommHandle> handle = local() ? std::make_shared<CompletedHandle>() : doBarrier();
   count(CommOp::kBarrier, 0);
   return handle;
 }

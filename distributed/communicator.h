@@ -70,6 +70,9 @@ struct CommOptions {
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
   // Unique name of the group in the store; key namespace of its rendezvous.
   std::string name = "world";
+  // A group of one rank answers every operation locally (a copy or nothing) without the
+  // backend. Off: the backend runs it anyway (tests of the nccl backend on one GPU).
+  bool singleRankShortcut = true;
 };
 
 struct CommOpStats {
@@ -179,6 +182,8 @@ class Communicator {
   std::string describeOp(const char* method, const at::Tensor& t, const char* detail = nullptr) const;
 
  private:
+  // True when operations are answered without the backend (one rank, shortcut on).
+  bool local() const { return world_ == 1 && options_.singleRankShortcut; }
   void ensureUsable(const char* method) const;
   void count(CommOp op, int64_t bytes);
 

@@ -126,6 +126,43 @@ class GlooHandle final : public CommHandle {
   std::exception_ptr error_;
 };
 
+// Gloo moves host memory. CUDA tensors (a CUDA model on ranks that share a GPU, the CPU
+// group of a GPU run) go through host copies: inputs are copied to the host before the
+// operation, results back to the device in wait(). Slow, but the same code path
+// as CPU runs; GPU runs move their hot collectives over nccl.
+bool onHost(const at::Tensor& t) { return !t.defined() || t.device().is_cpu(); }
+at::Tensor hostCopy(const at::Tensor& t) { return onHost(t) ? t : t.to(at::kCPU); }
+at::Tensor hostBuffer(const at::Tensor& t) {
+  return onHost(t) ? t : at::empty(t.sizes(), t.options().device(at::kCPU));
+}
+
+class HostStagedHandle final : public CommHandle {
+ public:
+  HostStagedHandle(std::shared_ptr<CommHandle> inner, at::Tensor device, at::Tensor host)
+      : inner_(std::move(inner)), device_(std::move(device)), host_(std::move(host)) {}
+
+  void wait() override {
+    inner_->wait();  // rethrows a failure on every call
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (device_.defined()) device_.copy_(host_);
+    device_ = at::Tensor();
+    host_ = at::Tensor();
+  }
+  bool isCompleted() override { return inner_->isCompleted(); }
+
+ private:
+  std::mutex mutex_;
+  std::shared_ptr<CommHandle> inner_;
+  at::Tensor device_, host_;
+};
+
+// `inner` ran on host buffers; `host` holds the result that belongs in `device`.
+std::shared_ptr<CommHandle> copyBackOnWait(std::shared_ptr<CommHandle> inner, const at::Tensor& device,
+                                           const at::Tensor& host) {
+  if (onHost(device)) return inner;
+  return std::make_shared<HostStagedHandle>(std::move(inner), device, host);
+}
+
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(std::shared_ptr<Store> store, int rank, int world, const GlooOptions& options)
@@ -159,8 +196,10 @@ class GlooCommunicator final : public Communicator {
 
  protected:
   std::shared_ptr<CommHandle> doAllGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) override {
-    checkCpu("allGatherInto", flat_out);
-    checkCpu("allGatherInto", local_in);
+    if (!onHost(flat_out) || !onHost(local_in)) {
+      const at::Tensor hostOut = hostBuffer(flat_out);
+      return copyBackOnWait(doAllGatherInto(hostOut, hostCopy(local_in)), flat_out, hostOut);
+    }
     const at::Tensor in = bytesOf(local_in);
     std::vector<std::vector<at::Tensor>> outputs{chunksOf(bytesOf(flat_out), worldSize(), in.numel())};
     std::vector<at::Tensor> inputs{in};
@@ -171,8 +210,10 @@ class GlooCommunicator final : public Communicator {
 
   std::shared_ptr<CommHandle> doReduceScatter(const at::Tensor& local_out, const at::Tensor& flat_in,
                                               ReduceOp op) override {
-    checkCpu("reduceScatter", local_out);
-    checkCpu("reduceScatter", flat_in);
+    if (!onHost(local_out) || !onHost(flat_in)) {
+      const at::Tensor hostOut = hostBuffer(local_out);
+      return copyBackOnWait(doReduceScatter(hostOut, hostCopy(flat_in), op), local_out, hostOut);
+    }
     // All-to-all with equal splits: chunk r of every rank's flat_in lands on rank r, in
     // rank order; then rank r reduces its N received chunks locally.
     at::Tensor send = bytesOf(flat_in);
@@ -208,7 +249,10 @@ class GlooCommunicator final : public Communicator {
   }
 
   std::shared_ptr<CommHandle> doAllReduce(const at::Tensor& t, ReduceOp op) override {
-    checkCpu("allReduce", t);
+    if (!onHost(t)) {
+      const at::Tensor host = hostCopy(t);
+      return copyBackOnWait(doAllReduce(host, op), t, host);
+    }
     const std::string what = describeOp("allReduce", t, reduceOpName(op));
     const at::ScalarType type = t.scalar_type();
     at::Tensor buffer = t;
@@ -240,7 +284,10 @@ class GlooCommunicator final : public Communicator {
   }
 
   std::shared_ptr<CommHandle> doBroadcast(const at::Tensor& t, int root) override {
-    checkCpu("broadcast", t);
+    if (!onHost(t)) {
+      const at::Tensor host = hostCopy(t);
+      return copyBackOnWait(doBroadcast(host, root), t, host);
+    }
     std::vector<at::Tensor> tensors{bytesOf(t)};
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
@@ -250,11 +297,14 @@ class GlooCommunicator final : public Communicator {
   }
 
   std::shared_ptr<CommHandle> doGatherToRoot(const at::Tensor& out, const at::Tensor& local_in, int root) override {
-    checkCpu("gatherToRoot", local_in);
+    if (!onHost(local_in) || (rank() == root && !onHost(out))) {
+      const at::Tensor hostOut = rank() == root ? hostBuffer(out) : at::Tensor();
+      return copyBackOnWait(doGatherToRoot(hostOut, hostCopy(local_in), root), rank() == root ? out : at::Tensor(),
+                            hostOut);
+    }
     const at::Tensor in = bytesOf(local_in);
     std::vector<std::vector<at::Tensor>> outputs;
     if (rank() == root) {
-      checkCpu("gatherToRoot", out);
       outputs.push_back(chunksOf(bytesOf(out), worldSize(), in.numel()));
     }
     std::vector<at::Tensor> inputs{in};
@@ -278,12 +328,6 @@ class GlooCommunicator final : public Communicator {
   }
 
  private:
-  void checkCpu(const char* method, const at::Tensor& t) const {
-    TESSERA_CHECK_AS(UsageError, t.device().is_cpu(), "GlooCommunicator::", method,
-                     ": gloo moves CPU tensors only, got a tensor on ", t.device(), " (", describe(),
-                     "); use the nccl backend for CUDA tensors");
-  }
-
   std::shared_ptr<CommHandle> handle(const char* method, std::string what, c10::intrusive_ptr<c10d::Work> work,
                                      std::function<void()> finish = nullptr) {
     return std::make_shared<GlooHandle>(std::move(work), std::move(finish), method, std::move(what),

@@ -1,4 +1,5 @@
-// The gloo backend: Communicator over c10d's ProcessGroupGloo (CPU tensors).
+// The gloo backend: Communicator over c10d's ProcessGroupGloo (host memory; CUDA tensors
+// are staged through host copies, for ranks sharing a GPU and for the CPU group).
 //
 // LibTorch 1.13's Gloo group has no _allgather_base, no reduce_scatter and rejects AVG,
 // so: all-gather = allgather into views of flat_out's chunks; reduce-scatter = one

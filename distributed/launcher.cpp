@@ -31,6 +31,7 @@
 
 #include "common/errors.h"
 #include "common/logging.h"
+#include "common/filesystem.h"
 
 extern char** environ;
 
@@ -271,7 +272,7 @@ Launcher::~Launcher() {
   closeFd(devNull_);
   if (!tempDir_.empty()) {
     std::error_code ec;
-    std::filesystem::remove_all(tempDir_, ec);
+    removeTree(tempDir_, ec);
   }
 }
 

@@ -2,6 +2,19 @@
 #include "ema/ema_manager.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR >= 2
+#include <ATen/ops/_foreach_lerp.h>
+#endif
+#ifdef TESSERA_EMA_CUDA_KERNEL
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstring>
+
+#include "ema/ema_blend_cuda.h"
+#endif
 
 #include <cmath>
 #include <cstdio>
@@ -18,6 +31,60 @@ void blendKernel(float* __restrict e, const float* __restrict p, float d, float 
 }
 
 }  // namespace
+
+// e = d*e + (1-d)*p for every pair on an accelerator, in one pass over memory, with one
+// multi-tensor launch per decay (torch's foreach lerp: 0.55x of copy bandwidth on an
+// H100 over 1B parameters, bench/ema_bench --device cuda).
+void ShardedModelEMAManager::blendFused(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& live,
+                                        double decay) {
+  if (ema.empty()) return;
+#if TORCH_VERSION_MAJOR >= 2
+  at::_foreach_lerp_(ema, live, 1.0 - decay);
+#else
+  for (size_t i = 0; i < ema.size(); ++i) ema[i].lerp_(live[i], 1.0 - decay);
+#endif
+}
+
+#ifdef TESSERA_EMA_CUDA_KERNEL
+// fp32 EMA rows and fp32 live rows on one CUDA device: Tessera's kernel takes them.
+bool ShardedModelEMAManager::kernelTakes(const at::Tensor& emaBuffer, const at::Tensor& live) const {
+  return emaBuffer.is_cuda() && emaBuffer.scalar_type() == at::kFloat && live.scalar_type() == at::kFloat &&
+         live.device() == emaBuffer.device() && live.is_contiguous() && emaBuffer.is_contiguous();
+}
+
+// One kernel launch for every tensor of decay `decayIndex` (`tensors`: EMA rows, live
+// rows, real elements). The segment table goes to the device only when the tensors
+// changed (never, in a run: shards keep their storage), so the host work per update is a
+// comparison of one entry per tensor.
+void ShardedModelEMAManager::blendOnGpu(size_t decayIndex, const std::vector<cuda::BlendSegment>& tensors,
+                                         at::Device device, double decay) {
+  if (tensors.empty()) return;
+  if (fusedTables_.size() < options_.decays.size()) fusedTables_.resize(options_.decays.size());
+  FusedTable& table = fusedTables_[decayIndex];
+  const bool same = table.tensors.size() == tensors.size() &&
+                    std::memcmp(table.tensors.data(), tensors.data(), tensors.size() * sizeof(cuda::BlendSegment)) == 0;
+  if (!same || !table.device.defined() || table.device.device() != device) {
+    std::vector<cuda::BlendSegment> segments;
+    for (const auto& t : tensors) {
+      for (int64_t off = 0; off < t.n; off += cuda::kEmaSegmentElements) {
+        segments.push_back({t.ema + off, t.live + off, std::min(cuda::kEmaSegmentElements, t.n - off)});
+      }
+    }
+    const auto bytes = static_cast<int64_t>(segments.size() * sizeof(cuda::BlendSegment));
+    at::Tensor host = at::empty({bytes}, at::kByte);
+    if (bytes > 0) std::memcpy(host.data_ptr(), segments.data(), static_cast<size_t>(bytes));
+    table.device = host.to(device);
+    table.segments = static_cast<int64_t>(segments.size());
+    table.tensors = tensors;
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const std::string error =
+      cuda::blendSegments(static_cast<const cuda::BlendSegment*>(table.device.data_ptr()), table.segments,
+                          static_cast<float>(decay), static_cast<float>(1.0 - decay),
+                          c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  TESSERA_CHECK(error.empty(), "ShardedModelEMAManager::update: CUDA kernel launch failed: ", error);
+}
+#endif
 
 ShardedModelEMAManager::ShardedModelEMAManager(EmaOptions o) : options_(std::move(o)) {
   TESSERA_CHECK_AS(ConfigError, !options_.decays.empty(), "ShardedModelEMAManager: no decays given");
@@ -65,7 +132,7 @@ void ShardedModelEMAManager::addBuffer(const std::string& name, const at::Tensor
 }
 
 void ShardedModelEMAManager::resetFromLive() {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   for (auto& [name, e] : params_) {
     for (auto& t : e.ema) e.spec.realRows(t).copy_(e.live);
   }
@@ -76,7 +143,7 @@ void ShardedModelEMAManager::resetFromLive() {
 }
 
 void ShardedModelEMAManager::initializeFrom(const std::map<std::string, at::Tensor>& full, int decayIndex) {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   std::vector<std::string> missing;
   for (const auto& name : paramNames_) {
     if (!full.count(name)) missing.push_back(name);
@@ -130,15 +197,38 @@ void ShardedModelEMAManager::blend(at::Tensor& ema, const at::Tensor& live, doub
 
 void ShardedModelEMAManager::update(int64_t step, bool optimizerApplied) {
   if (!optimizerApplied) return;
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   const bool copyOnly = step < options_.startStep;
   if (!copyOnly && (step % options_.updateEvery) != 0) return;
   for (size_t i = 0; i < options_.decays.size(); ++i) {
     const double d = copyOnly ? 0.0 : effectiveDecay(i, updates_);
+    std::vector<at::Tensor> fusedEma, fusedLive;  // accelerator tensors of one dtype
+#ifdef TESSERA_EMA_CUDA_KERNEL
+    std::vector<cuda::BlendSegment> kernelTensors;
+    at::Device kernelDevice = at::kCPU;
+#endif
     for (auto& [name, e] : params_) {
+#ifdef TESSERA_EMA_CUDA_KERNEL
+      // Raw pointers, no tensor views: the EMA's real rows are its buffer's prefix.
+      if (kernelTakes(e.ema[i], e.live) && (kernelTensors.empty() || e.live.device() == kernelDevice)) {
+        kernelDevice = e.live.device();
+        kernelTensors.push_back({e.ema[i].data_ptr<float>(), e.live.data_ptr<float>(), e.live.numel()});
+        continue;
+      }
+#endif
       at::Tensor rows = e.spec.realRows(e.ema[i]);
-      blend(rows, e.live, d);
+      if (!rows.device().is_cpu() && rows.scalar_type() == e.live.scalar_type() &&
+          rows.device() == e.live.device()) {
+        fusedEma.push_back(rows);
+        fusedLive.push_back(e.live);
+      } else {
+        blend(rows, e.live, d);
+      }
     }
+    blendFused(fusedEma, fusedLive, d);
+#ifdef TESSERA_EMA_CUDA_KERNEL
+    blendOnGpu(i, kernelTensors, kernelDevice, d);
+#endif
     for (auto& [name, b] : buffers_) {
       if (copyOnly || options_.buffers == "copy" || !at::isFloatingType(b.live.scalar_type())) {
         b.ema[i].copy_(b.live);
@@ -194,7 +284,7 @@ void ShardedModelEMAManager::withEmaWeights(size_t decayIndex, const std::functi
   TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::withEmaWeights: decay index ", decayIndex);
   std::vector<std::pair<at::Tensor, at::Tensor>> saved;  // (live, its value before the swap)
   {
-    at::NoGradGuard noGrad;  // only around the copies: fn runs in the caller's grad mode
+    c10::NoGradGuard noGrad;  // only around the copies: fn runs in the caller's grad mode
     for (auto& [name, e] : params_) {
       saved.emplace_back(e.live, e.live.clone());
       e.live.copy_(e.spec.realRows(e.ema[decayIndex]));
@@ -205,7 +295,7 @@ void ShardedModelEMAManager::withEmaWeights(size_t decayIndex, const std::functi
     }
   }
   auto restore = [&] {
-    at::NoGradGuard noGrad;
+    c10::NoGradGuard noGrad;
     for (auto& [live, value] : saved) live.copy_(value);
   };
   try {

@@ -28,6 +28,9 @@
 #include <vector>
 
 #include "sharding/shard_spec.h"
+#ifdef TESSERA_EMA_CUDA_KERNEL
+#include "ema/ema_blend_cuda.h"
+#endif
 
 namespace tessera::ema {
 
@@ -109,12 +112,27 @@ class ShardedModelEMAManager {
   };
   Entry& entry(const std::string& name);
   void blend(at::Tensor& ema, const at::Tensor& live, double decay) const;
+  void blendFused(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& live, double decay);
+#ifdef TESSERA_EMA_CUDA_KERNEL
+  bool kernelTakes(const at::Tensor& emaBuffer, const at::Tensor& live) const;
+  void blendOnGpu(size_t decayIndex, const std::vector<cuda::BlendSegment>& tensors, at::Device device,
+                   double decay);
+#endif
 
   EmaOptions options_;
   std::vector<std::string> paramNames_, bufferNames_;
   std::map<std::string, Entry> params_;
   std::map<std::string, BufferEntry> buffers_;
   int64_t updates_ = 0;
+  // Per decay: the GPU kernel's segment table (CUDA builds only; see blendOnGpu).
+#ifdef TESSERA_EMA_CUDA_KERNEL
+  struct FusedTable {
+    std::vector<cuda::BlendSegment> tensors;  // what the table was built from
+    at::Tensor device;                        // the segment table, in device memory
+    int64_t segments = 0;
+  };
+  std::vector<FusedTable> fusedTables_;
+#endif
 };
 
 }  // namespace tessera::ema

@@ -1,6 +1,7 @@
 // no_shard / zero1 / zero2 (see data_parallel.h).
 #include "sharding/data_parallel.h"
 
+#include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
 #include <deque>
@@ -51,7 +52,7 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
   const int world = comm_->worldSize();
   const int rank = comm_->rank();
 
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   for (const NamedParam& np : trainableParams()) {
     const at::Tensor& p = np.param;
     const std::vector<int64_t> shape = p.sizes().vec();
@@ -106,7 +107,7 @@ std::vector<at::Tensor> DataParallelStrategy::synchronizeGradients() {
 
 std::vector<at::Tensor> DataParallelStrategy::allReduceGradients() {
   std::vector<at::Tensor> grads(paramCount());
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   auto issue = [&](size_t b) {
     const Bucket& bucket = buckets_[b];
     InflightBucket job;
@@ -142,7 +143,7 @@ std::vector<at::Tensor> DataParallelStrategy::reduceScatterGradients() {
   // zero2 without zeroGrad() since the last step: add to the shards it kept, as torch
   // accumulates into .grad().
   const bool accumulate = freeFullGrads_ && heldGradShards_.size() == buckets_.size();
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   auto issue = [&](size_t b) {
     const Bucket& bucket = buckets_[b];
     const auto options =
@@ -173,7 +174,7 @@ std::vector<at::Tensor> DataParallelStrategy::reduceScatterGradients() {
 }
 
 void DataParallelStrategy::publishParameters() {
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   if (!sharded_) {
     if (mastersAreParams_) return;  // the optimizer stepped the parameters themselves
     for (size_t i = 0; i < paramCount(); ++i) param(i).detach().copy_(master(i));

@@ -1,6 +1,8 @@
 // Rank-major flat buffers and bucket planning (see flat_layout.h).
 #include "sharding/flat_layout.h"
 
+#include <c10/core/GradMode.h>
+
 #include "common/errors.h"
 
 namespace tessera::sharding {
@@ -48,7 +50,7 @@ void FlatLayout::packFull(const at::Tensor& flat, size_t i, const at::Tensor& fu
   const ShardSpec& s = specs_.at(i);
   const int64_t c = s.chunkRows(), rn = s.rowNumel(), rows = s.globalRows();
   if (c == 0 || rn == 0) return;  // no elements
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   at::Tensor dst = flat.view({chunks_, chunkNumel_}).narrow(1, offsets_[i], c * rn).view({chunks_, c, rn});
   if (!full.defined()) {
     dst.zero_();
@@ -76,7 +78,7 @@ void FlatLayout::unpackFull(const at::Tensor& flat, size_t i, const at::Tensor& 
                 at::IntArrayRef(s.globalShape()));
   const int64_t c = s.chunkRows(), rn = s.rowNumel(), rows = s.globalRows();
   if (c == 0 || rn == 0) return;
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   const at::Tensor src = flat.view({chunks_, chunkNumel_}).narrow(1, offsets_[i], c * rn).view({chunks_, c, rn});
   at::Tensor dst = full.detach().view({rows, rn});
   const int64_t q = rows / c, rem = rows % c;

@@ -1,6 +1,7 @@
 // Global-norm gradient clipping over sharded gradients (see grad_clip.h).
 #include "sharding/grad_clip.h"
 
+#include <c10/core/GradMode.h>
 #include <cmath>
 
 #include "common/errors.h"
@@ -12,7 +13,7 @@ bool GradNorm::finite() const { return std::isfinite(norm); }
 
 double localSquaredNorm(const at::Tensor& grad, const ShardSpec& spec) {
   if (!grad.defined() || spec.localRows() == 0 || spec.rowNumel() == 0) return 0.0;
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   const at::Tensor real = spec.realRows(grad.detach().reshape({-1}));
   return real.to(at::kDouble).square().sum().item<double>();
 }
@@ -53,7 +54,7 @@ GradNorm clipGradNorm(const std::vector<at::Tensor>& grads, const std::vector<Sh
   result.norm = globalGradNorm(grads, specs, comm);
   result.clipCoef = clipCoefficient(result.norm, maxNorm);
   if (result.clipCoef < 1.0) {
-    at::NoGradGuard noGrad;
+    c10::NoGradGuard noGrad;
     for (const at::Tensor& g : grads) {
       if (g.defined()) g.mul_(result.clipCoef);
     }

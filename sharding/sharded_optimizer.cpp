@@ -2,6 +2,7 @@
 // torch.optim (1.13 and 2.x single-tensor paths) operation by operation.
 #include "sharding/sharded_optimizer.h"
 
+#include <c10/core/GradMode.h>
 #include <cmath>
 
 #include "common/errors.h"
@@ -51,7 +52,7 @@ std::vector<std::string> ShardedOptimizer::stateNames() const {
 void ShardedOptimizer::step(const std::vector<at::Tensor>& grads, double baseLr) {
   TESSERA_CHECK(grads.size() == params_.size(), "ShardedOptimizer::step: ", grads.size(), " gradients for ",
                 params_.size(), " parameters");
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& grad0 = grads[i];
     if (!grad0.defined()) continue;

@@ -1,6 +1,7 @@
 // Coalesced broadcast / all-reduce of tensor lists (see tensor_sync.h).
 #include "sharding/tensor_sync.h"
 
+#include <c10/core/GradMode.h>
 #include <functional>
 #include <map>
 
@@ -19,7 +20,7 @@ void coalesced(const std::vector<at::Tensor>& tensors, int64_t bucketBytes,
     TESSERA_CHECK(t.defined(), "coalesced collective: undefined tensor in the list");
     if (t.numel() > 0) byType[static_cast<int>(t.scalar_type())].push_back(t.detach());
   }
-  at::NoGradGuard noGrad;
+  c10::NoGradGuard noGrad;
   for (auto& [type, group] : byType) {
     size_t begin = 0;
     while (begin < group.size()) {

@@ -20,6 +20,7 @@
 #include "checkpoint/reader.h"
 #include "checkpoint/state.h"
 #include "tests/support/multi_rank.h"
+#include "common/filesystem.h"
 
 namespace tessera::checkpoint::testing {
 
@@ -34,7 +35,7 @@ class TempDir {
   }
   ~TempDir() {
     std::error_code ec;
-    fs::remove_all(path_, ec);
+    removeTree(path_, ec);
   }
   const std::string& path() const { return path_; }
   std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }

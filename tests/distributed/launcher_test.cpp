@@ -21,6 +21,7 @@
 
 #include "common/errors.h"
 #include "distributed/launcher.h"
+#include "common/filesystem.h"
 
 namespace {
 
@@ -157,7 +158,7 @@ class LauncherTest : public ::testing::Test {
   }
   void TearDown() override {
     std::error_code ec;
-    fs::remove_all(dir_, ec);
+    tessera::removeTree(dir_, ec);
   }
 
   // Every pid a rank (or its background child) wrote to dir_ must be gone: no orphans.

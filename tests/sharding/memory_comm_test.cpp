@@ -36,7 +36,7 @@ struct Measurement {
 // Two steps of the wide MLP on every rank; measures the second (optimizer states exist).
 std::vector<Measurement> measure(const std::string& strategy, int world, int64_t bucketBytes = 25 * 1024 * 1024,
                                  at::ScalarType paramDtype = at::kFloat) {
-  torch::manual_seed(5);
+  seedCpu(5);
   const Batches batches = makeBatches(2, 8, 16, 7, 5);
   std::vector<Measurement> out(static_cast<size_t>(world));
   runOnRanks(world, [&](RankContext& ctx) {

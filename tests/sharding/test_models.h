@@ -4,12 +4,16 @@
 // torch::optim) training to compare sharded runs against.
 #pragma once
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <map>
+#include <mutex>
+#include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "distributed/communicator.h"
@@ -17,6 +21,14 @@
 #include "sharding/sharded_optimizer.h"
 
 namespace tessera::sharding::testing {
+
+// Seeds the CPU generator only. torch::manual_seed also seeds (and so initialises) CUDA in
+// CUDA builds, after which forked ranks cannot use CUDA or seed it themselves.
+inline void seedCpu(uint64_t seed) {
+  auto gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_current_seed(seed);
+}
 
 // Tests run several ranks as threads on a 2-core machine: one intra-op thread each.
 inline void useOneThread() { at::set_num_threads(1); }
@@ -76,7 +88,7 @@ struct Batches {
 };
 
 inline Batches makeBatches(int steps, int64_t batch, int64_t in, int64_t out, uint64_t seed) {
-  torch::manual_seed(seed);
+  seedCpu(seed);
   Batches b;
   for (int t = 0; t < steps; ++t) {
     b.x.push_back(torch::randn({batch, in}));
@@ -137,10 +149,23 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
                                opts);
 }
 
+// The key torch::optim keeps a parameter's state under: the TensorImpl address printed
+// as a string in LibTorch 1.x, the address itself in 2.x.
+template <typename Key>
+Key optimizerStateKey(const at::Tensor& param) {
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream key;
+    key << param.unsafeGetTensorImpl();
+    return key.str();
+  } else {
+    return static_cast<Key>(param.unsafeGetTensorImpl());
+  }
+}
+
 // State `key` of `param` in a torch::optim optimizer (undefined if absent).
 inline at::Tensor referenceState(torch::optim::Optimizer& opt, const at::Tensor& param, const std::string& key) {
   auto& states = opt.state();
-  auto it = states.find(c10::guts::to_string(param.unsafeGetTensorImpl()));
+  auto it = states.find(optimizerStateKey<typename std::decay_t<decltype(states)>::key_type>(param));
   if (it == states.end()) return {};
   if (key == "momentum_buffer") return static_cast<torch::optim::SGDParamState&>(*it->second).momentum_buffer();
   if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
