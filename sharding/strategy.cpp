@@ -11,6 +11,7 @@
 #include "common/errors.h"
 #include "distributed/communicator.h"
 #include "sharding/data_parallel.h"
+#include "sharding/fully_shard.h"
 #include "sharding/grad_clip.h"
 #include "sharding/mixed_precision.h"
 #include "sharding/tensor_sync.h"
@@ -219,11 +220,10 @@ std::unique_ptr<ShardingStrategy> makeStrategy(torch::nn::Module& module,
       return std::make_unique<DataParallelStrategy>(module, std::move(comm), options);
     case StrategyKind::kZero3:
     case StrategyKind::kHybrid:
-      break;
+      if (!options.wrap.empty()) fullyShardByName(module, options.wrap);
+      return std::make_unique<FullyShardStrategy>(module, std::move(comm), options);
   }
-  throw ConfigError(strCat("makeStrategy: strategy '", options.strategy,
-                           "' needs fullyShard (sharded module units), which this build does not have yet; "
-                           "use no_shard, zero1 or zero2"));
+  throw ConfigError(strCat("makeStrategy: unknown strategy '", options.strategy, "'"));
 }
 
 }  // namespace tessera::sharding

@@ -28,16 +28,17 @@
 // (strategy specific: all-gather for zero1/2, a cast for replicated mixed precision,
 // nothing for zero3 whose next forward gathers), then the buffer synchronisation.
 //
-// How zero3 and hybrid plug in (issue 5): a FullyShardStrategy derives from this class.
-// Its constructor wraps the module's units (fullyShard), registers every parameter with
-// a Shard(0) spec whose master is the unit's local shard (a FlatLayout slot, so one
-// all-gather per unit rebuilds it), and installs the forward / backward hooks that
-// unshard, reshard and reduce-scatter each unit into heldGradShards_ during backward.
-// Its synchronizeGradients() flushes what the hooks left pending and returns views of
-// the gradient shards; publishParameters() is a no-op in fp32 (the next unshard gathers
-// the updated masters) or casts masters into the compute shards (heldParamShards_) for
-// bf16. hybrid sets shardComm_ to its shard group and all-reduces the gradient shards
-// over the replica group inside synchronizeGradients(). The step template, clipping,
+// How zero3 and hybrid plug in (issue 5, sharding/fully_shard.h): FullyShardStrategy
+// derives from this class. Its constructor takes the module's units (marked with
+// fullyShard, or by name from StrategyOptions::wrap in makeStrategy), registers every
+// parameter with a Shard(0) spec whose master is the unit's local shard (a FlatLayout
+// slot, so one all-gather per unit rebuilds it), and frees the full parameters; the
+// units' forward (unitForward) and autograd hooks unshard, reshard and reduce-scatter
+// each unit into heldGradShards_ during backward. Its synchronizeGradients() flushes
+// what the hooks left pending and returns the gradient shards; publishParameters()
+// reshards every unit, so the next forward gathers the updated masters (cast to the
+// compute dtype inside the gather). hybrid reduce-scatters in its shard group and
+// all-reduces the gradient shards over the replica group. The step template, clipping,
 // non-finite skip, optimizer, buffer sync, state accessors and byte accounting are
 // shared unchanged.
 //
@@ -84,6 +85,23 @@ enum class BufferSync {
 BufferSync parseBufferSync(const std::string& name);
 const char* bufferSyncName(BufferSync sync);
 
+// zero3 / hybrid only (FullyShardStrategy, sharding/fully_shard.h).
+struct FullyShardOptions {
+  // Free each unit's full parameters after its forward (ZeRO-3: gather again in backward);
+  // false keeps them until the unit's gradients are reduced (fewer bytes sent, more held).
+  bool reshardAfterForward = true;
+  // Units whose all-gather is issued ahead of use (forward order, then reverse order in
+  // backward); 0 = gather each unit only when it is needed.
+  int prefetch = 1;
+  // Recompute each non-root unit's forward during backward instead of keeping its
+  // activations (the unit is gathered again for the recompute). Units with it must not
+  // contain other units. Dropout etc. see the same CPU RNG state in the recompute.
+  bool activationCheckpointing = false;
+  // Hybrid (HSDP): shard over groups of `shardSize` consecutive ranks, all-reduce the
+  // reduced gradient shards across the replica groups. 0 = the whole world (zero3).
+  int shardSize = 0;
+};
+
 struct StrategyOptions {
   std::string strategy = "no_shard";      // no_shard | zero1 | zero2 | zero3 | hybrid
   int64_t bucketBytes = 25 * 1024 * 1024; // gradient bucket size, in reduce-dtype bytes
@@ -92,6 +110,11 @@ struct StrategyOptions {
   OptimizerOptions optimizer;             // the sharded optimizer over the fp32 masters
   double gradClip = 0.0;                  // max global grad norm; 0 = no clipping
   std::string bufferSync = "broadcast";   // broadcast | average | none
+  FullyShardOptions fullyShard;           // zero3 / hybrid
+  // zero3 / hybrid: submodules makeStrategy marks as units by qualified name
+  // (fullyShardByName: "blocks.*" = every child of blocks); empty = only those the
+  // caller marked with fullyShard(), plus the root.
+  std::vector<std::string> wrap;
 };
 
 struct StepResult {
@@ -122,6 +145,9 @@ class ShardingStrategy {
   StrategyKind kind() const { return kind_; }
   const StrategyOptions& options() const { return options_; }
   distributed::Communicator& comm() const { return *comm_; }
+  // The group spec(), masterShard() and optimizerState() are laid out over: comm(), or
+  // hybrid's shard group (each replica group then holds the same shards).
+  distributed::Communicator& stateComm() const { return *shardComm_; }
 
   // Drops all gradients: the module's .grad() become undefined (their memory is freed,
   // torch's set_to_none) and gradient shards the strategy holds are released.

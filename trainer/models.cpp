@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "common/errors.h"
+#include "sharding/fully_shard.h"
 
 namespace tessera::trainer {
 
@@ -23,10 +24,16 @@ at::Tensor ContextMlpImpl::forward(const at::Tensor& tokens) {
                 options_.context, "], got ", tokens.sizes());
   at::Tensor x = embed_->forward(tokens).flatten(1);
   for (const auto& layer : *layers_) {
-    x = layer->as<torch::nn::Linear>()->forward(x);
+    auto* linear = layer->as<torch::nn::Linear>();
+    x = sharding::unitForward(*layer, x, [linear](const at::Tensor& in) { return linear->forward(in); });
     x = options_.activation == "relu" ? at::relu(x) : at::gelu(x);
   }
   return head_->forward(x);
+}
+
+std::vector<std::string> defaultUnits(const ModelOptions& options) {
+  if (options.hidden.empty()) return {};
+  return {"layers.*"};
 }
 
 }  // namespace tessera::trainer

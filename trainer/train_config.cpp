@@ -58,7 +58,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("optim.schedule.gamma", &c.optim.schedule.gamma, "Step decay: factor per period").greaterThan(0.0).max(1.0);
 
   s.describeSection("sharding", "How training state is split over the ranks");
-  s.add("sharding.strategy", &c.sharding.strategy, "Data-parallel strategy").oneOf({"no_shard", "zero1", "zero2"});
+  s.add("sharding.strategy", &c.sharding.strategy, "Data-parallel strategy")
+      .oneOf({"no_shard", "zero1", "zero2", "zero3", "hybrid"});
   s.add("sharding.bucket_mb", &c.sharding.bucket_mb, "Gradient bucket size in MiB (fewer, larger messages)")
       .greaterThan(0.0);
   s.add("sharding.param_dtype", &c.sharding.param_dtype, "Compute dtype of the parameters (masters stay fp32)")
@@ -66,6 +67,16 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("sharding.reduce_dtype", &c.sharding.reduce_dtype, "Dtype gradients are reduced in").oneOf({"fp32", "bf16", "fp16"});
   s.add("sharding.buffer_sync", &c.sharding.buffer_sync, "How module buffers stay equal across ranks")
       .oneOf({"broadcast", "average", "none"});
+  s.add("sharding.reshard_after_forward", &c.sharding.reshard_after_forward,
+        "zero3/hybrid: free each unit's parameters after its forward and gather again in backward");
+  s.add("sharding.prefetch", &c.sharding.prefetch, "zero3/hybrid: units gathered ahead of use (0 = off)").min(0).max(16);
+  s.add("sharding.activation_checkpointing", &c.sharding.activation_checkpointing,
+        "zero3/hybrid: recompute each block's forward in backward instead of keeping activations");
+  s.add("sharding.shard_size", &c.sharding.shard_size,
+        "hybrid: ranks per shard group, dividing the world size (0 = all ranks)").min(0);
+  s.add("sharding.wrap", &c.sharding.wrap,
+        "zero3/hybrid: submodules that become units, by name ('layers.*' = each child of layers); "
+        "empty = the model's blocks");
 
   s.describeSection("ema", "Exponential moving average of the parameters (generator_ema)");
   s.add("ema.enabled", &c.ema.enabled, "Keep an EMA of the parameters");
@@ -111,6 +122,18 @@ void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, in
     if (what.rfind("generator_ema", 0) == 0 && !c.ema.enabled) {
       throw ConfigError(s.errorMessage("checkpoint.export", strCat("exports '", what, "' but ema.enabled is false")));
     }
+  }
+  if (c.sharding.strategy == "hybrid" && c.sharding.shard_size > 0 && worldSize % c.sharding.shard_size != 0) {
+    throw ConfigError(s.errorMessage("sharding.shard_size", strCat(c.sharding.shard_size, " does not divide the world size (",
+                                                                   worldSize, ")")));
+  }
+  if (c.sharding.strategy == "hybrid" &&
+      (c.checkpoint.every_steps > 0 || c.checkpoint.at_end || !c.checkpoint.export_what.empty())) {
+    throw ConfigError(s.errorMessage(
+        "sharding.strategy",
+        "hybrid runs cannot write checkpoints or exports yet (their state is replicated over the replica groups, "
+        "the checkpoint format has one rank per shard); set checkpoint.every_steps: 0, checkpoint.at_end: false and "
+        "checkpoint.export: [], or use zero3"));
   }
   const int64_t perStep = c.data.micro_batch * worldSize;
   if (c.data.global_batch % perStep != 0) {

@@ -68,11 +68,17 @@ struct OptimOptions {
 };
 
 struct ShardingOptions {
-  std::string strategy = "no_shard";  // no_shard | zero1 | zero2 (zero3, hybrid: issue 5)
+  std::string strategy = "no_shard";  // no_shard | zero1 | zero2 | zero3 | hybrid
   double bucket_mb = 25.0;            // gradient bucket size in MiB
   std::string param_dtype = "fp32";   // compute dtype: fp32 | bf16 | fp16
   std::string reduce_dtype = "fp32";  // gradient reduction dtype
   std::string buffer_sync = "broadcast";  // broadcast | average | none
+  // zero3 / hybrid
+  bool reshard_after_forward = true;
+  int64_t prefetch = 1;
+  bool activation_checkpointing = false;
+  int64_t shard_size = 0;         // hybrid: ranks per shard group (0 = all)
+  std::vector<std::string> wrap;  // unit name patterns; empty = the model's blocks
 };
 
 struct EmaSection {

@@ -26,6 +26,7 @@
 #include "ema/ema_manager.h"
 #include "ema/strategy_ema.h"
 #include "sharding/lr_schedule.h"
+#include "sharding/fully_shard.h"
 #include "sharding/strategy.h"
 #include "trainer/metrics.h"
 #include "trainer/models.h"
@@ -75,7 +76,22 @@ sharding::StrategyOptions strategyOptions(const TrainConfig& cfg) {
   o.optimizer.weightDecay = cfg.optim.weight_decay;
   o.optimizer.momentum = cfg.optim.momentum;
   o.optimizer.nesterov = cfg.optim.nesterov;
+  o.fullyShard.reshardAfterForward = cfg.sharding.reshard_after_forward;
+  o.fullyShard.prefetch = static_cast<int>(cfg.sharding.prefetch);
+  o.fullyShard.activationCheckpointing = cfg.sharding.activation_checkpointing;
+  o.fullyShard.shardSize = static_cast<int>(cfg.sharding.shard_size);
+  o.wrap = cfg.sharding.wrap.empty() ? defaultUnits(cfg.model) : cfg.sharding.wrap;
   return o;
+}
+
+// The model's forward with the root entered as a unit (zero3/hybrid gather the root's
+// parameters there; a plain call under the other strategies).
+at::Tensor runModel(ContextMlp& model, const at::Tensor& inputs) {
+  return sharding::unitForward(*model, inputs, [&](const at::Tensor& x) { return model->forward(x); });
+}
+
+bool fullySharded(const sharding::ShardingStrategy& strategy) {
+  return strategy.kind() == sharding::StrategyKind::kZero3 || strategy.kind() == sharding::StrategyKind::kHybrid;
 }
 
 sharding::LrSchedule makeSchedule(const TrainConfig& cfg) {
@@ -112,12 +128,15 @@ double heldOutLoss(ContextMlp& model, const TextDataset& data, distributed::Comm
   torch::NoGradGuard noGrad;
   const int rank = comm.rank(), world = comm.worldSize();
   const int64_t n = std::min<int64_t>(data.evalSamples(), 4096);
+  // Every rank must run the forward (zero3 gathers inside it): at least one sample each.
+  TESSERA_CHECK_AS(ConfigError, n >= world, "evaluation: data.eval_fraction leaves ", n,
+                   " held-out samples, fewer than the ", world, " ranks");
   const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
   at::Tensor sums = at::zeros({2}, at::kDouble);  // [loss sum, count]
   if (end > begin) {
     auto [inputs, targets] = data.evalBatch(begin, end - begin);
     at::Tensor loss = torch::nn::functional::cross_entropy(
-        model->forward(inputs).to(at::kFloat), targets,
+        runModel(model, inputs).to(at::kFloat), targets,
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
     sums[0] = loss.item<double>();
     sums[1] = static_cast<double>(end - begin);
@@ -126,12 +145,37 @@ double heldOutLoss(ContextMlp& model, const TextDataset& data, distributed::Comm
   return sums[0].item<double>() / sums[1].item<double>();
 }
 
-// Runs `fn` with the module's parameters replaced by the gathered EMA of decay 0 and
-// restores them exactly afterwards, also when `fn` throws.
+// Runs `fn` with the model's parameters replaced by the EMA of decay 0 and restores them
+// exactly afterwards, also when `fn` throws.
+// - zero3/hybrid: the EMA shards have the masters' layout, so the masters are swapped
+//   (a 1/N copy kept aside) and the units reshard; fn's forward gathers the EMA.
+// - no_shard/zero1/zero2: the module holds full parameters; each is replaced by the
+//   gathered EMA (one full tensor at a time is gathered) and copied back afterwards.
 double withEmaModel(ema::ShardedModelEMAManager& emaManager, sharding::ShardingStrategy& strategy,
                     const std::function<double()>& fn) {
   torch::NoGradGuard noGrad;
   std::vector<std::pair<at::Tensor, at::Tensor>> saved;
+  if (fullySharded(strategy)) {
+    for (const auto& name : strategy.paramNames()) {
+      at::Tensor master = strategy.masterShard(name);
+      saved.emplace_back(master, master.clone());
+      master.copy_(emaManager.emaShard(0, name).view(master.sizes()));
+    }
+    strategy.publishParameters();
+    auto restore = [&] {
+      for (auto& [master, value] : saved) master.copy_(value);
+      strategy.publishParameters();
+    };
+    double result = 0;
+    try {
+      result = fn();
+    } catch (...) {
+      restore();
+      throw;
+    }
+    restore();
+    return result;
+  }
   for (const auto& name : strategy.paramNames()) {
     at::Tensor live = strategy.moduleParam(name).variable_data();
     at::Tensor full = emaManager.spec(name).fullTensor(emaManager.emaShard(0, name), strategy.comm());
@@ -310,7 +354,7 @@ TrainSummary Trainer::run() {
       std::vector<int64_t> slice(indices.begin() + micro * cfg.data.micro_batch,
                                  indices.begin() + (micro + 1) * cfg.data.micro_batch);
       auto [inputs, targets] = data.trainBatch(slice);
-      at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(inputs).to(at::kFloat), targets) /
+      at::Tensor loss = torch::nn::functional::cross_entropy(runModel(model, inputs).to(at::kFloat), targets) /
                         static_cast<double>(accumulation);
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble);

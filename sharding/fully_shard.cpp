@@ -1,0 +1,668 @@
+// ZeRO-3 units: sharding, gather/free of parameter storage, forward/backward hooks,
+// prefetch, reduce-scatter of gradients, activation checkpointing (see fully_shard.h).
+#include "sharding/fully_shard.h"
+
+#include <c10/core/GradMode.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/native/Resize.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <deque>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "common/errors.h"
+#include "distributed/communicator.h"
+#include "sharding/flat_layout.h"
+
+namespace tessera::sharding {
+
+// One FSDP unit: the parameters one module owns, their shards and their gather state.
+struct FsdpUnit {
+  enum class State { kSharded, kGathering, kUnsharded };
+
+  FullyShardStrategy::Internal* owner = nullptr;
+  std::string name;                  // qualified module name; "" for the root
+  const torch::nn::Module* module = nullptr;
+  bool isRoot = false;
+  std::vector<size_t> members;       // strategy parameter indices
+  std::vector<at::Tensor> params;    // the module's parameter objects (never replaced)
+  std::vector<std::string> names;
+  std::unique_ptr<FlatLayout> layout;
+  at::Tensor masterChunk;            // fp32 [chunkNumel]: every member's master, FlatLayout slots
+  at::Tensor gradShard;              // fp32 [chunkNumel]: reduced gradients, accumulating
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // kept alive: hooks live on them
+  std::vector<uintptr_t> hookKeys;
+  int64_t paramBytes = 0;            // full parameters in paramDtype
+  int64_t gatherBytes = 0;           // flat gather buffer
+
+  State state = State::kSharded;
+  at::Tensor flat;                   // gather buffer while kGathering
+  std::shared_ptr<distributed::CommHandle> gather;
+
+  // Per backward.
+  std::vector<bool> ready;
+  size_t readyCount = 0;
+  bool preBackwardDone = false;
+  bool reduced = false;
+};
+
+namespace {
+
+constexpr size_t kMaxPendingReduces = 2;
+
+// Units of live strategies by module, and modules marked by fullyShard().
+std::mutex gRegistryMutex;
+std::unordered_set<const torch::nn::Module*> gMarked;
+std::unordered_map<const torch::nn::Module*, FsdpUnit*> gUnits;
+
+// Frees (0) or regrows a parameter's own storage in place: the StorageImpl, and so every
+// tensor and saved variable viewing it, stays the same.
+void setStorageBytes(const at::Tensor& p, size_t bytes) {
+  c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == bytes) return;
+  at::native::resize_bytes_cpu(storage, bytes);
+}
+
+size_t fullBytes(const at::Tensor& p) { return static_cast<size_t>(p.numel()) * p.element_size(); }
+
+}  // namespace
+
+struct FullyShardStrategy::Internal {
+  explicit Internal(FullyShardStrategy& strategy) : s(strategy) {}
+
+  FullyShardStrategy& s;
+  std::vector<std::unique_ptr<FsdpUnit>> units;  // root last
+  std::vector<FsdpUnit*> currentOrder;   // units entered in the running forward
+  std::vector<FsdpUnit*> forwardOrder;   // of the last completed forward
+  std::vector<FsdpUnit*> backwardOrder;  // reverse of forwardOrder, each unit once, no root
+  int depth = 0;                         // unitForward nesting
+  int checkpointedForwardDepth = 0;      // inside a checkpointed unit's forward
+  int recomputeDepth = 0;                // inside a recompute's nested backward
+  bool callbackQueued = false;
+  struct PendingReduce {
+    FsdpUnit* unit;
+    at::Tensor flat, local;
+    std::shared_ptr<distributed::CommHandle> handle;
+  };
+  std::deque<PendingReduce> pending;
+  // Output hooks hold a weak reference: a graph outliving the strategy does nothing.
+  std::shared_ptr<int> alive = std::make_shared<int>(0);
+
+  int shardRank() const { return s.shardComm_->rank(); }
+
+  void sample() { s.peak_ = std::max(s.peak_, s.unshardedParamBytes()); }
+
+  // ---- gather / free -----------------------------------------------------------------
+  void issueGather(FsdpUnit& u) {
+    if (u.state != FsdpUnit::State::kSharded) return;
+    u.flat = at::empty({u.layout->flatNumel()}, u.masterChunk.options().dtype(s.options_.paramDtype));
+    at::Tensor chunk = u.layout->chunk(u.flat, shardRank());
+    chunk.copy_(u.masterChunk);  // cast to the compute dtype before gathering: half the bytes in bf16
+    u.gather = s.shardComm_->allGatherIntoAsync(u.flat, chunk);
+    u.state = FsdpUnit::State::kGathering;
+    sample();
+  }
+
+  void unshard(FsdpUnit& u) {
+    issueGather(u);
+    if (u.state != FsdpUnit::State::kGathering) return;
+    u.gather->wait();
+    u.gather.reset();
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      const at::Tensor& p = u.params[k];
+      setStorageBytes(p, fullBytes(p));
+      // variable_data(): a new version counter, so autograd's saved references to p do not
+      // see a modification.
+      u.layout->unpackFull(u.flat, k, p.variable_data());
+    }
+    u.state = FsdpUnit::State::kUnsharded;
+    sample();  // the flat buffer and the full parameters, both alive for this moment
+    u.flat = at::Tensor();
+  }
+
+  void reshard(FsdpUnit& u) {
+    if (u.state == FsdpUnit::State::kGathering) {
+      u.gather->wait();  // never leave a collective unwaited
+      u.gather.reset();
+      u.flat = at::Tensor();
+    } else if (u.state == FsdpUnit::State::kUnsharded) {
+      for (const at::Tensor& p : u.params) setStorageBytes(p, 0);
+    }
+    u.state = FsdpUnit::State::kSharded;
+  }
+
+  // ---- forward -----------------------------------------------------------------------
+  std::vector<at::Tensor> runUnit(FsdpUnit& u, const std::vector<at::Tensor>& inputs, const UnitFunction& fn) {
+    const bool outer = depth == 0;
+    TESSERA_CHECK(!outer || u.isRoot, "FullyShardStrategy: unit '", u.name,
+                  "' ran outside the root's forward; enter the root module through unitForward first");
+    TESSERA_CHECK(outer || !u.isRoot, "FullyShardStrategy: the root unit was entered again inside its own forward");
+    TESSERA_CHECK(checkpointedForwardDepth == 0, "FullyShardStrategy: unit '", u.name,
+                  "' runs inside an activation-checkpointed unit; checkpointed units must not contain units");
+    if (outer) currentOrder.clear();
+    currentOrder.push_back(&u);
+    const size_t position = currentOrder.size() - 1;
+    unshard(u);
+    // Issued after this unit's own gather buffer is gone: (prefetch + 1) units at most.
+    if (position < forwardOrder.size() && forwardOrder[position] == &u) {
+      for (size_t j = position + 1; j < forwardOrder.size() && j <= position + static_cast<size_t>(s.fsdp_.prefetch);
+           ++j) {
+        issueGather(*forwardOrder[j]);
+      }
+    }
+    const bool grad = at::GradMode::is_enabled();
+    std::vector<at::Tensor> outputs;
+    {
+      struct DepthGuard {
+        int& d;
+        explicit DepthGuard(int& depth) : d(depth) { ++d; }
+        ~DepthGuard() { --d; }
+      } guard(depth);
+      outputs = (grad && s.fsdp_.activationCheckpointing && !u.isRoot) ? runCheckpointed(u, inputs, fn) : fn(inputs);
+    }
+    if (!grad || s.fsdp_.reshardAfterForward) reshard(u);
+    if (grad) {
+      std::weak_ptr<int> token = alive;
+      FsdpUnit* unit = &u;
+      Internal* self = this;
+      for (const at::Tensor& out : outputs) {
+        if (!out.defined() || !out.requires_grad()) continue;
+        out.register_hook([token, unit, self](const at::Tensor&) {
+          if (token.lock()) self->preBackward(*unit);
+        });
+      }
+    }
+    if (outer) finishForward(grad);
+    return outputs;
+  }
+
+  void finishForward(bool grad) {
+    forwardOrder = currentOrder;
+    backwardOrder.clear();
+    std::unordered_set<FsdpUnit*> seen;
+    for (auto it = forwardOrder.rbegin(); it != forwardOrder.rend(); ++it) {
+      if (!(*it)->isRoot && seen.insert(*it).second) backwardOrder.push_back(*it);
+    }
+    // Gathers prefetched for units this forward did not run (the order changed), and in
+    // no-grad mode everything: no backward will free them.
+    for (auto& u : units) {
+      if (!grad || u->state == FsdpUnit::State::kGathering) reshard(*u);
+    }
+  }
+
+  std::vector<at::Tensor> runCheckpointed(FsdpUnit& u, const std::vector<at::Tensor>& inputs, const UnitFunction& fn);
+
+  // ---- backward ----------------------------------------------------------------------
+  void maybeQueueCallback() {
+    // Only the outer backward: a recompute's nested backward ends long before the step's.
+    if (callbackQueued || recomputeDepth > 0) return;
+    callbackQueued = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finishBackward(); });
+  }
+
+  void preBackward(FsdpUnit& u) {
+    maybeQueueCallback();
+    unshard(u);
+    if (u.preBackwardDone) return;
+    u.preBackwardDone = true;
+    // Prefetch, in reverse forward order, the next units autograd has not entered yet.
+    int issued = 0;
+    for (FsdpUnit* next : backwardOrder) {
+      if (issued >= s.fsdp_.prefetch) break;
+      if (next == &u || next->preBackwardDone) continue;
+      issueGather(*next);
+      ++issued;
+    }
+  }
+
+  void onGradReady(FsdpUnit& u, size_t k) {
+    maybeQueueCallback();
+    if (u.ready[k]) return;
+    u.ready[k] = true;
+    if (++u.readyCount < u.params.size()) return;
+    if (s.sync_) reduce(u);
+    reshard(u);
+  }
+
+  // Packs the unit's full gradients (zeros where a parameter has none), frees them, and
+  // issues the reduce-scatter (average over the shard group: the one division by N).
+  void reduce(FsdpUnit& u) {
+    const auto options = u.masterChunk.options().dtype(s.options_.reduceDtype);
+    PendingReduce job;
+    job.unit = &u;
+    job.flat = at::empty({u.layout->flatNumel()}, options);
+    {
+      c10::NoGradGuard noGrad;
+      for (size_t k = 0; k < u.params.size(); ++k) {
+        u.layout->packFull(job.flat, k, u.params[k].grad());
+        u.params[k].mutable_grad().reset();
+      }
+    }
+    job.local = at::empty({u.layout->chunkNumel()}, options);
+    job.handle = s.shardComm_->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
+    u.reduced = true;
+    pending.push_back(std::move(job));
+    while (pending.size() > kMaxPendingReduces) drainOne();
+  }
+
+  void drainOne() {
+    PendingReduce job = std::move(pending.front());
+    pending.pop_front();
+    job.handle->wait();
+    job.flat = at::Tensor();
+    // hybrid: the shard group's average, averaged again over the replica groups.
+    if (s.replicaComm_) s.replicaComm_->allReduce(job.local, distributed::ReduceOp::kAvg);
+    c10::NoGradGuard noGrad;
+    FsdpUnit& u = *job.unit;
+    if (!u.gradShard.defined()) {
+      u.gradShard = job.local.scalar_type() == at::kFloat ? job.local : job.local.to(at::kFloat);
+    } else {
+      u.gradShard.add_(job.local);
+    }
+  }
+
+  void drainAll() {
+    while (!pending.empty()) drainOne();
+  }
+
+  // End of every backward: reduce what the hooks left (each unit exactly once per
+  // synchronised backward, in unit order on every rank), wait, free everything gathered.
+  void finishBackward() {
+    callbackQueued = false;
+    if (s.sync_) {
+      for (auto& u : units) {
+        if (!u->reduced && !u->params.empty()) reduce(*u);
+      }
+    }
+    drainAll();
+    for (auto& u : units) {
+      reshard(*u);
+      std::fill(u->ready.begin(), u->ready.end(), false);
+      u->readyCount = 0;
+      u->preBackwardDone = false;
+      u->reduced = false;
+    }
+    refreshHeldGradShards();
+  }
+
+  void refreshHeldGradShards() {
+    s.heldGradShards_.clear();
+    for (auto& u : units) {
+      if (u->gradShard.defined()) s.heldGradShards_.push_back(u->gradShard);
+    }
+  }
+};
+
+// Calls the unit's hook when AccumulateGrad has stored the parameter's gradient.
+class GradReadyHook final : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(FullyShardStrategy::Internal* in, FsdpUnit* unit, size_t k) : in_(in), unit_(unit), k_(k) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    in_->onGradReady(*unit_, k_);
+    return outputs;
+  }
+
+ private:
+  FullyShardStrategy::Internal* in_;
+  FsdpUnit* unit_;
+  size_t k_;
+};
+
+// ---- activation checkpointing -----------------------------------------------------------
+
+namespace {
+
+struct RecomputeState : torch::CustomClassHolder {
+  FullyShardStrategy::Internal* in = nullptr;
+  FsdpUnit* unit = nullptr;
+  UnitFunction fn;
+  at::Tensor rngState;  // CPU generator state the forward saw
+};
+
+struct CounterGuard {
+  int& c;
+  explicit CounterGuard(int& counter) : c(counter) { ++c; }
+  ~CounterGuard() { --c; }
+};
+
+// Forward without keeping activations (autograd runs Function::forward with grad off);
+// backward gathers the unit if needed, recomputes the forward with grad on from the saved
+// inputs, and runs a nested backward through it: the parameters' AccumulateGrad hooks fire
+// there and reduce the unit as usual.
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  // `params` are inputs only so that the outputs require grad when the unit's parameters
+  // do, even when `inputs` do not (the first unit after frozen or data inputs): otherwise
+  // autograd would never reach the recompute. Their gradients come from the nested backward
+  // (AccumulateGrad hooks); this node returns none for them.
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                at::TensorList params, c10::intrusive_ptr<RecomputeState> state) {
+    ctx->save_for_backward(inputs.vec());
+    CounterGuard inside(state->in->checkpointedForwardDepth);
+    std::vector<at::Tensor> outputs = state->fn(inputs.vec());
+    ctx->saved_data["state"] = c10::IValue::make_capsule(std::move(state));
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list gradOutputs) {
+    auto state = c10::static_intrusive_pointer_cast<RecomputeState>(ctx->saved_data["state"].toCapsule());
+    const std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    state->in->unshard(*state->unit);
+    std::vector<at::Tensor> inputs;
+    for (const at::Tensor& x : saved) {
+      inputs.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      at::AutoGradMode gradOn(true);
+      CounterGuard inside(state->in->checkpointedForwardDepth);
+      auto gen = at::detail::getDefaultCPUGenerator();
+      at::Tensor current;
+      {
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        current = gen.get_state();
+        gen.set_state(state->rngState);
+      }
+      outputs = state->fn(inputs);
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(current);
+    }
+    TESSERA_CHECK(outputs.size() == gradOutputs.size(), "FullyShardStrategy: checkpointed unit '", state->unit->name,
+                  "' returned ", outputs.size(), " outputs in the recompute, ", gradOutputs.size(), " in forward");
+    std::vector<at::Tensor> roots, grads;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad() && gradOutputs[i].defined()) {
+        roots.push_back(outputs[i]);
+        grads.push_back(gradOutputs[i]);
+      }
+    }
+    if (!roots.empty()) {
+      CounterGuard nested(state->in->recomputeDepth);
+      torch::autograd::backward(roots, grads);
+    }
+    torch::autograd::variable_list result;
+    for (const at::Tensor& x : inputs) result.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
+    result.resize(result.size() + state->unit->params.size() + 1);  // params, state: none
+    return result;
+  }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> FullyShardStrategy::Internal::runCheckpointed(FsdpUnit& u,
+                                                                      const std::vector<at::Tensor>& inputs,
+                                                                      const UnitFunction& fn) {
+  auto state = c10::make_intrusive<RecomputeState>();
+  state->in = this;
+  state->unit = &u;
+  state->fn = fn;
+  auto gen = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state->rngState = gen.get_state();
+  }
+  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(u.params), state);
+}
+
+// ---- marking and entry points ------------------------------------------------------------
+
+void fullyShard(torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(gRegistryMutex);
+  gMarked.insert(&module);
+}
+
+int fullyShardByName(torch::nn::Module& root, const std::vector<std::string>& patterns) {
+  int marked = 0;
+  const auto modules = root.named_modules("", /*include_self=*/false);
+  for (const std::string& pattern : patterns) {
+    const bool children = pattern.size() > 2 && pattern.compare(pattern.size() - 2, 2, ".*") == 0;
+    const std::string parent = children ? pattern.substr(0, pattern.size() - 2) : pattern;
+    int hits = 0;
+    for (const auto& item : modules) {
+      const std::string& name = item.key();
+      bool match = name == pattern;
+      if (children && name.size() > parent.size() + 1 && name.compare(0, parent.size() + 1, parent + ".") == 0) {
+        match = name.find('.', parent.size() + 1) == std::string::npos;
+      }
+      if (!match) continue;
+      fullyShard(*item.value());
+      ++hits;
+    }
+    TESSERA_CHECK_AS(ConfigError, hits > 0, "fullyShardByName: pattern '", pattern, "' matches no submodule");
+    marked += hits;
+  }
+  return marked;
+}
+
+std::vector<at::Tensor> unitForward(torch::nn::Module& module, const std::vector<at::Tensor>& inputs,
+                                    const UnitFunction& fn) {
+  FsdpUnit* unit = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(gRegistryMutex);
+    auto it = gUnits.find(&module);
+    if (it != gUnits.end()) unit = it->second;
+  }
+  if (unit == nullptr) return fn(inputs);
+  return unit->owner->runUnit(*unit, inputs, fn);
+}
+
+at::Tensor unitForward(torch::nn::Module& module, const at::Tensor& input,
+                       const std::function<at::Tensor(const at::Tensor&)>& fn) {
+  std::vector<at::Tensor> out = unitForward(module, std::vector<at::Tensor>{input},
+                                            // By value: a checkpointed unit calls it again in backward.
+                                            [fn](const std::vector<at::Tensor>& in) {
+                                              return std::vector<at::Tensor>{fn(in[0])};
+                                            });
+  return out[0];
+}
+
+// ---- the strategy ----------------------------------------------------------------------------
+
+FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
+                                       StrategyOptions options, FullyShardOptions fsdp)
+    : ShardingStrategy(module, std::move(comm), std::move(options)),
+      fsdp_(fsdp),
+      in_(std::make_unique<Internal>(*this)) {
+  TESSERA_CHECK_AS(ConfigError, kind_ == StrategyKind::kZero3 || kind_ == StrategyKind::kHybrid,
+                   "FullyShardStrategy: strategy '", options_.strategy, "' is not zero3 or hybrid");
+  TESSERA_CHECK_AS(ConfigError, fsdp_.prefetch >= 0, "FullyShardStrategy: prefetch must be >= 0, got ",
+                   fsdp_.prefetch);
+  const int world = comm_->worldSize();
+  const int rank = comm_->rank();
+  if (kind_ == StrategyKind::kHybrid) {
+    const int size = fsdp_.shardSize;
+    TESSERA_CHECK_AS(ConfigError, size > 0 && world % size == 0, "FullyShardStrategy: hybrid shard size ", size,
+                     " must be > 0 and divide the world size ", world);
+    std::vector<int> shardRanks, replicaRanks;
+    for (int i = 0; i < size; ++i) shardRanks.push_back(rank / size * size + i);
+    for (int g = 0; g < world / size; ++g) replicaRanks.push_back(g * size + rank % size);
+    shardComm_ = comm_->split(shardRanks);
+    if (replicaRanks.size() > 1) replicaComm_ = comm_->split(replicaRanks);
+  }
+  const int shardWorld = shardComm_->worldSize();
+  const int shardRank = shardComm_->rank();
+
+  // Trainable parameters by tensor; one tensor under two names (tied weights) is rejected.
+  const auto& trainable = trainableParams();
+  std::unordered_map<const c10::TensorImpl*, size_t> byImpl;
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    const at::Tensor& p = trainable[i].param;
+    TESSERA_CHECK_AS(ConfigError, p.device().is_cpu(), "FullyShardStrategy: parameter '", trainable[i].name,
+                     "' is on ", p.device(), "; this build frees and regrows CPU storage only");
+    const bool fresh = byImpl.emplace(p.unsafeGetTensorImpl(), i).second;
+    TESSERA_CHECK_AS(ConfigError, fresh, "FullyShardStrategy: parameter '", trainable[i].name,
+                     "' is the same tensor as another parameter (tied weights are not supported)");
+  }
+
+  // Units: the marked submodules in named_modules() order, then the root. Deeper units
+  // claim their parameters first (an outer unit gets what its inner units do not own).
+  std::vector<std::pair<std::string, const torch::nn::Module*>> unitModules;
+  {
+    std::lock_guard<std::mutex> lock(gRegistryMutex);
+    for (const auto& item : module_.named_modules("", /*include_self=*/false)) {
+      const torch::nn::Module* m = item.value().get();
+      if (gMarked.count(m)) unitModules.emplace_back(item.key(), m);
+    }
+    for (const auto& um : unitModules) {
+      TESSERA_CHECK(!gUnits.count(um.second), "FullyShardStrategy: module '", um.first,
+                    "' is already a unit of another live strategy");
+      gMarked.erase(um.second);
+    }
+    TESSERA_CHECK(!gUnits.count(&module_), "FullyShardStrategy: the root module is already a unit of another live strategy");
+    gMarked.erase(&module_);
+  }
+  const size_t rootIndex = unitModules.size();
+  std::vector<size_t> owner(trainable.size(), rootIndex);
+  std::vector<bool> claimed(trainable.size(), false);
+  for (size_t ui = unitModules.size(); ui-- > 0;) {
+    for (const at::Tensor& p : unitModules[ui].second->parameters(/*recurse=*/true)) {
+      auto it = byImpl.find(p.unsafeGetTensorImpl());
+      if (it == byImpl.end() || claimed[it->second]) continue;  // frozen, or an inner unit's
+      claimed[it->second] = true;
+      owner[it->second] = ui;
+    }
+  }
+  for (size_t ui = 0; ui <= rootIndex; ++ui) {
+    auto u = std::make_unique<FsdpUnit>();
+    u->owner = in_.get();
+    u->isRoot = ui == rootIndex;
+    u->name = u->isRoot ? "" : unitModules[ui].first;
+    u->module = u->isRoot ? &module_ : unitModules[ui].second;
+    in_->units.push_back(std::move(u));
+  }
+  std::vector<size_t> slotOf(trainable.size());
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    FsdpUnit& u = *in_->units[owner[i]];
+    slotOf[i] = u.params.size();
+    u.params.push_back(trainable[i].param);
+    u.names.push_back(trainable[i].name);
+    u.members.push_back(i);  // registration order == trainable order (registered below)
+  }
+
+  // Shards: each unit's fp32 masters are slots of one chunk, which is exactly this rank's
+  // chunk of the unit's flat gather buffer. The parameters get fresh storage of their own
+  // in paramDtype (so freeing it frees nothing else), immediately freed.
+  c10::NoGradGuard noGrad;
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  for (auto& up : in_->units) {
+    FsdpUnit& u = *up;
+    std::vector<ShardSpec> specs;
+    for (const at::Tensor& p : u.params) specs.emplace_back(p.sizes().vec(), at::kFloat, shardWorld, shardRank);
+    u.layout = std::make_unique<FlatLayout>(std::move(specs));
+    u.masterChunk = at::zeros({u.layout->chunkNumel()}, fp32);
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      const at::Tensor& p = u.params[k];
+      u.layout->slot(u.masterChunk, k).copy_(u.layout->spec(k).shardOf(p.detach().to(at::kFloat)));
+      p.set_data(at::empty(p.sizes(), fp32.dtype(options_.paramDtype)));
+      u.paramBytes += static_cast<int64_t>(fullBytes(p));
+      setStorageBytes(p, 0);
+    }
+    u.gatherBytes = u.layout->flatNumel() * static_cast<int64_t>(c10::elementSize(options_.paramDtype));
+    u.ready.assign(u.params.size(), false);
+  }
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    FsdpUnit& u = *in_->units[owner[i]];
+    const size_t k = slotOf[i];
+    registerParam(trainable[i].name, trainable[i].param, u.layout->spec(k), u.layout->slot(u.masterChunk, k));
+  }
+  // Post hooks on the gradient accumulators, which we keep alive: the parameter holds its
+  // accumulator only weakly, and a new one (without our hooks) would replace a freed one.
+  for (auto& up : in_->units) {
+    FsdpUnit& u = *up;
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      auto acc = torch::autograd::impl::grad_accumulator(u.params[k]);
+      TESSERA_CHECK(acc != nullptr, "FullyShardStrategy: parameter '", u.names[k], "' has no gradient accumulator");
+      u.hookKeys.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(in_.get(), &u, k)));
+      u.accumulators.push_back(std::move(acc));
+    }
+  }
+  std::lock_guard<std::mutex> lock(gRegistryMutex);
+  for (auto& u : in_->units) gUnits[u->module] = u.get();
+  peak_ = unshardedParamBytes();
+}
+
+FullyShardStrategy::~FullyShardStrategy() {
+  {
+    std::lock_guard<std::mutex> lock(gRegistryMutex);
+    for (auto& u : in_->units) gUnits.erase(u->module);
+  }
+  for (auto& u : in_->units) {
+    for (size_t k = 0; k < u->accumulators.size(); ++k) u->accumulators[k]->del_post_hook(u->hookKeys[k]);
+    // A gather still in flight is waited (its buffers must outlive it); errors are moot now.
+    if (u->gather) {
+      try {
+        u->gather->wait();
+      } catch (...) {
+      }
+    }
+  }
+  for (auto& job : in_->pending) {
+    try {
+      job.handle->wait();
+    } catch (...) {
+    }
+  }
+}
+
+size_t FullyShardStrategy::unitCount() const { return in_->units.size(); }
+const std::string& FullyShardStrategy::unitName(size_t i) const { return in_->units.at(i)->name; }
+std::vector<std::string> FullyShardStrategy::unitParamNames(size_t i) const { return in_->units.at(i)->names; }
+int64_t FullyShardStrategy::unitGatherBytes(size_t i) const { return in_->units.at(i)->gatherBytes; }
+int64_t FullyShardStrategy::unitParamBytes(size_t i) const { return in_->units.at(i)->paramBytes; }
+
+int64_t FullyShardStrategy::unshardedParamBytes() const {
+  int64_t bytes = 0;
+  for (const auto& u : in_->units) {
+    for (const at::Tensor& p : u->params) bytes += static_cast<int64_t>(p.storage().nbytes());
+    if (u->flat.defined()) bytes += static_cast<int64_t>(u->flat.storage().nbytes());
+  }
+  return bytes;
+}
+
+void FullyShardStrategy::gatherFullParameters() {
+  for (auto& u : in_->units) in_->issueGather(*u);
+  for (auto& u : in_->units) in_->unshard(*u);
+}
+
+void FullyShardStrategy::publishParameters() {
+  for (auto& u : in_->units) in_->reshard(*u);
+}
+
+void FullyShardStrategy::zeroGrad() {
+  in_->drainAll();
+  ShardingStrategy::zeroGrad();
+  for (auto& u : in_->units) u->gradShard = at::Tensor();
+}
+
+std::vector<at::Tensor> FullyShardStrategy::synchronizeGradients() {
+  in_->drainAll();
+  // Full gradients not reduced yet (the last backward ran without sync): reduce them now,
+  // once, in unit order on every rank.
+  for (auto& u : in_->units) {
+    const bool local = std::any_of(u->params.begin(), u->params.end(), [](const at::Tensor& p) {
+      return p.grad().defined();
+    });
+    if (local) in_->reduce(*u);
+  }
+  in_->drainAll();
+  for (auto& u : in_->units) u->reduced = false;
+  in_->refreshHeldGradShards();
+  std::vector<at::Tensor> grads(paramCount());
+  for (auto& u : in_->units) {
+    if (!u->gradShard.defined()) continue;
+    for (size_t k = 0; k < u->members.size(); ++k) grads[u->members[k]] = u->layout->slot(u->gradShard, k);
+  }
+  return grads;
+}
+
+}  // namespace tessera::sharding
