@@ -4,6 +4,9 @@
 
 #include <c10/core/GradMode.h>
 #include <ATen/CPUGeneratorImpl.h>
+#ifdef TESSERA_TORCH_HAS_CUDA
+#include <ATen/native/cuda/Resize.h>
+#endif
 #include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
@@ -69,6 +72,12 @@ std::unordered_map<const torch::nn::Module*, FsdpUnit*> gUnits;
 void setStorageBytes(const at::Tensor& p, size_t bytes) {
   c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
   if (storage->nbytes() == bytes) return;
+#ifdef TESSERA_TORCH_HAS_CUDA
+  if (p.is_cuda()) {
+    at::native::resize_bytes_cuda(storage, bytes);  // through the caching allocator
+    return;
+  }
+#endif
   at::native::resize_bytes_cpu(storage, bytes);
 }
 
@@ -497,8 +506,20 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   std::unordered_map<const c10::TensorImpl*, size_t> byImpl;
   for (size_t i = 0; i < trainable.size(); ++i) {
     const at::Tensor& p = trainable[i].param;
-    TESSERA_CHECK_AS(ConfigError, p.device().is_cpu(), "FullyShardStrategy: parameter '", trainable[i].name,
-                     "' is on ", p.device(), "; this build frees and regrows CPU storage only");
+#ifdef TESSERA_TORCH_HAS_CUDA
+    const bool supported = p.device().is_cpu() || p.device().is_cuda();
+#else
+    const bool supported = p.device().is_cpu();
+#endif
+    TESSERA_CHECK_AS(ConfigError, supported, "FullyShardStrategy: parameter '", trainable[i].name, "' is on ",
+                     p.device(), "; fully_shard frees and regrows CPU storage, and CUDA storage in a build with "
+                     "CUDA LibTorch");
+    TESSERA_CHECK_AS(ConfigError, p.device() == trainable[0].param.device(), "FullyShardStrategy: parameter '",
+                     trainable[i].name, "' is on ", p.device(), ", '", trainable[0].name, "' on ",
+                     trainable[0].param.device(), ": all parameters must be on one device");
+    TESSERA_CHECK_AS(ConfigError, p.device().is_cpu() || !fsdp_.activationCheckpointing,
+                     "FullyShardStrategy: activation checkpointing replays the CPU generator only; parameter '",
+                     trainable[i].name, "' is on ", p.device());
     const bool fresh = byImpl.emplace(p.unsafeGetTensorImpl(), i).second;
     TESSERA_CHECK_AS(ConfigError, fresh, "FullyShardStrategy: parameter '", trainable[i].name,
                      "' is the same tensor as another parameter (tied weights are not supported)");
@@ -553,7 +574,8 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   // chunk of the unit's flat gather buffer. The parameters get fresh storage of their own
   // in paramDtype (so freeing it frees nothing else), immediately freed.
   c10::NoGradGuard noGrad;
-  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(
+      trainable.empty() ? at::Device(at::kCPU) : trainable[0].param.device());
   for (auto& up : in_->units) {
     FsdpUnit& u = *up;
     std::vector<ShardSpec> specs;

@@ -210,6 +210,8 @@ ResidentBytes ShardingStrategy::residentBytes() const {
   return bytes;
 }
 
+bool ShardingStrategy::firstReplica() const { return comm_->rank() < shardComm_->worldSize(); }
+
 std::unique_ptr<ShardingStrategy> makeStrategy(torch::nn::Module& module,
                                                std::shared_ptr<distributed::Communicator> comm,
                                                const StrategyOptions& options) {

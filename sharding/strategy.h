@@ -148,6 +148,11 @@ class ShardingStrategy {
   // The group spec(), masterShard() and optimizerState() are laid out over: comm(), or
   // hybrid's shard group (each replica group then holds the same shards).
   distributed::Communicator& stateComm() const { return *shardComm_; }
+  const std::shared_ptr<distributed::Communicator>& stateCommPtr() const { return shardComm_; }
+  // True on the ranks of the first replica group (every rank but hybrid's others): their
+  // state is all of it, so checkpoints and exports are written over stateComm() by them
+  // alone (shard groups are consecutive ranks, the first holds ranks 0..shard size-1).
+  bool firstReplica() const;
 
   // Drops all gradients: the module's .grad() become undefined (their memory is freed,
   // torch's set_to_none) and gradient shards the strategy holds are released.

@@ -127,14 +127,6 @@ void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, in
     throw ConfigError(s.errorMessage("sharding.shard_size", strCat(c.sharding.shard_size, " does not divide the world size (",
                                                                    worldSize, ")")));
   }
-  if (c.sharding.strategy == "hybrid" &&
-      (c.checkpoint.every_steps > 0 || c.checkpoint.at_end || !c.checkpoint.export_what.empty())) {
-    throw ConfigError(s.errorMessage(
-        "sharding.strategy",
-        "hybrid runs cannot write checkpoints or exports yet (their state is replicated over the replica groups, "
-        "the checkpoint format has one rank per shard); set checkpoint.every_steps: 0, checkpoint.at_end: false and "
-        "checkpoint.export: [], or use zero3"));
-  }
   const int64_t perStep = c.data.micro_batch * worldSize;
   if (c.data.global_batch % perStep != 0) {
     throw ConfigError(s.errorMessage(

@@ -244,7 +244,10 @@ TrainSummary Trainer::run() {
   checkpoint::CheckpointOptions ckptOptions;
   ckptOptions.keepLast = static_cast<int>(cfg.checkpoint.keep_last);
   ckptOptions.async = cfg.checkpoint.async;
-  checkpoint::Checkpointer checkpointer(checkpointsDir.string(), state_->comm, ckptOptions);
+  // Checkpoints and exports are written over the group the state is sharded over, by the
+  // ranks holding a full set of it (hybrid: the first replica group; others skip).
+  std::optional<checkpoint::Checkpointer> checkpointer;
+  if (strategy->firstReplica()) checkpointer.emplace(checkpointsDir.string(), strategy->stateCommPtr(), ckptOptions);
   TrainerCounters counters;
   counters.globalBatch = cfg.data.global_batch;
   counters.seed = cfg.run.seed;
@@ -306,7 +309,7 @@ TrainSummary Trainer::run() {
     request.entries = collectStateEntries(*strategy, emaManager.get());
     request.trainerState = countersToJson(counters);
     request.aliases = emaAliases(emaManager.get());
-    checkpointer.save(request);  // logs the training stall it caused
+    if (checkpointer) checkpointer->save(request);  // logs the training stall it caused
   };
 
   g_stopRequested = false;
@@ -410,7 +413,7 @@ TrainSummary Trainer::run() {
   summary.samplesPerSec =
       static_cast<double>(cfg.data.global_batch * (step - startStep)) / std::max(1e-9, nowSec() - runStart);
   if ((cfg.checkpoint.at_end || preempted) && step > startStep) saveCheckpoint(step);
-  checkpointer.finish();
+  if (checkpointer) checkpointer->finish();
 
   if (!preempted) {
     // Consolidated exports, gathered one tensor at a time to rank 0.
@@ -424,7 +427,9 @@ TrainSummary Trainer::run() {
       exportOptions.metadata["tessera_step"] = std::to_string(step);
       const std::string out = (runDir / "export" / (what + ".safetensors")).string();
       if (rank == 0) fs::create_directories(runDir / "export");
-      checkpoint::exportOnline(entries, prefix, &comm, out, exportOptions);  // logs what it wrote
+      if (strategy->firstReplica()) {  // rank 0 of the state group (global rank 0) writes
+        checkpoint::exportOnline(entries, prefix, &strategy->stateComm(), out, exportOptions);  // logs what it wrote
+      }
       if (rank == 0) summary.exports.push_back(out);
     }
   }

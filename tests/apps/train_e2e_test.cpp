@@ -76,10 +76,7 @@ TEST(TrainE2ETest, TwoRanksMatchOneProcessForEveryStrategy) {
   for (const std::string strategy : {"no_shard", "zero1", "zero2", "zero3", "hybrid"}) {
     const std::string dir = uniqueDir(strategy);
     // hybrid on 2 ranks: shard groups of 1, replicated twice (shard_size 0 would be zero3).
-    // Hybrid runs cannot checkpoint or export yet (refused by the config check).
-    const std::string extra = strategy == "hybrid" ? " --set sharding.shard_size=1 --set checkpoint.every_steps=0"
-                                                     " --set checkpoint.at_end=false --set checkpoint.export=[]"
-                                                   : "";
+    const std::string extra = strategy == "hybrid" ? " --set sharding.shard_size=1" : "";
     ASSERT_EQ(run(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + kArgs +
                       " --set run.dir=" + dir + " --set sharding.strategy=" + strategy + extra,
                   &out),
@@ -162,6 +159,18 @@ TEST(TrainE2ETest, ResumeEqualsUninterruptedRun) {
   ASSERT_EQ(run(launch3 + kResumeArgs + " --set sharding.strategy=zero2 --set run.dir=" + fromZero3, &out), 0) << out;
   EXPECT_NE(out.find("saved by 2 ranks with zero3; now 3 ranks with zero2"), std::string::npos) << out;
 
+  // Saved by hybrid (shard groups of 1, replicated twice: the first group writes) on 2
+  // ranks, resumed by zero3 on 2.
+  const std::string fromHybrid = uniqueDir("from_hybrid");
+  ASSERT_EQ(run(launch2 + kResumeArgs + " --set sharding.strategy=hybrid --set sharding.shard_size=1"
+                    " --set run.steps=6 --set run.dir=" + fromHybrid,
+                &out),
+            0)
+      << out;
+  ASSERT_EQ(run(launch2 + kResumeArgs + " --set sharding.strategy=zero3 --set run.dir=" + fromHybrid, &out), 0) << out;
+  EXPECT_NE(out.find("saved by 2 ranks with hybrid; now 2 ranks with zero3"), std::string::npos) << out;
+  const auto hybridWorld = exportOf(fromHybrid);
+
   const auto reference = exportOf(full);
   const auto sameWorld = exportOf(same);
   const auto otherWorld = exportOf(other);
@@ -172,6 +181,8 @@ TEST(TrainE2ETest, ResumeEqualsUninterruptedRun) {
     EXPECT_TRUE(at::equal(tensor, sameWorld.at(name))) << name << ": same-world resume is not bitwise equal";
     EXPECT_TRUE(at::allclose(tensor, otherWorld.at(name), 1e-5, 1e-6)) << name;
     EXPECT_TRUE(at::allclose(tensor, zero3World.at(name), 1e-5, 1e-6)) << name << ": zero3 -> zero2 resume";
+    ASSERT_TRUE(hybridWorld.count(name)) << name;
+    EXPECT_TRUE(at::allclose(tensor, hybridWorld.at(name), 1e-5, 1e-6)) << name << ": hybrid -> zero3 resume";
   }
 
   // An independent reader: Python's standard library for the format, torch for values.

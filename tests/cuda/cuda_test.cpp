@@ -3,8 +3,9 @@
 //  - the nccl communicator's collectives at world size 1 (NCCL refuses two ranks on one
 //    GPU), synchronous and async, for several dtypes;
 //  - gloo with CUDA tensors (ranks sharing the GPU, staged through host copies);
-//  - no_shard / zero1 / zero2 training of a CUDA model on 1-3 ranks sharing the GPU equals
-//    single-process CPU training;
+//  - no_shard / zero1 / zero2 / zero3 training of a CUDA model on 1-3 ranks sharing the GPU
+//    equals single-process CPU training (zero3 frees the CUDA parameter storage between
+//    uses and regrows it in place);
 //  - the EMA's fused accelerator update equals a dense float64 reference;
 //  - an async checkpoint of CUDA-resident state stages it (pinned host memory) before the
 //    save returns, and loads back equal, also at another world size.
@@ -23,6 +24,7 @@
 #include "distributed/communicator.h"
 #include "distributed/store.h"
 #include "ema/ema_manager.h"
+#include "sharding/fully_shard.h"
 #include "sharding/strategy.h"
 #include "tests/checkpoint/checkpoint_test_util.h"
 #include "tests/sharding/test_models.h"
@@ -198,9 +200,17 @@ TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
       engine->zeroGrad();
       const at::Tensor x = rankSlice(data.x[t], ctx.rank, world).to(at::kCUDA);
       const at::Tensor y = rankSlice(data.y[t], ctx.rank, world).to(at::kCUDA);
-      torch::mse_loss(model->forward(x), y).backward();
+      // zero3: the root is the one unit (gathered here, freed after backward).
+      at::Tensor out = sharding::unitForward(*model, x, [&](const at::Tensor& in) { return model->forward(in); });
+      torch::mse_loss(out, y).backward();
       EXPECT_FALSE(engine->step(optim.lr).skipped);
+      if (strategy == "zero3") {
+        for (const auto& name : engine->paramNames()) {
+          EXPECT_EQ(engine->moduleParam(name).storage().nbytes(), 0u) << name << ": CUDA storage not freed";
+        }
+      }
     }
+    if (strategy == "zero3") dynamic_cast<sharding::FullyShardStrategy&>(*engine).gatherFullParameters();
     for (const auto& name : engine->paramNames()) {
       const at::Tensor p = engine->moduleParam(name);
       EXPECT_TRUE(p.device().is_cuda()) << name;
@@ -220,7 +230,7 @@ TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
 }
 
 INSTANTIATE_TEST_SUITE_P(StrategiesAndWorlds, CudaStrategyTest,
-                         ::testing::Combine(::testing::Values("no_shard", "zero1", "zero2"), ::testing::Values(1, 2, 3)),
+                         ::testing::Combine(::testing::Values("no_shard", "zero1", "zero2", "zero3"), ::testing::Values(1, 2, 3)),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_world" + std::to_string(std::get<1>(info.param));
                          });

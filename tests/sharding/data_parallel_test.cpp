@@ -484,8 +484,20 @@ TEST(StrategyOptionsTest, BadOptionsAreConfigErrors) {
       return makeStrategy(*model, ctx.comm(), o);
     };
     EXPECT_THROW(make([](StrategyOptions& o) { o.strategy = "zero4"; }), ConfigError);
-    EXPECT_THROW(make([](StrategyOptions& o) { o.strategy = "zero3"; }), ConfigError);
-    EXPECT_THROW(make([](StrategyOptions& o) { o.strategy = "hybrid"; }), ConfigError);
+    {
+      // zero3 / hybrid: a wrap pattern that names no submodule, a shard size that does not
+      // divide the world (fresh models: a failed zero3 construction may leave marks).
+      TinyMlp other;
+      StrategyOptions o;
+      o.strategy = "zero3";
+      o.wrap = {"blocks.*"};
+      EXPECT_THROW(makeStrategy(*other, ctx.comm(), o), ConfigError);
+      TinyMlp third;
+      o.strategy = "hybrid";
+      o.wrap = {};
+      o.fullyShard.shardSize = 3;
+      EXPECT_THROW(makeStrategy(*third, ctx.comm(), o), ConfigError);
+    }
     EXPECT_THROW(make([](StrategyOptions& o) { o.paramDtype = at::kDouble; }), ConfigError);
     EXPECT_THROW(make([](StrategyOptions& o) { o.reduceDtype = at::kInt; }), ConfigError);
     EXPECT_THROW(make([](StrategyOptions& o) { o.bucketBytes = 0; }), ConfigError);
