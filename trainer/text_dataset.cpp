@@ -1,4 +1,5 @@
-// Byte-level text dataset and deterministic distributed sampler (see text_dataset.h).
+// Next-token datasets (bytes, uint16 / uint32 token files) and the deterministic
+// distributed sampler (see text_dataset.h).
 #include "trainer/text_dataset.h"
 
 #include <algorithm>
@@ -11,18 +12,53 @@
 
 namespace tessera::trainer {
 
-TextDataset::TextDataset(const std::string& path, int64_t context, double evalFraction)
+TokenFormat parseTokenFormat(const std::string& kind, const std::string& tokenDtype) {
+  if (kind == "text") return TokenFormat::kBytes;
+  TESSERA_CHECK_AS(ConfigError, kind == "tokens", "data.kind: unknown dataset kind '", kind, "' (text, tokens)");
+  if (tokenDtype == "uint16") return TokenFormat::kUint16;
+  if (tokenDtype == "uint32") return TokenFormat::kUint32;
+  throw ConfigError(strCat("data.token_dtype: unknown token dtype '", tokenDtype, "' (uint16, uint32)"));
+}
+
+namespace {
+
+// Little-endian ids of `width` bytes each.
+std::vector<uint32_t> decodeTokens(const std::string& path, const std::vector<uint8_t>& raw, int width) {
+  if (width == 1) return std::vector<uint32_t>(raw.begin(), raw.end());
+  TESSERA_CHECK(raw.size() % static_cast<size_t>(width) == 0, "dataset '", path, "': ", raw.size(),
+                " bytes is not a whole number of uint", 8 * width, " tokens (", width, " bytes each)");
+  std::vector<uint32_t> tokens(raw.size() / static_cast<size_t>(width));
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    uint32_t v = 0;
+    for (int b = width - 1; b >= 0; --b) v = (v << 8) | raw[i * static_cast<size_t>(width) + static_cast<size_t>(b)];
+    tokens[i] = v;
+  }
+  return tokens;
+}
+
+}  // namespace
+
+TextDataset::TextDataset(const std::string& path, int64_t context, double evalFraction, TokenFormat format,
+                         int64_t vocabSize)
     : path_(path), context_(context) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(strCat("TextDataset: cannot read data file '", path, "'"));
-  bytes_.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  TESSERA_CHECK(context >= 1, "TextDataset: context must be >= 1, got ", context);
-  const auto size = static_cast<int64_t>(bytes_.size());
+  if (!in) throw Error(strCat("dataset: cannot read data file '", path, "'"));
+  const std::vector<uint8_t> raw{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  const int width = format == TokenFormat::kBytes ? 1 : format == TokenFormat::kUint16 ? 2 : 4;
+  tokens_ = decodeTokens(path, raw, width);
+  if (vocabSize > 0) {
+    const auto bad = std::find_if(tokens_.begin(), tokens_.end(),
+                                  [vocabSize](uint32_t t) { return static_cast<int64_t>(t) >= vocabSize; });
+    TESSERA_CHECK(bad == tokens_.end(), "dataset '", path, "': token ", bad - tokens_.begin(), " is ",
+                  bad == tokens_.end() ? 0 : *bad, ", not below model.vocab_size ", vocabSize);
+  }
+  TESSERA_CHECK(context >= 1, "dataset: context must be >= 1, got ", context);
+  const auto size = static_cast<int64_t>(tokens_.size());
   trainEnd_ = size - static_cast<int64_t>(static_cast<double>(size) * evalFraction);
-  TESSERA_CHECK(trainSamples() >= 1, "TextDataset: '", path, "' has ", size, " bytes: too short for context ",
-                context, " (train split ", trainEnd_, " bytes)");
-  TESSERA_CHECK(evalFraction == 0.0 || evalSamples() >= 1, "TextDataset: '", path, "': held-out split of ",
-                size - trainEnd_, " bytes is too short for context ", context, " (raise data.eval_fraction)");
+  TESSERA_CHECK(trainSamples() >= 1, "dataset '", path, "' has ", size, " tokens: too short for context ", context,
+                " (train split ", trainEnd_, " tokens)");
+  TESSERA_CHECK(evalFraction == 0.0 || evalSamples() >= 1, "dataset '", path, "': held-out split of ",
+                size - trainEnd_, " tokens is too short for context ", context, " (raise data.eval_fraction)");
 }
 
 std::pair<at::Tensor, at::Tensor> TextDataset::gather(const std::vector<int64_t>& starts) const {
@@ -33,8 +69,8 @@ std::pair<at::Tensor, at::Tensor> TextDataset::gather(const std::vector<int64_t>
   auto* tg = targets.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = starts[i];
-    for (int64_t j = 0; j < context_; ++j) in[i * context_ + j] = bytes_[s + j];
-    tg[i] = bytes_[s + context_];
+    for (int64_t j = 0; j < context_; ++j) in[i * context_ + j] = tokens_[s + j];
+    tg[i] = tokens_[s + context_];
   }
   return {inputs, targets};
 }

@@ -1,7 +1,9 @@
-// Byte-level text dataset and the deterministic distributed sampler over it.
+// Next-token datasets and the deterministic distributed sampler over them.
 //
-// Sample i of a file of bytes b is (b[i .. i+context), b[i+context]): a context window
-// and the next byte to predict. The last `eval_fraction` of the file is held out.
+// The file is a flat sequence of token ids t: bytes (data.kind text: any file, byte-level)
+// or little-endian uint16 / uint32 ids (data.kind tokens, as GPT-2-style preprocessing
+// writes them). Sample i is (t[i .. i+context), t[i+context]): a context window and the
+// next token to predict. The last `eval_fraction` of the tokens is held out.
 // Sampling is defined on the global batch, so a run resumes at the same sample on any
 // world size: optimizer step s of epoch e reads global batch rows
 // perm_e[(s mod S)*G .. +G) where perm_e is a permutation seeded by (seed, e), S the
@@ -16,14 +18,23 @@
 
 namespace tessera::trainer {
 
+enum class TokenFormat { kBytes, kUint16, kUint32 };
+// data.kind + data.token_dtype -> format: "text" -> bytes; "tokens" + "uint16"/"uint32".
+// tessera::ConfigError otherwise.
+TokenFormat parseTokenFormat(const std::string& kind, const std::string& tokenDtype);
+
 class TextDataset {
  public:
-  // Reads `path` as bytes; throws tessera::Error naming the file if unreadable or too
-  // short for `context` + 1 bytes in both the train and the held-out split.
-  TextDataset(const std::string& path, int64_t context, double evalFraction);
+  // Reads `path` in `format`; throws tessera::Error naming the file if it is unreadable,
+  // not a whole number of tokens, holds an id >= vocabSize (when vocabSize > 0; the
+  // error names the position), or is too short for `context` + 1 tokens in both the
+  // train and the held-out split.
+  TextDataset(const std::string& path, int64_t context, double evalFraction, TokenFormat format = TokenFormat::kBytes,
+              int64_t vocabSize = 0);
 
   int64_t trainSamples() const { return trainEnd_ - context_; }
-  int64_t evalSamples() const { return static_cast<int64_t>(bytes_.size()) - trainEnd_ - context_; }
+  int64_t evalSamples() const { return static_cast<int64_t>(tokens_.size()) - trainEnd_ - context_; }
+  int64_t tokens() const { return static_cast<int64_t>(tokens_.size()); }
   int64_t context() const { return context_; }
   const std::string& path() const { return path_; }
 
@@ -35,9 +46,9 @@ class TextDataset {
  private:
   std::pair<at::Tensor, at::Tensor> gather(const std::vector<int64_t>& starts) const;
   std::string path_;
-  std::vector<uint8_t> bytes_;
+  std::vector<uint32_t> tokens_;
   int64_t context_;
-  int64_t trainEnd_;  // bytes [0, trainEnd_) are the train split
+  int64_t trainEnd_;  // tokens [0, trainEnd_) are the train split
 };
 
 // Which samples each rank reads at each optimizer step.

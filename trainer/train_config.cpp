@@ -34,8 +34,12 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("model.activation", &c.model.activation, "Activation between MLP layers").oneOf({"relu", "gelu"});
 
   s.describeSection("data", "Training data");
-  s.add("data.kind", &c.data.kind, "Dataset kind").oneOf({"text"});
-  s.add("data.path", &c.data.path, "Input file (for text: any UTF-8 or binary file, read as bytes)").required().nonEmpty();
+  s.add("data.kind", &c.data.kind, "Dataset kind: text (bytes) or tokens (flat binary token ids)")
+      .oneOf({"text", "tokens"});
+  s.add("data.path", &c.data.path, "Input file (text: any file, read as bytes; tokens: little-endian ids)")
+      .required()
+      .nonEmpty();
+  s.add("data.token_dtype", &c.data.token_dtype, "tokens: width of each id in the file").oneOf({"uint16", "uint32"});
   s.add("data.global_batch", &c.data.global_batch, "Samples per optimizer step over all ranks").min(1);
   s.add("data.micro_batch", &c.data.micro_batch, "Samples per forward/backward on one rank").min(1);
   s.add("data.shuffle", &c.data.shuffle, "Seeded shuffle per epoch; false reads samples in file order");

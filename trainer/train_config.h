@@ -39,8 +39,9 @@ struct ModelOptions {
 };
 
 struct DataOptions {
-  std::string kind = "text";   // text (byte-level)
+  std::string kind = "text";   // text (byte-level) | tokens (flat uint16/uint32 ids)
   std::string path = "";       // input file; required
+  std::string token_dtype = "uint16";  // tokens: uint16 | uint32
   int64_t global_batch = 32;   // samples per optimizer step over all ranks
   int64_t micro_batch = 16;    // samples per forward/backward on one rank
   bool shuffle = true;         // seeded shuffle per epoch; false reads in file order

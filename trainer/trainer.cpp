@@ -231,7 +231,8 @@ TrainSummary Trainer::run() {
   TLOG_INFO0("model " << cfg.model.arch << ": " << numParams << " parameters; strategy " << cfg.sharding.strategy
                       << " over " << world << " ranks; resident " << strategy->residentBytes().str());
 
-  TextDataset data(cfg.data.path, cfg.model.context, cfg.data.eval_fraction);
+  TextDataset data(cfg.data.path, cfg.model.context, cfg.data.eval_fraction,
+                   parseTokenFormat(cfg.data.kind, cfg.data.token_dtype), cfg.model.vocab_size);
   DistributedSampler sampler(data.trainSamples(), cfg.data.global_batch, cfg.run.seed, cfg.data.shuffle);
   const int64_t perRank = cfg.data.global_batch / world;
   const int64_t accumulation = perRank / cfg.data.micro_batch;

@@ -1,11 +1,15 @@
-// Byte-level text dataset and the distributed sampler: contents, splits, determinism,
-// and that the union of the ranks' slices is the global batch at every world size.
+// Next-token datasets (bytes, uint16 and uint32 token files) and the distributed sampler:
+// contents, splits, errors naming file and position, determinism, and that the union of
+// the ranks' slices is the global batch at every world size.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "common/errors.h"
 #include "trainer/text_dataset.h"
@@ -45,6 +49,60 @@ TEST(TextDatasetTest, ErrorsNameTheFile) {
   }
   const std::string tiny = writeText("tessera_ds_tiny.txt", "abc");
   EXPECT_THROW(TextDataset(tiny, 4, 0.0), Error);
+}
+
+std::string writeTokens(const std::string& name, const std::vector<uint32_t>& ids, int width) {
+  std::string raw;
+  for (uint32_t id : ids) {
+    for (int b = 0; b < width; ++b) raw.push_back(static_cast<char>((id >> (8 * b)) & 0xFF));  // little-endian
+  }
+  return writeText(name, raw);
+}
+
+TEST(TokenDatasetTest, Uint16AndUint32FilesGiveTheirIds) {
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < 20; ++i) ids.push_back(1000 + 300 * i);  // above one byte
+  for (auto [format, width] : {std::pair{TokenFormat::kUint16, 2}, std::pair{TokenFormat::kUint32, 4}}) {
+    const std::string path = writeTokens("tessera_ds_tokens_" + std::to_string(width) + ".bin", ids, width);
+    TextDataset ds(path, 4, 0.25, format, 50000);
+    EXPECT_EQ(ds.tokens(), 20);
+    EXPECT_EQ(ds.trainSamples(), 11);
+    auto [x, y] = ds.trainBatch({0, 10});
+    EXPECT_EQ(x[0][0].item<int64_t>(), 1000);
+    EXPECT_EQ(x[1][3].item<int64_t>(), 1000 + 300 * 13);
+    EXPECT_EQ(y[0].item<int64_t>(), 1000 + 300 * 4);
+    auto [ex, ey] = ds.evalBatch(0, 1);
+    EXPECT_EQ(ey[0].item<int64_t>(), 1000 + 300 * 19);
+  }
+  // 70000 needs uint32.
+  const std::string wide = writeTokens("tessera_ds_tokens_wide.bin", {1, 70000, 3, 4, 5, 6}, 4);
+  EXPECT_EQ(TextDataset(wide, 2, 0.0, TokenFormat::kUint32, 100000).trainBatch({0}).first[0][1].item<int64_t>(), 70000);
+}
+
+TEST(TokenDatasetTest, BadFilesAreErrorsNamingFileAndPosition) {
+  const std::string odd = writeText("tessera_ds_odd.bin", std::string(7, 'x'));
+  try {
+    TextDataset(odd, 2, 0.0, TokenFormat::kUint16, 0);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tessera_ds_odd.bin': 7 bytes is not a whole number of uint16"),
+              std::string::npos)
+        << e.what();
+  }
+  const std::string big = writeTokens("tessera_ds_big.bin", {1, 2, 3, 999, 5, 6}, 2);
+  try {
+    TextDataset(big, 2, 0.0, TokenFormat::kUint16, 256);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("token 3 is 999, not below model.vocab_size 256"), std::string::npos)
+        << e.what();
+  }
+  // Bytes are checked against the vocabulary too.
+  EXPECT_THROW(TextDataset(writeText("tessera_ds_hi.txt", "ab\xff\xfe" "cdefgh"), 2, 0.0, TokenFormat::kBytes, 128), Error);
+  EXPECT_EQ(parseTokenFormat("text", "uint32"), TokenFormat::kBytes);
+  EXPECT_EQ(parseTokenFormat("tokens", "uint32"), TokenFormat::kUint32);
+  EXPECT_THROW(parseTokenFormat("tokens", "int8"), ConfigError);
+  EXPECT_THROW(parseTokenFormat("images", "uint16"), ConfigError);
 }
 
 TEST(DistributedSamplerTest, RanksPartitionTheGlobalBatchAtEveryWorldSize) {
