@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the build tree $1 into a scratch prefix under $3, configures and builds the
+# examples project $2 against it (find_package(Tessera)), and runs its program on one
+# rank and, through the installed tessera-run, on two. Fails on any step.
+set -euo pipefail
+build_dir=$1 examples_dir=$2 work=$3
+rm -rf "$work" && mkdir -p "$work"
+cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
+launcher=()
+command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+generator=()
+command -v ninja > /dev/null && generator=(-G Ninja)
+cmake -S "$examples_dir" -B "$work/build" "${generator[@]}" "${launcher[@]}" \
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/configure.log"
+cmake --build "$work/build" > "$work/build.log"
+"$work/build/train_with_tessera" --out "$work/ema1.safetensors"
+"$work/prefix/bin/tessera-run" --standalone --nproc-per-node 2 \
+  "$work/build/train_with_tessera" --out "$work/ema2.safetensors"
+test -s "$work/ema1.safetensors" && test -s "$work/ema2.safetensors"
+echo "library API: installed, example built and run on 1 and 2 ranks"
