@@ -154,36 +154,19 @@ double heldOutLoss(ContextMlp& model, const TextDataset& data, distributed::Comm
 double withEmaModel(ema::ShardedModelEMAManager& emaManager, sharding::ShardingStrategy& strategy,
                     const std::function<double()>& fn) {
   torch::NoGradGuard noGrad;
-  std::vector<std::pair<at::Tensor, at::Tensor>> saved;
-  if (fullySharded(strategy)) {
-    for (const auto& name : strategy.paramNames()) {
-      at::Tensor master = strategy.masterShard(name);
-      saved.emplace_back(master, master.clone());
-      master.copy_(emaManager.emaShard(0, name).view(master.sizes()));
-    }
-    strategy.publishParameters();
-    auto restore = [&] {
-      for (auto& [master, value] : saved) master.copy_(value);
-      strategy.publishParameters();
-    };
-    double result = 0;
-    try {
-      result = fn();
-    } catch (...) {
-      restore();
-      throw;
-    }
-    restore();
-    return result;
-  }
+  const bool sharded = fullySharded(strategy);
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved;  // (tensor swapped, value to restore)
   for (const auto& name : strategy.paramNames()) {
-    at::Tensor live = strategy.moduleParam(name).variable_data();
-    at::Tensor full = emaManager.spec(name).fullTensor(emaManager.emaShard(0, name), strategy.comm());
-    saved.emplace_back(live, live.clone());
-    live.copy_(full.view(live.sizes()));
+    at::Tensor target = sharded ? strategy.masterShard(name) : strategy.moduleParam(name).variable_data();
+    const at::Tensor ema = sharded ? emaManager.emaShard(0, name)
+                                   : emaManager.spec(name).fullTensor(emaManager.emaShard(0, name), strategy.comm());
+    saved.emplace_back(target, target.clone());
+    target.copy_(ema.view(target.sizes()));
   }
+  if (sharded) strategy.publishParameters();
   auto restore = [&] {
-    for (auto& [live, value] : saved) live.copy_(value);
+    for (auto& [target, value] : saved) target.copy_(value);
+    if (sharded) strategy.publishParameters();
   };
   double result = 0;
   try {
