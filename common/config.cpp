@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -58,8 +59,9 @@ struct ConfigSchema::Impl {
   // Converts `node` into the field's type, checks its constraints, stores it.
   void assign(Field& field, const YAML::Node& node, const SourceLocation& loc);
   // Walks a YAML mapping at key prefix `prefix` ("" for the root).
-  void loadMap(const YAML::Node& map, const std::string& prefix, const std::string& source,
-               const ConfigSchema& schema);
+  // skipBase: the root map of a config file, whose `base` key loadFile handled.
+  void loadMap(const YAML::Node& map, const std::string& prefix, const std::string& source, const ConfigSchema& schema,
+               bool skipBase = false);
   // The closest key for an unknown `path`, phrased for an error message.
   static std::string suggestion(const ConfigSchema& schema, const std::string& path);
 };
@@ -419,13 +421,14 @@ void ConfigSchema::Impl::assign(Field& field, const YAML::Node& node, const Sour
 }
 
 void ConfigSchema::Impl::loadMap(const YAML::Node& map, const std::string& prefix, const std::string& source,
-                                 const ConfigSchema& schema) {
+                                 const ConfigSchema& schema, bool skipBase) {
   std::set<std::string> seen;
   for (auto it = map.begin(); it != map.end(); ++it) {
     const YAML::Node keyNode = it->first;
     const YAML::Node value = it->second;
     SourceLocation keyLoc = locate(source, keyNode);
     if (!keyNode.IsScalar()) fail(keyLoc, prefix.empty() ? "<root>" : prefix, "keys must be plain names");
+    if (skipBase && keyNode.Scalar() == "base") continue;
     const std::string path = prefix.empty() ? keyNode.Scalar() : prefix + "." + keyNode.Scalar();
     if (!seen.insert(keyNode.Scalar()).second) fail(keyLoc, path, "duplicate key");
     auto found = byPath.find(path);
@@ -444,7 +447,9 @@ void ConfigSchema::Impl::loadMap(const YAML::Node& map, const std::string& prefi
   }
 }
 
-void ConfigSchema::loadString(const std::string& yamlText, const std::string& sourceName) {
+namespace {
+
+YAML::Node parseRoot(const std::string& yamlText, const std::string& sourceName) {
   YAML::Node root;
   try {
     root = YAML::Load(yamlText);
@@ -453,18 +458,54 @@ void ConfigSchema::loadString(const std::string& yamlText, const std::string& so
     if (e.mark.line < 0) loc.line = 0;
     throw ConfigError(strCat(loc.str(), ": malformed YAML: ", e.msg));
   }
-  if (root.IsNull()) return;  // an empty file sets nothing
-  if (!root.IsMap()) fail(locate(sourceName, root), "<root>", strCat("expected a mapping of sections, got ", describe(root)));
-  impl_->loadMap(root, "", sourceName, *this);
+  if (!root.IsNull() && !root.IsMap()) {
+    fail(locate(sourceName, root), "<root>", strCat("expected a mapping of sections, got ", describe(root)));
+  }
+  return root;
 }
 
-void ConfigSchema::loadFile(const std::string& file) {
+std::string readConfigFile(const std::string& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) throw ConfigError(strCat(file, ": cannot read config file: ", std::strerror(errno)));
   std::ostringstream text;
   text << in.rdbuf();
   if (in.bad()) throw ConfigError(strCat(file, ": cannot read config file"));
-  loadString(text.str(), file);
+  return text.str();
+}
+
+}  // namespace
+
+void ConfigSchema::loadString(const std::string& yamlText, const std::string& sourceName) {
+  const YAML::Node root = parseRoot(yamlText, sourceName);
+  if (root.IsNull()) return;  // an empty file sets nothing
+  if (root["base"]) {
+    fail(locate(sourceName, root["base"]), "base", "is only allowed in config files (it names a file next to them)");
+  }
+  impl_->loadMap(root, "", sourceName, *this);
+}
+
+void ConfigSchema::loadFile(const std::string& file) { loadFileWithBase(file, {}); }
+
+void ConfigSchema::loadFileWithBase(const std::string& file, std::vector<std::string> chain) {
+  constexpr size_t kMaxBaseDepth = 8;
+  const YAML::Node root = parseRoot(readConfigFile(file), file);
+  if (root.IsNull()) return;
+  if (const YAML::Node base = root["base"]) {
+    // `base: other.yaml` (relative to this file): other.yaml's values first, this file's
+    // keys override them.
+    const SourceLocation loc = locate(file, base);
+    if (!base.IsScalar() || base.Scalar().empty()) fail(loc, "base", "expected the path of a config file");
+    std::filesystem::path path(base.Scalar());
+    if (path.is_relative()) path = std::filesystem::path(file).parent_path() / path;
+    path = path.lexically_normal();
+    chain.push_back(std::filesystem::path(file).lexically_normal().string());
+    if (std::find(chain.begin(), chain.end(), path.string()) != chain.end()) {
+      fail(loc, "base", strCat("'", path.string(), "' is already being loaded (a cycle of base files)"));
+    }
+    if (chain.size() > kMaxBaseDepth) fail(loc, "base", strCat("more than ", kMaxBaseDepth, " levels of base files"));
+    loadFileWithBase(path.string(), chain);
+  }
+  impl_->loadMap(root, "", file, *this, /*skipBase=*/true);
 }
 
 void ConfigSchema::applyOverride(const std::string& assignment) {

@@ -87,6 +87,9 @@ class ConfigSchema {
   // Loads YAML text/file onto the bound variables; keys not mentioned keep their
   // values. Throws ConfigError for unreadable files, malformed YAML, unknown keys
   // (with the closest known key), wrong types, out-of-range values, duplicate keys.
+  // A file may start with `base: other.yaml` (a path relative to the file): other.yaml
+  // is loaded first and this file's keys override it (nested up to 8 levels; cycles are
+  // errors). loadString text cannot name a base.
   void loadFile(const std::string& file);
   void loadString(const std::string& yamlText, const std::string& sourceName = "<string>");
 
@@ -115,6 +118,7 @@ class ConfigSchema {
  private:
   friend class FieldRef;
   struct Field;
+  void loadFileWithBase(const std::string& file, std::vector<std::string> chain);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include "common/config.h"
@@ -67,6 +68,39 @@ TEST_F(ConfigSchemaTest, DefaultsStayWhenKeysAreAbsent) {
   EXPECT_DOUBLE_EQ(o.lr, 3e-4);
   EXPECT_EQ(schema.locationOf("run.steps").str(), "a.yaml:2:10");
   EXPECT_EQ(schema.locationOf("run.name").str(), "<default>");
+}
+
+// Writes `text` to a file in a fresh temporary directory and returns its path.
+std::string writeConfig(const std::string& dir, const std::string& name, const std::string& text) {
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST_F(ConfigSchemaTest, BaseFileIsReadFirstAndOverridden) {
+  const std::string dir = (std::filesystem::temp_directory_path() / "tessera_config_base").string();
+  writeConfig(dir, "root.yaml", "run: {name: root, steps: 10}\noptim: {lr: 0.5}\ndata: {path: /tmp/x}\n");
+  writeConfig(dir + "/sub", "mid.yaml", "base: ../root.yaml\nrun: {steps: 20}\n");
+  const std::string leaf = writeConfig(dir + "/sub", "leaf.yaml", "base: mid.yaml\noptim:\n  lr: 0.25\n");
+  schema.loadFile(leaf);
+  EXPECT_EQ(o.name, "root");        // from root.yaml
+  EXPECT_EQ(o.steps, 20);           // mid.yaml overrides root.yaml
+  EXPECT_DOUBLE_EQ(o.lr, 0.25);     // leaf.yaml overrides both
+  EXPECT_EQ(schema.locationOf("optim.lr").str(), leaf + ":3:7");
+  EXPECT_EQ(schema.locationOf("run.name").str(), dir + "/root.yaml:1:13");
+
+  const std::string a = writeConfig(dir, "a.yaml", "base: b.yaml\n");
+  writeConfig(dir, "b.yaml", "base: a.yaml\n");
+  EXPECT_NE(errorOf([&] { schema.loadFile(a); }).find("a cycle of base files"), std::string::npos);
+  const std::string missing = writeConfig(dir, "missing.yaml", "base: nope.yaml\n");
+  EXPECT_NE(errorOf([&] { schema.loadFile(missing); }).find(dir + "/nope.yaml: cannot read config file"),
+            std::string::npos);
+  const std::string bad = writeConfig(dir, "bad.yaml", "base: [x]\n");
+  EXPECT_NE(errorOf([&] { schema.loadFile(bad); }).find("base: expected the path of a config file"), std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.loadString("base: root.yaml\n", "s.yaml"); }).find("only allowed in config files"),
+            std::string::npos);
+  std::filesystem::remove_all(dir);
 }
 
 TEST_F(ConfigSchemaTest, LoadsEveryType) {
