@@ -19,6 +19,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
       .min(0);
   s.add("run.eval_every", &c.run.eval_every, "Held-out loss with live and EMA weights every N steps (0: at the end only)")
       .min(0);
+  s.add("run.device", &c.run.device, "Where the model trains: cpu, or cuda (each rank's GPU: LOCAL_RANK modulo the GPUs)")
+      .oneOf({"cpu", "cuda"});
 
   s.describeSection("log", "Logging");
   s.add("log.level", &c.log.level, "Log level; the TESSERA_LOG_LEVEL environment variable overrides it")

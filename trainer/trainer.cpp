@@ -2,6 +2,7 @@
 #include "trainer/trainer.h"
 
 #include <ATen/ATen.h>
+#include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/utils.h>
 
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <csignal>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -84,6 +86,18 @@ sharding::StrategyOptions strategyOptions(const TrainConfig& cfg) {
   return o;
 }
 
+// run.device: the CPU, or this rank's CUDA device (LOCAL_RANK modulo the devices visible,
+// so ranks of a node spread over its GPUs and share them when there are fewer).
+at::Device trainingDevice(const TrainConfig& cfg) {
+  if (cfg.run.device == "cpu") return at::kCPU;
+  TESSERA_CHECK_AS(ConfigError, torch::cuda::is_available(),
+                   "run.device: cuda, but no CUDA device is usable here (a CPU-only LibTorch, or no GPU visible); "
+                   "build with scripts/gpu-build.sh on a GPU machine, or set run.device: cpu");
+  const char* localRank = std::getenv("LOCAL_RANK");
+  const int64_t index = (localRank != nullptr ? std::atoll(localRank) : 0) % torch::cuda::device_count();
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+}
+
 // The model's forward with the root entered as a unit (zero3/hybrid gather the root's
 // parameters there; a plain call under the other strategies).
 at::Tensor runModel(ContextMlp& model, const at::Tensor& inputs) {
@@ -124,7 +138,7 @@ std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, sha
 
 // Sum of cross-entropy over this rank's share of the first `n` held-out samples,
 // all-reduced to the mean over all of them.
-double heldOutLoss(ContextMlp& model, const TextDataset& data, distributed::Communicator& comm) {
+double heldOutLoss(ContextMlp& model, const TextDataset& data, distributed::Communicator& comm, at::Device device) {
   torch::NoGradGuard noGrad;
   const int rank = comm.rank(), world = comm.worldSize();
   const int64_t n = std::min<int64_t>(data.evalSamples(), 4096);
@@ -136,7 +150,7 @@ double heldOutLoss(ContextMlp& model, const TextDataset& data, distributed::Comm
   if (end > begin) {
     auto [inputs, targets] = data.evalBatch(begin, end - begin);
     at::Tensor loss = torch::nn::functional::cross_entropy(
-        runModel(model, inputs).to(at::kFloat), targets,
+        runModel(model, inputs.to(device)).to(at::kFloat), targets.to(device),
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
     sums[0] = loss.item<double>();
     sums[1] = static_cast<double>(end - begin);
@@ -205,7 +219,9 @@ TrainSummary Trainer::run() {
   // Every rank builds the model from the same seed; the strategy then broadcasts rank
   // 0's parameters and buffers, so replicas agree whatever happened before.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
+  const at::Device device = trainingDevice(cfg);
   ContextMlp model(cfg.model);
+  model->to(device);
   auto strategy = sharding::makeStrategy(*model, state_->comm, strategyOptions(cfg));
   auto emaManager = makeEma(cfg, *strategy);
   const sharding::LrSchedule schedule = makeSchedule(cfg);
@@ -305,9 +321,9 @@ TrainSummary Trainer::run() {
 
   auto evaluate = [&](std::map<std::string, double>& out) {
     if (data.evalSamples() <= 0) return;
-    out["eval_loss"] = heldOutLoss(model, data, comm);
+    out["eval_loss"] = heldOutLoss(model, data, comm, device);
     if (emaManager) {
-      out["eval_loss_ema"] = withEmaModel(*emaManager, *strategy, [&] { return heldOutLoss(model, data, comm); });
+      out["eval_loss_ema"] = withEmaModel(*emaManager, *strategy, [&] { return heldOutLoss(model, data, comm, device); });
     }
   };
 
@@ -341,10 +357,11 @@ TrainSummary Trainer::run() {
       std::vector<int64_t> slice(indices.begin() + micro * cfg.data.micro_batch,
                                  indices.begin() + (micro + 1) * cfg.data.micro_batch);
       auto [inputs, targets] = data.trainBatch(slice);
-      at::Tensor loss = torch::nn::functional::cross_entropy(runModel(model, inputs).to(at::kFloat), targets) /
-                        static_cast<double>(accumulation);
+      at::Tensor loss =
+          torch::nn::functional::cross_entropy(runModel(model, inputs.to(device)).to(at::kFloat), targets.to(device)) /
+          static_cast<double>(accumulation);
       loss.backward();
-      stepLoss += loss.detach().to(at::kDouble);
+      stepLoss += loss.detach().to(at::kDouble).cpu();
     }
     const double lr = schedule.lrAt(step);
     const sharding::StepResult result = strategy->step(lr);

@@ -1,6 +1,7 @@
 // tessera-train's command line: every kind of bad config or argument exits with
 // status 2 and a message naming the key and the YAML line:column.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <sys/wait.h>
 
 #include <cstdlib>
@@ -59,6 +60,13 @@ void expectConfigError(const std::string& yaml, const std::string& extraArgs, co
 TEST(TrainCliTest, UnknownKeyWithSuggestion) {
   expectConfigError(kGood + "optim:\n  lrr: 0.1\n", "",
                     ".yaml:4:3: optim.lrr: unknown key (did you mean 'optim.lr'?)");
+}
+
+// Without a usable GPU (CPU CI), run.device: cuda is a config error naming the key.
+TEST(TrainCliTest, CudaDeviceWithoutAGpu) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is usable here";
+  expectConfigError(kGood + "run:\n  device: cuda\n", "--set run.steps=2",
+                    "run.device: cuda, but no CUDA device is usable here");
 }
 
 TEST(TrainCliTest, WrongType) {
