@@ -3,12 +3,15 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <limits>
+
 #include "common/errors.h"
 #include "sharding/fully_shard.h"
 
 namespace tessera::trainer {
 
-ContextMlpImpl::ContextMlpImpl(const ModelOptions& options) : options_(options) {
+ContextMlp::ContextMlp(const ModelOptions& options) : options_(options) {
   embed_ = register_module("embed", torch::nn::Embedding(options.vocab_size, options.embed_dim));
   layers_ = register_module("layers", torch::nn::ModuleList());
   int64_t width = options.context * options.embed_dim;
@@ -19,8 +22,8 @@ ContextMlpImpl::ContextMlpImpl(const ModelOptions& options) : options_(options) 
   head_ = register_module("head", torch::nn::Linear(width, options.vocab_size));
 }
 
-at::Tensor ContextMlpImpl::forward(const at::Tensor& tokens) {
-  TESSERA_CHECK(tokens.dim() == 2 && tokens.size(1) == options_.context, "ContextMlp::forward: expected tokens [batch, ",
+at::Tensor ContextMlp::nextTokenLogits(const at::Tensor& tokens) {
+  TESSERA_CHECK(tokens.dim() == 2 && tokens.size(1) == options_.context, "ContextMlp: expected tokens [batch, ",
                 options_.context, "], got ", tokens.sizes());
   at::Tensor x = embed_->forward(tokens).flatten(1);
   for (const auto& layer : *layers_) {
@@ -31,7 +34,68 @@ at::Tensor ContextMlpImpl::forward(const at::Tensor& tokens) {
   return head_->forward(x);
 }
 
+GptBlock::GptBlock(int64_t width, int64_t heads) : heads_(heads) {
+  ln1_ = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  auto attn = register_module("attn", std::make_shared<torch::nn::Module>());
+  attnIn_ = attn->register_module("c_attn", torch::nn::Linear(width, 3 * width));
+  attnOut_ = attn->register_module("c_proj", torch::nn::Linear(width, width));
+  ln2_ = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  auto mlp = register_module("mlp", std::make_shared<torch::nn::Module>());
+  mlpIn_ = mlp->register_module("c_fc", torch::nn::Linear(width, 4 * width));
+  mlpOut_ = mlp->register_module("c_proj", torch::nn::Linear(4 * width, width));
+}
+
+at::Tensor GptBlock::forward(const at::Tensor& x) {
+  const int64_t batch = x.size(0), time = x.size(1), width = x.size(2), headDim = width / heads_;
+  // Causal self-attention: [batch, heads, time, headDim] queries, keys and values.
+  const auto qkv = attnIn_->forward(ln1_->forward(x)).chunk(3, /*dim=*/2);
+  auto split = [&](const at::Tensor& t) { return t.view({batch, time, heads_, headDim}).transpose(1, 2); };
+  const at::Tensor q = split(qkv[0]), k = split(qkv[1]), v = split(qkv[2]);
+  at::Tensor scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
+  const at::Tensor future = at::ones({time, time}, x.options().dtype(at::kBool)).triu(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+  const at::Tensor attended = at::softmax(scores, -1).matmul(v).transpose(1, 2).reshape({batch, time, width});
+  const at::Tensor h = x + attnOut_->forward(attended);
+  return h + mlpOut_->forward(at::gelu(mlpIn_->forward(ln2_->forward(h))));
+}
+
+Gpt::Gpt(const ModelOptions& options) : options_(options) {
+  TESSERA_CHECK_AS(ConfigError, options.embed_dim % options.heads == 0, "model.embed_dim ", options.embed_dim,
+                   " is not divisible by model.heads ", options.heads);
+  wte_ = register_module("wte", torch::nn::Embedding(options.vocab_size, options.embed_dim));
+  wpe_ = register_module("wpe", torch::nn::Embedding(options.context, options.embed_dim));
+  blocks_ = register_module("h", torch::nn::ModuleList());
+  for (int64_t i = 0; i < options.layers; ++i) blocks_->push_back(std::make_shared<GptBlock>(options.embed_dim, options.heads));
+  lnF_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.embed_dim})));
+  if (!options.tie_head) {
+    lmHead_ = register_module("lm_head",
+                              torch::nn::Linear(torch::nn::LinearOptions(options.embed_dim, options.vocab_size).bias(false)));
+  }
+}
+
+at::Tensor Gpt::forward(const at::Tensor& tokens) {
+  TESSERA_CHECK(tokens.dim() == 2 && tokens.size(1) >= 1 && tokens.size(1) <= options_.context,
+                "Gpt: expected tokens [batch, 1..", options_.context, "], got ", tokens.sizes());
+  const at::Tensor positions = at::arange(tokens.size(1), tokens.options());
+  at::Tensor x = wte_->forward(tokens) + wpe_->forward(positions);
+  for (const auto& module : *blocks_) {
+    auto* block = module->as<GptBlock>();
+    x = sharding::unitForward(*module, x, [block](const at::Tensor& in) { return block->forward(in); });
+  }
+  x = lnF_->forward(x);
+  return options_.tie_head ? x.matmul(wte_->weight.t()) : lmHead_->forward(x);
+}
+
+at::Tensor Gpt::nextTokenLogits(const at::Tensor& tokens) { return forward(tokens).select(1, tokens.size(1) - 1); }
+
+std::shared_ptr<NextTokenModel> makeModel(const ModelOptions& options) {
+  if (options.arch == "mlp") return std::make_shared<ContextMlp>(options);
+  if (options.arch == "gpt") return std::make_shared<Gpt>(options);
+  throw ConfigError(strCat("model.arch: unknown architecture '", options.arch, "' (mlp, gpt)"));
+}
+
 std::vector<std::string> defaultUnits(const ModelOptions& options) {
+  if (options.arch == "gpt") return options.layers > 0 ? std::vector<std::string>{"h.*"} : std::vector<std::string>{};
   if (options.hidden.empty()) return {};
   return {"layers.*"};
 }

@@ -1,18 +1,28 @@
 // Built-in models. Parameter names follow the equivalent PyTorch modules, so exported
 // weights load into a Python model with the same structure.
 //
-// mlp: next-token predictor over a fixed context window:
-//   embed (Embedding vocab x embed_dim) -> flatten -> [Linear -> act] x len(hidden)
+// Every model maps a context window of token ids [batch, context] to the logits of the
+// next token [batch, vocab] (NextTokenModel::nextTokenLogits); the trainer's loss is the
+// cross-entropy of that token. Units for zero3/hybrid (defaultUnits) are entered through
+// sharding::unitForward inside the models, a plain call under the other strategies.
+//
+// mlp: embed (Embedding vocab x embed_dim) -> flatten -> [Linear -> act] x len(hidden)
 //   -> Linear to vocab. Parameters: embed.weight, layers.<i>.weight/bias, head.weight/bias.
-//   Each hidden layer is entered through sharding::unitForward, so under zero3/hybrid
-//   the layers are FSDP units (gathered one at a time); a plain call otherwise.
+//   Units: the hidden layers ("layers.*").
+// gpt: a GPT-2-style decoder with nanoGPT's names: wte, wpe (learned positions), h.<i>
+//   pre-norm blocks (ln_1, attn.c_attn, attn.c_proj: causal self-attention with `heads`
+//   heads; ln_2, mlp.c_fc, mlp.c_proj: 4x GELU MLP), ln_f, lm_head (no bias; with
+//   tie_head the logits use wte.weight and there is no lm_head). forward() gives logits
+//   at every position; nextTokenLogits() the last one. Units: the blocks ("h.*").
 #pragma once
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -20,11 +30,16 @@
 
 namespace tessera::trainer {
 
-class ContextMlpImpl : public torch::nn::Module {
+class NextTokenModel : public torch::nn::Module {
  public:
-  explicit ContextMlpImpl(const ModelOptions& options);
-  // tokens: [batch, context] int64 -> logits [batch, vocab]
-  at::Tensor forward(const at::Tensor& tokens);
+  // tokens: [batch, context] int64 -> logits [batch, vocab] of the token that follows.
+  virtual at::Tensor nextTokenLogits(const at::Tensor& tokens) = 0;
+};
+
+class ContextMlp : public NextTokenModel {
+ public:
+  explicit ContextMlp(const ModelOptions& options);
+  at::Tensor nextTokenLogits(const at::Tensor& tokens) override;
 
  private:
   ModelOptions options_;
@@ -32,10 +47,39 @@ class ContextMlpImpl : public torch::nn::Module {
   torch::nn::ModuleList layers_{nullptr};
   torch::nn::Linear head_{nullptr};
 };
-TORCH_MODULE(ContextMlp);
+
+class GptBlock : public torch::nn::Module {
+ public:
+  GptBlock(int64_t width, int64_t heads);
+  at::Tensor forward(const at::Tensor& x);  // [batch, time, width] -> same
+
+ private:
+  int64_t heads_;
+  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  torch::nn::Linear attnIn_{nullptr}, attnOut_{nullptr}, mlpIn_{nullptr}, mlpOut_{nullptr};
+};
+
+class Gpt : public NextTokenModel {
+ public:
+  explicit Gpt(const ModelOptions& options);
+  // tokens [batch, time <= context] -> logits [batch, time, vocab]; position t sees
+  // tokens 0..t only.
+  at::Tensor forward(const at::Tensor& tokens);
+  at::Tensor nextTokenLogits(const at::Tensor& tokens) override;
+
+ private:
+  ModelOptions options_;
+  torch::nn::Embedding wte_{nullptr}, wpe_{nullptr};
+  torch::nn::ModuleList blocks_{nullptr};
+  torch::nn::LayerNorm lnF_{nullptr};
+  torch::nn::Linear lmHead_{nullptr};  // absent with tie_head
+};
+
+// The model model.arch names (tessera::ConfigError for an unknown one).
+std::shared_ptr<NextTokenModel> makeModel(const ModelOptions& options);
 
 // The submodules that become zero3/hybrid units when sharding.wrap is empty: the MLP's
-// hidden layers ("layers.*"); none when it has no hidden layer (the root is one unit).
+// hidden layers ("layers.*", none without hidden layers), the GPT's blocks ("h.*").
 std::vector<std::string> defaultUnits(const ModelOptions& options);
 
 }  // namespace tessera::trainer

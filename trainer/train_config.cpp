@@ -28,12 +28,15 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("log.per_rank_files", &c.log.per_rank_files, "Also write <run.dir>/logs/rank_N.log per rank");
 
   s.describeSection("model", "The model to train");
-  s.add("model.arch", &c.model.arch, "Model architecture").oneOf({"mlp"});
+  s.add("model.arch", &c.model.arch, "Model architecture: mlp or gpt").oneOf({"mlp", "gpt"});
   s.add("model.vocab_size", &c.model.vocab_size, "Vocabulary size (256 for byte-level text)").min(2);
   s.add("model.context", &c.model.context, "Context length in tokens").min(1);
   s.add("model.embed_dim", &c.model.embed_dim, "Token embedding width").min(1);
   s.add("model.hidden", &c.model.hidden, "Hidden layer widths of the MLP").min(1).nonEmpty();
   s.add("model.activation", &c.model.activation, "Activation between MLP layers").oneOf({"relu", "gelu"});
+  s.add("model.layers", &c.model.layers, "gpt: decoder blocks").min(1);
+  s.add("model.heads", &c.model.heads, "gpt: attention heads; must divide model.embed_dim").min(1);
+  s.add("model.tie_head", &c.model.tie_head, "gpt: compute the logits with wte.weight instead of an lm_head");
 
   s.describeSection("data", "Training data");
   s.add("data.kind", &c.data.kind, "Dataset kind: text (bytes) or tokens (flat binary token ids)")
@@ -132,6 +135,10 @@ void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, in
   if (c.sharding.strategy == "hybrid" && c.sharding.shard_size > 0 && worldSize % c.sharding.shard_size != 0) {
     throw ConfigError(s.errorMessage("sharding.shard_size", strCat(c.sharding.shard_size, " does not divide the world size (",
                                                                    worldSize, ")")));
+  }
+  if (c.model.arch == "gpt" && c.model.embed_dim % c.model.heads != 0) {
+    throw ConfigError(s.errorMessage("model.heads", strCat(c.model.heads, " does not divide model.embed_dim (",
+                                                            c.model.embed_dim, ")")));
   }
   const int64_t perStep = c.data.micro_batch * worldSize;
   if (c.data.global_batch % perStep != 0) {

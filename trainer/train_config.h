@@ -31,12 +31,15 @@ struct LogSection {
 };
 
 struct ModelOptions {
-  std::string arch = "mlp";             // mlp (more come with the trainer issue)
+  std::string arch = "mlp";             // mlp | gpt
   int64_t vocab_size = 256;             // byte-level text: 256
   int64_t context = 16;                 // tokens of context the model sees
   int64_t embed_dim = 32;               // token embedding width
   std::vector<int64_t> hidden = {256, 256};  // hidden layer widths of the MLP
   std::string activation = "gelu";      // relu | gelu
+  int64_t layers = 2;                   // gpt: decoder blocks
+  int64_t heads = 4;                    // gpt: attention heads (divide embed_dim)
+  bool tie_head = false;                // gpt: logits through wte.weight (no lm_head)
 };
 
 struct DataOptions {

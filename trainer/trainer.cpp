@@ -100,8 +100,8 @@ at::Device trainingDevice(const TrainConfig& cfg) {
 
 // The model's forward with the root entered as a unit (zero3/hybrid gather the root's
 // parameters there; a plain call under the other strategies).
-at::Tensor runModel(ContextMlp& model, const at::Tensor& inputs) {
-  return sharding::unitForward(*model, inputs, [&](const at::Tensor& x) { return model->forward(x); });
+at::Tensor runModel(NextTokenModel& model, const at::Tensor& inputs) {
+  return sharding::unitForward(model, inputs, [&](const at::Tensor& x) { return model.nextTokenLogits(x); });
 }
 
 bool fullySharded(const sharding::ShardingStrategy& strategy) {
@@ -138,7 +138,7 @@ std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, sha
 
 // Sum of cross-entropy over this rank's share of the first `n` held-out samples,
 // all-reduced to the mean over all of them.
-double heldOutLoss(ContextMlp& model, const TextDataset& data, distributed::Communicator& comm, at::Device device) {
+double heldOutLoss(NextTokenModel& model, const TextDataset& data, distributed::Communicator& comm, at::Device device) {
   torch::NoGradGuard noGrad;
   const int rank = comm.rank(), world = comm.worldSize();
   const int64_t n = std::min<int64_t>(data.evalSamples(), 4096);
@@ -220,7 +220,7 @@ TrainSummary Trainer::run() {
   // 0's parameters and buffers, so replicas agree whatever happened before.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   const at::Device device = trainingDevice(cfg);
-  ContextMlp model(cfg.model);
+  std::shared_ptr<NextTokenModel> model = makeModel(cfg.model);
   model->to(device);
   auto strategy = sharding::makeStrategy(*model, state_->comm, strategyOptions(cfg));
   auto emaManager = makeEma(cfg, *strategy);
@@ -321,9 +321,9 @@ TrainSummary Trainer::run() {
 
   auto evaluate = [&](std::map<std::string, double>& out) {
     if (data.evalSamples() <= 0) return;
-    out["eval_loss"] = heldOutLoss(model, data, comm, device);
+    out["eval_loss"] = heldOutLoss(*model, data, comm, device);
     if (emaManager) {
-      out["eval_loss_ema"] = withEmaModel(*emaManager, *strategy, [&] { return heldOutLoss(model, data, comm, device); });
+      out["eval_loss_ema"] = withEmaModel(*emaManager, *strategy, [&] { return heldOutLoss(*model, data, comm, device); });
     }
   };
 
@@ -358,7 +358,7 @@ TrainSummary Trainer::run() {
                                  indices.begin() + (micro + 1) * cfg.data.micro_batch);
       auto [inputs, targets] = data.trainBatch(slice);
       at::Tensor loss =
-          torch::nn::functional::cross_entropy(runModel(model, inputs.to(device)).to(at::kFloat), targets.to(device)) /
+          torch::nn::functional::cross_entropy(runModel(*model, inputs.to(device)).to(at::kFloat), targets.to(device)) /
           static_cast<double>(accumulation);
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
