@@ -2,8 +2,9 @@
 // weights load into a Python model with the same structure.
 //
 // Every model maps a context window of token ids [batch, context] to the logits of the
-// next token [batch, vocab] (NextTokenModel::nextTokenLogits); the trainer's loss is the
-// cross-entropy of that token. Units for zero3/hybrid (defaultUnits) are entered through
+// next token [batch, vocab] (NextTokenModel::nextTokenLogits). The trainer's loss is the
+// cross-entropy of that token (mlp) or, for models that predict every position (gpt), the
+// mean over all positions of the window. Units for zero3/hybrid (defaultUnits) are entered through
 // sharding::unitForward inside the models, a plain call under the other strategies.
 //
 // mlp: embed (Embedding vocab x embed_dim) -> flatten -> [Linear -> act] x len(hidden)
@@ -34,6 +35,11 @@ class NextTokenModel : public torch::nn::Module {
  public:
   // tokens: [batch, context] int64 -> logits [batch, vocab] of the token that follows.
   virtual at::Tensor nextTokenLogits(const at::Tensor& tokens) = 0;
+  // What training predicts: false, the token after the window (trainingLogits =
+  // nextTokenLogits); true, the next token at every position (logits [batch, context,
+  // vocab] against the window shifted by one).
+  virtual bool predictsEveryPosition() const { return false; }
+  virtual at::Tensor trainingLogits(const at::Tensor& tokens) { return nextTokenLogits(tokens); }
 };
 
 class ContextMlp : public NextTokenModel {
@@ -66,6 +72,8 @@ class Gpt : public NextTokenModel {
   // tokens 0..t only.
   at::Tensor forward(const at::Tensor& tokens);
   at::Tensor nextTokenLogits(const at::Tensor& tokens) override;
+  bool predictsEveryPosition() const override { return true; }
+  at::Tensor trainingLogits(const at::Tensor& tokens) override { return forward(tokens); }
 
  private:
   ModelOptions options_;

@@ -61,34 +61,38 @@ TextDataset::TextDataset(const std::string& path, int64_t context, double evalFr
                 size - trainEnd_, " tokens is too short for context ", context, " (raise data.eval_fraction)");
 }
 
-std::pair<at::Tensor, at::Tensor> TextDataset::gather(const std::vector<int64_t>& starts) const {
+std::pair<at::Tensor, at::Tensor> TextDataset::gather(const std::vector<int64_t>& starts, bool everyPosition) const {
   const auto n = static_cast<int64_t>(starts.size());
   at::Tensor inputs = at::empty({n, context_}, at::kLong);
-  at::Tensor targets = at::empty({n}, at::kLong);
+  at::Tensor targets = everyPosition ? at::empty({n, context_}, at::kLong) : at::empty({n}, at::kLong);
   auto* in = inputs.data_ptr<int64_t>();
   auto* tg = targets.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = starts[i];
     for (int64_t j = 0; j < context_; ++j) in[i * context_ + j] = tokens_[s + j];
-    tg[i] = tokens_[s + context_];
+    if (everyPosition) {
+      for (int64_t j = 0; j < context_; ++j) tg[i * context_ + j] = tokens_[s + j + 1];
+    } else {
+      tg[i] = tokens_[s + context_];
+    }
   }
   return {inputs, targets};
 }
 
-std::pair<at::Tensor, at::Tensor> TextDataset::trainBatch(const std::vector<int64_t>& indices) const {
+std::pair<at::Tensor, at::Tensor> TextDataset::trainBatch(const std::vector<int64_t>& indices, bool everyPosition) const {
   for (int64_t i : indices) {
     TESSERA_CHECK(i >= 0 && i < trainSamples(), "TextDataset::trainBatch: sample ", i, " out of range [0, ",
                   trainSamples(), ")");
   }
-  return gather(indices);
+  return gather(indices, everyPosition);
 }
 
-std::pair<at::Tensor, at::Tensor> TextDataset::evalBatch(int64_t first, int64_t n) const {
+std::pair<at::Tensor, at::Tensor> TextDataset::evalBatch(int64_t first, int64_t n, bool everyPosition) const {
   TESSERA_CHECK(first >= 0 && n >= 0 && first + n <= evalSamples(), "TextDataset::evalBatch: [", first, ", ",
                 first + n, ") out of range [0, ", evalSamples(), ")");
   std::vector<int64_t> starts(n);
   for (int64_t i = 0; i < n; ++i) starts[i] = trainEnd_ + first + i;
-  return gather(starts);
+  return gather(starts, everyPosition);
 }
 
 DistributedSampler::DistributedSampler(int64_t numSamples, int64_t globalBatch, int64_t seed, bool shuffle)

@@ -38,13 +38,15 @@ class TextDataset {
   int64_t context() const { return context_; }
   const std::string& path() const { return path_; }
 
-  // Token ids [n, context] (int64) and targets [n] for train samples `indices`.
-  std::pair<at::Tensor, at::Tensor> trainBatch(const std::vector<int64_t>& indices) const;
+  // Token ids [n, context] (int64) and targets for train samples `indices`: the next
+  // token [n], or with everyPosition the next token of every position [n, context]
+  // (the inputs shifted by one, for decoders trained on every position).
+  std::pair<at::Tensor, at::Tensor> trainBatch(const std::vector<int64_t>& indices, bool everyPosition = false) const;
   // Held-out samples [first, first + n).
-  std::pair<at::Tensor, at::Tensor> evalBatch(int64_t first, int64_t n) const;
+  std::pair<at::Tensor, at::Tensor> evalBatch(int64_t first, int64_t n, bool everyPosition = false) const;
 
  private:
-  std::pair<at::Tensor, at::Tensor> gather(const std::vector<int64_t>& starts) const;
+  std::pair<at::Tensor, at::Tensor> gather(const std::vector<int64_t>& starts, bool everyPosition) const;
   std::string path_;
   std::vector<uint32_t> tokens_;
   int64_t context_;

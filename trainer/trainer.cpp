@@ -100,8 +100,11 @@ at::Device trainingDevice(const TrainConfig& cfg) {
 
 // The model's forward with the root entered as a unit (zero3/hybrid gather the root's
 // parameters there; a plain call under the other strategies).
+// Training logits flattened to [predictions, vocab] (one per window, or one per position).
 at::Tensor runModel(NextTokenModel& model, const at::Tensor& inputs) {
-  return sharding::unitForward(model, inputs, [&](const at::Tensor& x) { return model.nextTokenLogits(x); });
+  const at::Tensor logits =
+      sharding::unitForward(model, inputs, [&](const at::Tensor& x) { return model.trainingLogits(x); });
+  return logits.reshape({-1, logits.size(-1)});
 }
 
 bool fullySharded(const sharding::ShardingStrategy& strategy) {
@@ -148,12 +151,12 @@ double heldOutLoss(NextTokenModel& model, const TextDataset& data, distributed::
   const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
   at::Tensor sums = at::zeros({2}, at::kDouble);  // [loss sum, count]
   if (end > begin) {
-    auto [inputs, targets] = data.evalBatch(begin, end - begin);
+    auto [inputs, targets] = data.evalBatch(begin, end - begin, model.predictsEveryPosition());
     at::Tensor loss = torch::nn::functional::cross_entropy(
-        runModel(model, inputs.to(device)).to(at::kFloat), targets.to(device),
+        runModel(model, inputs.to(device)).to(at::kFloat), targets.reshape({-1}).to(device),
         torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
     sums[0] = loss.item<double>();
-    sums[1] = static_cast<double>(end - begin);
+    sums[1] = static_cast<double>(targets.numel());  // predictions, not windows
   }
   comm.allReduce(sums, distributed::ReduceOp::kSum);
   return sums[0].item<double>() / sums[1].item<double>();
@@ -356,10 +359,10 @@ TrainSummary Trainer::run() {
     for (int64_t micro = 0; micro < accumulation; ++micro) {
       std::vector<int64_t> slice(indices.begin() + micro * cfg.data.micro_batch,
                                  indices.begin() + (micro + 1) * cfg.data.micro_batch);
-      auto [inputs, targets] = data.trainBatch(slice);
-      at::Tensor loss =
-          torch::nn::functional::cross_entropy(runModel(*model, inputs.to(device)).to(at::kFloat), targets.to(device)) /
-          static_cast<double>(accumulation);
+      auto [inputs, targets] = data.trainBatch(slice, model->predictsEveryPosition());
+      at::Tensor loss = torch::nn::functional::cross_entropy(runModel(*model, inputs.to(device)).to(at::kFloat),
+                                                             targets.reshape({-1}).to(device)) /
+                        static_cast<double>(accumulation);
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
     }

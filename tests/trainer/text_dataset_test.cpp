@@ -40,6 +40,19 @@ TEST(TextDatasetTest, SamplesAreContextAndNextByte) {
   EXPECT_THROW(ds.trainBatch({11}), Error);
 }
 
+TEST(TextDatasetTest, EveryPositionTargetsAreTheWindowShiftedByOne) {
+  const std::string path = writeText("tessera_ds_seq.txt", "abcdefghijklmnopqrst");
+  TextDataset ds(path, 4, 0.25);
+  auto [x, y] = ds.trainBatch({0, 10}, /*everyPosition=*/true);
+  EXPECT_EQ(y.sizes(), (c10::IntArrayRef{2, 4}));
+  EXPECT_TRUE(y.narrow(1, 0, 3).equal(x.narrow(1, 1, 3)));
+  EXPECT_EQ(y[0][3].item<int64_t>(), 'e');  // the single-target sample's target
+  EXPECT_EQ(y[1][3].item<int64_t>(), 'o');
+  auto [ex, ey] = ds.evalBatch(0, 1, true);
+  EXPECT_EQ(ey[0][0].item<int64_t>(), 'q');
+  EXPECT_EQ(ey[0][3].item<int64_t>(), 't');
+}
+
 TEST(TextDatasetTest, ErrorsNameTheFile) {
   try {
     TextDataset("/nonexistent/file.txt", 4, 0.1);
