@@ -185,12 +185,34 @@ TEST(TrainE2ETest, GptUnderZero3MatchesOneProcess) {
 // a cosine schedule depends on run.steps.
 const std::string kResumeArgs = kArgs + " --set checkpoint.async=false --set optim.schedule.kind=constant";
 
+// tessera-train on 2 local ranks under tessera-run (append its arguments).
+const std::string kLaunch2 = kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train";
+
+// The whole text of a file ("" if it cannot be read).
+std::string readText(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The generator_ema exports of two runs are bitwise equal, tensor by tensor.
+void expectBitwiseEqualExports(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
+  const auto reference = exportOf(referenceDir);
+  const auto other = exportOf(otherDir);
+  ASSERT_EQ(reference.size(), other.size()) << what;
+  for (const auto& [name, tensor] : reference) {
+    ASSERT_TRUE(other.count(name)) << name << " (" << what << ")";
+    EXPECT_TRUE(at::equal(tensor, other.at(name))) << name << " differs " << what;
+  }
+}
+
 // Resume = uninterrupted: on the same world size bitwise, and at another world size
 // with another strategy (2 ranks zero2 -> 3 ranks zero1) within float tolerance. The
 // export also reads back in Python (python3-torch + the standard library).
 TEST(TrainE2ETest, ResumeEqualsUninterruptedRun) {
   std::string out;
-  const std::string launch2 = kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train";
+  const std::string& launch2 = kLaunch2;
   const std::string launch3 = kBin + "/tessera-run --standalone --nproc-per-node 3 " + kBin + "/tessera-train";
   const std::string full = uniqueDir("full");
   ASSERT_EQ(run(launch2 + kResumeArgs + " --set sharding.strategy=zero2 --set run.dir=" + full, &out), 0) << out;
@@ -290,11 +312,7 @@ TEST(TrainE2ETest, KilledRankIsRestartedAndResumes) {
                            " --set checkpoint.every_steps=5 --set checkpoint.keep_last=2";
   std::string out;
   const std::string full = uniqueDir("uninterrupted");
-  ASSERT_EQ(run(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + args +
-                    " --set run.dir=" + full,
-                &out),
-            0)
-      << out;
+  ASSERT_EQ(run(kLaunch2 + args + " --set run.dir=" + full, &out), 0) << out;
 
   const std::string dir = uniqueDir("killed");
   const fs::path log = fs::temp_directory_path() / ("tessera_killed_" + std::to_string(::getpid()) + ".log");
@@ -312,20 +330,11 @@ TEST(TrainE2ETest, KilledRankIsRestartedAndResumes) {
   std::ifstream rcFile(log.string() + ".rc");
   int rc = -1;
   rcFile >> rc;
-  std::ifstream logFile(log);
-  std::stringstream logText;
-  logText << logFile.rdbuf();
-  EXPECT_EQ(rc, 0) << logText.str();
-  EXPECT_NE(logText.str().find("SIGKILL"), std::string::npos) << logText.str();
-  EXPECT_NE(logText.str().find("resumed from"), std::string::npos) << logText.str();
-
-  const auto reference = exportOf(full);
-  const auto restarted = exportOf(dir);
-  ASSERT_EQ(reference.size(), restarted.size());
-  for (const auto& [name, tensor] : reference) {
-    ASSERT_TRUE(restarted.count(name)) << name;
-    EXPECT_TRUE(at::equal(tensor, restarted.at(name))) << name << " differs after the restart";
-  }
+  const std::string logText = readText(log);
+  EXPECT_EQ(rc, 0) << logText;
+  EXPECT_NE(logText.find("SIGKILL"), std::string::npos) << logText;
+  EXPECT_NE(logText.find("resumed from"), std::string::npos) << logText;
+  expectBitwiseEqualExports(full, dir, "after the restart");
 }
 
 }  // namespace
@@ -339,11 +348,7 @@ TEST(TrainE2ETest, SigtermSavesTheCurrentStepAndResumes) {
                            " --set checkpoint.every_steps=0";
   std::string out;
   const std::string full = uniqueDir("uninterrupted");
-  ASSERT_EQ(run(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + args +
-                    " --set run.dir=" + full,
-                &out),
-            0)
-      << out;
+  ASSERT_EQ(run(kLaunch2 + args + " --set run.dir=" + full, &out), 0) << out;
 
   const std::string dir = uniqueDir("preempted");
   const fs::path log = fs::temp_directory_path() / ("tessera_term_" + std::to_string(::getpid()) + ".log");
@@ -356,10 +361,8 @@ TEST(TrainE2ETest, SigtermSavesTheCurrentStepAndResumes) {
   const fs::path scriptFile = fs::temp_directory_path() / ("tessera_term_" + std::to_string(::getpid()) + ".sh");
   std::ofstream(scriptFile) << script;
   ASSERT_EQ(run("bash " + scriptFile.string(), &out), 0) << out;
-  std::ifstream logFile(log);
-  std::stringstream logText;
-  logText << logFile.rdbuf();
-  ASSERT_NE(logText.str().find("stopping at step"), std::string::npos) << out << logText.str();
+  const std::string logText = readText(log);
+  ASSERT_NE(logText.find("stopping at step"), std::string::npos) << out << logText;
   const auto checkpoints = [&] {
     std::vector<std::string> names;
     for (const auto& e : fs::directory_iterator(fs::path(dir) / "checkpoints")) names.push_back(e.path().filename());
@@ -367,21 +370,11 @@ TEST(TrainE2ETest, SigtermSavesTheCurrentStepAndResumes) {
   }();
   bool found = false;
   for (const auto& n : checkpoints) found |= n.rfind("step_", 0) == 0 && n.find(".tmp") == std::string::npos;
-  ASSERT_TRUE(found) << "no complete checkpoint after SIGTERM:\n" << logText.str();
+  ASSERT_TRUE(found) << "no complete checkpoint after SIGTERM:\n" << logText;
 
-  ASSERT_EQ(run(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + args +
-                    " --set run.dir=" + dir,
-                &out),
-            0)
-      << out;
+  ASSERT_EQ(run(kLaunch2 + args + " --set run.dir=" + dir, &out), 0) << out;
   EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
-  const auto reference = exportOf(full);
-  const auto resumed = exportOf(dir);
-  ASSERT_EQ(reference.size(), resumed.size());
-  for (const auto& [name, tensor] : reference) {
-    ASSERT_TRUE(resumed.count(name)) << name;
-    EXPECT_TRUE(at::equal(tensor, resumed.at(name))) << name << " differs after the preemption";
-  }
+  expectBitwiseEqualExports(full, dir, "after the preemption");
 }
 
 }  // namespace
