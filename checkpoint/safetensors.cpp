@@ -168,6 +168,15 @@ void SafetensorsWriter::finish() {
   finished_ = true;
 }
 
+void saveSafetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
+                     std::map<std::string, std::string> metadata) {
+  std::vector<SafetensorsEntry> plan;
+  for (const auto& [name, t] : tensors) plan.push_back({name, t.scalar_type(), t.sizes().vec()});
+  SafetensorsWriter writer(path, std::move(plan), std::move(metadata));
+  for (const auto& [name, t] : tensors) writer.writeTensor(t.cpu().contiguous());
+  writer.finish();
+}
+
 SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)), file_(File::openRead(path_)) {
   const int64_t size = file_.size();
   uint8_t lenBytes[8] = {};

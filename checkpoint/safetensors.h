@@ -107,6 +107,11 @@ class SafetensorsReader {
 // Every tensor of a file (or of a sharded export: a *.index.json path), by name.
 std::map<std::string, at::Tensor> loadSafetensors(const std::string& path);
 
+// Writes `tensors` (any device; copied to the CPU one at a time) to one file, in name
+// order, through SafetensorsWriter (atomic: path.tmp, fsync, rename).
+void saveSafetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
+                     std::map<std::string, std::string> metadata = {});
+
 // Names and shapes expected vs found.
 struct MatchReport {
   std::vector<std::string> missing;     // expected, not in the file

@@ -2,14 +2,44 @@
 #include "trainer/models.h"
 
 #include <ATen/ATen.h>
+#include <torch/nn/functional/loss.h>
 
 #include <cmath>
 #include <limits>
+#include <numeric>
 
 #include "common/errors.h"
 #include "sharding/fully_shard.h"
+#include "trainer/diffusion.h"
 
 namespace tessera::trainer {
+namespace {
+
+// [Linear -> activation] for each hidden layer, each entered as a (possible) unit.
+at::Tensor runHiddenLayers(torch::nn::ModuleList& layers, at::Tensor x, const std::string& activation) {
+  for (const auto& layer : *layers) {
+    auto* linear = layer->as<torch::nn::Linear>();
+    x = sharding::unitForward(*layer, x, [linear](const at::Tensor& in) { return linear->forward(in); });
+    x = activation == "relu" ? at::relu(x) : at::gelu(x);
+  }
+  return x;
+}
+
+at::Tensor crossEntropyEach(const at::Tensor& logits, const at::Tensor& targets) {
+  namespace F = torch::nn::functional;
+  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}),
+                          F::CrossEntropyFuncOptions().reduction(torch::kNone));
+}
+
+int64_t numelOf(const std::vector<int64_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+}
+
+}  // namespace
+
+at::Tensor NextTokenModel::losses(const Batch& batch) {
+  return crossEntropyEach(trainingLogits(batch.inputs), batch.targets);
+}
 
 ContextMlp::ContextMlp(const ModelOptions& options) : options_(options) {
   embed_ = register_module("embed", torch::nn::Embedding(options.vocab_size, options.embed_dim));
@@ -25,13 +55,30 @@ ContextMlp::ContextMlp(const ModelOptions& options) : options_(options) {
 at::Tensor ContextMlp::nextTokenLogits(const at::Tensor& tokens) {
   TESSERA_CHECK(tokens.dim() == 2 && tokens.size(1) == options_.context, "ContextMlp: expected tokens [batch, ",
                 options_.context, "], got ", tokens.sizes());
-  at::Tensor x = embed_->forward(tokens).flatten(1);
-  for (const auto& layer : *layers_) {
-    auto* linear = layer->as<torch::nn::Linear>();
-    x = sharding::unitForward(*layer, x, [linear](const at::Tensor& in) { return linear->forward(in); });
-    x = options_.activation == "relu" ? at::relu(x) : at::gelu(x);
+  return head_->forward(runHiddenLayers(layers_, embed_->forward(tokens).flatten(1), options_.activation));
+}
+
+FeatureMlp::FeatureMlp(const ModelOptions& options, const DataSpec& data) : options_(options), data_(data) {
+  TESSERA_CHECK_AS(ConfigError, data.hasTargets, "model.arch mlp on tensor data needs 'targets' in the data file");
+  layers_ = register_module("layers", torch::nn::ModuleList());
+  int64_t width = numelOf(data.inputShape);
+  for (int64_t hidden : options.hidden) {
+    layers_->push_back(torch::nn::Linear(width, hidden));
+    width = hidden;
   }
-  return head_->forward(x);
+  head_ = register_module("head", torch::nn::Linear(width, data.classes > 0 ? data.classes : numelOf(data.targetShape)));
+}
+
+at::Tensor FeatureMlp::forward(const at::Tensor& inputs) {
+  const auto dtype = head_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
+  return head_->forward(runHiddenLayers(layers_, inputs.flatten(1).to(dtype), options_.activation));
+}
+
+at::Tensor FeatureMlp::losses(const Batch& batch) {
+  const at::Tensor out = forward(batch.inputs);
+  if (data_.classes > 0) return crossEntropyEach(out, batch.targets);
+  // Per-sample mean-squared error; targets [n] (one value each) or [n, ...].
+  return (out.to(at::kFloat) - batch.targets.reshape({batch.targets.size(0), -1})).square().mean(1);
 }
 
 GptBlock::GptBlock(int64_t width, int64_t heads) : heads_(heads) {
@@ -88,14 +135,36 @@ at::Tensor Gpt::forward(const at::Tensor& tokens) {
 
 at::Tensor Gpt::nextTokenLogits(const at::Tensor& tokens) { return forward(tokens).select(1, tokens.size(1) - 1); }
 
-std::shared_ptr<NextTokenModel> makeModel(const ModelOptions& options) {
-  if (options.arch == "mlp") return std::make_shared<ContextMlp>(options);
-  if (options.arch == "gpt") return std::make_shared<Gpt>(options);
-  throw ConfigError(strCat("model.arch: unknown architecture '", options.arch, "' (mlp, gpt)"));
+DataSpec tokenDataSpec(const ModelOptions& options) {
+  DataSpec s;
+  s.tokens = true;
+  s.inputShape = {options.context};
+  s.classes = options.vocab_size;
+  if (predictsEveryPosition(options)) s.targetShape = {options.context};
+  return s;
+}
+
+bool predictsEveryPosition(const ModelOptions& options) { return options.arch == "gpt"; }
+
+std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const DataSpec& data) {
+  if (options.arch == "mlp") {
+    if (data.tokens) return std::make_shared<ContextMlp>(options);
+    return std::make_shared<FeatureMlp>(options, data);
+  }
+  if (options.arch == "gpt") {
+    TESSERA_CHECK_AS(ConfigError, data.tokens, "model.arch gpt needs token data (data.kind text or tokens)");
+    return std::make_shared<Gpt>(options);
+  }
+  if (options.arch == "diffusion") {
+    TESSERA_CHECK_AS(ConfigError, !data.tokens, "model.arch diffusion needs float tensors (data.kind tensors)");
+    return std::make_shared<DiffusionDenoiser>(options, data.inputShape);
+  }
+  throw ConfigError(strCat("model.arch: unknown architecture '", options.arch, "' (mlp, gpt, diffusion)"));
 }
 
 std::vector<std::string> defaultUnits(const ModelOptions& options) {
   if (options.arch == "gpt") return options.layers > 0 ? std::vector<std::string>{"h.*"} : std::vector<std::string>{};
+  if (options.arch == "diffusion") return {"blocks.*"};
   if (options.hidden.empty()) return {};
   return {"layers.*"};
 }

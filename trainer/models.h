@@ -1,15 +1,19 @@
 // Built-in models. Parameter names follow the equivalent PyTorch modules, so exported
 // weights load into a Python model with the same structure.
 //
-// Every model maps a context window of token ids [batch, context] to the logits of the
-// next token [batch, vocab] (NextTokenModel::nextTokenLogits). The trainer's loss is the
-// cross-entropy of that token (mlp) or, for models that predict every position (gpt), the
-// mean over all positions of the window. Units for zero3/hybrid (defaultUnits) are entered through
-// sharding::unitForward inside the models, a plain call under the other strategies.
+// Every model is a TrainModel: it turns a Batch into the loss of each prediction; the
+// trainer averages them for training and sums them over the ranks for evaluation. Units
+// for zero3/hybrid (defaultUnits) are entered through sharding::unitForward inside the
+// models, a plain call under the other strategies.
 //
-// mlp: embed (Embedding vocab x embed_dim) -> flatten -> [Linear -> act] x len(hidden)
-//   -> Linear to vocab. Parameters: embed.weight, layers.<i>.weight/bias, head.weight/bias.
-//   Units: the hidden layers ("layers.*").
+// mlp on token data (data.kind text / tokens; a NextTokenModel): embed (Embedding vocab x
+//   embed_dim) -> flatten the window -> [Linear -> act] x len(hidden) -> Linear to vocab;
+//   cross-entropy of the next token. Parameters: embed.weight, layers.<i>.weight/bias,
+//   head.weight/bias. Units: the hidden layers ("layers.*").
+// mlp on tensor data (data.kind tensors): flatten the input -> [Linear -> act] x
+//   len(hidden) -> Linear to the classes (integer targets: cross-entropy) or to the target's
+//   size (float targets: mean-squared error). Parameters: layers.<i>.*, head.*.
+// diffusion: the denoiser of diffusion.h (its own noise-prediction loss).
 // gpt: a GPT-2-style decoder with nanoGPT's names: wte, wpe (learned positions), h.<i>
 //   pre-norm blocks (ln_1, attn.c_attn, attn.c_proj: causal self-attention with `heads`
 //   heads; ln_2, mlp.c_fc, mlp.c_proj: 4x GELU MLP), ln_f, lm_head (no bias; with
@@ -27,11 +31,20 @@
 #include <string>
 #include <vector>
 
+#include "trainer/dataset.h"
 #include "trainer/train_config.h"
 
 namespace tessera::trainer {
 
-class NextTokenModel : public torch::nn::Module {
+class TrainModel : public torch::nn::Module {
+ public:
+  // The loss of each prediction in `batch` (float32, one per prediction: per window or
+  // position for next-token models, per sample otherwise), on the batch's device.
+  virtual at::Tensor losses(const Batch& batch) = 0;
+};
+
+// Token windows [batch, context] -> next-token logits; loss: cross-entropy.
+class NextTokenModel : public TrainModel {
  public:
   // tokens: [batch, context] int64 -> logits [batch, vocab] of the token that follows.
   virtual at::Tensor nextTokenLogits(const at::Tensor& tokens) = 0;
@@ -40,6 +53,7 @@ class NextTokenModel : public torch::nn::Module {
   // vocab] against the window shifted by one).
   virtual bool predictsEveryPosition() const { return false; }
   virtual at::Tensor trainingLogits(const at::Tensor& tokens) { return nextTokenLogits(tokens); }
+  at::Tensor losses(const Batch& batch) override;
 };
 
 class ContextMlp : public NextTokenModel {
@@ -50,6 +64,20 @@ class ContextMlp : public NextTokenModel {
  private:
   ModelOptions options_;
   torch::nn::Embedding embed_{nullptr};
+  torch::nn::ModuleList layers_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+
+// An MLP over float tensors [batch, ...] for classification or regression.
+class FeatureMlp : public TrainModel {
+ public:
+  FeatureMlp(const ModelOptions& options, const DataSpec& data);
+  at::Tensor forward(const at::Tensor& inputs);  // [batch, ...] -> [batch, classes or target size]
+  at::Tensor losses(const Batch& batch) override;
+
+ private:
+  ModelOptions options_;
+  DataSpec data_;
   torch::nn::ModuleList layers_{nullptr};
   torch::nn::Linear head_{nullptr};
 };
@@ -83,11 +111,23 @@ class Gpt : public NextTokenModel {
   torch::nn::Linear lmHead_{nullptr};  // absent with tie_head
 };
 
-// The model model.arch names (tessera::ConfigError for an unknown one).
-std::shared_ptr<NextTokenModel> makeModel(const ModelOptions& options);
+// The spec of token data for `options` (windows of model.context, model.vocab_size ids).
+DataSpec tokenDataSpec(const ModelOptions& options);
+
+// Whether model.arch trains on the next token of every position (gpt) rather than of the
+// window (the dataset's targets depend on it).
+bool predictsEveryPosition(const ModelOptions& options);
+
+// The model model.arch names, sized for `data`. tessera::ConfigError for an unknown
+// architecture or one that cannot train on the data (gpt needs tokens, diffusion floats).
+std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const DataSpec& data);
+inline std::shared_ptr<TrainModel> makeModel(const ModelOptions& options) {
+  return makeModel(options, tokenDataSpec(options));
+}
 
 // The submodules that become zero3/hybrid units when sharding.wrap is empty: the MLP's
-// hidden layers ("layers.*", none without hidden layers), the GPT's blocks ("h.*").
+// hidden layers ("layers.*", none without hidden layers), the GPT's blocks ("h.*"), the
+// denoiser's blocks ("blocks.*").
 std::vector<std::string> defaultUnits(const ModelOptions& options);
 
 }  // namespace tessera::trainer

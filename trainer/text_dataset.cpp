@@ -14,7 +14,7 @@ namespace tessera::trainer {
 
 TokenFormat parseTokenFormat(const std::string& kind, const std::string& tokenDtype) {
   if (kind == "text") return TokenFormat::kBytes;
-  TESSERA_CHECK_AS(ConfigError, kind == "tokens", "data.kind: unknown dataset kind '", kind, "' (text, tokens)");
+  TESSERA_CHECK_AS(ConfigError, kind == "tokens", "data.kind: unknown dataset kind '", kind, "' (text, tokens, tensors)");
   if (tokenDtype == "uint16") return TokenFormat::kUint16;
   if (tokenDtype == "uint32") return TokenFormat::kUint32;
   throw ConfigError(strCat("data.token_dtype: unknown token dtype '", tokenDtype, "' (uint16, uint32)"));
@@ -39,8 +39,8 @@ std::vector<uint32_t> decodeTokens(const std::string& path, const std::vector<ui
 }  // namespace
 
 TextDataset::TextDataset(const std::string& path, int64_t context, double evalFraction, TokenFormat format,
-                         int64_t vocabSize)
-    : path_(path), context_(context) {
+                         int64_t vocabSize, bool everyPosition)
+    : path_(path), context_(context), vocabSize_(vocabSize), everyPosition_(everyPosition) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(strCat("dataset: cannot read data file '", path, "'"));
   const std::vector<uint8_t> raw{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
@@ -61,7 +61,8 @@ TextDataset::TextDataset(const std::string& path, int64_t context, double evalFr
                 size - trainEnd_, " tokens is too short for context ", context, " (raise data.eval_fraction)");
 }
 
-std::pair<at::Tensor, at::Tensor> TextDataset::gather(const std::vector<int64_t>& starts, bool everyPosition) const {
+Batch TextDataset::gather(const std::vector<int64_t>& starts) const {
+  const bool everyPosition = everyPosition_;
   const auto n = static_cast<int64_t>(starts.size());
   at::Tensor inputs = at::empty({n, context_}, at::kLong);
   at::Tensor targets = everyPosition ? at::empty({n, context_}, at::kLong) : at::empty({n}, at::kLong);
@@ -76,23 +77,37 @@ std::pair<at::Tensor, at::Tensor> TextDataset::gather(const std::vector<int64_t>
       tg[i] = tokens_[s + context_];
     }
   }
-  return {inputs, targets};
+  return Batch{inputs, targets, {}};
 }
 
-std::pair<at::Tensor, at::Tensor> TextDataset::trainBatch(const std::vector<int64_t>& indices, bool everyPosition) const {
+Batch TextDataset::trainBatch(const std::vector<int64_t>& indices) const {
   for (int64_t i : indices) {
     TESSERA_CHECK(i >= 0 && i < trainSamples(), "TextDataset::trainBatch: sample ", i, " out of range [0, ",
                   trainSamples(), ")");
   }
-  return gather(indices, everyPosition);
+  return gather(indices);
 }
 
-std::pair<at::Tensor, at::Tensor> TextDataset::evalBatch(int64_t first, int64_t n, bool everyPosition) const {
+Batch TextDataset::evalBatch(int64_t first, int64_t n) const {
   TESSERA_CHECK(first >= 0 && n >= 0 && first + n <= evalSamples(), "TextDataset::evalBatch: [", first, ", ",
                 first + n, ") out of range [0, ", evalSamples(), ")");
   std::vector<int64_t> starts(n);
   for (int64_t i = 0; i < n; ++i) starts[i] = trainEnd_ + first + i;
-  return gather(starts, everyPosition);
+  return gather(starts);
+}
+
+DataSpec TextDataset::spec() const {
+  DataSpec s;
+  s.tokens = true;
+  s.inputShape = {context_};
+  s.classes = vocabSize_;
+  if (everyPosition_) s.targetShape = {context_};
+  return s;
+}
+
+std::string TextDataset::describe() const {
+  return strCat(path_, ": ", tokens(), " tokens, ", trainSamples(), " train and ", std::max<int64_t>(evalSamples(), 0),
+                " held-out windows of ", context_);
 }
 
 DistributedSampler::DistributedSampler(int64_t numSamples, int64_t globalBatch, int64_t seed, bool shuffle)

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "trainer/dataset.h"
+
 namespace tessera::trainer {
 
 enum class TokenFormat { kBytes, kUint16, kUint32 };
@@ -23,34 +25,37 @@ enum class TokenFormat { kBytes, kUint16, kUint32 };
 // tessera::ConfigError otherwise.
 TokenFormat parseTokenFormat(const std::string& kind, const std::string& tokenDtype);
 
-class TextDataset {
+class TextDataset : public Dataset {
  public:
   // Reads `path` in `format`; throws tessera::Error naming the file if it is unreadable,
   // not a whole number of tokens, holds an id >= vocabSize (when vocabSize > 0; the
   // error names the position), or is too short for `context` + 1 tokens in both the
   // train and the held-out split.
+  // Batches hold token ids [n, context] (int64) and targets: the next token [n], or with
+  // everyPosition the next token of every position [n, context] (the inputs shifted by
+  // one, for decoders trained on every position).
   TextDataset(const std::string& path, int64_t context, double evalFraction, TokenFormat format = TokenFormat::kBytes,
-              int64_t vocabSize = 0);
+              int64_t vocabSize = 0, bool everyPosition = false);
 
-  int64_t trainSamples() const { return trainEnd_ - context_; }
-  int64_t evalSamples() const { return static_cast<int64_t>(tokens_.size()) - trainEnd_ - context_; }
+  int64_t trainSamples() const override { return trainEnd_ - context_; }
+  int64_t evalSamples() const override { return static_cast<int64_t>(tokens_.size()) - trainEnd_ - context_; }
   int64_t tokens() const { return static_cast<int64_t>(tokens_.size()); }
   int64_t context() const { return context_; }
   const std::string& path() const { return path_; }
 
-  // Token ids [n, context] (int64) and targets for train samples `indices`: the next
-  // token [n], or with everyPosition the next token of every position [n, context]
-  // (the inputs shifted by one, for decoders trained on every position).
-  std::pair<at::Tensor, at::Tensor> trainBatch(const std::vector<int64_t>& indices, bool everyPosition = false) const;
-  // Held-out samples [first, first + n).
-  std::pair<at::Tensor, at::Tensor> evalBatch(int64_t first, int64_t n, bool everyPosition = false) const;
+  Batch trainBatch(const std::vector<int64_t>& indices) const override;
+  Batch evalBatch(int64_t first, int64_t n) const override;
+  DataSpec spec() const override;
+  std::string describe() const override;
 
  private:
-  std::pair<at::Tensor, at::Tensor> gather(const std::vector<int64_t>& starts, bool everyPosition) const;
+  Batch gather(const std::vector<int64_t>& starts) const;
   std::string path_;
   std::vector<uint32_t> tokens_;
   int64_t context_;
   int64_t trainEnd_;  // tokens [0, trainEnd_) are the train split
+  int64_t vocabSize_;
+  bool everyPosition_;
 };
 
 // Which samples each rank reads at each optimizer step.

@@ -28,20 +28,34 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("log.per_rank_files", &c.log.per_rank_files, "Also write <run.dir>/logs/rank_N.log per rank");
 
   s.describeSection("model", "The model to train");
-  s.add("model.arch", &c.model.arch, "Model architecture: mlp or gpt").oneOf({"mlp", "gpt"});
+  s.add("model.arch", &c.model.arch,
+        "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors)")
+      .oneOf({"mlp", "gpt", "diffusion"});
   s.add("model.vocab_size", &c.model.vocab_size, "Vocabulary size (256 for byte-level text)").min(2);
   s.add("model.context", &c.model.context, "Context length in tokens").min(1);
-  s.add("model.embed_dim", &c.model.embed_dim, "Token embedding width").min(1);
+  s.add("model.embed_dim", &c.model.embed_dim, "Token embedding width; diffusion: the denoiser's width").min(1);
   s.add("model.hidden", &c.model.hidden, "Hidden layer widths of the MLP").min(1).nonEmpty();
   s.add("model.activation", &c.model.activation, "Activation between MLP layers").oneOf({"relu", "gelu"});
-  s.add("model.layers", &c.model.layers, "gpt: decoder blocks").min(1);
+  s.add("model.layers", &c.model.layers, "gpt: decoder blocks; diffusion: denoiser blocks").min(1);
   s.add("model.heads", &c.model.heads, "gpt: attention heads; must divide model.embed_dim").min(1);
   s.add("model.tie_head", &c.model.tie_head, "gpt: compute the logits with wte.weight instead of an lm_head");
+  s.add("model.timesteps", &c.model.timesteps, "diffusion: noise levels T of the forward process").min(1);
+  s.add("model.beta_start", &c.model.beta_start, "diffusion: first beta of the linear noise schedule")
+      .greaterThan(0.0).lessThan(1.0);
+  s.add("model.beta_end", &c.model.beta_end, "diffusion: last beta of the linear noise schedule")
+      .greaterThan(0.0).lessThan(1.0);
+  s.add("model.samples", &c.model.samples,
+        "diffusion: samples drawn with generator_ema (DDPM) at the end, written to <run.dir>/samples.safetensors")
+      .min(0);
 
   s.describeSection("data", "Training data");
-  s.add("data.kind", &c.data.kind, "Dataset kind: text (bytes) or tokens (flat binary token ids)")
-      .oneOf({"text", "tokens"});
-  s.add("data.path", &c.data.path, "Input file (text: any file, read as bytes; tokens: little-endian ids)")
+  s.add("data.kind", &c.data.kind,
+        "Dataset kind: text (bytes), tokens (flat binary token ids) or tensors (safetensors 'inputs' and 'targets')")
+      .oneOf({"text", "tokens", "tensors"});
+  s.add("data.path", &c.data.path,
+        "Input file (text: any file, read as bytes; tokens: little-endian ids; tensors: a safetensors file with "
+        "'inputs' [N, ...] and optional 'targets': integer class ids [N] for cross-entropy, floats for "
+        "mean-squared error)")
       .required()
       .nonEmpty();
   s.add("data.token_dtype", &c.data.token_dtype, "tokens: width of each id in the file").oneOf({"uint16", "uint32"});
@@ -139,6 +153,20 @@ void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, in
   if (c.model.arch == "gpt" && c.model.embed_dim % c.model.heads != 0) {
     throw ConfigError(s.errorMessage("model.heads", strCat(c.model.heads, " does not divide model.embed_dim (",
                                                             c.model.embed_dim, ")")));
+  }
+  if (c.model.arch == "gpt" && c.data.kind == "tensors") {
+    throw ConfigError(s.errorMessage("model.arch", "gpt needs token data (data.kind text or tokens), not tensors"));
+  }
+  if (c.model.arch == "diffusion" && c.data.kind != "tensors") {
+    throw ConfigError(s.errorMessage("model.arch", strCat("diffusion needs data.kind tensors, not ", c.data.kind)));
+  }
+  if (c.model.arch == "diffusion" && c.model.beta_start > c.model.beta_end) {
+    throw ConfigError(s.errorMessage("model.beta_start", strCat(c.model.beta_start, " is above model.beta_end (",
+                                                                 c.model.beta_end, ")")));
+  }
+  if (c.model.samples > 0 && (c.model.arch != "diffusion" || !c.ema.enabled)) {
+    throw ConfigError(s.errorMessage("model.samples", "draws samples with generator_ema: needs model.arch diffusion "
+                                                      "and ema.enabled"));
   }
   const int64_t perStep = c.data.micro_batch * worldSize;
   if (c.data.global_batch % perStep != 0) {

@@ -31,7 +31,7 @@ struct LogSection {
 };
 
 struct ModelOptions {
-  std::string arch = "mlp";             // mlp | gpt
+  std::string arch = "mlp";             // mlp | gpt | diffusion
   int64_t vocab_size = 256;             // byte-level text: 256
   int64_t context = 16;                 // tokens of context the model sees
   int64_t embed_dim = 32;               // token embedding width
@@ -40,10 +40,14 @@ struct ModelOptions {
   int64_t layers = 2;                   // gpt: decoder blocks
   int64_t heads = 4;                    // gpt: attention heads (divide embed_dim)
   bool tie_head = false;                // gpt: logits through wte.weight (no lm_head)
+  int64_t timesteps = 1000;             // diffusion: noise levels T
+  double beta_start = 1.0e-4;           // diffusion: linear beta schedule from beta_start ...
+  double beta_end = 0.02;               // ... to beta_end
+  int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
 };
 
 struct DataOptions {
-  std::string kind = "text";   // text (byte-level) | tokens (flat uint16/uint32 ids)
+  std::string kind = "text";   // text (byte-level) | tokens (flat uint16/uint32 ids) | tensors (safetensors)
   std::string path = "";       // input file; required
   std::string token_dtype = "uint16";  // tokens: uint16 | uint32
   int64_t global_batch = 32;   // samples per optimizer step over all ranks

@@ -3,7 +3,6 @@
 
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
-#include <torch/nn/functional/loss.h>
 #include <torch/utils.h>
 
 #include <atomic>
@@ -16,6 +15,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <optional>
 
 #include "common/errors.h"
@@ -30,6 +30,7 @@
 #include "sharding/lr_schedule.h"
 #include "sharding/fully_shard.h"
 #include "sharding/strategy.h"
+#include "trainer/diffusion.h"
 #include "trainer/metrics.h"
 #include "trainer/models.h"
 #include "trainer/text_dataset.h"
@@ -98,13 +99,24 @@ at::Device trainingDevice(const TrainConfig& cfg) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
-// The model's forward with the root entered as a unit (zero3/hybrid gather the root's
-// parameters there; a plain call under the other strategies).
-// Training logits flattened to [predictions, vocab] (one per window, or one per position).
-at::Tensor runModel(NextTokenModel& model, const at::Tensor& inputs) {
-  const at::Tensor logits =
-      sharding::unitForward(model, inputs, [&](const at::Tensor& x) { return model.trainingLogits(x); });
-  return logits.reshape({-1, logits.size(-1)});
+// The loss of each prediction of `batch`, with the model's root entered as a unit
+// (zero3/hybrid gather the root's parameters there; a plain call under the other
+// strategies). Inputs and targets move to `device` first.
+at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device) {
+  batch.inputs = batch.inputs.to(device);
+  if (batch.targets.defined()) batch.targets = batch.targets.to(device);
+  return sharding::unitForward(model, batch.inputs, [&](const at::Tensor& inputs) {
+    Batch b = batch;
+    b.inputs = inputs;
+    return model.losses(b);
+  });
+}
+
+// Seeds of the samples' noise (diffusion): from the run seed, the step (-1: evaluation)
+// and each sample's index, never from the rank or the micro-batch.
+void seedNoise(Batch& batch, int64_t runSeed, int64_t step, const std::vector<int64_t>& indices) {
+  batch.noiseSeeds.clear();
+  for (int64_t i : indices) batch.noiseSeeds.push_back(noiseSeed(runSeed, step, i));
 }
 
 bool fullySharded(const sharding::ShardingStrategy& strategy) {
@@ -139,9 +151,10 @@ std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, sha
   return manager;
 }
 
-// Sum of cross-entropy over this rank's share of the first `n` held-out samples,
-// all-reduced to the mean over all of them.
-double heldOutLoss(NextTokenModel& model, const TextDataset& data, distributed::Communicator& comm, at::Device device) {
+// Sum of the losses over this rank's share of the first `n` held-out samples, all-reduced
+// to the mean over all their predictions.
+double heldOutLoss(TrainModel& model, const Dataset& data, int64_t runSeed, distributed::Communicator& comm,
+                   at::Device device) {
   torch::NoGradGuard noGrad;
   const int rank = comm.rank(), world = comm.worldSize();
   const int64_t n = std::min<int64_t>(data.evalSamples(), 4096);
@@ -151,12 +164,13 @@ double heldOutLoss(NextTokenModel& model, const TextDataset& data, distributed::
   const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
   at::Tensor sums = at::zeros({2}, at::kDouble);  // [loss sum, count]
   if (end > begin) {
-    auto [inputs, targets] = data.evalBatch(begin, end - begin, model.predictsEveryPosition());
-    at::Tensor loss = torch::nn::functional::cross_entropy(
-        runModel(model, inputs.to(device)).to(at::kFloat), targets.reshape({-1}).to(device),
-        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum));
-    sums[0] = loss.item<double>();
-    sums[1] = static_cast<double>(targets.numel());  // predictions, not windows
+    Batch batch = data.evalBatch(begin, end - begin);
+    std::vector<int64_t> indices(static_cast<size_t>(end - begin));
+    std::iota(indices.begin(), indices.end(), begin);
+    seedNoise(batch, runSeed, -1, indices);
+    const at::Tensor losses = lossesOf(model, batch, device);
+    sums[0] = losses.to(at::kDouble).sum().item<double>();
+    sums[1] = static_cast<double>(losses.numel());  // predictions, not windows
   }
   comm.allReduce(sums, distributed::ReduceOp::kSum);
   return sums[0].item<double>() / sums[1].item<double>();
@@ -196,6 +210,43 @@ double withEmaModel(ema::ShardedModelEMAManager& emaManager, sharding::ShardingS
   return result;
 }
 
+// model.samples: DDPM samples drawn with generator_ema (every rank runs the sampler with
+// the same seed, as zero3 gathers collectively); rank 0 writes them and logs their mean and
+// spread against the held-out data's. Returns the file written ("" on other ranks).
+std::string drawSamples(DiffusionDenoiser& model, ema::ShardedModelEMAManager& emaManager,
+                        sharding::ShardingStrategy& strategy, const Dataset& data, const TrainConfig& cfg,
+                        distributed::Communicator& comm, at::Device device, const fs::path& runDir) {
+  at::Tensor samples;
+  withEmaModel(emaManager, strategy, [&] {
+    samples = sampleDdpm(model.schedule(), model.sampleShape(), cfg.model.samples, noiseSeed(cfg.run.seed, -2, 0),
+                         device, [&](const at::Tensor& x, const at::Tensor& t) {
+                           return sharding::unitForward(model, std::vector<at::Tensor>{x, t},
+                                                        [&](const std::vector<at::Tensor>& in) {
+                                                          return std::vector<at::Tensor>{model.forward(in[0], in[1])};
+                                                        })[0];
+                         });
+    return 0.0;
+  });
+  if (comm.rank() != 0) return "";
+  const std::string out = (runDir / "samples.safetensors").string();
+  samples = samples.cpu();
+  checkpoint::saveSafetensors(out, {{"samples", samples}}, {{"generator", "generator_ema"}});
+  const int64_t n = std::min<int64_t>(data.evalSamples() > 0 ? data.evalSamples() : data.trainSamples(), 4096);
+  const at::Tensor reference =
+      (data.evalSamples() > 0 ? data.evalBatch(0, n) : data.trainBatch([&] {
+        std::vector<int64_t> all(static_cast<size_t>(n));
+        std::iota(all.begin(), all.end(), 0);
+        return all;
+      }())).inputs.flatten(1);
+  const at::Tensor flat = samples.flatten(1);
+  const double meanError = (flat.mean(0) - reference.mean(0)).abs().mean().item<double>();
+  const double stdRatio = (flat.std(0) / reference.std(0).clamp_min(1e-12)).mean().item<double>();
+  TLOG_INFO0("samples: " << cfg.model.samples << " drawn with generator_ema; per-feature mean differs from the "
+                         << (data.evalSamples() > 0 ? "held-out" : "train") << " data's by " << meanError
+                         << " on average, spread ratio " << stdRatio << " (1 = the data's)");
+  return out;
+}
+
 }  // namespace
 
 Trainer::Trainer(TrainConfig config, std::string resolvedYaml, std::shared_ptr<distributed::Communicator> comm)
@@ -223,7 +274,8 @@ TrainSummary Trainer::run() {
   // 0's parameters and buffers, so replicas agree whatever happened before.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   const at::Device device = trainingDevice(cfg);
-  std::shared_ptr<NextTokenModel> model = makeModel(cfg.model);
+  std::unique_ptr<Dataset> data = makeDataset(cfg.data, cfg.model, predictsEveryPosition(cfg.model));
+  std::shared_ptr<TrainModel> model = makeModel(cfg.model, data->spec());
   model->to(device);
   auto strategy = sharding::makeStrategy(*model, state_->comm, strategyOptions(cfg));
   auto emaManager = makeEma(cfg, *strategy);
@@ -233,12 +285,10 @@ TrainSummary Trainer::run() {
   TLOG_INFO0("model " << cfg.model.arch << ": " << numParams << " parameters; strategy " << cfg.sharding.strategy
                       << " over " << world << " ranks; resident " << strategy->residentBytes().str());
 
-  TextDataset data(cfg.data.path, cfg.model.context, cfg.data.eval_fraction,
-                   parseTokenFormat(cfg.data.kind, cfg.data.token_dtype), cfg.model.vocab_size);
-  DistributedSampler sampler(data.trainSamples(), cfg.data.global_batch, cfg.run.seed, cfg.data.shuffle);
+  DistributedSampler sampler(data->trainSamples(), cfg.data.global_batch, cfg.run.seed, cfg.data.shuffle);
   const int64_t perRank = cfg.data.global_batch / world;
   const int64_t accumulation = perRank / cfg.data.micro_batch;
-  TLOG_INFO0("data " << data.path() << ": " << data.trainSamples() << " train samples, " << sampler.stepsPerEpoch()
+  TLOG_INFO0("data " << data->describe() << "; " << sampler.stepsPerEpoch()
                      << " steps per epoch; " << accumulation << " micro-batches of " << cfg.data.micro_batch
                      << " per rank per step");
 
@@ -323,10 +373,11 @@ TrainSummary Trainer::run() {
   if (rank == 0) metrics = std::make_unique<MetricsLog>((runDir / "metrics.jsonl").string(), cfg.run.steps);
 
   auto evaluate = [&](std::map<std::string, double>& out) {
-    if (data.evalSamples() <= 0) return;
-    out["eval_loss"] = heldOutLoss(*model, data, comm, device);
+    if (data->evalSamples() <= 0) return;
+    out["eval_loss"] = heldOutLoss(*model, *data, cfg.run.seed, comm, device);
     if (emaManager) {
-      out["eval_loss_ema"] = withEmaModel(*emaManager, *strategy, [&] { return heldOutLoss(*model, data, comm, device); });
+      out["eval_loss_ema"] =
+          withEmaModel(*emaManager, *strategy, [&] { return heldOutLoss(*model, *data, cfg.run.seed, comm, device); });
     }
   };
 
@@ -359,10 +410,9 @@ TrainSummary Trainer::run() {
     for (int64_t micro = 0; micro < accumulation; ++micro) {
       std::vector<int64_t> slice(indices.begin() + micro * cfg.data.micro_batch,
                                  indices.begin() + (micro + 1) * cfg.data.micro_batch);
-      auto [inputs, targets] = data.trainBatch(slice, model->predictsEveryPosition());
-      at::Tensor loss = torch::nn::functional::cross_entropy(runModel(*model, inputs.to(device)).to(at::kFloat),
-                                                             targets.reshape({-1}).to(device)) /
-                        static_cast<double>(accumulation);
+      Batch batch = data->trainBatch(slice);
+      seedNoise(batch, cfg.run.seed, step, slice);
+      at::Tensor loss = lossesOf(*model, std::move(batch), device).mean() / static_cast<double>(accumulation);
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
     }
@@ -436,6 +486,12 @@ TrainSummary Trainer::run() {
       }
       if (rank == 0) summary.exports.push_back(out);
     }
+  }
+
+  if (!preempted && cfg.model.samples > 0) {
+    auto* denoiser = dynamic_cast<DiffusionDenoiser*>(model.get());
+    TESSERA_CHECK(denoiser != nullptr && emaManager != nullptr, "model.samples needs the diffusion model and an EMA");
+    summary.samplesPath = drawSamples(*denoiser, *emaManager, *strategy, *data, cfg, comm, device, runDir);
   }
 
   if (rank == 0) {

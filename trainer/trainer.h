@@ -29,6 +29,7 @@ struct TrainSummary {
   std::string metricsPath;
   std::string lossCurvePath;
   std::vector<std::string> exports;  // safetensors files written (rank 0)
+  std::string samplesPath;           // diffusion samples (model.samples > 0; rank 0)
   bool preempted = false;            // stopped early (SIGTERM or run.stop_after_steps), after a checkpoint
 };
 

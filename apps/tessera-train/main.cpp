@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
                         << ", held-out loss " << summary.evalLoss << " (EMA " << summary.evalLossEma << "), " << summary.samplesPerSec << " samples/s");
     TLOG_INFO0("metrics: " << summary.metricsPath << "; loss curve: " << summary.lossCurvePath);
     for (const auto& file : summary.exports) TLOG_INFO0("export: " << file);
+    if (!summary.samplesPath.empty()) TLOG_INFO0("samples: " << summary.samplesPath);
     if (summary.preempted) TLOG_WARN0("stopped early after step " << summary.steps << " (checkpoint saved; resume to continue)");
     return 0;
   });

@@ -28,13 +28,13 @@ TEST(TextDatasetTest, SamplesAreContextAndNextByte) {
   TextDataset ds(path, 4, 0.25);  // train: first 15 bytes, eval: last 5
   EXPECT_EQ(ds.trainSamples(), 11);
   EXPECT_EQ(ds.evalSamples(), 1);
-  auto [x, y] = ds.trainBatch({0, 10});
+  auto [x, y, seeds] = ds.trainBatch({0, 10});
   EXPECT_EQ(x.sizes(), (c10::IntArrayRef{2, 4}));
   EXPECT_EQ(x[0][0].item<int64_t>(), 'a');
   EXPECT_EQ(x[1][3].item<int64_t>(), 'n');
   EXPECT_EQ(y[0].item<int64_t>(), 'e');
   EXPECT_EQ(y[1].item<int64_t>(), 'o');
-  auto [ex, ey] = ds.evalBatch(0, 1);
+  auto [ex, ey, eseeds] = ds.evalBatch(0, 1);
   EXPECT_EQ(ex[0][0].item<int64_t>(), 'p');
   EXPECT_EQ(ey[0].item<int64_t>(), 't');
   EXPECT_THROW(ds.trainBatch({11}), Error);
@@ -42,13 +42,13 @@ TEST(TextDatasetTest, SamplesAreContextAndNextByte) {
 
 TEST(TextDatasetTest, EveryPositionTargetsAreTheWindowShiftedByOne) {
   const std::string path = writeText("tessera_ds_seq.txt", "abcdefghijklmnopqrst");
-  TextDataset ds(path, 4, 0.25);
-  auto [x, y] = ds.trainBatch({0, 10}, /*everyPosition=*/true);
+  TextDataset ds(path, 4, 0.25, TokenFormat::kBytes, 0, /*everyPosition=*/true);
+  auto [x, y, seeds] = ds.trainBatch({0, 10});
   EXPECT_EQ(y.sizes(), (c10::IntArrayRef{2, 4}));
   EXPECT_TRUE(y.narrow(1, 0, 3).equal(x.narrow(1, 1, 3)));
   EXPECT_EQ(y[0][3].item<int64_t>(), 'e');  // the single-target sample's target
   EXPECT_EQ(y[1][3].item<int64_t>(), 'o');
-  auto [ex, ey] = ds.evalBatch(0, 1, true);
+  auto [ex, ey, eseeds] = ds.evalBatch(0, 1);
   EXPECT_EQ(ey[0][0].item<int64_t>(), 'q');
   EXPECT_EQ(ey[0][3].item<int64_t>(), 't');
 }
@@ -80,16 +80,16 @@ TEST(TokenDatasetTest, Uint16AndUint32FilesGiveTheirIds) {
     TextDataset ds(path, 4, 0.25, format, 50000);
     EXPECT_EQ(ds.tokens(), 20);
     EXPECT_EQ(ds.trainSamples(), 11);
-    auto [x, y] = ds.trainBatch({0, 10});
+    auto [x, y, seeds] = ds.trainBatch({0, 10});
     EXPECT_EQ(x[0][0].item<int64_t>(), 1000);
     EXPECT_EQ(x[1][3].item<int64_t>(), 1000 + 300 * 13);
     EXPECT_EQ(y[0].item<int64_t>(), 1000 + 300 * 4);
-    auto [ex, ey] = ds.evalBatch(0, 1);
+    auto [ex, ey, eseeds] = ds.evalBatch(0, 1);
     EXPECT_EQ(ey[0].item<int64_t>(), 1000 + 300 * 19);
   }
   // 70000 needs uint32.
   const std::string wide = writeTokens("tessera_ds_tokens_wide.bin", {1, 70000, 3, 4, 5, 6}, 4);
-  EXPECT_EQ(TextDataset(wide, 2, 0.0, TokenFormat::kUint32, 100000).trainBatch({0}).first[0][1].item<int64_t>(), 70000);
+  EXPECT_EQ(TextDataset(wide, 2, 0.0, TokenFormat::kUint32, 100000).trainBatch({0}).inputs[0][1].item<int64_t>(), 70000);
 }
 
 TEST(TokenDatasetTest, BadFilesAreErrorsNamingFileAndPosition) {

@@ -1,0 +1,172 @@
+// Training throughput benchmark (issue 8): samples per second of tessera-train (by
+// default configs/default.yaml: zero3 at world size 2 under tessera-run, EMA at two
+// decays) against the same model and global batch trained by a plain single-process
+// LibTorch loop (the built-in model without any sharding, torch::optim::AdamW, gradient
+// clipping, the same micro-batches), measured in the same run, interleaved rep by rep.
+//
+// The baseline runs with 1 intra-op thread and with --threads (default 2: the cores the
+// 2 ranks use). Tessera's figure is the steady state from its metrics.jsonl (every
+// logged window after the first, which holds the warm-up), and the wall time of the
+// whole command (process start, rendezvous, model build) is reported beside it.
+// Usage (from the repository root):
+//   bench_train_throughput_bench [--config configs/default.yaml] [--steps 200] [--reps 3]
+//                                [--nproc 2] [--threads 2] [--set key=value ...]
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <torch/types.h>  // before clip_grad.h, which uses torch::Tensor without including it
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/filesystem.h"
+#include "trainer/dataset.h"
+#include "trainer/models.h"
+#include "trainer/text_dataset.h"
+#include "trainer/train_config.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tessera::trainer::TrainConfig;
+
+double nowSec() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// The plain loop: samples per second over `steps` steps after 10 warm-up steps.
+double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps) {
+  at::set_num_threads(threads);
+  torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
+  auto data = tessera::trainer::makeDataset(cfg.data, cfg.model, tessera::trainer::predictsEveryPosition(cfg.model));
+  auto model = tessera::trainer::makeModel(cfg.model, data->spec());
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(cfg.optim.lr)
+                                                         .betas({cfg.optim.betas.at(0), cfg.optim.betas.at(1)})
+                                                         .eps(cfg.optim.eps)
+                                                         .weight_decay(cfg.optim.weight_decay));
+  tessera::trainer::DistributedSampler sampler(data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
+                                               cfg.data.shuffle);
+  const int64_t micro = cfg.data.micro_batch, accumulation = cfg.data.global_batch / micro;
+  auto step = [&](int64_t s) {
+    optimizer.zero_grad();
+    const std::vector<int64_t> indices = sampler.indicesFor(s, 0, 1);
+    for (int64_t m = 0; m < accumulation; ++m) {
+      const std::vector<int64_t> slice(indices.begin() + m * micro, indices.begin() + (m + 1) * micro);
+      tessera::trainer::Batch batch = data->trainBatch(slice);
+      for (int64_t i : slice) batch.noiseSeeds.push_back(tessera::trainer::noiseSeed(cfg.run.seed, s, i));
+      (model->losses(batch).mean() / static_cast<double>(accumulation)).backward();
+    }
+    if (cfg.optim.grad_clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), cfg.optim.grad_clip);
+    optimizer.step();
+  };
+  for (int64_t s = 0; s < 10; ++s) step(s);
+  const double start = nowSec();
+  for (int64_t s = 10; s < 10 + steps; ++s) step(s);
+  return static_cast<double>(cfg.data.global_batch * steps) / (nowSec() - start);
+}
+
+struct TesseraRun {
+  double steadySamplesPerSec = 0;  // metrics.jsonl, windows after the first
+  double wallSamplesPerSec = 0;    // steps x global batch / wall time of the whole command
+};
+
+TesseraRun tesseraSamplesPerSec(const std::string& binDir, const std::string& config, const std::vector<std::string>& sets,
+                                const TrainConfig& cfg, int nproc, int64_t steps) {
+  const fs::path runDir = fs::temp_directory_path() / ("tessera_throughput_" + std::to_string(::getpid()));
+  tessera::removeTree(runDir);
+  std::string command = binDir + "/tessera-run --standalone --nproc-per-node " + std::to_string(nproc) + " " + binDir +
+                        "/tessera-train --config " + config;
+  for (const auto& s : sets) command += " --set " + s;
+  command += " --set run.steps=" + std::to_string(steps + steps / 4) + " --set run.log_every=" +
+             std::to_string(steps / 4) + " --set run.eval_every=0 --set checkpoint.every_steps=0" +
+             " --set checkpoint.at_end=false --set checkpoint.export=[] --set log.per_rank_files=false" +
+             " --set run.dir=" + runDir.string() + " > " + runDir.string() + ".log 2>&1";
+  const double start = nowSec();
+  const int status = std::system(command.c_str());
+  const double wall = nowSec() - start;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::fprintf(stderr, "tessera-train failed (status %d); log: %s.log\n", status, runDir.c_str());
+    std::exit(1);
+  }
+  TesseraRun r;
+  std::ifstream in(runDir / "metrics.jsonl");
+  double samples = 0, seconds = 0;
+  bool first = true;
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (first) {
+      first = false;
+      continue;
+    }
+    const double sps = j.at("samples_per_sec").get<double>();
+    const double windowSamples = static_cast<double>(cfg.data.global_batch) * static_cast<double>(steps / 4);
+    samples += windowSamples;
+    seconds += windowSamples / sps;
+  }
+  r.steadySamplesPerSec = seconds > 0 ? samples / seconds : 0;
+  r.wallSamplesPerSec = static_cast<double>(cfg.data.global_batch * (steps + steps / 4)) / wall;
+  tessera::removeTree(runDir);
+  fs::remove(runDir.string() + ".log");
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string config = "configs/default.yaml";
+  int64_t steps = 200;
+  int reps = 3, nproc = 2, threads = 2;
+  std::vector<std::string> sets;
+  CLI::App app{"tessera-train throughput vs a plain single-process LibTorch loop"};
+  app.add_option("--config", config, "Run config (the model, data and batch of both)");
+  app.add_option("--steps", steps, "Timed optimizer steps per run (a multiple of 4)")->check(CLI::Range(int64_t{8}, int64_t{100000}));
+  app.add_option("--reps", reps, "Interleaved repetitions (median reported)")->check(CLI::Range(1, 100));
+  app.add_option("--nproc", nproc, "Ranks of the tessera-train run")->check(CLI::Range(1, 64));
+  app.add_option("--threads", threads, "Intra-op threads of the second baseline")->check(CLI::Range(1, 256));
+  app.add_option("--set", sets, "Config override for both (key=value), repeatable");
+  CLI11_PARSE(app, argc, argv);
+  steps = steps / 4 * 4;
+
+  try {
+    const TrainConfig cfg = tessera::trainer::loadTrainConfig(config, sets, nproc).config;
+    const std::string binDir = fs::absolute(fs::path(argv[0])).parent_path().string();
+    std::printf("config %s: model %s, global batch %lld (micro-batches of %lld), strategy %s on %d ranks, %lld steps\n",
+                config.c_str(), cfg.model.arch.c_str(), static_cast<long long>(cfg.data.global_batch),
+                static_cast<long long>(cfg.data.micro_batch), cfg.sharding.strategy.c_str(), nproc,
+                static_cast<long long>(steps));
+    std::vector<double> plain1, plainN, steady, wall;
+    for (int rep = 0; rep < reps; ++rep) {
+      plain1.push_back(plainLoopSamplesPerSec(cfg, 1, steps));
+      plainN.push_back(plainLoopSamplesPerSec(cfg, threads, steps));
+      const TesseraRun t = tesseraSamplesPerSec(binDir, config, sets, cfg, nproc, steps);
+      steady.push_back(t.steadySamplesPerSec);
+      wall.push_back(t.wallSamplesPerSec);
+      std::printf("rep %d: plain 1 thread %.0f, plain %d threads %.0f, tessera steady %.0f, tessera wall %.0f samples/s\n",
+                  rep, plain1.back(), threads, plainN.back(), steady.back(), wall.back());
+    }
+    const double p1 = median(plain1), pn = median(plainN), st = median(steady), wa = median(wall);
+    std::printf("\nmedian samples/s: plain LibTorch loop (AdamW) 1 thread %.0f, %d threads %.0f; tessera-train %s x%d "
+                "steady %.0f (%.2fx / %.2fx), whole command %.0f (%.2fx / %.2fx)\n",
+                p1, threads, pn, cfg.sharding.strategy.c_str(), nproc, st, st / p1, st / pn, wa, wa / p1, wa / pn);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_train_throughput_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

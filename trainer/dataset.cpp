@@ -1,0 +1,27 @@
+// makeDataset and the per-sample noise seeds (see dataset.h).
+#include "trainer/dataset.h"
+
+#include "common/errors.h"
+#include "trainer/tensor_dataset.h"
+#include "trainer/text_dataset.h"
+#include "trainer/train_config.h"
+
+namespace tessera::trainer {
+
+std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const ModelOptions& model, bool everyPosition) {
+  if (data.kind == "tensors") return std::make_unique<TensorDataset>(data.path, data.eval_fraction);
+  return std::make_unique<TextDataset>(data.path, model.context, data.eval_fraction,
+                                       parseTokenFormat(data.kind, data.token_dtype), model.vocab_size, everyPosition);
+}
+
+uint64_t noiseSeed(int64_t runSeed, int64_t step, int64_t index) {
+  auto mix = [](uint64_t x) {  // splitmix64's finaliser
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+  };
+  return mix(mix(mix(static_cast<uint64_t>(runSeed)) ^ static_cast<uint64_t>(step)) ^ static_cast<uint64_t>(index));
+}
+
+}  // namespace tessera::trainer

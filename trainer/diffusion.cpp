@@ -1,0 +1,130 @@
+// The diffusion denoiser, its loss and sampler (see diffusion.h).
+#include "trainer/diffusion.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/modules/activation.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "common/errors.h"
+#include "sharding/fully_shard.h"
+
+namespace tessera::trainer {
+
+NoiseSchedule::NoiseSchedule(int64_t steps, double betaStart, double betaEnd) : timesteps(steps) {
+  TESSERA_CHECK_AS(ConfigError, steps >= 1, "model.timesteps must be >= 1, got ", steps);
+  TESSERA_CHECK_AS(ConfigError, betaStart > 0 && betaStart <= betaEnd && betaEnd < 1, "model.beta_start ", betaStart,
+                   " and model.beta_end ", betaEnd, " must satisfy 0 < beta_start <= beta_end < 1");
+  double product = 1.0;
+  for (int64_t t = 0; t < steps; ++t) {
+    const double beta = steps == 1 ? betaStart : betaStart + (betaEnd - betaStart) * static_cast<double>(t) / (steps - 1);
+    product *= 1.0 - beta;
+    betas.push_back(beta);
+    alphaBars.push_back(product);
+  }
+}
+
+DenoiserBlock::DenoiserBlock(int64_t width) {
+  norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  timeProj_ = register_module("time_proj", torch::nn::Linear(width, width));
+  fc1_ = register_module("fc1", torch::nn::Linear(width, 4 * width));
+  fc2_ = register_module("fc2", torch::nn::Linear(4 * width, width));
+}
+
+at::Tensor DenoiserBlock::forward(const at::Tensor& h, const at::Tensor& timeEmbedding) {
+  const at::Tensor y = norm_->forward(h) + timeProj_->forward(at::silu(timeEmbedding));
+  return h + fc2_->forward(at::silu(fc1_->forward(y)));
+}
+
+DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape)
+    : options_(options),
+      sampleShape_(std::move(sampleShape)),
+      features_(std::accumulate(sampleShape_.begin(), sampleShape_.end(), int64_t{1}, std::multiplies<>())),
+      schedule_(options.timesteps, options.beta_start, options.beta_end) {
+  TESSERA_CHECK_AS(ConfigError, features_ >= 1, "diffusion: samples have no features (shape [",
+                   sampleShape_.size(), " dims])");
+  const int64_t width = options.embed_dim;
+  timeEmbed_ = register_module("time_embed", torch::nn::Sequential(torch::nn::Linear(width, width), torch::nn::SiLU(),
+                                                                   torch::nn::Linear(width, width)));
+  inputProj_ = register_module("input_proj", torch::nn::Linear(features_, width));
+  blocks_ = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < options.layers; ++i) blocks_->push_back(std::make_shared<DenoiserBlock>(width));
+  outNorm_ = register_module("out_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  outputProj_ = register_module("output_proj", torch::nn::Linear(width, features_));
+}
+
+// The transformer's sinusoidal position encoding of t: [cos(t f_k), sin(t f_k)] with
+// f_k = 10000^(-k / half), zero-padded to an odd width.
+at::Tensor DiffusionDenoiser::timeEmbedding(const at::Tensor& timesteps) const {
+  const int64_t width = options_.embed_dim, half = width / 2;
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(timesteps.device());
+  const at::Tensor freqs = at::exp(at::arange(half, opts) * (-std::log(10000.0) / static_cast<double>(std::max<int64_t>(half, 1))));
+  const at::Tensor args = timesteps.to(at::kFloat).unsqueeze(1) * freqs.unsqueeze(0);
+  at::Tensor emb = at::cat({at::cos(args), at::sin(args)}, 1);
+  if (width % 2 == 1) emb = at::cat({emb, at::zeros({emb.size(0), 1}, opts)}, 1);
+  return emb;
+}
+
+at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor& timesteps) {
+  TESSERA_CHECK(noisy.dim() >= 1 && noisy.numel() == noisy.size(0) * features_ && timesteps.dim() == 1 &&
+                    timesteps.size(0) == noisy.size(0),
+                "DiffusionDenoiser: expected x_t [batch, ", features_, " features] and t [batch], got ", noisy.sizes(),
+                " and ", timesteps.sizes());
+  const auto dtype = inputProj_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
+  const at::Tensor temb = timeEmbed_->forward(timeEmbedding(timesteps).to(dtype));
+  at::Tensor h = inputProj_->forward(noisy.flatten(1).to(dtype));
+  for (const auto& module : *blocks_) {
+    auto* block = module->as<DenoiserBlock>();
+    h = sharding::unitForward(*module, std::vector<at::Tensor>{h, temb}, [block](const std::vector<at::Tensor>& in) {
+          return std::vector<at::Tensor>{block->forward(in[0], in[1])};
+        })[0];
+  }
+  return outputProj_->forward(outNorm_->forward(h)).view(noisy.sizes());
+}
+
+at::Tensor DiffusionDenoiser::losses(const Batch& batch) {
+  const at::Tensor& clean = batch.inputs;
+  const int64_t n = clean.size(0);
+  TESSERA_CHECK(static_cast<int64_t>(batch.noiseSeeds.size()) == n, "DiffusionDenoiser: ", batch.noiseSeeds.size(),
+                " noise seeds for ", n, " samples");
+  // Timestep and noise of each sample from its own generator (CPU: the same draws on any device).
+  at::Tensor timesteps = at::empty({n}, at::kLong);
+  at::Tensor noise = at::empty({n, features_}, at::kFloat);
+  at::Tensor signal = at::empty({n, 1}, at::kFloat), spread = at::empty({n, 1}, at::kFloat);
+  for (int64_t i = 0; i < n; ++i) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(batch.noiseSeeds[static_cast<size_t>(i)]);
+    const at::Tensor t = at::randint(schedule_.timesteps, {1}, gen, at::kLong);
+    noise[i].copy_(at::randn({features_}, gen, at::kFloat));
+    const int64_t step = t.item<int64_t>();
+    timesteps[i] = step;
+    signal[i] = std::sqrt(schedule_.alphaBars[static_cast<size_t>(step)]);
+    spread[i] = std::sqrt(1.0 - schedule_.alphaBars[static_cast<size_t>(step)]);
+  }
+  const at::Device device = clean.device();
+  noise = noise.to(device);
+  const at::Tensor noisy = signal.to(device) * clean.flatten(1).to(at::kFloat) + spread.to(device) * noise;
+  const at::Tensor predicted = forward(noisy.view(clean.sizes()), timesteps.to(device));
+  return (predicted.flatten(1).to(at::kFloat) - noise).square().mean(1);
+}
+
+at::Tensor sampleDdpm(const NoiseSchedule& schedule, const std::vector<int64_t>& sampleShape, int64_t count,
+                      uint64_t seed, at::Device device,
+                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& predictNoise) {
+  TESSERA_CHECK(count >= 1, "sampleDdpm: count ", count);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<int64_t> shape{count};
+  shape.insert(shape.end(), sampleShape.begin(), sampleShape.end());
+  at::Tensor x = at::randn(shape, gen, at::kFloat).to(device);
+  for (int64_t t = schedule.timesteps - 1; t >= 0; --t) {
+    const double beta = schedule.betas[static_cast<size_t>(t)];
+    const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
+    const at::Tensor eps = predictNoise(x, at::full({count}, t, at::TensorOptions().dtype(at::kLong).device(device)));
+    x = (x - eps.to(at::kFloat) * (beta / std::sqrt(1.0 - alphaBar))) / std::sqrt(1.0 - beta);
+    if (t > 0) x = x + at::randn(shape, gen, at::kFloat).to(device) * std::sqrt(beta);
+  }
+  return x;
+}
+
+}  // namespace tessera::trainer
