@@ -17,6 +17,9 @@
 namespace tessera::distributed {
 namespace {
 
+// allGatherInto: outputs up to this size go through all-to-all (see doAllGatherInto).
+constexpr int64_t kAllToAllGatherBytes = int64_t{4} << 20;
+
 std::string firstLine(const std::string& message) { return message.substr(0, message.find('\n')); }
 
 bool looksLikeTimeout(const std::string& message) {
@@ -200,7 +203,23 @@ class GlooCommunicator final : public Communicator {
       const at::Tensor hostOut = hostBuffer(flat_out);
       return copyBackOnWait(doAllGatherInto(hostOut, hostCopy(local_in)), flat_out, hostOut);
     }
+    // The collective writes through byte views of flat_out: a copy would lose the result.
+    TESSERA_CHECK_AS(UsageError, flat_out.is_contiguous(), "GlooCommunicator::allGatherInto: output ",
+                     flat_out.sizes(), " is not contiguous");
     const at::Tensor in = bytesOf(local_in);
+    if (flat_out.nbytes() <= kAllToAllGatherBytes) {
+      // Small gathers as an all-to-all of the shard repeated once per rank, straight into
+      // flat_out: Gloo's allgather in LibTorch 1.13 costs ~0.5-1 ms even for one element
+      // on 2 local ranks, its all-to-all about half (docs/benchmarks.md, "Training
+      // throughput"). The repeated shard is a temporary as large as flat_out, hence the cap.
+      at::Tensor send = in.repeat({worldSize()});
+      at::Tensor received = bytesOf(flat_out);
+      std::vector<int64_t> equalSplits;
+      c10d::AllToAllOptions opts;
+      opts.timeout = options().timeout;
+      return handle("allGatherInto", describeOp("allGatherInto", local_in),
+                    pg_->alltoall_base(received, send, equalSplits, equalSplits, opts));
+    }
     std::vector<std::vector<at::Tensor>> outputs{chunksOf(bytesOf(flat_out), worldSize(), in.numel())};
     std::vector<at::Tensor> inputs{in};
     c10d::AllgatherOptions opts;

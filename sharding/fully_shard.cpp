@@ -178,7 +178,10 @@ struct FullyShardStrategy::Internal {
       } guard(depth);
       outputs = (grad && s.fsdp_.activationCheckpointing && !u.isRoot) ? runCheckpointed(u, inputs, fn) : fn(inputs);
     }
-    if (!grad || s.fsdp_.reshardAfterForward) reshard(u);
+    // The root stays gathered from its forward into its backward, which starts right
+    // after it and needs it first (FSDP2 keeps the root unsharded after forward too):
+    // one all-gather less per micro-batch.
+    if (!grad || (s.fsdp_.reshardAfterForward && !u.isRoot)) reshard(u);
     if (grad) {
       std::weak_ptr<int> token = alive;
       FsdpUnit* unit = &u;

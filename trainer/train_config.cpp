@@ -95,6 +95,9 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("sharding.prefetch", &c.sharding.prefetch, "zero3/hybrid: units gathered ahead of use (0 = off)").min(0).max(16);
   s.add("sharding.activation_checkpointing", &c.sharding.activation_checkpointing,
         "zero3/hybrid: recompute each block's forward in backward instead of keeping activations");
+  s.add("sharding.reduce_every_micro_batch", &c.sharding.reduce_every_micro_batch,
+        "zero3/hybrid with gradient accumulation: reduce-scatter after every micro-batch (false: keep full gradients "
+        "until the last micro-batch and reduce once per step)");
   s.add("sharding.shard_size", &c.sharding.shard_size,
         "hybrid: ranks per shard group, dividing the world size (0 = all ranks)").min(0);
   s.add("sharding.wrap", &c.sharding.wrap,

@@ -86,6 +86,7 @@ struct ShardingOptions {
   bool reshard_after_forward = true;
   int64_t prefetch = 1;
   bool activation_checkpointing = false;
+  bool reduce_every_micro_batch = true;  // false: accumulate full gradients, reduce at the last micro-batch
   int64_t shard_size = 0;         // hybrid: ranks per shard group (0 = all)
   std::vector<std::string> wrap;  // unit name patterns; empty = the model's blocks
 };

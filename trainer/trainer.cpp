@@ -286,6 +286,10 @@ TrainSummary Trainer::run() {
                       << " over " << world << " ranks; resident " << strategy->residentBytes().str());
 
   DistributedSampler sampler(data->trainSamples(), cfg.data.global_batch, cfg.run.seed, cfg.data.shuffle);
+  // sharding.reduce_every_micro_batch false: micro-batches before the last keep full
+  // gradients and do not communicate.
+  auto* noSyncStrategy =
+      cfg.sharding.reduce_every_micro_batch ? nullptr : dynamic_cast<sharding::FullyShardStrategy*>(strategy.get());
   const int64_t perRank = cfg.data.global_batch / world;
   const int64_t accumulation = perRank / cfg.data.micro_batch;
   TLOG_INFO0("data " << data->describe() << "; " << sampler.stepsPerEpoch()
@@ -408,6 +412,7 @@ TrainSummary Trainer::run() {
     const std::vector<int64_t> indices = sampler.indicesFor(step, rank, world);
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
     for (int64_t micro = 0; micro < accumulation; ++micro) {
+      if (noSyncStrategy) noSyncStrategy->setRequiresGradientSync(micro + 1 == accumulation);
       std::vector<int64_t> slice(indices.begin() + micro * cfg.data.micro_batch,
                                  indices.begin() + (micro + 1) * cfg.data.micro_batch);
       Batch batch = data->trainBatch(slice);
@@ -454,6 +459,7 @@ TrainSummary Trainer::run() {
       windowLoss = 0;
       windowSteps = 0;
       windowStart = nowSec();
+      TLOG_DEBUG0("communication since the last log line: " << comm.stats().toString());
       comm.resetStats();
     }
     if (cfg.checkpoint.every_steps > 0 && (step + 1) % cfg.checkpoint.every_steps == 0 && !last) {

@@ -57,6 +57,9 @@ const std::string kArgs =
     " --set model.hidden=[48] --set data.global_batch=24 --set data.micro_batch=4"
     " --set log.per_rank_files=false --set optim.schedule.warmup_steps=3";
 
+// tessera-train on 2 local ranks under tessera-run (append its arguments).
+const std::string kLaunch2 = kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train";
+
 void expectSameLosses(const std::vector<nlohmann::json>& a, const std::vector<nlohmann::json>& b, const std::string& what) {
   ASSERT_EQ(a.size(), b.size()) << what;
   ASSERT_FALSE(a.empty()) << what;
@@ -90,6 +93,17 @@ TEST(TrainE2ETest, TwoRanksMatchOneProcessForEveryStrategy) {
         << out;
     expectSameLosses(reference, readMetrics(dir), strategy);
   }
+  // zero3 with the gradients of the 3 micro-batches per rank reduced once, at the last.
+  const std::string once = uniqueDir("zero3_reduce_once");
+  ASSERT_EQ(run(kLaunch2 + kArgs + " --set run.dir=" + once +
+                    " --set sharding.strategy=zero3 --set sharding.reduce_every_micro_batch=false --set log.level=debug",
+                &out),
+            0)
+      << out;
+  expectSameLosses(reference, readMetrics(once), "zero3, reduced once per step");
+  // Per log window of 4 steps: 2 units (layers.0, the root) x 4 steps, not x 3 micro-batches.
+  EXPECT_NE(out.find("reduce_scatter 8 calls"), std::string::npos)
+      << out;
 }
 
 // data.kind tokens: the GPL-3 text rewritten as uint16 token ids trains exactly like
@@ -189,8 +203,6 @@ TEST(TrainE2ETest, GptUnderZero3MatchesOneProcess) {
 // a cosine schedule depends on run.steps.
 const std::string kResumeArgs = kArgs + " --set checkpoint.async=false --set optim.schedule.kind=constant";
 
-// tessera-train on 2 local ranks under tessera-run (append its arguments).
-const std::string kLaunch2 = kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train";
 
 // The whole text of a file ("" if it cannot be read).
 std::string readText(const fs::path& path) {

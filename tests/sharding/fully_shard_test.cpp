@@ -528,9 +528,12 @@ TEST(FullyShardMixedPrecisionTest, Bf16ComputeFromFp32Masters) {
     m.loss(rankSlice(data.x[0], ctx.rank, 2), rankSlice(data.y[0], ctx.rank, 2)).backward();
     for (const auto& p : m.module->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
     for (const auto& name : engine.paramNames()) EXPECT_EQ(engine.masterShard(name).scalar_type(), at::kFloat);
-    // Gathers move bf16 (2 bytes), reductions fp32 (4 bytes): same element counts.
+    // Gathers move bf16 (2 bytes), reductions fp32 (4 bytes), and every unit but the root
+    // is gathered twice: all-gather bytes = reduce-scatter bytes less one root gather.
     const auto s = ctx.comm()->stats();
-    EXPECT_EQ(s[distributed::CommOp::kAllGather].bytes, s[distributed::CommOp::kReduceScatter].bytes);
+    const size_t root = engine.unitCount() - 1;
+    EXPECT_EQ(s[distributed::CommOp::kAllGather].bytes + engine.unitGatherBytes(root) / 2,
+              s[distributed::CommOp::kReduceScatter].bytes);
   });
 }
 
@@ -662,8 +665,8 @@ TEST(FullyShardMemoryTest, ForwardPeakIsPrefetchPlusOneUnits) {
                           static_cast<long long>(bound));
             }
           }
-          EXPECT_EQ(engine.unshardedParamBytes(), 0)
-              << "root resharded after forward too";
+          EXPECT_EQ(engine.unshardedParamBytes(), engine.unitParamBytes(root))
+              << "only the root stays gathered after forward, for its backward";
           loss.backward();
           EXPECT_EQ(engine.unshardedParamBytes(), 0);
           engine.step(1e-3);
@@ -677,6 +680,7 @@ struct StepMeasure {
   ResidentBytes resident;
   distributed::CommStats comm;
   int64_t psi = 0, shardNumel = 0, rowNumelSum = 0;
+  int64_t rootShardNumel = 0;  // the root unit's part of shardNumel
   size_t units = 0;
 };
 
@@ -707,6 +711,7 @@ std::vector<StepMeasure> measureSteps(int world, bool reshardAfterForward) {
       s.shardNumel += engine.spec(name).paddedNumel();
       s.rowNumelSum += engine.spec(name).rowNumel();
     }
+    for (const auto& name : engine.unitParamNames(engine.unitCount() - 1)) s.rootShardNumel += engine.spec(name).paddedNumel();
   });
   return out;
 }
@@ -740,22 +745,29 @@ TEST(FullyShardCommTest, BytesPerStepAreThreePsiOrTwoPsi) {
     for (bool reshard : {true, false}) {
       const auto ms = measureSteps(world, reshard);
       const double k = reshard ? 3.0 : 2.0;
+      // With reshard_after_forward every unit but the root is gathered twice (forward and
+      // backward): the root stays gathered from its forward into its backward, as in FSDP2.
+      const auto targetOf = [&](const StepMeasure& s) {
+        return (k * static_cast<double>(s.psi) - (reshard ? static_cast<double>(s.rootShardNumel * world) : 0.0)) *
+               (world - 1) / world * 4;
+      };
       for (int r = 0; r < world; ++r) {
         const StepMeasure& s = ms[static_cast<size_t>(r)];
-        const double target = k * s.psi * (world - 1) / world * 4;
+        const double target = targetOf(s);
         EXPECT_LE(std::abs(s.comm.totalBytes() - target), 0.02 * target) << "rank " << r << ": " << s.comm.toString();
         const auto units = static_cast<int64_t>(s.units);
-        EXPECT_EQ(s.comm[CommOp::kAllGather].calls, (reshard ? 2 : 1) * units);
+        EXPECT_EQ(s.comm[CommOp::kAllGather].calls, reshard ? 2 * units - 1 : units);
         EXPECT_EQ(s.comm[CommOp::kReduceScatter].calls, units) << "each unit reduced exactly once";
-        EXPECT_EQ(s.comm[CommOp::kAllGather].bytes, (reshard ? 2 : 1) * (world - 1) * 4 * s.shardNumel);
+        EXPECT_EQ(s.comm[CommOp::kAllGather].bytes,
+                  (reshard ? 2 * s.shardNumel - s.rootShardNumel : s.shardNumel) * (world - 1) * 4);
         EXPECT_EQ(s.comm[CommOp::kReduceScatter].bytes, (world - 1) * 4 * s.shardNumel);
       }
       const StepMeasure& s = ms[0];
-      const double target = k * s.psi * (world - 1) / world * 4;
+      const double target = targetOf(s);
       std::printf("[comm] zero3 N=%d reshard_after_forward=%d Psi=%lld: sent %lld B/step/rank, %s Psi (N-1)/N x 4 = "
                   "%.0f B (%+.2f%%); %s\n",
                   world, reshard, static_cast<long long>(s.psi), static_cast<long long>(s.comm.totalBytes()),
-                  reshard ? "3" : "2", target, 100.0 * (s.comm.totalBytes() - target) / target,
+                  reshard ? "(3 - root share)" : "2", target, 100.0 * (s.comm.totalBytes() - target) / target,
                   s.comm.toString().c_str());
     }
   }
