@@ -2,6 +2,7 @@
 #include "trainer/models.h"
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 #include <torch/nn/functional/loss.h>
 
 #include <cmath>
@@ -98,10 +99,18 @@ at::Tensor GptBlock::forward(const at::Tensor& x) {
   const auto qkv = attnIn_->forward(ln1_->forward(x)).chunk(3, /*dim=*/2);
   auto split = [&](const at::Tensor& t) { return t.view({batch, time, heads_, headDim}).transpose(1, 2); };
   const at::Tensor q = split(qkv[0]), k = split(qkv[1]), v = split(qkv[2]);
+#if TORCH_VERSION_MAJOR >= 2
+  // PyTorch 2's fused attention (flash / memory-efficient kernels on GPUs): the same
+  // softmax(q k^T / sqrt(d) + causal mask) v without materialising the scores.
+  const at::Tensor attended = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
+                                  .transpose(1, 2)
+                                  .reshape({batch, time, width});
+#else
   at::Tensor scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
   const at::Tensor future = at::ones({time, time}, x.options().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
   const at::Tensor attended = at::softmax(scores, -1).matmul(v).transpose(1, 2).reshape({batch, time, width});
+#endif
   const at::Tensor h = x + attnOut_->forward(attended);
   return h + mlpOut_->forward(at::gelu(mlpIn_->forward(ln2_->forward(h))));
 }
