@@ -37,7 +37,8 @@
 //             saved-variable version check.
 //   forward   pre: wait for the prefetched gather (or gather now), then issue the gathers of
 //             the next `prefetch` units in the recorded forward order. post: reshard when
-//             reshardAfterForward (always in no-grad mode), and register a hook on every
+//             reshardAfterForward (always in no-grad mode; never the root in grad mode,
+//             whose backward follows at once, as in FSDP2), and register a hook on every
 //             output that requires grad, which re-gathers the unit before autograd enters
 //             it in backward and prefetches the next units in reverse forward order.
 //   backward  an AccumulateGrad post hook per parameter; when all of a unit's parameters
@@ -70,8 +71,9 @@
 // 16 Psi/N bytes (+ padding), and no full parameter.
 //
 // Comm per step and rank (ring model of the communicator): all-gather of every unit in
-// forward, again in backward when reshardAfterForward, one reduce-scatter: 3 Psi' (N-1)/N
-// elements (2 Psi' (N-1)/N without resharding after forward), Psi' = Psi + padding; plus
+// forward, again in backward when reshardAfterForward (all but the root), one
+// reduce-scatter: (3 Psi' - Psi'_root) (N-1)/N elements (2 Psi' (N-1)/N without resharding
+// after forward), Psi' = Psi + padding; plus
 // one double all-reduced for the gradient norm.
 #pragma once
 

@@ -68,7 +68,7 @@ at::Tensor DiffusionDenoiser::timeEmbedding(const at::Tensor& timesteps) const {
 }
 
 at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor& timesteps) {
-  TESSERA_CHECK(noisy.dim() >= 1 && noisy.numel() == noisy.size(0) * features_ && timesteps.dim() == 1 &&
+  TESSERA_CHECK(noisy.dim() >= 2 && noisy.numel() == noisy.size(0) * features_ && timesteps.dim() == 1 &&
                     timesteps.size(0) == noisy.size(0),
                 "DiffusionDenoiser: expected x_t [batch, ", features_, " features] and t [batch], got ", noisy.sizes(),
                 " and ", timesteps.sizes());

@@ -9,15 +9,18 @@
 namespace tessera::trainer {
 namespace {
 
+// Integer targets are class ids; more classes than this is taken for a corrupt file.
+constexpr int64_t kMaxClasses = int64_t{1} << 20;
+
 std::string shapeStr(const at::Tensor& t) {
   std::ostringstream out;
   out << t.sizes();
   return out.str();
 }
 
-// The first row of `t` holding a NaN or an infinity, or -1.
+// The first row of `t` (rows of at least one element) holding a NaN or an infinity, or -1.
 int64_t firstNonFiniteRow(const at::Tensor& t) {
-  const at::Tensor bad = t.isfinite().logical_not().reshape({t.size(0), -1}).any(1);
+  const at::Tensor bad = t.isfinite().logical_not().reshape({t.size(0), t.numel() / t.size(0)}).any(1);
   const at::Tensor rows = bad.nonzero();
   return rows.numel() == 0 ? -1 : rows[0][0].item<int64_t>();
 }
@@ -33,9 +36,10 @@ TensorDataset::TensorDataset(const std::string& path, double evalFraction) : pat
   auto in = tensors.find("inputs");
   TESSERA_CHECK(in != tensors.end(), "dataset '", path, "': no tensor named 'inputs'");
   const at::Tensor& inputs = in->second;
-  TESSERA_CHECK(inputs.is_floating_point() && inputs.dim() >= 1 && inputs.size(0) >= 1, "dataset '", path,
-                "': 'inputs' must be a floating-point tensor [samples, ...], got ", inputs.scalar_type(), " ",
-                shapeStr(inputs));
+  TESSERA_CHECK(inputs.is_floating_point() && inputs.dim() >= 2 && inputs.size(0) >= 1 && inputs.numel() > 0,
+                "dataset '", path, "': 'inputs' must be a floating-point tensor [samples, features...] with at least "
+                "one sample of at least one value, got ", inputs.scalar_type(), " ", shapeStr(inputs),
+                " (one value per sample: shape it [N, 1])");
   inputs_ = inputs.to(at::kFloat).contiguous();
   const int64_t rows = inputs_.size(0);
   const int64_t badInput = firstNonFiniteRow(inputs_);
@@ -47,6 +51,8 @@ TensorDataset::TensorDataset(const std::string& path, double evalFraction) : pat
     TESSERA_CHECK(targets.dim() >= 1 && targets.size(0) == rows, "dataset '", path, "': 'targets' ",
                   shapeStr(targets), " must have the ", rows, " rows of 'inputs'");
     if (targets.is_floating_point()) {
+      TESSERA_CHECK(targets.numel() > 0, "dataset '", path, "': float 'targets' ", shapeStr(targets),
+                    " hold no values");
       targets_ = targets.to(at::kFloat).contiguous();
       const int64_t bad = firstNonFiniteRow(targets_);
       TESSERA_CHECK(bad < 0, "dataset '", path, "': 'targets' row ", bad, " holds a NaN or infinite value");
@@ -59,7 +65,11 @@ TensorDataset::TensorDataset(const std::string& path, double evalFraction) : pat
       const at::Tensor negative = (targets_ < 0).reshape({rows, -1}).any(1).nonzero();
       TESSERA_CHECK(negative.numel() == 0, "dataset '", path, "': 'targets' row ",
                     negative.numel() ? negative[0][0].item<int64_t>() : 0, " holds a negative class id");
-      classes_ = targets_.max().item<int64_t>() + 1;
+      // A corrupt id would otherwise size the classifier's head (Linear(width, id + 1)).
+      const int64_t largestRow = targets_.argmax().item<int64_t>();
+      classes_ = targets_[largestRow].item<int64_t>() + 1;
+      TESSERA_CHECK(classes_ <= kMaxClasses, "dataset '", path, "': 'targets' row ", largestRow, " holds class id ",
+                    classes_ - 1, "; at most ", kMaxClasses, " classes are supported");
     }
   }
   const auto held = static_cast<int64_t>(static_cast<double>(rows) * evalFraction);

@@ -1,4 +1,4 @@
-// A dataset of tensors from a safetensors file: `inputs` [N, ...] (floating point) and
+// A dataset of tensors from a safetensors file: `inputs` [N, features...] (floating point) and
 // optionally `targets`: class ids [N] (integers; the loss is cross-entropy) or values
 // [N, ...] (floating point; mean-squared error). Sample i is row i of each; the last `eval_fraction` of
 // the rows is held out. With data.shuffle false the sampler reads the rows in file order.
@@ -17,9 +17,10 @@ namespace tessera::trainer {
 class TensorDataset : public Dataset {
  public:
   // Throws tessera::Error naming the file and the tensor when the file is unreadable or
-  // malformed, `inputs` is missing or not floating point, `targets` has another number of
-  // rows or a negative class id, a value is not finite (naming the row), the file holds
-  // another tensor, or either split is empty.
+  // malformed, `inputs` is missing, not floating point, 1-D or empty, `targets` has another
+  // number of rows, no values, or a class id below 0 or of 2^20 and more (naming the row),
+  // a value is not finite (naming the row), the file holds another tensor, or either split
+  // is empty.
   TensorDataset(const std::string& path, double evalFraction);
 
   int64_t trainSamples() const override { return trainRows_; }

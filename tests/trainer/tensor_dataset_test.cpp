@@ -127,6 +127,11 @@ TEST(TensorDatasetTest, MalformedFilesAreRefusedWithTheFileAndTensorNamed) {
       {"bool", {{"inputs", x}, {"targets", at::zeros({6}, at::kBool)}}, "'targets' is bool"},
       {"nan", {{"inputs", nanRow}}, "'inputs' row 4 holds a NaN"},
       {"inf", {{"inputs", x}, {"targets", infTarget}}, "'targets' row 2 holds a NaN or infinite"},
+      {"one_dim", {{"inputs", at::zeros({6})}}, "shape it [N, 1]"},
+      {"no_features", {{"inputs", at::zeros({6, 3, 0})}}, "at least one value"},
+      {"empty_targets", {{"inputs", x}, {"targets", at::zeros({6, 0})}}, "'targets' [6, 0] hold no values"},
+      {"huge_class", {{"inputs", x}, {"targets", at::tensor(std::vector<int64_t>{0, 1, 0, int64_t{1} << 40, 1, 0})}},
+       "row 3 holds class id 1099511627776"},
   };
   for (const Case& c : cases) {
     const std::string path = writeTensors(c.name + ".safetensors", c.tensors);
