@@ -240,10 +240,15 @@ std::string drawSamples(DiffusionDenoiser& model, ema::ShardedModelEMAManager& e
       }())).inputs.flatten(1);
   const at::Tensor flat = samples.flatten(1);
   const double meanError = (flat.mean(0) - reference.mean(0)).abs().mean().item<double>();
-  const double stdRatio = (flat.std(0) / reference.std(0).clamp_min(1e-12)).mean().item<double>();
+  // A spread needs two samples on each side.
+  const std::string spread =
+      flat.size(0) > 1 && reference.size(0) > 1
+          ? strCat(", spread ratio ", (flat.std(0) / reference.std(0).clamp_min(1e-12)).mean().item<double>(),
+                   " (1 = the data's)")
+          : std::string();
   TLOG_INFO0("samples: " << cfg.model.samples << " drawn with generator_ema; per-feature mean differs from the "
                          << (data.evalSamples() > 0 ? "held-out" : "train") << " data's by " << meanError
-                         << " on average, spread ratio " << stdRatio << " (1 = the data's)");
+                         << " on average" << spread);
   return out;
 }
 

@@ -410,11 +410,12 @@ const std::string kDiffusionArgs =
     " --set model.timesteps=40 --set model.samples=50 --set data.global_batch=24 --set data.micro_batch=4"
     " --set checkpoint.every_steps=0 --set log.per_rank_files=false --set optim.schedule.warmup_steps=3";
 
-// The diffusion generator trains the same on 3 ranks under zero3 as in one process
-// (the noise each sample draws does not depend on the rank or the micro-batch); both EMA
+// The diffusion generator trains the same on 3 ranks under zero3 and on 4 under hybrid as
+// in one process (the noise each sample draws does not depend on the rank or the
+// micro-batch); both EMA
 // decays are exported under the denoiser's names, and the samples drawn with
 // generator_ema at the end agree.
-TEST(TrainE2ETest, DiffusionUnderZero3MatchesOneProcess) {
+TEST(TrainE2ETest, DiffusionShardedMatchesOneProcess) {
   const std::string single = uniqueDir("single"), sharded = uniqueDir("zero3");
   std::string out;
   ASSERT_EQ(run(kBin + "/tessera-train" + kDiffusionArgs + " --set sharding.strategy=no_shard --set run.dir=" + single,
@@ -430,6 +431,16 @@ TEST(TrainE2ETest, DiffusionUnderZero3MatchesOneProcess) {
   const auto reference = readMetrics(single);
   ASSERT_TRUE(reference.back().contains("eval_loss_ema")) << out;
   expectSameLosses(reference, readMetrics(sharded), "diffusion zero3 on 3 ranks");
+  // 4 ranks as 2 x 2 hybrid, with micro-batches of 2 instead of 4: other ranks and other
+  // micro-batches hold each sample, and it still draws the same noise.
+  const std::string hybrid = uniqueDir("hybrid");
+  ASSERT_EQ(run(kBin + "/tessera-run --standalone --nproc-per-node 4 " + kBin + "/tessera-train" + kDiffusionArgs +
+                    " --set sharding.strategy=hybrid --set sharding.shard_size=2 --set data.micro_batch=2 --set run.dir=" +
+                    hybrid,
+                &out),
+            0)
+      << out;
+  expectSameLosses(reference, readMetrics(hybrid), "diffusion hybrid 2 x 2, other micro-batches");
 
   for (const std::string name : {"generator_ema", "generator_ema_0.999"}) {
     const auto path = [&](const std::string& dir) { return (fs::path(dir) / "export" / (name + ".safetensors")).string(); };
