@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "common/app_main.h"
 #include "common/filesystem.h"
 #include "trainer/dataset.h"
 #include "trainer/models.h"
@@ -142,6 +143,8 @@ int main(int argc, char** argv) {
   app.add_option("--set", sets, "Config override for both (key=value), repeatable");
   CLI11_PARSE(app, argc, argv);
   steps = steps / 4 * 4;
+  // The baseline loop runs under the host allocator policy tessera-train sets for itself.
+  tessera::keepFreedHostMemoryForReuse();
 
   try {
     const TrainConfig cfg = tessera::trainer::loadTrainConfig(config, sets, nproc).config;

@@ -16,6 +16,7 @@
 #include "trainer/trainer.h"
 
 int main(int argc, char** argv) {
+  tessera::keepFreedHostMemoryForReuse();
   return tessera::runMain("tessera-train", [&]() -> int {
     CLI::App app{"Tessera: run one YAML-configured training job on this rank"};
     std::string configFile;
