@@ -398,12 +398,12 @@ TrainSummary Trainer::run() {
   comm.resetStats();
 
   bool preempted = false;
+  bool stopAgreed = false;  // some rank had a stop signal when the last step's loss was reduced
   int64_t step = startStep;
   for (; step < cfg.run.steps; ++step) {
-    // Stop on SIGTERM at the same step on every rank: one tiny all-reduce per step.
-    at::Tensor stop = at::full({1}, g_stopRequested ? 1.0 : 0.0, at::kFloat);
-    comm.allReduce(stop, distributed::ReduceOp::kMax);
-    if (stop.item<float>() > 0) {
+    // Stop on SIGTERM at the same step on every rank: the flag travels with the previous
+    // step's loss (below), so it costs no collective of its own.
+    if (stopAgreed) {
       preempted = true;
       TLOG_WARN0("SIGTERM/SIGINT: stopping at step " << step << " with a checkpoint");
       break;
@@ -434,8 +434,11 @@ TrainSummary Trainer::run() {
     }
     if (emaManager) emaManager->update(step + 1, !result.skipped);
     if (result.skipped) ++counters.skippedSteps;
-    comm.allReduce(stepLoss, distributed::ReduceOp::kAvg);
-    windowLoss += stepLoss.item<double>();
+    // One all-reduce for the step's loss (summed, then averaged) and the stop flags.
+    at::Tensor shared = at::cat({stepLoss, at::full({1}, g_stopRequested ? 1.0 : 0.0, at::kDouble)});
+    comm.allReduce(shared, distributed::ReduceOp::kSum);
+    stopAgreed = shared[1].item<double>() > 0;
+    windowLoss += shared[0].item<double>() / static_cast<double>(world);
     ++windowSteps;
 
     const bool last = step + 1 == cfg.run.steps;
