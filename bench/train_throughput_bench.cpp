@@ -70,7 +70,7 @@ double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps
     for (int64_t m = 0; m < accumulation; ++m) {
       const std::vector<int64_t> slice(indices.begin() + m * micro, indices.begin() + (m + 1) * micro);
       tessera::trainer::Batch batch = data->trainBatch(slice);
-      for (int64_t i : slice) batch.noiseSeeds.push_back(tessera::trainer::noiseSeed(cfg.run.seed, s, i));
+      tessera::trainer::seedNoise(batch, cfg.run.seed, s, slice);
       (model->losses(batch).mean() / static_cast<double>(accumulation)).backward();
     }
     if (cfg.optim.grad_clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), cfg.optim.grad_clip);

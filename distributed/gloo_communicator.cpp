@@ -198,6 +198,15 @@ class GlooCommunicator final : public Communicator {
   std::string backendName() const override { return "gloo"; }
 
  protected:
+  // All-to-all with equal splits: chunk r of `send` goes to rank r, and chunk r of
+  // `received` comes from rank r (c10d keeps both tensors alive until the work ends).
+  c10::intrusive_ptr<c10d::Work> allToAllEqual(at::Tensor received, at::Tensor send) {
+    std::vector<int64_t> equalSplits;
+    c10d::AllToAllOptions opts;
+    opts.timeout = options().timeout;
+    return pg_->alltoall_base(received, send, equalSplits, equalSplits, opts);
+  }
+
   std::shared_ptr<CommHandle> doAllGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) override {
     if (!onHost(flat_out) || !onHost(local_in)) {
       const at::Tensor hostOut = hostBuffer(flat_out);
@@ -212,13 +221,8 @@ class GlooCommunicator final : public Communicator {
       // flat_out: Gloo's allgather in LibTorch 1.13 costs ~0.5-1 ms even for one element
       // on 2 local ranks, its all-to-all about half (docs/benchmarks.md, "Training
       // throughput"). The repeated shard is a temporary as large as flat_out, hence the cap.
-      at::Tensor send = in.repeat({worldSize()});
-      at::Tensor received = bytesOf(flat_out);
-      std::vector<int64_t> equalSplits;
-      c10d::AllToAllOptions opts;
-      opts.timeout = options().timeout;
       return handle("allGatherInto", describeOp("allGatherInto", local_in),
-                    pg_->alltoall_base(received, send, equalSplits, equalSplits, opts));
+                    allToAllEqual(bytesOf(flat_out), in.repeat({worldSize()})));
     }
     std::vector<std::vector<at::Tensor>> outputs{chunksOf(bytesOf(flat_out), worldSize(), in.numel())};
     std::vector<at::Tensor> inputs{in};
@@ -235,12 +239,9 @@ class GlooCommunicator final : public Communicator {
     }
     // All-to-all with equal splits: chunk r of every rank's flat_in lands on rank r, in
     // rank order; then rank r reduces its N received chunks locally.
-    at::Tensor send = bytesOf(flat_in);
-    at::Tensor received = at::empty_like(send);
-    std::vector<int64_t> equalSplits;
-    c10d::AllToAllOptions opts;
-    opts.timeout = options().timeout;
-    auto work = pg_->alltoall_base(received, send, equalSplits, equalSplits, opts);
+    const at::Tensor send = bytesOf(flat_in);
+    const at::Tensor received = at::empty_like(send);
+    auto work = allToAllEqual(received, send);
     const int world = worldSize();
     const int64_t chunk = local_out.numel();
     const at::ScalarType type = local_out.scalar_type();

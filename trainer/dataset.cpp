@@ -8,6 +8,15 @@
 
 namespace tessera::trainer {
 
+DataSpec tokenWindowSpec(int64_t context, int64_t vocabSize, bool everyPosition) {
+  DataSpec s;
+  s.tokens = true;
+  s.inputShape = {context};
+  s.classes = vocabSize;
+  if (everyPosition) s.targetShape = {context};
+  return s;
+}
+
 std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const ModelOptions& model, bool everyPosition) {
   if (data.kind == "tensors") return std::make_unique<TensorDataset>(data.path, data.eval_fraction);
   return std::make_unique<TextDataset>(data.path, model.context, data.eval_fraction,
@@ -22,6 +31,11 @@ uint64_t noiseSeed(int64_t runSeed, int64_t step, int64_t index) {
     return x ^ (x >> 31);
   };
   return mix(mix(mix(static_cast<uint64_t>(runSeed)) ^ static_cast<uint64_t>(step)) ^ static_cast<uint64_t>(index));
+}
+
+void seedNoise(Batch& batch, int64_t runSeed, int64_t step, const std::vector<int64_t>& indices) {
+  batch.noiseSeeds.clear();
+  for (int64_t i : indices) batch.noiseSeeds.push_back(noiseSeed(runSeed, step, i));
 }
 
 }  // namespace tessera::trainer

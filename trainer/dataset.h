@@ -50,6 +50,10 @@ class Dataset {
   virtual std::string describe() const = 0;  // one line for the log: file and sizes
 };
 
+// The spec of token windows of `context` ids below `vocabSize`: targets are the next token
+// of each window, or with `everyPosition` of every position ([context]).
+DataSpec tokenWindowSpec(int64_t context, int64_t vocabSize, bool everyPosition);
+
 // The dataset data.kind names (text, tokens, tensors), read from data.path. `everyPosition`:
 // token windows with a target per position (models that predict every position).
 std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const ModelOptions& model, bool everyPosition);
@@ -58,5 +62,9 @@ std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const ModelOptions
 // mixed from the run seed with splitmix64 so that neighbouring indices and steps give
 // unrelated streams.
 uint64_t noiseSeed(int64_t runSeed, int64_t step, int64_t index);
+
+// Sets batch.noiseSeeds to noiseSeed(runSeed, step, i) for each sample index i of the batch
+// (global indices, never the rank or the micro-batch).
+void seedNoise(Batch& batch, int64_t runSeed, int64_t step, const std::vector<int64_t>& indices);
 
 }  // namespace tessera::trainer

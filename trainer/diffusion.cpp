@@ -3,10 +3,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/accumulate.h>
 #include <torch/nn/modules/activation.h>
 
 #include <cmath>
-#include <numeric>
 
 #include "common/errors.h"
 #include "sharding/fully_shard.h"
@@ -41,7 +41,7 @@ at::Tensor DenoiserBlock::forward(const at::Tensor& h, const at::Tensor& timeEmb
 DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape)
     : options_(options),
       sampleShape_(std::move(sampleShape)),
-      features_(std::accumulate(sampleShape_.begin(), sampleShape_.end(), int64_t{1}, std::multiplies<>())),
+      features_(c10::multiply_integers(sampleShape_)),
       schedule_(options.timesteps, options.beta_start, options.beta_end) {
   TESSERA_CHECK_AS(ConfigError, features_ >= 1, "diffusion: samples have no features (shape [",
                    sampleShape_.size(), " dims])");

@@ -2,12 +2,12 @@
 #include "trainer/models.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
 #include <torch/version.h>
 #include <torch/nn/functional/loss.h>
 
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "common/errors.h"
 #include "sharding/fully_shard.h"
@@ -30,10 +30,6 @@ at::Tensor crossEntropyEach(const at::Tensor& logits, const at::Tensor& targets)
   namespace F = torch::nn::functional;
   return F::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}),
                           F::CrossEntropyFuncOptions().reduction(torch::kNone));
-}
-
-int64_t numelOf(const std::vector<int64_t>& shape) {
-  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
 }
 
 }  // namespace
@@ -62,12 +58,12 @@ at::Tensor ContextMlp::nextTokenLogits(const at::Tensor& tokens) {
 FeatureMlp::FeatureMlp(const ModelOptions& options, const DataSpec& data) : options_(options), data_(data) {
   TESSERA_CHECK_AS(ConfigError, data.hasTargets, "model.arch mlp on tensor data needs 'targets' in the data file");
   layers_ = register_module("layers", torch::nn::ModuleList());
-  int64_t width = numelOf(data.inputShape);
+  int64_t width = c10::multiply_integers(data.inputShape);
   for (int64_t hidden : options.hidden) {
     layers_->push_back(torch::nn::Linear(width, hidden));
     width = hidden;
   }
-  head_ = register_module("head", torch::nn::Linear(width, data.classes > 0 ? data.classes : numelOf(data.targetShape)));
+  head_ = register_module("head", torch::nn::Linear(width, data.classes > 0 ? data.classes : c10::multiply_integers(data.targetShape)));
 }
 
 at::Tensor FeatureMlp::forward(const at::Tensor& inputs) {
@@ -145,12 +141,7 @@ at::Tensor Gpt::forward(const at::Tensor& tokens) {
 at::Tensor Gpt::nextTokenLogits(const at::Tensor& tokens) { return forward(tokens).select(1, tokens.size(1) - 1); }
 
 DataSpec tokenDataSpec(const ModelOptions& options) {
-  DataSpec s;
-  s.tokens = true;
-  s.inputShape = {options.context};
-  s.classes = options.vocab_size;
-  if (predictsEveryPosition(options)) s.targetShape = {options.context};
-  return s;
+  return tokenWindowSpec(options.context, options.vocab_size, predictsEveryPosition(options));
 }
 
 bool predictsEveryPosition(const ModelOptions& options) { return options.arch == "gpt"; }

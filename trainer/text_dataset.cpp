@@ -62,16 +62,15 @@ TextDataset::TextDataset(const std::string& path, int64_t context, double evalFr
 }
 
 Batch TextDataset::gather(const std::vector<int64_t>& starts) const {
-  const bool everyPosition = everyPosition_;
   const auto n = static_cast<int64_t>(starts.size());
   at::Tensor inputs = at::empty({n, context_}, at::kLong);
-  at::Tensor targets = everyPosition ? at::empty({n, context_}, at::kLong) : at::empty({n}, at::kLong);
+  at::Tensor targets = everyPosition_ ? at::empty({n, context_}, at::kLong) : at::empty({n}, at::kLong);
   auto* in = inputs.data_ptr<int64_t>();
   auto* tg = targets.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = starts[i];
     for (int64_t j = 0; j < context_; ++j) in[i * context_ + j] = tokens_[s + j];
-    if (everyPosition) {
+    if (everyPosition_) {
       for (int64_t j = 0; j < context_; ++j) tg[i * context_ + j] = tokens_[s + j + 1];
     } else {
       tg[i] = tokens_[s + context_];
@@ -96,14 +95,7 @@ Batch TextDataset::evalBatch(int64_t first, int64_t n) const {
   return gather(starts);
 }
 
-DataSpec TextDataset::spec() const {
-  DataSpec s;
-  s.tokens = true;
-  s.inputShape = {context_};
-  s.classes = vocabSize_;
-  if (everyPosition_) s.targetShape = {context_};
-  return s;
-}
+DataSpec TextDataset::spec() const { return tokenWindowSpec(context_, vocabSize_, everyPosition_); }
 
 std::string TextDataset::describe() const {
   return strCat(path_, ": ", tokens(), " tokens, ", trainSamples(), " train and ", std::max<int64_t>(evalSamples(), 0),

@@ -112,13 +112,6 @@ at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device) {
   });
 }
 
-// Seeds of the samples' noise (diffusion): from the run seed, the step (-1: evaluation)
-// and each sample's index, never from the rank or the micro-batch.
-void seedNoise(Batch& batch, int64_t runSeed, int64_t step, const std::vector<int64_t>& indices) {
-  batch.noiseSeeds.clear();
-  for (int64_t i : indices) batch.noiseSeeds.push_back(noiseSeed(runSeed, step, i));
-}
-
 bool fullySharded(const sharding::ShardingStrategy& strategy) {
   return strategy.kind() == sharding::StrategyKind::kZero3 || strategy.kind() == sharding::StrategyKind::kHybrid;
 }
@@ -231,13 +224,12 @@ std::string drawSamples(DiffusionDenoiser& model, ema::ShardedModelEMAManager& e
   const std::string out = (runDir / "samples.safetensors").string();
   samples = samples.cpu();
   checkpoint::saveSafetensors(out, {{"samples", samples}}, {{"generator", "generator_ema"}});
-  const int64_t n = std::min<int64_t>(data.evalSamples() > 0 ? data.evalSamples() : data.trainSamples(), 4096);
-  const at::Tensor reference =
-      (data.evalSamples() > 0 ? data.evalBatch(0, n) : data.trainBatch([&] {
-        std::vector<int64_t> all(static_cast<size_t>(n));
-        std::iota(all.begin(), all.end(), 0);
-        return all;
-      }())).inputs.flatten(1);
+  // The reference: up to 4096 held-out samples, or train samples when none are held out.
+  const bool heldOut = data.evalSamples() > 0;
+  std::vector<int64_t> first(static_cast<size_t>(std::min<int64_t>(heldOut ? data.evalSamples() : data.trainSamples(), 4096)));
+  std::iota(first.begin(), first.end(), 0);
+  const Batch referenceBatch = heldOut ? data.evalBatch(0, static_cast<int64_t>(first.size())) : data.trainBatch(first);
+  const at::Tensor reference = referenceBatch.inputs.flatten(1);
   const at::Tensor flat = samples.flatten(1);
   const double meanError = (flat.mean(0) - reference.mean(0)).abs().mean().item<double>();
   // A spread needs two samples on each side.
@@ -247,7 +239,7 @@ std::string drawSamples(DiffusionDenoiser& model, ema::ShardedModelEMAManager& e
                    " (1 = the data's)")
           : std::string();
   TLOG_INFO0("samples: " << cfg.model.samples << " drawn with generator_ema; per-feature mean differs from the "
-                         << (data.evalSamples() > 0 ? "held-out" : "train") << " data's by " << meanError
+                         << (heldOut ? "held-out" : "train") << " data's by " << meanError
                          << " on average" << spread);
   return out;
 }

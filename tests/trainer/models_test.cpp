@@ -145,10 +145,9 @@ TEST(DiffusionTest, NamesShapesAndUnits) {
     }
   }
   EXPECT_EQ(names(*model), expected);
-  for (const auto& item : model->named_parameters()) {
-    if (item.key() == "input_proj.weight") EXPECT_EQ(item.value().sizes(), (c10::IntArrayRef{10, 12}));
-    if (item.key() == "blocks.1.fc1.weight") EXPECT_EQ(item.value().sizes(), (c10::IntArrayRef{40, 10}));
-  }
+  const auto params = model->named_parameters();
+  EXPECT_EQ(params["input_proj.weight"].sizes(), (c10::IntArrayRef{10, 12}));
+  EXPECT_EQ(params["blocks.1.fc1.weight"].sizes(), (c10::IntArrayRef{40, 10}));
   const at::Tensor x = torch::randn({4, 3, 2, 2});
   EXPECT_EQ(model->forward(x, torch::tensor(std::vector<int64_t>{0, 1, 25, 49})).sizes(), x.sizes());
   EXPECT_THROW(model->forward(torch::randn({4, 5}), torch::zeros({4}, at::kLong)), Error);
