@@ -139,7 +139,6 @@ int main(int argc, char** argv) {
     options.strategy = "zero3";
     options.paramDtype = compute;
     options.reduceDtype = at::kFloat;
-    options.optimizer.lr = 1e-4;
     options.optimizer.weightDecay = 0.1;
     options.wrap = {"h.*"};
     auto strategy = tessera::sharding::makeStrategy(*sharded, comm, options);

@@ -15,6 +15,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
+#include "sharding/mixed_precision.h"
 
 namespace tessera::checkpoint {
 
@@ -124,17 +125,16 @@ std::map<std::string, std::string> fileMetadata(const ExportOptions& options, co
 
 }  // namespace
 
+std::string exportPrefix(const std::string& what, const std::map<std::string, std::string>& aliases) {
+  if (!what.empty() && what.back() == '/') return what;
+  auto alias = aliases.find(what);
+  if (alias != aliases.end()) return alias->second;
+  if (what == "model") return "model/";
+  return "ema/" + what + "/";
+}
+
 std::string resolveExportPrefix(const CheckpointMetadata& md, const std::string& what) {
-  std::string prefix;
-  if (!what.empty() && what.back() == '/') {
-    prefix = what;
-  } else if (md.aliases.count(what)) {
-    prefix = md.aliases.at(what);
-  } else if (what == "model") {
-    prefix = "model/";
-  } else {
-    prefix = "ema/" + what + "/";
-  }
+  const std::string prefix = exportPrefix(what, md.aliases);
   for (const auto& t : md.tensors) {
     if (t.name.compare(0, prefix.size(), prefix) == 0) return prefix;
   }
@@ -340,10 +340,11 @@ int64_t parseByteSize(const std::string& text) {
 }
 
 at::ScalarType parseExportDtype(const std::string& text) {
-  if (text == "fp32" || text == "float32") return at::kFloat;
-  if (text == "bf16" || text == "bfloat16") return at::kBFloat16;
-  if (text == "fp16" || text == "float16") return at::kHalf;
-  throw UsageError(strCat("dtype '", text, "' is not one of fp32, bf16, fp16"));
+  try {
+    return sharding::parseFloatDtype(text, "--dtype");
+  } catch (const ConfigError& e) {
+    throw UsageError(e.what());  // a command-line argument, not a config key
+  }
 }
 
 }  // namespace tessera::checkpoint

@@ -56,10 +56,12 @@ struct ExportResult {
   double seconds = 0;
 };
 
-// Maps `what` to a tensor-name prefix of the checkpoint: a raw prefix ending in '/' is
-// used as is; an alias recorded at save time wins; "model" -> "model/"; anything else
-// -> "ema/<what>/". Throws CheckpointError when no tensor has the prefix, listing the
-// names that would work.
+// Maps `what` to a tensor-name prefix: a raw prefix ending in '/' is used as is; an alias
+// (export name -> prefix, e.g. "generator_ema_0.999" -> "ema/generator_ema_0.999/") wins;
+// "model" -> "model/"; anything else -> "ema/<what>/".
+std::string exportPrefix(const std::string& what, const std::map<std::string, std::string>& aliases);
+// exportPrefix with the aliases recorded in a checkpoint; throws CheckpointError when no
+// tensor has the prefix, listing the names that would work.
 std::string resolveExportPrefix(const CheckpointMetadata& metadata, const std::string& what);
 
 // Offline export of checkpoint directory `checkpointDir` to `out`.
@@ -73,7 +75,7 @@ ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::str
 
 // "2GB" (10^9, as Hugging Face), "500MiB" (2^20), "123" bytes; UsageError otherwise.
 int64_t parseByteSize(const std::string& text);
-// "fp32" | "bf16" | "fp16" (also float32, bfloat16, float16); UsageError otherwise.
+// sharding::parseFloatDtype for the --dtype argument: UsageError for an unknown name.
 at::ScalarType parseExportDtype(const std::string& text);
 
 }  // namespace tessera::checkpoint

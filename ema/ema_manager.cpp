@@ -122,10 +122,14 @@ void ShardedModelEMAManager::addParam(const std::string& name, const sharding::S
   paramNames_.push_back(name);
 }
 
-void ShardedModelEMAManager::addBuffer(const std::string& name, const at::Tensor& live) {
+void ShardedModelEMAManager::addBuffer(const std::string& name, const sharding::ShardSpec& spec,
+                                       const at::Tensor& live) {
   TESSERA_CHECK(!params_.count(name) && !buffers_.count(name), "ShardedModelEMAManager::addBuffer: '", name,
                 "' registered twice");
-  BufferEntry e{live, {}};
+  TESSERA_CHECK(live.defined() && spec.placement() == sharding::Placement::kReplicate &&
+                    live.sizes().vec() == spec.globalShape() && live.scalar_type() == spec.dtype(),
+                "ShardedModelEMAManager::addBuffer: '", name, "' must be a defined tensor replicated as ", spec.str());
+  BufferEntry e{spec, live, {}};
   for (size_t i = 0; i < options_.decays.size(); ++i) e.ema.push_back(live.detach().clone());
   buffers_.emplace(name, std::move(e));
   bufferNames_.push_back(name);
@@ -242,7 +246,11 @@ void ShardedModelEMAManager::update(int64_t step, bool optimizerApplied) {
 
 std::string ShardedModelEMAManager::stateName(size_t decayIndex) const {
   TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::stateName: decay index ", decayIndex);
-  if (decayIndex == 0) return options_.prefix;
+  return decayIndex == 0 ? options_.prefix : decayName(decayIndex);
+}
+
+std::string ShardedModelEMAManager::decayName(size_t decayIndex) const {
+  TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::decayName: decay index ", decayIndex);
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%g", options_.decays[decayIndex]);
   return options_.prefix + "_" + buf;
@@ -250,12 +258,32 @@ std::string ShardedModelEMAManager::stateName(size_t decayIndex) const {
 
 size_t ShardedModelEMAManager::decayIndexOf(const std::string& name) const {
   for (size_t i = 0; i < options_.decays.size(); ++i) {
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "%g", options_.decays[i]);
-    if (name == stateName(i) || name == options_.prefix + "_" + buf) return i;
+    if (name == stateName(i) || name == decayName(i)) return i;
   }
   throw Error(strCat("ShardedModelEMAManager: no EMA named '", name, "' (have ", stateName(0),
                      options_.decays.size() > 1 ? ", ..." : "", ")"));
+}
+
+std::vector<sharding::StateEntry> ShardedModelEMAManager::stateEntries(const std::string& prefix) {
+  std::vector<sharding::StateEntry> entries;
+  for (size_t d = 0; d < numDecays(); ++d) {
+    const std::string base = prefix + stateName(d) + "/";
+    for (const std::string& name : paramNames_) {
+      const Entry& e = params_.at(name);
+      entries.push_back({base + name, e.spec, e.ema[d]});
+    }
+    for (const std::string& name : bufferNames_) {
+      const BufferEntry& b = buffers_.at(name);
+      entries.push_back({base + name, b.spec, b.ema[d]});
+    }
+  }
+  return entries;
+}
+
+std::map<std::string, std::string> ShardedModelEMAManager::exportAliases(const std::string& prefix) const {
+  std::map<std::string, std::string> aliases;
+  for (size_t d = 0; d < numDecays(); ++d) aliases[decayName(d)] = prefix + stateName(d) + "/";
+  return aliases;
 }
 
 ShardedModelEMAManager::Entry& ShardedModelEMAManager::entry(const std::string& name) {
@@ -280,31 +308,10 @@ at::Tensor& ShardedModelEMAManager::emaBuffer(size_t decayIndex, const std::stri
   return it->second.ema.at(decayIndex);
 }
 
-void ShardedModelEMAManager::withEmaWeights(size_t decayIndex, const std::function<void()>& fn) {
-  TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::withEmaWeights: decay index ", decayIndex);
-  std::vector<std::pair<at::Tensor, at::Tensor>> saved;  // (live, its value before the swap)
-  {
-    c10::NoGradGuard noGrad;  // only around the copies: fn runs in the caller's grad mode
-    for (auto& [name, e] : params_) {
-      saved.emplace_back(e.live, e.live.clone());
-      e.live.copy_(e.spec.realRows(e.ema[decayIndex]));
-    }
-    for (auto& [name, b] : buffers_) {
-      saved.emplace_back(b.live, b.live.clone());
-      b.live.copy_(b.ema[decayIndex]);
-    }
-  }
-  auto restore = [&] {
-    c10::NoGradGuard noGrad;
-    for (auto& [live, value] : saved) live.copy_(value);
-  };
-  try {
-    fn();
-  } catch (...) {
-    restore();
-    throw;
-  }
-  restore();
+const at::Tensor& ShardedModelEMAManager::liveBuffer(const std::string& name) const {
+  auto it = buffers_.find(name);
+  TESSERA_CHECK(it != buffers_.end(), "ShardedModelEMAManager: no buffer named '", name, "'");
+  return it->second.live;
 }
 
 int64_t ShardedModelEMAManager::bytes() const {

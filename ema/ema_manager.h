@@ -1,5 +1,5 @@
 // ShardedModelEMAManager: exponential moving averages of a model's parameters, held as
-// shards that mirror the train model's sharding (ARCHITECTURE.md §3 "EMA").
+// shards that mirror the train model's sharding (docs/design.md, "EMA").
 //
 // Every EMA tensor has the ShardSpec of the live tensor it follows: the parameter's
 // shard under zero3/hybrid, or this rank's slice of a replicated parameter under the
@@ -17,17 +17,21 @@
 // and exports): the first decay is "<prefix>" (default prefix "generator_ema"), and every
 // decay d is also reachable as "<prefix>_<d>" with d printed by %g, e.g.
 // "generator_ema_0.999". stateName(i) gives the canonical name of decay i.
+//
+// Buffers (BatchNorm statistics) follow the model too, per options.buffers: copied at
+// every update, or averaged like the parameters (integer buffers are always copied).
+// ema/strategy_ema.h registers a strategy's parameters and buffers and runs evaluations
+// with the EMA swapped in.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
-#include "sharding/shard_spec.h"
+#include "sharding/sharded_param.h"
 #ifdef TESSERA_EMA_CUDA_KERNEL
 #include "ema/ema_blend_cuda.h"
 #endif
@@ -58,9 +62,10 @@ class ShardedModelEMAManager {
   // rows of a replicated parameter, a contiguous view). The EMA is a padded buffer of
   // `spec` in the EMA dtype, starting as a copy of `live`.
   void addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live);
-  // Registers a buffer (replicated, e.g. BatchNorm running_mean): copied or averaged
-  // according to options.buffers. Integer buffers (num_batches_tracked) are always copied.
-  void addBuffer(const std::string& name, const at::Tensor& live);
+  // Registers a buffer (e.g. BatchNorm running_mean; `spec` Replicate, the buffer's shape
+  // and dtype): copied or averaged according to options.buffers. Integer buffers
+  // (num_batches_tracked) are always copied.
+  void addBuffer(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live);
 
   // Re-initialises every EMA from the live tensors (the default start).
   void resetFromLive();
@@ -79,6 +84,8 @@ class ShardedModelEMAManager {
 
   size_t numDecays() const { return options_.decays.size(); }
   std::string stateName(size_t decayIndex) const;  // "generator_ema", "generator_ema_0.9999"
+  // "<prefix>_<decay>" (%g), the name every decay answers to, e.g. "generator_ema_0.999".
+  std::string decayName(size_t decayIndex) const;
   // Index of a decay set by any of its names; throws for an unknown name.
   size_t decayIndexOf(const std::string& name) const;
   const EmaOptions& options() const { return options_; }
@@ -91,11 +98,16 @@ class ShardedModelEMAManager {
   const sharding::ShardSpec& spec(const std::string& name) const;
   at::Tensor& emaShard(size_t decayIndex, const std::string& name);
   at::Tensor& emaBuffer(size_t decayIndex, const std::string& name);
+  // The model's buffer a registered buffer follows.
+  const at::Tensor& liveBuffer(const std::string& name) const;
 
-  // Swaps EMA values into the live tensors (full buffers and live shards), runs `fn`,
-  // and restores the live values exactly, also when `fn` throws. The caller is
-  // responsible for making the module see the live shards (e.g. zero1/2 re-gather).
-  void withEmaWeights(size_t decayIndex, const std::function<void()>& fn);
+  // Every EMA tensor as a checkpoint entry that saves and loads in place:
+  // <prefix><stateName(d)>/<name> for each decay d, parameters (their spec) and buffers
+  // (replicated).
+  std::vector<sharding::StateEntry> stateEntries(const std::string& prefix = "ema/");
+  // Export names -> checkpoint prefixes: decayName(d) -> "<prefix><stateName(d)>/" for
+  // every decay (stateName itself resolves without an alias).
+  std::map<std::string, std::string> exportAliases(const std::string& prefix = "ema/") const;
 
   // Bytes of EMA state on this rank (all decays).
   int64_t bytes() const;
@@ -107,6 +119,7 @@ class ShardedModelEMAManager {
     std::vector<at::Tensor> ema;  // one padded buffer per decay
   };
   struct BufferEntry {
+    sharding::ShardSpec spec;
     at::Tensor live;
     std::vector<at::Tensor> ema;
   };

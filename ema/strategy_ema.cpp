@@ -1,24 +1,29 @@
-// EMA registration over a sharding strategy's masters (see strategy_ema.h).
+// EMA registration over a sharding strategy, and evaluation with the EMA swapped in
+// (see strategy_ema.h).
 #include "ema/strategy_ema.h"
 
-#include "distributed/communicator.h"
+#include <c10/core/GradMode.h>
+
 #include "sharding/strategy.h"
 
 namespace tessera::ema {
 
-void followStrategy(ShardedModelEMAManager& manager, sharding::ShardingStrategy& strategy) {
-  const int world = strategy.comm().worldSize(), rank = strategy.comm().rank();
-  for (const auto& name : strategy.paramNames()) {
-    const sharding::ShardSpec& spec = strategy.spec(name);
-    at::Tensor master = strategy.masterShard(name);
-    if (spec.placement() == sharding::Placement::kReplicate) {
-      sharding::ShardSpec slice(spec.globalShape(), spec.dtype(), world, rank);
-      auto [begin, end] = slice.localRowRange();
-      manager.addParam(name, slice, master.reshape({slice.globalRows(), slice.rowNumel()}).narrow(0, begin, end - begin));
-    } else {
-      manager.addParam(name, spec, master);
-    }
-  }
+void followStrategy(ShardedModelEMAManager& manager, const sharding::ShardingStrategy& strategy) {
+  for (const sharding::ShardedParam& p : strategy.params()) manager.addParam(p.name, p.ownedSpec(), p.ownedMaster());
+  for (const auto& b : strategy.buffers()) manager.addBuffer(b.name, strategy.bufferSpec(b.tensor), b.tensor);
+}
+
+void withEmaWeights(ShardedModelEMAManager& manager, sharding::ShardingStrategy& strategy, size_t decayIndex,
+                    const std::function<void()>& fn) {
+  c10::NoGradGuard noGrad;
+  std::vector<at::Tensor> buffers;
+  for (const std::string& name : manager.bufferNames()) buffers.push_back(manager.liveBuffer(name));
+  sharding::withValuesSwapped(
+      buffers, [&](size_t i) { return manager.emaBuffer(decayIndex, manager.bufferNames()[i]); }, [] {},
+      [&] {
+        strategy.withSwappedParameters(
+            [&](const sharding::ShardedParam& p) { return manager.emaShard(decayIndex, p.name); }, fn);
+      });
 }
 
 }  // namespace tessera::ema

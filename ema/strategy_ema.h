@@ -1,9 +1,11 @@
-// Connects a ShardedModelEMAManager to a ShardingStrategy: the EMA follows each
-// parameter's fp32 master, shard for shard. A sharded master (zero1/zero2/zero3) is
-// followed with its own spec; a replicated master (no_shard) is followed only in this
-// rank's rows (a Shard(0) spec over the strategy's group), so EMA memory per rank is
-// 1/N of the model under every strategy and the update needs no communication.
+// Connects a ShardedModelEMAManager to a ShardingStrategy: the EMA follows the rows of
+// each parameter's fp32 master that this rank owns (ShardedParam::ownedSpec), and the
+// module's buffers. A sharded master (zero1/zero2/zero3/hybrid) is followed shard for
+// shard; a replicated master (no_shard) only in this rank's rows, so EMA memory per rank
+// is 1/N of the model under every strategy and the update needs no communication.
 #pragma once
+
+#include <functional>
 
 #include "ema/ema_manager.h"
 
@@ -13,8 +15,16 @@ class ShardingStrategy;
 
 namespace tessera::ema {
 
-// Registers every trainable parameter of `strategy` with `manager` (in the strategy's
-// order, under the module's parameter names).
-void followStrategy(ShardedModelEMAManager& manager, sharding::ShardingStrategy& strategy);
+// Registers every trainable parameter of `strategy` (in its order, under the module's
+// parameter names) and every module buffer with `manager`.
+void followStrategy(ShardedModelEMAManager& manager, const sharding::ShardingStrategy& strategy);
+
+// Runs `fn` without autograd (an evaluation, sampling) with the module computing from
+// EMA `decayIndex`'s weights and buffers, and restores the live ones exactly afterwards,
+// also when fn throws. Collective over the strategy's ranks (see
+// ShardingStrategy::withSwappedParameters: no rank holds more than one full tensor at a
+// time beyond what the strategy itself holds).
+void withEmaWeights(ShardedModelEMAManager& manager, sharding::ShardingStrategy& strategy, size_t decayIndex,
+                    const std::function<void()>& fn);
 
 }  // namespace tessera::ema

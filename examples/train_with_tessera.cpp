@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
     options.strategy = "zero3";
     options.wrap = {"blocks.*"};  // each block is a unit; the root holds the head
     options.optimizer.name = "adamw";
-    options.optimizer.lr = 1e-2;
+    const double lr = 1e-2;
     auto strategy = sharding::makeStrategy(*model, comm, options);
 
     ema::EmaOptions emaOptions;
@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
       at::Tensor pred = sharding::unitForward(*model, local, [&](const at::Tensor& in) { return model->forward(in); });
       at::Tensor loss = torch::mse_loss(pred, y.narrow(0, 8 * rank, 8));
       loss.backward();
-      strategy->step(options.optimizer.lr);
+      strategy->step(lr);
       ema.update(step + 1);
       at::Tensor mean = loss.detach().reshape({1});
       comm->allReduce(mean, distributed::ReduceOp::kAvg);
@@ -100,11 +100,10 @@ int main(int argc, char** argv) {
     }
 
     // The EMA as one safetensors file, gathered one tensor at a time to rank 0.
-    std::vector<checkpoint::StateEntry> entries;
-    for (const auto& name : ema.paramNames()) entries.push_back({"ema/" + name, ema.spec(name), ema.emaShard(0, name)});
     checkpoint::ExportOptions exportOptions;
     exportOptions.what = "generator_ema";
-    checkpoint::exportOnline(entries, "ema/", runtime->cpuComm().get(), out, exportOptions);
+    checkpoint::exportOnline(ema.stateEntries("ema/"), "ema/generator_ema/", runtime->cpuComm().get(), out,
+                             exportOptions);
     if (rank == 0) {
       std::printf("train_with_tessera: %d rank(s), zero3, loss %.4f -> %.4f, EMA exported to %s\n", world, first, last,
                   out.c_str());

@@ -4,10 +4,11 @@
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
-#include <deque>
+#include <functional>
 
 #include "common/errors.h"
 #include "distributed/communicator.h"
+#include "sharding/inflight.h"
 
 namespace tessera::sharding {
 namespace {
@@ -20,22 +21,16 @@ struct InflightBucket {
   std::shared_ptr<distributed::CommHandle> handle;
 };
 
-// Issues one collective per bucket through `issue`, keeping at most `maxInflight` in
+// Issues one collective per bucket through `issue`, keeping at most kMaxInflightBuckets in
 // flight, and hands each to `finish` (after its wait) in bucket order.
-template <typename Issue, typename Finish>
-void pipelineBuckets(size_t buckets, size_t maxInflight, Issue issue, Finish finish) {
-  std::deque<InflightBucket> inflight;
-  auto drainOne = [&] {
-    InflightBucket job = std::move(inflight.front());
-    inflight.pop_front();
-    job.handle->wait();
-    finish(job);
-  };
+template <typename Issue>
+void pipelineBuckets(size_t buckets, Issue issue, std::function<void(InflightBucket&)> finish) {
+  InflightCollectives<InflightBucket> inflight(DataParallelStrategy::kMaxInflightBuckets, std::move(finish));
   for (size_t b = 0; b < buckets; ++b) {
-    if (inflight.size() >= maxInflight) drainOne();
-    inflight.push_back(issue(b));
+    inflight.makeRoom();
+    inflight.push(issue(b));
   }
-  while (!inflight.empty()) drainOne();
+  inflight.drain();
 }
 
 }  // namespace
@@ -53,8 +48,8 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
   const int rank = comm_->rank();
 
   c10::NoGradGuard noGrad;
-  for (const NamedParam& np : trainableParams()) {
-    const at::Tensor& p = np.param;
+  for (const NamedTensor& np : trainableParams()) {
+    const at::Tensor& p = np.tensor;
     const std::vector<int64_t> shape = p.sizes().vec();
     const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(p.device());
     if (!sharded_) {
@@ -89,33 +84,40 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
 
   // Buckets, sized by their flat reduce buffer (padding included).
   const int64_t elementBytes = static_cast<int64_t>(c10::elementSize(options_.reduceDtype));
+  std::vector<ShardedParam>& records = mutableParams();
   std::vector<int64_t> bytes;
-  for (size_t i = 0; i < paramCount(); ++i) {
-    const ShardSpec& s = specAt(i);
-    bytes.push_back((sharded_ ? s.paddedNumel() * world : s.globalNumel()) * elementBytes);
+  for (const ShardedParam& p : records) {
+    bytes.push_back((sharded_ ? p.spec.paddedNumel() * world : p.spec.globalNumel()) * elementBytes);
   }
-  for (auto& members : planBuckets(bytes, options_.bucketBytes)) {
+  for (const auto& indices : planBuckets(bytes, options_.bucketBytes)) {
+    std::vector<ShardedParam*> members;
     std::vector<ShardSpec> specs;
-    for (size_t i : members) specs.push_back(specAt(i));
+    for (size_t i : indices) {
+      members.push_back(&records[i]);
+      specs.push_back(records[i].spec);
+    }
     buckets_.push_back({std::move(members), FlatLayout(std::move(specs))});
   }
 }
 
-std::vector<at::Tensor> DataParallelStrategy::synchronizeGradients() {
-  return sharded_ ? reduceScatterGradients() : allReduceGradients();
+void DataParallelStrategy::synchronizeGradients() {
+  if (sharded_) {
+    reduceScatterGradients();
+  } else {
+    allReduceGradients();
+  }
 }
 
-std::vector<at::Tensor> DataParallelStrategy::allReduceGradients() {
-  std::vector<at::Tensor> grads(paramCount());
+void DataParallelStrategy::allReduceGradients() {
   c10::NoGradGuard noGrad;
   auto issue = [&](size_t b) {
     const Bucket& bucket = buckets_[b];
     InflightBucket job;
     job.bucket = b;
     job.flat = at::empty({bucket.layout.flatNumel()},
-                         at::TensorOptions().dtype(options_.reduceDtype).device(param(bucket.members[0]).device()));
+                         at::TensorOptions().dtype(options_.reduceDtype).device(bucket.members[0]->master.device()));
     for (size_t k = 0; k < bucket.members.size(); ++k) {
-      bucket.layout.packFull(job.flat, k, param(bucket.members[k]).grad());
+      bucket.layout.packFull(job.flat, k, bucket.members[k]->moduleParam.grad());
     }
     // kAvg: the one division by N of the gradient average.
     job.handle = comm_->allReduceAsync(job.flat, distributed::ReduceOp::kAvg);
@@ -124,21 +126,19 @@ std::vector<at::Tensor> DataParallelStrategy::allReduceGradients() {
   auto finish = [&](InflightBucket& job) {
     const Bucket& bucket = buckets_[job.bucket];
     for (size_t k = 0; k < bucket.members.size(); ++k) {
-      const size_t i = bucket.members[k];
+      ShardedParam& p = *bucket.members[k];
       const at::Tensor average = bucket.layout.slot(job.flat, k);
-      at::Tensor& grad = param(i).mutable_grad();
-      if (!grad.defined()) grad = at::empty_like(param(i).detach());
+      at::Tensor& grad = p.moduleParam.mutable_grad();
+      if (!grad.defined()) grad = at::empty_like(p.moduleParam.detach());
       grad.copy_(average);  // the module's gradients are the averaged ones, as in DDP
       // Hand the optimizer the reduce-dtype values (fp32 by default), not a bf16 rounding.
-      grads[i] = grad.scalar_type() == options_.reduceDtype ? grad : average;
+      p.grad = grad.scalar_type() == options_.reduceDtype ? grad : average;
     }
   };
-  pipelineBuckets(buckets_.size(), kMaxInflightBuckets, issue, finish);
-  return grads;
+  pipelineBuckets(buckets_.size(), issue, finish);
 }
 
-std::vector<at::Tensor> DataParallelStrategy::reduceScatterGradients() {
-  std::vector<at::Tensor> grads(paramCount());
+void DataParallelStrategy::reduceScatterGradients() {
   std::vector<at::Tensor> shards(buckets_.size());
   // zero2 without zeroGrad() since the last step: add to the shards it kept, as torch
   // accumulates into .grad().
@@ -147,12 +147,12 @@ std::vector<at::Tensor> DataParallelStrategy::reduceScatterGradients() {
   auto issue = [&](size_t b) {
     const Bucket& bucket = buckets_[b];
     const auto options =
-        at::TensorOptions().dtype(options_.reduceDtype).device(param(bucket.members[0]).device());
+        at::TensorOptions().dtype(options_.reduceDtype).device(bucket.members[0]->master.device());
     InflightBucket job;
     job.bucket = b;
     job.flat = at::empty({bucket.layout.flatNumel()}, options);
     for (size_t k = 0; k < bucket.members.size(); ++k) {
-      const at::Tensor& p = param(bucket.members[k]);
+      const at::Tensor& p = bucket.members[k]->moduleParam;
       bucket.layout.packFull(job.flat, k, p.grad());
       if (freeFullGrads_) p.mutable_grad().reset();  // zero2: full gradient freed once packed
     }
@@ -166,18 +166,17 @@ std::vector<at::Tensor> DataParallelStrategy::reduceScatterGradients() {
     if (accumulate) shard = heldGradShards_[job.bucket].add_(shard);
     shards[job.bucket] = shard;
     const Bucket& bucket = buckets_[job.bucket];
-    for (size_t k = 0; k < bucket.members.size(); ++k) grads[bucket.members[k]] = bucket.layout.slot(shard, k);
+    for (size_t k = 0; k < bucket.members.size(); ++k) bucket.members[k]->grad = bucket.layout.slot(shard, k);
   };
-  pipelineBuckets(buckets_.size(), kMaxInflightBuckets, issue, finish);
+  pipelineBuckets(buckets_.size(), issue, finish);
   if (freeFullGrads_) heldGradShards_ = std::move(shards);
-  return grads;
 }
 
 void DataParallelStrategy::publishParameters() {
   c10::NoGradGuard noGrad;
   if (!sharded_) {
     if (mastersAreParams_) return;  // the optimizer stepped the parameters themselves
-    for (size_t i = 0; i < paramCount(); ++i) param(i).detach().copy_(master(i));
+    for (const ShardedParam& p : params()) p.moduleParam.detach().copy_(p.master);
     return;
   }
   const int rank = comm_->rank();
@@ -186,19 +185,21 @@ void DataParallelStrategy::publishParameters() {
     InflightBucket job;
     job.bucket = b;
     job.flat = at::empty({bucket.layout.flatNumel()},
-                         at::TensorOptions().dtype(options_.paramDtype).device(param(bucket.members[0]).device()));
+                         at::TensorOptions().dtype(options_.paramDtype).device(bucket.members[0]->master.device()));
     // This rank's chunk, cast to the compute dtype before gathering (same values as
     // gathering fp32 and casting: rounding is elementwise).
     at::Tensor chunk = bucket.layout.chunk(job.flat, rank);
-    for (size_t k = 0; k < bucket.members.size(); ++k) bucket.layout.slot(chunk, k).copy_(master(bucket.members[k]));
+    for (size_t k = 0; k < bucket.members.size(); ++k) bucket.layout.slot(chunk, k).copy_(bucket.members[k]->master);
     job.handle = comm_->allGatherIntoAsync(job.flat, chunk);
     return job;
   };
   auto finish = [&](InflightBucket& job) {
     const Bucket& bucket = buckets_[job.bucket];
-    for (size_t k = 0; k < bucket.members.size(); ++k) bucket.layout.unpackFull(job.flat, k, param(bucket.members[k]));
+    for (size_t k = 0; k < bucket.members.size(); ++k) {
+      bucket.layout.unpackFull(job.flat, k, bucket.members[k]->moduleParam);
+    }
   };
-  pipelineBuckets(buckets_.size(), kMaxInflightBuckets, issue, finish);
+  pipelineBuckets(buckets_.size(), issue, finish);
 }
 
 }  // namespace tessera::sharding

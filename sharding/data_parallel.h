@@ -34,6 +34,10 @@
 //
 // Parameters without a gradient on a rank contribute zeros to the average (every rank
 // takes part in every bucket's collective); they are then stepped with that gradient.
+//
+// Gradient accumulation: gradients are reduced once, in step(), so the backward passes of
+// every micro-batch simply accumulate into .grad() (setRequiresGradientSync changes
+// nothing here).
 #pragma once
 
 #include <memory>
@@ -49,29 +53,30 @@ class DataParallelStrategy final : public ShardingStrategy {
   static constexpr size_t kMaxInflightBuckets = 2;
 
   // options.strategy: no_shard, zero1 or zero2 (tessera::ConfigError otherwise).
-  // Collective over `comm` (initial broadcast). The module's parameters must be
-  // contiguous CPU tensors of the communicator's device.
+  // Collective over `comm` (initial broadcast). The module's parameters live on one
+  // device the communicator accepts (CPU, or CUDA for nccl and for gloo's staging).
   DataParallelStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
                        StrategyOptions options);
 
   void publishParameters() override;
 
-  // The gradient buckets: parameter indices (paramNames() order) and flat layouts.
+  // The gradient buckets: their parameters (in params() order) and flat layouts (slot k of
+  // the layout is member k).
   size_t bucketCount() const { return buckets_.size(); }
-  const std::vector<size_t>& bucketMembers(size_t b) const { return buckets_.at(b).members; }
+  const std::vector<ShardedParam*>& bucketMembers(size_t b) const { return buckets_.at(b).members; }
   const FlatLayout& bucketLayout(size_t b) const { return buckets_.at(b).layout; }
 
  protected:
-  std::vector<at::Tensor> synchronizeGradients() override;
+  void synchronizeGradients() override;
 
  private:
   struct Bucket {
-    std::vector<size_t> members;  // parameter indices
+    std::vector<ShardedParam*> members;
     FlatLayout layout;
   };
 
-  std::vector<at::Tensor> allReduceGradients();
-  std::vector<at::Tensor> reduceScatterGradients();
+  void allReduceGradients();
+  void reduceScatterGradients();
 
   bool sharded_ = false;         // zero1 / zero2
   bool freeFullGrads_ = false;   // zero2

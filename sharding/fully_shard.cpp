@@ -17,14 +17,15 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
-#include <deque>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "common/errors.h"
 #include "distributed/communicator.h"
+#include "distributed/device_mesh.h"
 #include "sharding/flat_layout.h"
+#include "sharding/inflight.h"
 
 namespace tessera::sharding {
 
@@ -32,13 +33,10 @@ namespace tessera::sharding {
 struct FsdpUnit {
   enum class State { kSharded, kGathering, kUnsharded };
 
-  FullyShardStrategy::Internal* owner = nullptr;
   std::string name;                  // qualified module name; "" for the root
   const torch::nn::Module* module = nullptr;
   bool isRoot = false;
-  std::vector<size_t> members;       // strategy parameter indices
-  std::vector<at::Tensor> params;    // the module's parameter objects (never replaced)
-  std::vector<std::string> names;
+  std::vector<ShardedParam*> params; // the strategy's records; slot k of `layout` is params[k]
   std::unique_ptr<FlatLayout> layout;
   at::Tensor masterChunk;            // fp32 [chunkNumel]: every member's master, FlatLayout slots
   at::Tensor gradShard;              // fp32 [chunkNumel]: reduced gradients, accumulating
@@ -56,16 +54,13 @@ struct FsdpUnit {
   size_t readyCount = 0;
   bool preBackwardDone = false;
   bool reduced = false;
+
+  const at::Tensor& moduleParam(size_t k) const { return params[k]->moduleParam; }
 };
 
 namespace {
 
 constexpr size_t kMaxPendingReduces = 2;
-
-// Units of live strategies by module, and modules marked by fullyShard().
-std::mutex gRegistryMutex;
-std::unordered_set<const torch::nn::Module*> gMarked;
-std::unordered_map<const torch::nn::Module*, FsdpUnit*> gUnits;
 
 // Frees (0) or regrows a parameter's own storage in place: the StorageImpl, and so every
 // tensor and saved variable viewing it, stays the same.
@@ -102,7 +97,9 @@ struct FullyShardStrategy::Internal {
     at::Tensor flat, local;
     std::shared_ptr<distributed::CommHandle> handle;
   };
-  std::deque<PendingReduce> pending;
+  InflightCollectives<PendingReduce> pending{kMaxPendingReduces, [this](PendingReduce& job) { finishReduce(job); }};
+  // The units by module, for unitForward.
+  std::unordered_map<const torch::nn::Module*, FsdpUnit*> unitOf;
   // Output hooks hold a weak reference: a graph outliving the strategy does nothing.
   std::shared_ptr<int> alive = std::make_shared<int>(0);
 
@@ -127,7 +124,7 @@ struct FullyShardStrategy::Internal {
     u.gather->wait();
     u.gather.reset();
     for (size_t k = 0; k < u.params.size(); ++k) {
-      const at::Tensor& p = u.params[k];
+      const at::Tensor& p = u.moduleParam(k);
       setStorageBytes(p, fullBytes(p));
       // variable_data(): a new version counter, so autograd's saved references to p do not
       // see a modification.
@@ -144,7 +141,7 @@ struct FullyShardStrategy::Internal {
       u.gather.reset();
       u.flat = at::Tensor();
     } else if (u.state == FsdpUnit::State::kUnsharded) {
-      for (const at::Tensor& p : u.params) setStorageBytes(p, 0);
+      for (const ShardedParam* p : u.params) setStorageBytes(p->moduleParam, 0);
     }
     u.state = FsdpUnit::State::kSharded;
   }
@@ -249,27 +246,25 @@ struct FullyShardStrategy::Internal {
   // issues the reduce-scatter (average over the shard group: the one division by N).
   void reduce(FsdpUnit& u) {
     const auto options = u.masterChunk.options().dtype(s.options_.reduceDtype);
+    pending.makeRoom();
     PendingReduce job;
     job.unit = &u;
     job.flat = at::empty({u.layout->flatNumel()}, options);
     {
       c10::NoGradGuard noGrad;
       for (size_t k = 0; k < u.params.size(); ++k) {
-        u.layout->packFull(job.flat, k, u.params[k].grad());
-        u.params[k].mutable_grad().reset();
+        u.layout->packFull(job.flat, k, u.moduleParam(k).grad());
+        u.moduleParam(k).mutable_grad().reset();
       }
     }
     job.local = at::empty({u.layout->chunkNumel()}, options);
     job.handle = s.shardComm_->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
     u.reduced = true;
-    pending.push_back(std::move(job));
-    while (pending.size() > kMaxPendingReduces) drainOne();
+    pending.push(std::move(job));
   }
 
-  void drainOne() {
-    PendingReduce job = std::move(pending.front());
-    pending.pop_front();
-    job.handle->wait();
+  // A reduce-scatter has completed: add its chunk to the unit's gradient shard.
+  void finishReduce(PendingReduce& job) {
     job.flat = at::Tensor();
     // hybrid: the shard group's average, averaged again over the replica groups.
     if (s.replicaComm_) s.replicaComm_->allReduce(job.local, distributed::ReduceOp::kAvg);
@@ -282,9 +277,7 @@ struct FullyShardStrategy::Internal {
     }
   }
 
-  void drainAll() {
-    while (!pending.empty()) drainOne();
-  }
+  void drainAll() { pending.drain(); }
 
   // End of every backward: reduce what the hooks left (each unit exactly once per
   // synchronised backward, in unit order on every rank), wait, free everything gathered.
@@ -314,7 +307,8 @@ struct FullyShardStrategy::Internal {
   }
 };
 
-// Calls the unit's hook when AccumulateGrad has stored the parameter's gradient.
+// Calls the unit's hook when AccumulateGrad has stored the parameter's gradient. It also
+// marks the parameter as sharded by its strategy (see "where a unit lives", fully_shard.h).
 class GradReadyHook final : public torch::autograd::FunctionPostHook {
  public:
   GradReadyHook(FullyShardStrategy::Internal* in, FsdpUnit* unit, size_t k) : in_(in), unit_(unit), k_(k) {}
@@ -323,6 +317,7 @@ class GradReadyHook final : public torch::autograd::FunctionPostHook {
     in_->onGradReady(*unit_, k_);
     return outputs;
   }
+  FullyShardStrategy::Internal* owner() const { return in_; }
 
  private:
   FullyShardStrategy::Internal* in_;
@@ -423,49 +418,72 @@ std::vector<at::Tensor> FullyShardStrategy::Internal::runCheckpointed(FsdpUnit& 
     std::lock_guard<std::mutex> lock(gen.mutex());
     state->rngState = gen.get_state();
   }
-  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(u.params), state);
+  std::vector<at::Tensor> params;
+  for (const ShardedParam* p : u.params) params.push_back(p->moduleParam);
+  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(params), state);
 }
 
-// ---- marking and entry points ------------------------------------------------------------
+// ---- finding units --------------------------------------------------------------------------
 
-void fullyShard(torch::nn::Module& module) {
-  std::lock_guard<std::mutex> lock(gRegistryMutex);
-  gMarked.insert(&module);
+namespace {
+
+// The strategy whose unit `module` may be, through the post hook on its first trainable
+// parameter's gradient accumulator (see "where a unit lives", fully_shard.h). Every
+// trainable parameter under a strategy's root carries the hook, so the first one decides.
+FullyShardStrategy::Internal* strategyOf(const at::Tensor& param) {
+  const std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (!accumulator) return nullptr;
+  for (const auto& hook : accumulator->post_hooks()) {
+    if (const auto* ready = dynamic_cast<const GradReadyHook*>(hook.get())) return ready->owner();
+  }
+  return nullptr;
 }
 
-int fullyShardByName(torch::nn::Module& root, const std::vector<std::string>& patterns) {
-  int marked = 0;
+FullyShardStrategy::Internal* strategyOf(const torch::nn::Module& module) {
+  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
+    if (p.requires_grad()) return strategyOf(p);
+  }
+  return nullptr;
+}
+
+// The submodules of `root` that options.wrap names, in named_modules() order: "blocks.*"
+// matches the direct children of `blocks`, anything else one module by its exact name.
+std::vector<std::pair<std::string, const torch::nn::Module*>> wrappedModules(const torch::nn::Module& root,
+                                                                             const std::vector<std::string>& patterns) {
   const auto modules = root.named_modules("", /*include_self=*/false);
+  std::vector<bool> chosen(modules.size(), false);
   for (const std::string& pattern : patterns) {
     const bool children = pattern.size() > 2 && pattern.compare(pattern.size() - 2, 2, ".*") == 0;
     const std::string parent = children ? pattern.substr(0, pattern.size() - 2) : pattern;
     int hits = 0;
-    for (const auto& item : modules) {
-      const std::string& name = item.key();
+    for (size_t i = 0; i < modules.size(); ++i) {
+      const std::string& name = modules[i].key();
       bool match = name == pattern;
       if (children && name.size() > parent.size() + 1 && name.compare(0, parent.size() + 1, parent + ".") == 0) {
         match = name.find('.', parent.size() + 1) == std::string::npos;
       }
       if (!match) continue;
-      fullyShard(*item.value());
+      chosen[i] = true;
       ++hits;
     }
-    TESSERA_CHECK_AS(ConfigError, hits > 0, "fullyShardByName: pattern '", pattern, "' matches no submodule");
-    marked += hits;
+    TESSERA_CHECK_AS(ConfigError, hits > 0, "sharding.wrap: pattern '", pattern, "' matches no submodule");
   }
-  return marked;
+  std::vector<std::pair<std::string, const torch::nn::Module*>> out;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    if (chosen[i]) out.emplace_back(modules[i].key(), modules[i].value().get());
+  }
+  return out;
 }
+
+}  // namespace
 
 std::vector<at::Tensor> unitForward(torch::nn::Module& module, const std::vector<at::Tensor>& inputs,
                                     const UnitFunction& fn) {
-  FsdpUnit* unit = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(gRegistryMutex);
-    auto it = gUnits.find(&module);
-    if (it != gUnits.end()) unit = it->second;
-  }
-  if (unit == nullptr) return fn(inputs);
-  return unit->owner->runUnit(*unit, inputs, fn);
+  FullyShardStrategy::Internal* strategy = strategyOf(module);
+  if (strategy == nullptr) return fn(inputs);
+  auto it = strategy->unitOf.find(&module);
+  if (it == strategy->unitOf.end()) return fn(inputs);  // a plain submodule of some unit
+  return strategy->runUnit(*it->second, inputs, fn);
 }
 
 at::Tensor unitForward(torch::nn::Module& module, const at::Tensor& input,
@@ -489,17 +507,14 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
                    "FullyShardStrategy: strategy '", options_.strategy, "' is not zero3 or hybrid");
   TESSERA_CHECK_AS(ConfigError, fsdp_.prefetch >= 0, "FullyShardStrategy: prefetch must be >= 0, got ",
                    fsdp_.prefetch);
-  const int world = comm_->worldSize();
-  const int rank = comm_->rank();
   if (kind_ == StrategyKind::kHybrid) {
+    const int world = comm_->worldSize();
     const int size = fsdp_.shardSize;
     TESSERA_CHECK_AS(ConfigError, size > 0 && world % size == 0, "FullyShardStrategy: hybrid shard size ", size,
                      " must be > 0 and divide the world size ", world);
-    std::vector<int> shardRanks, replicaRanks;
-    for (int i = 0; i < size; ++i) shardRanks.push_back(rank / size * size + i);
-    for (int g = 0; g < world / size; ++g) replicaRanks.push_back(g * size + rank % size);
-    shardComm_ = comm_->split(shardRanks);
-    if (replicaRanks.size() > 1) replicaComm_ = comm_->split(replicaRanks);
+    const auto mesh = distributed::DeviceMesh::twoD(comm_, world / size, size);
+    shardComm_ = mesh.shardGroup();
+    if (mesh.replicateSize() > 1) replicaComm_ = mesh.replicateGroup();
   }
   const int shardWorld = shardComm_->worldSize();
   const int shardRank = shardComm_->rank();
@@ -508,7 +523,7 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   const auto& trainable = trainableParams();
   std::unordered_map<const c10::TensorImpl*, size_t> byImpl;
   for (size_t i = 0; i < trainable.size(); ++i) {
-    const at::Tensor& p = trainable[i].param;
+    const at::Tensor& p = trainable[i].tensor;
 #ifdef TESSERA_TORCH_HAS_CUDA
     const bool supported = p.device().is_cpu() || p.device().is_cuda();
 #else
@@ -517,34 +532,22 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
     TESSERA_CHECK_AS(ConfigError, supported, "FullyShardStrategy: parameter '", trainable[i].name, "' is on ",
                      p.device(), "; fully_shard frees and regrows CPU storage, and CUDA storage in a build with "
                      "CUDA LibTorch");
-    TESSERA_CHECK_AS(ConfigError, p.device() == trainable[0].param.device(), "FullyShardStrategy: parameter '",
+    TESSERA_CHECK_AS(ConfigError, p.device() == trainable[0].tensor.device(), "FullyShardStrategy: parameter '",
                      trainable[i].name, "' is on ", p.device(), ", '", trainable[0].name, "' on ",
-                     trainable[0].param.device(), ": all parameters must be on one device");
+                     trainable[0].tensor.device(), ": all parameters must be on one device");
     TESSERA_CHECK_AS(ConfigError, p.device().is_cpu() || !fsdp_.activationCheckpointing,
                      "FullyShardStrategy: activation checkpointing replays the CPU generator only; parameter '",
                      trainable[i].name, "' is on ", p.device());
+    TESSERA_CHECK(strategyOf(p) == nullptr, "FullyShardStrategy: parameter '", trainable[i].name,
+                  "' is already sharded by another live FullyShardStrategy");
     const bool fresh = byImpl.emplace(p.unsafeGetTensorImpl(), i).second;
     TESSERA_CHECK_AS(ConfigError, fresh, "FullyShardStrategy: parameter '", trainable[i].name,
                      "' is the same tensor as another parameter (tied weights are not supported)");
   }
 
-  // Units: the marked submodules in named_modules() order, then the root. Deeper units
+  // Units: the wrapped submodules in named_modules() order, then the root. Deeper units
   // claim their parameters first (an outer unit gets what its inner units do not own).
-  std::vector<std::pair<std::string, const torch::nn::Module*>> unitModules;
-  {
-    std::lock_guard<std::mutex> lock(gRegistryMutex);
-    for (const auto& item : module_.named_modules("", /*include_self=*/false)) {
-      const torch::nn::Module* m = item.value().get();
-      if (gMarked.count(m)) unitModules.emplace_back(item.key(), m);
-    }
-    for (const auto& um : unitModules) {
-      TESSERA_CHECK(!gUnits.count(um.second), "FullyShardStrategy: module '", um.first,
-                    "' is already a unit of another live strategy");
-      gMarked.erase(um.second);
-    }
-    TESSERA_CHECK(!gUnits.count(&module_), "FullyShardStrategy: the root module is already a unit of another live strategy");
-    gMarked.erase(&module_);
-  }
+  const auto unitModules = wrappedModules(module_, options_.wrap);
   const size_t rootIndex = unitModules.size();
   std::vector<size_t> owner(trainable.size(), rootIndex);
   std::vector<bool> claimed(trainable.size(), false);
@@ -558,69 +561,64 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   }
   for (size_t ui = 0; ui <= rootIndex; ++ui) {
     auto u = std::make_unique<FsdpUnit>();
-    u->owner = in_.get();
     u->isRoot = ui == rootIndex;
     u->name = u->isRoot ? "" : unitModules[ui].first;
     u->module = u->isRoot ? &module_ : unitModules[ui].second;
     in_->units.push_back(std::move(u));
   }
-  std::vector<size_t> slotOf(trainable.size());
-  for (size_t i = 0; i < trainable.size(); ++i) {
-    FsdpUnit& u = *in_->units[owner[i]];
-    slotOf[i] = u.params.size();
-    u.params.push_back(trainable[i].param);
-    u.names.push_back(trainable[i].name);
-    u.members.push_back(i);  // registration order == trainable order (registered below)
-  }
 
   // Shards: each unit's fp32 masters are slots of one chunk, which is exactly this rank's
   // chunk of the unit's flat gather buffer. The parameters get fresh storage of their own
-  // in paramDtype (so freeing it frees nothing else), immediately freed.
+  // in paramDtype (so freeing it frees nothing else), immediately freed. The records are
+  // registered in named_parameters() order, whatever unit owns them.
+  std::vector<std::vector<size_t>> members(in_->units.size());  // trainable indices per unit
+  for (size_t i = 0; i < trainable.size(); ++i) members[owner[i]].push_back(i);
+  std::vector<std::pair<at::Tensor, ShardSpec>> shards(trainable.size());  // master slot and spec per parameter
   c10::NoGradGuard noGrad;
   const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(
-      trainable.empty() ? at::Device(at::kCPU) : trainable[0].param.device());
-  for (auto& up : in_->units) {
-    FsdpUnit& u = *up;
+      trainable.empty() ? at::Device(at::kCPU) : trainable[0].tensor.device());
+  for (size_t ui = 0; ui < in_->units.size(); ++ui) {
+    FsdpUnit& u = *in_->units[ui];
     std::vector<ShardSpec> specs;
-    for (const at::Tensor& p : u.params) specs.emplace_back(p.sizes().vec(), at::kFloat, shardWorld, shardRank);
+    for (size_t i : members[ui]) specs.emplace_back(trainable[i].tensor.sizes().vec(), at::kFloat, shardWorld, shardRank);
     u.layout = std::make_unique<FlatLayout>(std::move(specs));
     u.masterChunk = at::zeros({u.layout->chunkNumel()}, fp32);
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      const at::Tensor& p = u.params[k];
-      u.layout->slot(u.masterChunk, k).copy_(u.layout->spec(k).shardOf(p.detach().to(at::kFloat)));
+    for (size_t k = 0; k < members[ui].size(); ++k) {
+      const at::Tensor& p = trainable[members[ui][k]].tensor;
+      at::Tensor slot = u.layout->slot(u.masterChunk, k);
+      slot.copy_(u.layout->spec(k).shardOf(p.detach().to(at::kFloat)));
+      shards[members[ui][k]] = {slot, u.layout->spec(k)};
       p.set_data(at::empty(p.sizes(), fp32.dtype(options_.paramDtype)));
       u.paramBytes += static_cast<int64_t>(fullBytes(p));
       setStorageBytes(p, 0);
     }
     u.gatherBytes = u.layout->flatNumel() * static_cast<int64_t>(c10::elementSize(options_.paramDtype));
-    u.ready.assign(u.params.size(), false);
+    u.ready.assign(members[ui].size(), false);
   }
+  std::vector<ShardedParam*> records(trainable.size());
   for (size_t i = 0; i < trainable.size(); ++i) {
-    FsdpUnit& u = *in_->units[owner[i]];
-    const size_t k = slotOf[i];
-    registerParam(trainable[i].name, trainable[i].param, u.layout->spec(k), u.layout->slot(u.masterChunk, k));
+    records[i] = &registerParam(trainable[i].name, trainable[i].tensor, shards[i].second, shards[i].first);
+  }
+  for (size_t ui = 0; ui < in_->units.size(); ++ui) {
+    for (size_t i : members[ui]) in_->units[ui]->params.push_back(records[i]);
   }
   // Post hooks on the gradient accumulators, which we keep alive: the parameter holds its
   // accumulator only weakly, and a new one (without our hooks) would replace a freed one.
   for (auto& up : in_->units) {
     FsdpUnit& u = *up;
     for (size_t k = 0; k < u.params.size(); ++k) {
-      auto acc = torch::autograd::impl::grad_accumulator(u.params[k]);
-      TESSERA_CHECK(acc != nullptr, "FullyShardStrategy: parameter '", u.names[k], "' has no gradient accumulator");
+      auto acc = torch::autograd::impl::grad_accumulator(u.moduleParam(k));
+      TESSERA_CHECK(acc != nullptr, "FullyShardStrategy: parameter '", u.params[k]->name,
+                    "' has no gradient accumulator");
       u.hookKeys.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(in_.get(), &u, k)));
       u.accumulators.push_back(std::move(acc));
     }
+    in_->unitOf[u.module] = &u;
   }
-  std::lock_guard<std::mutex> lock(gRegistryMutex);
-  for (auto& u : in_->units) gUnits[u->module] = u.get();
   peak_ = unshardedParamBytes();
 }
 
 FullyShardStrategy::~FullyShardStrategy() {
-  {
-    std::lock_guard<std::mutex> lock(gRegistryMutex);
-    for (auto& u : in_->units) gUnits.erase(u->module);
-  }
   for (auto& u : in_->units) {
     for (size_t k = 0; k < u->accumulators.size(); ++k) u->accumulators[k]->del_post_hook(u->hookKeys[k]);
     // A gather still in flight is waited (its buffers must outlive it); errors are moot now.
@@ -631,24 +629,23 @@ FullyShardStrategy::~FullyShardStrategy() {
       }
     }
   }
-  for (auto& job : in_->pending) {
-    try {
-      job.handle->wait();
-    } catch (...) {
-    }
-  }
+  in_->pending.abandon();
 }
 
 size_t FullyShardStrategy::unitCount() const { return in_->units.size(); }
 const std::string& FullyShardStrategy::unitName(size_t i) const { return in_->units.at(i)->name; }
-std::vector<std::string> FullyShardStrategy::unitParamNames(size_t i) const { return in_->units.at(i)->names; }
+std::vector<std::string> FullyShardStrategy::unitParamNames(size_t i) const {
+  std::vector<std::string> names;
+  for (const ShardedParam* p : in_->units.at(i)->params) names.push_back(p->name);
+  return names;
+}
 int64_t FullyShardStrategy::unitGatherBytes(size_t i) const { return in_->units.at(i)->gatherBytes; }
 int64_t FullyShardStrategy::unitParamBytes(size_t i) const { return in_->units.at(i)->paramBytes; }
 
 int64_t FullyShardStrategy::unshardedParamBytes() const {
   int64_t bytes = 0;
   for (const auto& u : in_->units) {
-    for (const at::Tensor& p : u->params) bytes += static_cast<int64_t>(p.storage().nbytes());
+    for (const ShardedParam* p : u->params) bytes += static_cast<int64_t>(p->moduleParam.storage().nbytes());
     if (u->flat.defined()) bytes += static_cast<int64_t>(u->flat.storage().nbytes());
   }
   return bytes;
@@ -669,25 +666,31 @@ void FullyShardStrategy::zeroGrad() {
   for (auto& u : in_->units) u->gradShard = at::Tensor();
 }
 
-std::vector<at::Tensor> FullyShardStrategy::synchronizeGradients() {
+void FullyShardStrategy::withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
+                                               const std::function<void()>& fn) {
+  std::vector<at::Tensor> masters;
+  for (const ShardedParam& p : params()) masters.push_back(p.master);
+  withValuesSwapped(
+      masters, [&](size_t i) { return ownedValue(params()[i]); }, [this] { publishParameters(); }, fn);
+}
+
+void FullyShardStrategy::synchronizeGradients() {
   in_->drainAll();
   // Full gradients not reduced yet (the last backward ran without sync): reduce them now,
   // once, in unit order on every rank.
   for (auto& u : in_->units) {
-    const bool local = std::any_of(u->params.begin(), u->params.end(), [](const at::Tensor& p) {
-      return p.grad().defined();
+    const bool local = std::any_of(u->params.begin(), u->params.end(), [](const ShardedParam* p) {
+      return p->moduleParam.grad().defined();
     });
     if (local) in_->reduce(*u);
   }
   in_->drainAll();
   for (auto& u : in_->units) u->reduced = false;
   in_->refreshHeldGradShards();
-  std::vector<at::Tensor> grads(paramCount());
   for (auto& u : in_->units) {
     if (!u->gradShard.defined()) continue;
-    for (size_t k = 0; k < u->members.size(); ++k) grads[u->members[k]] = u->layout->slot(u->gradShard, k);
+    for (size_t k = 0; k < u->params.size(); ++k) u->params[k]->grad = u->layout->slot(u->gradShard, k);
   }
-  return grads;
 }
 
 }  // namespace tessera::sharding

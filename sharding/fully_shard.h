@@ -1,13 +1,13 @@
-// fullyShard / FullyShardStrategy: ZeRO-3 in the FSDP2 way (ARCHITECTURE.md §3, "FSDP
-// unit lifecycle"). Parameters live only as fp32 Shard(0) master shards between uses; each
-// unit (e.g. one transformer block, plus the root holding the remaining parameters) is
-// all-gathered just before it runs and freed right after.
+// FullyShardStrategy: ZeRO-3 in the FSDP2 way (docs/design.md, "FSDP unit lifecycle").
+// Parameters live only as fp32 Shard(0) master shards between uses; each unit (e.g. one
+// transformer block, plus the root holding the remaining parameters) is all-gathered just
+// before it runs and freed right after.
 //
 // Use, on every rank, in the same order:
 //
-//   for (auto& block : *model->blocks) fullyShard(*block);      // mark the units
-//   FullyShardStrategy engine(*model, comm, strategyOptions, fsdpOptions);  // the root
-//   // in the model's forward, every unit is entered through unitForward:
+//   options.wrap = {"blocks.*"};                        // the units, by module name
+//   FullyShardStrategy engine(*model, comm, options);   // the root: model
+//   // the model enters itself and every unit through unitForward in its forward:
 //   //   h = unitForward(*block, h, [&](const at::Tensor& x) { return block->forward(x); });
 //   for (...) {
 //     engine.zeroGrad();
@@ -21,6 +21,16 @@
 // call when the module is not a unit (any other strategy), so one model source serves all
 // five strategies, and parameter names stay those of the plain model (checkpoints and EMA
 // see the same names whatever the strategy).
+//
+// [Note: where a unit lives] The strategy owns its units; there is no process-wide
+// registry. FSDP2 attaches its state to the module it shards, but a C++ module cannot
+// hold extra state, so unitForward finds a module's strategy through the module's
+// trainable parameters: the strategy keeps each parameter's gradient accumulator alive
+// and hangs its post hook there (it needs that hook for backward anyway). The hook leads
+// to its strategy, which looks the module up among its own units. Strategies over two
+// models therefore never see each other's units, a module is a unit of at most one live
+// strategy (a second one over the same parameters is refused), and a destroyed strategy
+// leaves plain modules behind.
 //
 // Unit lifecycle (per unit, one flat buffer, rank-major FlatLayout):
 //   unshard   this rank's fp32 master chunk is cast into chunk r of a flat buffer in
@@ -93,18 +103,6 @@ class Module;
 
 namespace tessera::sharding {
 
-
-// Marks `module` as an FSDP unit (FSDP2's fully_shard on a submodule). Call it on the
-// chosen submodules before constructing the FullyShardStrategy over the root; the root is
-// always a unit too (it gets the parameters no marked submodule holds). Marks are per
-// Module object and consumed by the first strategy built over a root that contains them.
-void fullyShard(torch::nn::Module& module);
-// Marks every submodule of `root` whose qualified name (named_modules()) matches one of
-// `patterns`: "blocks.*" (a trailing ".*": the direct children of `blocks`), or an exact
-// name ("blocks.0"). Returns how many were marked; tessera::ConfigError when a pattern
-// matches nothing.
-int fullyShardByName(torch::nn::Module& root, const std::vector<std::string>& patterns);
-
 // Runs a unit's forward: pre-forward unshard, fn, post-forward reshard and backward hooks.
 // A module that is not a unit of a live FullyShardStrategy: just fn(inputs). Non-tensor
 // arguments go into fn's captures (they must be the same when activation checkpointing
@@ -119,8 +117,10 @@ class FullyShardStrategy final : public ShardingStrategy {
  public:
   // options.strategy: zero3 or hybrid (tessera::ConfigError otherwise). Collective over
   // `comm`: broadcasts rank 0's parameters, shards them, frees the full parameters. The
-  // module's parameters must be CPU tensors. fsdp.shardSize must divide the world size
-  // (hybrid; zero3 ignores it).
+  // units are `module` (the root) and the submodules options.wrap names (ConfigError for
+  // a pattern that matches none). The module's parameters are on the CPU, or on one CUDA
+  // device in a build with CUDA LibTorch. fsdp.shardSize must divide the world size
+  // (hybrid; zero3 ignores it): the ranks form a replicate x shard DeviceMesh.
   FullyShardStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
                      StrategyOptions options, FullyShardOptions fsdp);
   // The same with options.fullyShard.
@@ -140,8 +140,13 @@ class FullyShardStrategy final : public ShardingStrategy {
   // false: backward accumulates unsharded gradients and does not communicate (micro-batches
   // before the last); true (default): every backward reduce-scatters into the gradient
   // shards. step() reduces whatever is still unsharded, so no gradient is lost.
-  void setRequiresGradientSync(bool sync) { sync_ = sync; }
+  void setRequiresGradientSync(bool sync) override { sync_ = sync; }
   bool requiresGradientSync() const { return sync_; }
+
+  // Swaps the masters (the owned layout is theirs) and reshards: fn's forward gathers the
+  // swapped values; restored and resharded afterwards.
+  void withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
+                             const std::function<void()>& fn) override;
 
   // Units, the root last. unitName(i) is the module's qualified name ("" for the root).
   size_t unitCount() const;
@@ -169,7 +174,7 @@ class FullyShardStrategy final : public ShardingStrategy {
   struct Internal;
 
  protected:
-  std::vector<at::Tensor> synchronizeGradients() override;
+  void synchronizeGradients() override;
 
  private:
   friend struct Internal;

@@ -18,21 +18,18 @@ double localSquaredNorm(const at::Tensor& grad, const ShardSpec& spec) {
   return real.to(at::kDouble).square().sum().item<double>();
 }
 
-double globalGradNorm(const std::vector<at::Tensor>& grads, const std::vector<ShardSpec>& specs,
-                      distributed::Communicator& comm) {
-  TESSERA_CHECK(grads.size() == specs.size(), "globalGradNorm: ", grads.size(), " gradients for ", specs.size(),
-                " specs");
+double globalGradNorm(const std::vector<ShardedParam>& params, distributed::Communicator& comm) {
   double sharded = 0.0, replicated = 0.0;
   bool communicate = false;
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const ShardSpec& spec = specs[i];
+  for (const ShardedParam& p : params) {
+    const ShardSpec& spec = p.spec;
     if (spec.placement() == Placement::kShard0 && spec.worldSize() > 1) {
       TESSERA_CHECK(spec.worldSize() == comm.worldSize() && spec.rank() == comm.rank(), "globalGradNorm: spec ",
                     spec.str(), " is not over ", comm.describe());
-      sharded += localSquaredNorm(grads[i], spec);
+      sharded += localSquaredNorm(p.grad, spec);
       communicate = true;
     } else {
-      replicated += localSquaredNorm(grads[i], spec);
+      replicated += localSquaredNorm(p.grad, spec);
     }
   }
   if (communicate) {
@@ -48,15 +45,14 @@ double clipCoefficient(double norm, double maxNorm) {
   return std::min(1.0, maxNorm / (norm + 1e-6));
 }
 
-GradNorm clipGradNorm(const std::vector<at::Tensor>& grads, const std::vector<ShardSpec>& specs, double maxNorm,
-                      distributed::Communicator& comm) {
+GradNorm clipGradNorm(const std::vector<ShardedParam>& params, double maxNorm, distributed::Communicator& comm) {
   GradNorm result;
-  result.norm = globalGradNorm(grads, specs, comm);
+  result.norm = globalGradNorm(params, comm);
   result.clipCoef = clipCoefficient(result.norm, maxNorm);
   if (result.clipCoef < 1.0) {
     c10::NoGradGuard noGrad;
-    for (const at::Tensor& g : grads) {
-      if (g.defined()) g.mul_(result.clipCoef);
+    for (const ShardedParam& p : params) {
+      if (p.grad.defined()) p.grad.mul_(result.clipCoef);
     }
   }
   return result;

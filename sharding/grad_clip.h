@@ -14,7 +14,7 @@
 
 #include <vector>
 
-#include "sharding/shard_spec.h"
+#include "sharding/sharded_param.h"
 
 namespace tessera::distributed {
 class Communicator;
@@ -31,19 +31,18 @@ struct GradNorm {
 // Sum of squares (in double) of the real rows of `grad`, laid out by `spec`.
 double localSquaredNorm(const at::Tensor& grad, const ShardSpec& spec);
 
-// Global L2 norm of `grads` (one per spec; undefined = no gradient, contributes 0).
-// Collective over `comm` (the group the Shard(0) specs shard over) when any spec is
-// Shard(0) over more than one rank: every rank must call it, in the same order.
-double globalGradNorm(const std::vector<at::Tensor>& grads, const std::vector<ShardSpec>& specs,
-                      distributed::Communicator& comm);
+// Global L2 norm of the parameters' `grad` (undefined = no gradient, contributes 0),
+// each laid out by its `spec`. Collective over `comm` (the group the Shard(0) specs
+// shard over) when any spec is Shard(0) over more than one rank: every rank must call
+// it, in the same order.
+double globalGradNorm(const std::vector<ShardedParam>& params, distributed::Communicator& comm);
 
 // torch's clip coefficient: min(1, maxNorm / (norm + 1e-6)); 1 when maxNorm <= 0
 // (clipping off) or the norm is not finite.
 double clipCoefficient(double norm, double maxNorm);
 
-// globalGradNorm, then scales the gradients in place by clipCoefficient(norm, maxNorm)
+// globalGradNorm, then scales every `grad` in place by clipCoefficient(norm, maxNorm)
 // when it is below 1. Collective like globalGradNorm.
-GradNorm clipGradNorm(const std::vector<at::Tensor>& grads, const std::vector<ShardSpec>& specs, double maxNorm,
-                      distributed::Communicator& comm);
+GradNorm clipGradNorm(const std::vector<ShardedParam>& params, double maxNorm, distributed::Communicator& comm);
 
 }  // namespace tessera::sharding

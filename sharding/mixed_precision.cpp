@@ -12,15 +12,6 @@ at::ScalarType parseFloatDtype(const std::string& name, const std::string& what)
   throw ConfigError(strCat(what, ": unknown dtype '", name, "' (fp32, bf16, fp16)"));
 }
 
-std::string floatDtypeName(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat: return "fp32";
-    case at::kBFloat16: return "bf16";
-    case at::kHalf: return "fp16";
-    default: return c10::toString(type);
-  }
-}
-
 void checkFloatDtype(at::ScalarType type, const std::string& what) {
   TESSERA_CHECK_AS(ConfigError, type == at::kFloat || type == at::kBFloat16 || type == at::kHalf, what, ": dtype ",
                    c10::toString(type), " is not one of fp32, bf16, fp16");

@@ -20,9 +20,6 @@ namespace tessera::sharding {
 // Throws tessera::ConfigError naming `what` (e.g. "sharding.param_dtype") otherwise.
 at::ScalarType parseFloatDtype(const std::string& name, const std::string& what = "dtype");
 
-// "fp32", "bf16", "fp16" (c10's name for any other dtype).
-std::string floatDtypeName(at::ScalarType type);
-
 // Throws tessera::ConfigError unless `type` is fp32, bf16 or fp16 (the dtypes a module
 // may compute in and gradients may be reduced in).
 void checkFloatDtype(at::ScalarType type, const std::string& what);

@@ -85,20 +85,4 @@ bool ShardSpec::operator==(const ShardSpec& o) const {
          placement_ == o.placement_;
 }
 
-ShardedTensor ShardedTensor::fromFull(const at::Tensor& full, int worldSize, int rank) {
-  ShardSpec spec(full.sizes().vec(), full.scalar_type(), worldSize, rank);
-  return {spec, spec.shardOf(full)};
-}
-
-ShardedTensor ShardedTensor::toReplicate(distributed::Communicator& comm) const {
-  ShardSpec replicated(spec.globalShape(), spec.dtype(), spec.worldSize(), spec.rank(), Placement::kReplicate);
-  return {replicated, spec.fullTensor(local, comm)};
-}
-
-ShardedTensor ShardedTensor::toShard() const {
-  ShardSpec sharded(spec.globalShape(), spec.dtype(), spec.worldSize(), spec.rank(), Placement::kShard0);
-  if (spec.placement() == Placement::kShard0) return *this;
-  return {sharded, sharded.shardOf(local.view(spec.globalShape()))};
-}
-
 }  // namespace tessera::sharding

@@ -76,17 +76,4 @@ class ShardSpec {
   int64_t rows_ = 0, rowNumel_ = 1, chunkRows_ = 0;
 };
 
-// A DTensor-like pair: a local (padded) buffer and the spec that places it.
-struct ShardedTensor {
-  ShardSpec spec;
-  at::Tensor local;
-
-  // Each rank takes its slice of `full` (placement Shard(0)).
-  static ShardedTensor fromFull(const at::Tensor& full, int worldSize, int rank);
-  // Shard(0) -> Replicate: every rank gets the full tensor (all-gather).
-  ShardedTensor toReplicate(distributed::Communicator& comm) const;
-  // Replicate -> Shard(0): each rank keeps its slice (no communication).
-  ShardedTensor toShard() const;
-};
-
 }  // namespace tessera::sharding

@@ -9,16 +9,12 @@
 
 namespace tessera::sharding {
 
-bool defaultDecays(const std::string& name, const std::vector<int64_t>& globalShape) {
-  (void)name;
-  return globalShape.size() >= 2;
-}
+bool defaultDecays(const std::vector<int64_t>& globalShape) { return globalShape.size() >= 2; }
 
 ShardedOptimizer::ShardedOptimizer(OptimizerOptions o) : options_(std::move(o)) {
   const auto& n = options_.name;
   TESSERA_CHECK_AS(ConfigError, n == "adamw" || n == "adam" || n == "sgd", "ShardedOptimizer: unknown optimizer '", n,
                    "' (adamw, adam, sgd)");
-  TESSERA_CHECK_AS(ConfigError, options_.lr >= 0, "ShardedOptimizer: lr must be >= 0, got ", options_.lr);
   TESSERA_CHECK_AS(ConfigError, options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 && options_.beta2 < 1,
                    "ShardedOptimizer: betas must be in [0, 1), got (", options_.beta1, ", ", options_.beta2, ")");
   TESSERA_CHECK_AS(ConfigError, options_.eps > 0, "ShardedOptimizer: eps must be > 0");
@@ -27,19 +23,23 @@ ShardedOptimizer::ShardedOptimizer(OptimizerOptions o) : options_(std::move(o)) 
                    "ShardedOptimizer: nesterov needs momentum > 0 and dampening 0");
 }
 
-size_t ShardedOptimizer::addParam(std::string name, ShardSpec spec, at::Tensor param, bool decay, double lrScale) {
-  TESSERA_CHECK(param.defined() && param.scalar_type() == at::kFloat, "ShardedOptimizer::addParam: '", name,
-                "' must be a defined fp32 master buffer");
-  OptimizerParam p;
-  p.name = std::move(name);
-  p.spec = std::move(spec);
-  p.param = std::move(param);
-  p.weightDecay = decay ? options_.weightDecay : 0.0;
-  p.lrScale = lrScale;
-  params_.push_back(std::move(p));
-  states_.emplace_back();
-  stepCounts_.push_back(0);
-  return params_.size() - 1;
+void ShardedOptimizer::addParam(ShardedParam& param, bool decay, double lrScale) {
+  TESSERA_CHECK(param.master.defined() && param.master.scalar_type() == at::kFloat, "ShardedOptimizer::addParam: '",
+                param.name, "' must have a defined fp32 master");
+  TESSERA_CHECK(!slotIndex_.count(&param), "ShardedOptimizer::addParam: '", param.name, "' registered twice");
+  Slot slot;
+  slot.param = &param;
+  slot.weightDecay = decay ? options_.weightDecay : 0.0;
+  slot.lrScale = lrScale;
+  slot.steps = at::zeros({}, at::kLong);
+  slotIndex_.emplace(&param, slots_.size());
+  slots_.push_back(std::move(slot));
+}
+
+const ShardedOptimizer::Slot& ShardedOptimizer::slotOf(const ShardedParam& param) const {
+  auto it = slotIndex_.find(&param);
+  TESSERA_CHECK(it != slotIndex_.end(), "ShardedOptimizer: parameter '", param.name, "' is not registered");
+  return slots_[it->second];
 }
 
 std::vector<std::string> ShardedOptimizer::stateNames() const {
@@ -49,33 +49,33 @@ std::vector<std::string> ShardedOptimizer::stateNames() const {
   return {"exp_avg", "exp_avg_sq"};
 }
 
-void ShardedOptimizer::step(const std::vector<at::Tensor>& grads, double baseLr) {
-  TESSERA_CHECK(grads.size() == params_.size(), "ShardedOptimizer::step: ", grads.size(), " gradients for ",
-                params_.size(), " parameters");
+void ShardedOptimizer::step(double baseLr) {
   c10::NoGradGuard noGrad;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& grad0 = grads[i];
-    if (!grad0.defined()) continue;
-    OptimizerParam& p = params_[i];
-    TESSERA_CHECK(grad0.numel() == p.param.numel(), "ShardedOptimizer::step: gradient of '", p.name, "' has ",
-                  grad0.numel(), " elements, parameter shard has ", p.param.numel());
-    at::Tensor grad = grad0.view(p.param.sizes()).to(at::kFloat);
-    at::Tensor& param = p.param;
-    const double lr = baseLr * p.lrScale;
-    const double wd = p.weightDecay;
-    auto& st = states_[i];
-    const int64_t t = ++stepCounts_[i];
+  for (Slot& slot : slots_) {
+    ShardedParam& p = *slot.param;
+    if (!p.grad.defined()) continue;
+    at::Tensor& param = p.master;
+    TESSERA_CHECK(p.grad.numel() == param.numel(), "ShardedOptimizer::step: gradient of '", p.name, "' has ",
+                  p.grad.numel(), " elements, parameter shard has ", param.numel());
+    at::Tensor grad = p.grad.view(param.sizes()).to(at::kFloat);
+    const double lr = baseLr * slot.lrScale;
+    const double wd = slot.weightDecay;
+    auto& st = slot.state;
+    int64_t& steps = *slot.steps.data_ptr<int64_t>();
+    const int64_t t = ++steps;
 
     if (options_.name == "sgd") {
       if (wd != 0) grad = grad.add(param, wd);
       if (options_.momentum != 0) {
-        auto it = st.find("momentum_buffer");
-        if (it == st.end()) {
-          st["momentum_buffer"] = grad.clone();
+        // torch starts the buffer as the first gradient (no dampening). Keyed on the step
+        // count, not on the buffer's existence: stateEntries() creates zero buffers for
+        // parameters not stepped yet, and a checkpoint may carry them.
+        at::Tensor& buf = st["momentum_buffer"];
+        if (t == 1 || !buf.defined()) {
+          buf = grad.clone();
         } else {
-          it->second.mul_(options_.momentum).add_(grad, 1.0 - options_.dampening);
+          buf.mul_(options_.momentum).add_(grad, 1.0 - options_.dampening);
         }
-        const at::Tensor& buf = st["momentum_buffer"];
         grad = options_.nesterov ? grad.add(buf, options_.momentum) : buf;
       }
       param.add_(grad, -lr);
@@ -104,23 +104,38 @@ void ShardedOptimizer::step(const std::vector<at::Tensor>& grads, double baseLr)
   }
 }
 
-at::Tensor ShardedOptimizer::state(size_t i, const std::string& key) const {
-  const auto& st = states_.at(i);
+at::Tensor ShardedOptimizer::state(const ShardedParam& param, const std::string& key) const {
+  const auto& st = slotOf(param).state;
   auto it = st.find(key);
   return it == st.end() ? at::Tensor() : it->second;
 }
 
-void ShardedOptimizer::setState(size_t i, const std::string& key, const at::Tensor& value) {
-  const auto& p = params_.at(i);
-  TESSERA_CHECK(value.numel() == p.param.numel(), "ShardedOptimizer::setState: '", key, "' of '", p.name, "' has ",
-                value.numel(), " elements, expected ", p.param.numel());
-  states_.at(i)[key] = value.view(p.param.sizes()).to(at::kFloat).clone();
+int64_t ShardedOptimizer::stepCount(const ShardedParam& param) const {
+  return slotOf(param).steps.item<int64_t>();
+}
+
+std::vector<StateEntry> ShardedOptimizer::stateEntries(const std::string& prefix) {
+  std::vector<StateEntry> entries;
+  for (const std::string& key : stateNames()) {
+    for (Slot& slot : slots_) {
+      const ShardedParam& p = *slot.param;
+      at::Tensor& state = slot.state[key];
+      if (!state.defined()) state = at::zeros_like(p.master);
+      entries.push_back({prefix + key + "/" + p.name, p.spec, state});
+    }
+  }
+  for (Slot& slot : slots_) {
+    const ShardSpec& spec = slot.param->spec;
+    entries.push_back({prefix + "step/" + slot.param->name,
+                       ShardSpec({}, at::kLong, spec.worldSize(), spec.rank(), Placement::kReplicate), slot.steps});
+  }
+  return entries;
 }
 
 int64_t ShardedOptimizer::stateBytes() const {
   int64_t bytes = 0;
-  for (const auto& st : states_) {
-    for (const auto& [k, v] : st) bytes += v.numel() * static_cast<int64_t>(v.element_size());
+  for (const Slot& slot : slots_) {
+    for (const auto& [key, value] : slot.state) bytes += value.numel() * static_cast<int64_t>(value.element_size());
   }
   return bytes;
 }

@@ -1,12 +1,16 @@
 // Optimizers that step only on this rank's shards: AdamW, Adam and SGD (momentum,
 // Nesterov), with torch.optim's update rules and defaults.
 //
-// Each registered parameter is a local buffer laid out by a ShardSpec (a zero3 shard,
-// or this rank's slice of a replicated parameter for zero1/zero2); every state tensor
-// (exp_avg, exp_avg_sq, momentum_buffer) has the same spec and shape, so optimizer
-// memory per rank is 1/N of the model. The updates are elementwise, so stepping on
-// shards gives the same values as stepping on full tensors. Padding rows hold zero
-// parameters and zero gradients and stay zero.
+// The optimizer updates registered ShardedParam records (sharding/sharded_param.h):
+// each step reads a record's `grad` and updates its `master` in place. Every state tensor
+// (exp_avg, exp_avg_sq, momentum_buffer) has the record's spec and shape, so optimizer
+// memory per rank is 1/N of the model under a sharded layout. The updates are elementwise,
+// so stepping on shards gives the same values as stepping on full tensors. Padding rows
+// hold zero parameters and zero gradients and stay zero.
+//
+// The optimizer saves and loads its own state as checkpoint entries (stateEntries): the
+// moments in the record's layout and the per-parameter step count (an int64 scalar, as
+// torch.optim keeps it), so a checkpoint restores everything an update depends on.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,15 +18,17 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
-#include "sharding/shard_spec.h"
+#include "sharding/sharded_param.h"
 
 namespace tessera::sharding {
 
+// The learning rate is not an option: it changes every step (an LR schedule), so step()
+// takes it.
 struct OptimizerOptions {
   std::string name = "adamw";  // adamw | adam | sgd
-  double lr = 1e-3;            // torch.optim's default for Adam/AdamW
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
@@ -32,55 +38,59 @@ struct OptimizerOptions {
   bool nesterov = false;       // sgd (needs momentum > 0 and dampening 0)
 };
 
-// One parameter as the optimizer sees it.
-struct OptimizerParam {
-  std::string name;          // the user's module name, e.g. "layers.0.weight"
-  ShardSpec spec;            // layout of `param` and of every state tensor
-  at::Tensor param;          // local fp32 master buffer, updated in place
-  double weightDecay = 0.0;  // per-parameter (from its group)
-  double lrScale = 1.0;      // per-parameter lr multiplier (from its group)
-};
-
 class ShardedOptimizer {
  public:
   // Throws tessera::ConfigError for an unknown name or invalid hyperparameters.
   explicit ShardedOptimizer(OptimizerOptions options);
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
+  ShardedOptimizer(ShardedOptimizer&&) = default;
 
-  // Registers a parameter; `decay` false puts it in the no-weight-decay group.
-  // Returns its index.
-  size_t addParam(std::string name, ShardSpec spec, at::Tensor param, bool decay = true, double lrScale = 1.0);
+  // Registers a parameter (the record must outlive the optimizer); `decay` false puts it
+  // in the no-weight-decay group, `lrScale` multiplies the learning rate for it.
+  void addParam(ShardedParam& param, bool decay = true, double lrScale = 1.0);
 
-  // Applies one update with learning rate `lr` from the local gradient shards, one per
-  // parameter in registration order (same shape as the parameter; an undefined tensor
-  // means "no gradient this step": that parameter and its state are left alone).
-  void step(const std::vector<at::Tensor>& grads, double lr);
+  // Applies one update with learning rate `lr` to every registered parameter whose `grad`
+  // is defined (same element count as its master; any floating dtype).
+  void step(double lr);
 
-  size_t size() const { return params_.size(); }
-  const OptimizerParam& param(size_t i) const { return params_.at(i); }
+  size_t size() const { return slots_.size(); }
   const OptimizerOptions& options() const { return options_; }
 
-  // State tensors by name ("exp_avg", "exp_avg_sq", "momentum_buffer") for parameter i;
-  // undefined until the first step that touched it. step count per parameter too.
-  at::Tensor state(size_t i, const std::string& key) const;
-  int64_t stepCount(size_t i) const { return stepCounts_.at(i); }
-  // State names this optimizer keeps.
+  // State names this optimizer keeps ("exp_avg", "exp_avg_sq"; "momentum_buffer"; none).
   std::vector<std::string> stateNames() const;
-  // Restores state (e.g. from a checkpoint): shapes must match the parameter.
-  void setState(size_t i, const std::string& key, const at::Tensor& value);
-  void setStepCount(size_t i, int64_t count) { stepCounts_.at(i) = count; }
+  // State tensor `key` of `param`, in its master's layout; undefined until the first step
+  // that touched it. tessera::Error when `param` is not registered.
+  at::Tensor state(const ShardedParam& param, const std::string& key) const;
+  // Updates applied to `param` so far (the t of Adam's bias correction).
+  int64_t stepCount(const ShardedParam& param) const;
+
+  // Everything an update depends on, as checkpoint entries that save and load in place:
+  //   <prefix><state>/<param>   each state tensor, the parameter's spec (zeros are created
+  //                             for parameters not stepped yet, so every rank lists the same)
+  //   <prefix>step/<param>      the step count: an int64 scalar, replicated
+  std::vector<StateEntry> stateEntries(const std::string& prefix = "optim/");
 
   // Bytes held in optimizer state tensors on this rank.
   int64_t stateBytes() const;
 
  private:
+  struct Slot {
+    ShardedParam* param = nullptr;
+    double weightDecay = 0.0;  // from its group
+    double lrScale = 1.0;
+    std::map<std::string, at::Tensor> state;
+    at::Tensor steps;  // int64 scalar on the CPU: a checkpoint entry loads it in place
+  };
+  const Slot& slotOf(const ShardedParam& param) const;
+
   OptimizerOptions options_;
-  std::vector<OptimizerParam> params_;
-  std::vector<std::map<std::string, at::Tensor>> states_;
-  std::vector<int64_t> stepCounts_;
+  std::vector<Slot> slots_;
+  std::unordered_map<const ShardedParam*, size_t> slotIndex_;
 };
 
 // Default weight-decay rule: no decay for biases, norm weights and every other
 // parameter with fewer than 2 dimensions.
-bool defaultDecays(const std::string& name, const std::vector<int64_t>& globalShape);
+bool defaultDecays(const std::vector<int64_t>& globalShape);
 
 }  // namespace tessera::sharding

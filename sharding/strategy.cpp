@@ -3,6 +3,7 @@
 // and the factory (see strategy.h).
 #include "sharding/strategy.h"
 
+#include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
 #include <sstream>
@@ -83,75 +84,127 @@ ShardingStrategy::ShardingStrategy(torch::nn::Module& module, std::shared_ptr<di
     const at::Tensor& p = item.value();
     TESSERA_CHECK(p.defined() && p.is_floating_point(), "ShardingStrategy: parameter '", item.key(),
                   "' must be a defined floating-point tensor");
+    TESSERA_CHECK(p.numel() == 0 || p.storage().nbytes() > 0, "ShardingStrategy: parameter '", item.key(),
+                  "' has no storage: another live zero3/hybrid strategy holds it sharded");
     everything.push_back(p);
     if (p.requires_grad()) trainable_.push_back({item.key(), p});
   }
   for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
     if (!item.value().defined()) continue;
-    buffers_.push_back(item.value());
+    buffers_.push_back({item.key(), item.value()});
     everything.push_back(item.value());
   }
   // Identical start on every rank, whatever each rank's init did.
   broadcastCoalesced(everything, *comm_, /*root=*/0, options_.bucketBytes);
-  for (const auto& np : trainable_) np.param.mutable_grad().reset();
+  for (const auto& np : trainable_) np.tensor.mutable_grad().reset();
+  // The records never move: the optimizer, units and callers keep pointers to them.
+  params_.reserve(trainable_.size());
 }
 
 ShardingStrategy::~ShardingStrategy() = default;
 
-void ShardingStrategy::registerParam(const std::string& name, const at::Tensor& param, ShardSpec spec,
-                                     at::Tensor master) {
-  TESSERA_CHECK(!index_.count(name), "ShardingStrategy::registerParam: parameter '", name, "' registered twice");
+ShardedParam& ShardingStrategy::registerParam(const std::string& name, const at::Tensor& moduleParam, ShardSpec spec,
+                                              at::Tensor master) {
+  TESSERA_CHECK(!byName_.count(name), "ShardingStrategy::registerParam: parameter '", name, "' registered twice");
+  TESSERA_CHECK(params_.size() < params_.capacity(), "ShardingStrategy::registerParam: '", name,
+                "' is not one of the trainable parameters collected at construction");
   TESSERA_CHECK(master.defined() && master.scalar_type() == at::kFloat && master.sizes().vec() == spec.localShape(),
                 "ShardingStrategy::registerParam: master of '", name, "' must be fp32 with the local shape of ",
                 spec.str());
-  const bool decay = defaultDecays(name, spec.globalShape());
-  index_[name] = names_.size();
-  names_.push_back(name);
-  params_.push_back(param);
-  specs_.push_back(spec);
-  masters_.push_back(master);
-  optimizer_.addParam(name, std::move(spec), std::move(master), decay);
+  ShardedParam& p = params_.emplace_back();
+  p.name = name;
+  p.spec = std::move(spec);
+  p.master = std::move(master);
+  p.moduleParam = moduleParam;
+  byName_[name] = &p;
+  optimizer_.addParam(p, defaultDecays(p.spec.globalShape()));
+  return p;
 }
 
-size_t ShardingStrategy::paramIndex(const std::string& name) const {
-  auto it = index_.find(name);
-  TESSERA_CHECK(it != index_.end(), "ShardingStrategy: no trainable parameter named '", name, "'");
-  return it->second;
+const ShardedParam& ShardingStrategy::param(const std::string& name) const {
+  auto it = byName_.find(name);
+  TESSERA_CHECK(it != byName_.end(), "ShardingStrategy: no trainable parameter named '", name, "'");
+  return *it->second;
 }
 
-const ShardSpec& ShardingStrategy::spec(const std::string& name) const { return specs_[paramIndex(name)]; }
-at::Tensor ShardingStrategy::masterShard(const std::string& name) const { return masters_[paramIndex(name)]; }
-const at::Tensor& ShardingStrategy::moduleParam(const std::string& name) const { return params_[paramIndex(name)]; }
+std::vector<StateEntry> ShardingStrategy::stateEntries(const std::string& prefix) {
+  std::vector<StateEntry> entries;
+  for (const ShardedParam& p : params_) entries.push_back({prefix + p.name, p.spec, p.master});
+  for (const NamedTensor& b : buffers_) entries.push_back({prefix + b.name, bufferSpec(b.tensor), b.tensor});
+  return entries;
+}
 
-at::Tensor ShardingStrategy::optimizerState(const std::string& name, const std::string& key) const {
-  return optimizer_.state(paramIndex(name), key);
+ShardSpec ShardingStrategy::bufferSpec(const at::Tensor& buffer) const {
+  return ShardSpec(buffer.sizes().vec(), buffer.scalar_type(), shardComm_->worldSize(), shardComm_->rank(),
+                   Placement::kReplicate);
 }
 
 void ShardingStrategy::zeroGrad() {
-  for (const at::Tensor& p : params_) p.mutable_grad().reset();
+  for (ShardedParam& p : params_) {
+    p.moduleParam.mutable_grad().reset();
+    p.grad.reset();
+  }
   heldGradShards_.clear();
 }
 
+void ShardingStrategy::setRequiresGradientSync(bool /*sync*/) {}
+
+void ShardingStrategy::withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
+                                             const std::function<void()>& fn) {
+  // The module holds full parameters: one full tensor is gathered at a time into it.
+  std::vector<at::Tensor> targets;
+  for (const ShardedParam& p : params_) targets.push_back(p.moduleParam.variable_data());
+  withValuesSwapped(
+      targets, [&](size_t i) { return params_[i].ownedSpec().fullTensor(ownedValue(params_[i]), *shardComm_); },
+      [] {}, fn);
+}
+
+void withValuesSwapped(const std::vector<at::Tensor>& targets, const std::function<at::Tensor(size_t)>& value,
+                       const std::function<void()>& refresh, const std::function<void()>& fn) {
+  std::vector<at::Tensor> live;
+  {
+    c10::NoGradGuard noGrad;  // only around the copies: fn runs in the caller's grad mode
+    for (size_t i = 0; i < targets.size(); ++i) {
+      live.push_back(targets[i].clone());
+      targets[i].copy_(value(i).view(targets[i].sizes()));
+    }
+  }
+  refresh();
+  auto restore = [&] {
+    {
+      c10::NoGradGuard noGrad;
+      for (size_t i = 0; i < targets.size(); ++i) targets[i].copy_(live[i]);
+    }
+    refresh();
+  };
+  try {
+    fn();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+}
+
 StepResult ShardingStrategy::step(double lr) {
-  std::vector<at::Tensor> grads = synchronizeGradients();
-  TESSERA_CHECK(grads.size() == params_.size(), "ShardingStrategy::step: ", strategyKindName(kind_), " returned ",
-                grads.size(), " gradients for ", params_.size(), " parameters");
+  synchronizeGradients();
   StepResult result;
-  const GradNorm norm = clipGradNorm(grads, specs_, options_.gradClip, *shardComm_);
+  const GradNorm norm = clipGradNorm(params_, options_.gradClip, *shardComm_);
   result.gradNorm = norm.norm;
   result.clipCoef = norm.clipCoef;
   if (!norm.finite()) {
     // Same norm on every rank (one all-reduce, or identical replicated gradients), so
     // every rank skips: parameters stay identical and no collective is left unmatched.
     result.skipped = true;
-    grads.clear();
     zeroGrad();
     ++stepsSkipped_;
     synchronizeBuffers();
     return result;
   }
-  optimizer_.step(grads, lr);
-  grads.clear();  // transient gradient shards (zero1) are freed here
+  optimizer_.step(lr);
+  // The records' gradients live for one step; transient gradient shards (zero1) are freed
+  // here, what zero2/zero3 keep until zeroGrad() is in heldGradShards_.
+  for (ShardedParam& p : params_) p.grad.reset();
   publishParameters();
   synchronizeBuffers();
   ++stepsApplied_;
@@ -163,12 +216,15 @@ void ShardingStrategy::synchronizeBuffers() {
   switch (bufferSync_) {
     case BufferSync::kNone:
       return;
-    case BufferSync::kBroadcast:
-      broadcastCoalesced(buffers_, *comm_, 0, options_.bucketBytes);
+    case BufferSync::kBroadcast: {
+      std::vector<at::Tensor> all;
+      for (const NamedTensor& b : buffers_) all.push_back(b.tensor);
+      broadcastCoalesced(all, *comm_, 0, options_.bucketBytes);
       return;
+    }
     case BufferSync::kAverage: {
       std::vector<at::Tensor> floating, other;
-      for (const at::Tensor& b : buffers_) (b.is_floating_point() ? floating : other).push_back(b);
+      for (const NamedTensor& b : buffers_) (b.tensor.is_floating_point() ? floating : other).push_back(b.tensor);
       allReduceCoalesced(floating, *comm_, distributed::ReduceOp::kAvg, options_.bucketBytes);
       broadcastCoalesced(other, *comm_, 0, options_.bucketBytes);  // e.g. num_batches_tracked
       return;
@@ -199,12 +255,11 @@ ResidentBytes ShardingStrategy::residentBytes() const {
   StorageCounter counter;
   const auto parameters = module_.parameters(/*recurse=*/true);
   for (const at::Tensor& p : parameters) bytes.params += counter.add(p);
-  for (const at::Tensor& p : heldParamShards_) bytes.params += counter.add(p);
   for (const at::Tensor& p : parameters) bytes.grads += counter.add(p.grad());
   for (const at::Tensor& g : heldGradShards_) bytes.grads += counter.add(g);
-  for (const at::Tensor& m : masters_) bytes.optimizer += counter.add(m);
-  for (size_t i = 0; i < optimizer_.size(); ++i) {
-    for (const std::string& key : optimizer_.stateNames()) bytes.optimizer += counter.add(optimizer_.state(i, key));
+  for (const ShardedParam& p : params_) bytes.optimizer += counter.add(p.master);
+  for (const ShardedParam& p : params_) {
+    for (const std::string& key : optimizer_.stateNames()) bytes.optimizer += counter.add(optimizer_.state(p, key));
   }
   for (const at::Tensor& b : module_.buffers(/*recurse=*/true)) bytes.buffers += counter.add(b);
   return bytes;
@@ -222,7 +277,6 @@ std::unique_ptr<ShardingStrategy> makeStrategy(torch::nn::Module& module,
       return std::make_unique<DataParallelStrategy>(module, std::move(comm), options);
     case StrategyKind::kZero3:
     case StrategyKind::kHybrid:
-      if (!options.wrap.empty()) fullyShardByName(module, options.wrap);
       return std::make_unique<FullyShardStrategy>(module, std::move(comm), options);
   }
   throw ConfigError(strCat("makeStrategy: unknown strategy '", options.strategy, "'"));

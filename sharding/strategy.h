@@ -1,10 +1,11 @@
 // ShardingStrategy: the one interface every data-parallel strategy implements
-// (no_shard, zero1, zero2 here; zero3 and hybrid with fullyShard), and the parts of a
-// training step they all share (ARCHITECTURE.md §3, "ZeRO stages on the same machinery").
+// (no_shard, zero1, zero2 in data_parallel.h; zero3 and hybrid in fully_shard.h), and the
+// parts of a training step they all share (docs/design.md, "Sharding").
 //
-// A strategy owns, per trainable parameter (named as module.named_parameters() names
-// it): a ShardSpec over the strategy's shard group, the fp32 master buffer laid out by
-// that spec (which the ShardedOptimizer updates), and the optimizer states (same spec).
+// A strategy owns one ShardedParam record per trainable parameter of its module (named
+// as module.named_parameters() names it): the ShardSpec over the strategy's state group,
+// the fp32 master laid out by it, the gradient of the step, and the module's tensor. The
+// optimizer, the EMA, checkpoints and exports all reach a parameter through its record.
 // The module keeps computing with its own parameter tensors, in `param dtype`; they are
 // the same tensor objects for the whole run (their data may be replaced once, at
 // construction: cast to param dtype, or moved into padded storage).
@@ -23,24 +24,17 @@
 // ranks that seeded differently, or loaded different files, still start identical).
 //
 // step() is a template method: synchronizeGradients() (strategy specific: all-reduce,
-// reduce-scatter, or the flush of what zero3's backward hooks already reduced), then
-// the shared clip / non-finite check / optimizer step, then publishParameters()
-// (strategy specific: all-gather for zero1/2, a cast for replicated mixed precision,
-// nothing for zero3 whose next forward gathers), then the buffer synchronisation.
+// reduce-scatter, or the flush of what zero3's backward hooks already reduced) sets every
+// record's `grad`, then the shared clip / non-finite check / optimizer step, then
+// publishParameters() (strategy specific: all-gather for zero1/2, a cast for replicated
+// mixed precision, nothing for zero3 whose next forward gathers), then the buffer
+// synchronisation.
 //
-// How zero3 and hybrid plug in (issue 5, sharding/fully_shard.h): FullyShardStrategy
-// derives from this class. Its constructor takes the module's units (marked with
-// fullyShard, or by name from StrategyOptions::wrap in makeStrategy), registers every
-// parameter with a Shard(0) spec whose master is the unit's local shard (a FlatLayout
-// slot, so one all-gather per unit rebuilds it), and frees the full parameters; the
-// units' forward (unitForward) and autograd hooks unshard, reshard and reduce-scatter
-// each unit into heldGradShards_ during backward. Its synchronizeGradients() flushes
-// what the hooks left pending and returns the gradient shards; publishParameters()
-// reshards every unit, so the next forward gathers the updated masters (cast to the
-// compute dtype inside the gather). hybrid reduce-scatters in its shard group and
-// all-reduces the gradient shards over the replica group. The step template, clipping,
-// non-finite skip, optimizer, buffer sync, state accessors and byte accounting are
-// shared unchanged.
+// What a trainer needs beyond step() is virtual here, so no code outside sharding/ names
+// a concrete strategy: gradient synchronisation on or off for accumulation
+// (setRequiresGradientSync), evaluation with other values swapped in
+// (withSwappedParameters), and the rows each rank owns (ShardedParam::ownedSpec), which an
+// EMA follows.
 //
 // Gradient averaging: each rank's loss is the mean over its local batch, gradients are
 // averaged over ranks (divided by N exactly once), so equal local batches give the
@@ -50,6 +44,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -57,6 +52,7 @@
 
 #include "sharding/shard_spec.h"
 #include "sharding/sharded_optimizer.h"
+#include "sharding/sharded_param.h"
 
 namespace torch::nn {
 class Module;
@@ -111,9 +107,9 @@ struct StrategyOptions {
   double gradClip = 0.0;                  // max global grad norm; 0 = no clipping
   std::string bufferSync = "broadcast";   // broadcast | average | none
   FullyShardOptions fullyShard;           // zero3 / hybrid
-  // zero3 / hybrid: submodules makeStrategy marks as units by qualified name
-  // (fullyShardByName: "blocks.*" = every child of blocks); empty = only those the
-  // caller marked with fullyShard(), plus the root.
+  // zero3 / hybrid: the submodules that become units, by qualified name (named_modules()):
+  // "blocks.*" = every direct child of blocks, "blocks.0" = that module. The root is
+  // always a unit too (it gets the parameters no other unit holds); empty = the root only.
   std::vector<std::string> wrap;
 };
 
@@ -145,8 +141,8 @@ class ShardingStrategy {
   StrategyKind kind() const { return kind_; }
   const StrategyOptions& options() const { return options_; }
   distributed::Communicator& comm() const { return *comm_; }
-  // The group spec(), masterShard() and optimizerState() are laid out over: comm(), or
-  // hybrid's shard group (each replica group then holds the same shards).
+  // The group the records' specs are laid out over: comm(), or hybrid's shard group (each
+  // replica group then holds the same shards).
   distributed::Communicator& stateComm() const { return *shardComm_; }
   const std::shared_ptr<distributed::Communicator>& stateCommPtr() const { return shardComm_; }
   // True on the ranks of the first replica group (every rank but hybrid's others): their
@@ -171,24 +167,44 @@ class ShardingStrategy {
   // itself; call it after changing masters directly, e.g. restoring a checkpoint.
   virtual void publishParameters() = 0;
 
-  // ---- State by parameter name, for EMA and checkpoints -------------------------------
-  const std::vector<std::string>& paramNames() const { return names_; }
-  bool hasParam(const std::string& name) const { return index_.count(name) > 0; }
-  // Index of `name` in paramNames() and in optimizer() (tessera::Error when unknown).
-  size_t paramIndex(const std::string& name) const;
-  // Layout of the parameter's master, gradient and optimizer states on this rank
-  // (Replicate for no_shard, Shard(0) over the shard group otherwise).
-  const ShardSpec& spec(const std::string& name) const;
-  // The fp32 master buffer (spec.localShape(), padding rows zero). Updated in place by
-  // the optimizer; write into it (then publishParameters()) to restore a checkpoint.
-  at::Tensor masterShard(const std::string& name) const;
-  // Optimizer state `key` ("exp_avg", "exp_avg_sq", "momentum_buffer") of the parameter,
-  // same layout as its master; undefined before its first step.
-  at::Tensor optimizerState(const std::string& name, const std::string& key) const;
-  // The module's parameter tensor (the compute copy).
-  const at::Tensor& moduleParam(const std::string& name) const;
+  // ---- What a trainer needs, whatever the strategy -----------------------------------
+  // false: the backward passes that follow may keep their gradients local (micro-batches
+  // before the last of a step); true (default): reduce as usual. step() reduces whatever
+  // is still local, so no gradient is lost. zero3/hybrid then skip their reduce-scatters;
+  // no_shard/zero1/zero2 reduce once per step anyway, so for them it changes nothing.
+  virtual void setRequiresGradientSync(bool sync);
+
+  // Runs `fn` with the module computing from other parameter values, then restores the
+  // live values exactly, also when fn throws. `ownedValue(p)` is p's replacement in its
+  // owned layout (p.ownedSpec(): e.g. an EMA shard), any floating dtype. Collective: every
+  // rank calls it. zero3/hybrid swap the masters (a 1/N copy kept aside) and fn's forward
+  // gathers them; the others gather one full tensor at a time into the module and keep its
+  // live values aside.
+  virtual void withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
+                                     const std::function<void()>& fn);
+
+  // ---- The parameters ---------------------------------------------------------------
+  // One record per trainable parameter, in named_parameters() order. The records live as
+  // long as the strategy and never move (pointers to them stay valid).
+  const std::vector<ShardedParam>& params() const { return params_; }
+  // tessera::Error naming `name` when it is not a trainable parameter of the module.
+  const ShardedParam& param(const std::string& name) const;
+  bool hasParam(const std::string& name) const { return byName_.count(name) > 0; }
+  // The module's buffers (BatchNorm statistics), by name, as synchronised after each step.
+  struct NamedTensor {
+    std::string name;
+    at::Tensor tensor;
+  };
+  const std::vector<NamedTensor>& buffers() const { return buffers_; }
+  // How a buffer is laid out in checkpoints: replicated over the state group.
+  ShardSpec bufferSpec(const at::Tensor& buffer) const;
   ShardedOptimizer& optimizer() { return optimizer_; }
   const ShardedOptimizer& optimizer() const { return optimizer_; }
+
+  // The module's state as checkpoint entries that save and load in place:
+  // <prefix><param> for every master (its record's spec) and <prefix><buffer> for every
+  // buffer (replicated). After loading, call publishParameters().
+  std::vector<StateEntry> stateEntries(const std::string& prefix = "model/");
 
   // Steps applied and steps skipped for a non-finite gradient norm.
   int64_t stepsApplied() const { return stepsApplied_; }
@@ -206,27 +222,22 @@ class ShardingStrategy {
   ShardingStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
                    StrategyOptions options);
 
-  // Registers a trainable parameter: its spec, and its fp32 master buffer (which may alias
-  // the parameter's storage). Adds it to the optimizer (decay per defaultDecays).
-  void registerParam(const std::string& name, const at::Tensor& param, ShardSpec spec, at::Tensor master);
+  // Registers the record of trainable parameter `name`: its spec, and its fp32 master
+  // (which may alias the parameter's storage). Adds it to the optimizer (decay per
+  // defaultDecays). The returned record stays where it is for the strategy's lifetime.
+  ShardedParam& registerParam(const std::string& name, const at::Tensor& moduleParam, ShardSpec spec,
+                              at::Tensor master);
+  std::vector<ShardedParam>& mutableParams() { return params_; }
 
-  // Returns the averaged gradient of every registered parameter in its spec's local
-  // layout (any floating dtype), in registration order; an undefined tensor skips that
-  // parameter this step (the optimizer leaves it and its states alone). May keep
-  // gradient shards in heldGradShards_.
-  virtual std::vector<at::Tensor> synchronizeGradients() = 0;
+  // Sets every record's `grad`: the averaged gradient in the record's layout (any
+  // floating dtype), or undefined to skip that parameter this step (the optimizer leaves
+  // it and its states alone). Storage a strategy keeps across steps (zero2's and zero3's
+  // gradient shards) goes into heldGradShards_.
+  virtual void synchronizeGradients() = 0;
   // Buffers: made equal across ranks per options().bufferSync (collective).
   void synchronizeBuffers();
 
-  struct NamedParam {
-    std::string name;
-    at::Tensor param;
-  };
-  const std::vector<NamedParam>& trainableParams() const { return trainable_; }
-  const at::Tensor& master(size_t i) const { return masters_.at(i); }
-  const at::Tensor& param(size_t i) const { return params_.at(i); }
-  const ShardSpec& specAt(size_t i) const { return specs_.at(i); }
-  size_t paramCount() const { return params_.size(); }
+  const std::vector<NamedTensor>& trainableParams() const { return trainable_; }
 
   torch::nn::Module& module_;
   std::shared_ptr<distributed::Communicator> comm_;  // the world: broadcasts, buffers
@@ -236,30 +247,31 @@ class ShardingStrategy {
   StrategyOptions options_;
   StrategyKind kind_;
   BufferSync bufferSync_;
-  // Gradient storage the strategy keeps between step() and zeroGrad() (zero2's shards).
+  // Gradient storage the strategy keeps between step() and zeroGrad() (zero2's bucket
+  // shards, zero3's unit shards); counted by residentBytes().
   std::vector<at::Tensor> heldGradShards_;
-  // Parameter storage the strategy keeps besides the module's parameters and the masters
-  // (zero3's local compute shards); counted as parameters by residentBytes().
-  std::vector<at::Tensor> heldParamShards_;
 
  private:
-  std::vector<NamedParam> trainable_;  // collected at construction
-  std::vector<at::Tensor> buffers_;
-  // Registered parameters, by index.
-  std::vector<std::string> names_;
-  std::vector<at::Tensor> params_;
-  std::vector<ShardSpec> specs_;
-  std::vector<at::Tensor> masters_;
-  std::unordered_map<std::string, size_t> index_;
+  std::vector<NamedTensor> trainable_;  // collected at construction
+  std::vector<NamedTensor> buffers_;
+  std::vector<ShardedParam> params_;    // reserved for every trainable parameter: never reallocates
+  std::unordered_map<std::string, ShardedParam*> byName_;
   ShardedOptimizer optimizer_;
   int64_t stepsApplied_ = 0;
   int64_t stepsSkipped_ = 0;
 };
 
+// The swap-and-restore under withSwappedParameters (and the EMA's buffers): copies
+// value(i) into targets[i] (their live values kept aside), calls refresh(), runs fn,
+// copies the live values back and calls refresh() again, also when fn throws. Each value
+// is computed, copied and dropped in turn.
+void withValuesSwapped(const std::vector<at::Tensor>& targets, const std::function<at::Tensor(size_t)>& value,
+                       const std::function<void()>& refresh, const std::function<void()>& fn);
+
 // Builds the strategy options.strategy names over `module`'s trainable parameters and
 // the ranks of `comm`. Collective (broadcasts rank 0's state). no_shard, zero1 and zero2
-// are DataParallelStrategy (data_parallel.h). zero3 and hybrid need fullyShard
-// (sharded units of the module), which is not built yet: tessera::ConfigError saying so.
+// are DataParallelStrategy (data_parallel.h); zero3 and hybrid are FullyShardStrategy
+// (fully_shard.h), with options.wrap naming the units.
 std::unique_ptr<ShardingStrategy> makeStrategy(torch::nn::Module& module,
                                                std::shared_ptr<distributed::Communicator> comm,
                                                const StrategyOptions& options);

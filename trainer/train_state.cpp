@@ -11,39 +11,12 @@ namespace tessera::trainer {
 
 std::vector<checkpoint::StateEntry> collectStateEntries(sharding::ShardingStrategy& strategy,
                                                         ema::ShardedModelEMAManager* ema) {
-  std::vector<checkpoint::StateEntry> entries;
-  auto& optimizer = strategy.optimizer();
-  for (const auto& name : strategy.paramNames()) {
-    entries.push_back({"model/" + name, strategy.spec(name), strategy.masterShard(name)});
-  }
-  for (const auto& key : optimizer.stateNames()) {
-    for (const auto& name : strategy.paramNames()) {
-      const size_t i = strategy.paramIndex(name);
-      if (!optimizer.state(i, key).defined()) {
-        optimizer.setState(i, key, at::zeros_like(strategy.masterShard(name)));
-      }
-      entries.push_back({"optim/" + key + "/" + name, strategy.spec(name), optimizer.state(i, key)});
-    }
-  }
+  std::vector<checkpoint::StateEntry> entries = strategy.stateEntries("model/");
+  for (auto& e : strategy.optimizer().stateEntries("optim/")) entries.push_back(std::move(e));
   if (ema) {
-    for (size_t d = 0; d < ema->numDecays(); ++d) {
-      for (const auto& name : ema->paramNames()) {
-        entries.push_back({"ema/" + ema->stateName(d) + "/" + name, ema->spec(name), ema->emaShard(d, name)});
-      }
-    }
+    for (auto& e : ema->stateEntries("ema/")) entries.push_back(std::move(e));
   }
   return entries;
-}
-
-std::map<std::string, std::string> emaAliases(const ema::ShardedModelEMAManager* ema) {
-  std::map<std::string, std::string> aliases;
-  if (!ema) return aliases;
-  for (size_t d = 0; d < ema->numDecays(); ++d) {
-    char buf[64];
-    std::snprintf(buf, sizeof(buf), "%g", ema->options().decays[d]);
-    aliases[ema->options().prefix + "_" + buf] = "ema/" + ema->stateName(d) + "/";
-  }
-  return aliases;
 }
 
 std::string countersToJson(const TrainerCounters& c) {
@@ -52,7 +25,6 @@ std::string countersToJson(const TrainerCounters& c) {
                       {"seed", c.seed},
                       {"ema_updates", c.emaUpdates},
                       {"skipped_steps", c.skippedSteps},
-                      {"optimizer_steps", c.optimizerSteps},
                       {"strategy", c.strategy},
                       {"world_size", c.worldSize},
                       {"resolved_config", c.resolvedConfig}};
@@ -77,7 +49,6 @@ TrainerCounters countersFromJson(const std::string& text) {
     c.seed = get("seed").get<int64_t>();
     c.emaUpdates = get("ema_updates").get<int64_t>();
     c.skippedSteps = get("skipped_steps").get<int64_t>();
-    c.optimizerSteps = get("optimizer_steps").get<std::map<std::string, int64_t>>();
     c.strategy = get("strategy").get<std::string>();
     c.worldSize = get("world_size").get<int>();
     c.resolvedConfig = get("resolved_config").get<std::string>();

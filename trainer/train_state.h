@@ -1,10 +1,11 @@
 // The trainer's sharded state as checkpoint entries, and its JSON trainer state.
 //
 // Entry names (the checkpoint's tensor names; exports strip the prefix back to the
-// user's module names):
-//   model/<param>                 fp32 master, the strategy's spec (Shard(0) or Replicate)
-//   optim/<state>/<param>         exp_avg, exp_avg_sq, momentum_buffer (same spec)
-//   ema/<ema name>/<param>        generator_ema, generator_ema_0.999, ... (the EMA's spec)
+// user's module names), each collected from the part that owns the state:
+//   model/<param>, model/<buffer>  the strategy: fp32 masters (Shard(0) or Replicate), buffers
+//   optim/<state>/<param>          the optimizer: exp_avg, exp_avg_sq, momentum_buffer
+//   optim/step/<param>             the optimizer: its step count (int64, replicated)
+//   ema/<ema name>/<param>         the EMA: generator_ema, generator_ema_0.999, ...
 // Loading the same names with the new run's specs reshards them (any world size, any
 // strategy).
 #pragma once
@@ -25,23 +26,18 @@ class ShardedModelEMAManager;
 
 namespace tessera::trainer {
 
-// All tensors of the run's state on this rank. Creates zero optimizer states for
-// parameters that have none yet, so every rank lists the same entries.
+// All tensors of the run's state on this rank (`ema` may be null). The optimizer creates
+// zero states for parameters it has not stepped yet, so every rank lists the same entries.
 std::vector<checkpoint::StateEntry> collectStateEntries(sharding::ShardingStrategy& strategy,
                                                         ema::ShardedModelEMAManager* ema);
 
-// Export aliases: each EMA's decay name ("generator_ema_0.99") -> its prefix.
-std::map<std::string, std::string> emaAliases(const ema::ShardedModelEMAManager* ema);
-
-// Counters that are not tensors: optimizer step counts per parameter, the EMA update
-// count, and where the run is.
+// Counters that are not tensors: the EMA update count and where the run is.
 struct TrainerCounters {
   int64_t step = 0;               // optimizer steps completed
   int64_t globalBatch = 0;        // the data position is step x globalBatch samples
   int64_t seed = 0;
   int64_t emaUpdates = 0;
   int64_t skippedSteps = 0;
-  std::map<std::string, int64_t> optimizerSteps;  // per parameter name
   std::string strategy;
   int worldSize = 1;
   std::string resolvedConfig;     // YAML text of the run that saved

@@ -1,40 +1,30 @@
-// The train loop (see trainer.h).
+// The train loop (see trainer.h): Trainer::run sets the run up (run_setup.cpp), then
+// alternates one train step with the periodic actions (log, evaluate, save) until the
+// last step or a stop, and ends the run (final save, exports, samples).
 #include "trainer/trainer.h"
 
 #include <ATen/ATen.h>
-#include <torch/cuda.h>
-#include <torch/utils.h>
 
 #include <atomic>
 #include <chrono>
 #include <csignal>
-#include <cmath>
-#include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <limits>
 #include <map>
 #include <numeric>
-#include <optional>
 
+#include "checkpoint/exporter.h"
+#include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
-#include "checkpoint/checkpointer.h"
-#include "checkpoint/exporter.h"
-#include "checkpoint/reader.h"
-#include "checkpoint/safetensors.h"
-#include "ema/ema_manager.h"
 #include "ema/strategy_ema.h"
-#include "sharding/lr_schedule.h"
 #include "sharding/fully_shard.h"
-#include "sharding/strategy.h"
+#include "sharding/mixed_precision.h"
+#include "trainer/checkpoint_schedule.h"
 #include "trainer/diffusion.h"
 #include "trainer/metrics.h"
-#include "trainer/models.h"
-#include "trainer/text_dataset.h"
-#include "trainer/train_state.h"
+#include "trainer/run_setup.h"
 
 namespace tessera::trainer {
 namespace fs = std::filesystem;
@@ -47,56 +37,34 @@ struct Trainer::State {
 
 namespace {
 
-// Set by SIGTERM (preemption) or SIGINT (Ctrl-C): the loop checkpoints and stops at the
-// next step.
+// Set by SIGTERM (preemption) or SIGINT (Ctrl-C): the ranks agree on it with the next
+// step's loss and stop after that step, with a checkpoint.
 std::atomic<bool> g_stopRequested{false};
 extern "C" void onStopSignal(int) { g_stopRequested = true; }
 
+// Installs the stop handlers for the train loop and restores the previous ones after it
+// (a second signal during the final save or the exports gets the default treatment).
+class StopSignals {
+ public:
+  StopSignals() {
+    g_stopRequested = false;
+    previousTerm_ = std::signal(SIGTERM, onStopSignal);
+    previousInt_ = std::signal(SIGINT, onStopSignal);
+  }
+  ~StopSignals() {
+    std::signal(SIGTERM, previousTerm_);
+    std::signal(SIGINT, previousInt_);
+  }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+ private:
+  void (*previousTerm_)(int) = SIG_DFL;
+  void (*previousInt_)(int) = SIG_DFL;
+};
+
 double nowSec() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-at::ScalarType parseDtype(const std::string& name) {
-  if (name == "fp32") return at::kFloat;
-  if (name == "bf16") return at::kBFloat16;
-  if (name == "fp16") return at::kHalf;
-  throw ConfigError(strCat("unknown dtype '", name, "' (fp32, bf16, fp16)"));
-}
-
-sharding::StrategyOptions strategyOptions(const TrainConfig& cfg) {
-  sharding::StrategyOptions o;
-  o.strategy = cfg.sharding.strategy;
-  o.bucketBytes = static_cast<int64_t>(cfg.sharding.bucket_mb * 1024 * 1024);
-  o.paramDtype = parseDtype(cfg.sharding.param_dtype);
-  o.reduceDtype = parseDtype(cfg.sharding.reduce_dtype);
-  o.bufferSync = cfg.sharding.buffer_sync;
-  o.gradClip = cfg.optim.grad_clip;
-  o.optimizer.name = cfg.optim.name;
-  o.optimizer.lr = cfg.optim.lr;
-  o.optimizer.beta1 = cfg.optim.betas[0];
-  o.optimizer.beta2 = cfg.optim.betas[1];
-  o.optimizer.eps = cfg.optim.eps;
-  o.optimizer.weightDecay = cfg.optim.weight_decay;
-  o.optimizer.momentum = cfg.optim.momentum;
-  o.optimizer.nesterov = cfg.optim.nesterov;
-  o.fullyShard.reshardAfterForward = cfg.sharding.reshard_after_forward;
-  o.fullyShard.prefetch = static_cast<int>(cfg.sharding.prefetch);
-  o.fullyShard.activationCheckpointing = cfg.sharding.activation_checkpointing;
-  o.fullyShard.shardSize = static_cast<int>(cfg.sharding.shard_size);
-  o.wrap = cfg.sharding.wrap.empty() ? defaultUnits(cfg.model) : cfg.sharding.wrap;
-  return o;
-}
-
-// run.device: the CPU, or this rank's CUDA device (LOCAL_RANK modulo the devices visible,
-// so ranks of a node spread over its GPUs and share them when there are fewer).
-at::Device trainingDevice(const TrainConfig& cfg) {
-  if (cfg.run.device == "cpu") return at::kCPU;
-  TESSERA_CHECK_AS(ConfigError, torch::cuda::is_available(),
-                   "run.device: cuda, but no CUDA device is usable here (a CPU-only LibTorch, or no GPU visible); "
-                   "build with scripts/gpu-build.sh on a GPU machine, or set run.device: cpu");
-  const char* localRank = std::getenv("LOCAL_RANK");
-  const int64_t index = (localRank != nullptr ? std::atoll(localRank) : 0) % torch::cuda::device_count();
-  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 // The loss of each prediction of `batch`, with the model's root entered as a unit
@@ -112,119 +80,53 @@ at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device) {
   });
 }
 
-bool fullySharded(const sharding::ShardingStrategy& strategy) {
-  return strategy.kind() == sharding::StrategyKind::kZero3 || strategy.kind() == sharding::StrategyKind::kHybrid;
-}
-
-sharding::LrSchedule makeSchedule(const TrainConfig& cfg) {
-  sharding::LrScheduleOptions o;
-  o.kind = cfg.optim.schedule.kind;
-  o.baseLr = cfg.optim.lr;
-  o.warmupSteps = cfg.optim.schedule.warmup_steps;
-  o.totalSteps = cfg.run.steps;
-  o.minLr = cfg.optim.schedule.min_lr;
-  o.stepSize = cfg.optim.schedule.step_size;
-  o.gamma = cfg.optim.schedule.gamma;
-  return sharding::LrSchedule(o);
-}
-
-std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, sharding::ShardingStrategy& strategy) {
-  if (!cfg.ema.enabled) return nullptr;
-  ema::EmaOptions o;
-  o.decays = cfg.ema.decays;
-  o.dtype = parseDtype(cfg.ema.dtype);
-  o.startStep = cfg.ema.start_step;
-  o.updateEvery = cfg.ema.update_every;
-  o.warmup = cfg.ema.warmup;
-  o.invGamma = cfg.ema.inv_gamma;
-  o.power = cfg.ema.power;
-  o.buffers = cfg.ema.buffers;
-  auto manager = std::make_unique<ema::ShardedModelEMAManager>(o);
-  ema::followStrategy(*manager, strategy);
-  return manager;
-}
-
 // Sum of the losses over this rank's share of the first `n` held-out samples, all-reduced
 // to the mean over all their predictions.
-double heldOutLoss(TrainModel& model, const Dataset& data, int64_t runSeed, distributed::Communicator& comm,
-                   at::Device device) {
+double heldOutLoss(RunParts& run) {
   torch::NoGradGuard noGrad;
-  const int rank = comm.rank(), world = comm.worldSize();
-  const int64_t n = std::min<int64_t>(data.evalSamples(), 4096);
+  const int rank = run.comm->rank(), world = run.comm->worldSize();
+  const int64_t n = std::min<int64_t>(run.data->evalSamples(), 4096);
   // Every rank must run the forward (zero3 gathers inside it): at least one sample each.
   TESSERA_CHECK_AS(ConfigError, n >= world, "evaluation: data.eval_fraction leaves ", n,
                    " held-out samples, fewer than the ", world, " ranks");
   const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
   at::Tensor sums = at::zeros({2}, at::kDouble);  // [loss sum, count]
   if (end > begin) {
-    Batch batch = data.evalBatch(begin, end - begin);
+    Batch batch = run.data->evalBatch(begin, end - begin);
     std::vector<int64_t> indices(static_cast<size_t>(end - begin));
     std::iota(indices.begin(), indices.end(), begin);
-    seedNoise(batch, runSeed, -1, indices);
-    const at::Tensor losses = lossesOf(model, batch, device);
+    seedNoise(batch, run.cfg.run.seed, -1, indices);
+    const at::Tensor losses = lossesOf(*run.model, batch, run.device);
     sums[0] = losses.to(at::kDouble).sum().item<double>();
     sums[1] = static_cast<double>(losses.numel());  // predictions, not windows
   }
-  comm.allReduce(sums, distributed::ReduceOp::kSum);
+  run.comm->allReduce(sums, distributed::ReduceOp::kSum);
   return sums[0].item<double>() / sums[1].item<double>();
-}
-
-// Runs `fn` with the model's parameters replaced by the EMA of decay 0 and restores them
-// exactly afterwards, also when `fn` throws.
-// - zero3/hybrid: the EMA shards have the masters' layout, so the masters are swapped
-//   (a 1/N copy kept aside) and the units reshard; fn's forward gathers the EMA.
-// - no_shard/zero1/zero2: the module holds full parameters; each is replaced by the
-//   gathered EMA (one full tensor at a time is gathered) and copied back afterwards.
-double withEmaModel(ema::ShardedModelEMAManager& emaManager, sharding::ShardingStrategy& strategy,
-                    const std::function<double()>& fn) {
-  torch::NoGradGuard noGrad;
-  const bool sharded = fullySharded(strategy);
-  std::vector<std::pair<at::Tensor, at::Tensor>> saved;  // (tensor swapped, value to restore)
-  for (const auto& name : strategy.paramNames()) {
-    at::Tensor target = sharded ? strategy.masterShard(name) : strategy.moduleParam(name).variable_data();
-    const at::Tensor ema = sharded ? emaManager.emaShard(0, name)
-                                   : emaManager.spec(name).fullTensor(emaManager.emaShard(0, name), strategy.comm());
-    saved.emplace_back(target, target.clone());
-    target.copy_(ema.view(target.sizes()));
-  }
-  if (sharded) strategy.publishParameters();
-  auto restore = [&] {
-    for (auto& [target, value] : saved) target.copy_(value);
-    if (sharded) strategy.publishParameters();
-  };
-  double result = 0;
-  try {
-    result = fn();
-  } catch (...) {
-    restore();
-    throw;
-  }
-  restore();
-  return result;
 }
 
 // model.samples: DDPM samples drawn with generator_ema (every rank runs the sampler with
 // the same seed, as zero3 gathers collectively); rank 0 writes them and logs their mean and
 // spread against the held-out data's. Returns the file written ("" on other ranks).
-std::string drawSamples(DiffusionDenoiser& model, ema::ShardedModelEMAManager& emaManager,
-                        sharding::ShardingStrategy& strategy, const Dataset& data, const TrainConfig& cfg,
-                        distributed::Communicator& comm, at::Device device, const fs::path& runDir) {
+std::string drawSamples(RunParts& run) {
+  auto* model = dynamic_cast<DiffusionDenoiser*>(run.model.get());
+  TESSERA_CHECK(model != nullptr && run.ema != nullptr, "model.samples needs the diffusion model and an EMA");
+  const TrainConfig& cfg = run.cfg;
   at::Tensor samples;
-  withEmaModel(emaManager, strategy, [&] {
-    samples = sampleDdpm(model.schedule(), model.sampleShape(), cfg.model.samples, noiseSeed(cfg.run.seed, -2, 0),
-                         device, [&](const at::Tensor& x, const at::Tensor& t) {
-                           return sharding::unitForward(model, std::vector<at::Tensor>{x, t},
+  ema::withEmaWeights(*run.ema, *run.strategy, 0, [&] {
+    samples = sampleDdpm(model->schedule(), model->sampleShape(), cfg.model.samples, noiseSeed(cfg.run.seed, -2, 0),
+                         run.device, [&](const at::Tensor& x, const at::Tensor& t) {
+                           return sharding::unitForward(*model, std::vector<at::Tensor>{x, t},
                                                         [&](const std::vector<at::Tensor>& in) {
-                                                          return std::vector<at::Tensor>{model.forward(in[0], in[1])};
+                                                          return std::vector<at::Tensor>{model->forward(in[0], in[1])};
                                                         })[0];
                          });
-    return 0.0;
   });
-  if (comm.rank() != 0) return "";
-  const std::string out = (runDir / "samples.safetensors").string();
+  if (run.comm->rank() != 0) return "";
+  const std::string out = (run.runDir / "samples.safetensors").string();
   samples = samples.cpu();
   checkpoint::saveSafetensors(out, {{"samples", samples}}, {{"generator", "generator_ema"}});
   // The reference: up to 4096 held-out samples, or train samples when none are held out.
+  const Dataset& data = *run.data;
   const bool heldOut = data.evalSamples() > 0;
   std::vector<int64_t> first(static_cast<size_t>(std::min<int64_t>(heldOut ? data.evalSamples() : data.trainSamples(), 4096)));
   std::iota(first.begin(), first.end(), 0);
@@ -244,6 +146,199 @@ std::string drawSamples(DiffusionDenoiser& model, ema::ShardedModelEMAManager& e
   return out;
 }
 
+// What one train step leaves for the periodic actions and the stop decision.
+struct StepOutcome {
+  double loss = 0;               // mean over the global batch
+  double lr = 0;
+  sharding::StepResult result;
+  bool stopSignalled = false;    // some rank had a stop signal (agreed by all)
+};
+
+// The train loop's parts, over the parts of the run.
+class TrainLoop {
+ public:
+  explicit TrainLoop(RunParts& run)
+      : run_(run),
+        cfg_(run.cfg),
+        schedule_(run.cfg.run.steps, run.startStep, run.cfg.checkpoint.every_steps, run.cfg.run.stop_after_steps,
+                  run.cfg.checkpoint.at_end) {
+    if (run.comm->rank() == 0) {
+      metrics_ = std::make_unique<MetricsLog>((run.runDir / "metrics.jsonl").string(), cfg_.run.steps);
+    }
+    summary_.runDir = run.runDir.string();
+    windowStart_ = runStart_ = nowSec();
+    run.comm->resetStats();
+  }
+
+  // One optimizer step: the micro-batches' forward and backward, the strategy's step
+  // (gradient sync, clipping, optimizer), the EMA update, and one all-reduce of the loss
+  // together with the stop flags.
+  StepOutcome trainStep(int64_t step) {
+    sharding::ShardingStrategy& strategy = *run_.strategy;
+    distributed::Communicator& comm = *run_.comm;
+    strategy.zeroGrad();
+    const std::vector<int64_t> indices = run_.sampler->indicesFor(step, comm.rank(), comm.worldSize());
+    const int64_t micro = cfg_.data.micro_batch;
+    at::Tensor stepLoss = at::zeros({1}, at::kDouble);
+    for (int64_t m = 0; m < run_.microBatches; ++m) {
+      // sharding.reduce_every_micro_batch false: micro-batches before the last keep full
+      // gradients and do not communicate.
+      if (!cfg_.sharding.reduce_every_micro_batch) strategy.setRequiresGradientSync(m + 1 == run_.microBatches);
+      std::vector<int64_t> slice(indices.begin() + m * micro, indices.begin() + (m + 1) * micro);
+      Batch batch = run_.data->trainBatch(slice);
+      seedNoise(batch, cfg_.run.seed, step, slice);
+      at::Tensor loss =
+          lossesOf(*run_.model, std::move(batch), run_.device).mean() / static_cast<double>(run_.microBatches);
+      loss.backward();
+      stepLoss += loss.detach().to(at::kDouble).cpu();
+    }
+    StepOutcome out;
+    out.lr = run_.schedule->lrAt(step);
+    out.result = strategy.step(out.lr);
+    if (out.result.skipped) {
+      ++run_.counters.skippedSteps;
+      TLOG_WARN0("step " << step + 1 << ": gradient norm " << out.result.gradNorm << " is not finite; step skipped");
+    }
+    if (run_.ema) run_.ema->update(step + 1, !out.result.skipped);
+    // One all-reduce for the step's loss (summed, then averaged) and the stop flags.
+    at::Tensor shared = at::cat({stepLoss, at::full({1}, g_stopRequested ? 1.0 : 0.0, at::kDouble)});
+    comm.allReduce(shared, distributed::ReduceOp::kSum);
+    out.loss = shared[0].item<double>() / static_cast<double>(comm.worldSize());
+    out.stopSignalled = shared[1].item<double>() > 0;
+    return out;
+  }
+
+  // After `done` steps: a metrics line every run.log_every steps (and at evaluations and
+  // the last step), the held-out loss every run.eval_every steps and at the end, and the
+  // periodic checkpoint.
+  void periodicActions(int64_t done, const StepOutcome& out) {
+    windowLoss_ += out.loss;
+    ++windowSteps_;
+    if (out.result.skipped) ++skippedInRun_;
+    const bool last = done == cfg_.run.steps;
+    const bool evalNow = cfg_.run.eval_every > 0 && done % cfg_.run.eval_every == 0;
+    if (done % cfg_.run.log_every == 0 || last || evalNow) logWindow(done, out, evalNow || last);
+    if (schedule_.periodicSaveDue(done)) saveCheckpoint(done);
+  }
+
+  // Whether the run stops after `done` steps (a stop signal, run.stop_after_steps).
+  bool stopsAfter(int64_t done, const StepOutcome& out) {
+    if (!schedule_.stopsAfter(done, out.stopSignalled)) return false;
+    if (out.stopSignalled) {
+      TLOG_WARN0("SIGTERM/SIGINT: stopping at step " << done << " with a checkpoint");
+    } else {
+      TLOG_INFO0("run.stop_after_steps: stopping at step " << done << " with a checkpoint; resume to continue");
+    }
+    return true;
+  }
+
+  // The end: the final checkpoint (checkpoint.at_end, or a stop), then, when the run
+  // finished, the exports and the samples; the loss curve.
+  TrainSummary finish(int64_t done, bool stopped) {
+    summary_.steps = done;
+    summary_.preempted = stopped;
+    summary_.samplesPerSec = static_cast<double>(cfg_.data.global_batch * (done - run_.startStep)) /
+                             std::max(1e-9, nowSec() - runStart_);
+    if (schedule_.finalSaveDue(done, stopped)) saveCheckpoint(done);
+    if (run_.checkpointer) run_.checkpointer->finish();
+    if (!stopped) exportWeights(done);
+    if (!stopped && cfg_.model.samples > 0) summary_.samplesPath = drawSamples(run_);
+    if (run_.comm->rank() == 0) {
+      summary_.metricsPath = (run_.runDir / "metrics.jsonl").string();
+      summary_.lossCurvePath = (run_.runDir / "loss.svg").string();
+      metrics_->writeLossCurve(summary_.lossCurvePath);
+    }
+    run_.comm->barrier();
+    return summary_;
+  }
+
+ private:
+  void logWindow(int64_t done, const StepOutcome& out, bool evaluateNow) {
+    distributed::Communicator& comm = *run_.comm;
+    const double elapsed = nowSec() - windowStart_;
+    at::Tensor rss = at::full({1}, peakRssMiB(), at::kDouble);
+    comm.allReduce(rss, distributed::ReduceOp::kMax);
+    StepMetrics m;
+    m.step = done;
+    m.loss = windowLoss_ / static_cast<double>(windowSteps_);
+    m.lr = out.lr;
+    m.gradNorm = out.result.gradNorm;
+    m.samplesPerSec = static_cast<double>(cfg_.data.global_batch * windowSteps_) / elapsed;
+    m.stepTimeMs = elapsed * 1000.0 / static_cast<double>(windowSteps_);
+    m.peakRssMiB = rss.item<double>();
+    m.commMiB = static_cast<double>(comm.stats().totalBytes()) / (1024.0 * 1024.0);
+    if (skippedInRun_ > 0) m.extra["skipped_steps"] = static_cast<double>(skippedInRun_);
+    if (evaluateNow) evaluate(m.extra);
+    if (metrics_) metrics_->record(m);
+    if (firstWindow_) summary_.firstLoss = m.loss;
+    firstWindow_ = false;
+    summary_.finalLoss = m.loss;
+    if (m.extra.count("eval_loss")) summary_.evalLoss = m.extra["eval_loss"];
+    if (m.extra.count("eval_loss_ema")) summary_.evalLossEma = m.extra["eval_loss_ema"];
+    windowLoss_ = 0;
+    windowSteps_ = 0;
+    windowStart_ = nowSec();
+    TLOG_DEBUG0("communication since the last log line: " << comm.stats().toString());
+    comm.resetStats();
+  }
+
+  // The held-out loss with the live weights and with generator_ema's.
+  void evaluate(std::map<std::string, double>& out) {
+    if (run_.data->evalSamples() <= 0) return;
+    out["eval_loss"] = heldOutLoss(run_);
+    if (run_.ema) {
+      double emaLoss = 0;
+      ema::withEmaWeights(*run_.ema, *run_.strategy, 0, [&] { emaLoss = heldOutLoss(run_); });
+      out["eval_loss_ema"] = emaLoss;
+    }
+  }
+
+  // Saves step `done` unless it is saved already (a stop or the end on a periodic step).
+  void saveCheckpoint(int64_t done) {
+    if (!schedule_.claimSave(done)) return;
+    run_.counters.step = done;
+    run_.counters.emaUpdates = run_.ema ? run_.ema->updateCount() : 0;
+    checkpoint::SaveRequest request;
+    request.step = done;
+    request.strategy = cfg_.sharding.strategy;
+    request.entries = collectStateEntries(*run_.strategy, run_.ema.get());
+    request.trainerState = countersToJson(run_.counters);
+    if (run_.ema) request.aliases = run_.ema->exportAliases();
+    if (run_.checkpointer) run_.checkpointer->save(request);  // logs the training stall it caused
+  }
+
+  // checkpoint.export_what: consolidated safetensors, gathered one tensor at a time to
+  // rank 0 over the state group.
+  void exportWeights(int64_t done) {
+    const auto entries = collectStateEntries(*run_.strategy, run_.ema.get());
+    const std::map<std::string, std::string> aliases =
+        run_.ema ? run_.ema->exportAliases() : std::map<std::string, std::string>{};
+    const int rank = run_.comm->rank();
+    for (const auto& what : cfg_.checkpoint.export_what) {
+      checkpoint::ExportOptions options;
+      options.what = what;
+      options.dtype = sharding::parseFloatDtype(cfg_.checkpoint.export_dtype, "checkpoint.export_dtype");
+      options.metadata["tessera_step"] = std::to_string(done);
+      const std::string out = (run_.runDir / "export" / (what + ".safetensors")).string();
+      if (rank == 0) fs::create_directories(run_.runDir / "export");
+      if (run_.strategy->firstReplica()) {  // rank 0 of the state group (global rank 0) writes; logs what it wrote
+        checkpoint::exportOnline(entries, checkpoint::exportPrefix(what, aliases), &run_.strategy->stateComm(), out,
+                                 options);
+      }
+      if (rank == 0) summary_.exports.push_back(out);
+    }
+  }
+
+  RunParts& run_;
+  const TrainConfig& cfg_;
+  CheckpointSchedule schedule_;
+  std::unique_ptr<MetricsLog> metrics_;  // rank 0
+  TrainSummary summary_;
+  double windowLoss_ = 0, windowStart_ = 0, runStart_ = 0;
+  int64_t windowSteps_ = 0, skippedInRun_ = 0;
+  bool firstWindow_ = true;
+};
+
 }  // namespace
 
 Trainer::Trainer(TrainConfig config, std::string resolvedYaml, std::shared_ptr<distributed::Communicator> comm)
@@ -257,256 +352,20 @@ Trainer::Trainer(TrainConfig config, std::string resolvedYaml, std::shared_ptr<d
 Trainer::~Trainer() = default;
 
 TrainSummary Trainer::run() {
-  const TrainConfig& cfg = state_->config;
-  distributed::Communicator& comm = *state_->comm;
-  const int rank = comm.rank();
-  const int world = comm.worldSize();
-  const fs::path runDir(cfg.run.dir);
-  fs::create_directories(runDir / "logs");
-  if (rank == 0) {
-    std::ofstream(runDir / "config.resolved.yaml") << state_->resolvedYaml;
-  }
-
-  // Every rank builds the model from the same seed; the strategy then broadcasts rank
-  // 0's parameters and buffers, so replicas agree whatever happened before.
-  torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
-  const at::Device device = trainingDevice(cfg);
-  std::unique_ptr<Dataset> data = makeDataset(cfg.data, cfg.model, predictsEveryPosition(cfg.model));
-  std::shared_ptr<TrainModel> model = makeModel(cfg.model, data->spec());
-  model->to(device);
-  auto strategy = sharding::makeStrategy(*model, state_->comm, strategyOptions(cfg));
-  auto emaManager = makeEma(cfg, *strategy);
-  const sharding::LrSchedule schedule = makeSchedule(cfg);
-  int64_t numParams = 0;
-  for (const auto& p : model->parameters()) numParams += p.numel();
-  TLOG_INFO0("model " << cfg.model.arch << ": " << numParams << " parameters; strategy " << cfg.sharding.strategy
-                      << " over " << world << " ranks; resident " << strategy->residentBytes().str());
-
-  DistributedSampler sampler(data->trainSamples(), cfg.data.global_batch, cfg.run.seed, cfg.data.shuffle);
-  // sharding.reduce_every_micro_batch false: micro-batches before the last keep full
-  // gradients and do not communicate.
-  auto* noSyncStrategy =
-      cfg.sharding.reduce_every_micro_batch ? nullptr : dynamic_cast<sharding::FullyShardStrategy*>(strategy.get());
-  const int64_t perRank = cfg.data.global_batch / world;
-  const int64_t accumulation = perRank / cfg.data.micro_batch;
-  TLOG_INFO0("data " << data->describe() << "; " << sampler.stepsPerEpoch()
-                     << " steps per epoch; " << accumulation << " micro-batches of " << cfg.data.micro_batch
-                     << " per rank per step");
-
-  // Checkpoints: resume first (every rank loads its own shards, resharding as needed).
-  const fs::path checkpointsDir = runDir / "checkpoints";
-  checkpoint::CheckpointOptions ckptOptions;
-  ckptOptions.keepLast = static_cast<int>(cfg.checkpoint.keep_last);
-  ckptOptions.async = cfg.checkpoint.async;
-  // Checkpoints and exports are written over the group the state is sharded over, by the
-  // ranks holding a full set of it (hybrid: the first replica group; others skip).
-  std::optional<checkpoint::Checkpointer> checkpointer;
-  if (strategy->firstReplica()) checkpointer.emplace(checkpointsDir.string(), strategy->stateCommPtr(), ckptOptions);
-  TrainerCounters counters;
-  counters.globalBatch = cfg.data.global_batch;
-  counters.seed = cfg.run.seed;
-  counters.strategy = cfg.sharding.strategy;
-  counters.worldSize = world;
-  counters.resolvedConfig = state_->resolvedYaml;
-  int64_t startStep = 0;
-  if (cfg.checkpoint.resume != "none") {
-    std::vector<checkpoint::StateEntry> entries = collectStateEntries(*strategy, emaManager.get());
-    std::optional<checkpoint::LoadResult> loaded;
-    if (cfg.checkpoint.resume == "auto") {
-      loaded = checkpoint::resumeAuto(checkpointsDir.string(), entries, &comm);
-    } else {
-      loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, entries);
-    }
-    if (loaded) {
-      const TrainerCounters saved = countersFromJson(loaded->trainerState);
-      if (saved.globalBatch != cfg.data.global_batch) {
-        throw ConfigError(strCat("data.global_batch: ", cfg.data.global_batch, " differs from the ", saved.globalBatch,
-                                 " that checkpoint ", loaded->dir,
-                                 " was trained with; the data position cannot be converted"));
-      }
-      if (saved.seed != cfg.run.seed) {
-        throw ConfigError(strCat("run.seed: ", cfg.run.seed, " differs from the ", saved.seed, " of checkpoint ",
-                                 loaded->dir, "; the data order would change"));
-      }
-      for (const auto& name : strategy->paramNames()) {
-        auto it = saved.optimizerSteps.find(name);
-        strategy->optimizer().setStepCount(strategy->paramIndex(name), it == saved.optimizerSteps.end() ? 0 : it->second);
-      }
-      if (emaManager) emaManager->setUpdateCount(saved.emaUpdates);
-      strategy->publishParameters();
-      startStep = saved.step;
-      counters.skippedSteps = saved.skippedSteps;
-      TLOG_INFO0("resumed from " << loaded->dir << " (step " << saved.step << ", saved by " << saved.worldSize
-                                 << " ranks with " << saved.strategy << "; now " << world << " ranks with "
-                                 << cfg.sharding.strategy << "), read " << loaded->bytesRead << " bytes in "
-                                 << loaded->seconds << " s");
+  std::unique_ptr<RunParts> run = setUpRun(state_->config, state_->resolvedYaml, state_->comm);
+  TrainLoop loop(*run);
+  int64_t done = run->startStep;
+  bool stopped = false;
+  {
+    StopSignals signals;  // SIGTERM/SIGINT: stop after the current step, with a checkpoint
+    while (done < run->cfg.run.steps && !stopped) {
+      const StepOutcome outcome = loop.trainStep(done);
+      ++done;
+      loop.periodicActions(done, outcome);
+      stopped = loop.stopsAfter(done, outcome);
     }
   }
-  if (startStep == 0 && emaManager && cfg.ema.init_from) {
-    // Fine-tuning: the EMA starts from given weights (names as the module's), each rank
-    // keeping its slice. A resumed run keeps the checkpoint's EMA instead.
-    emaManager->initializeFrom(checkpoint::loadSafetensors(*cfg.ema.init_from));
-    TLOG_INFO0("EMA initialised from " << *cfg.ema.init_from);
-  }
-  TESSERA_CHECK_AS(ConfigError, startStep <= cfg.run.steps, "run.steps: ", cfg.run.steps,
-                   " is below the step the run resumes from (", startStep, ")");
-
-  auto saveCheckpoint = [&](int64_t stepsDone) {
-    counters.step = stepsDone;
-    counters.emaUpdates = emaManager ? emaManager->updateCount() : 0;
-    for (const auto& name : strategy->paramNames()) {
-      counters.optimizerSteps[name] = strategy->optimizer().stepCount(strategy->paramIndex(name));
-    }
-    checkpoint::SaveRequest request;
-    request.step = stepsDone;
-    request.strategy = cfg.sharding.strategy;
-    request.entries = collectStateEntries(*strategy, emaManager.get());
-    request.trainerState = countersToJson(counters);
-    request.aliases = emaAliases(emaManager.get());
-    if (checkpointer) checkpointer->save(request);  // logs the training stall it caused
-  };
-
-  g_stopRequested = false;
-  auto previousTerm = std::signal(SIGTERM, onStopSignal);
-  auto previousInt = std::signal(SIGINT, onStopSignal);
-
-  std::unique_ptr<MetricsLog> metrics;
-  if (rank == 0) metrics = std::make_unique<MetricsLog>((runDir / "metrics.jsonl").string(), cfg.run.steps);
-
-  auto evaluate = [&](std::map<std::string, double>& out) {
-    if (data->evalSamples() <= 0) return;
-    out["eval_loss"] = heldOutLoss(*model, *data, cfg.run.seed, comm, device);
-    if (emaManager) {
-      out["eval_loss_ema"] =
-          withEmaModel(*emaManager, *strategy, [&] { return heldOutLoss(*model, *data, cfg.run.seed, comm, device); });
-    }
-  };
-
-  TrainSummary summary;
-  summary.runDir = runDir.string();
-  double windowLoss = 0, windowStart = nowSec(), runStart = nowSec();
-  int64_t windowSteps = 0, skippedSteps = 0;
-  bool firstWindow = true;
-  comm.resetStats();
-
-  bool preempted = false;
-  bool stopAgreed = false;  // some rank had a stop signal when the last step's loss was reduced
-  int64_t step = startStep;
-  for (; step < cfg.run.steps; ++step) {
-    // Stop on SIGTERM at the same step on every rank: the flag travels with the previous
-    // step's loss (below), so it costs no collective of its own.
-    if (stopAgreed) {
-      preempted = true;
-      TLOG_WARN0("SIGTERM/SIGINT: stopping at step " << step << " with a checkpoint");
-      break;
-    }
-    if (cfg.run.stop_after_steps > 0 && step - startStep >= cfg.run.stop_after_steps) {
-      preempted = true;
-      TLOG_INFO0("run.stop_after_steps: stopping at step " << step << " with a checkpoint; resume to continue");
-      break;
-    }
-    strategy->zeroGrad();
-    const std::vector<int64_t> indices = sampler.indicesFor(step, rank, world);
-    at::Tensor stepLoss = at::zeros({1}, at::kDouble);
-    for (int64_t micro = 0; micro < accumulation; ++micro) {
-      if (noSyncStrategy) noSyncStrategy->setRequiresGradientSync(micro + 1 == accumulation);
-      std::vector<int64_t> slice(indices.begin() + micro * cfg.data.micro_batch,
-                                 indices.begin() + (micro + 1) * cfg.data.micro_batch);
-      Batch batch = data->trainBatch(slice);
-      seedNoise(batch, cfg.run.seed, step, slice);
-      at::Tensor loss = lossesOf(*model, std::move(batch), device).mean() / static_cast<double>(accumulation);
-      loss.backward();
-      stepLoss += loss.detach().to(at::kDouble).cpu();
-    }
-    const double lr = schedule.lrAt(step);
-    const sharding::StepResult result = strategy->step(lr);
-    if (result.skipped) {
-      ++skippedSteps;
-      TLOG_WARN0("step " << step + 1 << ": gradient norm " << result.gradNorm << " is not finite; step skipped");
-    }
-    if (emaManager) emaManager->update(step + 1, !result.skipped);
-    if (result.skipped) ++counters.skippedSteps;
-    // One all-reduce for the step's loss (summed, then averaged) and the stop flags.
-    at::Tensor shared = at::cat({stepLoss, at::full({1}, g_stopRequested ? 1.0 : 0.0, at::kDouble)});
-    comm.allReduce(shared, distributed::ReduceOp::kSum);
-    stopAgreed = shared[1].item<double>() > 0;
-    windowLoss += shared[0].item<double>() / static_cast<double>(world);
-    ++windowSteps;
-
-    const bool last = step + 1 == cfg.run.steps;
-    const bool evalNow = cfg.run.eval_every > 0 && (step + 1) % cfg.run.eval_every == 0;
-    if ((step + 1) % cfg.run.log_every == 0 || last || evalNow) {
-      const double elapsed = nowSec() - windowStart;
-      at::Tensor rss = at::full({1}, peakRssMiB(), at::kDouble);
-      comm.allReduce(rss, distributed::ReduceOp::kMax);
-      StepMetrics m;
-      m.step = step + 1;
-      m.loss = windowLoss / static_cast<double>(windowSteps);
-      m.lr = lr;
-      m.gradNorm = result.gradNorm;
-      m.samplesPerSec = static_cast<double>(cfg.data.global_batch * windowSteps) / elapsed;
-      m.stepTimeMs = elapsed * 1000.0 / static_cast<double>(windowSteps);
-      m.peakRssMiB = rss.item<double>();
-      m.commMiB = static_cast<double>(comm.stats().totalBytes()) / (1024.0 * 1024.0);
-      if (skippedSteps > 0) m.extra["skipped_steps"] = static_cast<double>(skippedSteps);
-      if (evalNow || last) evaluate(m.extra);
-      if (metrics) metrics->record(m);
-      if (firstWindow) summary.firstLoss = m.loss;
-      firstWindow = false;
-      summary.finalLoss = m.loss;
-      if (m.extra.count("eval_loss")) summary.evalLoss = m.extra["eval_loss"];
-      if (m.extra.count("eval_loss_ema")) summary.evalLossEma = m.extra["eval_loss_ema"];
-      windowLoss = 0;
-      windowSteps = 0;
-      windowStart = nowSec();
-      TLOG_DEBUG0("communication since the last log line: " << comm.stats().toString());
-      comm.resetStats();
-    }
-    if (cfg.checkpoint.every_steps > 0 && (step + 1) % cfg.checkpoint.every_steps == 0 && !last) {
-      saveCheckpoint(step + 1);
-    }
-  }
-  std::signal(SIGTERM, previousTerm);
-  std::signal(SIGINT, previousInt);
-  summary.steps = step;
-  summary.preempted = preempted;
-  summary.samplesPerSec =
-      static_cast<double>(cfg.data.global_batch * (step - startStep)) / std::max(1e-9, nowSec() - runStart);
-  if ((cfg.checkpoint.at_end || preempted) && step > startStep) saveCheckpoint(step);
-  if (checkpointer) checkpointer->finish();
-
-  if (!preempted) {
-    // Consolidated exports, gathered one tensor at a time to rank 0.
-    const auto entries = collectStateEntries(*strategy, emaManager.get());
-    std::map<std::string, std::string> prefixes = emaAliases(emaManager.get());
-    for (const auto& what : cfg.checkpoint.export_what) {
-      std::string prefix = what == "model" ? "model/" : (prefixes.count(what) ? prefixes[what] : "ema/" + what + "/");
-      checkpoint::ExportOptions exportOptions;
-      exportOptions.what = what;
-      exportOptions.dtype = parseDtype(cfg.checkpoint.export_dtype);
-      exportOptions.metadata["tessera_step"] = std::to_string(step);
-      const std::string out = (runDir / "export" / (what + ".safetensors")).string();
-      if (rank == 0) fs::create_directories(runDir / "export");
-      if (strategy->firstReplica()) {  // rank 0 of the state group (global rank 0) writes
-        checkpoint::exportOnline(entries, prefix, &strategy->stateComm(), out, exportOptions);  // logs what it wrote
-      }
-      if (rank == 0) summary.exports.push_back(out);
-    }
-  }
-
-  if (!preempted && cfg.model.samples > 0) {
-    auto* denoiser = dynamic_cast<DiffusionDenoiser*>(model.get());
-    TESSERA_CHECK(denoiser != nullptr && emaManager != nullptr, "model.samples needs the diffusion model and an EMA");
-    summary.samplesPath = drawSamples(*denoiser, *emaManager, *strategy, *data, cfg, comm, device, runDir);
-  }
-
-  if (rank == 0) {
-    summary.metricsPath = (runDir / "metrics.jsonl").string();
-    summary.lossCurvePath = (runDir / "loss.svg").string();
-    metrics->writeLossCurve(summary.lossCurvePath);
-  }
-  comm.barrier();
-  return summary;
+  return loop.finish(done, stopped);
 }
 
 }  // namespace tessera::trainer

@@ -5,7 +5,6 @@
 // DIR is a step_N directory or a run's checkpoints directory (info/verify then use the
 // newest complete checkpoint). Exit status: 0 ok, 1 corrupt or unreadable (the message
 // names the file and tensor), 2 bad arguments.
-#include <CLI/CLI.hpp>
 
 #include <filesystem>
 #include <iomanip>
@@ -16,6 +15,7 @@
 #include "checkpoint/metadata.h"
 #include "checkpoint/reader.h"
 #include "common/app_main.h"
+#include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
 
@@ -59,13 +59,7 @@ int main(int argc, char** argv) {
     verify->add_option("DIR", dir, "Checkpoint step directory or a run's checkpoints directory")->required();
     auto* list = app.add_subcommand("list", "List the complete checkpoints of a checkpoints directory");
     list->add_option("DIR", dir, "A run's checkpoints directory")->required();
-    try {
-      app.parse(argc, argv);
-    } catch (const CLI::CallForHelp& e) {
-      return app.exit(e);
-    } catch (const CLI::ParseError& e) {
-      throw tessera::UsageError(e.what());
-    }
+    if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
     tessera::log::LogOptions logOptions;
     logOptions.rank = -1;  // a single-process tool: no rank prefix
     logOptions.level = "warn";

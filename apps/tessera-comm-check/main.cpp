@@ -6,11 +6,11 @@
 // arguments, 1 wrong result, timeout or transport failure.
 //   python3 -m torch.distributed.run --nproc-per-node 2 --no-python build/bin/tessera-comm-check
 #include <ATen/ATen.h>
-#include <CLI/CLI.hpp>
 
 #include <cstdio>
 
 #include "common/app_main.h"
+#include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/runtime.h"
@@ -36,13 +36,7 @@ int main(int argc, char** argv) {
     double timeoutSeconds = 60;
     app.add_option("--backend", backend, "gloo | nccl | auto")->check(CLI::IsMember({"gloo", "nccl", "auto"}));
     app.add_option("--timeout", timeoutSeconds, "Rendezvous and collective timeout in seconds")->check(CLI::PositiveNumber);
-    try {
-      app.parse(argc, argv);
-    } catch (const CLI::CallForHelp& e) {
-      return app.exit(e);
-    } catch (const CLI::ParseError& e) {
-      throw tessera::UsageError(e.what());
-    }
+    if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
 
     const auto env = dist::RankEnv::fromEnvironment();
     tessera::log::LogOptions logOptions;

@@ -4,7 +4,6 @@
 //                  [--dtype fp32|bf16|fp16] [--max-shard-size 2GB] [--no-verify]
 // CKPT_DIR is a step_N directory, or a run's checkpoints directory (its newest complete
 // checkpoint is used). Exit status: 0 ok, 2 bad arguments, 1 failure (corruption, I/O).
-#include <CLI/CLI.hpp>
 
 #include <filesystem>
 #include <iostream>
@@ -15,6 +14,7 @@
 #include "checkpoint/metadata.h"
 #include "checkpoint/reader.h"
 #include "common/app_main.h"
+#include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
 
@@ -33,13 +33,7 @@ int main(int argc, char** argv) {
     app.add_option("--dtype", dtype, "Cast floating-point tensors: fp32 | bf16 | fp16");
     app.add_option("--max-shard-size", maxShard, "Split into files of at most this size, e.g. 2GB, 500MiB");
     app.add_flag("--no-verify", noVerify, "Skip checksum verification");
-    try {
-      app.parse(argc, argv);
-    } catch (const CLI::CallForHelp& e) {
-      return app.exit(e);
-    } catch (const CLI::ParseError& e) {
-      throw tessera::UsageError(e.what());
-    }
+    if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
     tessera::log::LogOptions logOptions;
     logOptions.rank = -1;  // a single-process tool: no rank prefix
     logOptions.level = "warn";

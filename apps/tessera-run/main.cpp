@@ -5,9 +5,8 @@
 // Everything from PROGRAM on is passed to the ranks untouched. Exit status: 0 all ranks
 // exited 0; 1 a rank failed (after the restarts); 2 bad arguments; 128+N stopped by signal N.
 // Behaviour (output, teardown, restarts) is documented in distributed/launcher.h.
-#include <CLI/CLI.hpp>
-
 #include "common/app_main.h"
+#include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/launcher.h"
@@ -45,13 +44,7 @@ int main(int argc, char** argv) {
     app.footer(
         "Each rank's output line is printed as \"[rank N]: line\". Exit status: 0 all ranks exited 0, "
         "1 a rank failed, 2 bad arguments, 128+N stopped by signal N (forwarded to the ranks).");
-    try {
-      app.parse(argc, argv);
-    } catch (const CLI::Success& e) {  // --help
-      return app.exit(e);
-    } catch (const CLI::ParseError& e) {
-      throw tessera::UsageError(e.what());
-    }
+    if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
     if (o.standalone && (addr->count() > 0 || port->count() > 0)) {
       throw tessera::UsageError("--standalone picks its own address and port; drop --master-addr/--master-port");
     }

@@ -3,12 +3,12 @@
 // Started once per rank by tessera-run or torchrun (reads their environment); with no
 // launcher it runs as a single process. Exit status: 0 ok, 2 bad config/arguments,
 // 1 run-time failure (message also in $TORCHELASTIC_ERROR_FILE when set).
-#include <CLI/CLI.hpp>
 
 #include <filesystem>
 #include <iostream>
 
 #include "common/app_main.h"
+#include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/rank_env.h"
@@ -28,13 +28,7 @@ int main(int argc, char** argv) {
     app.add_option("--resume", resume, "auto (latest complete checkpoint of run.dir), none, or a checkpoint directory "
                    "(overrides checkpoint.resume)");
     app.add_flag("--print-config", printConfig, "Print the resolved configuration and exit");
-    try {
-      app.parse(argc, argv);
-    } catch (const CLI::CallForHelp& e) {
-      return app.exit(e);
-    } catch (const CLI::ParseError& e) {
-      throw tessera::UsageError(e.what());
-    }
+    if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
 
     if (!resume.empty()) overrides.push_back("checkpoint.resume=" + resume);
     const auto env = tessera::distributed::RankEnv::fromEnvironment();

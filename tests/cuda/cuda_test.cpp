@@ -171,12 +171,12 @@ TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
 
   OptimizerOptions optim;
   optim.name = "adamw";
-  optim.lr = 1e-2;
   optim.weightDecay = 0.1;
+  constexpr double kLr = 1e-2;
 
   TinyMlp ref;
   loadParamValues(*ref, initial);
-  auto refOpt = referenceOptimizer(optim, *ref);
+  auto refOpt = referenceOptimizer(optim, kLr, *ref);
   for (int t = 0; t < kSteps; ++t) {
     refOpt->zero_grad();
     torch::mse_loss(ref->forward(data.x[t]), data.y[t]).backward();
@@ -203,19 +203,19 @@ TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
       // zero3: the root is the one unit (gathered here, freed after backward).
       at::Tensor out = sharding::unitForward(*model, x, [&](const at::Tensor& in) { return model->forward(in); });
       torch::mse_loss(out, y).backward();
-      EXPECT_FALSE(engine->step(optim.lr).skipped);
+      EXPECT_FALSE(engine->step(kLr).skipped);
       if (strategy == "zero3") {
-        for (const auto& name : engine->paramNames()) {
-          EXPECT_EQ(engine->moduleParam(name).storage().nbytes(), 0u) << name << ": CUDA storage not freed";
+        for (const ShardedParam& p : engine->params()) {
+          EXPECT_EQ(p.moduleParam.storage().nbytes(), 0u) << p.name << ": CUDA storage not freed";
         }
       }
     }
     if (strategy == "zero3") dynamic_cast<sharding::FullyShardStrategy&>(*engine).gatherFullParameters();
-    for (const auto& name : engine->paramNames()) {
-      const at::Tensor p = engine->moduleParam(name);
-      EXPECT_TRUE(p.device().is_cuda()) << name;
-      EXPECT_TRUE(engine->masterShard(name).device().is_cuda()) << name;
-      got[static_cast<size_t>(ctx.rank)][name] = p.detach().cpu();
+    for (const ShardedParam& record : engine->params()) {
+      const at::Tensor p = record.moduleParam;
+      EXPECT_TRUE(p.device().is_cuda()) << record.name;
+      EXPECT_TRUE(record.master.device().is_cuda()) << record.name;
+      got[static_cast<size_t>(ctx.rank)][record.name] = p.detach().cpu();
     }
   });
   for (int r = 0; r < world; ++r) {

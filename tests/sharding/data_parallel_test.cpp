@@ -28,30 +28,34 @@ constexpr int64_t kGlobalBatch = 24;  // divisible by 1-4 ranks and by 2 micro-b
 constexpr double kTolerance = 1e-5;
 constexpr int64_t kMiB = 1024 * 1024;
 
+// An optimizer and the learning rate it steps with.
+struct LrOptimizer {
+  OptimizerOptions options;
+  double lr = 0;
+};
+
 struct TrainConfig {
   const char* name;
-  OptimizerOptions optimizer;
+  LrOptimizer optimizer;
   double clip = 0.0;
   int64_t bucketBytes = 25 * kMiB;
   int microBatches = 1;  // backward passes accumulated per step
 };
 
-OptimizerOptions adamw(double lr, double wd) {
+LrOptimizer adamw(double lr, double wd) {
   OptimizerOptions o;
   o.name = "adamw";
-  o.lr = lr;
   o.weightDecay = wd;
-  return o;
+  return {o, lr};
 }
 
-OptimizerOptions sgd(double lr, double wd, double momentum, bool nesterov) {
+LrOptimizer sgd(double lr, double wd, double momentum, bool nesterov) {
   OptimizerOptions o;
   o.name = "sgd";
-  o.lr = lr;
   o.weightDecay = wd;
   o.momentum = momentum;
   o.nesterov = nesterov;
-  return o;
+  return {o, lr};
 }
 
 // Clip thresholds sit below most of the steps' gradient norms, so clipping is active
@@ -105,7 +109,7 @@ const Reference& reference(size_t config) {
   const TrainConfig& c = kConfigs[config];
   TinyMlp model;
   loadParamValues(*model, initialParams());
-  auto opt = referenceOptimizer(c.optimizer, *model);
+  auto opt = referenceOptimizer(c.optimizer.options, c.optimizer.lr, *model);
   Reference ref;
   int clipped = 0;
   for (int t = 0; t < kSteps; ++t) {
@@ -125,7 +129,7 @@ const Reference& reference(size_t config) {
   }
   ref.params = paramValues(*model);
   for (const auto& item : model->named_parameters()) {
-    for (const auto& key : stateKeys(c.optimizer)) {
+    for (const auto& key : stateKeys(c.optimizer.options)) {
       ref.states[item.key()][key] = referenceState(*opt, item.value(), key).clone();
     }
   }
@@ -135,7 +139,7 @@ const Reference& reference(size_t config) {
 StrategyOptions strategyOptions(const std::string& strategy, const TrainConfig& c) {
   StrategyOptions o;
   o.strategy = strategy;
-  o.optimizer = c.optimizer;
+  o.optimizer = c.optimizer.options;
   o.gradClip = c.clip;
   o.bucketBytes = c.bucketBytes;
   return o;
@@ -168,18 +172,18 @@ std::vector<RankOutput> train(const std::string& strategy, size_t config, int wo
       EXPECT_FALSE(r.skipped);
       out.norms.push_back(r.gradNorm);
       // zero2 frees the full gradients; no_shard and zero1 keep them.
-      for (const auto& name : engine->paramNames()) {
-        EXPECT_EQ(engine->moduleParam(name).grad().defined(), strategy != "zero2") << name;
+      for (const ShardedParam& p : engine->params()) {
+        EXPECT_EQ(p.moduleParam.grad().defined(), strategy != "zero2") << p.name;
       }
     }
-    for (const auto& name : engine->paramNames()) {
-      const ShardSpec& spec = engine->spec(name);
+    for (const ShardedParam& p : engine->params()) {
+      const ShardSpec& spec = p.spec;
       EXPECT_EQ(spec.placement(), strategy == "no_shard" ? Placement::kReplicate : Placement::kShard0);
-      EXPECT_EQ(engine->optimizer().stepCount(engine->paramIndex(name)), kSteps);
-      out.params[name] = engine->moduleParam(name).detach().clone();
-      out.masters[name] = gatherFull(spec, engine->masterShard(name), *ctx.comm());
-      for (const auto& key : stateKeys(c.optimizer)) {
-        out.states[name][key] = gatherFull(spec, engine->optimizerState(name, key), *ctx.comm());
+      EXPECT_EQ(engine->optimizer().stepCount(p), kSteps);
+      out.params[p.name] = p.moduleParam.detach().clone();
+      out.masters[p.name] = gatherFull(spec, p.master, *ctx.comm());
+      for (const auto& key : stateKeys(c.optimizer.options)) {
+        out.states[p.name][key] = gatherFull(spec, engine->optimizer().state(p, key), *ctx.comm());
       }
     }
   });
@@ -280,12 +284,13 @@ TEST(StrategyProcessTest, ForkedRanksMatchReference) {
         EXPECT_NEAR(r.gradNorm, ref.norms[static_cast<size_t>(t)], kTolerance * ref.norms[static_cast<size_t>(t)]);
       }
       for (const auto& [name, want] : ref.params) {
-        const at::Tensor mine = engine->moduleParam(name).detach().clone();
+        const ShardedParam& p = engine->param(name);
+        const at::Tensor mine = p.moduleParam.detach().clone();
         EXPECT_LE(relativeError(mine, want), kTolerance) << name;
         at::Tensor rank0 = mine.clone();
         ctx.comm()->broadcast(rank0, 0);
         EXPECT_TRUE(rank0.equal(mine)) << "rank " << ctx.rank << " differs from rank 0: " << name;
-        const at::Tensor sq = gatherFull(engine->spec(name), engine->optimizerState(name, "exp_avg_sq"), *ctx.comm());
+        const at::Tensor sq = gatherFull(p.spec, engine->optimizer().state(p, "exp_avg_sq"), *ctx.comm());
         EXPECT_LE(relativeError(sq, ref.states.at(name).at("exp_avg_sq")), kTolerance) << name;
       }
     }, options);
@@ -298,10 +303,10 @@ TEST(StrategyAccumulationTest, GradientsAccumulateAcrossStepsWithoutZeroGrad) {
   useOneThread();
   (void)data();
   (void)initialParams();
-  const OptimizerOptions o = sgd(0.05, 0.0, 0.9, false);
+  const LrOptimizer o = sgd(0.05, 0.0, 0.9, false);
   TinyMlp refModel;
   loadParamValues(*refModel, initialParams());
-  auto refOpt = referenceOptimizer(o, *refModel);
+  auto refOpt = referenceOptimizer(o.options, o.lr, *refModel);
   for (int t = 0; t < 3; ++t) {
     torch::mse_loss(refModel->forward(data().x[t]), data().y[t]).backward();  // no zero_grad
     refOpt->step();
@@ -313,7 +318,7 @@ TEST(StrategyAccumulationTest, GradientsAccumulateAcrossStepsWithoutZeroGrad) {
       if (ctx.rank == 0) loadParamValues(*model, initialParams());
       StrategyOptions so;
       so.strategy = strategy;
-      so.optimizer = o;
+      so.optimizer = o.options;
       auto engine = makeStrategy(*model, ctx.comm(), so);
       for (int t = 0; t < 3; ++t) {
         torch::mse_loss(model->forward(rankSlice(data().x[t], ctx.rank, 2)), rankSlice(data().y[t], ctx.rank, 2))
@@ -351,9 +356,9 @@ TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
         ASSERT_FALSE(stepOnce(false).skipped);
         const auto before = paramValues(*model);
         std::map<std::string, at::Tensor> masters, states;
-        for (const auto& name : engine->paramNames()) {
-          masters[name] = engine->masterShard(name).clone();
-          states[name] = engine->optimizerState(name, "exp_avg").clone();
+        for (const ShardedParam& p : engine->params()) {
+          masters[p.name] = p.master.clone();
+          states[p.name] = engine->optimizer().state(p, "exp_avg").clone();
         }
         const StepResult skipped = stepOnce(true);
         EXPECT_TRUE(skipped.skipped);
@@ -364,10 +369,10 @@ TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
           EXPECT_TRUE(p.equal(before.at(name))) << name;
           EXPECT_FALSE(model->named_parameters()[name].grad().defined()) << "gradients dropped: " << name;
         }
-        for (const auto& name : engine->paramNames()) {
-          EXPECT_TRUE(engine->masterShard(name).equal(masters[name])) << name;
-          EXPECT_TRUE(engine->optimizerState(name, "exp_avg").equal(states[name])) << name;
-          EXPECT_EQ(engine->optimizer().stepCount(engine->paramIndex(name)), 1) << name;
+        for (const ShardedParam& p : engine->params()) {
+          EXPECT_TRUE(p.master.equal(masters[p.name])) << p.name;
+          EXPECT_TRUE(engine->optimizer().state(p, "exp_avg").equal(states[p.name])) << p.name;
+          EXPECT_EQ(engine->optimizer().stepCount(p), 1) << p.name;
         }
         const StepResult next = stepOnce(false);
         EXPECT_FALSE(next.skipped);
@@ -392,7 +397,7 @@ TEST(StrategyMixedPrecisionTest, Bf16ComputeWithFp32MastersConverges) {
       StrategyOptions o;
       o.strategy = strategy;
       o.paramDtype = at::kBFloat16;
-      o.optimizer = adamw(3e-2, 0.0);
+      o.optimizer = adamw(3e-2, 0.0).options;
       auto engine = makeStrategy(*model, ctx.comm(), o);
       const at::Tensor xs = rankSlice(x, ctx.rank, 2).to(at::kBFloat16);
       const at::Tensor ys = rankSlice(y, ctx.rank, 2);
@@ -406,11 +411,12 @@ TEST(StrategyMixedPrecisionTest, Bf16ComputeWithFp32MastersConverges) {
         ASSERT_FALSE(engine->step(3e-2).skipped);
       }
       EXPECT_LT(last, first * 0.05) << strategy << ": loss " << first << " -> " << last;
-      for (const auto& name : engine->paramNames()) {
-        const at::Tensor& p = engine->moduleParam(name);
+      for (const ShardedParam& record : engine->params()) {
+        const std::string& name = record.name;
+        const at::Tensor& p = record.moduleParam;
         EXPECT_EQ(p.scalar_type(), at::kBFloat16) << name;
-        EXPECT_EQ(engine->masterShard(name).scalar_type(), at::kFloat) << name;
-        const at::Tensor full = gatherFull(engine->spec(name), engine->masterShard(name), *ctx.comm());
+        EXPECT_EQ(record.master.scalar_type(), at::kFloat) << name;
+        const at::Tensor full = gatherFull(record.spec, record.master, *ctx.comm());
         EXPECT_TRUE(p.detach().equal(full.to(at::kBFloat16))) << name;
         at::Tensor other = p.detach().clone();
         ctx.comm()->broadcast(other, 0);
@@ -435,8 +441,8 @@ TEST(StrategyInitTest, RankZeroStateIsBroadcast) {
     auto engine = makeStrategy(*model, ctx.comm(), o);
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.detach().eq(1.0f).all().item<bool>());
     for (const auto& b : model->buffers()) EXPECT_TRUE(b.eq(1).all().item<bool>());
-    for (const auto& name : engine->paramNames()) {
-      EXPECT_TRUE(engine->spec(name).realRows(engine->masterShard(name).reshape({-1})).eq(1.0f).all().item<bool>());
+    for (const ShardedParam& p : engine->params()) {
+      EXPECT_TRUE(p.spec.realRows(p.master.reshape({-1})).eq(1.0f).all().item<bool>());
     }
   });
 }
@@ -486,7 +492,7 @@ TEST(StrategyOptionsTest, BadOptionsAreConfigErrors) {
     EXPECT_THROW(make([](StrategyOptions& o) { o.strategy = "zero4"; }), ConfigError);
     {
       // zero3 / hybrid: a wrap pattern that names no submodule, a shard size that does not
-      // divide the world (fresh models: a failed zero3 construction may leave marks).
+      // divide the world.
       TinyMlp other;
       StrategyOptions o;
       o.strategy = "zero3";
@@ -505,7 +511,7 @@ TEST(StrategyOptionsTest, BadOptionsAreConfigErrors) {
     EXPECT_THROW(make([](StrategyOptions& o) { o.bufferSync = "sometimes"; }), ConfigError);
     EXPECT_THROW(make([](StrategyOptions& o) { o.optimizer.name = "lamb"; }), ConfigError);
     auto engine = make([](StrategyOptions&) {});
-    EXPECT_THROW(engine->spec("no.such.param"), Error);
+    EXPECT_THROW(engine->param("no.such.param"), Error);
     EXPECT_EQ(engine->kind(), StrategyKind::kNoShard);
     EXPECT_EQ(parseStrategyKind("zero2"), StrategyKind::kZero2);
     EXPECT_STREQ(strategyKindName(StrategyKind::kZero1), "zero1");

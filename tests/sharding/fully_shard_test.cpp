@@ -75,7 +75,7 @@ struct ToyTransformerImpl : torch::nn::Module {
       return head(lnf(h));
     });
   }
-  void markUnits() { fullyShardByName(*this, {"blocks.*"}); }
+  static std::vector<std::string> units() { return {"blocks.*"}; }
   torch::nn::Embedding embed{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::LayerNorm lnf{nullptr};
@@ -100,10 +100,7 @@ struct UnevenMlpImpl : torch::nn::Module {
       return head(h) * scale;
     });
   }
-  void markUnits() {
-    fullyShard(*fc1);
-    fullyShard(*fc2);
-  }
+  static std::vector<std::string> units() { return {"fc1", "fc2"}; }
   at::Tensor scale;
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
 };
@@ -124,10 +121,7 @@ struct WideUnitMlpImpl : torch::nn::Module {
       return head(h);
     });
   }
-  void markUnits() {
-    fullyShard(*fc1);
-    fullyShard(*fc2);
-  }
+  static std::vector<std::string> units() { return {"fc1", "fc2"}; }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
 };
 TORCH_MODULE(WideUnitMlp);
@@ -157,42 +151,43 @@ Data makeData(ModelKind kind, int steps, int64_t batch) {
   return d;
 }
 
-// Model, its loss, and unit marking behind one interface.
+// Model, its loss, and its units (StrategyOptions::wrap) behind one interface.
 struct AnyModel {
   ModelKind kind;
   std::shared_ptr<torch::nn::Module> module;
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> loss;  // mean over the batch
-  std::function<void()> markUnits;
+  std::vector<std::string> units;
 };
 
 AnyModel buildModel(ModelKind kind) {
   seedCpu(7);  // identical init everywhere (the strategy broadcasts rank 0's anyway)
-  AnyModel m{kind, nullptr, nullptr, nullptr};
+  AnyModel m{kind, nullptr, nullptr, {}};
   if (kind == ModelKind::kTransformer) {
     auto t = ToyTransformer().ptr();
     m.module = t;
     m.loss = [t](const at::Tensor& x, const at::Tensor& y) {
       return torch::cross_entropy_loss(t->forward(x).reshape({-1, kVocab}), y.reshape({-1}));
     };
-    m.markUnits = [t] { t->markUnits(); };
+    m.units = ToyTransformerImpl::units();
   } else if (kind == ModelKind::kMlp) {
     auto t = UnevenMlp().ptr();
     m.module = t;
     m.loss = [t](const at::Tensor& x, const at::Tensor& y) { return torch::mse_loss(t->forward(x), y); };
-    m.markUnits = [t] { t->markUnits(); };
+    m.units = UnevenMlpImpl::units();
   } else {
     auto t = WideUnitMlp().ptr();
     m.module = t;
     m.loss = [t](const at::Tensor& x, const at::Tensor& y) { return torch::mse_loss(t->forward(x), y); };
-    m.markUnits = [t] { t->markUnits(); };
+    m.units = WideUnitMlpImpl::units();
   }
   return m;
 }
 
+constexpr double kLr = 1e-2;
+
 OptimizerOptions adamw() {
   OptimizerOptions o;
   o.name = "adamw";
-  o.lr = 1e-2;
   o.weightDecay = 0.1;
   return o;
 }
@@ -222,8 +217,8 @@ std::vector<RankRun> runSharded(const RunConfig& c) {
   runOnRanks(c.world, [&](RankContext& ctx) {
     AnyModel m = buildModel(c.model);
     loadParamValues(*m.module, init);
-    m.markUnits();
     StrategyOptions o;
+    o.wrap = m.units;
     o.strategy = c.strategy;
     o.optimizer = adamw();
     o.paramDtype = c.paramDtype;
@@ -239,7 +234,7 @@ std::vector<RankRun> runSharded(const RunConfig& c) {
         l.backward();
         loss += l.item<double>();
       }
-      ASSERT_FALSE(engine.step(o.optimizer.lr).skipped);
+      ASSERT_FALSE(engine.step(kLr).skipped);
       run.losses.push_back(loss);
     }
     engine.gatherFullParameters();
@@ -252,7 +247,7 @@ std::vector<RankRun> runSharded(const RunConfig& c) {
 std::map<std::string, at::Tensor> runReference(const RunConfig& c) {
   const Data data = makeData(c.model, c.steps, c.batch);
   AnyModel m = buildModel(c.model);
-  auto opt = referenceOptimizer(adamw(), *m.module);
+  auto opt = referenceOptimizer(adamw(), kLr, *m.module);
   for (int t = 0; t < c.steps; ++t) {
     opt->zero_grad();
     m.loss(data.x[t], data.y[t]).backward();
@@ -362,8 +357,8 @@ TEST(FullyShardAccumulationTest, NoSyncReducesOnceAtTheLastMicroBatch) {
   for (bool last : {false, true}) {
     runOnRanks(2, [&](RankContext& ctx) {
       AnyModel m = buildModel(ModelKind::kWide);
-      m.markUnits();
       StrategyOptions o;
+      o.wrap = m.units;
       o.strategy = "zero3";
       FullyShardStrategy engine(*m.module, ctx.comm(), o);
       ctx.comm()->resetStats();
@@ -417,9 +412,9 @@ TEST(FullyShardCheckpointingTest, UnitForwardIsRecomputedInBackward) {
         root->bias.fill_(0.01);
         inner->bias.fill_(-0.01);
       }
-      fullyShard(*inner);
       StrategyOptions o;
       o.strategy = "zero3";
+      o.wrap = {"0"};  // inner, the Sequential's first module
       FullyShardOptions f;
       f.activationCheckpointing = ac;
       torch::nn::Sequential model(inner, root);  // root unit: the Sequential
@@ -437,12 +432,9 @@ TEST(FullyShardCheckpointingTest, UnitForwardIsRecomputedInBackward) {
       y.pow(2).mean().backward();
       EXPECT_EQ(calls, ac ? 2 : 1);
       engine.step(0.0);
-      if (ctx.rank == 0) {
-        for (const auto& name : engine.paramNames()) {
-          grads[ac][name] = engine.spec(name).fullTensor(engine.optimizerState(name, "exp_avg"), *ctx.comm());
-        }
-      } else {
-        for (const auto& name : engine.paramNames()) engine.spec(name).fullTensor(engine.optimizerState(name, "exp_avg"), *ctx.comm());
+      for (const ShardedParam& p : engine.params()) {
+        const at::Tensor full = p.spec.fullTensor(engine.optimizer().state(p, "exp_avg"), *ctx.comm());
+        if (ctx.rank == 0) grads[ac][p.name] = full;
       }
     });
   }
@@ -467,15 +459,15 @@ TEST(FullyShardProcessTest, ForkedRanksMatchReference) {
     const auto reference = runReference(c);
     AnyModel m = buildModel(c.model);
     loadParamValues(*m.module, init);
-    m.markUnits();
     StrategyOptions o;
+    o.wrap = m.units;
     o.strategy = "zero3";
     o.optimizer = adamw();
     FullyShardStrategy engine(*m.module, ctx.comm(), o);
     for (int t = 0; t < c.steps; ++t) {
       engine.zeroGrad();
       m.loss(rankSlice(data.x[t], ctx.rank, c.world), rankSlice(data.y[t], ctx.rank, c.world)).backward();
-      engine.step(o.optimizer.lr);
+      engine.step(kLr);
     }
     engine.gatherFullParameters();
     for (const auto& item : m.module->named_parameters()) {
@@ -519,15 +511,15 @@ TEST(FullyShardMixedPrecisionTest, Bf16ComputeFromFp32Masters) {
   const Data data = makeData(ModelKind::kTransformer, 1, 8);
   runOnRanks(2, [&](RankContext& ctx) {
     AnyModel m = buildModel(ModelKind::kTransformer);
-    m.markUnits();
     StrategyOptions o;
+    o.wrap = m.units;
     o.strategy = "zero3";
     o.paramDtype = at::kBFloat16;
     FullyShardStrategy engine(*m.module, ctx.comm(), o);
     ctx.comm()->resetStats();
     m.loss(rankSlice(data.x[0], ctx.rank, 2), rankSlice(data.y[0], ctx.rank, 2)).backward();
     for (const auto& p : m.module->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
-    for (const auto& name : engine.paramNames()) EXPECT_EQ(engine.masterShard(name).scalar_type(), at::kFloat);
+    for (const ShardedParam& p : engine.params()) EXPECT_EQ(p.master.scalar_type(), at::kFloat);
     // Gathers move bf16 (2 bytes), reductions fp32 (4 bytes), and every unit but the root
     // is gathered twice: all-gather bytes = reduce-scatter bytes less one root gather.
     const auto s = ctx.comm()->stats();
@@ -560,8 +552,8 @@ TEST(FullyShardLifecycleTest, ParameterObjectsStayTheSameAndStorageIsFreed) {
   const Data data = makeData(ModelKind::kTransformer, 3, 8);
   runOnRanks(2, [&](RankContext& ctx) {
     AnyModel m = buildModel(ModelKind::kTransformer);
-    m.markUnits();
     StrategyOptions o;
+    o.wrap = m.units;
     o.strategy = "zero3";
     o.optimizer = adamw();
     FullyShardStrategy engine(*m.module, ctx.comm(), o);
@@ -601,9 +593,9 @@ TEST(FullyShardLifecycleTest, UnitOutsideTheRootIsAnError) {
   useOneThread();
   runOnRanks(1, [&](RankContext& ctx) {
     ToyTransformer model;
-    model->markUnits();
     StrategyOptions o;
     o.strategy = "zero3";
+    o.wrap = ToyTransformerImpl::units();
     FullyShardStrategy engine(*model, ctx.comm(), o);
     auto* block = model->blocks[0]->as<BlockImpl>();
     try {
@@ -616,7 +608,62 @@ TEST(FullyShardLifecycleTest, UnitOutsideTheRootIsAnError) {
     bad.strategy = "zero2";
     ToyTransformer other;
     EXPECT_THROW(FullyShardStrategy(*other, ctx.comm(), bad), ConfigError);
-    EXPECT_THROW(fullyShardByName(*other, {"nothing.*"}), ConfigError);
+    StrategyOptions nothing = o;
+    nothing.wrap = {"nothing.*"};
+    EXPECT_THROW(FullyShardStrategy(*other, ctx.comm(), nothing), ConfigError);
+    // The model's parameters belong to `engine`: a second strategy over them is refused.
+    EXPECT_THROW(FullyShardStrategy(*model, ctx.comm(), o), Error);
+  });
+}
+
+// Two models, each sharded by its own zero3 strategy in the same process and on the same
+// ranks, with one joint backward per step (as a generator and a critic in distillation):
+// each strategy holds only its own model's units (both models have a "head.weight"), and
+// both train to their single-process results.
+TEST(FullyShardOwnershipTest, TwoStrategiesOverTwoModelsKeepTheirUnitsApart) {
+  useOneThread();
+  RunConfig ct, cm;
+  ct.model = ModelKind::kTransformer;
+  cm.model = ModelKind::kMlp;
+  ct.steps = cm.steps = 6;
+  const Data dt = makeData(ct.model, ct.steps, ct.batch), dm = makeData(cm.model, cm.steps, cm.batch);
+  const auto initT = paramValues(*buildModel(ct.model).module), initM = paramValues(*buildModel(cm.model).module);
+  const auto refT = runReference(ct), refM = runReference(cm);
+  runOnRanks(2, [&](RankContext& ctx) {
+    AnyModel t = buildModel(ct.model), m = buildModel(cm.model);
+    loadParamValues(*t.module, initT);
+    loadParamValues(*m.module, initM);
+    StrategyOptions ot;
+    ot.strategy = "zero3";
+    ot.optimizer = adamw();
+    ot.wrap = t.units;
+    StrategyOptions om = ot;
+    om.wrap = m.units;
+    FullyShardStrategy a(*t.module, ctx.comm(), ot), b(*m.module, ctx.comm(), om);
+    ASSERT_EQ(a.unitCount(), 4u);
+    ASSERT_EQ(b.unitCount(), 3u);
+    EXPECT_EQ(b.unitName(0), "fc1");
+    EXPECT_EQ(a.param("head.weight").moduleParam.unsafeGetTensorImpl(),
+              t.module->named_parameters()["head.weight"].unsafeGetTensorImpl());
+    EXPECT_EQ(b.param("head.weight").moduleParam.unsafeGetTensorImpl(),
+              m.module->named_parameters()["head.weight"].unsafeGetTensorImpl());
+    for (int step = 0; step < ct.steps; ++step) {
+      a.zeroGrad();
+      b.zeroGrad();
+      const at::Tensor lossT = t.loss(rankSlice(dt.x[step], ctx.rank, 2), rankSlice(dt.y[step], ctx.rank, 2));
+      const at::Tensor lossM = m.loss(rankSlice(dm.x[step], ctx.rank, 2), rankSlice(dm.y[step], ctx.rank, 2));
+      (lossT + lossM).backward();
+      ASSERT_FALSE(a.step(kLr).skipped);
+      ASSERT_FALSE(b.step(kLr).skipped);
+    }
+    a.gatherFullParameters();
+    b.gatherFullParameters();
+    for (const auto& item : t.module->named_parameters()) {
+      EXPECT_LE(relativeError(item.value().detach().to(at::kFloat), refT.at(item.key())), 1e-5) << "transformer " << item.key();
+    }
+    for (const auto& item : m.module->named_parameters()) {
+      EXPECT_LE(relativeError(item.value().detach().to(at::kFloat), refM.at(item.key())), 1e-5) << "mlp " << item.key();
+    }
   });
 }
 
@@ -631,8 +678,8 @@ TEST(FullyShardMemoryTest, ForwardPeakIsPrefetchPlusOneUnits) {
     for (int prefetch : {0, 1, 2}) {
       runOnRanks(world, [&](RankContext& ctx) {
         AnyModel m = buildModel(ModelKind::kTransformer);
-        m.markUnits();
         StrategyOptions o;
+        o.wrap = m.units;
         o.strategy = "zero3";
         FullyShardOptions f;
         f.prefetch = prefetch;
@@ -689,8 +736,8 @@ std::vector<StepMeasure> measureSteps(int world, bool reshardAfterForward) {
   std::vector<StepMeasure> out(static_cast<size_t>(world));
   runOnRanks(world, [&](RankContext& ctx) {
     AnyModel m = buildModel(ModelKind::kWide);
-    m.markUnits();
     StrategyOptions o;
+    o.wrap = m.units;
     o.strategy = "zero3";
     o.optimizer = adamw();
     FullyShardOptions f;
@@ -707,11 +754,11 @@ std::vector<StepMeasure> measureSteps(int world, bool reshardAfterForward) {
     s.resident = engine.residentBytes();
     s.psi = parameterCount(*m.module);
     s.units = engine.unitCount();
-    for (const auto& name : engine.paramNames()) {
-      s.shardNumel += engine.spec(name).paddedNumel();
-      s.rowNumelSum += engine.spec(name).rowNumel();
+    for (const ShardedParam& p : engine.params()) {
+      s.shardNumel += p.spec.paddedNumel();
+      s.rowNumelSum += p.spec.rowNumel();
     }
-    for (const auto& name : engine.unitParamNames(engine.unitCount() - 1)) s.rootShardNumel += engine.spec(name).paddedNumel();
+    for (const auto& name : engine.unitParamNames(engine.unitCount() - 1)) s.rootShardNumel += engine.param(name).spec.paddedNumel();
   });
   return out;
 }

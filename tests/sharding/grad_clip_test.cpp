@@ -30,6 +30,14 @@ std::vector<at::Tensor> fullGrads() {
   return out;
 }
 
+// A record holding only what clipping reads: the spec and the gradient shard.
+ShardedParam gradient(ShardSpec spec, at::Tensor grad) {
+  ShardedParam p;
+  p.spec = std::move(spec);
+  p.grad = std::move(grad);
+  return p;
+}
+
 // torch's clip on full tensors: returns the norm, clips `grads` in place.
 double torchClip(std::vector<at::Tensor>& grads, double maxNorm) {
   std::vector<at::Tensor> params;
@@ -49,21 +57,20 @@ TEST(GradClipTest, ShardedAndReplicatedMatchTorch) {
     for (int world : {1, 2, 3, 4}) {
       runOnRanks(world, [&](RankContext& ctx) {
         // Odd-indexed tensors replicated, the others sharded: both kinds in one norm.
-        std::vector<ShardSpec> specs;
-        std::vector<at::Tensor> local;
+        std::vector<ShardedParam> params;
         const auto full = fullGrads();
         for (size_t i = 0; i < full.size(); ++i) {
-          specs.emplace_back(kShapes[i], at::kFloat, ctx.world, ctx.rank,
-                             i % 2 == 1 ? Placement::kReplicate : Placement::kShard0);
-          local.push_back(specs.back().shardOf(full[i]));
+          ShardSpec spec(kShapes[i], at::kFloat, ctx.world, ctx.rank,
+                         i % 2 == 1 ? Placement::kReplicate : Placement::kShard0);
+          params.push_back(gradient(spec, spec.shardOf(full[i])));
         }
         ctx.comm()->resetStats();
-        const GradNorm n = clipGradNorm(local, specs, maxNorm, *ctx.comm());
+        const GradNorm n = clipGradNorm(params, maxNorm, *ctx.comm());
         EXPECT_NEAR(n.norm, expectedNorm, 1e-6 * expectedNorm);
         EXPECT_EQ(ctx.comm()->stats()[distributed::CommOp::kAllReduce].calls, ctx.world > 1 ? 1 : 0);
         EXPECT_EQ(n.clipCoef < 1.0, maxNorm > 0 && maxNorm < expectedNorm);
         for (size_t i = 0; i < full.size(); ++i) {
-          EXPECT_TRUE(at::allclose(local[i], specs[i].shardOf(expected[i]), 1e-6, 1e-7))
+          EXPECT_TRUE(at::allclose(params[i].grad, params[i].spec.shardOf(expected[i]), 1e-6, 1e-7))
               << "world " << ctx.world << " tensor " << i << " maxNorm " << maxNorm;
         }
       });
@@ -75,12 +82,12 @@ TEST(GradClipTest, AllReplicatedNeedsNoCommunication) {
   testing::useOneThread();
   runOnRanks(2, [](RankContext& ctx) {
     const auto full = fullGrads();
-    std::vector<ShardSpec> specs;
-    for (const auto& s : kShapes) specs.emplace_back(s, at::kFloat, 2, ctx.rank, Placement::kReplicate);
+    std::vector<ShardedParam> params;
+    for (size_t i = 0; i < full.size(); ++i) {
+      params.push_back(gradient(ShardSpec(kShapes[i], at::kFloat, 2, ctx.rank, Placement::kReplicate), full[i].clone()));
+    }
     ctx.comm()->resetStats();
-    std::vector<at::Tensor> copy;
-    for (const auto& g : full) copy.push_back(g.clone());
-    const double norm = globalGradNorm(copy, specs, *ctx.comm());
+    const double norm = globalGradNorm(params, *ctx.comm());
     EXPECT_EQ(ctx.comm()->stats().totalCalls(), 0);
     std::vector<at::Tensor> expected = fullGrads();
     EXPECT_NEAR(norm, torchClip(expected, 1e30), 1e-6 * norm);
@@ -91,19 +98,18 @@ TEST(GradClipTest, NonFiniteNormIsReportedNotApplied) {
   testing::useOneThread();
   runOnRanks(3, [](RankContext& ctx) {
     const auto full = fullGrads();
-    std::vector<ShardSpec> specs;
-    std::vector<at::Tensor> local;
+    std::vector<ShardedParam> params;
     for (size_t i = 0; i < full.size(); ++i) {
-      specs.emplace_back(kShapes[i], at::kFloat, 3, ctx.rank);
-      local.push_back(specs.back().shardOf(full[i]));
+      ShardSpec spec(kShapes[i], at::kFloat, 3, ctx.rank);
+      params.push_back(gradient(spec, spec.shardOf(full[i])));
     }
-    if (ctx.rank == 2) local[0].view({-1})[0] = NAN;  // only rank 2 sees it
+    if (ctx.rank == 2) params[0].grad.view({-1})[0] = NAN;  // only rank 2 sees it
     std::vector<at::Tensor> before;
-    for (const auto& g : local) before.push_back(g.clone());
-    const GradNorm n = clipGradNorm(local, specs, 0.1, *ctx.comm());
+    for (const auto& p : params) before.push_back(p.grad.clone());
+    const GradNorm n = clipGradNorm(params, 0.1, *ctx.comm());
     EXPECT_FALSE(n.finite()) << "every rank learns of rank 2's NaN";
     EXPECT_EQ(n.clipCoef, 1.0);
-    for (size_t i = 1; i < local.size(); ++i) EXPECT_TRUE(local[i].equal(before[i]));
+    for (size_t i = 1; i < params.size(); ++i) EXPECT_TRUE(params[i].grad.equal(before[i]));
   });
   EXPECT_EQ(clipCoefficient(2.0, 0.0), 1.0);
   EXPECT_EQ(clipCoefficient(2.0, 4.0), 1.0);

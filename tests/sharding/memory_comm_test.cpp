@@ -59,8 +59,8 @@ std::vector<Measurement> measure(const std::string& strategy, int world, int64_t
     m.resident = engine->residentBytes();
     m.stateBytes = engine->optimizer().stateBytes();
     m.psi = parameterCount(*model);
-    for (const auto& name : engine->paramNames()) {
-      const ShardSpec& s = engine->spec(name);
+    for (const ShardedParam& p : engine->params()) {
+      const ShardSpec& s = p.spec;
       m.shardNumel += s.chunkRows() * s.rowNumel();
       m.rowNumelSum += s.rowNumel();
     }

@@ -31,11 +31,11 @@ std::vector<std::vector<at::Tensor>> makeGrads(int steps, uint64_t seed) {
   return out;
 }
 
-std::unique_ptr<torch::optim::Optimizer> reference(const OptimizerOptions& o, std::vector<at::Tensor> decay,
+std::unique_ptr<torch::optim::Optimizer> reference(const OptimizerOptions& o, double lr, std::vector<at::Tensor> decay,
                                                    std::vector<at::Tensor> noDecay) {
   using namespace torch::optim;
   if (o.name == "adamw") {
-    auto opts = AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
+    auto opts = AdamWOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
     zero.weight_decay(0);
     return std::make_unique<AdamW>(std::vector<OptimizerParamGroup>{
@@ -43,14 +43,14 @@ std::unique_ptr<torch::optim::Optimizer> reference(const OptimizerOptions& o, st
         OptimizerParamGroup(noDecay, std::make_unique<AdamWOptions>(zero))}, opts);
   }
   if (o.name == "adam") {
-    auto opts = AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
+    auto opts = AdamOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
     zero.weight_decay(0);
     return std::make_unique<Adam>(std::vector<OptimizerParamGroup>{
         OptimizerParamGroup(decay, std::make_unique<AdamOptions>(opts)),
         OptimizerParamGroup(noDecay, std::make_unique<AdamOptions>(zero))}, opts);
   }
-  auto opts = SGDOptions(o.lr).momentum(o.momentum).nesterov(o.nesterov).weight_decay(o.weightDecay);
+  auto opts = SGDOptions(lr).momentum(o.momentum).nesterov(o.nesterov).weight_decay(o.weightDecay);
   auto zero = opts;
   zero.weight_decay(0);
   return std::make_unique<SGD>(std::vector<OptimizerParamGroup>{
@@ -58,7 +58,7 @@ std::unique_ptr<torch::optim::Optimizer> reference(const OptimizerOptions& o, st
       OptimizerParamGroup(noDecay, std::make_unique<SGDOptions>(zero))}, opts);
 }
 
-void expectParity(const OptimizerOptions& o) {
+void expectParity(const OptimizerOptions& o, double lr) {
   const int kSteps = 20;
   const auto grads = makeGrads(kSteps, 11);
   // Reference: torch::optim on full tensors.
@@ -66,40 +66,44 @@ void expectParity(const OptimizerOptions& o) {
   std::vector<at::Tensor> decay, noDecay;
   for (auto& p : full) {
     p.set_requires_grad(true);
-    (defaultDecays("", p.sizes().vec()) ? decay : noDecay).push_back(p);
+    (defaultDecays(p.sizes().vec()) ? decay : noDecay).push_back(p);
   }
-  auto ref = reference(o, decay, noDecay);
+  auto ref = reference(o, lr, decay, noDecay);
   for (int t = 0; t < kSteps; ++t) {
     for (size_t i = 0; i < full.size(); ++i) full[i].mutable_grad() = grads[t][i].clone();
     ref->step();
   }
 
   for (int world : {1, 2, 3, 4}) {
-    std::vector<std::vector<at::Tensor>> shards(full.size());  // [param][rank]
+    // Per rank: the records of every parameter's shard, and an optimizer over them.
+    std::vector<std::vector<ShardedParam>> params(static_cast<size_t>(world));
     std::vector<ShardedOptimizer> optimizers;
     const auto init = makeParams(5);
     for (int r = 0; r < world; ++r) {
       optimizers.emplace_back(o);
+      params[r].reserve(init.size());  // the optimizer keeps pointers to the records
       for (size_t i = 0; i < init.size(); ++i) {
-        ShardSpec spec(init[i].sizes().vec(), at::kFloat, world, r);
-        optimizers[r].addParam("p" + std::to_string(i), spec, spec.shardOf(init[i]),
-                               defaultDecays("", init[i].sizes().vec()));
+        ShardedParam& p = params[r].emplace_back();
+        p.name = "p" + std::to_string(i);
+        p.spec = ShardSpec(init[i].sizes().vec(), at::kFloat, world, r);
+        p.master = p.spec.shardOf(init[i]);
+        optimizers[r].addParam(p, defaultDecays(init[i].sizes().vec()));
       }
     }
     for (int t = 0; t < kSteps; ++t) {
       for (int r = 0; r < world; ++r) {
-        std::vector<at::Tensor> local;
-        for (size_t i = 0; i < init.size(); ++i) local.push_back(optimizers[r].param(i).spec.shardOf(grads[t][i]));
-        optimizers[r].step(local, o.lr);
+        for (size_t i = 0; i < init.size(); ++i) params[r][i].grad = params[r][i].spec.shardOf(grads[t][i]);
+        optimizers[r].step(lr);
       }
     }
     for (size_t i = 0; i < init.size(); ++i) {
       std::vector<at::Tensor> rows;
       for (int r = 0; r < world; ++r) {
-        const auto& p = optimizers[r].param(i);
-        rows.push_back(p.spec.realRows(p.param).reshape({-1}));
+        const ShardedParam& p = params[r][i];
+        EXPECT_EQ(optimizers[r].stepCount(p), kSteps);
+        rows.push_back(p.spec.realRows(p.master).reshape({-1}));
         // Padding rows stay zero.
-        at::Tensor padded = p.param.reshape({p.spec.chunkRows(), p.spec.rowNumel()});
+        at::Tensor padded = p.master.reshape({p.spec.chunkRows(), p.spec.rowNumel()});
         EXPECT_EQ(padded.narrow(0, p.spec.localRows(), p.spec.chunkRows() - p.spec.localRows()).abs().sum().item<float>(), 0.0f);
       }
       at::Tensor gathered = at::cat(rows).view(init[i].sizes());
@@ -113,37 +117,33 @@ void expectParity(const OptimizerOptions& o) {
 TEST(ShardedOptimizerTest, AdamWMatchesTorchOptim) {
   OptimizerOptions o;
   o.name = "adamw";
-  o.lr = 1e-2;
   o.weightDecay = 0.1;
-  expectParity(o);
+  expectParity(o, 1e-2);
 }
 
 TEST(ShardedOptimizerTest, AdamMatchesTorchOptim) {
   OptimizerOptions o;
   o.name = "adam";
-  o.lr = 1e-2;
   o.weightDecay = 0.05;
   o.beta2 = 0.99;
-  expectParity(o);
+  expectParity(o, 1e-2);
 }
 
 TEST(ShardedOptimizerTest, SgdMomentumMatchesTorchOptim) {
   OptimizerOptions o;
   o.name = "sgd";
-  o.lr = 0.05;
   o.momentum = 0.9;
   o.weightDecay = 0.01;
-  expectParity(o);
+  expectParity(o, 0.05);
 }
 
 TEST(ShardedOptimizerTest, SgdNesterovMatchesTorchOptim) {
   OptimizerOptions o;
   o.name = "sgd";
-  o.lr = 0.05;
   o.momentum = 0.8;
   o.nesterov = true;
   o.weightDecay = 0.0;
-  expectParity(o);
+  expectParity(o, 0.05);
 }
 
 TEST(ShardedOptimizerTest, StatesShareTheParamSpecAndSplitMemory) {
@@ -152,14 +152,79 @@ TEST(ShardedOptimizerTest, StatesShareTheParamSpecAndSplitMemory) {
   int64_t total = 0;
   for (int r = 0; r < world; ++r) {
     ShardedOptimizer opt(o);
-    ShardSpec spec({10, 3}, at::kFloat, world, r);
-    opt.addParam("w", spec, spec.shardOf(at::ones({10, 3})));
-    opt.step({spec.shardOf(at::ones({10, 3}))}, 0.1);
-    EXPECT_EQ(opt.state(0, "exp_avg").sizes(), opt.param(0).param.sizes());
-    EXPECT_EQ(opt.stateBytes(), 2 * spec.paddedNumel() * 4);
+    ShardedParam p;
+    p.name = "w";
+    p.spec = ShardSpec({10, 3}, at::kFloat, world, r);
+    p.master = p.spec.shardOf(at::ones({10, 3}));
+    opt.addParam(p);
+    p.grad = p.spec.shardOf(at::ones({10, 3}));
+    opt.step(0.1);
+    EXPECT_EQ(opt.state(p, "exp_avg").sizes(), p.master.sizes());
+    EXPECT_EQ(opt.stateBytes(), 2 * p.spec.paddedNumel() * 4);
     total += opt.stateBytes();
   }
   EXPECT_EQ(total, 2 * 12 * 3 * 4);  // 2 states x 10 rows padded to 12 x 3 x fp32
+}
+
+// The optimizer's checkpoint entries hold everything an update depends on: an optimizer
+// whose entries are loaded from another's (moments and per-parameter step counts; one
+// parameter never stepped) continues exactly as the original does.
+TEST(ShardedOptimizerTest, StateEntriesRestoreEverythingAStepNeeds) {
+  for (const std::string name : {"adamw", "sgd"}) {
+    OptimizerOptions o;
+    o.name = name;
+    o.momentum = name == "sgd" ? 0.9 : 0.0;
+    o.dampening = name == "sgd" ? 0.3 : 0.0;  // torch's first momentum step skips dampening
+    const auto grads = makeGrads(6, 21);
+    auto run = [&](std::vector<ShardedParam>& params, ShardedOptimizer& opt, int from, int to) {
+      for (int t = from; t < to; ++t) {
+        for (size_t i = 0; i < params.size(); ++i) {
+          // Parameter 1 gets no gradient before step 3: its state starts later.
+          params[i].grad = i == 1 && t < 3 ? at::Tensor() : params[i].spec.shardOf(grads[t][i]);
+        }
+        opt.step(1e-2);
+      }
+    };
+    auto build = [&](std::vector<ShardedParam>& params, ShardedOptimizer& opt) {
+      const auto init = makeParams(5);
+      params.reserve(init.size());
+      for (size_t i = 0; i < init.size(); ++i) {
+        ShardedParam& p = params.emplace_back();
+        p.name = "p" + std::to_string(i);
+        p.spec = ShardSpec(init[i].sizes().vec(), at::kFloat, 2, 1);
+        p.master = p.spec.shardOf(init[i]);
+        opt.addParam(p, defaultDecays(init[i].sizes().vec()));
+      }
+    };
+    std::vector<ShardedParam> a, b;
+    ShardedOptimizer optA(o), optB(o);
+    build(a, optA);
+    build(b, optB);
+    run(a, optA, 0, 2);  // parameter 1 not stepped yet: its entries are zeros and step 0
+    std::vector<StateEntry> saved = optA.stateEntries("optim/");
+    std::vector<StateEntry> loaded = optB.stateEntries("optim/");
+    ASSERT_EQ(saved.size(), loaded.size());
+    for (size_t k = 0; k < saved.size(); ++k) {
+      EXPECT_EQ(saved[k].name, loaded[k].name);
+      EXPECT_EQ(saved[k].spec, loaded[k].spec) << saved[k].name;
+      loaded[k].local.copy_(saved[k].local);  // what a checkpoint load does, in place
+    }
+    EXPECT_EQ(saved.back().name, "optim/step/p5");
+    EXPECT_EQ(saved.back().spec.placement(), Placement::kReplicate);
+    EXPECT_EQ(optB.stepCount(b[0]), 2);
+    EXPECT_EQ(optB.stepCount(b[1]), 0);
+    for (size_t i = 0; i < a.size(); ++i) b[i].master.copy_(a[i].master);
+    run(a, optA, 2, 6);
+    run(b, optB, 2, 6);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].master.equal(b[i].master)) << name << " " << a[i].name;
+    EXPECT_EQ(optB.stepCount(b[1]), 3);
+    // Listing the entries (which creates zero states) changes nothing either.
+    std::vector<ShardedParam> c;
+    ShardedOptimizer optC(o);
+    build(c, optC);
+    run(c, optC, 0, 6);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].master.equal(c[i].master)) << name << " " << a[i].name;
+  }
 }
 
 TEST(ShardedOptimizerTest, BadOptionsAreConfigErrors) {

@@ -115,16 +115,17 @@ inline double relativeError(const at::Tensor& got, const at::Tensor& want) {
   return scale > 0 ? diff / scale : diff;
 }
 
-// torch::optim equivalent of `o`, with the no-decay group (1-D parameters, defaultDecays).
-inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const OptimizerOptions& o,
+// torch::optim equivalent of `o` at learning rate `lr`, with the no-decay group (1-D
+// parameters, defaultDecays).
+inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const OptimizerOptions& o, double lr,
                                                                    torch::nn::Module& m) {
   using namespace torch::optim;
   std::vector<at::Tensor> decay, noDecay;
   for (const auto& item : m.named_parameters()) {
-    (defaultDecays(item.key(), item.value().sizes().vec()) ? decay : noDecay).push_back(item.value());
+    (defaultDecays(item.value().sizes().vec()) ? decay : noDecay).push_back(item.value());
   }
   if (o.name == "adamw") {
-    auto opts = AdamWOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
+    auto opts = AdamWOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
     zero.weight_decay(0);
     return std::make_unique<AdamW>(std::vector<OptimizerParamGroup>{
@@ -132,7 +133,7 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
         OptimizerParamGroup(noDecay, std::make_unique<AdamWOptions>(zero))});
   }
   if (o.name == "adam") {
-    auto opts = AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
+    auto opts = AdamOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
     zero.weight_decay(0);
     return std::make_unique<Adam>(std::vector<OptimizerParamGroup>{
@@ -140,7 +141,7 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
         OptimizerParamGroup(noDecay, std::make_unique<AdamOptions>(zero))});
   }
   auto opts =
-      SGDOptions(o.lr).momentum(o.momentum).dampening(o.dampening).nesterov(o.nesterov).weight_decay(o.weightDecay);
+      SGDOptions(lr).momentum(o.momentum).dampening(o.dampening).nesterov(o.nesterov).weight_decay(o.weightDecay);
   auto zero = opts;
   zero.weight_decay(0);
   return std::make_unique<SGD>(std::vector<OptimizerParamGroup>{
