@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 ./scripts/setup.sh
-./scripts/build.sh
+./scripts/build.sh tessera-train tessera-run   # the programs the main job runs (./test.sh builds the rest)
 BIN=${TESSERA_BUILD_DIR:-build}/bin
 RUN_DIR=$(sed -n 's/^  dir: *//p' configs/default.yaml | head -1)
 for arg in "$@"; do

@@ -1,5 +1,5 @@
 // Checkpointer: collective sharded save with an atomic commit, optional async writing,
-// and keep_last retention (ARCHITECTURE.md §3 "Checkpoint format").
+// and keep_last retention (docs/checkpoint.md).
 //
 // Layout under a run's checkpoints directory:
 //   step_00000100/   metadata.json, trainer_state.json, rank_0000R.bin (see metadata.h)

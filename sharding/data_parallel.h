@@ -1,6 +1,6 @@
 // DataParallelStrategy: no_shard (DDP), zero1 and zero2 — every rank holds the full
 // parameters and runs the whole model on its slice of the global batch; what differs is
-// which training state is sharded (ARCHITECTURE.md §3 table):
+// which training state is sharded (docs/design.md, "Sharding"):
 //
 //   no_shard  gradients all-reduced (averaged) in buckets; masters, optimizer replicated
 //             (Replicate specs; every rank applies the same update).

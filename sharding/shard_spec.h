@@ -1,4 +1,4 @@
-// ShardSpec: the one layout every piece of sharded state uses (ARCHITECTURE.md §1).
+// ShardSpec: the one layout every piece of sharded state uses (docs/design.md, "The one idea").
 //
 // A global tensor of shape [d0, d1, ...] is split along dim 0 over the N ranks of a
 // mesh dimension in chunks of c = ceil(d0 / N) rows: rank r owns the global rows

@@ -396,6 +396,51 @@ TEST(TrainE2ETest, SigtermSavesTheCurrentStepAndResumes) {
   expectBitwiseEqualExports(full, dir, "after the preemption");
 }
 
+// How often step `step` was saved, from rank 0's log lines (sync or async saves).
+int savesOf(const std::string& log, int64_t step) {
+  int count = 0;
+  for (const std::string& line :
+       {"checkpoint step " + std::to_string(step) + ": async save started", "checkpoint step " + std::to_string(step) + " saved in"}) {
+    for (size_t at = log.find(line); at != std::string::npos; at = log.find(line, at + 1)) ++count;
+  }
+  return count;
+}
+
+// A periodic save on the step where the run stops (run.stop_after_steps, SIGTERM) or
+// ends (checkpoint.at_end) saves that step once.
+TEST(TrainE2ETest, EveryStepIsSavedOnceWhateverFallsOnIt) {
+  std::string out;
+  const std::string args = kArgs + " --set run.log_every=1 --set checkpoint.every_steps=3 --set checkpoint.keep_last=0";
+  // stop_after_steps on a periodic step, then the end on one.
+  const std::string dir = uniqueDir("stop_after");
+  ASSERT_EQ(run(kBin + "/tessera-train" + args + " --set run.stop_after_steps=6 --set run.dir=" + dir, &out), 0) << out;
+  EXPECT_EQ(savesOf(out, 3), 1) << out;
+  EXPECT_EQ(savesOf(out, 6), 1) << out;
+  ASSERT_EQ(run(kBin + "/tessera-train" + args + " --set run.dir=" + dir, &out), 0) << out;
+  EXPECT_EQ(savesOf(out, 9), 1) << out;
+  EXPECT_EQ(savesOf(out, 12), 1) << out;
+
+  // SIGTERM while every step is saved: the stop's save is that step's periodic save.
+  const std::string termDir = uniqueDir("sigterm");
+  const std::string termArgs = kResumeArgs + " --set run.steps=400 --set run.log_every=1 --set checkpoint.every_steps=1" +
+                               " --set checkpoint.keep_last=2 --set run.dir=" + termDir;
+  const fs::path log = fs::temp_directory_path() / ("tessera_saves_" + std::to_string(::getpid()) + ".log");
+  const std::string script = kLaunch2 + termArgs + " > " + log.string() + " 2>&1 & pid=$!\n" +
+                             "for i in $(seq 1 3000); do [ -s " + termDir +
+                             "/metrics.jsonl ] && break; sleep 0.01; done\n" + "kill -TERM $pid; wait $pid; echo launcher exit $?\n";
+  const fs::path scriptFile = fs::temp_directory_path() / ("tessera_saves_" + std::to_string(::getpid()) + ".sh");
+  std::ofstream(scriptFile) << script;
+  ASSERT_EQ(run("bash " + scriptFile.string(), &out), 0) << out;
+  const std::string logText = readText(log);
+  const size_t stop = logText.find("stopping at step ");
+  ASSERT_NE(stop, std::string::npos) << logText;
+  const int64_t stoppedAt = std::stoll(logText.substr(stop + std::string("stopping at step ").size()));
+  ASSERT_LT(stoppedAt, 400) << logText;
+  for (int64_t step = 1; step <= stoppedAt; ++step) EXPECT_EQ(savesOf(logText, step), 1) << "step " << step << "\n" << logText;
+  fs::remove(log);
+  fs::remove(scriptFile);
+}
+
 }  // namespace
 
 namespace {

@@ -3,12 +3,10 @@
 // torch::optim's AdamW / Adam / SGD (momentum, Nesterov) after 20 steps, for world
 // sizes 1-4 and shapes that do not divide evenly (including fewer rows than ranks).
 #include <gtest/gtest.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 
 #include "common/errors.h"
 #include "sharding/sharded_optimizer.h"
+#include "tests/sharding/test_models.h"
 
 namespace tessera::sharding {
 namespace {
@@ -31,33 +29,6 @@ std::vector<std::vector<at::Tensor>> makeGrads(int steps, uint64_t seed) {
   return out;
 }
 
-std::unique_ptr<torch::optim::Optimizer> reference(const OptimizerOptions& o, double lr, std::vector<at::Tensor> decay,
-                                                   std::vector<at::Tensor> noDecay) {
-  using namespace torch::optim;
-  if (o.name == "adamw") {
-    auto opts = AdamWOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
-    auto zero = opts;
-    zero.weight_decay(0);
-    return std::make_unique<AdamW>(std::vector<OptimizerParamGroup>{
-        OptimizerParamGroup(decay, std::make_unique<AdamWOptions>(opts)),
-        OptimizerParamGroup(noDecay, std::make_unique<AdamWOptions>(zero))}, opts);
-  }
-  if (o.name == "adam") {
-    auto opts = AdamOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
-    auto zero = opts;
-    zero.weight_decay(0);
-    return std::make_unique<Adam>(std::vector<OptimizerParamGroup>{
-        OptimizerParamGroup(decay, std::make_unique<AdamOptions>(opts)),
-        OptimizerParamGroup(noDecay, std::make_unique<AdamOptions>(zero))}, opts);
-  }
-  auto opts = SGDOptions(lr).momentum(o.momentum).nesterov(o.nesterov).weight_decay(o.weightDecay);
-  auto zero = opts;
-  zero.weight_decay(0);
-  return std::make_unique<SGD>(std::vector<OptimizerParamGroup>{
-      OptimizerParamGroup(decay, std::make_unique<SGDOptions>(opts)),
-      OptimizerParamGroup(noDecay, std::make_unique<SGDOptions>(zero))}, opts);
-}
-
 void expectParity(const OptimizerOptions& o, double lr) {
   const int kSteps = 20;
   const auto grads = makeGrads(kSteps, 11);
@@ -68,7 +39,7 @@ void expectParity(const OptimizerOptions& o, double lr) {
     p.set_requires_grad(true);
     (defaultDecays(p.sizes().vec()) ? decay : noDecay).push_back(p);
   }
-  auto ref = reference(o, lr, decay, noDecay);
+  auto ref = testing::referenceOptimizer(o, lr, decay, noDecay);
   for (int t = 0; t < kSteps; ++t) {
     for (size_t i = 0; i < full.size(); ++i) full[i].mutable_grad() = grads[t][i].clone();
     ref->step();

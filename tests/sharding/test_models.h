@@ -115,15 +115,12 @@ inline double relativeError(const at::Tensor& got, const at::Tensor& want) {
   return scale > 0 ? diff / scale : diff;
 }
 
-// torch::optim equivalent of `o` at learning rate `lr`, with the no-decay group (1-D
-// parameters, defaultDecays).
+// torch::optim equivalent of `o` at learning rate `lr`, over two groups: `decay` with
+// o.weightDecay, `noDecay` without.
 inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const OptimizerOptions& o, double lr,
-                                                                   torch::nn::Module& m) {
+                                                                   std::vector<at::Tensor> decay,
+                                                                   std::vector<at::Tensor> noDecay) {
   using namespace torch::optim;
-  std::vector<at::Tensor> decay, noDecay;
-  for (const auto& item : m.named_parameters()) {
-    (defaultDecays(item.value().sizes().vec()) ? decay : noDecay).push_back(item.value());
-  }
   if (o.name == "adamw") {
     auto opts = AdamWOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
@@ -148,6 +145,16 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
                                    OptimizerParamGroup(decay, std::make_unique<SGDOptions>(opts)),
                                    OptimizerParamGroup(noDecay, std::make_unique<SGDOptions>(zero))},
                                opts);
+}
+
+// The same over a module's parameters, grouped by defaultDecays (no decay for 1-D ones).
+inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const OptimizerOptions& o, double lr,
+                                                                   torch::nn::Module& m) {
+  std::vector<at::Tensor> decay, noDecay;
+  for (const auto& item : m.named_parameters()) {
+    (defaultDecays(item.value().sizes().vec()) ? decay : noDecay).push_back(item.value());
+  }
+  return referenceOptimizer(o, lr, std::move(decay), std::move(noDecay));
 }
 
 // The key torch::optim keeps a parameter's state under: the TensorImpl address printed
