@@ -74,11 +74,30 @@ void MetricsLog::record(const StepMetrics& m) {
   }
 }
 
-void MetricsLog::writeLossCurve(const std::string& svgPath) const {
+void MetricsLog::writeLossCurve(const std::string& svgPath, const std::string& title) const {
   std::ofstream svg(svgPath);
   if (!svg) throw Error(strCat("MetricsLog: cannot write '", svgPath, "'"));
-  svg << renderLineChartSvg(losses_, "training loss", "step", "loss");
+  svg << renderLineChartSvg(losses_, title, "step", "loss");
 }
+
+namespace {
+
+// Text as SVG (XML) character data: a run name may hold '<' or '&'.
+std::string xmlText(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
 
 std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& points, const std::string& title,
                                const std::string& xLabel, const std::string& yLabel) {
@@ -100,7 +119,7 @@ std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& po
   std::ostringstream s;
   s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\" font-family=\"sans-serif\">\n"
     << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"16\">" << title << "</text>\n"
+    << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"16\">" << xmlText(title) << "</text>\n"
     << "<line x1=\"" << left << "\" y1=\"" << H - bottom << "\" x2=\"" << W - right << "\" y2=\"" << H - bottom
     << "\" stroke=\"black\"/>\n"
     << "<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left << "\" y2=\"" << H - bottom
@@ -113,10 +132,10 @@ std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& po
       << "<text x=\"" << px(x) << "\" y=\"" << H - bottom + 16 << "\" text-anchor=\"middle\" font-size=\"11\">"
       << fixed(x, 0) << "</text>\n";
   }
-  s << "<text x=\"" << W / 2 << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\" font-size=\"12\">" << xLabel
+  s << "<text x=\"" << W / 2 << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\" font-size=\"12\">" << xmlText(xLabel)
     << "</text>\n"
     << "<text x=\"16\" y=\"" << H / 2 << "\" text-anchor=\"middle\" font-size=\"12\" transform=\"rotate(-90 16 " << H / 2
-    << ")\">" << yLabel << "</text>\n";
+    << ")\">" << xmlText(yLabel) << "</text>\n";
   if (!points.empty()) {
     s << "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"";
     for (const auto& [x, y] : points) s << fixed(px(static_cast<double>(x)), 1) << "," << fixed(py(y), 1) << " ";

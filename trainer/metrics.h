@@ -29,8 +29,8 @@ class MetricsLog {
 
   // Writes one JSON line and a console line.
   void record(const StepMetrics& m);
-  // Writes the loss curve of everything recorded to `svgPath`.
-  void writeLossCurve(const std::string& svgPath) const;
+  // Writes the loss curve of everything recorded to `svgPath`, headed `title`.
+  void writeLossCurve(const std::string& svgPath, const std::string& title) const;
 
   const std::vector<std::pair<int64_t, double>>& lossHistory() const { return losses_; }
 

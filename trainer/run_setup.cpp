@@ -160,7 +160,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->ema = makeEma(cfg, *run->strategy);
   int64_t numParams = 0;
   for (const auto& p : run->model->parameters()) numParams += p.numel();
-  TLOG_INFO0("model " << cfg.model.arch << ": " << numParams << " parameters; strategy " << cfg.sharding.strategy
+  TLOG_INFO0("run " << cfg.run.name << ": model " << cfg.model.arch << ": " << numParams << " parameters; strategy " << cfg.sharding.strategy
                       << " over " << world << " ranks; resident " << run->strategy->residentBytes().str());
   TLOG_INFO0("data " << run->data->describe() << "; " << run->sampler->stepsPerEpoch() << " steps per epoch; "
                      << run->microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");

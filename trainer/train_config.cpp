@@ -9,7 +9,7 @@ namespace tessera::trainer {
 
 void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.describeSection("run", "Identity, length and seed of the run");
-  s.add("run.name", &c.run.name, "Run name, shown in logs and metrics").nonEmpty();
+  s.add("run.name", &c.run.name, "Run name, shown in the log and on the loss curve").nonEmpty();
   s.add("run.dir", &c.run.dir, "Run directory: resolved config, metrics, logs, checkpoints, exports").nonEmpty();
   s.add("run.seed", &c.run.seed, "Seed for model init, data order and dropout").min(0);
   s.add("run.steps", &c.run.steps, "Optimizer steps to run").min(1);

@@ -15,7 +15,7 @@ class ConfigSchema;
 namespace tessera::trainer {
 
 struct RunOptions {
-  std::string name = "demo";      // shown in logs and metrics
+  std::string name = "demo";      // shown in the log and on the loss curve
   std::string dir = "runs/demo";  // run directory: resolved config, metrics, logs, checkpoints
   int64_t seed = 1234;            // seeds model init, data order and dropout
   int64_t steps = 200;            // optimizer steps to run

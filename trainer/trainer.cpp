@@ -246,7 +246,7 @@ class TrainLoop {
     if (run_.comm->rank() == 0) {
       summary_.metricsPath = (run_.runDir / "metrics.jsonl").string();
       summary_.lossCurvePath = (run_.runDir / "loss.svg").string();
-      metrics_->writeLossCurve(summary_.lossCurvePath);
+      metrics_->writeLossCurve(summary_.lossCurvePath, "training loss: " + cfg_.run.name);
     }
     run_.comm->barrier();
     return summary_;
