@@ -128,9 +128,7 @@ int main(int argc, char** argv) {
     const auto targets = at::randint(model.vocab_size, {batch, model.context}, tokens.options());
 
     // tessera: zero3 at world size 1.
-    torch::manual_seed(0);
-    auto sharded = std::make_shared<Gpt>(model);
-    sharded->to(dev);
+    auto sharded = std::make_shared<Gpt>(model, dev);  // deferred: the strategy initialises its shards
     int64_t params = 0;
     for (const auto& p : sharded->parameters()) params += p.numel();
     auto comm = tessera::distributed::makeCommunicator(gCuda ? "nccl" : "gloo",
@@ -141,6 +139,7 @@ int main(int argc, char** argv) {
     options.reduceDtype = at::kFloat;
     options.optimizer.weightDecay = 0.1;
     options.wrap = {"h.*"};
+    options.initializer = tessera::trainer::layers::initializerOf(*sharded, 0);
     auto strategy = tessera::sharding::makeStrategy(*sharded, comm, options);
     auto tesseraStep = [&] {
       strategy->zeroGrad();
@@ -151,9 +150,8 @@ int main(int argc, char** argv) {
     };
 
     // plain: a compute-dtype model, fp32 masters, torch::optim::AdamW.
-    torch::manual_seed(0);
-    auto plain = std::make_shared<Gpt>(model);
-    plain->to(dev);
+    auto plain = std::make_shared<Gpt>(model, dev);
+    tessera::trainer::initializeModel(*plain, 0);  // the values the strategy's shards start from
     std::vector<at::Tensor> masters;
     for (auto& p : plain->parameters()) masters.push_back(p.detach().clone().set_requires_grad(true));
     if (compute != at::kFloat) plain->to(compute);

@@ -57,6 +57,7 @@ double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   auto data = tessera::trainer::makeDataset(cfg.data, cfg.model, tessera::trainer::predictsEveryPosition(cfg.model));
   auto model = tessera::trainer::makeModel(cfg.model, data->spec());
+  tessera::trainer::initializeModel(*model, static_cast<uint64_t>(cfg.run.seed));
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(cfg.optim.lr)
                                                          .betas({cfg.optim.betas.at(0), cfg.optim.betas.at(1)})
                                                          .eps(cfg.optim.eps)

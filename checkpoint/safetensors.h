@@ -128,14 +128,17 @@ struct ImportOptions {
   std::string stripPrefix;
   // Tensors in the file that no entry takes are an error.
   bool strict = true;
-  // Convert dtypes (a bf16 export into an fp32 model); off: a dtype difference is an error.
+  // Convert floating dtypes (a bf16 export into an fp32 model); off: a dtype difference is
+  // an error.
   bool allowCast = true;
 };
 
 // Initialises each entry's shard (its spec's rows of this rank, padding zeroed) from a
 // safetensors file or a sharded export's *.index.json, reading only those rows. Checks
-// all names and shapes first and throws CheckpointError listing every missing,
-// unexpected (strict) and mismatched tensor. Each rank calls it independently.
+// all names, shapes and dtypes first and throws CheckpointError naming the file and
+// listing every missing, unexpected (strict) and mismatched tensor; an integer or bool
+// tensor for a floating-point entry is refused whatever allowCast says, and so are NaN
+// and Inf values (the tensor named). Each rank calls it independently.
 void importSafetensors(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options = {});
 
 }  // namespace tessera::checkpoint

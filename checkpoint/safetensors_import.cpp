@@ -123,7 +123,10 @@ void importSafetensors(const std::string& path, const std::vector<StateEntry>& e
   std::vector<std::string> dtypeErrors;
   for (size_t i = 0; i < entries.size(); ++i) {
     const auto& se = *set.byName.at(fileNames[i]).second;
-    if (se.dtype != entries[i].spec.dtype() && !options.allowCast) {
+    if (at::isFloatingType(entries[i].spec.dtype()) && !at::isFloatingType(se.dtype)) {
+      // Integer or bool data is no weight: converting it would produce plausible garbage.
+      dtypeErrors.push_back(strCat(fileNames[i], ": file has ", dtypeName(se.dtype), ", a floating-point tensor is needed"));
+    } else if (se.dtype != entries[i].spec.dtype() && !options.allowCast) {
       dtypeErrors.push_back(strCat(fileNames[i], ": file has ", dtypeName(se.dtype), ", expected ",
                                    dtypeName(entries[i].spec.dtype())));
     }
@@ -141,6 +144,10 @@ void importSafetensors(const std::string& path, const std::vector<StateEntry>& e
     const int64_t bufferRows = replicated ? e.spec.globalRows() : e.spec.chunkRows();
     at::Tensor rows = at::empty({re - rb, e.spec.rowNumel()}, at::TensorOptions().dtype(se->dtype));
     reader->readRows(*se, rb, re, rows.data_ptr());
+    if (rows.is_floating_point() && !at::isfinite(rows).all().item<bool>()) {
+      throw CheckpointError(strCat("importSafetensors: ", path, ": tensor '", fileNames[i],
+                                   "' holds NaN or Inf (in rows [", rb, ", ", re, "))"));
+    }
     at::Tensor buf = at::zeros({bufferRows, e.spec.rowNumel()}, at::TensorOptions().dtype(e.spec.dtype()));
     if (re > rb) buf.narrow(0, 0, re - rb).copy_(rows);
     e.local.copy_(buf.view(e.local.sizes()));

@@ -146,35 +146,6 @@ void ShardedModelEMAManager::resetFromLive() {
   updates_ = 0;
 }
 
-void ShardedModelEMAManager::initializeFrom(const std::map<std::string, at::Tensor>& full, int decayIndex) {
-  c10::NoGradGuard noGrad;
-  std::vector<std::string> missing;
-  for (const auto& name : paramNames_) {
-    if (!full.count(name)) missing.push_back(name);
-  }
-  if (!missing.empty()) {
-    std::string list;
-    for (const auto& m : missing) list += (list.empty() ? "" : ", ") + m;
-    throw Error(strCat("ShardedModelEMAManager::initializeFrom: missing tensors: ", list));
-  }
-  for (auto& [name, e] : params_) {
-    const at::Tensor& src = full.at(name);
-    TESSERA_CHECK(src.sizes().vec() == e.spec.globalShape(), "ShardedModelEMAManager::initializeFrom: '", name,
-                  "' has shape ", src.sizes(), ", the model's is ", at::IntArrayRef(e.spec.globalShape()));
-    at::Tensor local = e.spec.shardOf(src.to(e.spec.dtype()));
-    for (size_t i = 0; i < e.ema.size(); ++i) {
-      if (decayIndex < 0 || static_cast<size_t>(decayIndex) == i) e.ema[i].copy_(local.view(e.ema[i].sizes()));
-    }
-  }
-  for (auto& [name, b] : buffers_) {
-    auto it = full.find(name);
-    if (it == full.end()) continue;  // buffers are optional in imports
-    for (size_t i = 0; i < b.ema.size(); ++i) {
-      if (decayIndex < 0 || static_cast<size_t>(decayIndex) == i) b.ema[i].copy_(it->second);
-    }
-  }
-}
-
 double ShardedModelEMAManager::effectiveDecay(size_t decayIndex, int64_t k) const {
   double d = options_.decays.at(decayIndex);
   if (options_.warmup) {

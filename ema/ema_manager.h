@@ -69,11 +69,6 @@ class ShardedModelEMAManager {
 
   // Re-initialises every EMA from the live tensors (the default start).
   void resetFromLive();
-  // Initialises the EMA of decay set `decayIndex` (or all when -1) from full tensors by
-  // name (e.g. an exported generator_ema when fine-tuning); each rank takes its slice by
-  // the registered spec. Throws naming missing or mismatched tensors.
-  void initializeFrom(const std::map<std::string, at::Tensor>& fullTensors, int decayIndex = -1);
-
   // Called once per optimizer step with the step just completed (1-based: the first call
   // is step 1) and whether the optimizer applied it.
   void update(int64_t step, bool optimizerApplied = true);
@@ -94,6 +89,7 @@ class ShardedModelEMAManager {
 
   // Registered names, in order, and their specs / local EMA shards.
   const std::vector<std::string>& paramNames() const { return paramNames_; }
+  bool follows(const std::string& name) const { return params_.count(name) > 0; }
   const std::vector<std::string>& bufferNames() const { return bufferNames_; }
   const sharding::ShardSpec& spec(const std::string& name) const;
   at::Tensor& emaShard(size_t decayIndex, const std::string& name);

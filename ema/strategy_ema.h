@@ -16,7 +16,9 @@ class ShardingStrategy;
 namespace tessera::ema {
 
 // Registers every trainable parameter of `strategy` (in its order, under the module's
-// parameter names) and every module buffer with `manager`.
+// parameter names) and every module buffer with `manager`. Frozen parameters are not
+// averaged (their average is themselves): an EMA evaluation computes with their live
+// values, and exports of the EMA do not hold them (export "model" does).
 void followStrategy(ShardedModelEMAManager& manager, const sharding::ShardingStrategy& strategy);
 
 // Runs `fn` without autograd (an evaluation, sampling) with the module computing from

@@ -48,11 +48,16 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
   const int rank = comm_->rank();
 
   c10::NoGradGuard noGrad;
-  for (const NamedTensor& np : trainableParams()) {
+  for (const NamedTensor& np : moduleParams()) {
     const at::Tensor& p = np.tensor;
     const std::vector<int64_t> shape = p.sizes().vec();
     const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(p.device());
-    if (!sharded_) {
+    // Every rank holds the whole parameter: a deferred one is materialised in full here,
+    // one tensor at a time.
+    if (hasNoStorage(p)) p.set_data(fullInitialValue(np));
+    if (!sharded_ || !p.requires_grad()) {
+      // Replicated (no_shard, and frozen parameters under zero1/zero2: no optimizer state
+      // to shard).
       ShardSpec spec(shape, at::kFloat, world, rank, Placement::kReplicate);
       at::Tensor master;
       if (mastersAreParams_) {
@@ -84,17 +89,20 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
 
   // Buckets, sized by their flat reduce buffer (padding included).
   const int64_t elementBytes = static_cast<int64_t>(c10::elementSize(options_.reduceDtype));
-  std::vector<ShardedParam>& records = mutableParams();
+  std::vector<ShardedParam*> trainable;  // frozen parameters are in no bucket
+  for (ShardedParam& p : mutableParams()) {
+    if (p.trainable) trainable.push_back(&p);
+  }
   std::vector<int64_t> bytes;
-  for (const ShardedParam& p : records) {
-    bytes.push_back((sharded_ ? p.spec.paddedNumel() * world : p.spec.globalNumel()) * elementBytes);
+  for (const ShardedParam* p : trainable) {
+    bytes.push_back((sharded_ ? p->spec.paddedNumel() * world : p->spec.globalNumel()) * elementBytes);
   }
   for (const auto& indices : planBuckets(bytes, options_.bucketBytes)) {
     std::vector<ShardedParam*> members;
     std::vector<ShardSpec> specs;
     for (size_t i : indices) {
-      members.push_back(&records[i]);
-      specs.push_back(records[i].spec);
+      members.push_back(trainable[i]);
+      specs.push_back(trainable[i]->spec);
     }
     buckets_.push_back({std::move(members), FlatLayout(std::move(specs))});
   }
@@ -174,11 +182,14 @@ void DataParallelStrategy::reduceScatterGradients() {
 
 void DataParallelStrategy::publishParameters() {
   c10::NoGradGuard noGrad;
-  if (!sharded_) {
-    if (mastersAreParams_) return;  // the optimizer stepped the parameters themselves
-    for (const ShardedParam& p : params()) p.moduleParam.detach().copy_(p.master);
-    return;
+  // Replicated masters (no_shard; frozen parameters): the module's parameters themselves
+  // in fp32 compute, else copied (cast) from them.
+  if (!mastersAreParams_) {
+    for (const ShardedParam& p : params()) {
+      if (p.spec.placement() == Placement::kReplicate) p.moduleParam.detach().copy_(p.master);
+    }
   }
+  if (!sharded_) return;
   const int rank = comm_->rank();
   auto issue = [&](size_t b) {
     const Bucket& bucket = buckets_[b];

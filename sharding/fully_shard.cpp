@@ -4,10 +4,7 @@
 
 #include <c10/core/GradMode.h>
 #include <ATen/CPUGeneratorImpl.h>
-#ifdef TESSERA_TORCH_HAS_CUDA
-#include <ATen/native/cuda/Resize.h>
-#endif
-#include <ATen/native/Resize.h>
+#include <c10/core/Allocator.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -37,9 +34,12 @@ struct FsdpUnit {
   const torch::nn::Module* module = nullptr;
   bool isRoot = false;
   std::vector<ShardedParam*> params; // the strategy's records; slot k of `layout` is params[k]
-  std::unique_ptr<FlatLayout> layout;
+  std::unique_ptr<FlatLayout> layout;// gathered: every parameter, frozen ones too
   at::Tensor masterChunk;            // fp32 [chunkNumel]: every member's master, FlatLayout slots
-  at::Tensor gradShard;              // fp32 [chunkNumel]: reduced gradients, accumulating
+  // Reduced: the trainable parameters only. Slot j of `gradLayout` is params[trainable[j]].
+  std::vector<size_t> trainable;
+  std::unique_ptr<FlatLayout> gradLayout;
+  at::Tensor gradShard;              // fp32 [gradLayout chunkNumel]: reduced gradients, accumulating
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // kept alive: hooks live on them
   std::vector<uintptr_t> hookKeys;
   int64_t paramBytes = 0;            // full parameters in paramDtype
@@ -49,36 +49,42 @@ struct FsdpUnit {
   at::Tensor flat;                   // gather buffer while kGathering
   std::shared_ptr<distributed::CommHandle> gather;
 
-  // Per backward.
+  // Per backward (over the trainable parameters).
   std::vector<bool> ready;
   size_t readyCount = 0;
   bool preBackwardDone = false;
   bool reduced = false;
 
   const at::Tensor& moduleParam(size_t k) const { return params[k]->moduleParam; }
+  const at::Tensor& trainableParam(size_t j) const { return params[trainable[j]]->moduleParam; }
 };
 
 namespace {
 
 constexpr size_t kMaxPendingReduces = 2;
 
-// Frees (0) or regrows a parameter's own storage in place: the StorageImpl, and so every
-// tensor and saved variable viewing it, stays the same.
-void setStorageBytes(const at::Tensor& p, size_t bytes) {
-  c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
-  if (storage->nbytes() == bytes) return;
-#ifdef TESSERA_TORCH_HAS_CUDA
-  if (p.is_cuda()) {
-    at::native::resize_bytes_cuda(storage, bytes);  // through the caching allocator
-    return;
-  }
-#endif
-  at::native::resize_bytes_cpu(storage, bytes);
-}
-
 size_t fullBytes(const at::Tensor& p) { return static_cast<size_t>(p.numel()) * p.element_size(); }
 
 }  // namespace
+
+// The allocator of every parameter storage a strategy holds: it allocates through the
+// storage's own allocator (the CPU's, or CUDA's caching allocator) when a unit is gathered,
+// and marks the storage as the strategy's (see "where a unit lives", fully_shard.h).
+class UnitStorageAllocator final : public c10::Allocator {
+ public:
+  UnitStorageAllocator(FullyShardStrategy::Internal* owner, c10::Allocator* inner) : owner_(owner), inner_(inner) {}
+  c10::DataPtr allocate(size_t bytes) const override { return inner_->allocate(bytes); }
+  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  void copy_data(void* dest, const void* src, std::size_t count) const override { inner_->copy_data(dest, src, count); }
+#endif
+  FullyShardStrategy::Internal* owner() const { return owner_; }
+  c10::Allocator* inner() const { return inner_; }
+
+ private:
+  FullyShardStrategy::Internal* owner_;
+  c10::Allocator* inner_;
+};
 
 struct FullyShardStrategy::Internal {
   explicit Internal(FullyShardStrategy& strategy) : s(strategy) {}
@@ -100,6 +106,8 @@ struct FullyShardStrategy::Internal {
   InflightCollectives<PendingReduce> pending{kMaxPendingReduces, [this](PendingReduce& job) { finishReduce(job); }};
   // The units by module, for unitForward.
   std::unordered_map<const torch::nn::Module*, FsdpUnit*> unitOf;
+  // Allocates the parameters' storage and marks it as ours (one for all: one device).
+  std::unique_ptr<UnitStorageAllocator> storageAllocator;
   // Output hooks hold a weak reference: a graph outliving the strategy does nothing.
   std::shared_ptr<int> alive = std::make_shared<int>(0);
 
@@ -233,31 +241,32 @@ struct FullyShardStrategy::Internal {
     }
   }
 
-  void onGradReady(FsdpUnit& u, size_t k) {
+  void onGradReady(FsdpUnit& u, size_t j) {
     maybeQueueCallback();
-    if (u.ready[k]) return;
-    u.ready[k] = true;
-    if (++u.readyCount < u.params.size()) return;
+    if (u.ready[j]) return;
+    u.ready[j] = true;
+    if (++u.readyCount < u.trainable.size()) return;
     if (s.sync_) reduce(u);
     reshard(u);
   }
 
-  // Packs the unit's full gradients (zeros where a parameter has none), frees them, and
-  // issues the reduce-scatter (average over the shard group: the one division by N).
+  // Packs the unit's full gradients (zeros where a trainable parameter has none), frees
+  // them, and issues the reduce-scatter (average over the shard group: the one division
+  // by N). Frozen parameters take no part.
   void reduce(FsdpUnit& u) {
     const auto options = u.masterChunk.options().dtype(s.options_.reduceDtype);
     pending.makeRoom();
     PendingReduce job;
     job.unit = &u;
-    job.flat = at::empty({u.layout->flatNumel()}, options);
+    job.flat = at::empty({u.gradLayout->flatNumel()}, options);
     {
       c10::NoGradGuard noGrad;
-      for (size_t k = 0; k < u.params.size(); ++k) {
-        u.layout->packFull(job.flat, k, u.moduleParam(k).grad());
-        u.moduleParam(k).mutable_grad().reset();
+      for (size_t j = 0; j < u.trainable.size(); ++j) {
+        u.gradLayout->packFull(job.flat, j, u.trainableParam(j).grad());
+        u.trainableParam(j).mutable_grad().reset();
       }
     }
-    job.local = at::empty({u.layout->chunkNumel()}, options);
+    job.local = at::empty({u.gradLayout->chunkNumel()}, options);
     job.handle = s.shardComm_->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
     u.reduced = true;
     pending.push(std::move(job));
@@ -285,7 +294,7 @@ struct FullyShardStrategy::Internal {
     callbackQueued = false;
     if (s.sync_) {
       for (auto& u : units) {
-        if (!u->reduced && !u->params.empty()) reduce(*u);
+        if (!u->reduced && !u->trainable.empty()) reduce(*u);
       }
     }
     drainAll();
@@ -399,7 +408,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     torch::autograd::variable_list result;
     for (const at::Tensor& x : inputs) result.push_back(x.defined() && x.requires_grad() ? x.grad() : at::Tensor());
-    result.resize(result.size() + state->unit->params.size() + 1);  // params, state: none
+    result.resize(result.size() + state->unit->trainable.size() + 1);  // params, state: none
     return result;
   }
 };
@@ -419,7 +428,7 @@ std::vector<at::Tensor> FullyShardStrategy::Internal::runCheckpointed(FsdpUnit& 
     state->rngState = gen.get_state();
   }
   std::vector<at::Tensor> params;
-  for (const ShardedParam* p : u.params) params.push_back(p->moduleParam);
+  for (size_t j = 0; j < u.trainable.size(); ++j) params.push_back(u.trainableParam(j));
   return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(params), state);
 }
 
@@ -427,22 +436,18 @@ std::vector<at::Tensor> FullyShardStrategy::Internal::runCheckpointed(FsdpUnit& 
 
 namespace {
 
-// The strategy whose unit `module` may be, through the post hook on its first trainable
-// parameter's gradient accumulator (see "where a unit lives", fully_shard.h). Every
-// trainable parameter under a strategy's root carries the hook, so the first one decides.
+// The strategy holding `param`, through its storage's allocator (see "where a unit
+// lives", fully_shard.h).
 FullyShardStrategy::Internal* strategyOf(const at::Tensor& param) {
-  const std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
-  if (!accumulator) return nullptr;
-  for (const auto& hook : accumulator->post_hooks()) {
-    if (const auto* ready = dynamic_cast<const GradReadyHook*>(hook.get())) return ready->owner();
-  }
-  return nullptr;
+  if (!param.defined() || !param.has_storage()) return nullptr;
+  const auto* allocator = dynamic_cast<const UnitStorageAllocator*>(param.storage().unsafeGetStorageImpl()->allocator());
+  return allocator != nullptr ? allocator->owner() : nullptr;
 }
 
+// The strategy whose unit `module` may be: every parameter under a strategy's root is
+// held by it, so the first one decides.
 FullyShardStrategy::Internal* strategyOf(const torch::nn::Module& module) {
-  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) {
-    if (p.requires_grad()) return strategyOf(p);
-  }
+  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) return strategyOf(p);
   return nullptr;
 }
 
@@ -476,6 +481,8 @@ std::vector<std::pair<std::string, const torch::nn::Module*>> wrappedModules(con
 }
 
 }  // namespace
+
+bool heldByFullyShard(const at::Tensor& param) { return strategyOf(param) != nullptr; }
 
 std::vector<at::Tensor> unitForward(torch::nn::Module& module, const std::vector<at::Tensor>& inputs,
                                     const UnitFunction& fn) {
@@ -519,29 +526,27 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   const int shardWorld = shardComm_->worldSize();
   const int shardRank = shardComm_->rank();
 
-  // Trainable parameters by tensor; one tensor under two names (tied weights) is rejected.
-  const auto& trainable = trainableParams();
+  // Parameters by tensor; one tensor under two names (tied weights) is rejected.
+  const auto& collected = moduleParams();
   std::unordered_map<const c10::TensorImpl*, size_t> byImpl;
-  for (size_t i = 0; i < trainable.size(); ++i) {
-    const at::Tensor& p = trainable[i].tensor;
+  for (size_t i = 0; i < collected.size(); ++i) {
+    const at::Tensor& p = collected[i].tensor;
 #ifdef TESSERA_TORCH_HAS_CUDA
     const bool supported = p.device().is_cpu() || p.device().is_cuda();
 #else
     const bool supported = p.device().is_cpu();
 #endif
-    TESSERA_CHECK_AS(ConfigError, supported, "FullyShardStrategy: parameter '", trainable[i].name, "' is on ",
+    TESSERA_CHECK_AS(ConfigError, supported, "FullyShardStrategy: parameter '", collected[i].name, "' is on ",
                      p.device(), "; fully_shard frees and regrows CPU storage, and CUDA storage in a build with "
                      "CUDA LibTorch");
-    TESSERA_CHECK_AS(ConfigError, p.device() == trainable[0].tensor.device(), "FullyShardStrategy: parameter '",
-                     trainable[i].name, "' is on ", p.device(), ", '", trainable[0].name, "' on ",
-                     trainable[0].tensor.device(), ": all parameters must be on one device");
+    TESSERA_CHECK_AS(ConfigError, p.device() == collected[0].tensor.device(), "FullyShardStrategy: parameter '",
+                     collected[i].name, "' is on ", p.device(), ", '", collected[0].name, "' on ",
+                     collected[0].tensor.device(), ": all parameters must be on one device");
     TESSERA_CHECK_AS(ConfigError, p.device().is_cpu() || !fsdp_.activationCheckpointing,
                      "FullyShardStrategy: activation checkpointing replays the CPU generator only; parameter '",
-                     trainable[i].name, "' is on ", p.device());
-    TESSERA_CHECK(strategyOf(p) == nullptr, "FullyShardStrategy: parameter '", trainable[i].name,
-                  "' is already sharded by another live FullyShardStrategy");
+                     collected[i].name, "' is on ", p.device());
     const bool fresh = byImpl.emplace(p.unsafeGetTensorImpl(), i).second;
-    TESSERA_CHECK_AS(ConfigError, fresh, "FullyShardStrategy: parameter '", trainable[i].name,
+    TESSERA_CHECK_AS(ConfigError, fresh, "FullyShardStrategy: parameter '", collected[i].name,
                      "' is the same tensor as another parameter (tied weights are not supported)");
   }
 
@@ -549,12 +554,12 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   // claim their parameters first (an outer unit gets what its inner units do not own).
   const auto unitModules = wrappedModules(module_, options_.wrap);
   const size_t rootIndex = unitModules.size();
-  std::vector<size_t> owner(trainable.size(), rootIndex);
-  std::vector<bool> claimed(trainable.size(), false);
+  std::vector<size_t> owner(collected.size(), rootIndex);
+  std::vector<bool> claimed(collected.size(), false);
   for (size_t ui = unitModules.size(); ui-- > 0;) {
     for (const at::Tensor& p : unitModules[ui].second->parameters(/*recurse=*/true)) {
       auto it = byImpl.find(p.unsafeGetTensorImpl());
-      if (it == byImpl.end() || claimed[it->second]) continue;  // frozen, or an inner unit's
+      if (it == byImpl.end() || claimed[it->second]) continue;  // an inner unit's
       claimed[it->second] = true;
       owner[it->second] = ui;
     }
@@ -568,49 +573,71 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   }
 
   // Shards: each unit's fp32 masters are slots of one chunk, which is exactly this rank's
-  // chunk of the unit's flat gather buffer. The parameters get fresh storage of their own
-  // in paramDtype (so freeing it frees nothing else), immediately freed. The records are
-  // registered in named_parameters() order, whatever unit owns them.
-  std::vector<std::vector<size_t>> members(in_->units.size());  // trainable indices per unit
-  for (size_t i = 0; i < trainable.size(); ++i) members[owner[i]].push_back(i);
-  std::vector<std::pair<at::Tensor, ShardSpec>> shards(trainable.size());  // master slot and spec per parameter
+  // chunk of the unit's flat gather buffer; they are filled from the parameter's values,
+  // or, for a deferred parameter, with the initial values of this rank's rows only (no
+  // rank ever holds a whole deferred parameter). The module's parameters get fresh, empty
+  // storage of their own in paramDtype (so freeing it frees nothing else), allocated by the
+  // strategy's allocator only while their unit is gathered. The records are registered in
+  // named_parameters() order, whatever unit owns them.
+  std::vector<std::vector<size_t>> members(in_->units.size());  // collected indices per unit
+  for (size_t i = 0; i < collected.size(); ++i) members[owner[i]].push_back(i);
+  std::vector<std::pair<at::Tensor, ShardSpec>> shards(collected.size());  // master slot and spec per parameter
   c10::NoGradGuard noGrad;
-  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(
-      trainable.empty() ? at::Device(at::kCPU) : trainable[0].tensor.device());
+  const at::Device device = collected.empty() ? at::Device(at::kCPU) : collected[0].tensor.device();
+  const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(device);
   for (size_t ui = 0; ui < in_->units.size(); ++ui) {
     FsdpUnit& u = *in_->units[ui];
-    std::vector<ShardSpec> specs;
-    for (size_t i : members[ui]) specs.emplace_back(trainable[i].tensor.sizes().vec(), at::kFloat, shardWorld, shardRank);
+    std::vector<ShardSpec> specs, gradSpecs;
+    for (size_t k = 0; k < members[ui].size(); ++k) {
+      const at::Tensor& p = collected[members[ui][k]].tensor;
+      specs.emplace_back(p.sizes().vec(), at::kFloat, shardWorld, shardRank);
+      if (!p.requires_grad()) continue;
+      u.trainable.push_back(k);
+      gradSpecs.push_back(specs.back());
+    }
     u.layout = std::make_unique<FlatLayout>(std::move(specs));
+    u.gradLayout = std::make_unique<FlatLayout>(std::move(gradSpecs));
     u.masterChunk = at::zeros({u.layout->chunkNumel()}, fp32);
     for (size_t k = 0; k < members[ui].size(); ++k) {
-      const at::Tensor& p = trainable[members[ui][k]].tensor;
+      const NamedTensor& np = collected[members[ui][k]];
+      const at::Tensor& p = np.tensor;
+      const ShardSpec& spec = u.layout->spec(k);
       at::Tensor slot = u.layout->slot(u.masterChunk, k);
-      slot.copy_(u.layout->spec(k).shardOf(p.detach().to(at::kFloat)));
-      shards[members[ui][k]] = {slot, u.layout->spec(k)};
-      p.set_data(at::empty(p.sizes(), fp32.dtype(options_.paramDtype)));
+      if (hasNoStorage(p)) {
+        const auto [begin, end] = spec.localRowRange();
+        initialRows(np.name, begin, slot.view({spec.chunkRows(), spec.rowNumel()}).narrow(0, 0, end - begin));
+      } else {
+        slot.copy_(spec.shardOf(p.detach().to(at::kFloat)));
+      }
+      shards[members[ui][k]] = {slot, spec};
+      p.set_data(deferredTensor(p.sizes().vec(), fp32.dtype(options_.paramDtype)));
+      if (!in_->storageAllocator) {
+        in_->storageAllocator =
+            std::make_unique<UnitStorageAllocator>(in_.get(), p.storage().unsafeGetStorageImpl()->allocator());
+      }
+      p.storage().unsafeGetStorageImpl()->set_allocator(in_->storageAllocator.get());
       u.paramBytes += static_cast<int64_t>(fullBytes(p));
-      setStorageBytes(p, 0);
     }
     u.gatherBytes = u.layout->flatNumel() * static_cast<int64_t>(c10::elementSize(options_.paramDtype));
-    u.ready.assign(members[ui].size(), false);
+    u.ready.assign(u.trainable.size(), false);
   }
-  std::vector<ShardedParam*> records(trainable.size());
-  for (size_t i = 0; i < trainable.size(); ++i) {
-    records[i] = &registerParam(trainable[i].name, trainable[i].tensor, shards[i].second, shards[i].first);
+  std::vector<ShardedParam*> records(collected.size());
+  for (size_t i = 0; i < collected.size(); ++i) {
+    records[i] = &registerParam(collected[i].name, collected[i].tensor, shards[i].second, shards[i].first);
   }
   for (size_t ui = 0; ui < in_->units.size(); ++ui) {
     for (size_t i : members[ui]) in_->units[ui]->params.push_back(records[i]);
   }
-  // Post hooks on the gradient accumulators, which we keep alive: the parameter holds its
-  // accumulator only weakly, and a new one (without our hooks) would replace a freed one.
+  // Post hooks on the gradient accumulators of the trainable parameters, which we keep
+  // alive: the parameter holds its accumulator only weakly, and a new one (without our
+  // hooks) would replace a freed one.
   for (auto& up : in_->units) {
     FsdpUnit& u = *up;
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      auto acc = torch::autograd::impl::grad_accumulator(u.moduleParam(k));
-      TESSERA_CHECK(acc != nullptr, "FullyShardStrategy: parameter '", u.params[k]->name,
+    for (size_t j = 0; j < u.trainable.size(); ++j) {
+      auto acc = torch::autograd::impl::grad_accumulator(u.trainableParam(j));
+      TESSERA_CHECK(acc != nullptr, "FullyShardStrategy: parameter '", u.params[u.trainable[j]]->name,
                     "' has no gradient accumulator");
-      u.hookKeys.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(in_.get(), &u, k)));
+      u.hookKeys.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(in_.get(), &u, j)));
       u.accumulators.push_back(std::move(acc));
     }
     in_->unitOf[u.module] = &u;
@@ -621,6 +648,10 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
 FullyShardStrategy::~FullyShardStrategy() {
   for (auto& u : in_->units) {
     for (size_t k = 0; k < u->accumulators.size(); ++k) u->accumulators[k]->del_post_hook(u->hookKeys[k]);
+    // The storages outlive the strategy (the module keeps them): back to their own allocator.
+    for (const ShardedParam* p : u->params) {
+      p->moduleParam.storage().unsafeGetStorageImpl()->set_allocator(in_->storageAllocator->inner());
+    }
     // A gather still in flight is waited (its buffers must outlive it); errors are moot now.
     if (u->gather) {
       try {
@@ -679,9 +710,8 @@ void FullyShardStrategy::synchronizeGradients() {
   // Full gradients not reduced yet (the last backward ran without sync): reduce them now,
   // once, in unit order on every rank.
   for (auto& u : in_->units) {
-    const bool local = std::any_of(u->params.begin(), u->params.end(), [](const ShardedParam* p) {
-      return p->moduleParam.grad().defined();
-    });
+    bool local = false;
+    for (size_t j = 0; j < u->trainable.size(); ++j) local = local || u->trainableParam(j).grad().defined();
     if (local) in_->reduce(*u);
   }
   in_->drainAll();
@@ -689,7 +719,9 @@ void FullyShardStrategy::synchronizeGradients() {
   in_->refreshHeldGradShards();
   for (auto& u : in_->units) {
     if (!u->gradShard.defined()) continue;
-    for (size_t k = 0; k < u->params.size(); ++k) u->params[k]->grad = u->layout->slot(u->gradShard, k);
+    for (size_t j = 0; j < u->trainable.size(); ++j) {
+      u->params[u->trainable[j]]->grad = u->gradLayout->slot(u->gradShard, j);
+    }
   }
 }
 

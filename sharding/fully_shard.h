@@ -25,12 +25,13 @@
 // [Note: where a unit lives] The strategy owns its units; there is no process-wide
 // registry. FSDP2 attaches its state to the module it shards, but a C++ module cannot
 // hold extra state, so unitForward finds a module's strategy through the module's
-// trainable parameters: the strategy keeps each parameter's gradient accumulator alive
-// and hangs its post hook there (it needs that hook for backward anyway). The hook leads
-// to its strategy, which looks the module up among its own units. Strategies over two
-// models therefore never see each other's units, a module is a unit of at most one live
-// strategy (a second one over the same parameters is refused), and a destroyed strategy
-// leaves plain modules behind.
+// parameters: the strategy gives each parameter's storage its own allocator (which
+// allocates through the storage's original one when the unit is gathered, and knows its
+// strategy). That works for frozen parameters too, which have no autograd hooks. The
+// strategy then looks the module up among its own units. Strategies over two models
+// therefore never see each other's units, a parameter is held by at most one live
+// strategy (a second one over it is refused), and a destroyed strategy gives the storages
+// their allocator back and leaves plain modules behind (their parameters freed).
 //
 // Unit lifecycle (per unit, one flat buffer, rank-major FlatLayout):
 //   unshard   this rank's fp32 master chunk is cast into chunk r of a flat buffer in
@@ -69,8 +70,15 @@
 // Requirements (as FSDP's): every rank runs the same units in the same order, and the same
 // parameters get gradients on every rank (collectives are issued from hooks, so their order
 // follows the autograd graph). The root is entered through unitForward at depth 0; every
-// other unit runs inside it. Frozen parameters (requires_grad false) are not sharded: they
-// stay full on every rank. Tied parameters (one tensor under two names) are rejected.
+// other unit runs inside it. Tied parameters (one tensor under two names) are rejected.
+//
+// Frozen parameters (requires_grad false, e.g. a teacher) are sharded like the others and
+// gathered with their unit, so they cost 1/N per rank between uses; they have no gradient
+// and take no part in the reduce-scatter (a unit reduces the flat gradients of its
+// trainable parameters only).
+//
+// Deferred parameters (sharding/param_init.h) are never materialised in full: each rank
+// fills its master rows from StrategyOptions::initializer.
 //
 // Memory (measured by unshardedParamBytes()): with reshardAfterForward, the forward holds
 // the root, the running unit and at most `prefetch` units in flight: (prefetch + 1) units
@@ -112,6 +120,9 @@ std::vector<at::Tensor> unitForward(torch::nn::Module& module, const std::vector
                                     const UnitFunction& fn);
 at::Tensor unitForward(torch::nn::Module& module, const at::Tensor& input,
                        const std::function<at::Tensor(const at::Tensor&)>& fn);
+
+// Whether a live FullyShardStrategy holds `param` (its storage is the strategy's).
+bool heldByFullyShard(const at::Tensor& param);
 
 class FullyShardStrategy final : public ShardingStrategy {
  public:

@@ -1,10 +1,11 @@
-// ShardedParam: one trainable parameter as a sharding strategy holds it, and the one
-// record every other part of a run refers to (the optimizer, the EMA, checkpoints and
-// exports reach a parameter's state through it, never through a parallel vector).
+// ShardedParam: one parameter as a sharding strategy holds it, and the one record every
+// other part of a run refers to (the optimizer, the EMA, checkpoints and exports reach a
+// parameter's state through it, never through a parallel vector).
 //
-// A strategy (sharding/strategy.h) builds one record per trainable parameter of its
-// module, in named_parameters() order, and owns them for its lifetime; other code
-// keeps pointers or references to them. StateEntry is the checkpoint's view of any
+// A strategy (sharding/strategy.h) builds one record per parameter of its module, in
+// named_parameters() order — frozen ones (requires_grad false) too: they are sharded and
+// checkpointed like the others, but never stepped — and owns them for its lifetime;
+// other code keeps pointers or references to them. StateEntry is the checkpoint's view of any
 // piece of sharded state (a master, an optimizer moment, an EMA shard): a name, its
 // ShardSpec and the local buffer the spec places.
 #pragma once
@@ -35,6 +36,8 @@ struct ShardedParam {
   // The module's parameter tensor (the compute copy, in the strategy's param dtype). The
   // same tensor object for the whole run: autograd and the module keep references to it.
   at::Tensor moduleParam;
+  // false: a frozen parameter (requires_grad false): no gradient, no optimizer state.
+  bool trainable = true;
 
   // The rows of this parameter this rank owns, as a Shard(0) layout over the state group:
   // `spec` itself when sharded; for a replicated master, an equal share of its rows. What

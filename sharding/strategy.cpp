@@ -79,26 +79,33 @@ ShardingStrategy::ShardingStrategy(torch::nn::Module& module, std::shared_ptr<di
   TESSERA_CHECK_AS(ConfigError, options_.gradClip >= 0, "ShardingStrategy: grad clip must be >= 0 (0 = off), got ",
                    options_.gradClip);
 
-  std::vector<at::Tensor> everything;  // what rank 0 broadcasts: all parameters, all buffers
+  std::vector<at::Tensor> valued;  // what rank 0 broadcasts: parameters with values, buffers
   for (const auto& item : module_.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
     TESSERA_CHECK(p.defined() && p.is_floating_point(), "ShardingStrategy: parameter '", item.key(),
                   "' must be a defined floating-point tensor");
-    TESSERA_CHECK(p.numel() == 0 || p.storage().nbytes() > 0, "ShardingStrategy: parameter '", item.key(),
-                  "' has no storage: another live zero3/hybrid strategy holds it sharded");
-    everything.push_back(p);
-    if (p.requires_grad()) trainable_.push_back({item.key(), p});
+    TESSERA_CHECK(!heldByFullyShard(p), "ShardingStrategy: parameter '", item.key(),
+                  "' is already sharded by another live zero3/hybrid strategy");
+    if (hasNoStorage(p)) {
+      TESSERA_CHECK_AS(ConfigError, options_.initializer != nullptr, "ShardingStrategy: parameter '", item.key(),
+                       "' is deferred (no storage yet) and StrategyOptions::initializer is not set");
+    } else {
+      valued.push_back(p);
+    }
+    collected_.push_back({item.key(), p});
   }
   for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
     if (!item.value().defined()) continue;
+    TESSERA_CHECK(!hasNoStorage(item.value()), "ShardingStrategy: buffer '", item.key(), "' has no storage");
     buffers_.push_back({item.key(), item.value()});
-    everything.push_back(item.value());
+    valued.push_back(item.value());
   }
-  // Identical start on every rank, whatever each rank's init did.
-  broadcastCoalesced(everything, *comm_, /*root=*/0, options_.bucketBytes);
-  for (const auto& np : trainable_) np.tensor.mutable_grad().reset();
+  // Identical start on every rank, whatever each rank's init did; deferred parameters
+  // are initialised alike everywhere by construction.
+  broadcastCoalesced(valued, *comm_, /*root=*/0, options_.bucketBytes);
+  for (const auto& np : collected_) np.tensor.mutable_grad().reset();
   // The records never move: the optimizer, units and callers keep pointers to them.
-  params_.reserve(trainable_.size());
+  params_.reserve(collected_.size());
 }
 
 ShardingStrategy::~ShardingStrategy() = default;
@@ -107,7 +114,7 @@ ShardedParam& ShardingStrategy::registerParam(const std::string& name, const at:
                                               at::Tensor master) {
   TESSERA_CHECK(!byName_.count(name), "ShardingStrategy::registerParam: parameter '", name, "' registered twice");
   TESSERA_CHECK(params_.size() < params_.capacity(), "ShardingStrategy::registerParam: '", name,
-                "' is not one of the trainable parameters collected at construction");
+                "' is not one of the parameters collected at construction");
   TESSERA_CHECK(master.defined() && master.scalar_type() == at::kFloat && master.sizes().vec() == spec.localShape(),
                 "ShardingStrategy::registerParam: master of '", name, "' must be fp32 with the local shape of ",
                 spec.str());
@@ -116,14 +123,29 @@ ShardedParam& ShardingStrategy::registerParam(const std::string& name, const at:
   p.spec = std::move(spec);
   p.master = std::move(master);
   p.moduleParam = moduleParam;
+  p.trainable = moduleParam.requires_grad();
   byName_[name] = &p;
-  optimizer_.addParam(p, defaultDecays(p.spec.globalShape()));
+  if (p.trainable) optimizer_.addParam(p, defaultDecays(p.spec.globalShape()));
   return p;
+}
+
+void ShardingStrategy::initialRows(const std::string& name, int64_t rowBegin, const at::Tensor& rows) const {
+  if (rows.numel() == 0) return;
+  options_.initializer(name, rowBegin, rows);
+}
+
+at::Tensor ShardingStrategy::fullInitialValue(const NamedTensor& param) const {
+  const at::Tensor& p = param.tensor;
+  if (!hasNoStorage(p)) return p.detach();
+  at::Tensor full = at::empty(p.sizes(), p.options().dtype(at::kFloat));
+  const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
+  initialRows(param.name, 0, full.view({rows, rows == 0 ? 0 : p.numel() / rows}));
+  return full;
 }
 
 const ShardedParam& ShardingStrategy::param(const std::string& name) const {
   auto it = byName_.find(name);
-  TESSERA_CHECK(it != byName_.end(), "ShardingStrategy: no trainable parameter named '", name, "'");
+  TESSERA_CHECK(it != byName_.end(), "ShardingStrategy: no parameter named '", name, "'");
   return *it->second;
 }
 
@@ -155,25 +177,33 @@ void ShardingStrategy::withSwappedParameters(const std::function<at::Tensor(cons
   std::vector<at::Tensor> targets;
   for (const ShardedParam& p : params_) targets.push_back(p.moduleParam.variable_data());
   withValuesSwapped(
-      targets, [&](size_t i) { return params_[i].ownedSpec().fullTensor(ownedValue(params_[i]), *shardComm_); },
+      targets,
+      [&](size_t i) {
+        const at::Tensor owned = ownedValue(params_[i]);
+        return owned.defined() ? params_[i].ownedSpec().fullTensor(owned, *shardComm_) : at::Tensor();
+      },
       [] {}, fn);
 }
 
 void withValuesSwapped(const std::vector<at::Tensor>& targets, const std::function<at::Tensor(size_t)>& value,
                        const std::function<void()>& refresh, const std::function<void()>& fn) {
-  std::vector<at::Tensor> live;
+  std::vector<at::Tensor> live(targets.size());  // undefined where value(i) was undefined
   {
     c10::NoGradGuard noGrad;  // only around the copies: fn runs in the caller's grad mode
     for (size_t i = 0; i < targets.size(); ++i) {
-      live.push_back(targets[i].clone());
-      targets[i].copy_(value(i).view(targets[i].sizes()));
+      const at::Tensor v = value(i);
+      if (!v.defined()) continue;
+      live[i] = targets[i].clone();
+      targets[i].copy_(v.view(targets[i].sizes()));
     }
   }
   refresh();
   auto restore = [&] {
     {
       c10::NoGradGuard noGrad;
-      for (size_t i = 0; i < targets.size(); ++i) targets[i].copy_(live[i]);
+      for (size_t i = 0; i < targets.size(); ++i) {
+        if (live[i].defined()) targets[i].copy_(live[i]);
+      }
     }
     refresh();
   };
@@ -257,8 +287,9 @@ ResidentBytes ShardingStrategy::residentBytes() const {
   for (const at::Tensor& p : parameters) bytes.params += counter.add(p);
   for (const at::Tensor& p : parameters) bytes.grads += counter.add(p.grad());
   for (const at::Tensor& g : heldGradShards_) bytes.grads += counter.add(g);
-  for (const ShardedParam& p : params_) bytes.optimizer += counter.add(p.master);
+  for (const ShardedParam& p : params_) (p.trainable ? bytes.optimizer : bytes.params) += counter.add(p.master);
   for (const ShardedParam& p : params_) {
+    if (!p.trainable) continue;
     for (const std::string& key : optimizer_.stateNames()) bytes.optimizer += counter.add(optimizer_.state(p, key));
   }
   for (const at::Tensor& b : module_.buffers(/*recurse=*/true)) bytes.buffers += counter.add(b);

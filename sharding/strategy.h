@@ -2,13 +2,14 @@
 // (no_shard, zero1, zero2 in data_parallel.h; zero3 and hybrid in fully_shard.h), and the
 // parts of a training step they all share (docs/design.md, "Sharding").
 //
-// A strategy owns one ShardedParam record per trainable parameter of its module (named
-// as module.named_parameters() names it): the ShardSpec over the strategy's state group,
-// the fp32 master laid out by it, the gradient of the step, and the module's tensor. The
-// optimizer, the EMA, checkpoints and exports all reach a parameter through its record.
-// The module keeps computing with its own parameter tensors, in `param dtype`; they are
-// the same tensor objects for the whole run (their data may be replaced once, at
-// construction: cast to param dtype, or moved into padded storage).
+// A strategy owns one ShardedParam record per parameter of its module (named as
+// module.named_parameters() names it; frozen ones included): the ShardSpec over the
+// strategy's state group, the fp32 master laid out by it, the gradient of the step, and
+// the module's tensor. The optimizer, the EMA, checkpoints and exports all reach a
+// parameter through its record. The module keeps computing with its own parameter
+// tensors, in `param dtype`; they are the same tensor objects for the whole run (their
+// data may be replaced once, at construction: cast to param dtype, or moved into padded
+// storage).
 //
 // Use, on every rank, in the same order:
 //
@@ -19,9 +20,13 @@
 //     StepResult r = strategy->step(schedule.lrAt(step)); // collective
 //   }
 //
-// Initialisation: every rank may build its model with the same seed, but identity is
-// guaranteed by the constructor, which broadcasts rank 0's parameters and buffers (so
-// ranks that seeded differently, or loaded different files, still start identical).
+// Initialisation, two ways. A parameter with values (a model built in full) is made equal
+// on every rank by the constructor, which broadcasts rank 0's (so ranks that seeded
+// differently, or loaded different files, still start identical), one bucket at a time. A
+// deferred parameter (sharding/param_init.h: no storage yet) is materialised by the
+// strategy, which allocates only what this rank holds (zero3: its rows; the others: the
+// full tensor) and fills it with StrategyOptions::initializer; its values depend on
+// nothing else, so nothing is broadcast and no rank ever holds the whole model.
 //
 // step() is a template method: synchronizeGradients() (strategy specific: all-reduce,
 // reduce-scatter, or the flush of what zero3's backward hooks already reduced) sets every
@@ -50,6 +55,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "sharding/param_init.h"
 #include "sharding/shard_spec.h"
 #include "sharding/sharded_optimizer.h"
 #include "sharding/sharded_param.h"
@@ -111,6 +117,8 @@ struct StrategyOptions {
   // "blocks.*" = every direct child of blocks, "blocks.0" = that module. The root is
   // always a unit too (it gets the parameters no other unit holds); empty = the root only.
   std::vector<std::string> wrap;
+  // The initial values of deferred parameters (required when the module has any).
+  ParamInitializer initializer;
 };
 
 struct StepResult {
@@ -124,7 +132,8 @@ struct StepResult {
 // shared by two roles, e.g. a master aliasing the module's parameter, counts once,
 // under the first role listed here). Padding is included, since it is held.
 struct ResidentBytes {
-  int64_t params = 0;     // the module's parameters (compute copies; fp32 masters when aliased)
+  int64_t params = 0;     // the module's parameters (compute copies; fp32 masters when aliased;
+                          // frozen parameters' masters)
   int64_t grads = 0;      // the module's .grad() tensors + gradient shards the strategy holds
   int64_t optimizer = 0;  // optimizer states + fp32 masters held apart from the parameters
   int64_t buffers = 0;    // the module's buffers
@@ -176,18 +185,19 @@ class ShardingStrategy {
 
   // Runs `fn` with the module computing from other parameter values, then restores the
   // live values exactly, also when fn throws. `ownedValue(p)` is p's replacement in its
-  // owned layout (p.ownedSpec(): e.g. an EMA shard), any floating dtype. Collective: every
-  // rank calls it. zero3/hybrid swap the masters (a 1/N copy kept aside) and fn's forward
-  // gathers them; the others gather one full tensor at a time into the module and keep its
-  // live values aside.
+  // owned layout (p.ownedSpec(): e.g. an EMA shard), any floating dtype, or an undefined
+  // tensor to keep p as it is. Collective: every rank calls it (and ownedValue answers
+  // alike on every rank). zero3/hybrid swap the masters (a 1/N copy kept aside) and fn's
+  // forward gathers them; the others gather one full tensor at a time into the module and
+  // keep its live values aside.
   virtual void withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
                                      const std::function<void()>& fn);
 
   // ---- The parameters ---------------------------------------------------------------
-  // One record per trainable parameter, in named_parameters() order. The records live as
-  // long as the strategy and never move (pointers to them stay valid).
+  // One record per parameter (frozen ones: trainable false), in named_parameters() order.
+  // The records live as long as the strategy and never move (pointers to them stay valid).
   const std::vector<ShardedParam>& params() const { return params_; }
-  // tessera::Error naming `name` when it is not a trainable parameter of the module.
+  // tessera::Error naming `name` when it is not a parameter of the module.
   const ShardedParam& param(const std::string& name) const;
   bool hasParam(const std::string& name) const { return byName_.count(name) > 0; }
   // The module's buffers (BatchNorm statistics), by name, as synchronised after each step.
@@ -215,18 +225,27 @@ class ShardingStrategy {
   ResidentBytes residentBytes() const;
 
  protected:
-  // Collects the trainable parameters (requires_grad) and the buffers of `module`,
-  // validates the options, broadcasts rank 0's parameters (all, frozen included) and
-  // buffers, and drops stale gradients. Derived constructors then register every
-  // collected parameter (trainableParams()) with registerParam, in order.
+  // Collects the parameters and the buffers of `module`, validates the options,
+  // broadcasts rank 0's parameters (all but deferred ones, frozen included) and buffers,
+  // and drops stale gradients. Derived constructors then register every collected
+  // parameter (moduleParams()) with registerParam, in order, materialising the deferred
+  // ones (initialRows, fullInitialValue).
   ShardingStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
                    StrategyOptions options);
 
-  // Registers the record of trainable parameter `name`: its spec, and its fp32 master
-  // (which may alias the parameter's storage). Adds it to the optimizer (decay per
-  // defaultDecays). The returned record stays where it is for the strategy's lifetime.
+  // Registers the record of parameter `name`: its spec, and its fp32 master (which may
+  // alias the parameter's storage). A trainable one (requires_grad) joins the optimizer
+  // (decay per defaultDecays). The returned record stays where it is for the strategy's
+  // lifetime.
   ShardedParam& registerParam(const std::string& name, const at::Tensor& moduleParam, ShardSpec spec,
                               at::Tensor master);
+
+  // A deferred parameter's initial values of global rows [rowBegin, rowBegin + rows.size(0))
+  // written into `rows` ([n, rowNumel], fp32) by options().initializer.
+  void initialRows(const std::string& name, int64_t rowBegin, const at::Tensor& rows) const;
+  // The whole initial value of a parameter as fp32 on its device: its own values, or for
+  // a deferred one a fresh tensor filled by the initializer (one tensor at a time).
+  at::Tensor fullInitialValue(const NamedTensor& param) const;
   std::vector<ShardedParam>& mutableParams() { return params_; }
 
   // Sets every record's `grad`: the averaged gradient in the record's layout (any
@@ -237,7 +256,8 @@ class ShardingStrategy {
   // Buffers: made equal across ranks per options().bufferSync (collective).
   void synchronizeBuffers();
 
-  const std::vector<NamedTensor>& trainableParams() const { return trainable_; }
+  // Every parameter of the module (frozen ones too), as collected at construction.
+  const std::vector<NamedTensor>& moduleParams() const { return collected_; }
 
   torch::nn::Module& module_;
   std::shared_ptr<distributed::Communicator> comm_;  // the world: broadcasts, buffers
@@ -252,7 +272,7 @@ class ShardingStrategy {
   std::vector<at::Tensor> heldGradShards_;
 
  private:
-  std::vector<NamedTensor> trainable_;  // collected at construction
+  std::vector<NamedTensor> collected_;  // every parameter, at construction
   std::vector<NamedTensor> buffers_;
   std::vector<ShardedParam> params_;    // reserved for every trainable parameter: never reallocates
   std::unordered_map<std::string, ShardedParam*> byName_;

@@ -1,6 +1,7 @@
 // makeDataset and the per-sample noise seeds (see dataset.h).
 #include "trainer/dataset.h"
 
+#include "common/counter_rng.h"
 #include "common/errors.h"
 #include "trainer/tensor_dataset.h"
 #include "trainer/text_dataset.h"
@@ -24,13 +25,7 @@ std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const ModelOptions
 }
 
 uint64_t noiseSeed(int64_t runSeed, int64_t step, int64_t index) {
-  auto mix = [](uint64_t x) {  // splitmix64's finaliser
-    x += 0x9E3779B97F4A7C15ULL;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-    return x ^ (x >> 31);
-  };
-  return mix(mix(mix(static_cast<uint64_t>(runSeed)) ^ static_cast<uint64_t>(step)) ^ static_cast<uint64_t>(index));
+  return mix64(counterBits(static_cast<uint64_t>(runSeed), static_cast<uint64_t>(step)) ^ static_cast<uint64_t>(index));
 }
 
 void seedNoise(Batch& batch, int64_t runSeed, int64_t step, const std::vector<int64_t>& indices) {

@@ -26,11 +26,11 @@ NoiseSchedule::NoiseSchedule(int64_t steps, double betaStart, double betaEnd) : 
   }
 }
 
-DenoiserBlock::DenoiserBlock(int64_t width) {
-  norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-  timeProj_ = register_module("time_proj", torch::nn::Linear(width, width));
-  fc1_ = register_module("fc1", torch::nn::Linear(width, 4 * width));
-  fc2_ = register_module("fc2", torch::nn::Linear(4 * width, width));
+DenoiserBlock::DenoiserBlock(int64_t width, at::Device device) {
+  norm_ = register_module("norm", layers::LayerNorm(width, device));
+  timeProj_ = register_module("time_proj", layers::Linear(width, width, /*bias=*/true, device));
+  fc1_ = register_module("fc1", layers::Linear(width, 4 * width, /*bias=*/true, device));
+  fc2_ = register_module("fc2", layers::Linear(4 * width, width, /*bias=*/true, device));
 }
 
 at::Tensor DenoiserBlock::forward(const at::Tensor& h, const at::Tensor& timeEmbedding) {
@@ -38,7 +38,7 @@ at::Tensor DenoiserBlock::forward(const at::Tensor& h, const at::Tensor& timeEmb
   return h + fc2_->forward(at::silu(fc1_->forward(y)));
 }
 
-DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape)
+DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, at::Device device)
     : options_(options),
       sampleShape_(std::move(sampleShape)),
       features_(c10::multiply_integers(sampleShape_)),
@@ -46,13 +46,14 @@ DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<in
   TESSERA_CHECK_AS(ConfigError, features_ >= 1, "diffusion: samples have no features (shape [",
                    sampleShape_.size(), " dims])");
   const int64_t width = options.embed_dim;
-  timeEmbed_ = register_module("time_embed", torch::nn::Sequential(torch::nn::Linear(width, width), torch::nn::SiLU(),
-                                                                   torch::nn::Linear(width, width)));
-  inputProj_ = register_module("input_proj", torch::nn::Linear(features_, width));
+  timeEmbed_ = register_module("time_embed",
+                               torch::nn::Sequential(layers::Linear(width, width, /*bias=*/true, device), torch::nn::SiLU(),
+                                                     layers::Linear(width, width, /*bias=*/true, device)));
+  inputProj_ = register_module("input_proj", layers::Linear(features_, width, /*bias=*/true, device));
   blocks_ = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < options.layers; ++i) blocks_->push_back(std::make_shared<DenoiserBlock>(width));
-  outNorm_ = register_module("out_norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-  outputProj_ = register_module("output_proj", torch::nn::Linear(width, features_));
+  for (int64_t i = 0; i < options.layers; ++i) blocks_->push_back(std::make_shared<DenoiserBlock>(width, device));
+  outNorm_ = register_module("out_norm", layers::LayerNorm(width, device));
+  outputProj_ = register_module("output_proj", layers::Linear(width, features_, /*bias=*/true, device));
 }
 
 // The transformer's sinusoidal position encoding of t: [cos(t f_k), sin(t f_k)] with

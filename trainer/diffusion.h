@@ -22,8 +22,6 @@
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/container/sequential.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 
 #include <cstdint>
 #include <functional>
@@ -42,18 +40,18 @@ struct NoiseSchedule {
 
 class DenoiserBlock : public torch::nn::Module {
  public:
-  explicit DenoiserBlock(int64_t width);
+  DenoiserBlock(int64_t width, at::Device device);
   at::Tensor forward(const at::Tensor& h, const at::Tensor& timeEmbedding);
 
  private:
-  torch::nn::LayerNorm norm_{nullptr};
-  torch::nn::Linear timeProj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+  layers::LayerNorm norm_{nullptr};
+  layers::Linear timeProj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
 };
 
 class DiffusionDenoiser : public TrainModel {
  public:
   // sampleShape: one sample's shape (e.g. [2] for points, [C, H, W] for images).
-  DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape);
+  DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, at::Device device = at::kCPU);
 
   // Noisy samples x_t [batch, sampleShape...] at timesteps t [batch] (int64) -> the noise
   // predicted in them, same shape as x_t.
@@ -71,9 +69,9 @@ class DiffusionDenoiser : public TrainModel {
   int64_t features_;
   NoiseSchedule schedule_;
   torch::nn::Sequential timeEmbed_{nullptr};
-  torch::nn::Linear inputProj_{nullptr}, outputProj_{nullptr};
+  layers::Linear inputProj_{nullptr}, outputProj_{nullptr};
   torch::nn::ModuleList blocks_{nullptr};
-  torch::nn::LayerNorm outNorm_{nullptr};
+  layers::LayerNorm outNorm_{nullptr};
 };
 
 // DDPM ancestral sampling of `count` samples from pure noise drawn with `seed`:

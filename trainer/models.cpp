@@ -17,9 +17,9 @@ namespace tessera::trainer {
 namespace {
 
 // [Linear -> activation] for each hidden layer, each entered as a (possible) unit.
-at::Tensor runHiddenLayers(torch::nn::ModuleList& layers, at::Tensor x, const std::string& activation) {
-  for (const auto& layer : *layers) {
-    auto* linear = layer->as<torch::nn::Linear>();
+at::Tensor runHiddenLayers(torch::nn::ModuleList& hidden, at::Tensor x, const std::string& activation) {
+  for (const auto& layer : *hidden) {
+    auto* linear = layer->as<layers::LinearImpl>();
     x = sharding::unitForward(*layer, x, [linear](const at::Tensor& in) { return linear->forward(in); });
     x = activation == "relu" ? at::relu(x) : at::gelu(x);
   }
@@ -38,15 +38,15 @@ at::Tensor NextTokenModel::losses(const Batch& batch) {
   return crossEntropyEach(trainingLogits(batch.inputs), batch.targets);
 }
 
-ContextMlp::ContextMlp(const ModelOptions& options) : options_(options) {
-  embed_ = register_module("embed", torch::nn::Embedding(options.vocab_size, options.embed_dim));
+ContextMlp::ContextMlp(const ModelOptions& options, at::Device device) : options_(options) {
+  embed_ = register_module("embed", layers::Embedding(options.vocab_size, options.embed_dim, device));
   layers_ = register_module("layers", torch::nn::ModuleList());
   int64_t width = options.context * options.embed_dim;
   for (int64_t hidden : options.hidden) {
-    layers_->push_back(torch::nn::Linear(width, hidden));
+    layers_->push_back(layers::Linear(width, hidden, /*bias=*/true, device));
     width = hidden;
   }
-  head_ = register_module("head", torch::nn::Linear(width, options.vocab_size));
+  head_ = register_module("head", layers::Linear(width, options.vocab_size, /*bias=*/true, device));
 }
 
 at::Tensor ContextMlp::nextTokenLogits(const at::Tensor& tokens) {
@@ -55,15 +55,17 @@ at::Tensor ContextMlp::nextTokenLogits(const at::Tensor& tokens) {
   return head_->forward(runHiddenLayers(layers_, embed_->forward(tokens).flatten(1), options_.activation));
 }
 
-FeatureMlp::FeatureMlp(const ModelOptions& options, const DataSpec& data) : options_(options), data_(data) {
+FeatureMlp::FeatureMlp(const ModelOptions& options, const DataSpec& data, at::Device device)
+    : options_(options), data_(data) {
   TESSERA_CHECK_AS(ConfigError, data.hasTargets, "model.arch mlp on tensor data needs 'targets' in the data file");
   layers_ = register_module("layers", torch::nn::ModuleList());
   int64_t width = c10::multiply_integers(data.inputShape);
   for (int64_t hidden : options.hidden) {
-    layers_->push_back(torch::nn::Linear(width, hidden));
+    layers_->push_back(layers::Linear(width, hidden, /*bias=*/true, device));
     width = hidden;
   }
-  head_ = register_module("head", torch::nn::Linear(width, data.classes > 0 ? data.classes : c10::multiply_integers(data.targetShape)));
+  const int64_t out = data.classes > 0 ? data.classes : c10::multiply_integers(data.targetShape);
+  head_ = register_module("head", layers::Linear(width, out, /*bias=*/true, device));
 }
 
 at::Tensor FeatureMlp::forward(const at::Tensor& inputs) {
@@ -78,15 +80,33 @@ at::Tensor FeatureMlp::losses(const Batch& batch) {
   return (out.to(at::kFloat) - batch.targets.reshape({batch.targets.size(0), -1})).square().mean(1);
 }
 
-GptBlock::GptBlock(int64_t width, int64_t heads) : heads_(heads) {
-  ln1_ = register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+namespace {
+
+// GPT-2's initial distributions (nanoGPT's _init_weights): weights N(0, 0.02), biases 0.
+void gpt2Init(layers::LinearImpl& linear, double std) {
+  linear.setInit("weight", sharding::ParamInit::normal(0.0, std));
+  if (linear.bias.defined()) linear.setInit("bias", sharding::ParamInit::constant(0.0));
+}
+
+constexpr double kGpt2Std = 0.02;
+
+}  // namespace
+
+GptBlock::GptBlock(int64_t width, int64_t heads, int64_t layers, at::Device device) : heads_(heads) {
+  ln1_ = register_module("ln_1", layers::LayerNorm(width, device));
   auto attn = register_module("attn", std::make_shared<torch::nn::Module>());
-  attnIn_ = attn->register_module("c_attn", torch::nn::Linear(width, 3 * width));
-  attnOut_ = attn->register_module("c_proj", torch::nn::Linear(width, width));
-  ln2_ = register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+  attnIn_ = attn->register_module("c_attn", layers::Linear(width, 3 * width, /*bias=*/true, device));
+  attnOut_ = attn->register_module("c_proj", layers::Linear(width, width, /*bias=*/true, device));
+  ln2_ = register_module("ln_2", layers::LayerNorm(width, device));
   auto mlp = register_module("mlp", std::make_shared<torch::nn::Module>());
-  mlpIn_ = mlp->register_module("c_fc", torch::nn::Linear(width, 4 * width));
-  mlpOut_ = mlp->register_module("c_proj", torch::nn::Linear(4 * width, width));
+  mlpIn_ = mlp->register_module("c_fc", layers::Linear(width, 4 * width, /*bias=*/true, device));
+  mlpOut_ = mlp->register_module("c_proj", layers::Linear(4 * width, width, /*bias=*/true, device));
+  // The residual projections are scaled down by the depth (GPT-2).
+  const double residualStd = kGpt2Std / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(layers, 1)));
+  gpt2Init(*attnIn_, kGpt2Std);
+  gpt2Init(*attnOut_, residualStd);
+  gpt2Init(*mlpIn_, kGpt2Std);
+  gpt2Init(*mlpOut_, residualStd);
 }
 
 at::Tensor GptBlock::forward(const at::Tensor& x) {
@@ -111,17 +131,21 @@ at::Tensor GptBlock::forward(const at::Tensor& x) {
   return h + mlpOut_->forward(at::gelu(mlpIn_->forward(ln2_->forward(h))));
 }
 
-Gpt::Gpt(const ModelOptions& options) : options_(options) {
+Gpt::Gpt(const ModelOptions& options, at::Device device) : options_(options) {
   TESSERA_CHECK_AS(ConfigError, options.embed_dim % options.heads == 0, "model.embed_dim ", options.embed_dim,
                    " is not divisible by model.heads ", options.heads);
-  wte_ = register_module("wte", torch::nn::Embedding(options.vocab_size, options.embed_dim));
-  wpe_ = register_module("wpe", torch::nn::Embedding(options.context, options.embed_dim));
+  wte_ = register_module("wte", layers::Embedding(options.vocab_size, options.embed_dim, device));
+  wpe_ = register_module("wpe", layers::Embedding(options.context, options.embed_dim, device));
+  wte_->setInit("weight", sharding::ParamInit::normal(0.0, kGpt2Std));
+  wpe_->setInit("weight", sharding::ParamInit::normal(0.0, kGpt2Std));
   blocks_ = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < options.layers; ++i) blocks_->push_back(std::make_shared<GptBlock>(options.embed_dim, options.heads));
-  lnF_ = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({options.embed_dim})));
+  for (int64_t i = 0; i < options.layers; ++i) {
+    blocks_->push_back(std::make_shared<GptBlock>(options.embed_dim, options.heads, options.layers, device));
+  }
+  lnF_ = register_module("ln_f", layers::LayerNorm(options.embed_dim, device));
   if (!options.tie_head) {
-    lmHead_ = register_module("lm_head",
-                              torch::nn::Linear(torch::nn::LinearOptions(options.embed_dim, options.vocab_size).bias(false)));
+    lmHead_ = register_module("lm_head", layers::Linear(options.embed_dim, options.vocab_size, /*bias=*/false, device));
+    gpt2Init(*lmHead_, kGpt2Std);
   }
 }
 
@@ -146,20 +170,24 @@ DataSpec tokenDataSpec(const ModelOptions& options) {
 
 bool predictsEveryPosition(const ModelOptions& options) { return options.arch == "gpt"; }
 
-std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const DataSpec& data) {
+std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const DataSpec& data, at::Device device) {
   if (options.arch == "mlp") {
-    if (data.tokens) return std::make_shared<ContextMlp>(options);
-    return std::make_shared<FeatureMlp>(options, data);
+    if (data.tokens) return std::make_shared<ContextMlp>(options, device);
+    return std::make_shared<FeatureMlp>(options, data, device);
   }
   if (options.arch == "gpt") {
     TESSERA_CHECK_AS(ConfigError, data.tokens, "model.arch gpt needs token data (data.kind text or tokens)");
-    return std::make_shared<Gpt>(options);
+    return std::make_shared<Gpt>(options, device);
   }
   if (options.arch == "diffusion") {
     TESSERA_CHECK_AS(ConfigError, !data.tokens, "model.arch diffusion needs float tensors (data.kind tensors)");
-    return std::make_shared<DiffusionDenoiser>(options, data.inputShape);
+    return std::make_shared<DiffusionDenoiser>(options, data.inputShape, device);
   }
   throw ConfigError(strCat("model.arch: unknown architecture '", options.arch, "' (mlp, gpt, diffusion)"));
+}
+
+void initializeModel(torch::nn::Module& model, uint64_t seed) {
+  sharding::materializeAll(model, layers::initializerOf(model, seed));
 }
 
 std::vector<std::string> defaultUnits(const ModelOptions& options) {

@@ -1,6 +1,19 @@
 // Built-in models. Parameter names follow the equivalent PyTorch modules, so exported
 // weights load into a Python model with the same structure.
 //
+// Every model is built from the deferred layers of layers.h: constructing it allocates no
+// parameter storage; a sharding strategy materialises what each rank holds and initialises
+// it (StrategyOptions::initializer = layers::initializerOf(model, run.seed)), and
+// initializeModel() does so in full for a single process. The initial values depend only
+// on run.seed and the parameter names. Initial distributions (U(-k, k) with k =
+// 1/sqrt(fan_in) is PyTorch's Linear default, N(0, 1) its Embedding's, LayerNorm weight 1
+// and bias 0):
+//   mlp        every Linear U(-k, k) (weight and bias), embed N(0, 1)
+//   diffusion  every Linear U(-k, k), LayerNorms 1 / 0
+//   gpt        GPT-2's: every Linear weight N(0, 0.02) but the residual projections
+//              (attn.c_proj, mlp.c_proj) N(0, 0.02 / sqrt(2 layers)), biases 0, wte and wpe
+//              N(0, 0.02), LayerNorms 1 / 0
+//
 // Every model is a TrainModel: it turns a Batch into the loss of each prediction; the
 // trainer averages them for training and sums them over the ranks for evaluation. Units
 // for zero3/hybrid (defaultUnits) are entered through sharding::unitForward inside the
@@ -23,15 +36,13 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
-#include <torch/nn/modules/normalization.h>
 
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "trainer/dataset.h"
+#include "trainer/layers.h"
 #include "trainer/train_config.h"
 
 namespace tessera::trainer {
@@ -58,20 +69,20 @@ class NextTokenModel : public TrainModel {
 
 class ContextMlp : public NextTokenModel {
  public:
-  explicit ContextMlp(const ModelOptions& options);
+  ContextMlp(const ModelOptions& options, at::Device device);
   at::Tensor nextTokenLogits(const at::Tensor& tokens) override;
 
  private:
   ModelOptions options_;
-  torch::nn::Embedding embed_{nullptr};
+  layers::Embedding embed_{nullptr};
   torch::nn::ModuleList layers_{nullptr};
-  torch::nn::Linear head_{nullptr};
+  layers::Linear head_{nullptr};
 };
 
 // An MLP over float tensors [batch, ...] for classification or regression.
 class FeatureMlp : public TrainModel {
  public:
-  FeatureMlp(const ModelOptions& options, const DataSpec& data);
+  FeatureMlp(const ModelOptions& options, const DataSpec& data, at::Device device);
   at::Tensor forward(const at::Tensor& inputs);  // [batch, ...] -> [batch, classes or target size]
   at::Tensor losses(const Batch& batch) override;
 
@@ -79,23 +90,24 @@ class FeatureMlp : public TrainModel {
   ModelOptions options_;
   DataSpec data_;
   torch::nn::ModuleList layers_{nullptr};
-  torch::nn::Linear head_{nullptr};
+  layers::Linear head_{nullptr};
 };
 
 class GptBlock : public torch::nn::Module {
  public:
-  GptBlock(int64_t width, int64_t heads);
+  // `layers`: the model's depth, which scales the residual projections' initial std.
+  GptBlock(int64_t width, int64_t heads, int64_t layers, at::Device device);
   at::Tensor forward(const at::Tensor& x);  // [batch, time, width] -> same
 
  private:
   int64_t heads_;
-  torch::nn::LayerNorm ln1_{nullptr}, ln2_{nullptr};
-  torch::nn::Linear attnIn_{nullptr}, attnOut_{nullptr}, mlpIn_{nullptr}, mlpOut_{nullptr};
+  layers::LayerNorm ln1_{nullptr}, ln2_{nullptr};
+  layers::Linear attnIn_{nullptr}, attnOut_{nullptr}, mlpIn_{nullptr}, mlpOut_{nullptr};
 };
 
 class Gpt : public NextTokenModel {
  public:
-  explicit Gpt(const ModelOptions& options);
+  Gpt(const ModelOptions& options, at::Device device);
   // tokens [batch, time <= context] -> logits [batch, time, vocab]; position t sees
   // tokens 0..t only.
   at::Tensor forward(const at::Tensor& tokens);
@@ -105,10 +117,10 @@ class Gpt : public NextTokenModel {
 
  private:
   ModelOptions options_;
-  torch::nn::Embedding wte_{nullptr}, wpe_{nullptr};
+  layers::Embedding wte_{nullptr}, wpe_{nullptr};
   torch::nn::ModuleList blocks_{nullptr};
-  torch::nn::LayerNorm lnF_{nullptr};
-  torch::nn::Linear lmHead_{nullptr};  // absent with tie_head
+  layers::LayerNorm lnF_{nullptr};
+  layers::Linear lmHead_{nullptr};  // absent with tie_head
 };
 
 // The spec of token data for `options` (windows of model.context, model.vocab_size ids).
@@ -118,12 +130,18 @@ DataSpec tokenDataSpec(const ModelOptions& options);
 // window (the dataset's targets depend on it).
 bool predictsEveryPosition(const ModelOptions& options);
 
-// The model model.arch names, sized for `data`. tessera::ConfigError for an unknown
-// architecture or one that cannot train on the data (gpt needs tokens, diffusion floats).
-std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const DataSpec& data);
+// The model model.arch names, sized for `data`, its parameters deferred on `device`.
+// tessera::ConfigError for an unknown architecture or one that cannot train on the data
+// (gpt needs tokens, diffusion floats).
+std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const DataSpec& data,
+                                      at::Device device = at::kCPU);
 inline std::shared_ptr<TrainModel> makeModel(const ModelOptions& options) {
   return makeModel(options, tokenDataSpec(options));
 }
+
+// Single process, no strategy: allocates every deferred parameter of `model` in full and
+// gives it its initial value under `seed` (what a strategy's ranks hold together).
+void initializeModel(torch::nn::Module& model, uint64_t seed);
 
 // The submodules that become zero3/hybrid units when sharding.wrap is empty: the MLP's
 // hidden layers ("layers.*", none without hidden layers), the GPT's blocks ("h.*"), the

@@ -9,6 +9,7 @@
 
 #include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
+#include "trainer/layers.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
@@ -32,7 +33,7 @@ at::Device trainingDevice(const TrainConfig& cfg) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
-sharding::StrategyOptions strategyOptions(const TrainConfig& cfg) {
+sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const TrainModel& model) {
   sharding::StrategyOptions o;
   o.strategy = cfg.sharding.strategy;
   o.bucketBytes = static_cast<int64_t>(cfg.sharding.bucket_mb * 1024 * 1024);
@@ -52,6 +53,9 @@ sharding::StrategyOptions strategyOptions(const TrainConfig& cfg) {
   o.fullyShard.activationCheckpointing = cfg.sharding.activation_checkpointing;
   o.fullyShard.shardSize = static_cast<int>(cfg.sharding.shard_size);
   o.wrap = cfg.sharding.wrap.empty() ? defaultUnits(cfg.model) : cfg.sharding.wrap;
+  // The model is built deferred: each rank initialises only what it holds, with values
+  // that depend on run.seed and the parameter names alone.
+  o.initializer = layers::initializerOf(model, static_cast<uint64_t>(cfg.run.seed));
   return o;
 }
 
@@ -96,10 +100,10 @@ void setUpCheckpointer(RunParts& run) {
 // checkpoint.resume: loads the newest complete checkpoint ("auto", falling back to older
 // ones when one fails verification on any rank) or the one named, into the run's state
 // in place, and continues its counters. The data position is step x global batch, so the
-// global batch and the seed must be the checkpoint's.
-void resume(RunParts& run) {
+// global batch and the seed must be the checkpoint's. Returns whether it resumed.
+bool resume(RunParts& run) {
   const TrainConfig& cfg = run.cfg;
-  if (cfg.checkpoint.resume == "none") return;
+  if (cfg.checkpoint.resume == "none") return false;
   const std::string checkpointsDir = (run.runDir / "checkpoints").string();
   std::vector<checkpoint::StateEntry> entries = collectStateEntries(*run.strategy, run.ema.get());
   std::optional<checkpoint::LoadResult> loaded;
@@ -108,7 +112,7 @@ void resume(RunParts& run) {
   } else {
     loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, entries);
   }
-  if (!loaded) return;
+  if (!loaded) return false;
   const TrainerCounters saved = countersFromJson(loaded->trainerState);
   if (saved.globalBatch != cfg.data.global_batch) {
     throw ConfigError(strCat("data.global_batch: ", cfg.data.global_batch, " differs from the ", saved.globalBatch,
@@ -126,6 +130,37 @@ void resume(RunParts& run) {
                              << " ranks with " << saved.strategy << "; now " << run.comm->worldSize()
                              << " ranks with " << cfg.sharding.strategy << "), read " << loaded->bytesRead
                              << " bytes in " << loaded->seconds << " s");
+  return true;
+}
+
+// A fresh run's start from files: model.init_from into the strategy's records (each rank
+// reads the rows it holds), the EMA then starting from those weights; ema.init_from into
+// every EMA. Both strict: names, shapes, floating point, finite (importSafetensors).
+void initializeFromFiles(RunParts& run) {
+  const TrainConfig& cfg = run.cfg;
+  if (cfg.model.init_from) {
+    checkpoint::ImportOptions options;
+    options.stripPrefix = "model/";
+    checkpoint::importSafetensors(*cfg.model.init_from, run.strategy->stateEntries("model/"), options);
+    run.strategy->publishParameters();
+    if (run.ema) run.ema->resetFromLive();
+    TLOG_INFO0("model initialised from " << *cfg.model.init_from);
+  }
+  if (run.ema && cfg.ema.init_from) {
+    // Fine-tuning: every EMA starts from given weights (names as the module's).
+    const std::vector<checkpoint::StateEntry> entries = run.ema->stateEntries("ema/");
+    for (size_t d = 0; d < run.ema->numDecays(); ++d) {
+      const std::string prefix = "ema/" + run.ema->stateName(d) + "/";
+      std::vector<checkpoint::StateEntry> decay;
+      for (const auto& e : entries) {
+        if (e.name.compare(0, prefix.size(), prefix) == 0) decay.push_back(e);
+      }
+      checkpoint::ImportOptions options;
+      options.stripPrefix = prefix;
+      checkpoint::importSafetensors(*cfg.ema.init_from, decay, options);
+    }
+    TLOG_INFO0("EMA initialised from " << *cfg.ema.init_from);
+  }
 }
 
 }  // namespace
@@ -152,10 +187,10 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
                                                       cfg.data.shuffle);
   run->microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
 
-  // Model, strategy, schedule, EMA.
-  run->model = makeModel(cfg.model, run->data->spec());
-  run->model->to(run->device);
-  run->strategy = sharding::makeStrategy(*run->model, run->comm, strategyOptions(cfg));
+  // Model (deferred: nothing allocated yet), strategy (materialises this rank's part),
+  // schedule, EMA.
+  run->model = makeModel(cfg.model, run->data->spec(), run->device);
+  run->strategy = sharding::makeStrategy(*run->model, run->comm, strategyOptions(cfg, *run->model));
   run->schedule = std::make_unique<sharding::LrSchedule>(scheduleOptions(cfg));
   run->ema = makeEma(cfg, *run->strategy);
   int64_t numParams = 0;
@@ -172,13 +207,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->counters.strategy = cfg.sharding.strategy;
   run->counters.worldSize = world;
   run->counters.resolvedConfig = run->resolvedYaml;
-  resume(*run);
-  if (run->startStep == 0 && run->ema && cfg.ema.init_from) {
-    // Fine-tuning: the EMA starts from given weights (names as the module's), each rank
-    // keeping its slice. A resumed run keeps the checkpoint's EMA instead.
-    run->ema->initializeFrom(checkpoint::loadSafetensors(*cfg.ema.init_from));
-    TLOG_INFO0("EMA initialised from " << *cfg.ema.init_from);
-  }
+  if (!resume(*run)) initializeFromFiles(*run);  // a resumed run keeps the checkpoint's weights
   TESSERA_CHECK_AS(ConfigError, run->startStep <= cfg.run.steps, "run.steps: ", cfg.run.steps,
                    " is below the step the run resumes from (", run->startStep, ")");
   return run;

@@ -49,9 +49,10 @@ struct RunParts {
 };
 
 // Builds every part and resumes (checkpoint.resume): every rank loads its own shards,
-// resharding as needed, and the counters continue where the checkpoint left off; a fresh
-// run with ema.init_from starts its EMA from that file. Collective: the strategy
-// broadcasts rank 0's parameters, the resume agrees on the checkpoint.
+// resharding as needed, and the counters continue where the checkpoint left off. A fresh
+// run starts from its initial distribution (each rank initialising only what it holds), or
+// from model.init_from / ema.init_from. Collective: the strategy materialises the model,
+// the resume agrees on the checkpoint.
 std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
                                    std::shared_ptr<distributed::Communicator> comm);
 

@@ -44,6 +44,9 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
       .greaterThan(0.0).lessThan(1.0);
   s.add("model.beta_end", &c.model.beta_end, "diffusion: last beta of the linear noise schedule")
       .greaterThan(0.0).lessThan(1.0);
+  s.add("model.init_from", &c.model.init_from,
+        "Safetensors file or sharded export (*.index.json) to start the model from (fresh runs; each rank reads "
+        "its rows)");
   s.add("model.samples", &c.model.samples,
         "diffusion: samples drawn with generator_ema (DDPM) at the end, written to <run.dir>/samples.safetensors")
       .min(0);
@@ -117,7 +120,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("ema.buffers", &c.ema.buffers, "Buffers (e.g. BatchNorm statistics): copied or averaged").oneOf({"copy", "average"});
 
   s.add("ema.init_from", &c.ema.init_from,
-        "Safetensors file (e.g. an exported generator_ema) to start every EMA from instead of the initial parameters");
+        "Safetensors file or sharded export (e.g. an exported generator_ema) to start every EMA from; "
+        "default: the model's start");
   s.describeSection("checkpoint", "Sharded checkpoints, resume and export");
   s.add("checkpoint.every_steps", &c.checkpoint.every_steps, "Save every N steps (0: only at the end)").min(0);
   s.add("checkpoint.at_end", &c.checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");

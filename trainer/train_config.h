@@ -44,6 +44,7 @@ struct ModelOptions {
   double beta_start = 1.0e-4;           // diffusion: linear beta schedule from beta_start ...
   double beta_end = 0.02;               // ... to beta_end
   int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
+  std::optional<std::string> init_from; // safetensors file or *.index.json to start from (fresh runs)
 };
 
 struct DataOptions {
@@ -101,7 +102,7 @@ struct EmaSection {
   double inv_gamma = 1.0;
   double power = 2.0 / 3.0;
   std::string buffers = "copy";  // copy | average
-  std::optional<std::string> init_from;  // safetensors file to start every EMA from (fresh runs)
+  std::optional<std::string> init_from;  // safetensors file or *.index.json every EMA starts from (fresh runs)
 };
 
 struct CheckpointSection {

@@ -174,20 +174,6 @@ TEST(EmaEntriesTest, EntriesAndAliasesNameEveryDecay) {
   EXPECT_EQ(mgr.decayName(0), "generator_ema_0.9");
 }
 
-TEST(EmaInitTest, InitializeFromFullTensors) {
-  EmaOptions o;
-  o.decays = {0.9, 0.99};
-  ShardSpec spec({5, 2}, at::kFloat, 2, 1);  // rank 1 of 2: rows [3, 5)
-  ShardedModelEMAManager mgr(o);
-  mgr.addParam("w", spec, spec.shardOf(at::zeros({5, 2})));
-  at::Tensor weights = at::arange(10, at::kFloat).view({5, 2});
-  mgr.initializeFrom({{"w", weights}}, 1);
-  EXPECT_TRUE(at::equal(spec.realRows(mgr.emaShard(1, "w")), weights.narrow(0, 3, 2)));
-  EXPECT_EQ(mgr.emaShard(0, "w").abs().sum().item<float>(), 0.0f);
-  EXPECT_THROW(mgr.initializeFrom({}), Error);
-  EXPECT_THROW(mgr.initializeFrom({{"w", at::zeros({4, 2})}}), Error);
-}
-
 TEST(EmaOptionsTest, BadOptionsAreConfigErrors) {
   EmaOptions o;
   o.decays = {1.5};

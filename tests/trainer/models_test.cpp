@@ -34,6 +34,13 @@ ModelOptions gptOptions(bool tied = false) {
   return o;
 }
 
+// A model built deferred (as every built-in one is), initialised in full for one process.
+template <typename M>
+std::shared_ptr<M> initialized(std::shared_ptr<M> model, uint64_t seed = 0) {
+  initializeModel(*model, seed);
+  return model;
+}
+
 std::set<std::string> names(torch::nn::Module& m) {
   std::set<std::string> out;
   for (const auto& item : m.named_parameters()) out.insert(item.key());
@@ -57,7 +64,7 @@ TEST(GptTest, ParameterNamesFollowNanoGpt) {
 
 TEST(GptTest, AttentionIsCausalAndNextTokenIsTheLastPosition) {
   torch::manual_seed(1);
-  auto model = std::make_shared<Gpt>(gptOptions());
+  auto model = initialized(std::make_shared<Gpt>(gptOptions(), at::kCPU));
   const at::Tensor tokens = torch::randint(0, 50, {3, 6}, at::kLong);
   const at::Tensor logits = model->forward(tokens);
   EXPECT_EQ(logits.sizes(), (c10::IntArrayRef{3, 6, 50}));
@@ -75,7 +82,7 @@ TEST(GptTest, AttentionIsCausalAndNextTokenIsTheLastPosition) {
 
 TEST(GptTest, TiedHeadUsesTheTokenEmbedding) {
   torch::manual_seed(2);
-  auto model = std::make_shared<Gpt>(gptOptions(/*tied=*/true));
+  auto model = initialized(std::make_shared<Gpt>(gptOptions(/*tied=*/true), at::kCPU));
   const at::Tensor tokens = torch::randint(0, 50, {2, 6}, at::kLong);
   const at::Tensor before = model->forward(tokens);
   {
@@ -94,14 +101,14 @@ TEST(GptTest, BadOptionsAreErrors) {
   EXPECT_THROW(makeModel(o), ConfigError);
   o.arch = "rnn";
   EXPECT_THROW(makeModel(o), ConfigError);
-  auto model = std::make_shared<Gpt>(gptOptions());
+  auto model = initialized(std::make_shared<Gpt>(gptOptions(), at::kCPU));
   EXPECT_THROW(model->forward(torch::zeros({1, 7}, at::kLong)), Error);  // longer than the context
 }
 
 TEST(ContextMlpTest, NamesAndShape) {
   ModelOptions o;
   o.hidden = {8};
-  auto model = std::dynamic_pointer_cast<NextTokenModel>(makeModel(o));
+  auto model = std::dynamic_pointer_cast<NextTokenModel>(initialized(makeModel(o)));
   ASSERT_NE(model, nullptr);
   EXPECT_EQ(names(*model), (std::set<std::string>{"embed.weight", "layers.0.weight", "layers.0.bias", "head.weight",
                                                    "head.bias"}));
@@ -133,7 +140,7 @@ std::vector<uint64_t> seedsFor(int64_t step, int64_t first, int64_t n) {
 
 TEST(DiffusionTest, NamesShapesAndUnits) {
   torch::manual_seed(3);
-  auto model = std::dynamic_pointer_cast<DiffusionDenoiser>(makeModel(diffusionOptions(), floatSpec({3, 2, 2})));
+  auto model = std::dynamic_pointer_cast<DiffusionDenoiser>(initialized(makeModel(diffusionOptions(), floatSpec({3, 2, 2}))));
   ASSERT_NE(model, nullptr);
   std::set<std::string> expected = {"time_embed.0.weight", "time_embed.0.bias", "time_embed.2.weight",
                                     "time_embed.2.bias",   "input_proj.weight", "input_proj.bias",
@@ -159,7 +166,7 @@ TEST(DiffusionTest, NamesShapesAndUnits) {
 // over ranks and micro-batches draws the same timesteps and noise.
 TEST(DiffusionTest, LossesDependOnTheSeedsNotOnTheBatchSplit) {
   torch::manual_seed(4);
-  auto model = std::make_shared<DiffusionDenoiser>(diffusionOptions(), std::vector<int64_t>{2});
+  auto model = initialized(std::make_shared<DiffusionDenoiser>(diffusionOptions(), std::vector<int64_t>{2}));
   Batch whole;
   whole.inputs = torch::randn({6, 2});
   whole.noiseSeeds = seedsFor(0, 0, 6);
@@ -180,7 +187,7 @@ TEST(DiffusionTest, LossesDependOnTheSeedsNotOnTheBatchSplit) {
 // x_t = sqrt(abar) x0 + sqrt(1 - abar) eps by hand gives the same mean-squared error.
 TEST(DiffusionTest, LossIsNoisePredictionError) {
   torch::manual_seed(5);
-  auto model = std::make_shared<DiffusionDenoiser>(diffusionOptions(), std::vector<int64_t>{3});
+  auto model = initialized(std::make_shared<DiffusionDenoiser>(diffusionOptions(), std::vector<int64_t>{3}));
   Batch batch;
   batch.inputs = torch::randn({1, 3});
   batch.noiseSeeds = seedsFor(2, 7, 1);
@@ -225,7 +232,7 @@ TEST(DiffusionTest, MatchesTheEquivalentPyTorchModule) {
   torch::manual_seed(8);
   ModelOptions o = diffusionOptions();
   o.embed_dim = 9;  // odd: the time embedding is zero-padded
-  auto model = std::make_shared<DiffusionDenoiser>(o, std::vector<int64_t>{2, 3});
+  auto model = initialized(std::make_shared<DiffusionDenoiser>(o, std::vector<int64_t>{2, 3}));
   std::map<std::string, at::Tensor> tensors;
   for (const auto& item : model->named_parameters()) tensors["param." + item.key()] = item.value().detach();
   tensors["x"] = torch::randn({4, 2, 3});
@@ -301,7 +308,7 @@ TEST(FeatureMlpTest, ClassesAndRegression) {
   torch::manual_seed(6);
   ModelOptions o;
   o.hidden = {7, 5};
-  auto classifier = std::dynamic_pointer_cast<FeatureMlp>(makeModel(o, floatSpec({2, 3}, /*classes=*/4)));
+  auto classifier = std::dynamic_pointer_cast<FeatureMlp>(initialized(makeModel(o, floatSpec({2, 3}, /*classes=*/4))));
   ASSERT_NE(classifier, nullptr);
   EXPECT_EQ(names(*classifier), (std::set<std::string>{"layers.0.weight", "layers.0.bias", "layers.1.weight",
                                                         "layers.1.bias", "head.weight", "head.bias"}));
@@ -313,12 +320,12 @@ TEST(FeatureMlpTest, ClassesAndRegression) {
   const at::Tensor expected = -logits.log_softmax(1).gather(1, batch.targets.unsqueeze(1)).squeeze(1);
   EXPECT_TRUE(at::allclose(classifier->losses(batch), expected, 1e-5, 1e-6));
 
-  auto regressor = std::dynamic_pointer_cast<FeatureMlp>(makeModel(o, floatSpec({6}, 0, {2})));
+  auto regressor = std::dynamic_pointer_cast<FeatureMlp>(initialized(makeModel(o, floatSpec({6}, 0, {2}))));
   batch.inputs = torch::randn({3, 6});
   batch.targets = torch::randn({3, 2});
   const at::Tensor mse = (regressor->forward(batch.inputs) - batch.targets).square().mean(1);
   EXPECT_TRUE(at::allclose(regressor->losses(batch), mse, 1e-5, 1e-6));
-  auto scalar = std::dynamic_pointer_cast<FeatureMlp>(makeModel(o, floatSpec({6}, 0, {})));  // targets [n]
+  auto scalar = std::dynamic_pointer_cast<FeatureMlp>(initialized(makeModel(o, floatSpec({6}, 0, {}))));  // targets [n]
   batch.targets = torch::randn({3});
   EXPECT_TRUE(at::allclose(scalar->losses(batch), (scalar->forward(batch.inputs).squeeze(1) - batch.targets).square(),
                            1e-5, 1e-6));
