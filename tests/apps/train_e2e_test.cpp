@@ -396,6 +396,69 @@ TEST(TrainE2ETest, SigtermSavesTheCurrentStepAndResumes) {
   expectBitwiseEqualExports(full, dir, "after the preemption");
 }
 
+// model.init_from: a run starts from another run's exported weights — one file, or a
+// sharded export (*.index.json) — each of its 2 zero3 ranks reading its own rows, and its
+// EMA starts there too; a file that does not fit the model is refused (exit 1, the file
+// and the problem named).
+TEST(TrainE2ETest, ModelInitFromAnExport) {
+  std::string out;
+  const std::string source = uniqueDir("source");
+  ASSERT_EQ(run(kBin + "/tessera-train" + kResumeArgs + " --set run.steps=6 --set checkpoint.export=[model]" +
+                    " --set run.dir=" + source,
+                &out),
+            0)
+      << out;
+  const std::string file = (fs::path(source) / "export" / "model.safetensors").string();
+  const std::string shardedDir = uniqueDir("sharded_export");
+  ASSERT_EQ(run(kBin + "/tessera-export " + source + "/checkpoints --what model --max-shard-size 40KB --out " + shardedDir,
+                &out),
+            0)
+      << out;
+  const std::string index = (fs::path(shardedDir) / "model.safetensors.index.json").string();
+  ASSERT_TRUE(fs::exists(index)) << out;
+  const auto weights = tessera::checkpoint::loadSafetensors(file);
+
+  // One step at a learning rate too small to move an fp32 weight by more than 1e-9: the
+  // exported model is the file's weights, and the EMA too (within the rounding of one
+  // blend of equal values); a fresh init differs by ~1e-2.
+  const std::string still = " --set run.steps=1 --set optim.lr=1e-12 --set optim.weight_decay=0"
+                            " --set optim.schedule.warmup_steps=0 --set optim.schedule.min_lr=0"
+                            " --set checkpoint.export=[model,generator_ema]";
+  for (const std::string& from : {file, index}) {
+    const std::string dir = uniqueDir("started");
+    ASSERT_EQ(run(kLaunch2 + kResumeArgs + still + " --set sharding.strategy=zero3 --set model.init_from=" + from +
+                      " --set run.dir=" + dir,
+                  &out),
+              0)
+        << out;
+    EXPECT_NE(out.find("model initialised from " + from), std::string::npos) << out;
+    for (const char* what : {"model", "generator_ema"}) {
+      const auto got = tessera::checkpoint::loadSafetensors((fs::path(dir) / "export" / (std::string(what) + ".safetensors")).string());
+      ASSERT_EQ(got.size(), weights.size()) << what;
+      for (const auto& [name, w] : weights) {
+        const double tolerance = std::string(what) == "model" ? 1e-9 : 1e-6 * w.abs().max().item<double>();
+        EXPECT_LE((got.at(name) - w).abs().max().item<double>(), tolerance) << what << " " << name << " from " << from;
+      }
+    }
+  }
+
+  // A model of another size: every mismatched shape listed, the file named, exit 1.
+  const std::string bad = uniqueDir("bad");
+  EXPECT_EQ(run(kBin + "/tessera-train" + kResumeArgs + still + " --set model.hidden=[40] --set model.init_from=" + file +
+                    " --set run.dir=" + bad,
+                &out),
+            1)
+      << out;
+  EXPECT_NE(out.find(file + " does not match the model"), std::string::npos) << out;
+  EXPECT_NE(out.find("layers.0.weight: file has [48, 512], expected [40, 512]"), std::string::npos) << out;
+  EXPECT_EQ(run(kBin + "/tessera-train" + kResumeArgs + still + " --set model.init_from=" + file + ".missing" +
+                    " --set run.dir=" + bad,
+                &out),
+            1)
+      << out;
+  EXPECT_NE(out.find(file + ".missing"), std::string::npos) << out;
+}
+
 // How often step `step` was saved, from rank 0's log lines (sync or async saves).
 int savesOf(const std::string& log, int64_t step) {
   int count = 0;

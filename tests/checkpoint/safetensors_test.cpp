@@ -206,6 +206,74 @@ TEST(SafetensorsTest, ImportFillsShardsOnEveryRankWithCasting) {
   }
 }
 
+// Weights are floating point and finite: an integer tensor for a float entry is refused
+// whatever allowCast says (its values are no weights), and so are NaN and Inf, each error
+// naming the file and the tensor.
+TEST(SafetensorsTest, ImportRefusesIntegersAndNonFiniteValues) {
+  TempDir tmp;
+  const sharding::ShardSpec spec({2, 2}, at::kFloat, 1, 0);
+  auto importOne = [&](const std::string& file, const at::Tensor& value) {
+    saveSafetensors(tmp / file, {{"w", value}});
+    StateEntry e{"model/w", spec, at::zeros({2, 2})};
+    ImportOptions options;
+    options.stripPrefix = "model/";
+    importSafetensors(tmp / file, {e}, options);
+  };
+  auto messageOf = [&](const std::string& file, const at::Tensor& value) -> std::string {
+    try {
+      importOne(file, value);
+    } catch (const CheckpointError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const std::string ints = messageOf("ints.safetensors", at::ones({2, 2}, at::kInt));
+  EXPECT_NE(ints.find(tmp / "ints.safetensors"), std::string::npos) << ints;
+  EXPECT_NE(ints.find("w: file has I32, a floating-point tensor is needed"), std::string::npos) << ints;
+  for (float bad : {NAN, INFINITY}) {
+    at::Tensor value = at::ones({2, 2});
+    value[1][0] = bad;
+    const std::string e = messageOf("bad.safetensors", value);
+    EXPECT_NE(e.find(tmp / "bad.safetensors"), std::string::npos) << e;
+    EXPECT_NE(e.find("tensor 'w' holds NaN or Inf"), std::string::npos) << e;
+  }
+  EXPECT_NO_THROW(importOne("good.safetensors", at::ones({2, 2}, at::kBFloat16)));
+}
+
+// A sharded export (Hugging Face's index.json and files) imports like one file: every rank
+// of every world size gets exactly its rows.
+TEST(SafetensorsTest, ImportFromAShardedExportOnEveryRank) {
+  TempDir tmp;
+  std::map<std::string, at::Tensor> weights = {{"a", at::arange(28, at::kFloat).view({7, 4})},
+                                               {"b", at::arange(5, at::kFloat) - 2},
+                                               {"c", at::full({}, 0.5f)}};
+  std::vector<StateEntry> full;
+  for (const auto& [name, w] : weights) {
+    full.push_back({"model/" + name, sharding::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
+  }
+  ExportOptions ex;
+  ex.maxShardBytes = 64;  // a (112 bytes) alone, then b and c
+  const ExportResult written = exportOnline(full, "model/", nullptr, tmp / "out", ex);
+  ASSERT_FALSE(written.indexFile.empty());
+  ASSERT_EQ(written.files.size(), 2u);
+  for (int world = 1; world <= 4; ++world) {
+    for (int rank = 0; rank < world; ++rank) {
+      std::vector<StateEntry> entries;
+      for (const auto& [name, w] : weights) {
+        sharding::ShardSpec spec(w.sizes().vec(), at::kFloat, world, rank);
+        entries.push_back({"model/" + name, spec, at::full(spec.localShape(), 9.0f)});
+      }
+      ImportOptions options;
+      options.stripPrefix = "model/";
+      importSafetensors(written.indexFile, entries, options);
+      for (const auto& e : entries) {
+        EXPECT_TRUE(bitwiseEqual(e.local, e.spec.shardOf(weights.at(e.name.substr(6)))))
+            << e.name << " rank " << rank << " of " << world;
+      }
+    }
+  }
+}
+
 TEST(SafetensorsTest, IndependentPythonReaderSeesTheSameTensors) {
   TempDir tmp;
   // A checkpoint saved on 3 ranks, exported as bf16 (floats) with ints kept.

@@ -9,6 +9,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -665,6 +666,79 @@ TEST(FullyShardOwnershipTest, TwoStrategiesOverTwoModelsKeepTheirUnitsApart) {
       EXPECT_LE(relativeError(item.value().detach().to(at::kFloat), refM.at(item.key())), 1e-5) << "mlp " << item.key();
     }
   });
+}
+
+// Frozen parameters (requires_grad false: a whole unit, fc1, and one parameter of
+// another, fc2.bias): sharded like the others — 1/N of their bytes per rank, no full copy
+// between steps — gathered with their unit, never stepped nor reduce-scattered; the
+// trainable ones train as a single process does, and the frozen ones do not move.
+TEST(FullyShardFrozenTest, FrozenParametersAreShardedAndNeverStepped) {
+  useOneThread();
+  const std::vector<std::string> frozen = {"fc1.weight", "fc1.bias", "fc2.bias"};
+  auto freeze = [&](torch::nn::Module& m) {
+    for (auto& item : m.named_parameters()) {
+      if (std::find(frozen.begin(), frozen.end(), item.key()) != frozen.end()) item.value().set_requires_grad(false);
+    }
+  };
+  RunConfig c;
+  c.model = ModelKind::kMlp;
+  c.steps = 8;
+  const Data data = makeData(c.model, c.steps, c.batch);
+  const auto init = paramValues(*buildModel(c.model).module);
+  std::map<std::string, at::Tensor> reference;
+  {
+    AnyModel m = buildModel(c.model);
+    loadParamValues(*m.module, init);
+    freeze(*m.module);
+    auto opt = referenceOptimizer(adamw(), kLr, *m.module);
+    for (int t = 0; t < c.steps; ++t) {
+      opt->zero_grad();
+      m.loss(data.x[t], data.y[t]).backward();
+      opt->step();
+    }
+    reference = paramValues(*m.module);
+  }
+  for (int world : {2, 3}) {
+    runOnRanks(world, [&](RankContext& ctx) {
+      AnyModel m = buildModel(c.model);
+      loadParamValues(*m.module, init);
+      freeze(*m.module);
+      StrategyOptions o;
+      o.strategy = "zero3";
+      o.optimizer = adamw();
+      o.wrap = m.units;
+      FullyShardStrategy engine(*m.module, ctx.comm(), o);
+      EXPECT_EQ(engine.optimizer().size(), engine.params().size() - frozen.size());
+      int64_t trainableShard = 0;
+      for (const ShardedParam& p : engine.params()) {
+        const bool isFrozen = std::find(frozen.begin(), frozen.end(), p.name) != frozen.end();
+        EXPECT_EQ(p.trainable, !isFrozen) << p.name;
+        if (p.trainable) trainableShard += p.spec.paddedNumel();
+      }
+      for (int t = 0; t < c.steps; ++t) {
+        engine.zeroGrad();
+        if (t == c.steps - 1) ctx.comm()->resetStats();
+        m.loss(rankSlice(data.x[t], ctx.rank, world), rankSlice(data.y[t], ctx.rank, world)).backward();
+        ASSERT_FALSE(engine.step(kLr).skipped);
+        for (const ShardedParam& p : engine.params()) {
+          if (p.trainable) continue;
+          EXPECT_EQ(p.moduleParam.storage().nbytes(), 0u) << p.name << ": no full copy between steps";
+          EXPECT_EQ(p.master.numel(), p.spec.paddedNumel()) << p.name << ": 1/N of it per rank";
+        }
+      }
+      // One reduce-scatter per unit with trainable parameters, of their gradients alone.
+      const auto stats = ctx.comm()->stats();
+      EXPECT_EQ(stats[distributed::CommOp::kReduceScatter].calls, 2) << "fc2 and the root; fc1 is all frozen";
+      EXPECT_EQ(stats[distributed::CommOp::kReduceScatter].bytes, (world - 1) * 4 * trainableShard);
+      engine.gatherFullParameters();
+      for (const auto& item : m.module->named_parameters()) {
+        const at::Tensor value = item.value().detach();
+        EXPECT_LE(relativeError(value, reference.at(item.key())), 1e-5) << "world " << world << " " << item.key();
+        if (!item.value().requires_grad()) EXPECT_TRUE(value.equal(init.at(item.key()))) << item.key() << " moved";
+      }
+      engine.publishParameters();
+    });
+  }
 }
 
 // ---- memory and communication ----------------------------------------------------------

@@ -1,0 +1,146 @@
+// Sharded initialisation of the built-in models: built deferred, materialised by a
+// strategy on 1-4 ranks under all five strategies, the global parameters are bitwise the
+// single-process initialisation (initializeModel) — no rank held the whole model under
+// zero3 — and the declared distributions are the documented ones.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+
+#include "distributed/communicator.h"
+#include "sharding/fully_shard.h"
+#include "sharding/param_init.h"
+#include "sharding/strategy.h"
+#include "tests/support/multi_rank.h"
+#include "trainer/layers.h"
+#include "trainer/models.h"
+
+namespace tessera::trainer {
+namespace {
+
+constexpr uint64_t kSeed = 1234;
+
+ModelOptions gptOptions() {
+  ModelOptions o;
+  o.arch = "gpt";
+  o.vocab_size = 29;
+  o.context = 5;
+  o.embed_dim = 12;
+  o.layers = 2;
+  o.heads = 3;
+  return o;
+}
+
+ModelOptions mlpOptions() {
+  ModelOptions o;
+  o.context = 3;
+  o.embed_dim = 5;
+  o.hidden = {7, 3};  // rows that divide by none of 2, 3, 4
+  return o;
+}
+
+std::map<std::string, at::Tensor> singleProcessInit(const ModelOptions& options) {
+  auto model = makeModel(options);
+  initializeModel(*model, kSeed);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+struct Case {
+  std::string strategy;
+  int world;
+  int shardSize;  // hybrid
+};
+
+TEST(ShardedInitTest, EqualsSingleProcessInitAtEveryWorldSizeAndStrategy) {
+  std::vector<Case> cases;
+  for (const char* s : {"no_shard", "zero1", "zero2", "zero3"}) {
+    for (int world = 1; world <= 4; ++world) cases.push_back({s, world, 0});
+  }
+  cases.push_back({"hybrid", 2, 1});
+  cases.push_back({"hybrid", 4, 2});
+  for (const ModelOptions& options : {gptOptions(), mlpOptions()}) {
+    const auto want = singleProcessInit(options);
+    for (const Case& c : cases) {
+      test::runOnRanks(c.world, [&](test::RankContext& ctx) {
+        at::set_num_threads(1);
+        auto model = makeModel(options);
+        for (const auto& p : model->parameters()) ASSERT_TRUE(sharding::hasNoStorage(p)) << "built deferred";
+        sharding::StrategyOptions o;
+        o.strategy = c.strategy;
+        o.wrap = defaultUnits(options);
+        o.fullyShard.shardSize = c.shardSize;
+        o.initializer = layers::initializerOf(*model, kSeed);
+        auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
+        const bool sharded = c.strategy == "zero3" || c.strategy == "hybrid";
+        for (const sharding::ShardedParam& p : strategy->params()) {
+          if (sharded) EXPECT_EQ(p.moduleParam.storage().nbytes(), 0u) << p.name << ": zero3 holds no full parameter";
+          const at::Tensor full = p.spec.fullTensor(p.master, strategy->stateComm());
+          EXPECT_TRUE(full.equal(want.at(p.name))) << c.strategy << " world " << c.world << " " << p.name;
+          if (!sharded) EXPECT_TRUE(p.moduleParam.detach().equal(want.at(p.name))) << p.name;
+        }
+      });
+    }
+  }
+}
+
+// The distributions models.h documents, measured on tensors large enough for the moments.
+TEST(ShardedInitTest, DeclaredDistributionsAreTheDocumentedOnes) {
+  ModelOptions gpt = gptOptions();
+  gpt.embed_dim = 96;
+  gpt.heads = 4;
+  gpt.layers = 8;
+  const auto g = singleProcessInit(gpt);
+  auto near = [](double got, double want, double rel) { return std::abs(got - want) <= rel * want; };
+  EXPECT_TRUE(near(g.at("h.0.attn.c_attn.weight").std().item<double>(), 0.02, 0.03));
+  EXPECT_TRUE(near(g.at("h.3.mlp.c_proj.weight").std().item<double>(), 0.02 / std::sqrt(16.0), 0.03))
+      << g.at("h.3.mlp.c_proj.weight").std().item<double>();
+  EXPECT_TRUE(near(g.at("wte.weight").std().item<double>(), 0.02, 0.05));
+  EXPECT_TRUE(g.at("h.1.attn.c_attn.bias").eq(0).all().item<bool>());
+  EXPECT_TRUE(g.at("ln_f.weight").eq(1).all().item<bool>());
+  EXPECT_TRUE(g.at("ln_f.bias").eq(0).all().item<bool>());
+  EXPECT_FALSE(g.at("h.0.mlp.c_fc.weight").equal(g.at("h.1.mlp.c_fc.weight"))) << "each tensor its own stream";
+
+  ModelOptions mlp;
+  mlp.context = 8;
+  mlp.embed_dim = 32;
+  mlp.hidden = {300};
+  const auto m = singleProcessInit(mlp);
+  const double bound = 1.0 / std::sqrt(256.0);  // fan_in of layers.0: context x embed_dim
+  const at::Tensor w = m.at("layers.0.weight");
+  EXPECT_LE(w.abs().max().item<double>(), bound);
+  EXPECT_TRUE(near(w.std().item<double>(), bound / std::sqrt(3.0), 0.02));  // uniform(-b, b)
+  EXPECT_LT(std::abs(w.mean().item<double>()), 0.01 * bound);
+  EXPECT_TRUE(near(m.at("embed.weight").std().item<double>(), 1.0, 0.05));
+  // Another seed, other values; the same seed, the same values.
+  auto other = makeModel(mlp);
+  initializeModel(*other, kSeed + 1);
+  EXPECT_FALSE(other->named_parameters()["layers.0.weight"].equal(w));
+  EXPECT_TRUE(singleProcessInit(mlp).at("layers.0.weight").equal(w));
+}
+
+// A deferred model needs an initializer; a model another live zero3 strategy holds is
+// refused, not initialised again.
+TEST(ShardedInitTest, DeferredWithoutInitializerAndHeldParametersAreErrors) {
+  test::runOnRanks(1, [](test::RankContext& ctx) {
+    auto model = makeModel(mlpOptions());
+    sharding::StrategyOptions o;
+    o.strategy = "zero3";
+    EXPECT_THROW(sharding::makeStrategy(*model, ctx.comm(), o), ConfigError);
+    o.initializer = layers::initializerOf(*model, kSeed);
+    auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
+    o.strategy = "no_shard";
+    try {
+      sharding::makeStrategy(*model, ctx.comm(), o);
+      ADD_FAILURE() << "a second strategy over the same parameters";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("already sharded"), std::string::npos) << e.what();
+    }
+  });
+}
+
+}  // namespace
+}  // namespace tessera::trainer
