@@ -32,6 +32,7 @@
 
 #include "common/app_main.h"
 #include "common/filesystem.h"
+#include "sharding/host_allocator.h"
 #include "trainer/dataset.h"
 #include "trainer/models.h"
 #include "trainer/text_dataset.h"
@@ -144,8 +145,8 @@ int main(int argc, char** argv) {
   app.add_option("--set", sets, "Config override for both (key=value), repeatable");
   CLI11_PARSE(app, argc, argv);
   steps = steps / 4 * 4;
-  // The baseline loop runs under the host allocator policy tessera-train sets for itself.
-  tessera::keepFreedHostMemoryForReuse();
+  // The baseline loop runs under the host allocator tessera-train uses for itself.
+  tessera::sharding::useCachingHostAllocator();
 
   try {
     const TrainConfig cfg = tessera::trainer::loadTrainConfig(config, sets, nproc).config;

@@ -2,9 +2,6 @@
 #include "common/app_main.h"
 
 #include <nlohmann/json.hpp>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 
 #include <chrono>
 #include <cstdlib>
@@ -16,18 +13,6 @@
 #include "common/logging.h"
 
 namespace tessera {
-
-void keepFreedHostMemoryForReuse() {
-#if defined(__GLIBC__)
-  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"}) {
-    if (std::getenv(name)) return;
-  }
-  // Both together: setting either alone turns off glibc's dynamic mmap threshold, which
-  // then stays at 128 KiB and makes things slower, not faster.
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest allowed value on 64-bit
-  mallopt(M_TRIM_THRESHOLD, 256 << 20);
-#endif
-}
 
 void writeErrorFile(const std::string& message) {
   const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");

@@ -19,6 +19,9 @@ namespace {
 
 // allGatherInto: outputs up to this size go through all-to-all (see doAllGatherInto).
 constexpr int64_t kAllToAllGatherBytes = int64_t{4} << 20;
+// Reduce-scatters of more than this go point to point (PairwiseReduceScatter): the
+// all-to-all's receive buffer, as large as the input, stays below it.
+constexpr int64_t kAllToAllReduceBytes = int64_t{4} << 20;
 
 std::string firstLine(const std::string& message) { return message.substr(0, message.find('\n')); }
 
@@ -78,6 +81,28 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& hostnam
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+// Waits for `work`, turning c10d's and Gloo's failures into ours: TimeoutError when the
+// work did not finish in time, Error otherwise; either way the communicator is marked
+// broken (ranks no longer agree on what was sent).
+void waitGlooWork(c10d::Work& work, const std::string& method, const std::string& what, std::chrono::milliseconds timeout,
+                  const std::shared_ptr<CommHealth>& health) {
+  try {
+    work.wait(timeout);
+  } catch (const std::exception& e) {
+    // Either c10d's wait gave up ("Operation timed out!", the work still runs) or Gloo's
+    // own timeout or a transport error ended the work.
+    const std::string cause = firstLine(e.what());
+    const bool timedOut = !work.isCompleted() || looksLikeTimeout(cause);
+    const std::string message =
+        timedOut ? strCat("GlooCommunicator::", method, ": timed out after ", formatDuration(timeout), ": ", what,
+                          " (gloo: ", cause, ")")
+                 : strCat("GlooCommunicator::", method, ": failed: ", what, " (gloo: ", cause, ")");
+    markCommBroken(health, message);
+    if (timedOut) throw TimeoutError(message);
+    throw Error(message);
+  }
+}
+
 class GlooHandle final : public CommHandle {
  public:
   GlooHandle(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string method, std::string what,
@@ -97,19 +122,10 @@ class GlooHandle final : public CommHandle {
     }
     done_ = true;
     try {
-      work_->wait(timeout_);
-    } catch (const std::exception& e) {
-      // Either c10d's wait gave up ("Operation timed out!", the work still runs) or Gloo's
-      // own timeout or a transport error ended the work.
-      const std::string cause = firstLine(e.what());
-      const bool timedOut = !work_->isCompleted() || looksLikeTimeout(cause);
-      const std::string message =
-          timedOut ? strCat("GlooCommunicator::", method_, ": timed out after ", formatDuration(timeout_), ": ", what_,
-                            " (gloo: ", cause, ")")
-                   : strCat("GlooCommunicator::", method_, ": failed: ", what_, " (gloo: ", cause, ")");
-      markCommBroken(health_, message);
-      error_ = timedOut ? std::make_exception_ptr(TimeoutError(message)) : std::make_exception_ptr(Error(message));
-      std::rethrow_exception(error_);
+      waitGlooWork(*work_, method_, what_, timeout_, health_);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
     }
     if (finish_) finish_();
     finish_ = nullptr;  // drops the references to the buffers
@@ -125,6 +141,119 @@ class GlooHandle final : public CommHandle {
   std::string what_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<CommHealth> health_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+// A reduce-scatter from point-to-point transfers that holds two chunks of receive buffer,
+// not one as large as the input (an all-to-all's): zero3 reduces a whole unit at a time,
+// and that buffer was a unit at its memory peak. Every rank sends chunk j of its input to
+// rank j at once; it receives from rank-1, rank-2, ... in turn (so each rank sends to one
+// peer and receives from another in each round, as a ring does), adding each chunk into
+// the output after its own, in that fixed order (deterministic). Same bytes on the wire
+// as the all-to-all. 16-bit inputs are summed in fp32 and rounded once.
+class PairwiseReduceScatter final : public CommHandle {
+ public:
+  PairwiseReduceScatter(c10d::ProcessGroupGloo& pg, const at::Tensor& flatIn, const at::Tensor& localOut, ReduceOp op,
+                        int rank, int world, int tag, std::string what, std::chrono::milliseconds timeout,
+                        std::shared_ptr<CommHealth> health)
+      : pg_(pg),
+        flatIn_(flatIn),
+        out_(localOut.view({-1})),
+        op_(op),
+        rank_(rank),
+        world_(world),
+        tag_(tag),
+        what_(std::move(what)),
+        timeout_(timeout),
+        health_(std::move(health)) {
+    const int64_t chunk = out_.numel();
+    const at::Tensor parts = flatIn_.view({world_, chunk});
+    for (int i = 1; i < world_; ++i) {
+      const int to = (rank_ + i) % world_;
+      std::vector<at::Tensor> t{bytesOf(parts[to])};
+      sends_.push_back(pg_.send(t, to, tag_));
+    }
+    // The sum runs in the output itself, or in fp32 beside a 16-bit one.
+    const bool narrow = out_.scalar_type() == at::kBFloat16 || out_.scalar_type() == at::kHalf;
+    if (narrow) {
+      sum_ = parts[rank_].to(at::kFloat);
+    } else {
+      out_.copy_(parts[rank_]);
+      sum_ = out_;
+    }
+    for (at::Tensor& b : buffers_) b = at::empty({chunk}, out_.options());
+    postReceive(1);
+  }
+
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    done_ = true;
+    try {
+      for (int i = 1; i < world_; ++i) {
+        c10::intrusive_ptr<c10d::Work> work = std::move(pending_);
+        const at::Tensor received = buffers_[i % 2];
+        if (i + 1 < world_) postReceive(i + 1);  // into the other buffer, while this one is added
+        waitGlooWork(*work, "reduceScatter", what_, timeout_, health_);
+        combine(received);
+      }
+      for (auto& send : sends_) waitGlooWork(*send, "reduceScatter", what_, timeout_, health_);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    if (op_ == ReduceOp::kAvg) sum_.div_(world_);
+    if (!sum_.is_same(out_)) out_.copy_(sum_);
+    sends_.clear();
+    flatIn_ = sum_ = at::Tensor();
+    for (at::Tensor& b : buffers_) b = at::Tensor();
+  }
+
+  bool isCompleted() override {
+    if (pending_ && !pending_->isCompleted()) return false;
+    for (auto& send : sends_) {
+      if (!send->isCompleted()) return false;
+    }
+    return true;
+  }
+
+ private:
+  // Round i: the chunk from rank - i.
+  void postReceive(int i) {
+    std::vector<at::Tensor> t{bytesOf(buffers_[i % 2])};
+    pending_ = pg_.recv(t, (rank_ - i + world_) % world_, tag_);
+  }
+
+  void combine(const at::Tensor& received) {
+    switch (op_) {
+      case ReduceOp::kSum:
+      case ReduceOp::kAvg:
+        sum_.add_(received);
+        return;
+      case ReduceOp::kMax:
+        at::maximum_out(sum_, sum_, received);
+        return;
+      case ReduceOp::kMin:
+        at::minimum_out(sum_, sum_, received);
+        return;
+    }
+  }
+
+  c10d::ProcessGroupGloo& pg_;
+  at::Tensor flatIn_, out_, sum_;
+  ReduceOp op_;
+  int rank_, world_, tag_;
+  std::string what_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<CommHealth> health_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
+  c10::intrusive_ptr<c10d::Work> pending_;
+  at::Tensor buffers_[2];
+  std::mutex mutex_;
   bool done_ = false;
   std::exception_ptr error_;
 };
@@ -247,12 +376,19 @@ class GlooCommunicator final : public Communicator {
       const at::Tensor hostOut = hostBuffer(local_out);
       return copyBackOnWait(doReduceScatter(hostOut, hostCopy(flat_in), op), local_out, hostOut);
     }
+    const int world = worldSize();
+    if (flat_in.nbytes() > kAllToAllReduceBytes) {
+      // Large: point to point, two chunks of receive buffer instead of a whole input.
+      const int tag = nextPointToPointTag_++ & 0x3fffffff;  // the same sequence on every rank
+      return std::make_shared<PairwiseReduceScatter>(*pg_, flat_in.contiguous(), local_out, op, rank(), world, tag,
+                                                     describeOp("reduceScatter", flat_in, reduceOpName(op)),
+                                                     options().timeout, health());
+    }
     // All-to-all with equal splits: chunk r of every rank's flat_in lands on rank r, in
     // rank order; then rank r reduces its N received chunks locally.
     const at::Tensor send = bytesOf(flat_in);
     const at::Tensor received = at::empty_like(send);
     auto work = allToAllEqual(received, send);
-    const int world = worldSize();
     const int64_t chunk = local_out.numel();
     const at::ScalarType type = local_out.scalar_type();
     auto finish = [received, local_out, world, chunk, type, op]() {
@@ -367,6 +503,7 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<Store> store_;
   GlooOptions gloo_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  int nextPointToPointTag_ = 0;
 };
 
 }  // namespace

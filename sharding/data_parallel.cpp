@@ -4,10 +4,12 @@
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <functional>
 
 #include "common/errors.h"
 #include "distributed/communicator.h"
+#include "sharding/grad_hooks.h"
 #include "sharding/inflight.h"
 
 namespace tessera::sharding {
@@ -20,6 +22,17 @@ struct InflightBucket {
   at::Tensor local;  // reduce-scatter output (zero1/zero2)
   std::shared_ptr<distributed::CommHandle> handle;
 };
+
+}  // namespace
+
+struct DataParallelStrategy::Overlap {
+  explicit Overlap(DataParallelStrategy& s)
+      : inflight(kMaxInflightBuckets, [&s](InflightBucket& job) { s.finishBucket(job.bucket, job.flat, job.local); }) {}
+  InflightCollectives<InflightBucket> inflight;  // the gradient reductions
+  GradReadyHooks hooks;                          // no_shard / zero2: onGradReady
+};
+
+namespace {
 
 // Issues one collective per bucket through `issue`, keeping at most kMaxInflightBuckets in
 // flight, and hands each to `finish` (after its wait) in bucket order.
@@ -43,6 +56,8 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
                    "DataParallelStrategy: strategy '", options_.strategy, "' is not one of no_shard, zero1, zero2");
   sharded_ = kind_ != StrategyKind::kNoShard;
   freeFullGrads_ = kind_ == StrategyKind::kZero2;
+  overlap_ = kind_ != StrategyKind::kZero1;
+  inflight_ = std::make_unique<Overlap>(*this);
   mastersAreParams_ = options_.paramDtype == at::kFloat;
   const int world = comm_->worldSize();
   const int rank = comm_->rank();
@@ -89,9 +104,11 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
 
   // Buckets, sized by their flat reduce buffer (padding included).
   const int64_t elementBytes = static_cast<int64_t>(c10::elementSize(options_.reduceDtype));
-  std::vector<ShardedParam*> trainable;  // frozen parameters are in no bucket
-  for (ShardedParam& p : mutableParams()) {
-    if (p.trainable) trainable.push_back(&p);
+  // Reverse registration order: the order backward produces the gradients. Frozen
+  // parameters are in no bucket.
+  std::vector<ShardedParam*> trainable;
+  for (auto it = mutableParams().rbegin(); it != mutableParams().rend(); ++it) {
+    if (it->trainable) trainable.push_back(&*it);
   }
   std::vector<int64_t> bytes;
   for (const ShardedParam* p : trainable) {
@@ -104,80 +121,135 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
       members.push_back(trainable[i]);
       specs.push_back(trainable[i]->spec);
     }
-    buckets_.push_back({std::move(members), FlatLayout(std::move(specs))});
+    buckets_.emplace_back(std::move(members), FlatLayout(std::move(specs)));
   }
+  if (overlap_) {
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      for (size_t k = 0; k < buckets_[b].members.size(); ++k) {
+        inflight_->hooks.add(buckets_[b].members[k]->moduleParam, [this, b, k] { onGradReady(b, k); });
+      }
+    }
+  }
+}
+
+DataParallelStrategy::~DataParallelStrategy() { inflight_->inflight.abandon(); }
+
+void DataParallelStrategy::onGradReady(size_t b, size_t k) {
+  Bucket& bucket = buckets_[b];
+  if (!sync_) {
+    bucket.local = true;  // no_sync: step() reduces it
+    return;
+  }
+  if (!callbackQueued_) {
+    callbackQueued_ = true;
+    queueAtEndOfBackward([this] {
+      // The buckets whose gradients did not all arrive (unused parameters); all finished
+      // before the next backward adds to the gradients they write (no_shard); then a
+      // fresh count for the next backward.
+      callbackQueued_ = false;
+      issueReadyBuckets(/*all=*/true);
+      inflight_->inflight.drain();
+      for (Bucket& each : buckets_) {
+        std::fill(each.ready.begin(), each.ready.end(), false);
+        each.readyCount = 0;
+      }
+      nextToIssue_ = 0;
+    });
+  }
+  if (bucket.ready[k]) return;
+  bucket.ready[k] = true;
+  ++bucket.readyCount;
+  issueReadyBuckets(/*all=*/false);
+}
+
+void DataParallelStrategy::issueReadyBuckets(bool all) {
+  while (nextToIssue_ < buckets_.size()) {
+    const Bucket& bucket = buckets_[nextToIssue_];
+    if (!all && bucket.readyCount < bucket.members.size()) return;  // in bucket order on every rank
+    issueBucket(nextToIssue_++);
+  }
+}
+
+void DataParallelStrategy::issueBucket(size_t b) {
+  Bucket& bucket = buckets_[b];
+  inflight_->inflight.makeRoom();
+  c10::NoGradGuard noGrad;
+  const auto options = at::TensorOptions().dtype(options_.reduceDtype).device(bucket.members[0]->master.device());
+  InflightBucket job;
+  job.bucket = b;
+  job.flat = at::empty({bucket.layout.flatNumel()}, options);
+  for (size_t k = 0; k < bucket.members.size(); ++k) {
+    const at::Tensor& p = bucket.members[k]->moduleParam;
+    bucket.layout.packFull(job.flat, k, p.grad());  // zeros for a parameter without a gradient
+    if (freeFullGrads_) p.mutable_grad().reset();    // zero2: full gradient freed once packed
+  }
+  // kAvg: the one division by N of the gradient average.
+  if (sharded_) {
+    job.local = at::empty({bucket.layout.chunkNumel()}, options);
+    job.handle = comm_->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
+  } else {
+    job.handle = comm_->allReduceAsync(job.flat, distributed::ReduceOp::kAvg);
+  }
+  bucket.issued = true;
+  bucket.local = false;
+  inflight_->inflight.push(std::move(job));
+}
+
+void DataParallelStrategy::finishBucket(size_t b, at::Tensor flat, at::Tensor local) {
+  Bucket& bucket = buckets_[b];
+  c10::NoGradGuard noGrad;
+  if (sharded_) {
+    // zero2's full gradients were freed, so a reduction is new and adds (accumulation);
+    // zero1's .grad() held everything since zeroGrad(), so the latest replaces.
+    if (freeFullGrads_ && bucket.shard.defined()) {
+      bucket.shard.add_(local);
+    } else {
+      bucket.shard = local;
+    }
+    return;
+  }
+  for (size_t k = 0; k < bucket.members.size(); ++k) {
+    const at::Tensor& p = bucket.members[k]->moduleParam;
+    at::Tensor& grad = p.mutable_grad();
+    if (!grad.defined()) grad = at::empty_like(p.detach());
+    grad.copy_(bucket.layout.slot(flat, k));  // the module's gradients are the averages, as in DDP
+  }
+  // Hand the optimizer the reduce-dtype values (fp32 by default), not a 16-bit rounding.
+  bucket.average = bucket.members[0]->moduleParam.scalar_type() == options_.reduceDtype ? at::Tensor() : flat;
 }
 
 void DataParallelStrategy::synchronizeGradients() {
-  if (sharded_) {
-    reduceScatterGradients();
-  } else {
-    allReduceGradients();
+  // What no synchronised backward reduced since the last step (zero1: everything), and
+  // local gradients accumulated since, in bucket order.
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (!buckets_[b].issued || buckets_[b].local) issueBucket(b);
+  }
+  inflight_->inflight.drain();
+  heldGradShards_.clear();
+  for (Bucket& bucket : buckets_) {
+    for (size_t k = 0; k < bucket.members.size(); ++k) {
+      ShardedParam& p = *bucket.members[k];
+      if (sharded_) {
+        p.grad = bucket.layout.slot(bucket.shard, k);
+      } else {
+        p.grad = bucket.average.defined() ? bucket.layout.slot(bucket.average, k) : p.moduleParam.grad();
+      }
+    }
+    if (freeFullGrads_) heldGradShards_.push_back(bucket.shard);  // zero2 keeps them until zeroGrad()
+    if (!freeFullGrads_) bucket.shard = at::Tensor();              // zero1: transient (the records hold them for the step)
+    bucket.average = at::Tensor();
+    bucket.issued = false;
+    bucket.local = false;
   }
 }
 
-void DataParallelStrategy::allReduceGradients() {
-  c10::NoGradGuard noGrad;
-  auto issue = [&](size_t b) {
-    const Bucket& bucket = buckets_[b];
-    InflightBucket job;
-    job.bucket = b;
-    job.flat = at::empty({bucket.layout.flatNumel()},
-                         at::TensorOptions().dtype(options_.reduceDtype).device(bucket.members[0]->master.device()));
-    for (size_t k = 0; k < bucket.members.size(); ++k) {
-      bucket.layout.packFull(job.flat, k, bucket.members[k]->moduleParam.grad());
-    }
-    // kAvg: the one division by N of the gradient average.
-    job.handle = comm_->allReduceAsync(job.flat, distributed::ReduceOp::kAvg);
-    return job;
-  };
-  auto finish = [&](InflightBucket& job) {
-    const Bucket& bucket = buckets_[job.bucket];
-    for (size_t k = 0; k < bucket.members.size(); ++k) {
-      ShardedParam& p = *bucket.members[k];
-      const at::Tensor average = bucket.layout.slot(job.flat, k);
-      at::Tensor& grad = p.moduleParam.mutable_grad();
-      if (!grad.defined()) grad = at::empty_like(p.moduleParam.detach());
-      grad.copy_(average);  // the module's gradients are the averaged ones, as in DDP
-      // Hand the optimizer the reduce-dtype values (fp32 by default), not a bf16 rounding.
-      p.grad = grad.scalar_type() == options_.reduceDtype ? grad : average;
-    }
-  };
-  pipelineBuckets(buckets_.size(), issue, finish);
-}
-
-void DataParallelStrategy::reduceScatterGradients() {
-  std::vector<at::Tensor> shards(buckets_.size());
-  // zero2 without zeroGrad() since the last step: add to the shards it kept, as torch
-  // accumulates into .grad().
-  const bool accumulate = freeFullGrads_ && heldGradShards_.size() == buckets_.size();
-  c10::NoGradGuard noGrad;
-  auto issue = [&](size_t b) {
-    const Bucket& bucket = buckets_[b];
-    const auto options =
-        at::TensorOptions().dtype(options_.reduceDtype).device(bucket.members[0]->master.device());
-    InflightBucket job;
-    job.bucket = b;
-    job.flat = at::empty({bucket.layout.flatNumel()}, options);
-    for (size_t k = 0; k < bucket.members.size(); ++k) {
-      const at::Tensor& p = bucket.members[k]->moduleParam;
-      bucket.layout.packFull(job.flat, k, p.grad());
-      if (freeFullGrads_) p.mutable_grad().reset();  // zero2: full gradient freed once packed
-    }
-    job.local = at::empty({bucket.layout.chunkNumel()}, options);
-    job.handle = comm_->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
-    return job;
-  };
-  auto finish = [&](InflightBucket& job) {
-    job.flat.reset();
-    at::Tensor shard = job.local;
-    if (accumulate) shard = heldGradShards_[job.bucket].add_(shard);
-    shards[job.bucket] = shard;
-    const Bucket& bucket = buckets_[job.bucket];
-    for (size_t k = 0; k < bucket.members.size(); ++k) bucket.members[k]->grad = bucket.layout.slot(shard, k);
-  };
-  pipelineBuckets(buckets_.size(), issue, finish);
-  if (freeFullGrads_) heldGradShards_ = std::move(shards);
+void DataParallelStrategy::zeroGrad() {
+  inflight_->inflight.drain();  // a reduction in flight would write into what is dropped
+  ShardingStrategy::zeroGrad();
+  for (Bucket& bucket : buckets_) {
+    bucket.shard = bucket.average = at::Tensor();
+    bucket.issued = bucket.local = false;
+  }
 }
 
 void DataParallelStrategy::publishParameters() {

@@ -17,11 +17,26 @@
 // where Psi' = Psi + padding (each parameter padded to N x ceil(rows/N) rows). Plus
 // one all-reduce of one double for the global gradient norm (zero1/zero2, N > 1).
 //
-// Buckets: parameters in registration order, grouped into buckets of at most
-// options.bucketBytes (counted in the flat reduce buffer, padding included; a larger
-// parameter is a bucket of its own). A bucket's flat buffer is rank-major (FlatLayout),
-// so one collective per bucket moves every member. At most kMaxInflightBuckets buckets
-// are in flight, so the transient buffers stay within a few buckets.
+// Buckets: trainable parameters in reverse registration order (the order backward
+// produces their gradients, as DDP), grouped into buckets of at most options.bucketBytes
+// (counted in the flat reduce buffer, padding included; a larger parameter is a bucket of
+// its own). A bucket's flat buffer is rank-major (FlatLayout), so one collective per
+// bucket moves every member. At most kMaxInflightBuckets buckets are in flight, so the
+// transient buffers stay within a few buckets.
+//
+// Reduction overlapped with backward (no_shard and zero2): a hook on each parameter's
+// gradient accumulator counts the bucket's gradients in; once all are, the bucket's
+// collective is issued while the rest of backward runs (buckets are issued in bucket
+// order on every rank, so their collectives pair up). zero2 frees each bucket's full
+// gradients there, so they never all exist at once (its memory is 4 Psi + 12 Psi/N, not
+// 8 Psi + 12 Psi/N). A callback at the end of every backward issues the buckets whose
+// gradients did not all arrive (unused parameters: zeros). step() waits for them and
+// reduces what no backward did: everything under zero1, which keeps its full gradients
+// anyway and reduces at step time, and the local gradients of backward passes run with
+// setRequiresGradientSync(false) (DDP's no_sync: accumulate, reduce once at the end).
+// Several synchronised backward passes before one step accumulate as torch does (zero2
+// adds the reduced shards; no_shard's gradients are averages, to which the next backward
+// adds, and the average of that sum is the sum of the averages).
 //
 // Master weights. fp32 compute: no_shard's masters are the module's parameters; for
 // zero1/zero2 each parameter's storage is reallocated padded to N x chunkRows rows, the
@@ -34,10 +49,6 @@
 //
 // Parameters without a gradient on a rank contribute zeros to the average (every rank
 // takes part in every bucket's collective); they are then stepped with that gradient.
-//
-// Gradient accumulation: gradients are reduced once, in step(), so the backward passes of
-// every micro-batch simply accumulate into .grad() (setRequiresGradientSync changes
-// nothing here).
 #pragma once
 
 #include <memory>
@@ -58,30 +69,57 @@ class DataParallelStrategy final : public ShardingStrategy {
   DataParallelStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
                        StrategyOptions options);
 
-  void publishParameters() override;
+  ~DataParallelStrategy() override;
 
-  // The gradient buckets: their parameters (in params() order) and flat layouts (slot k of
-  // the layout is member k).
+  void publishParameters() override;
+  void zeroGrad() override;
+  // false: the backward passes that follow accumulate their gradients locally (DDP's
+  // no_sync); step() reduces them once.
+  void setRequiresGradientSync(bool sync) override { sync_ = sync; }
+
+  // The gradient buckets: their parameters (slot k of the layout is member k).
   size_t bucketCount() const { return buckets_.size(); }
   const std::vector<ShardedParam*>& bucketMembers(size_t b) const { return buckets_.at(b).members; }
   const FlatLayout& bucketLayout(size_t b) const { return buckets_.at(b).layout; }
+
+  struct Overlap;  // the backward hooks and the collectives in flight (data_parallel.cpp)
 
  protected:
   void synchronizeGradients() override;
 
  private:
   struct Bucket {
+    Bucket(std::vector<ShardedParam*> params, FlatLayout flat)
+        : members(std::move(params)), layout(std::move(flat)), ready(members.size(), false) {}
     std::vector<ShardedParam*> members;
     FlatLayout layout;
+    // This step's reduction state.
+    std::vector<bool> ready;  // member's gradient in, in this backward
+    size_t readyCount = 0;
+    bool issued = false;      // reduced by a synchronised backward since the last step
+    bool local = false;       // holds local gradients no reduction has seen
+    at::Tensor shard;         // zero1/zero2: the reduced gradient shards (FlatLayout chunk)
+    at::Tensor average;       // no_shard with 16-bit gradients: the fp32 averages
   };
 
-  void allReduceGradients();
-  void reduceScatterGradients();
+  // Issues bucket b's collective (waiting for the oldest in flight first); its result
+  // lands when finishBucket runs.
+  void issueBucket(size_t b);
+  void finishBucket(size_t b, at::Tensor flat, at::Tensor local);
+  // Issues, in bucket order, every bucket whose gradients are all in (`all`: every bucket
+  // not issued yet, with zeros for missing gradients).
+  void issueReadyBuckets(bool all);
+  void onGradReady(size_t b, size_t k);
 
-  bool sharded_ = false;         // zero1 / zero2
-  bool freeFullGrads_ = false;   // zero2
-  bool mastersAreParams_ = false;// fp32 compute: masters alias the module's parameters
+  bool sharded_ = false;          // zero1 / zero2
+  bool freeFullGrads_ = false;    // zero2
+  bool mastersAreParams_ = false; // fp32 compute: masters alias the module's parameters
+  bool overlap_ = false;          // no_shard / zero2: reduce during backward
+  bool sync_ = true;
+  bool callbackQueued_ = false;
+  size_t nextToIssue_ = 0;
   std::vector<Bucket> buckets_;
+  std::unique_ptr<Overlap> inflight_;
 };
 
 }  // namespace tessera::sharding

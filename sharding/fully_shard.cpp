@@ -6,9 +6,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/Allocator.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
@@ -22,6 +20,7 @@
 #include "distributed/communicator.h"
 #include "distributed/device_mesh.h"
 #include "sharding/flat_layout.h"
+#include "sharding/grad_hooks.h"
 #include "sharding/inflight.h"
 
 namespace tessera::sharding {
@@ -40,8 +39,6 @@ struct FsdpUnit {
   std::vector<size_t> trainable;
   std::unique_ptr<FlatLayout> gradLayout;
   at::Tensor gradShard;              // fp32 [gradLayout chunkNumel]: reduced gradients, accumulating
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // kept alive: hooks live on them
-  std::vector<uintptr_t> hookKeys;
   int64_t paramBytes = 0;            // full parameters in paramDtype
   int64_t gatherBytes = 0;           // flat gather buffer
 
@@ -61,7 +58,12 @@ struct FsdpUnit {
 
 namespace {
 
+// Reduce-scatters in flight while the next units' backward runs. Each holds a flat
+// buffer of a whole unit: with units above kLargeReduceBytes, one at a time (a second
+// added a unit to the peak and made a 67M-parameter CPU step no faster); small units are
+// latency bound, and two in flight made the main job's step 20% faster (bench/).
 constexpr size_t kMaxPendingReduces = 2;
+constexpr int64_t kLargeReduceBytes = int64_t{4} << 20;
 
 size_t fullBytes(const at::Tensor& p) { return static_cast<size_t>(p.numel()) * p.element_size(); }
 
@@ -108,6 +110,8 @@ struct FullyShardStrategy::Internal {
   std::unordered_map<const torch::nn::Module*, FsdpUnit*> unitOf;
   // Allocates the parameters' storage and marks it as ours (one for all: one device).
   std::unique_ptr<UnitStorageAllocator> storageAllocator;
+  // On the trainable parameters' gradient accumulators: onGradReady.
+  std::unique_ptr<GradReadyHooks> gradHooks = std::make_unique<GradReadyHooks>();
   // Output hooks hold a weak reference: a graph outliving the strategy does nothing.
   std::shared_ptr<int> alive = std::make_shared<int>(0);
 
@@ -140,6 +144,7 @@ struct FullyShardStrategy::Internal {
     }
     u.state = FsdpUnit::State::kUnsharded;
     sample();  // the flat buffer and the full parameters, both alive for this moment
+
     u.flat = at::Tensor();
   }
 
@@ -223,7 +228,7 @@ struct FullyShardStrategy::Internal {
     // Only the outer backward: a recompute's nested backward ends long before the step's.
     if (callbackQueued || recomputeDepth > 0) return;
     callbackQueued = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finishBackward(); });
+    queueAtEndOfBackward([this] { finishBackward(); });
   }
 
   void preBackward(FsdpUnit& u) {
@@ -246,8 +251,10 @@ struct FullyShardStrategy::Internal {
     if (u.ready[j]) return;
     u.ready[j] = true;
     if (++u.readyCount < u.trainable.size()) return;
-    if (s.sync_) reduce(u);
+    // Every node using the unit's parameters has run (their gradients are all in): free
+    // them before the reduction allocates its buffers, one unit less at the peak.
     reshard(u);
+    if (s.sync_) reduce(u);
   }
 
   // Packs the unit's full gradients (zeros where a trainable parameter has none), frees
@@ -268,6 +275,7 @@ struct FullyShardStrategy::Internal {
     }
     job.local = at::empty({u.gradLayout->chunkNumel()}, options);
     job.handle = s.shardComm_->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
+
     u.reduced = true;
     pending.push(std::move(job));
   }
@@ -314,24 +322,6 @@ struct FullyShardStrategy::Internal {
       if (u->gradShard.defined()) s.heldGradShards_.push_back(u->gradShard);
     }
   }
-};
-
-// Calls the unit's hook when AccumulateGrad has stored the parameter's gradient. It also
-// marks the parameter as sharded by its strategy (see "where a unit lives", fully_shard.h).
-class GradReadyHook final : public torch::autograd::FunctionPostHook {
- public:
-  GradReadyHook(FullyShardStrategy::Internal* in, FsdpUnit* unit, size_t k) : in_(in), unit_(unit), k_(k) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    in_->onGradReady(*unit_, k_);
-    return outputs;
-  }
-  FullyShardStrategy::Internal* owner() const { return in_; }
-
- private:
-  FullyShardStrategy::Internal* in_;
-  FsdpUnit* unit_;
-  size_t k_;
 };
 
 // ---- activation checkpointing -----------------------------------------------------------
@@ -628,26 +618,26 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   for (size_t ui = 0; ui < in_->units.size(); ++ui) {
     for (size_t i : members[ui]) in_->units[ui]->params.push_back(records[i]);
   }
-  // Post hooks on the gradient accumulators of the trainable parameters, which we keep
-  // alive: the parameter holds its accumulator only weakly, and a new one (without our
-  // hooks) would replace a freed one.
+  // A trainable parameter's gradient being in drives its unit's reduction.
   for (auto& up : in_->units) {
     FsdpUnit& u = *up;
     for (size_t j = 0; j < u.trainable.size(); ++j) {
-      auto acc = torch::autograd::impl::grad_accumulator(u.trainableParam(j));
-      TESSERA_CHECK(acc != nullptr, "FullyShardStrategy: parameter '", u.params[u.trainable[j]]->name,
-                    "' has no gradient accumulator");
-      u.hookKeys.push_back(acc->add_post_hook(std::make_unique<GradReadyHook>(in_.get(), &u, j)));
-      u.accumulators.push_back(std::move(acc));
+      Internal* in = in_.get();
+      in_->gradHooks->add(u.trainableParam(j), [in, &u, j] { in->onGradReady(u, j); });
     }
     in_->unitOf[u.module] = &u;
   }
+  int64_t largestReduce = 0;
+  for (const auto& u : in_->units) {
+    largestReduce = std::max<int64_t>(largestReduce, u->gradLayout->flatNumel() * c10::elementSize(options_.reduceDtype));
+  }
+  if (largestReduce > kLargeReduceBytes) in_->pending.setMaxInflight(1);
   peak_ = unshardedParamBytes();
 }
 
 FullyShardStrategy::~FullyShardStrategy() {
+  in_->gradHooks.reset();  // removes the hooks
   for (auto& u : in_->units) {
-    for (size_t k = 0; k < u->accumulators.size(); ++k) u->accumulators[k]->del_post_hook(u->hookKeys[k]);
     // The storages outlive the strategy (the module keeps them): back to their own allocator.
     for (const ShardedParam* p : u->params) {
       p->moduleParam.storage().unsafeGetStorageImpl()->set_allocator(in_->storageAllocator->inner());

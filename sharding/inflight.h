@@ -21,6 +21,9 @@ class InflightCollectives {
   InflightCollectives(size_t maxInflight, std::function<void(Job&)> finish)
       : maxInflight_(maxInflight < 1 ? 1 : maxInflight), finish_(std::move(finish)) {}
 
+  // A new cap (at least 1), for the jobs issued from now on.
+  void setMaxInflight(size_t maxInflight) { maxInflight_ = maxInflight < 1 ? 1 : maxInflight; }
+
   // Waits for and finishes the oldest jobs until another one may be issued. Call it before
   // allocating the next job's buffers, so at most maxInflight jobs' buffers are alive.
   void makeRoom() {

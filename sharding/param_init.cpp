@@ -28,40 +28,58 @@ std::string ParamInit::str() const {
   return s.str();
 }
 
+namespace {
+
+// The value of element i (row-major, global) of a parameter with stream `key`.
+double valueAt(const ParamInit& init, uint64_t key, uint64_t i) {
+  switch (init.kind) {
+    case ParamInit::Kind::kConstant:
+      return init.a;
+    case ParamInit::Kind::kUniform:
+      return init.a + (init.b - init.a) * uniform01(counterBits(key, i));
+    case ParamInit::Kind::kNormal: {
+      // Box-Muller from two draws of element i's own pair of counters.
+      const double u1 = uniform01(counterBits(key, 2 * i));
+      const double u2 = uniform01(counterBits(key, 2 * i + 1));
+      return init.a + init.b * std::sqrt(-2.0 * std::log1p(-u1)) * std::cos(2.0 * M_PI * u2);
+    }
+  }
+  return 0.0;
+}
+
+}  // namespace
+
 void fillRows(const ParamInit& init, uint64_t seed, const std::string& name, int64_t rowBegin, const at::Tensor& rows) {
   TESSERA_CHECK(rows.defined() && rows.is_floating_point(), "fillRows: '", name, "': rows must be a floating tensor");
   const int64_t n = rows.numel();
   if (n == 0) return;
   const int64_t rowCount = rows.dim() == 0 ? 1 : rows.size(0);
-  const int64_t rowNumel = n / rowCount;
-  const int64_t first = rowBegin * rowNumel;  // global index of rows' first element
+  const int64_t first = rowBegin * (n / rowCount);  // global index of rows' first element
   // The stream of this parameter: its name hashed with the seed (stable across builds and
   // platforms, unlike std::hash).
   const uint64_t key = XXH3_64bits_withSeed(name.data(), name.size(), seed);
-  at::Tensor values = at::empty({n}, at::TensorOptions().dtype(at::kDouble));
-  double* out = values.data_ptr<double>();
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const uint64_t i = static_cast<uint64_t>(first + j);
-      switch (init.kind) {
-        case ParamInit::Kind::kConstant:
-          out[j] = init.a;
-          break;
-        case ParamInit::Kind::kUniform:
-          out[j] = init.a + (init.b - init.a) * uniform01(counterBits(key, i));
-          break;
-        case ParamInit::Kind::kNormal: {
-          // Box-Muller from two draws of element i's own pair of counters.
-          const double u1 = uniform01(counterBits(key, 2 * i));
-          const double u2 = uniform01(counterBits(key, 2 * i + 1));
-          out[j] = init.a + init.b * std::sqrt(-2.0 * std::log1p(-u1)) * std::cos(2.0 * M_PI * u2);
-          break;
-        }
-      }
-    }
-  });
   c10::NoGradGuard noGrad;
-  rows.copy_(values.view(rows.sizes()));
+  if (rows.device().is_cpu() && rows.scalar_type() == at::kFloat && rows.is_contiguous()) {
+    // Straight into the destination: no temporary as large as the rows (a set-up that
+    // allocates and frees one per tensor leaves the heap fragmented, and resident).
+    float* out = rows.data_ptr<float>();
+    at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) out[j] = static_cast<float>(valueAt(init, key, static_cast<uint64_t>(first + j)));
+    });
+    return;
+  }
+  // Other dtypes or devices: through a CPU double buffer, a block of rows at a time.
+  const at::Tensor flat = rows.view({-1});
+  constexpr int64_t kBlock = 1 << 18;
+  at::Tensor block = at::empty({std::min(n, kBlock)}, at::TensorOptions().dtype(at::kDouble));
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t count = std::min(kBlock, n - start);
+    double* out = block.data_ptr<double>();
+    at::parallel_for(0, count, 1 << 14, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) out[j] = valueAt(init, key, static_cast<uint64_t>(first + start + j));
+    });
+    flat.narrow(0, start, count).copy_(block.narrow(0, 0, count));
+  }
 }
 
 at::Tensor deferredTensor(const std::vector<int64_t>& shape, const at::TensorOptions& options) {

@@ -10,6 +10,7 @@
 #include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
 #include "trainer/layers.h"
+#include "trainer/metrics.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
@@ -196,7 +197,8 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   int64_t numParams = 0;
   for (const auto& p : run->model->parameters()) numParams += p.numel();
   TLOG_INFO0("run " << cfg.run.name << ": model " << cfg.model.arch << ": " << numParams << " parameters; strategy " << cfg.sharding.strategy
-                      << " over " << world << " ranks; resident " << run->strategy->residentBytes().str());
+                      << " over " << world << " ranks; resident " << run->strategy->residentBytes().str()
+                      << "; peak RSS so far " << peakRssMiB() << " MiB");
   TLOG_INFO0("data " << run->data->describe() << "; " << run->sampler->stepsPerEpoch() << " steps per epoch; "
                      << run->microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
 

@@ -99,8 +99,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("sharding.activation_checkpointing", &c.sharding.activation_checkpointing,
         "zero3/hybrid: recompute each block's forward in backward instead of keeping activations");
   s.add("sharding.reduce_every_micro_batch", &c.sharding.reduce_every_micro_batch,
-        "zero3/hybrid with gradient accumulation: reduce-scatter after every micro-batch (false: keep full gradients "
-        "until the last micro-batch and reduce once per step)");
+        "With gradient accumulation: reduce every micro-batch's gradients during its backward (false: keep full "
+        "gradients, reduce once at the last micro-batch)");
   s.add("sharding.shard_size", &c.sharding.shard_size,
         "hybrid: ranks per shard group, dividing the world size (0 = all ranks)").min(0);
   s.add("sharding.wrap", &c.sharding.wrap,

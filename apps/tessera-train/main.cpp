@@ -13,10 +13,11 @@
 #include "common/logging.h"
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
+#include "sharding/host_allocator.h"
 #include "trainer/trainer.h"
 
 int main(int argc, char** argv) {
-  tessera::keepFreedHostMemoryForReuse();
+  tessera::sharding::useCachingHostAllocator();
   return tessera::runMain("tessera-train", [&]() -> int {
     CLI::App app{"Tessera: run one YAML-configured training job on this rank"};
     std::string configFile;

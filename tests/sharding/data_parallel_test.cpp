@@ -345,12 +345,10 @@ TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
         auto engine = makeStrategy(*model, ctx.comm(), o);
         auto stepOnce = [&](bool poison) {
           engine->zeroGrad();
-          torch::mse_loss(model->forward(rankSlice(data().x[0], ctx.rank, 2)), rankSlice(data().y[0], ctx.rank, 2))
-              .backward();
-          if (poison && ctx.rank == 1) {
-            torch::NoGradGuard noGrad;
-            model->fc2->weight.grad()[0][6] = bad;  // row 0: rank 0's shard under zero1/2
-          }
+          at::Tensor x = rankSlice(data().x[0], ctx.rank, 2).clone();
+          // Rank 1's data makes its gradients non-finite (backward reduces them as it goes).
+          if (poison && ctx.rank == 1) x[0][3] = bad;
+          torch::mse_loss(model->forward(x), rankSlice(data().y[0], ctx.rank, 2)).backward();
           return engine->step(0.01);
         };
         ASSERT_FALSE(stepOnce(false).skipped);
@@ -380,6 +378,51 @@ TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
         EXPECT_FALSE(paramValues(*model).at("fc1.weight").equal(before.at("fc1.weight")));
       });
     }
+  }
+}
+
+// no_shard and zero2 reduce during backward (DDP's overlap): when backward returns, every
+// bucket's collective has run and zero2 holds no full gradient; with
+// setRequiresGradientSync(false) (no_sync) backward communicates nothing and step()
+// reduces the accumulated sum once. Both ways give the same parameters.
+TEST(StrategyOverlapTest, BackwardReducesBucketsAndNoSyncDefersThem) {
+  useOneThread();
+  (void)data();
+  (void)initialParams();
+  for (const char* strategy : {"no_shard", "zero2"}) {
+    const distributed::CommOp op =
+        std::string(strategy) == "no_shard" ? distributed::CommOp::kAllReduce : distributed::CommOp::kReduceScatter;
+    runOnRanks(2, [&](RankContext& ctx) {
+      std::map<bool, std::map<std::string, at::Tensor>> result;
+      for (bool noSync : {false, true}) {
+        TinyMlp model;
+        loadParamValues(*model, initialParams());
+        StrategyOptions o = strategyOptions(strategy, kConfigs[0]);
+        o.bucketBytes = 64;  // several buckets
+        auto engine = makeStrategy(*model, ctx.comm(), o);
+        const int64_t buckets = static_cast<int64_t>(dynamic_cast<DataParallelStrategy&>(*engine).bucketCount());
+        ASSERT_GT(buckets, 1);
+        engine->zeroGrad();
+        ctx.comm()->resetStats();
+        for (int mb = 0; mb < 2; ++mb) {
+          engine->setRequiresGradientSync(!noSync || mb == 1);
+          const at::Tensor x = rankSlice(rankSlice(data().x[0], ctx.rank, 2), mb, 2);
+          const at::Tensor y = rankSlice(rankSlice(data().y[0], ctx.rank, 2), mb, 2);
+          (torch::mse_loss(model->forward(x), y) / 2).backward();
+          EXPECT_EQ(ctx.comm()->stats()[op].calls, noSync ? (mb == 0 ? 0 : buckets) : (mb + 1) * buckets)
+              << strategy << " no_sync " << noSync << " after micro-batch " << mb;
+          if (std::string(strategy) == "zero2" && !(noSync && mb == 0)) {
+            for (const auto& p : model->parameters()) EXPECT_FALSE(p.grad().defined()) << "zero2 frees full gradients";
+          }
+        }
+        ASSERT_FALSE(engine->step(kConfigs[0].optimizer.lr).skipped);
+        EXPECT_EQ(ctx.comm()->stats()[op].calls, noSync ? buckets : 2 * buckets) << "step() had nothing left to reduce";
+        result[noSync] = paramValues(*model);
+      }
+      for (const auto& [name, p] : result[false]) {
+        EXPECT_LE(relativeError(result[true].at(name), p), 1e-6) << strategy << " " << name;
+      }
+    });
   }
 }
 

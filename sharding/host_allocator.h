@@ -1,0 +1,46 @@
+// The CPU counterpart of CUDA's caching allocator, for training processes: large host
+// blocks freed by LibTorch are kept, by exact (page-rounded) size, and handed out again
+// to the next request of that size instead of going back to the kernel.
+//
+// Why: a training step allocates the same large buffers every step (zero3 regrows each
+// unit's parameters, gathers into flat buffers, reduces gradients through more), and
+// fresh pages cost a page fault each: with glibc's defaults a 67M-parameter zero3 step ran
+// 2.7x slower than with freed memory kept. Keeping it in glibc's heap instead (raised
+// mmap/trim thresholds) fragments: blocks of one size are split for another and stay
+// resident, measured at 2.6x the ZeRO-3 memory formula on 8 ranks. Exact-size reuse keeps
+// only what the step uses again.
+//
+// Blocks below minBytes go to the allocator that was there before (glibc's malloc, told
+// to keep freed memory in its heap: small blocks fragment little and fault often); larger
+// ones are mapped with mmap. Mapped memory grows only up to the most ever in use at once:
+// on a miss beyond that, cached blocks of other sizes are unmapped first; and no more than
+// maxCachedBytes sit unused.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tessera::sharding {
+
+struct HostCacheOptions {
+  size_t minBytes = size_t{1} << 20;       // smaller blocks: the previous allocator (malloc)
+  size_t maxCachedBytes = size_t{4} << 30;  // unused bytes kept at most
+};
+
+// Makes the caching allocator LibTorch's CPU allocator for the rest of the process (call
+// once, at start-up, before tensors are made; later calls do nothing).
+void useCachingHostAllocator(const HostCacheOptions& options = {});
+
+// Unmaps every cached block (e.g. at the end of a step, before the next one's peak).
+void releaseCachedHostMemory();
+
+// Bytes held unused in the cache right now, and bytes mapped in all (in use + cached).
+struct HostCacheStats {
+  int64_t cachedBytes = 0;
+  int64_t mappedBytes = 0;
+  int64_t inUseBytes = 0;      // blocks of this allocator in use now
+  int64_t peakInUseBytes = 0;  // the most ever in use at once
+};
+HostCacheStats hostCacheStats();
+
+}  // namespace tessera::sharding
