@@ -258,6 +258,61 @@ class PairwiseReduceScatter final : public CommHandle {
   std::exception_ptr error_;
 };
 
+// An all-gather from point-to-point transfers straight into the output's chunks: c10d's
+// Gloo allgather (LibTorch 1.13) gathers into a temporary as large as the output and
+// copies it out, a whole zero3 unit more at the memory peak. Every rank sends its chunk
+// to every other and receives theirs in place, all at once; the same bytes on the wire.
+class PairwiseAllGather final : public CommHandle {
+ public:
+  PairwiseAllGather(c10d::ProcessGroupGloo& pg, const at::Tensor& flatOut, const at::Tensor& localIn, int rank,
+                    int world, int tag, std::string what, std::chrono::milliseconds timeout,
+                    std::shared_ptr<CommHealth> health)
+      : what_(std::move(what)), timeout_(timeout), health_(std::move(health)) {
+    const at::Tensor out = bytesOf(flatOut).view({world, -1});
+    const at::Tensor in = bytesOf(localIn);
+    if (!out[rank].is_same(in) && out[rank].data_ptr() != in.data_ptr()) out[rank].copy_(in);
+    for (int i = 1; i < world; ++i) {
+      const int to = (rank + i) % world, from = (rank - i + world) % world;
+      std::vector<at::Tensor> send{out[rank]};
+      works_.push_back(pg.send(send, to, tag));
+      std::vector<at::Tensor> receive{out[from]};
+      works_.push_back(pg.recv(receive, from, tag));
+    }
+  }
+
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    done_ = true;
+    try {
+      for (auto& work : works_) waitGlooWork(*work, "allGatherInto", what_, timeout_, health_);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    works_.clear();
+  }
+
+  bool isCompleted() override {
+    for (auto& work : works_) {
+      if (!work->isCompleted()) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::string what_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<CommHealth> health_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::mutex mutex_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
 // Gloo moves host memory. CUDA tensors (a CUDA model on ranks that share a GPU, the CPU
 // group of a GPU run) go through host copies: inputs are copied to the host before the
 // operation, results back to the device in wait(). Slow, but the same code path
@@ -363,11 +418,10 @@ class GlooCommunicator final : public Communicator {
       return handle("allGatherInto", describeOp("allGatherInto", local_in),
                     allToAllEqual(bytesOf(flat_out), in.repeat({worldSize()})));
     }
-    std::vector<std::vector<at::Tensor>> outputs{chunksOf(bytesOf(flat_out), worldSize(), in.numel())};
-    std::vector<at::Tensor> inputs{in};
-    c10d::AllgatherOptions opts;
-    opts.timeout = options().timeout;
-    return handle("allGatherInto", describeOp("allGatherInto", local_in), pg_->allgather(outputs, inputs, opts));
+    // Large: point to point into flat_out itself (c10d's allgather would stage it).
+    const int tag = nextPointToPointTag_++ & 0x3fffffff;  // the same sequence on every rank
+    return std::make_shared<PairwiseAllGather>(*pg_, flat_out, local_in, rank(), worldSize(), tag,
+                                               describeOp("allGatherInto", local_in), options().timeout, health());
   }
 
   std::shared_ptr<CommHandle> doReduceScatter(const at::Tensor& local_out, const at::Tensor& flat_in,
