@@ -5,10 +5,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <string>
 
+#include "checkpoint/exporter.h"
+#include "checkpoint/safetensors.h"
+#include "common/filesystem.h"
 #include "distributed/communicator.h"
 #include "sharding/fully_shard.h"
 #include "sharding/param_init.h"
@@ -77,14 +83,65 @@ TEST(ShardedInitTest, EqualsSingleProcessInitAtEveryWorldSizeAndStrategy) {
         auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
         const bool sharded = c.strategy == "zero3" || c.strategy == "hybrid";
         for (const sharding::ShardedParam& p : strategy->params()) {
-          if (sharded) EXPECT_EQ(p.moduleParam.storage().nbytes(), 0u) << p.name << ": zero3 holds no full parameter";
+          if (sharded) {
+            EXPECT_EQ(p.moduleParam.storage().nbytes(), 0u) << p.name << ": zero3 holds no full parameter";
+          }
           const at::Tensor full = p.spec.fullTensor(p.master, strategy->stateComm());
           EXPECT_TRUE(full.equal(want.at(p.name))) << c.strategy << " world " << c.world << " " << p.name;
-          if (!sharded) EXPECT_TRUE(p.moduleParam.detach().equal(want.at(p.name))) << p.name;
+          if (!sharded) {
+            EXPECT_TRUE(p.moduleParam.detach().equal(want.at(p.name))) << p.name;
+          }
         }
       });
     }
   }
+}
+
+// model.init_from's path (trainer/run_setup.cpp): weights exported as one file and as a
+// sharded export (index.json) load into a strategy's records at 1-4 ranks under all five
+// strategies, each rank reading its rows; the gathered model is the file's, bitwise.
+TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
+  const ModelOptions options = gptOptions();
+  std::map<std::string, at::Tensor> weights = singleProcessInit(options);
+  for (auto& [name, w] : weights) w = w * 0.5 + 0.25;  // not the init: loading must show
+  const auto dir = std::filesystem::temp_directory_path() / ("tessera_init_from_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string file = (dir / "model.safetensors").string();
+  checkpoint::saveSafetensors(file, weights);
+  std::vector<checkpoint::StateEntry> full;
+  for (const auto& [name, w] : weights) full.push_back({"model/" + name, sharding::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
+  checkpoint::ExportOptions ex;
+  ex.maxShardBytes = 4096;
+  const std::string index = checkpoint::exportOnline(full, "model/", nullptr, (dir / "sharded").string(), ex).indexFile;
+  ASSERT_FALSE(index.empty());
+  std::vector<Case> cases;
+  for (const char* s : {"no_shard", "zero1", "zero2", "zero3"}) {
+    for (int world = 1; world <= 4; ++world) cases.push_back({s, world, 0});
+  }
+  cases.push_back({"hybrid", 4, 2});
+  for (const std::string& from : {file, index}) {
+    for (const Case& c : cases) {
+      test::runOnRanks(c.world, [&](test::RankContext& ctx) {
+        at::set_num_threads(1);
+        auto model = makeModel(options);
+        sharding::StrategyOptions o;
+        o.strategy = c.strategy;
+        o.wrap = defaultUnits(options);
+        o.fullyShard.shardSize = c.shardSize;
+        o.initializer = layers::initializerOf(*model, kSeed);
+        auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
+        checkpoint::ImportOptions io;
+        io.stripPrefix = "model/";
+        checkpoint::importSafetensors(from, strategy->stateEntries("model/"), io);
+        strategy->publishParameters();
+        for (const sharding::ShardedParam& p : strategy->params()) {
+          EXPECT_TRUE(p.spec.fullTensor(p.master, strategy->stateComm()).equal(weights.at(p.name)))
+              << c.strategy << " world " << c.world << " " << p.name << " from " << from;
+        }
+      });
+    }
+  }
+  removeTree(dir.string());
 }
 
 // The distributions models.h documents, measured on tensors large enough for the moments.
