@@ -442,6 +442,21 @@ TEST(TrainE2ETest, ModelInitFromAnExport) {
     }
   }
 
+  // A resumed run keeps the checkpoint's weights: model.init_from is not even opened.
+  const std::string resumed = uniqueDir("resumed");
+  ASSERT_EQ(run(kBin + "/tessera-train" + kResumeArgs + " --set run.steps=4 --set run.stop_after_steps=2 --set run.dir=" +
+                    resumed,
+                &out),
+            0)
+      << out;
+  ASSERT_EQ(run(kBin + "/tessera-train" + kResumeArgs + " --set run.steps=4 --set model.init_from=" + file + ".missing" +
+                    " --set run.dir=" + resumed,
+                &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+  EXPECT_EQ(out.find("initialised from"), std::string::npos) << out;
+
   // A model of another size: every mismatched shape listed, the file named, exit 1.
   const std::string bad = uniqueDir("bad");
   EXPECT_EQ(run(kBin + "/tessera-train" + kResumeArgs + still + " --set model.hidden=[40] --set model.init_from=" + file +
