@@ -294,20 +294,6 @@ std::string Checkpointer::waitLocal() {
   return error;
 }
 
-void Checkpointer::agree(const std::string& localError, const std::string& what) {
-  int failedRank = localError.empty() ? -1 : rank_;
-  if (comm_ && world_ > 1) {
-    constexpr int64_t kNone = int64_t{1} << 40;
-    at::Tensor flag = at::tensor({failedRank < 0 ? kNone : int64_t{failedRank}}, at::kLong);
-    comm_->allReduce(flag, distributed::ReduceOp::kMin);
-    const int64_t v = flag.item<int64_t>();
-    failedRank = v == kNone ? -1 : static_cast<int>(v);
-  }
-  if (failedRank < 0) return;
-  if (!localError.empty()) throw Error(strCat(what, " failed on rank ", rank_, ": ", localError));
-  throw Error(strCat(what, " failed on rank ", failedRank, " (its log has the reason)"));
-}
-
 SaveStats Checkpointer::save(const SaveRequest& request) {
   const auto start = Clock::now();
   TESSERA_CHECK(request.step >= 0, "Checkpointer::save: negative step ", request.step);
@@ -326,7 +312,7 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   //    failed anywhere.
   const int64_t previous = inFlightStep_;
   inFlightStep_ = -1;
-  agree(waitLocal(), strCat("checkpoint: the previous save (step ", previous, ")"));
+  distributed::throwIfAnyRankFailed(comm_.get(), waitLocal(), strCat("checkpoint: the previous save (step ", previous, ")"));
   const double waitSeconds = secondsSince(start);
 
   // 2. Rank 0 prepares step_N.tmp; everyone agrees it exists before writing into it.
@@ -362,7 +348,7 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
       prepError = e.what();
     }
   }
-  agree(prepError, strCat("checkpoint step ", request.step, ": preparing ", job->tmpDir));
+  distributed::throwIfAnyRankFailed(comm_.get(), prepError, strCat("checkpoint step ", request.step, ": preparing ", job->tmpDir));
 
   // 3. Stage: the real rows of each entry, contiguous on the CPU. Async copies them
   //    (the caller keeps training on the originals); sync uses CPU tensors as they are.
@@ -428,7 +414,7 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
     job->error = e.what();
   }
   inFlightStep_ = -1;
-  agree(waitLocal(), strCat("checkpoint step ", request.step));
+  distributed::throwIfAnyRankFailed(comm_.get(), waitLocal(), strCat("checkpoint step ", request.step));
   stats.stallSeconds = secondsSince(start);
   TLOG_INFO0("checkpoint step " << request.step << " saved in " << stats.stallSeconds << " s (" << mib(bytes)
                                 << " on rank 0)");
@@ -438,7 +424,7 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
 void Checkpointer::finish() {
   const int64_t previous = inFlightStep_;
   inFlightStep_ = -1;
-  agree(waitLocal(), strCat("checkpoint: the save of step ", previous));
+  distributed::throwIfAnyRankFailed(comm_.get(), waitLocal(), strCat("checkpoint: the save of step ", previous));
 }
 
 }  // namespace tessera::checkpoint

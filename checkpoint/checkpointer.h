@@ -127,7 +127,6 @@ class Checkpointer {
 
  private:
   std::string waitLocal();  // joins the writer; returns its error ("" when none)
-  void agree(const std::string& localError, const std::string& what);
 
   std::string root_;
   std::shared_ptr<distributed::Communicator> comm_;

@@ -285,14 +285,7 @@ std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const st
       error = e.what();
       if (error.empty()) error = "unknown error";
     }
-    int failedRank = error.empty() ? -1 : (comm ? comm->rank() : 0);
-    if (comm != nullptr && comm->worldSize() > 1) {
-      // Agree: the lowest failing rank (or -1).
-      at::Tensor flag = at::tensor({failedRank < 0 ? int64_t{1} << 40 : int64_t{failedRank}}, at::kLong);
-      comm->allReduce(flag, distributed::ReduceOp::kMin);
-      const int64_t v = flag.item<int64_t>();
-      failedRank = v == (int64_t{1} << 40) ? -1 : static_cast<int>(v);
-    }
+    const int failedRank = distributed::lowestFailingRank(comm, !error.empty());
     if (failedRank < 0) {
       if (i > 0 || (!latest.empty() && fs::path(latest).filename() != stepDirName(steps[i]))) {
         TLOG_WARN0("resume auto: resuming from " << dir << " (latest names '" << latest << "')");

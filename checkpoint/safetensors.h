@@ -22,6 +22,10 @@
 #include "checkpoint/format.h"
 #include "checkpoint/state.h"
 
+namespace tessera::distributed {
+class Communicator;
+}
+
 namespace tessera::checkpoint {
 
 // The safetensors library refuses headers above 100 MB; so does this reader.
@@ -131,6 +135,11 @@ struct ImportOptions {
   // Convert floating dtypes (a bf16 export into an fp32 model); off: a dtype difference is
   // an error.
   bool allowCast = true;
+  // The ranks that import together (null: this rank alone). Each reads its own rows, so a
+  // bad value may be seen by some ranks only: with a communicator, a failure on any rank
+  // throws on every rank (an all-reduce after the import) instead of leaving the others
+  // to wait for it in their next collective.
+  distributed::Communicator* comm = nullptr;
 };
 
 // Initialises each entry's shard (its spec's rows of this rank, padding zeroed) from a
@@ -138,7 +147,7 @@ struct ImportOptions {
 // all names, shapes and dtypes first and throws CheckpointError naming the file and
 // listing every missing, unexpected (strict) and mismatched tensor; an integer or bool
 // tensor for a floating-point entry is refused whatever allowCast says, and so are NaN
-// and Inf values (the tensor named). Each rank calls it independently.
+// and Inf values (the tensor named). Every rank of options.comm calls it.
 void importSafetensors(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options = {});
 
 }  // namespace tessera::checkpoint

@@ -9,6 +9,7 @@
 #include "checkpoint/json_internal.h"
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
+#include "distributed/communicator.h"
 
 namespace tessera::checkpoint {
 
@@ -104,7 +105,9 @@ MatchReport matchTensors(const std::map<std::string, std::vector<int64_t>>& foun
   return r;
 }
 
-void importSafetensors(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options) {
+namespace {
+
+void importOnThisRank(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options) {
   FileSet set(path);
   std::map<std::string, std::vector<int64_t>> found, expected;
   for (const auto& [name, re] : set.byName) found[name] = re.second->shape;
@@ -152,6 +155,12 @@ void importSafetensors(const std::string& path, const std::vector<StateEntry>& e
     if (re > rb) buf.narrow(0, 0, re - rb).copy_(rows);
     e.local.copy_(buf.view(e.local.sizes()));
   }
+}
+
+}  // namespace
+
+void importSafetensors(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options) {
+  distributed::runOnEveryRank(options.comm, strCat("importSafetensors: ", path), [&] { importOnThisRank(path, entries, options); });
 }
 
 }  // namespace tessera::checkpoint

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
 #include <mutex>
 #include <set>
 
@@ -144,6 +145,34 @@ const char* commOpName(CommOp op) {
 
 int64_t tensorBytes(const at::Tensor& t) {
   return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+}
+
+int lowestFailingRank(Communicator* comm, bool failed) {
+  const int rank = comm ? comm->rank() : 0;
+  if (comm == nullptr || comm->worldSize() == 1) return failed ? rank : -1;
+  const int64_t none = comm->worldSize();
+  at::Tensor flag = at::tensor({failed ? int64_t{rank} : none}, at::kLong);
+  comm->allReduce(flag, ReduceOp::kMin);
+  const int64_t lowest = flag.item<int64_t>();
+  return lowest == none ? -1 : static_cast<int>(lowest);
+}
+
+void throwIfAnyRankFailed(Communicator* comm, const std::string& localError, const std::string& what) {
+  runOnEveryRank(comm, what, [&] {
+    if (!localError.empty()) throw Error(strCat(what, " failed on rank ", comm ? comm->rank() : 0, ": ", localError));
+  });
+}
+
+void runOnEveryRank(Communicator* comm, const std::string& what, const std::function<void()>& fn) {
+  std::exception_ptr failure;
+  try {
+    fn();
+  } catch (...) {
+    failure = std::current_exception();  // a c10::Error from a tensor op too
+  }
+  const int failedRank = lowestFailingRank(comm, failure != nullptr);
+  if (failure) std::rethrow_exception(failure);
+  if (failedRank >= 0) throw Error(strCat(what, " failed on rank ", failedRank, " (its log has the reason)"));
 }
 
 int64_t CommStats::totalBytes() const {

@@ -44,6 +44,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -215,5 +216,21 @@ std::string groupKeyPrefix(Store& store, const std::string& name, int rank);
 
 // Bytes of a tensor's elements.
 int64_t tensorBytes(const at::Tensor& t);
+
+// The lowest rank of `comm`'s group on which `failed` is true, or -1 when none. An
+// all-reduce: every rank calls it (comm may be null or of one rank: this rank's answer).
+int lowestFailingRank(Communicator* comm, bool failed);
+
+// Every rank calls it with its own error ("" when it succeeded at `what`); when any rank
+// failed, every rank throws Error: the failing one with its message, the others naming
+// the lowest failing rank. Ranks then leave together instead of waiting for one that
+// left in their next collective.
+void throwIfAnyRankFailed(Communicator* comm, const std::string& localError, const std::string& what);
+
+// Runs `fn` on this rank, then agrees with the others as above: where fn threw, its
+// exception is rethrown as it was; where it succeeded but threw on another rank, Error
+// names `what` and the lowest failing rank. For work each rank does on its own part
+// (reading its rows of a file) whose failure all ranks must act on.
+void runOnEveryRank(Communicator* comm, const std::string& what, const std::function<void()>& fn);
 
 }  // namespace tessera::distributed

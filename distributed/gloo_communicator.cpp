@@ -419,8 +419,7 @@ class GlooCommunicator final : public Communicator {
                     allToAllEqual(bytesOf(flat_out), in.repeat({worldSize()})));
     }
     // Large: point to point into flat_out itself (c10d's allgather would stage it).
-    const int tag = nextPointToPointTag_++ & 0x3fffffff;  // the same sequence on every rank
-    return std::make_shared<PairwiseAllGather>(*pg_, flat_out, local_in, rank(), worldSize(), tag,
+    return std::make_shared<PairwiseAllGather>(*pg_, flat_out, local_in, rank(), worldSize(), nextPointToPointTag(),
                                                describeOp("allGatherInto", local_in), options().timeout, health());
   }
 
@@ -433,8 +432,8 @@ class GlooCommunicator final : public Communicator {
     const int world = worldSize();
     if (flat_in.nbytes() > kAllToAllReduceBytes) {
       // Large: point to point, two chunks of receive buffer instead of a whole input.
-      const int tag = nextPointToPointTag_++ & 0x3fffffff;  // the same sequence on every rank
-      return std::make_shared<PairwiseReduceScatter>(*pg_, flat_in.contiguous(), local_out, op, rank(), world, tag,
+      return std::make_shared<PairwiseReduceScatter>(*pg_, flat_in.contiguous(), local_out, op, rank(), world,
+                                                     nextPointToPointTag(),
                                                      describeOp("reduceScatter", flat_in, reduceOpName(op)),
                                                      options().timeout, health());
     }
@@ -557,7 +556,10 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<Store> store_;
   GlooOptions gloo_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
-  int nextPointToPointTag_ = 0;
+  // Point-to-point collectives are told apart by tag: the same sequence on every rank,
+  // as they are issued in the same order everywhere (unsigned: wraps without overflow).
+  int nextPointToPointTag() { return static_cast<int>(pointToPointIssued_++ & 0x3fffffffu); }
+  uint32_t pointToPointIssued_ = 0;
 };
 
 }  // namespace

@@ -132,7 +132,7 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
   }
 }
 
-DataParallelStrategy::~DataParallelStrategy() { inflight_->inflight.abandon(); }
+DataParallelStrategy::~DataParallelStrategy() = default;
 
 void DataParallelStrategy::onGradReady(size_t b, size_t k) {
   Bucket& bucket = buckets_[b];
@@ -199,12 +199,15 @@ void DataParallelStrategy::finishBucket(size_t b, at::Tensor flat, at::Tensor lo
   Bucket& bucket = buckets_[b];
   c10::NoGradGuard noGrad;
   if (sharded_) {
-    // zero2's full gradients were freed, so a reduction is new and adds (accumulation);
-    // zero1's .grad() held everything since zeroGrad(), so the latest replaces.
-    if (freeFullGrads_ && bucket.shard.defined()) {
+    // zero1's .grad() held everything since zeroGrad(), so the latest replaces; zero2's
+    // full gradients were freed, so a reduction is new and adds, in fp32 whatever the
+    // reduce dtype (as zero3 accumulates).
+    if (!freeFullGrads_) {
+      bucket.shard = local;
+    } else if (bucket.shard.defined()) {
       bucket.shard.add_(local);
     } else {
-      bucket.shard = local;
+      bucket.shard = local.to(at::kFloat);
     }
     return;
   }

@@ -77,10 +77,8 @@ class DataParallelStrategy final : public ShardingStrategy {
   // no_sync); step() reduces them once.
   void setRequiresGradientSync(bool sync) override { sync_ = sync; }
 
-  // The gradient buckets: their parameters (slot k of the layout is member k).
+  // How many gradient buckets (one collective each per reduction).
   size_t bucketCount() const { return buckets_.size(); }
-  const std::vector<ShardedParam*>& bucketMembers(size_t b) const { return buckets_.at(b).members; }
-  const FlatLayout& bucketLayout(size_t b) const { return buckets_.at(b).layout; }
 
   struct Overlap;  // the backward hooks and the collectives in flight (data_parallel.cpp)
 

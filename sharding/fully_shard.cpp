@@ -251,9 +251,12 @@ struct FullyShardStrategy::Internal {
     if (u.ready[j]) return;
     u.ready[j] = true;
     if (++u.readyCount < u.trainable.size()) return;
-    // Every node using the unit's parameters has run (their gradients are all in): free
-    // them before the reduction allocates its buffers, one unit less at the peak.
-    reshard(u);
+    // Every node using the unit's trainable parameters has run (their gradients are all
+    // in): free them before the reduction allocates its buffers, one unit less at the
+    // peak. A frozen parameter has no gradient to say when its last user has run (a norm
+    // ahead of the trainable layers runs its backward after theirs): a unit holding one
+    // stays gathered until the end of backward.
+    if (u.trainable.size() == u.params.size()) reshard(u);
     if (s.sync_) reduce(u);
   }
 
@@ -601,11 +604,6 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
       }
       shards[members[ui][k]] = {slot, spec};
       p.set_data(deferredTensor(p.sizes().vec(), fp32.dtype(options_.paramDtype)));
-      if (!in_->storageAllocator) {
-        in_->storageAllocator =
-            std::make_unique<UnitStorageAllocator>(in_.get(), p.storage().unsafeGetStorageImpl()->allocator());
-      }
-      p.storage().unsafeGetStorageImpl()->set_allocator(in_->storageAllocator.get());
       u.paramBytes += static_cast<int64_t>(fullBytes(p));
     }
     u.gatherBytes = u.layout->flatNumel() * static_cast<int64_t>(c10::elementSize(options_.paramDtype));
@@ -632,6 +630,13 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
     largestReduce = std::max<int64_t>(largestReduce, u->gradLayout->flatNumel() * c10::elementSize(options_.reduceDtype));
   }
   if (largestReduce > kLargeReduceBytes) in_->pending.setMaxInflight(1);
+  // Last, once nothing can throw: the storages outlive a strategy whose constructor
+  // failed, and must not keep an allocator that died with it.
+  for (const ShardedParam& p : params()) {
+    c10::StorageImpl* storage = p.moduleParam.storage().unsafeGetStorageImpl();
+    if (!in_->storageAllocator) in_->storageAllocator = std::make_unique<UnitStorageAllocator>(in_.get(), storage->allocator());
+    storage->set_allocator(in_->storageAllocator.get());
+  }
   peak_ = unshardedParamBytes();
 }
 
@@ -650,7 +655,7 @@ FullyShardStrategy::~FullyShardStrategy() {
       }
     }
   }
-  in_->pending.abandon();
+  // Reduce-scatters still in flight: waited by ~InflightCollectives.
 }
 
 size_t FullyShardStrategy::unitCount() const { return in_->units.size(); }

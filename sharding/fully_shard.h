@@ -52,12 +52,15 @@
 //             whose backward follows at once, as in FSDP2), and register a hook on every
 //             output that requires grad, which re-gathers the unit before autograd enters
 //             it in backward and prefetches the next units in reverse forward order.
-//   backward  an AccumulateGrad post hook per parameter; when all of a unit's parameters
-//             have their gradient, the gradients are packed (cast to reduceDtype) into a
-//             flat buffer, the full gradients are freed (.grad() reset), one async
-//             reduce-scatter (kAvg: the one division by N) is issued, and the unit is
-//             resharded. The reduced chunk is added into the unit's fp32 gradient shard,
-//             which accumulates over micro-batches until zeroGrad(). A callback queued on
+//   backward  an AccumulateGrad post hook per trainable parameter; when all of a unit's
+//             trainable parameters have their gradient, the unit is resharded first (one
+//             unit less at the peak; not if it holds a frozen parameter, whose last use
+//             no gradient signals: it waits for the end of backward), then the gradients
+//             are packed (cast to reduceDtype) into a flat buffer, the full gradients are
+//             freed (.grad() reset) and one async reduce-scatter (kAvg: the one division by
+//             N) is issued. Frozen parameters take no part in it. The reduced chunk is
+//             added into the unit's fp32 gradient shard, which accumulates over
+//             micro-batches until zeroGrad(). A callback queued on
 //             the autograd engine runs at the end of every backward: it reduces the units
 //             whose gradients did not all arrive (parameters that got no gradient, units
 //             not reached), with zeros for missing gradients, waits for every
@@ -152,7 +155,6 @@ class FullyShardStrategy final : public ShardingStrategy {
   // before the last); true (default): every backward reduce-scatters into the gradient
   // shards. step() reduces whatever is still unsharded, so no gradient is lost.
   void setRequiresGradientSync(bool sync) override { sync_ = sync; }
-  bool requiresGradientSync() const { return sync_; }
 
   // Swaps the masters (the owned layout is theirs) and reshards: fn's forward gathers the
   // swapped values; restored and resharded afterwards.

@@ -77,19 +77,6 @@ class CachingHostAllocator final : public c10::Allocator {
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
 #endif
 
-  void releaseCached() {
-    std::map<size_t, std::vector<void*>> blocks;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      blocks.swap(free_);
-      mapped_ -= cached_;
-      cached_ = 0;
-    }
-    for (const auto& [size, ptrs] : blocks) {
-      for (void* p : ptrs) ::munmap(p, size);
-    }
-  }
-
   HostCacheStats stats() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return {static_cast<int64_t>(cached_), static_cast<int64_t>(mapped_), static_cast<int64_t>(inUse_), static_cast<int64_t>(peakInUse_)};
@@ -158,10 +145,6 @@ void useCachingHostAllocator(const HostCacheOptions& options) {
     gAllocator = new CachingHostAllocator(c10::GetCPUAllocator(), options);
     c10::SetCPUAllocator(gAllocator, /*priority=*/1);
   });
-}
-
-void releaseCachedHostMemory() {
-  if (gAllocator != nullptr) gAllocator->releaseCached();
 }
 
 HostCacheStats hostCacheStats() { return gAllocator != nullptr ? gAllocator->stats() : HostCacheStats{}; }

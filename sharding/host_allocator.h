@@ -1,14 +1,15 @@
 // The CPU counterpart of CUDA's caching allocator, for training processes: large host
-// blocks freed by LibTorch are kept, by exact (page-rounded) size, and handed out again
-// to the next request of that size instead of going back to the kernel.
+// blocks freed by LibTorch are kept and handed out again to the next request they fit
+// (the smallest cached block at most 1/8 larger than the page-rounded request) instead
+// of going back to the kernel.
 //
 // Why: a training step allocates the same large buffers every step (zero3 regrows each
 // unit's parameters, gathers into flat buffers, reduces gradients through more), and
 // fresh pages cost a page fault each: with glibc's defaults a 67M-parameter zero3 step ran
 // 2.7x slower than with freed memory kept. Keeping it in glibc's heap instead (raised
 // mmap/trim thresholds) fragments: blocks of one size are split for another and stay
-// resident, measured at 2.6x the ZeRO-3 memory formula on 8 ranks. Exact-size reuse keeps
-// only what the step uses again.
+// resident, measured at 2.6x the ZeRO-3 memory formula on 8 ranks. Reuse of nearly the
+// same size keeps only what the step uses again.
 //
 // Blocks below minBytes go to the allocator that was there before (glibc's malloc, told
 // to keep freed memory in its heap: small blocks fragment little and fault often); larger
@@ -31,10 +32,8 @@ struct HostCacheOptions {
 // once, at start-up, before tensors are made; later calls do nothing).
 void useCachingHostAllocator(const HostCacheOptions& options = {});
 
-// Unmaps every cached block (e.g. at the end of a step, before the next one's peak).
-void releaseCachedHostMemory();
-
-// Bytes held unused in the cache right now, and bytes mapped in all (in use + cached).
+// This process's caching allocator, in bytes (all zero before useCachingHostAllocator):
+// held unused in the cache now, mapped in all (in use + cached), in use, most in use.
 struct HostCacheStats {
   int64_t cachedBytes = 0;
   int64_t mappedBytes = 0;

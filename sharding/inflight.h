@@ -37,17 +37,18 @@ class InflightCollectives {
   }
   bool empty() const { return jobs_.empty(); }
 
-  // For destructors: waits for every job without finishing it, ignoring errors (the
-  // buffers must outlive the collectives; what they computed no longer matters).
-  void abandon() noexcept {
+  // Waits for every job still in flight without finishing it, ignoring errors: its
+  // buffers must outlive the collective; what it computed no longer matters.
+  ~InflightCollectives() {
     for (Job& job : jobs_) {
       try {
         job.handle->wait();
       } catch (...) {
       }
     }
-    jobs_.clear();
   }
+  InflightCollectives(const InflightCollectives&) = delete;
+  InflightCollectives& operator=(const InflightCollectives&) = delete;
 
  private:
   void finishOldest() {

@@ -115,11 +115,17 @@ void materializeAll(torch::nn::Module& module, const ParamInitializer& initializ
     TESSERA_CHECK(p.is_contiguous() && p.storage_offset() == 0, "materializeAll: deferred parameter '", item.key(),
                   "' must be contiguous");
     setStorageBytes(p, static_cast<size_t>(p.numel()) * p.element_size());
-    const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
-    at::Tensor values = at::empty({rows, p.numel() / std::max<int64_t>(rows, 1)}, p.options().dtype(at::kFloat));
-    initializer(item.key(), 0, values);
-    p.detach().view({rows, -1}).copy_(values);
+    p.detach().copy_(fullInitialValue(initializer, item.key(), p.sizes(), p.device()));
   }
+}
+
+at::Tensor fullInitialValue(const ParamInitializer& initializer, const std::string& name, at::IntArrayRef shape,
+                            at::Device device) {
+  at::Tensor full = at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(device));
+  if (full.numel() == 0) return full;
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  initializer(name, 0, full.view({rows, full.numel() / rows}));
+  return full;
 }
 
 }  // namespace tessera::sharding

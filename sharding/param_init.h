@@ -50,6 +50,11 @@ void fillRows(const ParamInit& init, uint64_t seed, const std::string& name, int
 // with parameter `name`'s initial values.
 using ParamInitializer = std::function<void(const std::string& name, int64_t rowBegin, const at::Tensor& rows)>;
 
+// The whole initial value (fp32, on `device`) of parameter `name` of `shape`: `initializer`
+// fills it as one [rows, row numel] block from row 0.
+at::Tensor fullInitialValue(const ParamInitializer& initializer, const std::string& name, at::IntArrayRef shape,
+                            at::Device device);
+
 // A tensor of `shape` with `options` (dtype, device) and no storage (0 bytes).
 at::Tensor deferredTensor(const std::vector<int64_t>& shape, const at::TensorOptions& options);
 // True for a tensor with elements but less storage than they need (deferred, or a zero3

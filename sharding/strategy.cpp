@@ -46,15 +46,6 @@ BufferSync parseBufferSync(const std::string& name) {
   throw ConfigError(strCat("sharding buffer sync: unknown '", name, "' (broadcast, average, none)"));
 }
 
-const char* bufferSyncName(BufferSync sync) {
-  switch (sync) {
-    case BufferSync::kBroadcast: return "broadcast";
-    case BufferSync::kAverage: return "average";
-    case BufferSync::kNone: return "none";
-  }
-  return "?";
-}
-
 std::string ResidentBytes::str() const {
   std::ostringstream s;
   s << "params " << params << " B, grads " << grads << " B, optimizer " << optimizer << " B, buffers " << buffers
@@ -137,10 +128,7 @@ void ShardingStrategy::initialRows(const std::string& name, int64_t rowBegin, co
 at::Tensor ShardingStrategy::fullInitialValue(const NamedTensor& param) const {
   const at::Tensor& p = param.tensor;
   if (!hasNoStorage(p)) return p.detach();
-  at::Tensor full = at::empty(p.sizes(), p.options().dtype(at::kFloat));
-  const int64_t rows = p.dim() == 0 ? 1 : p.size(0);
-  initialRows(param.name, 0, full.view({rows, rows == 0 ? 0 : p.numel() / rows}));
-  return full;
+  return sharding::fullInitialValue(options_.initializer, param.name, p.sizes(), p.device());
 }
 
 const ShardedParam& ShardingStrategy::param(const std::string& name) const {

@@ -85,7 +85,6 @@ enum class BufferSync {
 };
 // "broadcast" | "average" | "none"; tessera::ConfigError otherwise.
 BufferSync parseBufferSync(const std::string& name);
-const char* bufferSyncName(BufferSync sync);
 
 // zero3 / hybrid only (FullyShardStrategy, sharding/fully_shard.h).
 struct FullyShardOptions {
@@ -178,9 +177,10 @@ class ShardingStrategy {
 
   // ---- What a trainer needs, whatever the strategy -----------------------------------
   // false: the backward passes that follow may keep their gradients local (micro-batches
-  // before the last of a step); true (default): reduce as usual. step() reduces whatever
-  // is still local, so no gradient is lost. zero3/hybrid then skip their reduce-scatters;
-  // no_shard/zero1/zero2 reduce once per step anyway, so for them it changes nothing.
+  // before the last of a step: DDP's no_sync); true (default): reduce as usual. step()
+  // reduces whatever is still local, so no gradient is lost. no_shard, zero2, zero3 and
+  // hybrid reduce during backward and skip that while false; zero1 reduces once per step
+  // anyway, so for it this changes nothing.
   virtual void setRequiresGradientSync(bool sync);
 
   // Runs `fn` with the module computing from other parameter values, then restores the
@@ -199,7 +199,6 @@ class ShardingStrategy {
   const std::vector<ShardedParam>& params() const { return params_; }
   // tessera::Error naming `name` when it is not a parameter of the module.
   const ShardedParam& param(const std::string& name) const;
-  bool hasParam(const std::string& name) const { return byName_.count(name) > 0; }
   // The module's buffers (BatchNorm statistics), by name, as synchronised after each step.
   struct NamedTensor {
     std::string name;
@@ -274,7 +273,7 @@ class ShardingStrategy {
  private:
   std::vector<NamedTensor> collected_;  // every parameter, at construction
   std::vector<NamedTensor> buffers_;
-  std::vector<ShardedParam> params_;    // reserved for every trainable parameter: never reallocates
+  std::vector<ShardedParam> params_;    // reserved for every parameter: never reallocates
   std::unordered_map<std::string, ShardedParam*> byName_;
   ShardedOptimizer optimizer_;
   int64_t stepsApplied_ = 0;
@@ -288,8 +287,10 @@ class ShardingStrategy {
 void withValuesSwapped(const std::vector<at::Tensor>& targets, const std::function<at::Tensor(size_t)>& value,
                        const std::function<void()>& refresh, const std::function<void()>& fn);
 
-// Builds the strategy options.strategy names over `module`'s trainable parameters and
-// the ranks of `comm`. Collective (broadcasts rank 0's state). no_shard, zero1 and zero2
+// Builds the strategy options.strategy names over `module`'s parameters (frozen ones
+// too) and the ranks of `comm`. Collective: broadcasts rank 0's buffers and the
+// parameters that have values; deferred parameters (no storage yet) are initialised by
+// options.initializer, each rank writing only what it holds. no_shard, zero1 and zero2
 // are DataParallelStrategy (data_parallel.h); zero3 and hybrid are FullyShardStrategy
 // (fully_shard.h), with options.wrap naming the units.
 std::unique_ptr<ShardingStrategy> makeStrategy(torch::nn::Module& module,

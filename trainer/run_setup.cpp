@@ -111,7 +111,9 @@ bool resume(RunParts& run) {
   if (cfg.checkpoint.resume == "auto") {
     loaded = checkpoint::resumeAuto(checkpointsDir, entries, run.comm.get());
   } else {
-    loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, entries);
+    // Each rank reads its own rows: all leave together when one fails.
+    distributed::runOnEveryRank(run.comm.get(), "checkpoint.resume: " + cfg.checkpoint.resume,
+                                [&] { loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, entries); });
   }
   if (!loaded) return false;
   const TrainerCounters saved = countersFromJson(loaded->trainerState);
@@ -136,12 +138,14 @@ bool resume(RunParts& run) {
 
 // A fresh run's start from files: model.init_from into the strategy's records (each rank
 // reads the rows it holds), the EMA then starting from those weights; ema.init_from into
-// every EMA. Both strict: names, shapes, floating point, finite (importSafetensors).
+// every EMA. Both strict: names, shapes, floating point, finite (importSafetensors), and
+// agreed: a bad row that one rank reads fails every rank.
 void initializeFromFiles(RunParts& run) {
   const TrainConfig& cfg = run.cfg;
   if (cfg.model.init_from) {
     checkpoint::ImportOptions options;
     options.stripPrefix = "model/";
+    options.comm = run.comm.get();
     checkpoint::importSafetensors(*cfg.model.init_from, run.strategy->stateEntries("model/"), options);
     run.strategy->publishParameters();
     if (run.ema) run.ema->resetFromLive();
@@ -158,6 +162,7 @@ void initializeFromFiles(RunParts& run) {
       }
       checkpoint::ImportOptions options;
       options.stripPrefix = prefix;
+      options.comm = run.comm.get();
       checkpoint::importSafetensors(*cfg.ema.init_from, decay, options);
     }
     TLOG_INFO0("EMA initialised from " << *cfg.ema.init_from);
@@ -179,8 +184,9 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   fs::create_directories(run->runDir / "logs");
   if (rank == 0) std::ofstream(run->runDir / "config.resolved.yaml") << run->resolvedYaml;
 
-  // Data. Every rank builds the model from the same seed; the strategy then broadcasts
-  // rank 0's parameters and buffers, so replicas agree whatever happened before.
+  // Data. torch's generator starts from run.seed on every rank (whatever draws from it);
+  // the model's initial values do not come from it but from the strategy's initializer,
+  // keyed by run.seed and parameter name, so every rank agrees on them by construction.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   run->device = trainingDevice(cfg);
   run->data = makeDataset(cfg.data, cfg.model, predictsEveryPosition(cfg.model));

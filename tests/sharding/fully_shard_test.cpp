@@ -668,20 +668,22 @@ TEST(FullyShardOwnershipTest, TwoStrategiesOverTwoModelsKeepTheirUnitsApart) {
   });
 }
 
-// Frozen parameters (requires_grad false: a whole unit, fc1, and one parameter of
-// another, fc2.bias): sharded like the others — 1/N of their bytes per rank, no full copy
-// between steps — gathered with their unit, never stepped nor reduce-scattered; the
-// trainable ones train as a single process does, and the frozen ones do not move.
-TEST(FullyShardFrozenTest, FrozenParametersAreShardedAndNeverStepped) {
+// Trains `kind` with the parameters named in `frozen` set requires_grad(false) at world
+// sizes 2 and 3 under zero3, in parity with one process (torch::optim::AdamW). Frozen
+// parameters are sharded like the others — 1/N of their bytes per rank, no full copy
+// between steps — gathered with their unit, never stepped nor reduce-scattered, and never
+// move. `checkLastStep` sees the communicator after the last step.
+void expectFrozenParity(ModelKind kind, const std::vector<std::string>& frozen,
+                        const std::function<void(RankContext&, int64_t trainableShard)>& checkLastStep) {
   useOneThread();
-  const std::vector<std::string> frozen = {"fc1.weight", "fc1.bias", "fc2.bias"};
+  auto isFrozen = [&](const std::string& name) { return std::find(frozen.begin(), frozen.end(), name) != frozen.end(); };
   auto freeze = [&](torch::nn::Module& m) {
     for (auto& item : m.named_parameters()) {
-      if (std::find(frozen.begin(), frozen.end(), item.key()) != frozen.end()) item.value().set_requires_grad(false);
+      if (isFrozen(item.key())) item.value().set_requires_grad(false);
     }
   };
   RunConfig c;
-  c.model = ModelKind::kMlp;
+  c.model = kind;
   c.steps = 8;
   const Data data = makeData(c.model, c.steps, c.batch);
   const auto init = paramValues(*buildModel(c.model).module);
@@ -711,8 +713,7 @@ TEST(FullyShardFrozenTest, FrozenParametersAreShardedAndNeverStepped) {
       EXPECT_EQ(engine.optimizer().size(), engine.params().size() - frozen.size());
       int64_t trainableShard = 0;
       for (const ShardedParam& p : engine.params()) {
-        const bool isFrozen = std::find(frozen.begin(), frozen.end(), p.name) != frozen.end();
-        EXPECT_EQ(p.trainable, !isFrozen) << p.name;
+        EXPECT_EQ(p.trainable, !isFrozen(p.name)) << p.name;
         if (p.trainable) trainableShard += p.spec.paddedNumel();
       }
       for (int t = 0; t < c.steps; ++t) {
@@ -726,19 +727,43 @@ TEST(FullyShardFrozenTest, FrozenParametersAreShardedAndNeverStepped) {
           EXPECT_EQ(p.master.numel(), p.spec.paddedNumel()) << p.name << ": 1/N of it per rank";
         }
       }
-      // One reduce-scatter per unit with trainable parameters, of their gradients alone.
-      const auto stats = ctx.comm()->stats();
-      EXPECT_EQ(stats[distributed::CommOp::kReduceScatter].calls, 2) << "fc2 and the root; fc1 is all frozen";
-      EXPECT_EQ(stats[distributed::CommOp::kReduceScatter].bytes, (world - 1) * 4 * trainableShard);
+      checkLastStep(ctx, trainableShard);
       engine.gatherFullParameters();
       for (const auto& item : m.module->named_parameters()) {
         const at::Tensor value = item.value().detach();
         EXPECT_LE(relativeError(value, reference.at(item.key())), 1e-5) << "world " << world << " " << item.key();
-        if (!item.value().requires_grad()) EXPECT_TRUE(value.equal(init.at(item.key()))) << item.key() << " moved";
+        if (!item.value().requires_grad()) {
+          EXPECT_TRUE(value.equal(init.at(item.key()))) << item.key() << " moved";
+        }
       }
       engine.publishParameters();
     });
   }
+}
+
+// A whole unit frozen (fc1) and one parameter of another (fc2.bias): one reduce-scatter
+// per unit with trainable parameters, of their gradients alone.
+TEST(FullyShardFrozenTest, FrozenParametersAreShardedAndNeverStepped) {
+  expectFrozenParity(ModelKind::kMlp, {"fc1.weight", "fc1.bias", "fc2.bias"}, [](RankContext& ctx, int64_t shard) {
+    const auto stats = ctx.comm()->stats();
+    EXPECT_EQ(stats[distributed::CommOp::kReduceScatter].calls, 2) << "fc2 and the root; fc1 is all frozen";
+    EXPECT_EQ(stats[distributed::CommOp::kReduceScatter].bytes, (ctx.world - 1) * 4 * shard);
+  });
+}
+
+// Frozen norms inside trainable units: a block's LayerNorm runs first in its forward, so
+// its backward needs the gathered weight after every trainable gradient of the block is
+// in. The unit must stay gathered until then (freeing it when the trainable gradients
+// are all in would leave the norm's backward without its weight).
+TEST(FullyShardFrozenTest, FrozenNormBeforeTrainableLayersKeepsItsUnitGathered) {
+  std::vector<std::string> frozen;
+  for (int b = 0; b < 3; ++b) {
+    frozen.push_back("blocks." + std::to_string(b) + ".ln.weight");
+    frozen.push_back("blocks." + std::to_string(b) + ".ln.bias");
+  }
+  expectFrozenParity(ModelKind::kTransformer, frozen, [](RankContext& ctx, int64_t) {
+    EXPECT_EQ(ctx.comm()->stats()[distributed::CommOp::kReduceScatter].calls, 4) << "3 blocks and the root";
+  });
 }
 
 // ---- memory and communication ----------------------------------------------------------

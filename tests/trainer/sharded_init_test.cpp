@@ -144,6 +144,48 @@ TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
   removeTree(dir.string());
 }
 
+// A NaN in rows that only rank 1 reads: both ranks throw (rank 1 naming the file and the
+// tensor, rank 0 naming rank 1) rather than rank 0 training on while rank 1 has left.
+TEST(ShardedInitTest, InitFromFailsOnEveryRankWhenOneRankReadsABadRow) {
+  const ModelOptions options = gptOptions();
+  std::map<std::string, at::Tensor> weights = singleProcessInit(options);
+  std::string poisoned;
+  for (auto& [name, w] : weights) {
+    if (w.dim() == 2 && w.size(0) >= 4) {
+      w[w.size(0) - 1][0] = std::nan("");  // the last row: rank 1's of 2
+      poisoned = name;
+      break;
+    }
+  }
+  ASSERT_FALSE(poisoned.empty());
+  const auto dir = std::filesystem::temp_directory_path() / ("tessera_init_nan_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string file = (dir / "model.safetensors").string();
+  checkpoint::saveSafetensors(file, weights);
+  const test::MultiRankResult result = test::runRanks(2, [&](test::RankContext& ctx) {
+    auto model = makeModel(options);
+    sharding::StrategyOptions o;
+    o.strategy = "zero3";
+    o.wrap = defaultUnits(options);
+    o.initializer = layers::initializerOf(*model, kSeed);
+    auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
+    checkpoint::ImportOptions io;
+    io.stripPrefix = "model/";
+    io.comm = ctx.comm().get();
+    checkpoint::importSafetensors(file, strategy->stateEntries("model/"), io);
+  });
+  ASSERT_EQ(result.ranks.size(), 2u);
+  for (const test::RankOutcome& r : result.ranks) {
+    EXPECT_FALSE(r.ok) << "rank " << r.rank;
+    EXPECT_FALSE(r.timedOut) << "rank " << r.rank;
+  }
+  EXPECT_NE(result.ranks[1].message.find(file + ": tensor '" + poisoned + "' holds NaN or Inf"), std::string::npos)
+      << result.ranks[1].message;
+  EXPECT_NE(result.ranks[0].message.find("importSafetensors: " + file + " failed on rank 1"), std::string::npos)
+      << result.ranks[0].message;
+  removeTree(dir.string());
+}
+
 // The distributions models.h documents, measured on tensors large enough for the moments.
 TEST(ShardedInitTest, DeclaredDistributionsAreTheDocumentedOnes) {
   ModelOptions gpt = gptOptions();
