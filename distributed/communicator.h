@@ -100,7 +100,9 @@ class CommHandle {
   // reduce-scatter, the division of AVG). Throws TimeoutError after CommOptions::timeout
   // counted from this call. Idempotent: later calls return (or rethrow) at once.
   virtual void wait() = 0;
-  // Non-blocking: true once wait() would not block on communication.
+  // Non-blocking: true once wait() would not block on communication. Operations in
+  // stages (gloo's point-to-point reduce-scatter and split all-reduce) also start their
+  // next stage from here, so polling keeps them moving between waits.
   virtual bool isCompleted() = 0;
 };
 

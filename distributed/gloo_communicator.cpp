@@ -188,21 +188,44 @@ class PairwiseReduceScatter final : public CommHandle {
 
   void wait() override {
     std::lock_guard<std::mutex> lock(mutex_);
+    advance(/*block=*/true);
+  }
+
+  // Also adds the chunks that arrived and posts the next round's receive, so a caller that
+  // polls keeps the rounds moving between waits.
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    try {
+      return advance(/*block=*/false);
+    } catch (...) {
+      return true;  // failed: wait() rethrows
+    }
+  }
+
+ private:
+  // Runs the rounds whose chunk arrived (all of them when `block`), then the sends and the
+  // final division. True when the operation is over; a failure is kept and rethrown on
+  // every later call.
+  bool advance(bool block) {
     if (done_) {
       if (error_) std::rethrow_exception(error_);
-      return;
+      return true;
     }
-    done_ = true;
     try {
-      for (int i = 1; i < world_; ++i) {
+      for (; round_ < world_; ++round_) {
+        if (!block && !pending_->isCompleted()) return false;
         c10::intrusive_ptr<c10d::Work> work = std::move(pending_);
-        const at::Tensor received = buffers_[i % 2];
-        if (i + 1 < world_) postReceive(i + 1);  // into the other buffer, while this one is added
+        const at::Tensor received = buffers_[round_ % 2];
+        if (round_ + 1 < world_) postReceive(round_ + 1);  // into the other buffer, while this one is added
         waitGlooWork(*work, "reduceScatter", what_, timeout_, health_);
         combine(received);
       }
+      for (auto& send : sends_) {
+        if (!block && !send->isCompleted()) return false;
+      }
       for (auto& send : sends_) waitGlooWork(*send, "reduceScatter", what_, timeout_, health_);
     } catch (...) {
+      done_ = true;
       error_ = std::current_exception();
       throw;
     }
@@ -211,17 +234,10 @@ class PairwiseReduceScatter final : public CommHandle {
     sends_.clear();
     flatIn_ = sum_ = at::Tensor();
     for (at::Tensor& b : buffers_) b = at::Tensor();
-  }
-
-  bool isCompleted() override {
-    if (pending_ && !pending_->isCompleted()) return false;
-    for (auto& send : sends_) {
-      if (!send->isCompleted()) return false;
-    }
+    done_ = true;
     return true;
   }
 
- private:
   // Round i: the chunk from rank - i.
   void postReceive(int i) {
     std::vector<at::Tensor> t{bytesOf(buffers_[i % 2])};
@@ -253,6 +269,7 @@ class PairwiseReduceScatter final : public CommHandle {
   std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
   c10::intrusive_ptr<c10d::Work> pending_;
   at::Tensor buffers_[2];
+  int round_ = 1;  // the round whose receive is pending
   std::mutex mutex_;
   bool done_ = false;
   std::exception_ptr error_;
@@ -308,6 +325,89 @@ class PairwiseAllGather final : public CommHandle {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<CommHealth> health_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  std::mutex mutex_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+// An all-reduce as the ring's two halves, point to point: a PairwiseReduceScatter into
+// this rank's chunk, then a PairwiseAllGather of the reduced chunks, both in place (in a
+// padded copy when the element count is not a multiple of the world size). Same bytes on
+// the wire as a ring all-reduce; faster than Gloo's allreduce of LibTorch 1.13 on large
+// tensors (bench_allreduce_bench, docs/benchmarks.md). Every chunk is reduced by its
+// owner alone, so all ranks end with bitwise the same values. The gather starts once the
+// reduce-scatter is over, from wait() or from isCompleted() (polling keeps it moving);
+// both tags were taken at issue, so ranks may start it at different times.
+class SplitAllReduce final : public CommHandle {
+ public:
+  SplitAllReduce(c10d::ProcessGroupGloo& pg, const at::Tensor& t, ReduceOp op, int rank, int world,
+                 std::pair<int, int> tags, std::string what, std::chrono::milliseconds timeout,
+                 std::shared_ptr<CommHealth> health)
+      : pg_(pg), t_(t), rank_(rank), world_(world), gatherTag_(tags.second), what_(what), timeout_(timeout),
+        health_(health) {
+    const int64_t numel = t.numel();
+    chunk_ = (numel + world - 1) / world;
+    if (chunk_ * world == numel) {
+      flat_ = t.view({-1});
+    } else {
+      flat_ = at::zeros({chunk_ * world}, t.options());
+      flat_.narrow(0, 0, numel).copy_(t.view({-1}));
+    }
+    scatter_ = std::make_shared<PairwiseReduceScatter>(pg, flat_, flat_.narrow(0, rank * chunk_, chunk_), op, rank,
+                                                       world, tags.first, std::move(what), timeout, std::move(health));
+  }
+
+  void wait() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    try {
+      scatter_->wait();
+      if (!gather_) startGather();
+      gather_->wait();
+    } catch (...) {
+      done_ = true;
+      error_ = std::current_exception();
+      throw;
+    }
+    if (!flat_.is_same(t_) && flat_.data_ptr() != t_.data_ptr()) t_.view({-1}).copy_(flat_.narrow(0, 0, t_.numel()));
+    scatter_.reset();
+    gather_.reset();
+    flat_ = t_ = at::Tensor();
+    done_ = true;
+  }
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) return true;
+    if (!gather_) {
+      if (!scatter_->isCompleted()) return false;
+      try {
+        scatter_->wait();  // does not block: it is complete
+        startGather();
+      } catch (...) {
+        return true;  // failed: wait() rethrows
+      }
+    }
+    return gather_->isCompleted();
+  }
+
+ private:
+  void startGather() {
+    gather_ = std::make_shared<PairwiseAllGather>(pg_, flat_, flat_.narrow(0, rank_ * chunk_, chunk_), rank_, world_,
+                                                  gatherTag_, what_, timeout_, health_);
+  }
+
+  c10d::ProcessGroupGloo& pg_;
+  at::Tensor t_, flat_;
+  int64_t chunk_ = 0;
+  int rank_, world_, gatherTag_;
+  std::string what_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<CommHealth> health_;
+  std::shared_ptr<CommHandle> scatter_, gather_;
   std::mutex mutex_;
   bool done_ = false;
   std::exception_ptr error_;
@@ -474,6 +574,13 @@ class GlooCommunicator final : public Communicator {
     }
     const std::string what = describeOp("allReduce", t, reduceOpName(op));
     const at::ScalarType type = t.scalar_type();
+    if (gloo_.splitAllReduceBytes >= 0 && t.nbytes() >= static_cast<size_t>(gloo_.splitAllReduceBytes) &&
+        at::isFloatingType(type) && t.is_contiguous()) {
+      const int scatterTag = nextPointToPointTag();
+      const int gatherTag = nextPointToPointTag();
+      return std::make_shared<SplitAllReduce>(*pg_, t, op, rank(), worldSize(), std::make_pair(scatterTag, gatherTag),
+                                              what, options().timeout, health());
+    }
     at::Tensor buffer = t;
     bool copyBack = false;  // the reduction ran in a wider temporary
     if (type == at::kBool && (op == ReduceOp::kMax || op == ReduceOp::kMin)) {

@@ -2,16 +2,22 @@
 // are staged through host copies, for ranks sharing a GPU and for the CPU group).
 //
 // LibTorch 1.13's Gloo group has no _allgather_base, no reduce_scatter and rejects AVG,
-// so: all-gather = allgather into views of flat_out's chunks; reduce-scatter = one
-// all-to-all (rank r receives every rank's chunk r: (N-1)/N of the input leaves each
-// rank, as in a ring reduce-scatter, not the 2x of all-reduce + narrow) followed by a
-// local reduction in rank order inside wait(); AVG = SUM, then a division in wait().
+// and its allgather stages the whole output, so (gloo_communicator.cpp):
+// - all-gather: small outputs as one all-to-all, large ones point to point straight into
+//   the output's chunks;
+// - reduce-scatter: small inputs as one all-to-all (rank r receives every rank's chunk r:
+//   (N-1)/N of the input leaves each rank, as in a ring) and a local reduction in rank
+//   order inside wait(); large ones point to point, two chunks of receive buffer at a time;
+// - all-reduce: Gloo's allreduce below GlooOptions::splitAllReduceBytes, above it the
+//   point-to-point reduce-scatter followed by the point-to-point all-gather;
+// - AVG = SUM, then a division in wait().
 // Data-movement operations send raw bytes, so every dtype works (bool, bfloat16, ...);
 // all-reduce of dtypes Gloo cannot reduce (bfloat16, int16) runs in float32 / int32.
 // This is also the CPU group that GPU runs use for checkpoint and export traffic.
 #pragma once
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -19,6 +25,8 @@
 #include "distributed/store.h"
 
 namespace tessera::distributed {
+
+inline constexpr int64_t kDefaultSplitAllReduceBytes = int64_t{1} << 20;
 
 struct GlooOptions {
   CommOptions comm;
@@ -28,6 +36,10 @@ struct GlooOptions {
   std::string hostname = "";
   // c10d worker threads: how many asynchronous operations progress at once.
   int threads = 2;
+  // Floating-point all-reduces of at least this many bytes run as a point-to-point
+  // reduce-scatter + all-gather instead of Gloo's allreduce (faster from about this size
+  // on: bench_allreduce_bench, docs/benchmarks.md); -1 = always Gloo's.
+  int64_t splitAllReduceBytes = kDefaultSplitAllReduceBytes;
 };
 
 // Creates the gloo group named options.comm.name over `store`: waits for all `world`

@@ -122,6 +122,10 @@ struct FullyShardStrategy::Internal {
   // ---- gather / free -----------------------------------------------------------------
   void issueGather(FsdpUnit& u) {
     if (u.state != FsdpUnit::State::kSharded) return;
+    if (u.params.empty()) {  // e.g. a root whose children are all units: nothing to gather
+      u.state = FsdpUnit::State::kUnsharded;
+      return;
+    }
     u.flat = at::empty({u.layout->flatNumel()}, u.masterChunk.options().dtype(s.options_.paramDtype));
     at::Tensor chunk = u.layout->chunk(u.flat, shardRank());
     chunk.copy_(u.masterChunk);  // cast to the compute dtype before gathering: half the bytes in bf16

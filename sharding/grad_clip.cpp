@@ -6,6 +6,7 @@
 
 #include "common/errors.h"
 #include "distributed/communicator.h"
+#include "sharding/cpu_kernels.h"
 
 namespace tessera::sharding {
 
@@ -15,6 +16,9 @@ double localSquaredNorm(const at::Tensor& grad, const ShardSpec& spec) {
   if (!grad.defined() || spec.localRows() == 0 || spec.rowNumel() == 0) return 0.0;
   c10::NoGradGuard noGrad;
   const at::Tensor real = spec.realRows(grad.detach().reshape({-1}));
+  if (real.device().is_cpu() && real.scalar_type() == at::kFloat && real.is_contiguous()) {
+    return squaredNorm(real.data_ptr<float>(), real.numel());  // one pass, no temporaries
+  }
   return real.to(at::kDouble).square().sum().item<double>();
 }
 

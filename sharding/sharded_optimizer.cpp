@@ -1,11 +1,13 @@
 // Sharded AdamW / Adam / SGD (see sharded_optimizer.h). The update rules follow
-// torch.optim (1.13 and 2.x single-tensor paths) operation by operation.
+// torch.optim (1.13 and 2.x single-tensor paths) operation by operation; Adam/AdamW on
+// CPU run them in one pass over the elements (cpu_kernels.h), elsewhere as tensor ops.
 #include "sharding/sharded_optimizer.h"
 
 #include <c10/core/GradMode.h>
 #include <cmath>
 
 #include "common/errors.h"
+#include "sharding/cpu_kernels.h"
 
 namespace tessera::sharding {
 
@@ -49,6 +51,18 @@ std::vector<std::string> ShardedOptimizer::stateNames() const {
   return {"exp_avg", "exp_avg_sq"};
 }
 
+namespace {
+
+// CPU fp32 buffers with the same element count, contiguous state: fusedAdamStep's input.
+bool fusable(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& m, const at::Tensor& v) {
+  for (const at::Tensor* t : {&param, &grad, &m, &v}) {
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->numel() != param.numel()) return false;
+  }
+  return param.is_contiguous() && m.is_contiguous() && v.is_contiguous();
+}
+
+}  // namespace
+
 void ShardedOptimizer::step(double baseLr) {
   c10::NoGradGuard noGrad;
   for (Slot& slot : slots_) {
@@ -87,17 +101,34 @@ void ShardedOptimizer::step(double baseLr) {
       st["exp_avg"] = at::zeros_like(param);
       st["exp_avg_sq"] = at::zeros_like(param);
     }
+    at::Tensor& m = st["exp_avg"];
+    at::Tensor& v = st["exp_avg_sq"];
+    const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(t));
+    const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(t));
+    if (fusable(param, grad, m, v)) {
+      // One pass instead of the ten below (the scalars rounded to fp32 as torch does).
+      AdamScalars s;
+      s.paramScale = static_cast<float>(options_.name == "adamw" ? 1.0 - lr * wd : 1.0);
+      s.gradDecay = static_cast<float>(options_.name == "adamw" ? 0.0 : wd);
+      s.beta1 = static_cast<float>(options_.beta1);
+      s.oneMinusBeta1 = static_cast<float>(1.0 - options_.beta1);
+      s.beta2 = static_cast<float>(options_.beta2);
+      s.oneMinusBeta2 = static_cast<float>(1.0 - options_.beta2);
+      s.sqrtBiasCorrection2 = static_cast<float>(std::sqrt(bc2));
+      s.eps = static_cast<float>(options_.eps);
+      s.negStepSize = static_cast<float>(-lr / bc1);
+      const at::Tensor g = grad.contiguous();
+      fusedAdamStep(param.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                    param.numel(), s);
+      continue;
+    }
     if (options_.name == "adamw") {
       param.mul_(1.0 - lr * wd);
     } else if (wd != 0) {
       grad = grad.add(param, wd);
     }
-    at::Tensor& m = st["exp_avg"];
-    at::Tensor& v = st["exp_avg_sq"];
     m.mul_(options_.beta1).add_(grad, 1.0 - options_.beta1);
     v.mul_(options_.beta2).addcmul_(grad, grad, 1.0 - options_.beta2);
-    const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(t));
-    const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(t));
     const double stepSize = lr / bc1;
     at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(options_.eps);
     param.addcdiv_(m, denom, -stepSize);

@@ -127,7 +127,30 @@ struct WideUnitMlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(WideUnitMlp);
 
-enum class ModelKind { kTransformer, kMlp, kWide };
+// 16 -> 32 -> 7, every Linear a unit: the root owns no parameter (nothing to gather).
+struct LayersOnlyMlpImpl : torch::nn::Module {
+  LayersOnlyMlpImpl() {
+    layers = register_module("layers", torch::nn::ModuleList());
+    layers->push_back(torch::nn::Linear(16, 32));
+    layers->push_back(torch::nn::Linear(32, 7));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return unitForward(*this, x, [this](const at::Tensor& in) {
+      at::Tensor h = in;
+      for (size_t i = 0; i < layers->size(); ++i) {
+        auto* linear = layers[i]->as<torch::nn::Linear>();
+        h = unitForward(*layers[i], h, [linear](const at::Tensor& v) { return linear->forward(v); });
+        if (i + 1 < layers->size()) h = torch::relu(h);
+      }
+      return h;
+    });
+  }
+  static std::vector<std::string> units() { return {"layers.*"}; }
+  torch::nn::ModuleList layers{nullptr};
+};
+TORCH_MODULE(LayersOnlyMlp);
+
+enum class ModelKind { kTransformer, kMlp, kWide, kLayersOnly };
 
 struct Data {
   std::vector<at::Tensor> x, y;  // global batches per step
@@ -144,7 +167,7 @@ Data makeData(ModelKind kind, int steps, int64_t batch) {
     } else if (kind == ModelKind::kMlp) {
       d.x.push_back(torch::randn({batch, 5}));
       d.y.push_back(torch::randn({batch, 1}));
-    } else {
+    } else {  // kWide, kLayersOnly
       d.x.push_back(torch::randn({batch, 16}));
       d.y.push_back(torch::randn({batch, 7}));
     }
@@ -175,11 +198,16 @@ AnyModel buildModel(ModelKind kind) {
     m.module = t;
     m.loss = [t](const at::Tensor& x, const at::Tensor& y) { return torch::mse_loss(t->forward(x), y); };
     m.units = UnevenMlpImpl::units();
-  } else {
+  } else if (kind == ModelKind::kWide) {
     auto t = WideUnitMlp().ptr();
     m.module = t;
     m.loss = [t](const at::Tensor& x, const at::Tensor& y) { return torch::mse_loss(t->forward(x), y); };
     m.units = WideUnitMlpImpl::units();
+  } else {
+    auto t = LayersOnlyMlp().ptr();
+    m.module = t;
+    m.loss = [t](const at::Tensor& x, const at::Tensor& y) { return torch::mse_loss(t->forward(x), y); };
+    m.units = LayersOnlyMlpImpl::units();
   }
   return m;
 }
@@ -271,7 +299,10 @@ double maxRelativeError(const std::map<std::string, at::Tensor>& got, const std:
 }
 
 std::string describe(const RunConfig& c) {
-  const char* model = c.model == ModelKind::kTransformer ? "transformer" : c.model == ModelKind::kMlp ? "mlp" : "wide";
+  const char* model = c.model == ModelKind::kTransformer ? "transformer"
+                      : c.model == ModelKind::kMlp       ? "mlp"
+                      : c.model == ModelKind::kWide      ? "wide"
+                                                         : "layers-only";
   return strCat(model, " ", c.strategy, " N=", c.world, " prefetch=", c.fsdp.prefetch,
                 " reshard_after_forward=", c.fsdp.reshardAfterForward, " micro=", c.micro,
                 c.syncLastOnly ? " (sync last)" : "", c.fsdp.activationCheckpointing ? " ac" : "",
@@ -335,6 +366,17 @@ INSTANTIATE_TEST_SUITE_P(Zero3, FullyShardParityTest, ::testing::ValuesIn(parity
                                          p.world, "_prefetch", p.prefetch,
                                          p.reshardAfterForward ? "_reshard" : "_keep");
                          });
+
+// Every parameter in a wrapped child: the root unit has nothing of its own to gather.
+TEST(FullyShardParityEdgeTest, RootWithoutParametersOfItsOwn) {
+  useOneThread();
+  for (int world : {2, 3}) {
+    RunConfig c;
+    c.model = ModelKind::kLayersOnly;
+    c.world = world;
+    expectParity(c);
+  }
+}
 
 TEST(FullyShardAccumulationTest, SyncEveryMicroBatchOrOnlyTheLast) {
   useOneThread();

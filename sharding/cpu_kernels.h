@@ -1,0 +1,34 @@
+// Single-pass CPU loops for the step's elementwise work over fp32 buffers: the Adam /
+// AdamW update (instead of torch's ten tensor-wide operations, each a pass over memory
+// and two allocating a temporary as large as the parameter) and the squared L2 norm of a
+// gradient (instead of a double copy, its square and a sum). ShardedOptimizer and
+// grad_clip use them for CPU tensors, tensor operations elsewhere.
+#pragma once
+
+#include <cstdint>
+
+namespace tessera::sharding {
+
+struct AdamScalars {
+  float paramScale = 1;    // AdamW's decoupled decay: 1 - lr * weight_decay (1 for Adam)
+  float gradDecay = 0;     // Adam's L2 term: the gradient gets + gradDecay * param (0 for AdamW)
+  float beta1 = 0.9f, oneMinusBeta1 = 0.1f;
+  float beta2 = 0.999f, oneMinusBeta2 = 0.001f;
+  float sqrtBiasCorrection2 = 1;  // sqrt(1 - beta2^t)
+  float eps = 1e-8f;
+  float negStepSize = 0;   // -lr / (1 - beta1^t)
+};
+
+// For every i < n, in fp32 and in torch's order of operations (single-tensor AdamW):
+//   p *= paramScale;  g' = g + gradDecay * p  (Adam with weight decay only)
+//   m = m * beta1 + oneMinusBeta1 * g';  v = v * beta2 + oneMinusBeta2 * g' * g'
+//   p = p + negStepSize * m / (sqrt(v) / sqrtBiasCorrection2 + eps)
+// Each element is computed alike wherever it sits (no fused multiply-add anywhere), so a
+// parameter's update does not depend on how it is sharded: strategies stay bitwise equal.
+void fusedAdamStep(float* param, const float* grad, float* expAvg, float* expAvgSq, int64_t n, const AdamScalars& s);
+
+// Sum of x[i]^2 over i < n, accumulated in double in a fixed order (deterministic for a
+// given n, whatever the thread count).
+double squaredNorm(const float* x, int64_t n);
+
+}  // namespace tessera::sharding
