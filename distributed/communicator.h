@@ -100,9 +100,9 @@ class CommHandle {
   // reduce-scatter, the division of AVG). Throws TimeoutError after CommOptions::timeout
   // counted from this call. Idempotent: later calls return (or rethrow) at once.
   virtual void wait() = 0;
-  // Non-blocking: true once wait() would not block on communication. Operations in
-  // stages (gloo's point-to-point reduce-scatter and split all-reduce) also start their
-  // next stage from here, so polling keeps them moving between waits.
+  // Non-blocking: true once wait() would not block on communication. Gloo's point-to-point
+  // operations (large all-gathers and reduce-scatters, the split all-reduce) answer false
+  // until waited: LibTorch 1.13's send/recv works only learn they are done in their wait().
   virtual bool isCompleted() = 0;
 };
 

@@ -188,44 +188,21 @@ class PairwiseReduceScatter final : public CommHandle {
 
   void wait() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    advance(/*block=*/true);
-  }
-
-  // Also adds the chunks that arrived and posts the next round's receive, so a caller that
-  // polls keeps the rounds moving between waits.
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    try {
-      return advance(/*block=*/false);
-    } catch (...) {
-      return true;  // failed: wait() rethrows
-    }
-  }
-
- private:
-  // Runs the rounds whose chunk arrived (all of them when `block`), then the sends and the
-  // final division. True when the operation is over; a failure is kept and rethrown on
-  // every later call.
-  bool advance(bool block) {
     if (done_) {
       if (error_) std::rethrow_exception(error_);
-      return true;
+      return;
     }
+    done_ = true;
     try {
-      for (; round_ < world_; ++round_) {
-        if (!block && !pending_->isCompleted()) return false;
+      for (int i = 1; i < world_; ++i) {
         c10::intrusive_ptr<c10d::Work> work = std::move(pending_);
-        const at::Tensor received = buffers_[round_ % 2];
-        if (round_ + 1 < world_) postReceive(round_ + 1);  // into the other buffer, while this one is added
+        const at::Tensor received = buffers_[i % 2];
+        if (i + 1 < world_) postReceive(i + 1);  // into the other buffer, while this one is added
         waitGlooWork(*work, "reduceScatter", what_, timeout_, health_);
         combine(received);
       }
-      for (auto& send : sends_) {
-        if (!block && !send->isCompleted()) return false;
-      }
       for (auto& send : sends_) waitGlooWork(*send, "reduceScatter", what_, timeout_, health_);
     } catch (...) {
-      done_ = true;
       error_ = std::current_exception();
       throw;
     }
@@ -234,10 +211,17 @@ class PairwiseReduceScatter final : public CommHandle {
     sends_.clear();
     flatIn_ = sum_ = at::Tensor();
     for (at::Tensor& b : buffers_) b = at::Tensor();
-    done_ = true;
+  }
+
+  bool isCompleted() override {
+    if (pending_ && !pending_->isCompleted()) return false;
+    for (auto& send : sends_) {
+      if (!send->isCompleted()) return false;
+    }
     return true;
   }
 
+ private:
   // Round i: the chunk from rank - i.
   void postReceive(int i) {
     std::vector<at::Tensor> t{bytesOf(buffers_[i % 2])};
@@ -269,7 +253,6 @@ class PairwiseReduceScatter final : public CommHandle {
   std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
   c10::intrusive_ptr<c10d::Work> pending_;
   at::Tensor buffers_[2];
-  int round_ = 1;  // the round whose receive is pending
   std::mutex mutex_;
   bool done_ = false;
   std::exception_ptr error_;
@@ -335,9 +318,9 @@ class PairwiseAllGather final : public CommHandle {
 // padded copy when the element count is not a multiple of the world size). Same bytes on
 // the wire as a ring all-reduce; faster than Gloo's allreduce of LibTorch 1.13 on large
 // tensors (bench_allreduce_bench, docs/benchmarks.md). Every chunk is reduced by its
-// owner alone, so all ranks end with bitwise the same values. The gather starts once the
-// reduce-scatter is over, from wait() or from isCompleted() (polling keeps it moving);
-// both tags were taken at issue, so ranks may start it at different times.
+// owner alone, so all ranks end with bitwise the same values. The gather starts in wait(),
+// once the reduce-scatter is over; both tags were taken at issue, so the ranks need not
+// wait at the same point.
 class SplitAllReduce final : public CommHandle {
  public:
   SplitAllReduce(c10d::ProcessGroupGloo& pg, const at::Tensor& t, ReduceOp op, int rank, int world,
@@ -379,19 +362,11 @@ class SplitAllReduce final : public CommHandle {
     done_ = true;
   }
 
+  // The gather starts in wait(): LibTorch 1.13's point-to-point works report completion
+  // only once waited, so the reduce-scatter's end cannot be seen earlier.
   bool isCompleted() override {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (done_) return true;
-    if (!gather_) {
-      if (!scatter_->isCompleted()) return false;
-      try {
-        scatter_->wait();  // does not block: it is complete
-        startGather();
-      } catch (...) {
-        return true;  // failed: wait() rethrows
-      }
-    }
-    return gather_->isCompleted();
+    return done_;
   }
 
  private:
@@ -574,8 +549,8 @@ class GlooCommunicator final : public Communicator {
     }
     const std::string what = describeOp("allReduce", t, reduceOpName(op));
     const at::ScalarType type = t.scalar_type();
-    if (gloo_.splitAllReduceBytes >= 0 && t.nbytes() >= static_cast<size_t>(gloo_.splitAllReduceBytes) &&
-        at::isFloatingType(type) && t.is_contiguous()) {
+    const auto bytes = static_cast<int64_t>(t.nbytes());
+    if (bytes >= gloo_.splitAllReduceFromBytes && bytes < gloo_.splitAllReduceBelowBytes && at::isFloatingType(type)) {
       const int scatterTag = nextPointToPointTag();
       const int gatherTag = nextPointToPointTag();
       return std::make_shared<SplitAllReduce>(*pg_, t, op, rank(), worldSize(), std::make_pair(scatterTag, gatherTag),

@@ -8,8 +8,9 @@
 // - reduce-scatter: small inputs as one all-to-all (rank r receives every rank's chunk r:
 //   (N-1)/N of the input leaves each rank, as in a ring) and a local reduction in rank
 //   order inside wait(); large ones point to point, two chunks of receive buffer at a time;
-// - all-reduce: Gloo's allreduce below GlooOptions::splitAllReduceBytes, above it the
-//   point-to-point reduce-scatter followed by the point-to-point all-gather;
+// - all-reduce: Gloo's allreduce, or in a middle range of sizes where it is faster
+//   (GlooOptions::splitAllReduce*) the point-to-point reduce-scatter followed by the
+//   point-to-point all-gather;
 // - AVG = SUM, then a division in wait().
 // Data-movement operations send raw bytes, so every dtype works (bool, bfloat16, ...);
 // all-reduce of dtypes Gloo cannot reduce (bfloat16, int16) runs in float32 / int32.
@@ -26,8 +27,6 @@
 
 namespace tessera::distributed {
 
-inline constexpr int64_t kDefaultSplitAllReduceBytes = int64_t{1} << 20;
-
 struct GlooOptions {
   CommOptions comm;
   // Address gloo's TCP transport binds to and advertises. "" = the interface named by
@@ -36,10 +35,13 @@ struct GlooOptions {
   std::string hostname = "";
   // c10d worker threads: how many asynchronous operations progress at once.
   int threads = 2;
-  // Floating-point all-reduces of at least this many bytes run as a point-to-point
-  // reduce-scatter + all-gather instead of Gloo's allreduce (faster from about this size
-  // on: bench_allreduce_bench, docs/benchmarks.md); -1 = always Gloo's.
-  int64_t splitAllReduceBytes = kDefaultSplitAllReduceBytes;
+  // Floating-point all-reduces of [splitAllReduceFromBytes, splitAllReduceBelowBytes) run
+  // as a point-to-point reduce-scatter + all-gather instead of Gloo's allreduce: measured
+  // faster in that range on loopback at 2 and 4 ranks, slower above it, where Gloo's ring
+  // overlaps its reduction with the transfer (bench_allreduce_bench, docs/benchmarks.md).
+  // An empty range (below <= from) always uses Gloo's.
+  int64_t splitAllReduceFromBytes = int64_t{256} << 10;
+  int64_t splitAllReduceBelowBytes = int64_t{8} << 20;
 };
 
 // Creates the gloo group named options.comm.name over `store`: waits for all `world`

@@ -156,7 +156,6 @@ void DataParallelStrategy::onGradReady(size_t b, size_t k) {
       nextToIssue_ = 0;
     });
   }
-  inflight_->inflight.progress();  // between gradients, earlier buckets' collectives move on
   if (bucket.ready[k]) return;
   bucket.ready[k] = true;
   ++bucket.readyCount;

@@ -30,15 +30,7 @@ class InflightCollectives {
     while (jobs_.size() >= maxInflight_) finishOldest();
   }
   // Adds a job just issued (after makeRoom()).
-  void push(Job job) {
-    progress();
-    jobs_.push_back(std::move(job));
-  }
-  // Lets the jobs in flight start their next stage without blocking (a collective in
-  // stages, such as gloo's split all-reduce, advances when polled: CommHandle::isCompleted).
-  void progress() {
-    for (Job& job : jobs_) job.handle->isCompleted();
-  }
+  void push(Job job) { jobs_.push_back(std::move(job)); }
   // Waits for and finishes every job.
   void drain() {
     while (!jobs_.empty()) finishOldest();

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <limits>
 #include <tuple>
 
 #include "common/errors.h"
@@ -154,6 +155,45 @@ TEST_P(CollectivesTest, AllReduceEveryOpAndDtype) {
     comm.allReduce(empty);
     // Integers have no average.
     EXPECT_THROW(comm.allReduce(longs, ReduceOp::kAvg), UsageError);
+  }, options());
+}
+
+// The split all-reduce (point-to-point reduce-scatter + all-gather) against Gloo's own, on
+// two communicators forced to one or the other: every op, floating dtypes, lengths that do
+// not divide by the world size (padded) and that do; every rank ends bitwise equal.
+TEST_P(CollectivesTest, SplitAllReduceMatchesGlooAllReduce) {
+  runOnRanks(world(), [](RankContext& ctx) {
+    GlooOptions splitOptions = ctx.glooOptions("split");
+    splitOptions.splitAllReduceFromBytes = 0;
+    splitOptions.splitAllReduceBelowBytes = std::numeric_limits<int64_t>::max();
+    GlooOptions glooOnly = ctx.glooOptions("gloo_only");
+    glooOnly.splitAllReduceBelowBytes = 0;
+    auto split = makeGlooCommunicator(ctx.store, ctx.rank, ctx.world, splitOptions);
+    auto gloo = makeGlooCommunicator(ctx.store, ctx.rank, ctx.world, glooOnly);
+    for (at::ScalarType type : {at::kFloat, at::kDouble, at::kBFloat16}) {
+      for (int64_t length : {1, 7, 12, 70001}) {
+        for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMax, ReduceOp::kMin}) {
+          const std::string what = strCat(at::toString(type), " x ", length, " ", reduceOpName(op));
+          at::manual_seed(static_cast<uint64_t>(1000 + ctx.rank));
+          const at::Tensor input = at::randn({length}).to(type);
+          at::Tensor bySplit = input.clone(), byGloo = input.clone();
+          auto handle = split->allReduceAsync(bySplit, op);
+          handle->wait();
+          EXPECT_TRUE(handle->isCompleted());
+          gloo->allReduce(byGloo, op);
+          const bool exact = op == ReduceOp::kMax || op == ReduceOp::kMin;
+          const double tolerance = type == at::kBFloat16 ? 1e-2 : 1e-5;
+          EXPECT_TRUE(exact ? bySplit.equal(byGloo)
+                            : at::allclose(bySplit.to(at::kDouble), byGloo.to(at::kDouble), tolerance, tolerance))
+              << what << " rank " << ctx.rank;
+          // Bitwise the same on every rank: the largest and smallest over ranks are it.
+          at::Tensor high = bySplit.to(at::kDouble), low = high.clone();
+          gloo->allReduce(high, ReduceOp::kMax);
+          gloo->allReduce(low, ReduceOp::kMin);
+          EXPECT_TRUE(high.equal(bySplit.to(at::kDouble)) && low.equal(high)) << what << " rank " << ctx.rank;
+        }
+      }
+    }
   }, options());
 }
 
