@@ -22,7 +22,13 @@ double localSquaredNorm(const at::Tensor& grad, const ShardSpec& spec) {
   return real.to(at::kDouble).square().sum().item<double>();
 }
 
-double globalGradNorm(const std::vector<ShardedParam>& params, distributed::Communicator& comm) {
+double globalGradNorm(const std::vector<ShardedParam>& params, distributed::Communicator& comm,
+                      const at::Tensor& sumAlongside) {
+  const bool alongside = sumAlongside.defined() && sumAlongside.numel() > 0;
+  TESSERA_CHECK_AS(UsageError, !alongside || (sumAlongside.scalar_type() == at::kDouble &&
+                                              sumAlongside.device().is_cpu() && sumAlongside.is_contiguous()),
+                   "globalGradNorm: the values summed alongside must be a contiguous CPU double tensor, got ",
+                   sumAlongside.toString());
   double sharded = 0.0, replicated = 0.0;
   bool communicate = false;
   for (const ShardedParam& p : params) {
@@ -38,8 +44,12 @@ double globalGradNorm(const std::vector<ShardedParam>& params, distributed::Comm
   }
   if (communicate) {
     at::Tensor sum = at::full({1}, sharded, at::TensorOptions().dtype(at::kDouble));
+    if (alongside) sum = at::cat({sum, sumAlongside.reshape({-1})});
     comm.allReduce(sum, distributed::ReduceOp::kSum);
-    sharded = sum.item<double>();
+    sharded = sum[0].item<double>();
+    if (alongside) sumAlongside.view({-1}).copy_(sum.narrow(0, 1, sumAlongside.numel()));
+  } else if (alongside) {
+    comm.allReduce(sumAlongside, distributed::ReduceOp::kSum);
   }
   return std::sqrt(sharded + replicated);
 }
@@ -49,9 +59,10 @@ double clipCoefficient(double norm, double maxNorm) {
   return std::min(1.0, maxNorm / (norm + 1e-6));
 }
 
-GradNorm clipGradNorm(const std::vector<ShardedParam>& params, double maxNorm, distributed::Communicator& comm) {
+GradNorm clipGradNorm(const std::vector<ShardedParam>& params, double maxNorm, distributed::Communicator& comm,
+                      const at::Tensor& sumAlongside) {
   GradNorm result;
-  result.norm = globalGradNorm(params, comm);
+  result.norm = globalGradNorm(params, comm, sumAlongside);
   result.clipCoef = clipCoefficient(result.norm, maxNorm);
   if (result.clipCoef < 1.0) {
     c10::NoGradGuard noGrad;

@@ -35,7 +35,11 @@ double localSquaredNorm(const at::Tensor& grad, const ShardSpec& spec);
 // each laid out by its `spec`. Collective over `comm` (the group the Shard(0) specs
 // shard over) when any spec is Shard(0) over more than one rank: every rank must call
 // it, in the same order.
-double globalGradNorm(const std::vector<ShardedParam>& params, distributed::Communicator& comm);
+// `sumAlongside` (optional, a CPU double tensor of a few values) is summed over `comm` in
+// that same all-reduce, or in one of its own when the norm needs none: the caller's
+// per-step sums (a loss) without a collective more.
+double globalGradNorm(const std::vector<ShardedParam>& params, distributed::Communicator& comm,
+                      const at::Tensor& sumAlongside = {});
 
 // torch's clip coefficient: min(1, maxNorm / (norm + 1e-6)); 1 when maxNorm <= 0
 // (clipping off) or the norm is not finite.
@@ -43,6 +47,7 @@ double clipCoefficient(double norm, double maxNorm);
 
 // globalGradNorm, then scales every `grad` in place by clipCoefficient(norm, maxNorm)
 // when it is below 1. Collective like globalGradNorm.
-GradNorm clipGradNorm(const std::vector<ShardedParam>& params, double maxNorm, distributed::Communicator& comm);
+GradNorm clipGradNorm(const std::vector<ShardedParam>& params, double maxNorm, distributed::Communicator& comm,
+                      const at::Tensor& sumAlongside = {});
 
 }  // namespace tessera::sharding

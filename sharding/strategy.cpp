@@ -204,10 +204,13 @@ void withValuesSwapped(const std::vector<at::Tensor>& targets, const std::functi
   restore();
 }
 
-StepResult ShardingStrategy::step(double lr) {
+StepResult ShardingStrategy::step(double lr, const at::Tensor& sumAlongside) {
   synchronizeGradients();
   StepResult result;
-  const GradNorm norm = clipGradNorm(params_, options_.gradClip, *shardComm_);
+  // The norm's all-reduce spans the world unless hybrid's is over its shard group only.
+  const bool normOverWorld = shardComm_.get() == comm_.get();
+  const GradNorm norm = clipGradNorm(params_, options_.gradClip, *shardComm_, normOverWorld ? sumAlongside : at::Tensor());
+  if (!normOverWorld && sumAlongside.defined()) comm_->allReduce(sumAlongside, distributed::ReduceOp::kSum);
   result.gradNorm = norm.norm;
   result.clipCoef = norm.clipCoef;
   if (!norm.finite()) {

@@ -169,7 +169,11 @@ class ShardingStrategy {
   // rate `lr`; the module's parameters are then updated everywhere and its buffers
   // synchronised. A non-finite global norm skips the update on every rank: the result
   // says so, the gradients are dropped, parameters and optimizer states are untouched.
-  StepResult step(double lr);
+  // `sumAlongside` (optional, a small contiguous CPU double tensor, e.g. the step's loss):
+  // summed over all ranks in the same all-reduce as the gradient norm (or in one of its
+  // own where the norm needs none: no_shard, hybrid's replica sums), overwritten with the
+  // sums; the caller saves a collective per step.
+  StepResult step(double lr, const at::Tensor& sumAlongside = {});
 
   // Rewrites the module's parameters from the fp32 masters (collective). step() does this
   // itself; call it after changing masters directly, e.g. restoring a checkpoint.

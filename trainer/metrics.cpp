@@ -50,7 +50,8 @@ void MetricsLog::record(const StepMetrics& m) {
   nlohmann::json j = {{"step", m.step},          {"loss", m.loss},
                       {"lr", m.lr},              {"grad_norm", m.gradNorm},
                       {"samples_per_sec", m.samplesPerSec}, {"step_time_ms", m.stepTimeMs},
-                      {"peak_rss_mib", m.peakRssMiB},       {"comm_mib", m.commMiB}};
+                      {"peak_rss_mib", m.peakRssMiB},       {"comm_mib", m.commMiB},
+                      {"collectives_per_step", m.collectivesPerStep}};
   for (const auto& [k, v] : m.extra) j[k] = v;
   out_ << j.dump() << "\n";
   out_.flush();

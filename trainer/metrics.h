@@ -19,6 +19,7 @@ struct StepMetrics {
   double stepTimeMs = 0;      // mean wall time per step since the last record
   double peakRssMiB = 0;      // max over ranks of the peak resident set size
   double commMiB = 0;         // bytes sent by this rank since the last record
+  double collectivesPerStep = 0;  // collectives this rank issued since the last record, per step
   std::map<std::string, double> extra;  // e.g. eval_loss, eval_loss_ema
 };
 

@@ -171,8 +171,8 @@ class TrainLoop {
   }
 
   // One optimizer step: the micro-batches' forward and backward, the strategy's step
-  // (gradient sync, clipping, optimizer), the EMA update, and one all-reduce of the loss
-  // together with the stop flags.
+  // (gradient sync, clipping, optimizer; the loss and the stop flags summed in its norm's
+  // all-reduce), and the EMA update.
   StepOutcome trainStep(int64_t step) {
     sharding::ShardingStrategy& strategy = *run_.strategy;
     distributed::Communicator& comm = *run_.comm;
@@ -194,15 +194,15 @@ class TrainLoop {
     }
     StepOutcome out;
     out.lr = run_.schedule->lrAt(step);
-    out.result = strategy.step(out.lr);
+    // The step's loss (summed, then averaged) and the stop flags ride on the strategy's
+    // gradient-norm all-reduce: no collective of their own.
+    at::Tensor shared = at::cat({stepLoss, at::full({1}, g_stopRequested ? 1.0 : 0.0, at::kDouble)});
+    out.result = strategy.step(out.lr, shared);
     if (out.result.skipped) {
       ++run_.counters.skippedSteps;
       TLOG_WARN0("step " << step + 1 << ": gradient norm " << out.result.gradNorm << " is not finite; step skipped");
     }
     if (run_.ema) run_.ema->update(step + 1, !out.result.skipped);
-    // One all-reduce for the step's loss (summed, then averaged) and the stop flags.
-    at::Tensor shared = at::cat({stepLoss, at::full({1}, g_stopRequested ? 1.0 : 0.0, at::kDouble)});
-    comm.allReduce(shared, distributed::ReduceOp::kSum);
     out.loss = shared[0].item<double>() / static_cast<double>(comm.worldSize());
     out.stopSignalled = shared[1].item<double>() > 0;
     return out;
@@ -256,6 +256,7 @@ class TrainLoop {
   void logWindow(int64_t done, const StepOutcome& out, bool evaluateNow) {
     distributed::Communicator& comm = *run_.comm;
     const double elapsed = nowSec() - windowStart_;
+    const distributed::CommStats sent = comm.stats();  // the window's steps (and saves), not what follows
     at::Tensor rss = at::full({1}, peakRssMiB(), at::kDouble);
     comm.allReduce(rss, distributed::ReduceOp::kMax);
     StepMetrics m;
@@ -266,7 +267,8 @@ class TrainLoop {
     m.samplesPerSec = static_cast<double>(cfg_.data.global_batch * windowSteps_) / elapsed;
     m.stepTimeMs = elapsed * 1000.0 / static_cast<double>(windowSteps_);
     m.peakRssMiB = rss.item<double>();
-    m.commMiB = static_cast<double>(comm.stats().totalBytes()) / (1024.0 * 1024.0);
+    m.commMiB = static_cast<double>(sent.totalBytes()) / (1024.0 * 1024.0);
+    m.collectivesPerStep = static_cast<double>(sent.totalCalls()) / static_cast<double>(windowSteps_);
     if (skippedInRun_ > 0) m.extra["skipped_steps"] = static_cast<double>(skippedInRun_);
     if (evaluateNow) evaluate(m.extra);
     if (metrics_) metrics_->record(m);
@@ -278,7 +280,7 @@ class TrainLoop {
     windowLoss_ = 0;
     windowSteps_ = 0;
     windowStart_ = nowSec();
-    TLOG_DEBUG0("communication since the last log line: " << comm.stats().toString());
+    TLOG_DEBUG0("communication since the last log line: " << sent.toString());
     comm.resetStats();
   }
 

@@ -12,6 +12,7 @@
 
 #include "common/errors.h"
 #include "sharding/data_parallel.h"
+#include "sharding/fully_shard.h"
 #include "sharding/strategy.h"
 #include "tests/sharding/test_models.h"
 #include "tests/support/multi_rank.h"
@@ -378,6 +379,44 @@ TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
         EXPECT_FALSE(paramValues(*model).at("fc1.weight").equal(before.at("fc1.weight")));
       });
     }
+  }
+}
+
+// step(lr, sumAlongside): the caller's values come back summed over all ranks, in the
+// gradient norm's all-reduce where there is one (zero1/zero2/zero3: no collective more
+// than a step without them), in one of their own otherwise (no_shard; hybrid, whose norm
+// is over its shard group only).
+TEST(StrategyStepTest, SumsTheCallersValuesAlongsideTheGradientNorm) {
+  useOneThread();
+  (void)data();
+  for (const char* strategy : {"no_shard", "zero1", "zero2", "zero3", "hybrid"}) {
+    const int world = std::string(strategy) == "hybrid" ? 4 : 3;
+    runOnRanks(world, [&](RankContext& ctx) {
+      TinyMlp model;
+      StrategyOptions o = strategyOptions(strategy, kConfigs[0]);
+      o.fullyShard.shardSize = std::string(strategy) == "hybrid" ? 2 : 0;
+      auto engine = makeStrategy(*model, ctx.comm(), o);
+      auto backward = [&] {
+        engine->zeroGrad();
+        const at::Tensor x = rankSlice(data().x[0], ctx.rank, world), y = rankSlice(data().y[0], ctx.rank, world);
+        torch::mse_loss(sharding::unitForward(*model, x, [&](const at::Tensor& in) { return model->forward(in); }), y)
+            .backward();
+      };
+      backward();
+      ctx.comm()->resetStats();
+      ASSERT_FALSE(engine->step(0.01).skipped);
+      const int64_t callsWithout = ctx.comm()->stats().totalCalls();
+      backward();
+      ctx.comm()->resetStats();
+      at::Tensor values = at::tensor({static_cast<double>(ctx.rank), 1.0, 0.25 * ctx.rank}, at::kDouble);
+      ASSERT_FALSE(engine->step(0.01, values).skipped);
+      const double ranks = world * (world - 1) / 2.0;
+      EXPECT_EQ(values[0].item<double>(), ranks) << strategy;
+      EXPECT_EQ(values[1].item<double>(), world) << strategy;
+      EXPECT_EQ(values[2].item<double>(), 0.25 * ranks) << strategy;
+      const bool ownCollective = std::string(strategy) == "no_shard" || std::string(strategy) == "hybrid";
+      EXPECT_EQ(ctx.comm()->stats().totalCalls(), callsWithout + (ownCollective ? 1 : 0)) << strategy;
+    });
   }
 }
 
