@@ -450,8 +450,11 @@ FullyShardStrategy::Internal* strategyOf(const torch::nn::Module& module) {
 
 // The submodules of `root` that options.wrap names, in named_modules() order: "blocks.*"
 // matches the direct children of `blocks`, anything else one module by its exact name.
+// The modules `patterns` name (a pattern matching none is a ConfigError), in
+// named_modules() order, less those with fewer than minParams parameters.
 std::vector<std::pair<std::string, const torch::nn::Module*>> wrappedModules(const torch::nn::Module& root,
-                                                                             const std::vector<std::string>& patterns) {
+                                                                             const std::vector<std::string>& patterns,
+                                                                             int64_t minParams) {
   const auto modules = root.named_modules("", /*include_self=*/false);
   std::vector<bool> chosen(modules.size(), false);
   for (const std::string& pattern : patterns) {
@@ -472,7 +475,10 @@ std::vector<std::pair<std::string, const torch::nn::Module*>> wrappedModules(con
   }
   std::vector<std::pair<std::string, const torch::nn::Module*>> out;
   for (size_t i = 0; i < modules.size(); ++i) {
-    if (chosen[i]) out.emplace_back(modules[i].key(), modules[i].value().get());
+    if (!chosen[i]) continue;
+    int64_t params = 0;
+    for (const at::Tensor& p : modules[i].value()->parameters(/*recurse=*/true)) params += p.numel();
+    if (params >= minParams) out.emplace_back(modules[i].key(), modules[i].value().get());
   }
   return out;
 }
@@ -549,7 +555,7 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
 
   // Units: the wrapped submodules in named_modules() order, then the root. Deeper units
   // claim their parameters first (an outer unit gets what its inner units do not own).
-  const auto unitModules = wrappedModules(module_, options_.wrap);
+  const auto unitModules = wrappedModules(module_, options_.wrap, fsdp_.minUnitParams);
   const size_t rootIndex = unitModules.size();
   std::vector<size_t> owner(collected.size(), rootIndex);
   std::vector<bool> claimed(collected.size(), false);

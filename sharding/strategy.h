@@ -98,6 +98,10 @@ struct FullyShardOptions {
   // activations (the unit is gathered again for the recompute). Units with it must not
   // contain other units. Dropout etc. see the same CPU RNG state in the recompute.
   bool activationCheckpointing = false;
+  // Wrapped modules (StrategyOptions::wrap) holding fewer parameters than this (counting
+  // their submodules') are not units: their parameters stay with the enclosing unit. Tiny
+  // units cost a collective each and save no memory worth having; 0 = every wrapped module.
+  int64_t minUnitParams = 0;
   // Hybrid (HSDP): shard over groups of `shardSize` consecutive ranks, all-reduce the
   // reduced gradient shards across the replica groups. 0 = the whole world (zero3).
   int shardSize = 0;

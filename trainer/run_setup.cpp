@@ -51,6 +51,7 @@ sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const TrainMod
   o.optimizer.nesterov = cfg.optim.nesterov;
   o.fullyShard.reshardAfterForward = cfg.sharding.reshard_after_forward;
   o.fullyShard.prefetch = static_cast<int>(cfg.sharding.prefetch);
+  o.fullyShard.minUnitParams = cfg.sharding.min_unit_params;
   o.fullyShard.activationCheckpointing = cfg.sharding.activation_checkpointing;
   o.fullyShard.shardSize = static_cast<int>(cfg.sharding.shard_size);
   o.wrap = cfg.sharding.wrap.empty() ? defaultUnits(cfg.model) : cfg.sharding.wrap;

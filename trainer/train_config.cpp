@@ -103,6 +103,9 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
         "gradients, reduce once at the last micro-batch)");
   s.add("sharding.shard_size", &c.sharding.shard_size,
         "hybrid: ranks per shard group, dividing the world size (0 = all ranks)").min(0);
+  s.add("sharding.min_unit_params", &c.sharding.min_unit_params,
+        "zero3/hybrid: wrapped modules with fewer parameters stay part of their parent unit (0 = all units)")
+      .min(0);
   s.add("sharding.wrap", &c.sharding.wrap,
         "zero3/hybrid: submodules that become units, by name ('layers.*' = each child of layers); "
         "empty = the model's blocks");

@@ -90,6 +90,7 @@ struct ShardingOptions {
   bool reduce_every_micro_batch = true;  // false: accumulate full gradients, reduce at the last micro-batch
   int64_t shard_size = 0;         // hybrid: ranks per shard group (0 = all)
   std::vector<std::string> wrap;  // unit name patterns; empty = the model's blocks
+  int64_t min_unit_params = 1000000;  // wrapped modules smaller than this are not units
 };
 
 struct EmaSection {
