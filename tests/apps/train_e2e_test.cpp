@@ -93,10 +93,12 @@ TEST(TrainE2ETest, TwoRanksMatchOneProcessForEveryStrategy) {
         << out;
     expectSameLosses(reference, readMetrics(dir), strategy);
   }
-  // zero3 with the gradients of the 3 micro-batches per rank reduced once, at the last.
+  // zero3 with the gradients of the 3 micro-batches per rank reduced once, at the last
+  // (every wrapped layer a unit, however small: two units to count).
   const std::string once = uniqueDir("zero3_reduce_once");
   ASSERT_EQ(run(kLaunch2 + kArgs + " --set run.dir=" + once +
-                    " --set sharding.strategy=zero3 --set sharding.reduce_every_micro_batch=false --set log.level=debug",
+                    " --set sharding.strategy=zero3 --set sharding.reduce_every_micro_batch=false --set log.level=debug"
+                    " --set sharding.min_unit_params=0",
                 &out),
             0)
       << out;
