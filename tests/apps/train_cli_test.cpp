@@ -8,6 +8,9 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <string>
+
+#include "tests/support/scratch_path.h"
 
 namespace {
 
@@ -40,7 +43,8 @@ Result runCommand(const std::string& command) {
 }
 
 std::string writeConfig(const std::string& text) {
-  const fs::path path = fs::temp_directory_path() / uniqueName(".yaml");
+  static int written = 0;  // a test may write several
+  const fs::path path = tessera::test::scratchPath("tessera_cli", "config" + std::to_string(++written) + ".yaml");
   std::ofstream(path) << text;
   return path.string();
 }

@@ -16,8 +16,11 @@
 #include <fstream>
 #include <iterator>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "common/filesystem.h"
+#include "tests/support/scratch_path.h"
 
 namespace {
 
@@ -25,13 +28,9 @@ namespace fs = std::filesystem;
 
 const std::string kBin = TESSERA_BIN_DIR;
 
-std::string uniqueDir(const std::string& tag) {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  fs::path dir = fs::temp_directory_path() / (std::string("tessera_e2e_") + info->name() + "_" + tag + "_" +
-                                              std::to_string(::getpid()));
-  tessera::removeTree(dir);
-  return dir.string();
-}
+// A fresh path in the temporary directory for this test (a run directory, or a file),
+// removed once the test passed.
+std::string uniqueDir(const std::string& tag) { return tessera::test::scratchPath("tessera_e2e", tag); }
 
 int run(const std::string& command, std::string* output = nullptr) {
   const fs::path out = fs::temp_directory_path() / ("tessera_e2e_out_" + std::to_string(::getpid()));
@@ -114,7 +113,7 @@ TEST(TrainE2ETest, TokenFileTrainsLikeTheSameTextFile) {
   std::ifstream text("/usr/share/common-licenses/GPL-3", std::ios::binary);
   ASSERT_TRUE(text.good());
   const std::string bytes{std::istreambuf_iterator<char>(text), std::istreambuf_iterator<char>()};
-  const std::string tokenFile = uniqueDir("tokens") + ".u16";
+  const std::string tokenFile = uniqueDir("tokens.u16");
   {
     std::ofstream out(tokenFile, std::ios::binary);
     for (unsigned char c : bytes) out.put(static_cast<char>(c)).put('\0');  // little-endian uint16
@@ -285,7 +284,7 @@ TEST(TrainE2ETest, ResumeEqualsUninterruptedRun) {
   // An independent reader: Python's standard library for the format, torch for values.
   const std::string python = TESSERA_PYTHON3;
   if (run(python + " -c 'import torch'") != 0) GTEST_SKIP() << python << " has no torch";
-  const fs::path script = fs::temp_directory_path() / ("tessera_read_st_" + std::to_string(::getpid()) + ".py");
+  const fs::path script = uniqueDir("read_safetensors.py");
   std::ofstream(script) << R"PY(
 import json, struct, sys, torch
 data = open(sys.argv[1], 'rb').read()
@@ -336,19 +335,20 @@ TEST(TrainE2ETest, KilledRankIsRestartedAndResumes) {
   ASSERT_EQ(run(kLaunch2 + args + " --set run.dir=" + full, &out), 0) << out;
 
   const std::string dir = uniqueDir("killed");
-  const fs::path log = fs::temp_directory_path() / ("tessera_killed_" + std::to_string(::getpid()) + ".log");
+  const fs::path log = uniqueDir("killed.log");
+  const fs::path rcPath = uniqueDir("killed.rc");
   // Start the run in the background, wait for its step-10 checkpoint, SIGKILL the newest
   // tessera-train process of this run (one rank), then wait for the launcher.
   const std::string script =
       "( " + kBin + "/tessera-run --standalone --max-restarts 1 --nproc-per-node 2 " + kBin + "/tessera-train" + args +
-      " --set run.dir=" + dir + " > " + log.string() + " 2>&1; echo $? > " + log.string() + ".rc ) & " +
+      " --set run.dir=" + dir + " > " + log.string() + " 2>&1; echo $? > " + rcPath.string() + " ) & " +
       "for i in $(seq 1 3000); do [ -d " + dir + "/checkpoints/step_00000010 ] && break; sleep 0.01; done; " +
       "pkill -KILL -n -f 'tessera-train.*" + dir + "' && echo killed; wait";
-  const fs::path scriptFile = fs::temp_directory_path() / ("tessera_killed_" + std::to_string(::getpid()) + ".sh");
+  const fs::path scriptFile = uniqueDir("killed.sh");
   std::ofstream(scriptFile) << script << "\n";
   ASSERT_EQ(run("bash " + scriptFile.string(), &out), 0) << out;
   EXPECT_NE(out.find("killed"), std::string::npos) << "the run finished before a rank could be killed";
-  std::ifstream rcFile(log.string() + ".rc");
+  std::ifstream rcFile(rcPath);
   int rc = -1;
   rcFile >> rc;
   const std::string logText = readText(log);
@@ -372,14 +372,14 @@ TEST(TrainE2ETest, SigtermSavesTheCurrentStepAndResumes) {
   ASSERT_EQ(run(kLaunch2 + args + " --set run.dir=" + full, &out), 0) << out;
 
   const std::string dir = uniqueDir("preempted");
-  const fs::path log = fs::temp_directory_path() / ("tessera_term_" + std::to_string(::getpid()) + ".log");
+  const fs::path log = uniqueDir("term.log");
   // Wait until training logs its first metrics line, then SIGTERM the launcher.
   const std::string script =
       kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + args + " --set run.dir=" + dir +
       " > " + log.string() + " 2>&1 & pid=$!\n" +
       "for i in $(seq 1 3000); do [ -s " + dir + "/metrics.jsonl ] && break; sleep 0.01; done\n" +
       "kill -TERM $pid; wait $pid; echo launcher exit $?\n";
-  const fs::path scriptFile = fs::temp_directory_path() / ("tessera_term_" + std::to_string(::getpid()) + ".sh");
+  const fs::path scriptFile = uniqueDir("term.sh");
   std::ofstream(scriptFile) << script;
   ASSERT_EQ(run("bash " + scriptFile.string(), &out), 0) << out;
   const std::string logText = readText(log);

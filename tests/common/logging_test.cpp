@@ -20,10 +20,20 @@ std::string readFile(const std::string& path) {
   return s.str();
 }
 
+// This process's log directory, removed when the process exits.
+struct LogTestDir {
+  std::filesystem::path path =
+      std::filesystem::temp_directory_path() / ("tessera_log_test_" + std::to_string(::getpid()));
+  ~LogTestDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
+
 std::string tempLogPath(const std::string& name) {
-  auto dir = std::filesystem::temp_directory_path() / ("tessera_log_test_" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  return (dir / name).string();
+  static LogTestDir dir;
+  std::filesystem::create_directories(dir.path);
+  return (dir.path / name).string();
 }
 
 TEST(LoggingTest, RankPrefixAndLevelFilterInFile) {
