@@ -41,7 +41,7 @@ std::string scratchPath(const std::string& prefix, const std::string& tag) {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   const std::string name = info != nullptr ? info->name() : "no_test";
   const std::filesystem::path path =
-      std::filesystem::temp_directory_path() / (prefix + "_" + name + "_" + tag + "_" + std::to_string(::getpid()));
+      std::filesystem::temp_directory_path() / (prefix + "_" + name + "_" + std::to_string(::getpid()) + "_" + tag);
   removeTree(path.string());
   pathsOfThisTest().push_back(path.string());
   return path.string();

@@ -7,7 +7,8 @@
 
 namespace tessera::test {
 
-// "<tmp>/<prefix>_<test name>_<tag>_<pid>", emptied if it exists; nothing is created.
+// "<tmp>/<prefix>_<test name>_<pid>_<tag>" (the tag last: a file keeps its extension),
+// removed if it exists; nothing is created.
 // Registered for removal (file or directory tree) when the running test ends passing.
 // Unique per test, tag and process: ctest runs the tests of a suite in parallel.
 std::string scratchPath(const std::string& prefix, const std::string& tag);

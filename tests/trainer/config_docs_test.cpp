@@ -9,6 +9,7 @@
 #include "common/config.h"
 #include "common/errors.h"
 #include "trainer/train_config.h"
+#include "tests/support/scratch_path.h"
 
 namespace tessera::trainer {
 namespace {
@@ -44,7 +45,7 @@ TEST(ConfigDocsTest, ShippedConfigsLoad) {
 }
 
 TEST(TrainConfigTest, GlobalBatchMustSplitIntoMicroBatches) {
-  const auto file = std::filesystem::temp_directory_path() / "tessera_batch_test.yaml";
+  const std::filesystem::path file = test::scratchPath("tessera_config", "batch.yaml");
   std::ofstream(file) << "data:\n  path: /etc/hostname\n  global_batch: 30\n  micro_batch: 4\n";
   try {
     loadTrainConfig(file.string(), {}, 2);

@@ -21,6 +21,7 @@
 #include "trainer/tensor_dataset.h"
 #include "trainer/text_dataset.h"
 #include "trainer/train_config.h"
+#include "tests/support/scratch_path.h"
 
 namespace tessera::trainer {
 namespace {
@@ -28,7 +29,7 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string writeTensors(const std::string& name, const std::map<std::string, at::Tensor>& tensors) {
-  const fs::path path = fs::temp_directory_path() / ("tessera_tds_" + std::to_string(::getpid()) + "_" + name);
+  const fs::path path = test::scratchPath("tessera_tds", name);
   checkpoint::saveSafetensors(path.string(), tensors);
   return path.string();
 }
@@ -172,8 +173,7 @@ TEST(NoiseSeedTest, DependsOnSeedStepAndIndexOnly) {
 
 // data/rings.safetensors (configs/diffusion.yaml) is exactly what the script writes.
 TEST(ToyDataTest, ShippedRingsMatchTheScript) {
-  const fs::path out = fs::temp_directory_path() / ("tessera_toy_" + std::to_string(::getpid()));
-  removeTree(out);
+  const fs::path out = test::scratchPath("tessera_toy", "rings.safetensors");
   const std::string command = std::string(TESSERA_PYTHON3) + " " + TESSERA_SOURCE_DIR + "/scripts/make_toy_data.py " +
                               out.string() + " > /dev/null";
   ASSERT_EQ(std::system(command.c_str()), 0) << command;

@@ -13,14 +13,15 @@
 
 #include "common/errors.h"
 #include "trainer/text_dataset.h"
+#include "tests/support/scratch_path.h"
 
 namespace tessera::trainer {
 namespace {
 
 std::string writeText(const std::string& name, const std::string& text) {
-  auto path = std::filesystem::temp_directory_path() / name;
+  const std::string path = test::scratchPath("tessera_ds", name);
   std::ofstream(path, std::ios::binary) << text;
-  return path.string();
+  return path;
 }
 
 TEST(TextDatasetTest, SamplesAreContextAndNextByte) {
