@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <atomic>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -316,8 +317,8 @@ class PairwiseAllGather final : public CommHandle {
 // An all-reduce as the ring's two halves, point to point: a PairwiseReduceScatter into
 // this rank's chunk, then a PairwiseAllGather of the reduced chunks, both in place (in a
 // padded copy when the element count is not a multiple of the world size). Same bytes on
-// the wire as a ring all-reduce; faster than Gloo's allreduce of LibTorch 1.13 on large
-// tensors (bench_allreduce_bench, docs/benchmarks.md). Every chunk is reduced by its
+// the wire as a ring all-reduce; used for the sizes GlooOptions::splitAllReduce* name
+// (none by default: bench_allreduce_bench found no size where it won consistently). Every chunk is reduced by its
 // owner alone, so all ranks end with bitwise the same values. The gather starts in wait(),
 // once the reduce-scatter is over; both tags were taken at issue, so the ranks need not
 // wait at the same point.
@@ -360,14 +361,12 @@ class SplitAllReduce final : public CommHandle {
     gather_.reset();
     flat_ = t_ = at::Tensor();
     done_ = true;
+    completed_.store(true);
   }
 
   // The gather starts in wait(): LibTorch 1.13's point-to-point works report completion
   // only once waited, so the reduce-scatter's end cannot be seen earlier.
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
-  }
+  bool isCompleted() override { return completed_.load(); }
 
  private:
   void startGather() {
@@ -385,6 +384,7 @@ class SplitAllReduce final : public CommHandle {
   std::shared_ptr<CommHandle> scatter_, gather_;
   std::mutex mutex_;
   bool done_ = false;
+  std::atomic<bool> completed_{false};  // without the mutex, which wait() holds throughout
   std::exception_ptr error_;
 };
 
@@ -550,7 +550,8 @@ class GlooCommunicator final : public Communicator {
     const std::string what = describeOp("allReduce", t, reduceOpName(op));
     const at::ScalarType type = t.scalar_type();
     const auto bytes = static_cast<int64_t>(t.nbytes());
-    if (bytes >= gloo_.splitAllReduceFromBytes && bytes < gloo_.splitAllReduceBelowBytes && at::isFloatingType(type)) {
+    const bool splittable = type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16;
+    if (bytes >= gloo_.splitAllReduceFromBytes && bytes < gloo_.splitAllReduceBelowBytes && splittable) {
       const int scatterTag = nextPointToPointTag();
       const int gatherTag = nextPointToPointTag();
       return std::make_shared<SplitAllReduce>(*pg_, t, op, rank(), worldSize(), std::make_pair(scatterTag, gatherTag),

@@ -8,9 +8,9 @@
 // - reduce-scatter: small inputs as one all-to-all (rank r receives every rank's chunk r:
 //   (N-1)/N of the input leaves each rank, as in a ring) and a local reduction in rank
 //   order inside wait(); large ones point to point, two chunks of receive buffer at a time;
-// - all-reduce: Gloo's allreduce, or in a middle range of sizes where it is faster
-//   (GlooOptions::splitAllReduce*) the point-to-point reduce-scatter followed by the
-//   point-to-point all-gather;
+// - all-reduce: Gloo's allreduce, or for a range of sizes (GlooOptions::splitAllReduce*,
+//   empty by default) the point-to-point reduce-scatter followed by the point-to-point
+//   all-gather;
 // - AVG = SUM, then a division in wait().
 // Data-movement operations send raw bytes, so every dtype works (bool, bfloat16, ...);
 // all-reduce of dtypes Gloo cannot reduce (bfloat16, int16) runs in float32 / int32.
@@ -36,12 +36,12 @@ struct GlooOptions {
   // c10d worker threads: how many asynchronous operations progress at once.
   int threads = 2;
   // Floating-point all-reduces of [splitAllReduceFromBytes, splitAllReduceBelowBytes) run
-  // as a point-to-point reduce-scatter + all-gather instead of Gloo's allreduce: measured
-  // faster in that range on loopback at 2 and 4 ranks, slower above it, where Gloo's ring
-  // overlaps its reduction with the transfer (bench_allreduce_bench, docs/benchmarks.md).
-  // An empty range (below <= from) always uses Gloo's.
-  int64_t splitAllReduceFromBytes = int64_t{256} << 10;
-  int64_t splitAllReduceBelowBytes = int64_t{8} << 20;
+  // as a point-to-point reduce-scatter + all-gather instead of Gloo's allreduce. Empty by
+  // default: in three runs of bench_allreduce_bench on loopback (docs/benchmarks.md) no
+  // size was faster split in all of them, and Gloo's was faster for the 16-64 MiB
+  // tensors (no_shard's 25 MiB buckets) at 2 ranks in every run.
+  int64_t splitAllReduceFromBytes = 0;
+  int64_t splitAllReduceBelowBytes = 0;
 };
 
 // Creates the gloo group named options.comm.name over `store`: waits for all `world`

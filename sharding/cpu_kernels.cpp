@@ -1,6 +1,7 @@
 // The single-pass CPU loops (see cpu_kernels.h). Built with -O3 -ffp-contract=off
-// -fno-math-errno (sharding/CMakeLists.txt): vectorised, sqrt inlined, and no multiply-add
-// contraction that would round the vector body and the scalar tail differently.
+// -fno-math-errno (sharding/CMakeLists.txt): vectorised, sqrt inlined, and no implicit
+// multiply-add contraction that would round the vector body and the scalar tail
+// differently; the fused multiply-adds torch performs are written as std::fma.
 #include "sharding/cpu_kernels.h"
 
 #include <ATen/Parallel.h>
@@ -12,18 +13,19 @@
 namespace tessera::sharding {
 namespace {
 
-// The element loop, compiled once for AVX2 and once for the baseline x86-64 (the loader
-// picks one for this CPU); bitwise the same results either way (IEEE operations only).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-void adamRange(float* __restrict p, const float* __restrict g, float* __restrict m, float* __restrict v, int64_t begin,
-               int64_t end, const AdamScalars s) {
+// The element loop, inlined into two versions: one for CPUs with AVX2 and FMA (the fma
+// vectorises) and the baseline x86-64 one (fma through libm: slow, the same rounding);
+// adamRange picks by what this CPU supports. Bitwise the same results either way.
+__attribute__((always_inline)) inline void adamLoop(float* __restrict p, const float* __restrict g,
+                                                    float* __restrict m, float* __restrict v, int64_t begin,
+                                                    int64_t end, const AdamScalars& s) {
   for (int64_t i = begin; i < end; ++i) {
     float param = p[i] * s.paramScale;
-    const float grad = s.gradDecay != 0 ? g[i] + s.gradDecay * param : g[i];
-    const float avg = m[i] * s.beta1 + s.oneMinusBeta1 * grad;
-    const float avgSq = v[i] * s.beta2 + s.oneMinusBeta2 * grad * grad;
+    // torch's add(x, alpha=a) is a fused multiply-add in ATen's vector kernels: std::fma
+    // rounds once the same way (explicit, so -ffp-contract=off leaves it fused).
+    const float grad = s.gradDecay != 0 ? std::fma(s.gradDecay, param, g[i]) : g[i];
+    const float avg = std::fma(s.oneMinusBeta1, grad, m[i] * s.beta1);
+    const float avgSq = std::fma(s.oneMinusBeta2 * grad, grad, v[i] * s.beta2);  // addcmul, contracted in ATen
     const float denom = std::sqrt(avgSq) / s.sqrtBiasCorrection2 + s.eps;
     param = param + s.negStepSize * avg / denom;
     p[i] = param;
@@ -32,8 +34,27 @@ void adamRange(float* __restrict p, const float* __restrict g, float* __restrict
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2,fma"))) void adamRangeAvx2(float* p, const float* g, float* m, float* v, int64_t begin,
+                                                       int64_t end, const AdamScalars& s) {
+  adamLoop(p, g, m, v, begin, end, s);
+}
+bool hasAvx2Fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#endif
+
+void adamRange(float* p, const float* g, float* m, float* v, int64_t begin, int64_t end, const AdamScalars& s) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (hasAvx2Fma()) return adamRangeAvx2(p, g, m, v, begin, end, s);
+#endif
+  adamLoop(p, g, m, v, begin, end, s);
+}
+
 // Eight partial sums (one AVX2 register of doubles twice over), each taking every eighth
-// element, then added in a fixed order: vectorisable without reassociating.
+// element, then added in a fixed order: vectorisable without reassociating (an AVX2
+// version and the baseline one, chosen by the loader; no fma involved).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif

@@ -19,12 +19,15 @@ struct AdamScalars {
   float negStepSize = 0;   // -lr / (1 - beta1^t)
 };
 
-// For every i < n, in fp32 and in torch's order of operations (single-tensor AdamW):
-//   p *= paramScale;  g' = g + gradDecay * p  (Adam with weight decay only)
-//   m = m * beta1 + oneMinusBeta1 * g';  v = v * beta2 + oneMinusBeta2 * g' * g'
-//   p = p + negStepSize * m / (sqrt(v) / sqrtBiasCorrection2 + eps)
-// Each element is computed alike wherever it sits (no fused multiply-add anywhere), so a
-// parameter's update does not depend on how it is sharded: strategies stay bitwise equal.
+// For every i < n, in fp32, torch's single-tensor AdamW operation by operation and
+// rounding as Debian's LibTorch 1.13 does on this CPU (fma = one rounding: ATen's add
+// with alpha is a fused multiply-add, its addcmul is contracted into one; measured
+// bitwise, tests/sharding/cpu_kernels_test.cpp):
+//   p *= paramScale;  g' = fma(gradDecay, p, g)  (Adam with weight decay only)
+//   m = fma(oneMinusBeta1, g', m * beta1);  v = fma(oneMinusBeta2 * g', g', v * beta2)
+//   p = p + (negStepSize * m) / (sqrt(v) / sqrtBiasCorrection2 + eps)
+// Each element is computed alike wherever it sits (no implicit contraction), so an
+// element's update does not depend on its position in a shard.
 void fusedAdamStep(float* param, const float* grad, float* expAvg, float* expAvgSq, int64_t n, const AdamScalars& s);
 
 // Sum of x[i]^2 over i < n, accumulated in double in a fixed order (deterministic for a

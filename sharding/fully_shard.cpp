@@ -449,9 +449,10 @@ FullyShardStrategy::Internal* strategyOf(const torch::nn::Module& module) {
 }
 
 // The submodules of `root` that options.wrap names, in named_modules() order: "blocks.*"
-// matches the direct children of `blocks`, anything else one module by its exact name.
-// The modules `patterns` name (a pattern matching none is a ConfigError), in
-// named_modules() order, less those with fewer than minParams parameters.
+// matches the direct children of `blocks`, anything else one module by its exact name (a
+// pattern matching none is a ConfigError). Modules with fewer than minParams parameters
+// are left out; the count is every parameter below the module, frozen ones and those
+// of wrapped submodules included.
 std::vector<std::pair<std::string, const torch::nn::Module*>> wrappedModules(const torch::nn::Module& root,
                                                                              const std::vector<std::string>& patterns,
                                                                              int64_t minParams) {

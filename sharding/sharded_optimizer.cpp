@@ -106,7 +106,8 @@ void ShardedOptimizer::step(double baseLr) {
     const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(t));
     const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(t));
     if (fusable(param, grad, m, v)) {
-      // One pass instead of the ten below (the scalars rounded to fp32 as torch does).
+      // One pass instead of the ten below, rounding as they do on a CPU with FMA (the
+      // scalars rounded to fp32 as torch does).
       AdamScalars s;
       s.paramScale = static_cast<float>(options_.name == "adamw" ? 1.0 - lr * wd : 1.0);
       s.gradDecay = static_cast<float>(options_.name == "adamw" ? 0.0 : wd);

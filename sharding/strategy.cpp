@@ -205,12 +205,18 @@ void withValuesSwapped(const std::vector<at::Tensor>& targets, const std::functi
 }
 
 StepResult ShardingStrategy::step(double lr, const at::Tensor& sumAlongside) {
+  const bool alongside = sumAlongside.defined() && sumAlongside.numel() > 0;
+  TESSERA_CHECK_AS(UsageError, !alongside || (sumAlongside.scalar_type() == at::kDouble &&
+                                              sumAlongside.device().is_cpu() && sumAlongside.is_contiguous()),
+                   "ShardingStrategy::step: the values summed alongside the gradient norm must be a contiguous CPU "
+                   "double tensor, got ", sumAlongside.toString());
   synchronizeGradients();
   StepResult result;
   // The norm's all-reduce spans the world unless hybrid's is over its shard group only.
   const bool normOverWorld = shardComm_.get() == comm_.get();
-  const GradNorm norm = clipGradNorm(params_, options_.gradClip, *shardComm_, normOverWorld ? sumAlongside : at::Tensor());
-  if (!normOverWorld && sumAlongside.defined()) comm_->allReduce(sumAlongside, distributed::ReduceOp::kSum);
+  const GradNorm norm = clipGradNorm(params_, options_.gradClip, *shardComm_,
+                                     normOverWorld && alongside ? sumAlongside : at::Tensor());
+  if (!normOverWorld && alongside) comm_->allReduce(sumAlongside, distributed::ReduceOp::kSum);
   result.gradNorm = norm.norm;
   result.clipCoef = norm.clipCoef;
   if (!norm.finite()) {

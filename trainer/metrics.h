@@ -19,7 +19,9 @@ struct StepMetrics {
   double stepTimeMs = 0;      // mean wall time per step since the last record
   double peakRssMiB = 0;      // max over ranks of the peak resident set size
   double commMiB = 0;         // bytes sent by this rank since the last record
-  double collectivesPerStep = 0;  // collectives this rank issued since the last record, per step
+  // Collectives this rank issued on the world communicator since the last record, per
+  // step (checkpoint saves in the window included; hybrid's group collectives not).
+  double collectivesPerStep = 0;
   std::map<std::string, double> extra;  // e.g. eval_loss, eval_loss_ema
 };
 
