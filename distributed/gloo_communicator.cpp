@@ -104,7 +104,35 @@ void waitGlooWork(c10d::Work& work, const std::string& method, const std::string
   }
 }
 
-class GlooHandle final : public CommHandle {
+// A handle whose wait() runs once: later calls return at once, or rethrow what the first
+// one threw. Subclasses put the waiting itself in waitOnce().
+class WaitOnceHandle : public CommHandle {
+ public:
+  void wait() final {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (done_) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    done_ = true;
+    try {
+      waitOnce();
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+  }
+
+ protected:
+  virtual void waitOnce() = 0;
+
+ private:
+  std::mutex mutex_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class GlooHandle final : public WaitOnceHandle {
  public:
   GlooHandle(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string method, std::string what,
              std::chrono::milliseconds timeout, std::shared_ptr<CommHealth> health)
@@ -115,35 +143,22 @@ class GlooHandle final : public CommHandle {
         timeout_(timeout),
         health_(std::move(health)) {}
 
-  void wait() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (done_) {
-      if (error_) std::rethrow_exception(error_);
-      return;
-    }
-    done_ = true;
-    try {
-      waitGlooWork(*work_, method_, what_, timeout_, health_);
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
+  bool isCompleted() override { return work_->isCompleted(); }
+
+ protected:
+  void waitOnce() override {
+    waitGlooWork(*work_, method_, what_, timeout_, health_);
     if (finish_) finish_();
     finish_ = nullptr;  // drops the references to the buffers
   }
 
-  bool isCompleted() override { return work_->isCompleted(); }
-
  private:
-  std::mutex mutex_;
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> finish_;
   std::string method_;
   std::string what_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<CommHealth> health_;
-  bool done_ = false;
-  std::exception_ptr error_;
 };
 
 // A reduce-scatter from point-to-point transfers that holds two chunks of receive buffer,
@@ -153,7 +168,7 @@ class GlooHandle final : public CommHandle {
 // peer and receives from another in each round, as a ring does), adding each chunk into
 // the output after its own, in that fixed order (deterministic). Same bytes on the wire
 // as the all-to-all. 16-bit inputs are summed in fp32 and rounded once.
-class PairwiseReduceScatter final : public CommHandle {
+class PairwiseReduceScatter final : public WaitOnceHandle {
  public:
   PairwiseReduceScatter(c10d::ProcessGroupGloo& pg, const at::Tensor& flatIn, const at::Tensor& localOut, ReduceOp op,
                         int rank, int world, int tag, std::string what, std::chrono::milliseconds timeout,
@@ -187,39 +202,29 @@ class PairwiseReduceScatter final : public CommHandle {
     postReceive(1);
   }
 
-  void wait() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (done_) {
-      if (error_) std::rethrow_exception(error_);
-      return;
-    }
-    done_ = true;
-    try {
-      for (int i = 1; i < world_; ++i) {
-        c10::intrusive_ptr<c10d::Work> work = std::move(pending_);
-        const at::Tensor received = buffers_[i % 2];
-        if (i + 1 < world_) postReceive(i + 1);  // into the other buffer, while this one is added
-        waitGlooWork(*work, "reduceScatter", what_, timeout_, health_);
-        combine(received);
-      }
-      for (auto& send : sends_) waitGlooWork(*send, "reduceScatter", what_, timeout_, health_);
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
-    if (op_ == ReduceOp::kAvg) sum_.div_(world_);
-    if (!sum_.is_same(out_)) out_.copy_(sum_);
-    sends_.clear();
-    flatIn_ = sum_ = at::Tensor();
-    for (at::Tensor& b : buffers_) b = at::Tensor();
-  }
-
   bool isCompleted() override {
     if (pending_ && !pending_->isCompleted()) return false;
     for (auto& send : sends_) {
       if (!send->isCompleted()) return false;
     }
     return true;
+  }
+
+ protected:
+  void waitOnce() override {
+    for (int i = 1; i < world_; ++i) {
+      c10::intrusive_ptr<c10d::Work> work = std::move(pending_);
+      const at::Tensor received = buffers_[i % 2];
+      if (i + 1 < world_) postReceive(i + 1);  // into the other buffer, while this one is added
+      waitGlooWork(*work, "reduceScatter", what_, timeout_, health_);
+      combine(received);
+    }
+    for (auto& send : sends_) waitGlooWork(*send, "reduceScatter", what_, timeout_, health_);
+    if (op_ == ReduceOp::kAvg) sum_.div_(world_);
+    if (!sum_.is_same(out_)) out_.copy_(sum_);
+    sends_.clear();
+    flatIn_ = sum_ = at::Tensor();
+    for (at::Tensor& b : buffers_) b = at::Tensor();
   }
 
  private:
@@ -254,16 +259,13 @@ class PairwiseReduceScatter final : public CommHandle {
   std::vector<c10::intrusive_ptr<c10d::Work>> sends_;
   c10::intrusive_ptr<c10d::Work> pending_;
   at::Tensor buffers_[2];
-  std::mutex mutex_;
-  bool done_ = false;
-  std::exception_ptr error_;
 };
 
 // An all-gather from point-to-point transfers straight into the output's chunks: c10d's
 // Gloo allgather (LibTorch 1.13) gathers into a temporary as large as the output and
 // copies it out, a whole zero3 unit more at the memory peak. Every rank sends its chunk
 // to every other and receives theirs in place, all at once; the same bytes on the wire.
-class PairwiseAllGather final : public CommHandle {
+class PairwiseAllGather final : public WaitOnceHandle {
  public:
   PairwiseAllGather(c10d::ProcessGroupGloo& pg, const at::Tensor& flatOut, const at::Tensor& localIn, int rank,
                     int world, int tag, std::string what, std::chrono::milliseconds timeout,
@@ -281,22 +283,6 @@ class PairwiseAllGather final : public CommHandle {
     }
   }
 
-  void wait() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (done_) {
-      if (error_) std::rethrow_exception(error_);
-      return;
-    }
-    done_ = true;
-    try {
-      for (auto& work : works_) waitGlooWork(*work, "allGatherInto", what_, timeout_, health_);
-    } catch (...) {
-      error_ = std::current_exception();
-      throw;
-    }
-    works_.clear();
-  }
-
   bool isCompleted() override {
     for (auto& work : works_) {
       if (!work->isCompleted()) return false;
@@ -304,14 +290,17 @@ class PairwiseAllGather final : public CommHandle {
     return true;
   }
 
+ protected:
+  void waitOnce() override {
+    for (auto& work : works_) waitGlooWork(*work, "allGatherInto", what_, timeout_, health_);
+    works_.clear();
+  }
+
  private:
   std::string what_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<CommHealth> health_;
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
-  std::mutex mutex_;
-  bool done_ = false;
-  std::exception_ptr error_;
 };
 
 // An all-reduce as the ring's two halves, point to point: a PairwiseReduceScatter into
@@ -322,7 +311,7 @@ class PairwiseAllGather final : public CommHandle {
 // owner alone, so all ranks end with bitwise the same values. The gather starts in wait(),
 // once the reduce-scatter is over; both tags were taken at issue, so the ranks need not
 // wait at the same point.
-class SplitAllReduce final : public CommHandle {
+class SplitAllReduce final : public WaitOnceHandle {
  public:
   SplitAllReduce(c10d::ProcessGroupGloo& pg, const at::Tensor& t, ReduceOp op, int rank, int world,
                  std::pair<int, int> tags, std::string what, std::chrono::milliseconds timeout,
@@ -341,32 +330,21 @@ class SplitAllReduce final : public CommHandle {
                                                        world, tags.first, std::move(what), timeout, std::move(health));
   }
 
-  void wait() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (done_) {
-      if (error_) std::rethrow_exception(error_);
-      return;
-    }
-    try {
-      scatter_->wait();
-      if (!gather_) startGather();
-      gather_->wait();
-    } catch (...) {
-      done_ = true;
-      error_ = std::current_exception();
-      throw;
-    }
+  // The gather starts in wait(): LibTorch 1.13's point-to-point works report completion
+  // only once waited, so the reduce-scatter's end cannot be seen earlier.
+  bool isCompleted() override { return completed_.load(); }
+
+ protected:
+  void waitOnce() override {
+    scatter_->wait();
+    startGather();
+    gather_->wait();
     if (!flat_.is_same(t_) && flat_.data_ptr() != t_.data_ptr()) t_.view({-1}).copy_(flat_.narrow(0, 0, t_.numel()));
     scatter_.reset();
     gather_.reset();
     flat_ = t_ = at::Tensor();
-    done_ = true;
     completed_.store(true);
   }
-
-  // The gather starts in wait(): LibTorch 1.13's point-to-point works report completion
-  // only once waited, so the reduce-scatter's end cannot be seen earlier.
-  bool isCompleted() override { return completed_.load(); }
 
  private:
   void startGather() {
@@ -382,10 +360,7 @@ class SplitAllReduce final : public CommHandle {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<CommHealth> health_;
   std::shared_ptr<CommHandle> scatter_, gather_;
-  std::mutex mutex_;
-  bool done_ = false;
-  std::atomic<bool> completed_{false};  // without the mutex, which wait() holds throughout
-  std::exception_ptr error_;
+  std::atomic<bool> completed_{false};  // read without the lock wait() holds throughout
 };
 
 // Gloo moves host memory. CUDA tensors (a CUDA model on ranks that share a GPU, the CPU

@@ -61,6 +61,19 @@ struct Case {
   int shardSize;  // hybrid
 };
 
+// `model` sharded by `strategy` (its default units; hybrid over groups of shardSize),
+// its deferred parameters initialised from kSeed.
+std::unique_ptr<sharding::ShardingStrategy> shardModel(torch::nn::Module& model, const ModelOptions& options,
+                                                       const std::string& strategy, int shardSize,
+                                                       test::RankContext& ctx) {
+  sharding::StrategyOptions o;
+  o.strategy = strategy;
+  o.wrap = defaultUnits(options);
+  o.fullyShard.shardSize = shardSize;
+  o.initializer = layers::initializerOf(model, kSeed);
+  return sharding::makeStrategy(model, ctx.comm(), o);
+}
+
 TEST(ShardedInitTest, EqualsSingleProcessInitAtEveryWorldSizeAndStrategy) {
   std::vector<Case> cases;
   for (const char* s : {"no_shard", "zero1", "zero2", "zero3"}) {
@@ -75,12 +88,7 @@ TEST(ShardedInitTest, EqualsSingleProcessInitAtEveryWorldSizeAndStrategy) {
         at::set_num_threads(1);
         auto model = makeModel(options);
         for (const auto& p : model->parameters()) ASSERT_TRUE(sharding::hasNoStorage(p)) << "built deferred";
-        sharding::StrategyOptions o;
-        o.strategy = c.strategy;
-        o.wrap = defaultUnits(options);
-        o.fullyShard.shardSize = c.shardSize;
-        o.initializer = layers::initializerOf(*model, kSeed);
-        auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
+        auto strategy = shardModel(*model, options, c.strategy, c.shardSize, ctx);
         const bool sharded = c.strategy == "zero3" || c.strategy == "hybrid";
         for (const sharding::ShardedParam& p : strategy->params()) {
           if (sharded) {
@@ -124,12 +132,7 @@ TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
       test::runOnRanks(c.world, [&](test::RankContext& ctx) {
         at::set_num_threads(1);
         auto model = makeModel(options);
-        sharding::StrategyOptions o;
-        o.strategy = c.strategy;
-        o.wrap = defaultUnits(options);
-        o.fullyShard.shardSize = c.shardSize;
-        o.initializer = layers::initializerOf(*model, kSeed);
-        auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
+        auto strategy = shardModel(*model, options, c.strategy, c.shardSize, ctx);
         checkpoint::ImportOptions io;
         io.stripPrefix = "model/";
         checkpoint::importSafetensors(from, strategy->stateEntries("model/"), io);
@@ -164,11 +167,7 @@ TEST(ShardedInitTest, InitFromFailsOnEveryRankWhenOneRankReadsABadRow) {
   checkpoint::saveSafetensors(file, weights);
   const test::MultiRankResult result = test::runRanks(2, [&](test::RankContext& ctx) {
     auto model = makeModel(options);
-    sharding::StrategyOptions o;
-    o.strategy = "zero3";
-    o.wrap = defaultUnits(options);
-    o.initializer = layers::initializerOf(*model, kSeed);
-    auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
+    auto strategy = shardModel(*model, options, "zero3", 0, ctx);
     checkpoint::ImportOptions io;
     io.stripPrefix = "model/";
     io.comm = ctx.comm().get();
