@@ -23,6 +23,7 @@ using Clock = std::chrono::steady_clock;
 
 const char* savePointName(SavePoint point) {
   switch (point) {
+    case SavePoint::kStaging: return "staging";
     case SavePoint::kBeforeData: return "before-data";
     case SavePoint::kAfterData: return "after-data";
     case SavePoint::kAfterRankIndex: return "after-rank-index";
@@ -39,6 +40,9 @@ namespace {
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 std::string mib(int64_t bytes) { return strCat(static_cast<double>(bytes) / (1 << 20), " MiB"); }
+
+// How much a writer writes before it asks the disk to start on it.
+constexpr int64_t kWritebackBytes = int64_t{8} << 20;
 
 }  // namespace
 
@@ -90,7 +94,7 @@ struct Checkpointer::Job {
     index.file.name = rankDataFile(rank);
     index.rankState = rankState;
     File f = File::openWrite((fs::path(tmpDir) / index.file.name).string());
-    int64_t offset = 0;
+    int64_t offset = 0, writebackFrom = 0;
     for (const auto& s : sources) {
       TensorInfo t = s.head;
       if (s.rowEnd > s.rowBegin) {
@@ -102,10 +106,19 @@ struct Checkpointer::Job {
         c.rowBegin = s.rowBegin;
         c.rowEnd = s.rowEnd;
         const auto* data = static_cast<const uint8_t*>(c.length > 0 ? s.rows.data_ptr() : nullptr);
+        // One block at a time: checksum it while it is in the cache, write it, and
+        // start the disk on what is written every kWritebackBytes, so the final fsync
+        // finds most of the file on its way.
         for (int64_t b = 0; b < c.length; b += options.blockBytes) {
-          c.checksums.push_back(checksum(data + b, static_cast<size_t>(std::min(options.blockBytes, c.length - b))));
+          const auto n = static_cast<size_t>(std::min(options.blockBytes, c.length - b));
+          c.checksums.push_back(checksum(data + b, n));
+          f.writeAll(data + b, n);
+          const int64_t written = offset + b + static_cast<int64_t>(n);
+          if (written - writebackFrom >= kWritebackBytes) {
+            f.startWriteback(writebackFrom, written - writebackFrom);
+            writebackFrom = written;
+          }
         }
-        if (c.length > 0) f.writeAll(data, static_cast<size_t>(c.length));
         offset += c.length;
         t.chunks.push_back(std::move(c));
       }
@@ -294,65 +307,23 @@ std::string Checkpointer::waitLocal() {
   return error;
 }
 
-SaveStats Checkpointer::save(const SaveRequest& request) {
-  const auto start = Clock::now();
-  TESSERA_CHECK(request.step >= 0, "Checkpointer::save: negative step ", request.step);
-  const std::string trainerState = parseTrainerState(request.trainerState, "SaveRequest.trainerState");
-  const std::string rankState = parseTrainerState(request.rankState, "SaveRequest.rankState");
-  std::set<std::string> names;
-  for (const auto& e : request.entries) {
-    checkEntry(e, "Checkpointer::save");
-    TESSERA_CHECK(names.insert(e.name).second, "Checkpointer::save: entry '", e.name, "' appears twice");
-    TESSERA_CHECK(e.spec.worldSize() == world_ && e.spec.rank() == rank_, "Checkpointer::save: entry '", e.name,
-                  "' has spec ", e.spec.str(), " but this is rank ", rank_, " of ", world_);
-    dtypeName(e.spec.dtype());  // throws for dtypes the format cannot hold
-  }
-
-  // 1. At most one save in flight: finish the previous one, and fail everywhere if it
-  //    failed anywhere.
-  const int64_t previous = inFlightStep_;
-  inFlightStep_ = -1;
-  distributed::throwIfAnyRankFailed(comm_.get(), waitLocal(), strCat("checkpoint: the previous save (step ", previous, ")"));
-  const double waitSeconds = secondsSince(start);
-
-  // 2. Rank 0 prepares step_N.tmp; everyone agrees it exists before writing into it.
-  auto job = std::make_shared<Job>();
-  job->rank = rank_;
-  job->world = world_;
-  job->step = request.step;
-  job->root = root_;
-  job->tmpDir = (fs::path(root_) / (stepDirName(request.step) + ".tmp")).string();
-  job->finalDir = (fs::path(root_) / stepDirName(request.step)).string();
-  job->strategy = request.strategy;
-  job->trainerState = trainerState;
-  job->rankState = rankState;
-  job->aliases = request.aliases;
-  job->options = options_;
-  std::string prepError;
-  if (rank_ == 0) {
-    try {
-      std::error_code ec;
-      fs::create_directories(root_, ec);
-      TESSERA_CHECK(!ec, "cannot create checkpoint directory ", root_, ": ", ec.message());
-      // No save is in flight anywhere (step 1), so every *.tmp is debris of a crash.
-      for (const auto& entry : fs::directory_iterator(root_)) {
-        const std::string name = entry.path().filename().string();
-        if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 && name.rfind("step_", 0) == 0) {
-          TLOG_INFO("checkpoint: removing stale " << entry.path().string());
-          removeTree(entry.path().string());
-        }
-      }
-      fs::create_directory(job->tmpDir, ec);
-      TESSERA_CHECK(!ec, "cannot create ", job->tmpDir, ": ", ec.message());
-    } catch (const std::exception& e) {
-      prepError = e.what();
+void Checkpointer::prepareTmpDir(const std::string& tmpDir) const {
+  std::error_code ec;
+  fs::create_directories(root_, ec);
+  TESSERA_CHECK(!ec, "cannot create checkpoint directory ", root_, ": ", ec.message());
+  for (const auto& entry : fs::directory_iterator(root_)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0 && name.rfind("step_", 0) == 0) {
+      TLOG_INFO("checkpoint: removing stale " << entry.path().string());
+      removeTree(entry.path().string());
     }
   }
-  distributed::throwIfAnyRankFailed(comm_.get(), prepError, strCat("checkpoint step ", request.step, ": preparing ", job->tmpDir));
+  fs::create_directory(tmpDir, ec);
+  TESSERA_CHECK(!ec, "cannot create ", tmpDir, ": ", ec.message());
+}
 
-  // 3. Stage: the real rows of each entry, contiguous on the CPU. Async copies them
-  //    (the caller keeps training on the originals); sync uses CPU tensors as they are.
-  const auto stagingStart = Clock::now();
+int64_t Checkpointer::stage(const SaveRequest& request, Job& job) {
+  job.hook(SavePoint::kStaging);
   int64_t bytes = 0;
   for (const auto& e : request.entries) {
     Job::Source s;
@@ -367,20 +338,102 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
         const int64_t bufferRows = replicated ? e.spec.globalRows() : e.spec.chunkRows();
         at::Tensor rows = e.local.reshape({bufferRows, e.spec.rowNumel()}).narrow(0, 0, s.rowEnd - s.rowBegin);
         if (options_.async || !rows.device().is_cpu()) {
-          at::Tensor staged = at::empty(rows.sizes(), at::TensorOptions()
-                                                          .dtype(rows.scalar_type())
-                                                          .pinned_memory(rows.device().is_cuda()));
-          staged.copy_(rows);
-          s.rows = staged;
+          // The previous save's writer is done (save() step 1): its buffers are free.
+          s.rows = staging_.bufferFor(job.sources.size(), rows);
+          s.rows.copy_(rows);
         } else {
           s.rows = rows.contiguous();
         }
         bytes += s.rows.numel() * static_cast<int64_t>(s.rows.element_size());
       }
     }
-    job->sources.push_back(std::move(s));
+    job.sources.push_back(std::move(s));
+  }
+  return bytes;
+}
+
+SaveStats Checkpointer::save(const SaveRequest& request) {
+  const auto start = Clock::now();
+  TESSERA_CHECK(request.step >= 0, "Checkpointer::save: negative step ", request.step);
+  const std::string trainerState = parseTrainerState(request.trainerState, "SaveRequest.trainerState");
+  const std::string rankState = parseTrainerState(request.rankState, "SaveRequest.rankState");
+  std::set<std::string> names;
+  for (const auto& e : request.entries) {
+    checkEntry(e, "Checkpointer::save");
+    TESSERA_CHECK(names.insert(e.name).second, "Checkpointer::save: entry '", e.name, "' appears twice");
+    TESSERA_CHECK(e.spec.worldSize() == world_ && e.spec.rank() == rank_, "Checkpointer::save: entry '", e.name,
+                  "' has spec ", e.spec.str(), " but this is rank ", rank_, " of ", world_);
+    dtypeName(e.spec.dtype());  // throws for dtypes the format cannot hold
+  }
+
+  // 1. At most one save in flight: finish this rank's previous one (its staging
+  //    buffers are free again after this).
+  const int64_t previous = inFlightStep_;
+  inFlightStep_ = -1;
+  const std::string previousError = waitLocal();
+  const double waitSeconds = secondsSince(start);
+
+  auto job = std::make_shared<Job>();
+  job->rank = rank_;
+  job->world = world_;
+  job->step = request.step;
+  job->root = root_;
+  job->tmpDir = (fs::path(root_) / (stepDirName(request.step) + ".tmp")).string();
+  job->finalDir = (fs::path(root_) / stepDirName(request.step)).string();
+  job->strategy = request.strategy;
+  job->trainerState = trainerState;
+  job->rankState = rankState;
+  job->aliases = request.aliases;
+  job->options = options_;
+
+  // 2. Rank 0 prepares step_N.tmp, when its own previous save committed: then every
+  //    rank had published its part of it, so no writer is still inside a *.tmp and
+  //    every one there is debris of a crash. (When it failed, all ranks throw below.)
+  std::string prepError;
+  if (rank_ == 0 && previousError.empty()) {
+    try {
+      prepareTmpDir(job->tmpDir);
+    } catch (const std::exception& e) {
+      prepError = e.what();
+    }
+  }
+
+  // 3. One agreement, overlapped with the staging copy: did any rank's previous save
+  //    fail (an async failure is never lost), did rank 0 prepare the directory.
+  at::Tensor failedRanks = at::full({2}, int64_t{world_}, at::kLong);  // min over ranks; world_ = none
+  int64_t* lowest = failedRanks.data_ptr<int64_t>();
+  if (!previousError.empty()) lowest[0] = rank_;
+  if (!prepError.empty()) lowest[1] = rank_;
+  std::shared_ptr<distributed::CommHandle> agreement;
+  if (comm_ && world_ > 1) agreement = comm_->allReduceAsync(failedRanks, distributed::ReduceOp::kMin);
+
+  // 4. Stage: the real rows of each entry, contiguous on the CPU. Async copies them
+  //    into the reused staging buffers (the caller keeps training on the originals);
+  //    sync uses CPU tensors as they are.
+  const auto stagingStart = Clock::now();
+  int64_t bytes = 0;
+  std::string stagingError;
+  try {
+    bytes = stage(request, *job);
+  } catch (const std::exception& e) {
+    stagingError = e.what();
   }
   const double stagingSeconds = options_.async ? secondsSince(stagingStart) : 0.0;
+  if (agreement) agreement->wait();
+  auto failedRank = [&](int64_t r) { return r == world_ ? -1 : static_cast<int>(r); };
+  distributed::throwIfFailed(failedRank(lowest[0]), rank_, previousError,
+                             strCat("checkpoint: the previous save (step ", previous, ")"));
+  distributed::throwIfFailed(failedRank(lowest[1]), rank_, prepError,
+                             strCat("checkpoint step ", request.step, ": preparing ", job->tmpDir));
+  if (!stagingError.empty()) {
+    // The other ranks write their parts: tell rank 0's commit at once instead of letting
+    // it wait for this rank's, and keep the failure as this save's outcome.
+    job->error = strCat("staging failed: ", stagingError);
+    try {
+      writeFileAtomic((fs::path(job->tmpDir) / rankErrorFile(rank_)).string(), job->error);
+    } catch (...) {
+    }
+  }
 
   SaveStats stats;
   stats.step = request.step;
@@ -388,11 +441,18 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   stats.bytes = bytes;
   stats.waitSeconds = waitSeconds;
   stats.stagingSeconds = stagingSeconds;
+  stats.stagingAllocatedBytes = staging_.takeAllocatedBytes();
   stats.async = options_.async;
 
   job_ = job;
   inFlightStep_ = request.step;
   if (options_.async) {
+    if (!job->error.empty()) {
+      // Like a writer failure: every rank throws at the next save or finish().
+      TLOG_ERROR("checkpoint step " << request.step << ": " << job->error);
+      stats.stallSeconds = secondsSince(start);
+      return stats;
+    }
     writer_ = std::thread([job] {
       try {
         job->run();
@@ -404,14 +464,17 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
     });
     stats.stallSeconds = secondsSince(start);
     TLOG_INFO0("checkpoint step " << request.step << ": async save started; training stall " << stats.stallSeconds
-                                  << " s (staging " << mib(bytes) << " took " << stagingSeconds << " s, waiting "
-                                  << waitSeconds << " s)");
+                                  << " s (staging " << mib(bytes) << " took " << stagingSeconds << " s"
+                                  << (stats.stagingAllocatedBytes > 0 ? ", allocating the staging buffers" : "")
+                                  << ", waiting " << waitSeconds << " s)");
     return stats;
   }
-  try {
-    job->run();
-  } catch (const std::exception& e) {
-    job->error = e.what();
+  if (job->error.empty()) {
+    try {
+      job->run();
+    } catch (const std::exception& e) {
+      job->error = e.what();
+    }
   }
   inFlightStep_ = -1;
   distributed::throwIfAnyRankFailed(comm_.get(), waitLocal(), strCat("checkpoint step ", request.step));

@@ -8,23 +8,28 @@
 //                       loaded, removed by the next save
 //
 // Commit protocol (one save):
-//   1. every rank waits for its previous save; the ranks agree (all-reduce) whether any
-//      rank's previous save failed, and if so all throw (an async failure is never lost);
-//   2. rank 0 removes stale *.tmp directories and creates step_N.tmp/; ranks agree it did;
-//   3. every rank stages the real rows of its entries (async: copies in CPU memory,
-//      pinned for CUDA tensors; sync: the tensors themselves when already CPU), then
-//      writes them to step_N.tmp/rank_R.bin with XXH3 checksums per block, fsyncs it, and
-//      publishes its chunk table as rank_R.json (write, fsync, rename); on failure it
-//      writes rank_R.error with the message instead;
-//   4. rank 0 waits (polling, CheckpointOptions::commitTimeout) for every rank's .json or
+//   1. every rank waits for its own previous save (at most one in flight);
+//   2. rank 0, if its previous save committed (so no rank still writes into a *.tmp),
+//      removes stale *.tmp directories and creates step_N.tmp/;
+//   3. one all-reduce, overlapped with the staging copy of step 4, agrees whether any
+//      rank's previous save failed or rank 0 could not prepare step_N.tmp; if so every
+//      rank throws (an async failure is never lost);
+//   4. every rank stages the real rows of its entries (async, or device tensors: copies
+//      into StagingBuffers allocated by the first save and reused, pinned for CUDA; sync
+//      on the CPU: the tensors themselves), then writes them to step_N.tmp/rank_R.bin one
+//      block at a time (XXH3 checksum, write, and every 8 MiB the disk started on what
+//      is written), fsyncs it, and publishes its chunk table as rank_R.json (write,
+//      fsync, rename); on failure it writes rank_R.error with the message instead;
+//   5. rank 0 waits (polling, CheckpointOptions::commitTimeout) for every rank's .json or
 //      .error, merges the chunk tables, validates the result, writes trainer_state.json,
 //      then metadata.json LAST, fsyncs, renames step_N.tmp -> step_N, fsyncs the parent,
 //      replaces `latest`, and only then deletes checkpoints beyond keep_last.
-// Step 3-4 run on the calling thread (sync) or on one background writer thread per rank
-// (async). The writer threads never use the communicator: the hand-off between ranks
-// goes through the (shared) filesystem, so training collectives and the writer never
-// interleave on one communicator. The directory must therefore be on a filesystem every
-// rank sees (one machine, or NFS/Lustre/GPFS for several).
+// The writing of step 4 and step 5 run on the calling thread (sync) or on one background
+// writer thread per rank (async: the training stall is steps 1-4's copy). The writer
+// threads never use the communicator: the hand-off between ranks goes through the
+// (shared) filesystem, so training collectives and the writer never interleave on one
+// communicator. The directory must therefore be on a filesystem every rank sees (one
+// machine, or NFS/Lustre/GPFS for several).
 //
 // A crash at any point leaves either the previous checkpoints untouched plus an
 // ignored step_N.tmp, or a complete step_N (possibly newer than `latest`; resumeAuto
@@ -44,6 +49,7 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/staging_buffers.h"
 #include "checkpoint/state.h"
 
 namespace tessera::distributed {
@@ -54,6 +60,7 @@ namespace tessera::checkpoint {
 
 // Points of the protocol where tests inject failures (throw) or crashes (SIGKILL).
 enum class SavePoint {
+  kStaging,          // every rank, on the caller's thread, before copying its rows
   kBeforeData,       // every rank, before creating its data file
   kAfterData,        // every rank, data fsynced, index not yet published
   kAfterRankIndex,   // every rank, index published
@@ -95,6 +102,7 @@ struct SaveStats {
   int64_t bytes = 0;            // data bytes this rank writes
   double waitSeconds = 0;       // waiting for the previous save + agreeing on its outcome
   double stagingSeconds = 0;    // copying the shards (async), or 0
+  int64_t stagingAllocatedBytes = 0;  // staging memory this save had to allocate (0 once reused)
   double stallSeconds = 0;      // total time save() kept the caller (the training stall)
   bool async = false;
 };
@@ -127,6 +135,11 @@ class Checkpointer {
 
  private:
   std::string waitLocal();  // joins the writer; returns its error ("" when none)
+  // Rank 0: removes the *.tmp debris of crashed saves and creates tmpDir.
+  void prepareTmpDir(const std::string& tmpDir) const;
+  // Fills job.sources with the rows of the request's entries (staged copies where
+  // async or on a device); returns the bytes this rank writes.
+  int64_t stage(const SaveRequest& request, Job& job);
 
   std::string root_;
   std::shared_ptr<distributed::Communicator> comm_;
@@ -135,6 +148,7 @@ class Checkpointer {
   int world_ = 1;
   std::thread writer_;
   std::shared_ptr<Job> job_;
+  StagingBuffers staging_;  // reused by every save; the in-flight job reads them
   int64_t inFlightStep_ = -1;
   mutable std::mutex mutex_;
   double lastWriteSeconds_ = 0;

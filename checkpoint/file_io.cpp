@@ -98,6 +98,12 @@ void File::sync() {
   if (::fsync(fd_) != 0) throw Error(strCat("fsync of ", path_, " failed: ", errnoText(errno)));
 }
 
+void File::startWriteback(int64_t offset, int64_t bytes) {
+#ifdef SYNC_FILE_RANGE_WRITE
+  if (bytes > 0) ::sync_file_range(fd_, offset, bytes, SYNC_FILE_RANGE_WRITE);
+#endif
+}
+
 void File::dropCache() {
 #ifdef POSIX_FADV_DONTNEED
   ::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED);

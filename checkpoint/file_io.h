@@ -36,6 +36,10 @@ class File {
   int64_t size() const;
   // fsync(2); throws on failure (EIO here means the data may not be on disk).
   void sync();
+  // Starts the disk writing bytes [offset, offset + bytes) without waiting for it
+  // (sync_file_range WRITE), so that the final sync() finds most of the data already on
+  // its way. Best effort: a filesystem without it just leaves everything to sync().
+  void startWriteback(int64_t offset, int64_t bytes);
   // Drops the file's pages from the page cache (benchmarks; best effort).
   void dropCache();
   // Closes, reporting close(2) errors (NFS reports write errors here).

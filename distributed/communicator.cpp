@@ -158,9 +158,12 @@ int lowestFailingRank(Communicator* comm, bool failed) {
 }
 
 void throwIfAnyRankFailed(Communicator* comm, const std::string& localError, const std::string& what) {
-  runOnEveryRank(comm, what, [&] {
-    if (!localError.empty()) throw Error(strCat(what, " failed on rank ", comm ? comm->rank() : 0, ": ", localError));
-  });
+  throwIfFailed(lowestFailingRank(comm, !localError.empty()), comm ? comm->rank() : 0, localError, what);
+}
+
+void throwIfFailed(int failedRank, int rank, const std::string& localError, const std::string& what) {
+  if (!localError.empty()) throw Error(strCat(what, " failed on rank ", rank, ": ", localError));
+  if (failedRank >= 0) throw Error(strCat(what, " failed on rank ", failedRank, " (its log has the reason)"));
 }
 
 void runOnEveryRank(Communicator* comm, const std::string& what, const std::function<void()>& fn) {

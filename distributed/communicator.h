@@ -228,6 +228,10 @@ int lowestFailingRank(Communicator* comm, bool failed);
 // the lowest failing rank. Ranks then leave together instead of waiting for one that
 // left in their next collective.
 void throwIfAnyRankFailed(Communicator* comm, const std::string& localError, const std::string& what);
+// Its throw, for callers that ran the agreement themselves (e.g. an all-reduce
+// overlapped with other work): failedRank is the lowest failing rank or -1, `rank` this
+// rank, localError this rank's error ("" when it succeeded).
+void throwIfFailed(int failedRank, int rank, const std::string& localError, const std::string& what);
 
 // Runs `fn` on this rank, then agrees with the others as above: where fn threw, its
 // exception is rethrown as it was; where it succeeded but threw on another rank, Error

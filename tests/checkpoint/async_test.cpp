@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "checkpoint/metadata.h"
@@ -15,6 +16,14 @@ namespace {
 
 using namespace testing;  // NOLINT
 namespace fs = std::filesystem;
+
+// Resident set size of this process now, in bytes (/proc/self/statm's second field).
+int64_t residentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t sizePages = 0, residentPages = 0;
+  statm >> sizePages >> residentPages;
+  return residentPages * ::sysconf(_SC_PAGESIZE);
+}
 
 TEST(AsyncSaveTest, SavesTheValuesAtSaveTimeWhileTrainingGoesOn) {
   TempDir tmp;
@@ -142,6 +151,74 @@ TEST(AsyncSaveTest, DestructorWaitsForTheWriter) {
   }
   EXPECT_EQ(readLatest(tmp.path()), "step_00000009");
 }
+
+TEST(AsyncSaveTest, StagingBuffersAreAllocatedOnceAndReused) {
+  TempDir tmp;
+  // 24 MiB of state: a staging copy allocated per save (or leaked) would show in the RSS.
+  GlobalTensor big{"model/big", at::randint(0, 1000, {1536, 4096}).to(at::kFloat)};  // integers: exact sums
+  CheckpointOptions options;
+  options.async = true;
+  options.keepLast = 1;
+  Checkpointer ckpt(tmp.path(), nullptr, options);
+  SaveRequest req;
+  req.entries = {{big.name, specFor(big, 1, 0), big.full.clone()}};
+  req.step = 1;
+  EXPECT_EQ(ckpt.save(req).stagingAllocatedBytes, big.full.nbytes());
+  ckpt.finish();
+  const int64_t before = residentBytes();
+  for (int64_t step = 2; step <= 11; ++step) {
+    req.entries[0].local.add_(1.0);  // "training" between saves
+    req.step = step;
+    EXPECT_EQ(ckpt.save(req).stagingAllocatedBytes, 0) << "step " << step;
+  }
+  ckpt.finish();
+  const int64_t growth = residentBytes() - before;
+  EXPECT_LT(growth, int64_t{8} << 20) << "RSS grew by " << growth << " bytes over 10 saves of 24 MiB";
+  // The reused buffers held each save's values: the last checkpoint has the last ones.
+  auto got = std::vector<StateEntry>{{big.name, specFor(big, 1, 0), at::zeros_like(big.full)}};
+  loadCheckpoint(tmp / "step_00000011", got);
+  EXPECT_TRUE(bitwiseEqual(got[0].local, big.full + 10.0));
+}
+
+// A rank whose staging copy fails (here: an injected throw; for real, pinned memory that
+// cannot be allocated) fails the save on every rank — sync: in save(), async: at
+// finish() like a writer failure — at once rather than after the commit timeout.
+class StagingFailureTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(StagingFailureTest, FailsTheSaveOnEveryRankWithoutWaitingForTheTimeout) {
+  TempDir tmp;
+  const auto model = sampleModel();
+  CheckpointOptions options;
+  options.async = GetParam();
+  options.commitTimeout = std::chrono::seconds(60);
+  options.faultHook = [](SavePoint p, int rank) {
+    if (p == SavePoint::kStaging && rank == 1) throw Error("injected staging failure");
+  };
+  std::vector<std::string> messages(2);
+  const auto start = std::chrono::steady_clock::now();
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    Checkpointer ckpt(tmp.path(), ctx.comm(), options);
+    SaveRequest req;
+    req.step = 1;
+    req.entries = entriesFor(model, ctx.world, ctx.rank);
+    try {
+      ckpt.save(req);
+      ckpt.finish();  // async: the failure arrives here on the ranks whose save() returned
+      ADD_FAILURE() << "rank " << ctx.rank << " did not see the failed staging";
+    } catch (const Error& e) {
+      messages[static_cast<size_t>(ctx.rank)] = e.what();
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 30.0);
+  EXPECT_NE(messages[1].find("injected staging failure"), std::string::npos) << messages[1];
+  EXPECT_NE(messages[0].find("rank 1"), std::string::npos) << messages[0];
+  EXPECT_TRUE(listCheckpoints(tmp.path()).empty());
+  EXPECT_EQ(readLatest(tmp.path()), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(SyncAndAsync, StagingFailureTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "Async" : "Sync"; });
 
 }  // namespace
 }  // namespace tessera::checkpoint
