@@ -20,6 +20,7 @@
 #include <cstdio>
 
 #include "common/errors.h"
+#include "ema/power_ema.h"
 
 namespace tessera::ema {
 namespace {
@@ -59,7 +60,7 @@ bool ShardedModelEMAManager::kernelTakes(const at::Tensor& emaBuffer, const at::
 void ShardedModelEMAManager::blendOnGpu(size_t decayIndex, const std::vector<cuda::BlendSegment>& tensors,
                                          at::Device device, double decay) {
   if (tensors.empty()) return;
-  if (fusedTables_.size() < options_.decays.size()) fusedTables_.resize(options_.decays.size());
+  if (fusedTables_.size() < numProfiles()) fusedTables_.resize(numProfiles());
   FusedTable& table = fusedTables_[decayIndex];
   const bool same = table.tensors.size() == tensors.size() &&
                     std::memcmp(table.tensors.data(), tensors.data(), tensors.size() * sizeof(cuda::BlendSegment)) == 0;
@@ -98,6 +99,13 @@ ShardedModelEMAManager::ShardedModelEMAManager(EmaOptions o) : options_(std::mov
   TESSERA_CHECK_AS(ConfigError, options_.invGamma > 0 && options_.power > 0,
                    "ShardedModelEMAManager: warmup inv_gamma and power must be > 0");
   TESSERA_CHECK_AS(ConfigError, at::isFloatingType(options_.dtype), "ShardedModelEMAManager: EMA dtype must be floating");
+  for (size_t i = 0; i < options_.powerStds.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      TESSERA_CHECK_AS(ConfigError, options_.powerStds[i] != options_.powerStds[j],
+                       "ShardedModelEMAManager: power-function sigma_rel ", options_.powerStds[i], " given twice");
+    }
+    powerGammas_.push_back(powerEmaExponent(options_.powerStds[i]));
+  }
 }
 
 void ShardedModelEMAManager::addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live) {
@@ -113,7 +121,7 @@ void ShardedModelEMAManager::addParam(const std::string& name, const sharding::S
   // or just this rank's real rows (a slice of a replicated parameter).
   at::Tensor liveRows = live.numel() == spec.paddedNumel() ? spec.realRows(live) : live.view({spec.localRows(), spec.rowNumel()});
   Entry e{spec, liveRows, {}};
-  for (size_t i = 0; i < options_.decays.size(); ++i) {
+  for (size_t i = 0; i < numProfiles(); ++i) {
     at::Tensor buffer = at::zeros({spec.paddedNumel()}, live.options().dtype(options_.dtype)).view(spec.localShape());
     spec.realRows(buffer).copy_(liveRows);
     e.ema.push_back(buffer);
@@ -130,7 +138,7 @@ void ShardedModelEMAManager::addBuffer(const std::string& name, const sharding::
                     live.sizes().vec() == spec.globalShape() && live.scalar_type() == spec.dtype(),
                 "ShardedModelEMAManager::addBuffer: '", name, "' must be a defined tensor replicated as ", spec.str());
   BufferEntry e{spec, live, {}};
-  for (size_t i = 0; i < options_.decays.size(); ++i) e.ema.push_back(live.detach().clone());
+  for (size_t i = 0; i < numProfiles(); ++i) e.ema.push_back(live.detach().clone());
   buffers_.emplace(name, std::move(e));
   bufferNames_.push_back(name);
 }
@@ -147,7 +155,9 @@ void ShardedModelEMAManager::resetFromLive() {
 }
 
 double ShardedModelEMAManager::effectiveDecay(size_t decayIndex, int64_t k) const {
-  double d = options_.decays.at(decayIndex);
+  TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::effectiveDecay: profile ", decayIndex,
+                " is not a decay");
+  double d = options_.decays[decayIndex];
   if (options_.warmup) {
     d = std::min(d, 1.0 - std::pow(1.0 + static_cast<double>(k) / options_.invGamma, -options_.power));
     d = std::max(d, 0.0);
@@ -174,9 +184,10 @@ void ShardedModelEMAManager::update(int64_t step, bool optimizerApplied) {
   if (!optimizerApplied) return;
   c10::NoGradGuard noGrad;
   const bool copyOnly = step < options_.startStep;
-  if (!copyOnly && (step % options_.updateEvery) != 0) return;
-  for (size_t i = 0; i < options_.decays.size(); ++i) {
-    const double d = copyOnly ? 0.0 : effectiveDecay(i, updates_);
+  const bool decaysDue = copyOnly || (step % options_.updateEvery) == 0;
+  for (size_t i = 0; i < numProfiles(); ++i) {
+    if (!isPowerProfile(i) && !decaysDue) continue;
+    const double d = isPowerProfile(i) ? powerEmaBeta(powerGamma(i), step) : copyOnly ? 0.0 : effectiveDecay(i, updates_);
     std::vector<at::Tensor> fusedEma, fusedLive;  // accelerator tensors of one dtype
 #ifdef TESSERA_EMA_CUDA_KERNEL
     std::vector<cuda::BlendSegment> kernelTensors;
@@ -212,48 +223,69 @@ void ShardedModelEMAManager::update(int64_t step, bool optimizerApplied) {
       }
     }
   }
-  if (!copyOnly) ++updates_;
+  if (!copyOnly && decaysDue) ++updates_;
+}
+
+double ShardedModelEMAManager::powerStd(size_t profile) const {
+  TESSERA_CHECK(isPowerProfile(profile) && profile < numProfiles(), "ShardedModelEMAManager: profile ", profile,
+                " is not a power-function profile");
+  return options_.powerStds[profile - options_.decays.size()];
+}
+
+double ShardedModelEMAManager::powerGamma(size_t profile) const {
+  powerStd(profile);  // checks the index
+  return powerGammas_[profile - options_.decays.size()];
 }
 
 std::string ShardedModelEMAManager::stateName(size_t decayIndex) const {
-  TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::stateName: decay index ", decayIndex);
+  TESSERA_CHECK(decayIndex < numProfiles(), "ShardedModelEMAManager::stateName: profile index ", decayIndex);
   return decayIndex == 0 ? options_.prefix : decayName(decayIndex);
 }
 
 std::string ShardedModelEMAManager::decayName(size_t decayIndex) const {
-  TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::decayName: decay index ", decayIndex);
+  TESSERA_CHECK(decayIndex < numProfiles(), "ShardedModelEMAManager::decayName: profile index ", decayIndex);
   char buf[64];
+  if (isPowerProfile(decayIndex)) {
+    std::snprintf(buf, sizeof(buf), "%g", powerStd(decayIndex));
+    return options_.prefix + "_phema" + buf;
+  }
   std::snprintf(buf, sizeof(buf), "%g", options_.decays[decayIndex]);
   return options_.prefix + "_" + buf;
 }
 
 size_t ShardedModelEMAManager::decayIndexOf(const std::string& name) const {
-  for (size_t i = 0; i < options_.decays.size(); ++i) {
+  for (size_t i = 0; i < numProfiles(); ++i) {
     if (name == stateName(i) || name == decayName(i)) return i;
   }
   throw Error(strCat("ShardedModelEMAManager: no EMA named '", name, "' (have ", stateName(0),
-                     options_.decays.size() > 1 ? ", ..." : "", ")"));
+                     numProfiles() > 1 ? ", ..." : "", ")"));
 }
 
 std::vector<sharding::StateEntry> ShardedModelEMAManager::stateEntries(const std::string& prefix) {
   std::vector<sharding::StateEntry> entries;
-  for (size_t d = 0; d < numDecays(); ++d) {
-    const std::string base = prefix + stateName(d) + "/";
-    for (const std::string& name : paramNames_) {
-      const Entry& e = params_.at(name);
-      entries.push_back({base + name, e.spec, e.ema[d]});
-    }
-    for (const std::string& name : bufferNames_) {
-      const BufferEntry& b = buffers_.at(name);
-      entries.push_back({base + name, b.spec, b.ema[d]});
-    }
+  for (size_t d = 0; d < numProfiles(); ++d) {
+    for (auto& e : profileEntries(d, prefix)) entries.push_back(std::move(e));
+  }
+  return entries;
+}
+
+std::vector<sharding::StateEntry> ShardedModelEMAManager::profileEntries(size_t profile, const std::string& prefix) {
+  const std::string base = prefix + stateName(profile) + "/";
+  std::vector<sharding::StateEntry> entries;
+  for (const std::string& name : paramNames_) {
+    const Entry& e = params_.at(name);
+    entries.push_back({base + name, e.spec, e.ema.at(profile)});
+  }
+  for (const std::string& name : bufferNames_) {
+    const BufferEntry& b = buffers_.at(name);
+    entries.push_back({base + name, b.spec, b.ema.at(profile)});
   }
   return entries;
 }
 
 std::map<std::string, std::string> ShardedModelEMAManager::exportAliases(const std::string& prefix) const {
   std::map<std::string, std::string> aliases;
-  for (size_t d = 0; d < numDecays(); ++d) aliases[decayName(d)] = prefix + stateName(d) + "/";
+  for (size_t d = 0; d < numProfiles(); ++d) aliases[decayName(d)] = prefix + stateName(d) + "/";
   return aliases;
 }
 

@@ -18,6 +18,12 @@
 // decay d is also reachable as "<prefix>_<d>" with d printed by %g, e.g.
 // "generator_ema_0.999". stateName(i) gives the canonical name of decay i.
 //
+// Power-function profiles (options.powerStds, for post-hoc EMA: ema/power_ema.h,
+// docs/ema.md) are further sets of shards after the decays ("profiles" counts both),
+// named "<prefix>_phema<sigma_rel>" (%g), e.g. "generator_ema_phema0.05". They update at
+// every applied optimizer step t with e = beta_t e + (1 - beta_t) p, beta_t =
+// (1 - 1/t)^(gamma + 1) (step 1 copies), and ignore start_step, update_every and warmup.
+//
 // Buffers (BatchNorm statistics) follow the model too, per options.buffers: copied at
 // every update, or averaged like the parameters (integer buffers are always copied).
 // ema/strategy_ema.h registers a strategy's parameters and buffers and runs evaluations
@@ -48,6 +54,8 @@ struct EmaOptions {
   double power = 2.0 / 3.0;
   std::string buffers = "copy";  // copy | average: how buffers (e.g. BN running stats) follow the model
   std::string prefix = "generator_ema";
+  // Power-function EMA profiles to track, by sigma_rel in (0, 0.28) (empty: none).
+  std::vector<double> powerStds;
 };
 
 class ShardedModelEMAManager {
@@ -74,14 +82,21 @@ class ShardedModelEMAManager {
   void update(int64_t step, bool optimizerApplied = true);
 
   // The decay the next update would use, for update count k (already raised to
-  // updateEvery), for decay set i.
+  // updateEvery), for decay set i (a decay, not a power profile).
   double effectiveDecay(size_t decayIndex, int64_t k) const;
 
-  size_t numDecays() const { return options_.decays.size(); }
+  // Profiles: the decays, then the power-function profiles. Every per-profile call
+  // below takes an index in [0, numProfiles()).
+  size_t numProfiles() const { return options_.decays.size() + powerGammas_.size(); }
+  bool isPowerProfile(size_t profile) const { return profile >= options_.decays.size(); }
+  // sigma_rel and gamma of power profile `profile`.
+  double powerStd(size_t profile) const;
+  double powerGamma(size_t profile) const;
   std::string stateName(size_t decayIndex) const;  // "generator_ema", "generator_ema_0.9999"
-  // "<prefix>_<decay>" (%g), the name every decay answers to, e.g. "generator_ema_0.999".
+  // "<prefix>_<decay>" (%g), the name every decay answers to, e.g. "generator_ema_0.999";
+  // "<prefix>_phema<sigma_rel>" for a power profile.
   std::string decayName(size_t decayIndex) const;
-  // Index of a decay set by any of its names; throws for an unknown name.
+  // Index of a profile by any of its names; throws for an unknown name.
   size_t decayIndexOf(const std::string& name) const;
   const EmaOptions& options() const { return options_; }
   int64_t updateCount() const { return updates_; }
@@ -101,6 +116,8 @@ class ShardedModelEMAManager {
   // <prefix><stateName(d)>/<name> for each decay d, parameters (their spec) and buffers
   // (replicated).
   std::vector<sharding::StateEntry> stateEntries(const std::string& prefix = "ema/");
+  // The entries of one profile only (<prefix><stateName(profile)>/<name>).
+  std::vector<sharding::StateEntry> profileEntries(size_t profile, const std::string& prefix = "ema/");
   // Export names -> checkpoint prefixes: decayName(d) -> "<prefix><stateName(d)>/" for
   // every decay (stateName itself resolves without an alias).
   std::map<std::string, std::string> exportAliases(const std::string& prefix = "ema/") const;
@@ -112,7 +129,7 @@ class ShardedModelEMAManager {
   struct Entry {
     sharding::ShardSpec spec;
     at::Tensor live;              // the live real rows, [localRows, rowNumel]
-    std::vector<at::Tensor> ema;  // one padded buffer per decay
+    std::vector<at::Tensor> ema;  // one padded buffer per profile
   };
   struct BufferEntry {
     sharding::ShardSpec spec;
@@ -129,6 +146,7 @@ class ShardedModelEMAManager {
 #endif
 
   EmaOptions options_;
+  std::vector<double> powerGammas_;  // per power profile, from options_.powerStds
   std::vector<std::string> paramNames_, bufferNames_;
   std::map<std::string, Entry> params_;
   std::map<std::string, BufferEntry> buffers_;

@@ -84,6 +84,7 @@ std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, con
   o.invGamma = cfg.ema.inv_gamma;
   o.power = cfg.ema.power;
   o.buffers = cfg.ema.buffers;
+  o.powerStds = cfg.ema.posthoc.stds;
   auto manager = std::make_unique<ema::ShardedModelEMAManager>(o);
   ema::followStrategy(*manager, strategy);
   return manager;
@@ -97,6 +98,12 @@ void setUpCheckpointer(RunParts& run) {
   options.keepLast = static_cast<int>(run.cfg.checkpoint.keep_last);
   options.async = run.cfg.checkpoint.async;
   run.checkpointer.emplace((run.runDir / "checkpoints").string(), run.strategy->stateCommPtr(), options);
+  if (run.ema && !run.cfg.ema.posthoc.stds.empty()) {
+    // Post-hoc EMA snapshots: every one kept (keep_last 0), written synchronously (an
+    // async writer would keep a second staging copy of the profiles).
+    checkpoint::CheckpointOptions posthoc;
+    run.posthocWriter.emplace((run.runDir / "posthoc").string(), run.strategy->stateCommPtr(), posthoc);
+  }
 }
 
 // checkpoint.resume: loads the newest complete checkpoint ("auto", falling back to older
@@ -155,7 +162,7 @@ void initializeFromFiles(RunParts& run) {
   if (run.ema && cfg.ema.init_from) {
     // Fine-tuning: every EMA starts from given weights (names as the module's).
     const std::vector<checkpoint::StateEntry> entries = run.ema->stateEntries("ema/");
-    for (size_t d = 0; d < run.ema->numDecays(); ++d) {
+    for (size_t d = 0; d < run.ema->numProfiles(); ++d) {
       const std::string prefix = "ema/" + run.ema->stateName(d) + "/";
       std::vector<checkpoint::StateEntry> decay;
       for (const auto& e : entries) {

@@ -43,6 +43,7 @@ struct RunParts {
   std::unique_ptr<ema::ShardedModelEMAManager> ema; // null without ema.enabled
   // On the ranks that write checkpoints and exports: all, but hybrid's first replica group only.
   std::optional<checkpoint::Checkpointer> checkpointer;
+  std::optional<checkpoint::Checkpointer> posthocWriter;  // ema.posthoc: snapshots in <run.dir>/posthoc/
 
   TrainerCounters counters;                         // what trainer_state.json holds
   int64_t startStep = 0;                            // steps done before this invocation (resume)

@@ -125,6 +125,13 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("ema.init_from", &c.ema.init_from,
         "Safetensors file or sharded export (e.g. an exported generator_ema) to start every EMA from; "
         "default: the model's start");
+  s.add("ema.posthoc.stds", &c.ema.posthoc.stds,
+        "Post-hoc EMA: sigma_rel of the power-function profiles to track (e.g. [0.05, 0.10]; empty: off); "
+        "reconstruct any sigma_rel afterwards with tessera-export --posthoc-ema (docs/ema.md)")
+      .greaterThan(0.0).lessThan(0.28);
+  s.add("ema.posthoc.snapshot_every", &c.ema.posthoc.snapshot_every,
+        "Post-hoc EMA: steps between snapshots of the profiles in <run.dir>/posthoc/ (kept whatever "
+        "checkpoint.keep_last says)").min(0);
   s.describeSection("checkpoint", "Sharded checkpoints, resume and export");
   s.add("checkpoint.every_steps", &c.checkpoint.every_steps, "Save every N steps (0: only at the end)").min(0);
   s.add("checkpoint.at_end", &c.checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");
@@ -155,6 +162,13 @@ void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, in
     if (what.rfind("generator_ema", 0) == 0 && !c.ema.enabled) {
       throw ConfigError(s.errorMessage("checkpoint.export", strCat("exports '", what, "' but ema.enabled is false")));
     }
+  }
+  if (!c.ema.posthoc.stds.empty() && !c.ema.enabled) {
+    throw ConfigError(s.errorMessage("ema.posthoc.stds", "tracks power-function EMA profiles: needs ema.enabled"));
+  }
+  if (!c.ema.posthoc.stds.empty() && c.ema.posthoc.snapshot_every <= 0) {
+    throw ConfigError(s.errorMessage("ema.posthoc.snapshot_every",
+                                     "must be > 0 when ema.posthoc.stds is set (the snapshots are what is reconstructed)"));
   }
   if (c.sharding.strategy == "hybrid" && c.sharding.shard_size > 0 && worldSize % c.sharding.shard_size != 0) {
     throw ConfigError(s.errorMessage("sharding.shard_size", strCat(c.sharding.shard_size, " does not divide the world size (",

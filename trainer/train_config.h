@@ -104,6 +104,10 @@ struct EmaSection {
   double power = 2.0 / 3.0;
   std::string buffers = "copy";  // copy | average
   std::optional<std::string> init_from;  // safetensors file or *.index.json every EMA starts from (fresh runs)
+  struct Posthoc {
+    std::vector<double> stds;     // sigma_rel of the power-function profiles tracked (empty: off)
+    int64_t snapshot_every = 0;   // steps between snapshots in <run.dir>/posthoc/
+  } posthoc;
 };
 
 struct CheckpointSection {

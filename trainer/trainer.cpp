@@ -18,6 +18,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
+#include "ema/posthoc.h"
 #include "ema/strategy_ema.h"
 #include "sharding/fully_shard.h"
 #include "sharding/mixed_precision.h"
@@ -219,6 +220,21 @@ class TrainLoop {
     const bool evalNow = cfg_.run.eval_every > 0 && done % cfg_.run.eval_every == 0;
     if (done % cfg_.run.log_every == 0 || last || evalNow) logWindow(done, out, evalNow || last);
     if (schedule_.periodicSaveDue(done)) saveCheckpoint(done);
+    if (run_.posthocWriter && done % cfg_.ema.posthoc.snapshot_every == 0) savePosthocSnapshot(done);
+  }
+
+  // ema.posthoc: the power-function profiles at step `done`, for tessera-export
+  // --posthoc-ema (ema/posthoc.h).
+  void savePosthocSnapshot(int64_t done) {
+    checkpoint::SaveRequest request;
+    request.step = done;
+    request.strategy = cfg_.sharding.strategy;
+    for (size_t i = 0; i < run_.ema->numProfiles(); ++i) {
+      if (!run_.ema->isPowerProfile(i)) continue;
+      for (auto& e : run_.ema->profileEntries(i)) request.entries.push_back(std::move(e));
+    }
+    request.trainerState = ema::posthocSnapshotState(*run_.ema);
+    run_.posthocWriter->save(request);
   }
 
   // Whether the run stops after `done` steps (a stop signal, run.stop_after_steps).

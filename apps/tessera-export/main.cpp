@@ -3,10 +3,15 @@
 //   tessera-export CKPT_DIR --what generator_ema|generator_ema_0.999|model --out FILE_OR_DIR
 //                  [--dtype fp32|bf16|fp16] [--max-shard-size 2GB] [--no-verify]
 // CKPT_DIR is a step_N directory, or a run's checkpoints directory (its newest complete
-// checkpoint is used). Exit status: 0 ok, 2 bad arguments, 1 failure (corruption, I/O).
+// checkpoint is used). Post-hoc EMA (docs/ema.md), from a run's posthoc/ snapshots:
+//   tessera-export RUN_DIR --posthoc-ema SIGMA_REL [--at-step S] --out FILE
+//   tessera-export RUN_DIR --list
+// Exit status: 0 ok, 2 bad arguments, 1 failure (corruption, I/O).
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include "checkpoint/exporter.h"
 #include "checkpoint/file_io.h"
@@ -17,8 +22,33 @@
 #include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
+#include "ema/posthoc.h"
 
 namespace ckpt = tessera::checkpoint;
+
+namespace {
+
+// --list: the snapshots, their profiles, and what can be reconstructed reliably.
+int listPosthoc(const std::string& dir) {
+  const auto snapshots = tessera::ema::listPosthocSnapshots(dir);
+  double lo = 1, hi = 0;
+  for (const auto& s : snapshots) {
+    std::cout << "step " << s.step << "  " << s.dir << "  sigma_rel";
+    for (const auto& [name, sigma] : s.profiles) {
+      std::cout << " " << sigma;
+      lo = std::min(lo, sigma);
+      hi = std::max(hi, sigma);
+    }
+    std::cout << "\n";
+  }
+  std::cout << snapshots.size() << " snapshots, steps " << snapshots.front().step << " to " << snapshots.back().step
+            << "; reconstructs sigma_rel in [" << lo << ", " << hi
+            << "] reliably (the tracked range; outside it the fit extrapolates), at any step up to "
+            << snapshots.back().step << "\n";
+  return 0;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   return tessera::runMain("tessera-export", [&]() -> int {
@@ -26,10 +56,25 @@ int main(int argc, char** argv) {
     std::string dir, out, dtype, maxShard;
     bool noVerify = false;
     ckpt::ExportOptions options;
-    app.add_option("CKPT_DIR", dir, "Checkpoint step directory, or a run's checkpoints directory")->required();
-    app.add_option("--what", options.what, "generator_ema | generator_ema_<decay> | model | a prefix ending in '/'")
+    app.add_option("CKPT_DIR", dir,
+                   "Checkpoint step directory, or a run's checkpoints directory; with --posthoc-ema or --list: "
+                   "the run directory (or its posthoc/ directory)")
         ->required();
-    app.add_option("--out", out, "Output .safetensors file (a directory with --max-shard-size)")->required();
+    auto* what = app.add_option("--what", options.what,
+                                "generator_ema | generator_ema_<decay> | model | a prefix ending in '/'");
+    std::optional<double> posthocSigma;
+    std::optional<int64_t> atStep;
+    bool list = false;
+    auto* posthoc = app.add_option("--posthoc-ema", posthocSigma,
+                                   "Reconstruct the power-function EMA of this sigma_rel from the run's post-hoc "
+                                   "snapshots (ema.posthoc)");
+    app.add_option("--at-step", atStep, "With --posthoc-ema: the step to reconstruct at (default: the last snapshot)")
+        ->needs(posthoc);
+    auto* listFlag = app.add_flag("--list", list, "List the run's post-hoc snapshots and the sigma_rel range they cover");
+    auto* outOption = app.add_option("--out", out, "Output .safetensors file (a directory with --max-shard-size)");
+    what->excludes(posthoc)->excludes(listFlag);
+    posthoc->excludes(listFlag);
+    outOption->excludes(listFlag);
     app.add_option("--dtype", dtype, "Cast floating-point tensors: fp32 | bf16 | fp16");
     app.add_option("--max-shard-size", maxShard, "Split into files of at most this size, e.g. 2GB, 500MiB");
     app.add_flag("--no-verify", noVerify, "Skip checksum verification");
@@ -41,6 +86,24 @@ int main(int argc, char** argv) {
     if (!dtype.empty()) options.dtype = ckpt::parseExportDtype(dtype);
     if (!maxShard.empty()) options.maxShardBytes = ckpt::parseByteSize(maxShard);
     options.verify = !noVerify;
+    if (list) return listPosthoc(dir);
+    if (out.empty()) throw tessera::UsageError("--out is required");
+    if (posthocSigma) {
+      if (!dtype.empty() || !maxShard.empty()) {
+        throw tessera::UsageError("--posthoc-ema writes one file in the saved dtype: no --dtype or --max-shard-size");
+      }
+      tessera::ema::PosthocOptions posthocOptions;
+      posthocOptions.sigmaRel = *posthocSigma;
+      posthocOptions.atStep = atStep;
+      posthocOptions.verify = options.verify;
+      const auto result = tessera::ema::reconstructPosthocEma(dir, out, posthocOptions);
+      std::cout << "reconstructed the post-hoc EMA of sigma_rel " << *posthocSigma << " at step " << result.step
+                << " from " << result.used.size() << " snapshots (" << result.weights.size() << " profiles): "
+                << result.tensors << " tensors (" << result.bytes << " bytes) in " << result.seconds << " s\n  " << out
+                << "\n";
+      return 0;
+    }
+    if (options.what.empty()) throw tessera::UsageError("give --what (or --posthoc-ema, or --list)");
 
     std::string stepDir = dir;
     if (!ckpt::pathExists((std::filesystem::path(dir) / ckpt::kMetadataFile).string())) {

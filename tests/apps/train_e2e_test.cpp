@@ -654,3 +654,39 @@ TEST(TrainE2ETest, TensorClassifierOnTwoRanksMatchesOneProcess) {
 }
 
 }  // namespace
+
+// ema.posthoc through the programs: a 2-rank zero3 run snapshots its power-function
+// profiles, `tessera-export --list` shows them, `--posthoc-ema` at a tracked sigma_rel
+// gives back the profile the run's checkpoint holds, and a config without snapshots is
+// refused naming the key.
+TEST(TrainE2ETest, PosthocEmaSnapshotsReconstructOffline) {
+  const std::string dir = uniqueDir("posthoc");
+  std::string out;
+  ASSERT_EQ(run(kLaunch2 + kArgs + " --set run.dir=" + dir +
+                    " --set sharding.strategy=zero3 --set ema.posthoc.stds=[0.05,0.1] --set ema.posthoc.snapshot_every=2",
+                &out),
+            0)
+      << out;
+  ASSERT_EQ(run(kBin + "/tessera-export " + dir + " --list", &out), 0) << out;
+  EXPECT_NE(out.find("6 snapshots, steps 2 to 12"), std::string::npos) << out;
+  EXPECT_NE(out.find("[0.05, 0.1]"), std::string::npos) << out;
+  const std::string posthoc = dir + "/phema0.1.safetensors", tracked = dir + "/tracked.safetensors";
+  ASSERT_EQ(run(kBin + "/tessera-export " + dir + " --posthoc-ema 0.1 --out " + posthoc, &out), 0) << out;
+  ASSERT_EQ(run(kBin + "/tessera-export " + dir + "/checkpoints --what generator_ema_phema0.1 --out " + tracked, &out), 0)
+      << out;
+  const auto a = tessera::checkpoint::loadSafetensors(posthoc), b = tessera::checkpoint::loadSafetensors(tracked);
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : b) {
+    ASSERT_TRUE(a.count(name)) << name;
+    EXPECT_TRUE(at::allclose(a.at(name), t, 1e-5, 1e-7)) << name;
+  }
+  // Bad requests: exit 2 with the reason; a config tracking profiles without snapshots.
+  EXPECT_EQ(run(kBin + "/tessera-export " + dir + " --posthoc-ema 0.5 --out " + dir + "/x.safetensors", &out), 2) << out;
+  EXPECT_NE(out.find("sigma_rel must be in (0, 0.28)"), std::string::npos) << out;
+  EXPECT_EQ(run(kBin + "/tessera-export " + dir + " --posthoc-ema 0.1 --at-step 1 --out " + dir + "/x.safetensors", &out),
+            2)
+      << out;
+  EXPECT_EQ(run(kBin + "/tessera-train" + kArgs + " --set run.dir=" + dir + "_bad --set ema.posthoc.stds=[0.05]", &out), 2)
+      << out;
+  EXPECT_NE(out.find("ema.posthoc.snapshot_every"), std::string::npos) << out;
+}

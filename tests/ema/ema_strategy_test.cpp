@@ -1,6 +1,7 @@
 // The EMA of a real sharded run: for no_shard, zero1, zero2 and zero3 at world sizes 1-4
 // and hybrid at 2 (1 x 2) and 4 (2 x 2) (ranks as threads over gloo), the EMA shards
-// gathered after 30 steps equal a dense fp32 EMA of the same run's full parameters
+// (two decays and two power-function profiles) gathered after 30 steps equal a dense
+// fp32 EMA of the same run's full parameters
 // (1e-6 relative), and each rank holds 1/N of the EMA bytes (within padding; N = the
 // shard group for hybrid). Evaluation with the EMA swapped in (withEmaWeights) computes
 // with the EMA and restores the live weights exactly, also on exceptions; BatchNorm
@@ -14,6 +15,7 @@
 
 #include "distributed/communicator.h"
 #include "ema/ema_manager.h"
+#include "ema/power_ema.h"
 #include "ema/strategy_ema.h"
 #include "sharding/fully_shard.h"
 #include "sharding/strategy.h"
@@ -57,16 +59,15 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
     };
     EmaOptions emaOptions;
     emaOptions.decays = {0.9, 0.75};
+    emaOptions.powerStds = {0.05, 0.10};  // post-hoc profiles: a blend that changes every step
     ShardedModelEMAManager manager(emaOptions);
+    const size_t profiles = manager.numProfiles();
     followStrategy(manager, *strategy);
 
     // Dense reference EMA of the same run's full parameters (replicated in these strategies).
     std::map<std::string, std::vector<at::Tensor>> dense;
     for (const sharding::ShardedParam& p : strategy->params()) {
-      for (double d : emaOptions.decays) {
-        (void)d;
-        dense[p.name].push_back(fullParam(p.name));
-      }
+      for (size_t i = 0; i < profiles; ++i) dense[p.name].push_back(fullParam(p.name));
     }
     const int64_t globalBatch = 24, perRank = globalBatch / world;
     for (int step = 1; step <= 30; ++step) {
@@ -81,8 +82,9 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
       for (const sharding::ShardedParam& p : strategy->params()) {
         const std::string& name = p.name;
         const at::Tensor full = fullParam(name);
-        for (size_t i = 0; i < emaOptions.decays.size(); ++i) {
-          const double d = emaOptions.decays[i];
+        for (size_t i = 0; i < profiles; ++i) {
+          const double d =
+              manager.isPowerProfile(i) ? powerEmaBeta(manager.powerGamma(i), step) : emaOptions.decays[i];
           dense[name][i] = dense[name][i] * static_cast<float>(d) + full * static_cast<float>(1.0 - d);
         }
       }
@@ -90,12 +92,12 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
     int64_t emaBytes = 0, fullBytes = 0;
     for (const sharding::ShardedParam& p : strategy->params()) {
       const std::string& name = p.name;
-      for (size_t i = 0; i < emaOptions.decays.size(); ++i) {
+      for (size_t i = 0; i < profiles; ++i) {
         at::Tensor gathered = manager.spec(name).fullTensor(manager.emaShard(i, name), stateComm);
         const at::Tensor& want = dense[name][i];
         EXPECT_TRUE(at::allclose(gathered, want.view(gathered.sizes()), 1e-6, 1e-7))
-            << strategyName << " world " << world << " rank " << ctx.rank << " " << name << " decay "
-            << emaOptions.decays[i] << " max diff " << (gathered - want.view(gathered.sizes())).abs().max().item<float>();
+            << strategyName << " world " << world << " rank " << ctx.rank << " " << name << " "
+            << manager.stateName(i) << " max diff " << (gathered - want.view(gathered.sizes())).abs().max().item<float>();
         fullBytes += want.numel() * 4;
       }
       const auto& spec = manager.spec(name);
@@ -103,10 +105,11 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
       EXPECT_EQ(spec.placement(), sharding::Placement::kShard0);
     }
     emaBytes = manager.bytes();
-    // 1/N of the model per rank, within padding (at most one row per tensor and decay).
+    // 1/N of the model per rank, within padding (at most one row per tensor and profile).
     const int n = stateComm.worldSize();
     EXPECT_EQ(n, shardSize > 0 ? shardSize : world);
-    EXPECT_LE(emaBytes * n, fullBytes + n * 2 * (7 * 5 + 7 + 3 * 7 + 3 + 3 + 1) * 4) << strategyName;
+    EXPECT_LE(emaBytes * n, fullBytes + n * static_cast<int64_t>(profiles) * (7 * 5 + 7 + 3 * 7 + 3 + 3 + 1) * 4)
+        << strategyName;
     EXPECT_GE(emaBytes * n, fullBytes) << strategyName;
   });
 }

@@ -1,0 +1,45 @@
+// Power-function EMA and its post-hoc reconstruction (EDM2: Karras et al., "Analyzing and
+// Improving the Training Dynamics of Diffusion Models", 2024, Sec. 3 and App. C): the math
+// only, no tensors. docs/ema.md explains the quantities.
+//
+// A power-function EMA profile of relative standard deviation sigma_rel (its width
+// relative to the training time so far) averages the parameters of steps tau <= t with
+// weights proportional to tau^gamma. It is tracked exactly like a classic EMA, with a
+// blend that depends on the step: e = beta_t * e + (1 - beta_t) * p.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace tessera::ema {
+
+// sigma_rel must lie in (0, kMaxPowerEmaStd): a larger one would need gamma <= 0.
+constexpr double kMaxPowerEmaStd = 0.28;
+
+// gamma for sigma_rel (Algorithm 2): the largest real root of
+// gamma^3 + 7 gamma^2 + (16 - sigma^-2) gamma + (12 - sigma^-2). Throws ConfigError
+// outside (0, kMaxPowerEmaStd). 0.05 -> 16.97, 0.10 -> 6.94.
+double powerEmaExponent(double sigmaRel);
+// sigma_rel of exponent gamma (Eq. 123): sqrt((gamma + 1) / ((gamma + 2)^2 (gamma + 3))).
+double powerEmaStd(double gamma);
+// The blend at optimizer step t (1-based; Eq. 127): (1 - 1/t)^(gamma + 1). Step 1 gives 0:
+// the first update copies the parameters.
+double powerEmaBeta(double gamma, int64_t step);
+
+// Inner product of the normalised power-function profiles (stepA, gammaA) and (stepB,
+// gammaB) (Eq. 151), the profiles ending at the given steps.
+double powerProfileInnerProduct(double stepA, double gammaA, double stepB, double gammaB);
+
+// One stored average: its step and exponent.
+struct PowerProfile {
+  int64_t step = 0;
+  double gamma = 0;
+};
+
+// Algorithm 3: the weights w (one per stored profile) such that sum_i w_i * profile_i is
+// the least-squares best approximation of the profile (step, gamma) — solve the Gram
+// system (at::linalg_solve), then normalise the weights to sum 1. Throws Error when the
+// stored profiles are linearly dependent (two identical), or none.
+std::vector<double> posthocEmaWeights(const std::vector<PowerProfile>& stored, const PowerProfile& wanted);
+
+}  // namespace tessera::ema
