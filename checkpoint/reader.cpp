@@ -107,14 +107,16 @@ void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, i
       }
       block = runEnd + 1;
     } else {
-      // Edge block: read all of it to check it, keep the part asked for.
-      scratch_.resize(static_cast<size_t>(ke - kb));
-      f.readAt(scratch_.data(), scratch_.size(), c.offset + kb, what);
+      // Edge block: read all of it to check it, keep the part asked for. A buffer per
+      // edge block, not one kept per reader: a program holding many readers open (the
+      // post-hoc EMA reconstruction, one per snapshot) would keep a block per reader.
+      std::vector<uint8_t> scratch(static_cast<size_t>(ke - kb));
+      f.readAt(scratch.data(), scratch.size(), c.offset + kb, what);
       bytesRead_ += (ke - kb) - (std::min(ke, end) - std::max(kb, begin));
-      const uint64_t got = checksum(scratch_.data(), scratch_.size());
+      const uint64_t got = checksum(scratch.data(), scratch.size());
       if (got != c.checksums[static_cast<size_t>(block)]) checksumMismatch(t, c, block, got);
       const int64_t from = std::max(kb, begin), to = std::min(ke, end);
-      std::memcpy(dst + (from - begin), scratch_.data() + (from - kb), static_cast<size_t>(to - from));
+      std::memcpy(dst + (from - begin), scratch.data() + (from - kb), static_cast<size_t>(to - from));
       ++block;
     }
   }

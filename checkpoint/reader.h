@@ -74,7 +74,6 @@ class CheckpointReader {
   CheckpointMetadata metadata_;
   std::map<std::string, int64_t> recordedBytes_;
   std::map<std::string, File> files_;
-  std::vector<uint8_t> scratch_;
   int64_t bytesRead_ = 0;
 };
 

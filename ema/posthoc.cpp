@@ -135,26 +135,36 @@ PosthocResult reconstructPosthocEma(const std::string& dir, const std::string& o
       {"tessera_posthoc_step", strCat(result.step)},
       {"tessera_posthoc_snapshots", strCat(result.used.size())}};
   checkpoint::SafetensorsWriter writer(outPath, entries, metadata);
+  // One block buffer, one double accumulator and one output buffer for the whole run,
+  // grown to the largest block: memory does not depend on the model or snapshot count.
+  at::Tensor blockBytes, sumBuffer, outBytes;
+  auto take = [](at::Tensor& buffer, int64_t numel, at::ScalarType dtype) {
+    const int64_t bytes = numel * static_cast<int64_t>(at::elementSize(dtype));
+    if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::kByte);
+    return buffer.narrow(0, 0, bytes).view(dtype);
+  };
   for (size_t k = 0; k < names.size(); ++k) {
     const checkpoint::TensorInfo& t = *names[k];
     const int64_t rows = t.rows(), rowElems = t.rowElements();
     const int64_t blockRows = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, t.rowBytes()));
     const bool floating = at::isFloatingType(t.dtype);
-    for (int64_t rb = 0; rb < rows; rb += blockRows) {
+    for (int64_t rb = 0; rb < rows && rowElems > 0; rb += blockRows) {
       const int64_t re = std::min(rows, rb + blockRows);
-      at::Tensor block = at::empty({re - rb, rowElems}, at::TensorOptions().dtype(t.dtype));
+      const int64_t numel = (re - rb) * rowElems;
+      at::Tensor block = take(blockBytes, numel, t.dtype);
       if (!floating) {
         // Integer buffers (e.g. num_batches_tracked) are copied, not averaged: the newest.
-        if (block.numel() > 0) readers[newest.snapshot]->readRows(*sources[k].back(), rb, re, block.data_ptr(), options.verify);
+        readers[newest.snapshot]->readRows(*sources[k].back(), rb, re, block.data_ptr(), options.verify);
         writer.write(block.data_ptr(), block.numel() * static_cast<int64_t>(block.element_size()));
         continue;
       }
-      at::Tensor sum = at::zeros({re - rb, rowElems}, at::kDouble);
-      for (size_t i = 0; i < stored.size() && block.numel() > 0; ++i) {
+      at::Tensor sum = take(sumBuffer, numel, at::kDouble).zero_();
+      for (size_t i = 0; i < stored.size(); ++i) {
         readers[stored[i].snapshot]->readRows(*sources[k][i], rb, re, block.data_ptr(), options.verify);
-        sum.add_(block.to(at::kDouble), result.weights[i]);
+        sum.add_(block, result.weights[i]);  // promoted to double in place
       }
-      const at::Tensor out = sum.to(t.dtype).contiguous();
+      at::Tensor out = take(outBytes, numel, t.dtype);
+      out.copy_(sum);
       writer.write(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
     }
     result.bytes += t.numel() * static_cast<int64_t>(at::elementSize(t.dtype));
