@@ -657,8 +657,9 @@ TEST(TrainE2ETest, TensorClassifierOnTwoRanksMatchesOneProcess) {
 
 // ema.posthoc through the programs: a 2-rank zero3 run snapshots its power-function
 // profiles, `tessera-export --list` shows them, `--posthoc-ema` at a tracked sigma_rel
-// gives back the profile the run's checkpoint holds, and a config without snapshots is
-// refused naming the key.
+// gives back the profile the run's checkpoint holds, a run resumed on another world size
+// and strategy reconstructs like the uninterrupted one, and bad requests and a config
+// without snapshots are refused naming the key.
 TEST(TrainE2ETest, PosthocEmaSnapshotsReconstructOffline) {
   const std::string dir = uniqueDir("posthoc");
   std::string out;
@@ -680,6 +681,29 @@ TEST(TrainE2ETest, PosthocEmaSnapshotsReconstructOffline) {
     ASSERT_TRUE(a.count(name)) << name;
     EXPECT_TRUE(at::allclose(a.at(name), t, 1e-5, 1e-7)) << name;
   }
+  // Resumed on another world size with another strategy (2 ranks zero3 -> 1 process
+  // zero2), the profiles continue from the checkpoint and the snapshots go on: the
+  // reconstruction equals the uninterrupted run's.
+  const std::string posthocArgs = kResumeArgs + " --set ema.posthoc.stds=[0.05,0.1] --set ema.posthoc.snapshot_every=2";
+  const std::string full = uniqueDir("posthoc_full"), resumed = uniqueDir("posthoc_resumed");
+  ASSERT_EQ(run(kLaunch2 + posthocArgs + " --set sharding.strategy=zero3 --set run.dir=" + full, &out), 0) << out;
+  ASSERT_EQ(run(kLaunch2 + posthocArgs + " --set sharding.strategy=zero3 --set run.steps=6 --set run.dir=" + resumed, &out),
+            0)
+      << out;
+  ASSERT_EQ(run(kBin + "/tessera-train" + posthocArgs + " --set sharding.strategy=zero2 --set run.dir=" + resumed, &out), 0)
+      << out;
+  EXPECT_NE(out.find("saved by 2 ranks with zero3; now 1 ranks with zero2"), std::string::npos) << out;
+  for (const std::string& d : {full, resumed}) {
+    ASSERT_EQ(run(kBin + "/tessera-export " + d + " --posthoc-ema 0.07 --out " + d + "/phema0.07.safetensors", &out), 0)
+        << out;
+    EXPECT_NE(out.find("from 6 snapshots"), std::string::npos) << out;
+  }
+  const auto fullPosthoc = tessera::checkpoint::loadSafetensors(full + "/phema0.07.safetensors");
+  const auto resumedPosthoc = tessera::checkpoint::loadSafetensors(resumed + "/phema0.07.safetensors");
+  for (const auto& [name, t] : fullPosthoc) {
+    EXPECT_TRUE(at::allclose(resumedPosthoc.at(name), t, 1e-5, 1e-6)) << name;
+  }
+
   // Bad requests: exit 2 with the reason; a config tracking profiles without snapshots.
   EXPECT_EQ(run(kBin + "/tessera-export " + dir + " --posthoc-ema 0.5 --out " + dir + "/x.safetensors", &out), 2) << out;
   EXPECT_NE(out.find("sigma_rel must be in (0, 0.28)"), std::string::npos) << out;
