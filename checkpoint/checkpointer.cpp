@@ -128,7 +128,11 @@ struct Checkpointer::Job {
     f.sync();
     f.close();
     hook(SavePoint::kAfterData);
-    writeFileAtomic((fs::path(tmpDir) / rankIndexFile(rank)).string(), toJson(index));
+    // No fsync of step_N.tmp after the rename: rank 0 may commit (rename the directory
+    // away) as soon as the file appears, and an fsync of the old path would then fail
+    // this rank. The index is only a hand-off; rank 0 fsyncs the directory with the
+    // metadata.
+    writeFileAtomic((fs::path(tmpDir) / rankIndexFile(rank)).string(), toJson(index), /*syncParent=*/false);
     hook(SavePoint::kAfterRankIndex);
   }
 

@@ -126,13 +126,14 @@ void syncDirectory(const std::string& dir) {
   if (rc != 0) throw Error(strCat("fsync of directory ", dir, " failed: ", errnoText(err)));
 }
 
-void writeFileAtomic(const std::string& path, const std::string& content) {
+void writeFileAtomic(const std::string& path, const std::string& content, bool syncParent) {
   const std::string tmp = path + ".tmp";
   File f = File::openWrite(tmp);
   f.writeAll(content.data(), content.size());
   f.sync();
   f.close();
   renamePath(tmp, path);
+  if (!syncParent) return;
   const fs::path parent = fs::path(path).parent_path();
   syncDirectory(parent.empty() ? "." : parent.string());
 }

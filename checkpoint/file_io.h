@@ -53,9 +53,10 @@ class File {
 
 // fsyncs a directory, so that entries created, renamed or removed in it are durable.
 void syncDirectory(const std::string& dir);
-// Writes `content` to path + ".tmp", fsyncs it, renames it over `path` and fsyncs the
-// directory: readers see the old or the new content, never a mix.
-void writeFileAtomic(const std::string& path, const std::string& content);
+// Writes `content` to path + ".tmp", fsyncs it, renames it over `path` and (unless
+// syncParent is false) fsyncs the directory: readers see the old or the new content,
+// never a mix.
+void writeFileAtomic(const std::string& path, const std::string& content, bool syncParent = true);
 // Reads a whole file of at most maxBytes; CheckpointError when missing or larger.
 std::string readFileBounded(const std::string& path, int64_t maxBytes);
 bool pathExists(const std::string& path);
