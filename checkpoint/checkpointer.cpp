@@ -248,7 +248,12 @@ struct Checkpointer::Job {
     renamePath(tmpDir, finalDir);
     syncDirectory(root);
     hook(SavePoint::kBeforeLatest);
-    writeFileAtomic((fs::path(root) / "latest").string(), stepDirName(step) + "\n");
+    try {
+      writeFileAtomic((fs::path(root) / "latest").string(), stepDirName(step) + "\n");
+    } catch (const Error& e) {
+      // The step is committed; `latest` is only a hint (resume scans for the newest).
+      TLOG_WARN("checkpoint step " << step << " is saved, but `latest` was not updated: " << e.what());
+    }
     hook(SavePoint::kBeforeRetention);
     if (!replaced.empty()) removeTree(replaced);
     applyRetention();
@@ -274,8 +279,10 @@ struct Checkpointer::Job {
 Checkpointer::Checkpointer(std::string checkpointsDir, std::shared_ptr<distributed::Communicator> comm,
                            CheckpointOptions options)
     : root_(std::move(checkpointsDir)), comm_(std::move(comm)), options_(std::move(options)) {
-  TESSERA_CHECK_AS(ConfigError, options_.blockBytes >= 8 && options_.blockBytes % 8 == 0,
-                   "Checkpointer: blockBytes ", options_.blockBytes, " must be a positive multiple of 8");
+  TESSERA_CHECK_AS(ConfigError,
+                   options_.blockBytes >= 8 && options_.blockBytes % 8 == 0 && options_.blockBytes <= kMaxBlockBytes,
+                   "Checkpointer: blockBytes ", options_.blockBytes, " must be a multiple of 8 in [8, ", kMaxBlockBytes,
+                   "]");
   TESSERA_CHECK_AS(ConfigError, options_.keepLast >= 0, "Checkpointer: keep_last ", options_.keepLast, " < 0");
   if (comm_) {
     rank_ = comm_->rank();

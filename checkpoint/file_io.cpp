@@ -17,10 +17,6 @@ namespace tessera::checkpoint {
 
 namespace fs = std::filesystem;
 
-namespace {
-std::string errnoText(int err) { return strCat(std::strerror(err), " (errno ", err, ")"); }
-}  // namespace
-
 File::~File() {
   if (fd_ >= 0) ::close(fd_);
 }
@@ -37,35 +33,23 @@ File& File::operator=(File&& other) noexcept {
   return *this;
 }
 
-File File::openRead(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) throw CheckpointError(strCat("missing file ", path));
-    throw Error(strCat("cannot open ", path, " for reading: ", errnoText(err)));
+File File::openRead(const std::string& path, LinkPolicy links) {
+  int fd = -1;
+  try {
+    fd = openRegularForRead(path, links);
+  } catch (const CheckpointError&) {
+    throw;
+  } catch (const Error& e) {
+    // A link, FIFO or directory where a checkpoint or weights file belongs is a damaged file.
+    throw CheckpointError(e.what());
   }
+  if (fd < 0) throw CheckpointError(strCat("missing file ", path));
   return File(fd, path);
 }
 
-File File::openWrite(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(strCat("cannot create ", path, ": ", errnoText(errno)));
-  return File(fd, path);
-}
+File File::openWrite(const std::string& path) { return File(createFreshFile(path), path); }
 
-void File::writeAll(const void* data, size_t bytes) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    // Linux writes at most ~2 GiB per call; larger requests come back short.
-    const ssize_t n = ::write(fd_, p, bytes);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      throw Error(strCat("write to ", path_, " failed: ", errnoText(errno)));
-    }
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
-}
+void File::writeAll(const void* data, size_t bytes) { writeAllTo(fd_, data, bytes, path_); }
 
 void File::readAt(void* data, size_t bytes, int64_t offset, const std::string& what) const {
   char* p = static_cast<char*>(data);
@@ -127,6 +111,7 @@ void syncDirectory(const std::string& dir) {
 }
 
 void writeFileAtomic(const std::string& path, const std::string& content, bool syncParent) {
+  checkReplaceable(path);
   const std::string tmp = path + ".tmp";
   File f = File::openWrite(tmp);
   f.writeAll(content.data(), content.size());
@@ -138,8 +123,8 @@ void writeFileAtomic(const std::string& path, const std::string& content, bool s
   syncDirectory(parent.empty() ? "." : parent.string());
 }
 
-std::string readFileBounded(const std::string& path, int64_t maxBytes) {
-  File f = File::openRead(path);
+std::string readFileBounded(const std::string& path, int64_t maxBytes, LinkPolicy links) {
+  File f = File::openRead(path, links);
   const int64_t size = f.size();
   if (size > maxBytes) {
     throw CheckpointError(strCat("file ", path, " is ", size, " bytes, more than the ", maxBytes, " this reader accepts"));

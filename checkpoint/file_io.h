@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/file_open.h"
+
 namespace tessera::checkpoint {
 
 class File {
@@ -19,9 +21,13 @@ class File {
   File(const File&) = delete;
   File& operator=(const File&) = delete;
 
-  // Opens for reading. A missing file throws CheckpointError ("missing file ...").
-  static File openRead(const std::string& path);
-  // Creates or truncates for writing (mode 0644).
+  // Opens a regular file for reading. A missing file throws CheckpointError ("missing
+  // file ..."); a FIFO, device or directory throws tessera::Error, and so does a symbolic
+  // link unless `links` is kFollow: files inside a checkpoint are never links (a checkpoint
+  // does not read outside its step directory); safetensors weights the user names may be.
+  static File openRead(const std::string& path, LinkPolicy links = LinkPolicy::kRefuse);
+  // Creates a new file for writing (mode 0644), replacing whatever entry is at `path`
+  // without following a link planted there (createFreshFile).
   static File openWrite(const std::string& path);
 
   bool isOpen() const { return fd_ >= 0; }
@@ -58,7 +64,7 @@ void syncDirectory(const std::string& dir);
 // never a mix.
 void writeFileAtomic(const std::string& path, const std::string& content, bool syncParent = true);
 // Reads a whole file of at most maxBytes; CheckpointError when missing or larger.
-std::string readFileBounded(const std::string& path, int64_t maxBytes);
+std::string readFileBounded(const std::string& path, int64_t maxBytes, LinkPolicy links = LinkPolicy::kRefuse);
 bool pathExists(const std::string& path);
 // rename(2), throwing naming both paths.
 void renamePath(const std::string& from, const std::string& to);

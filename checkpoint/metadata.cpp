@@ -6,6 +6,7 @@
 
 #include "checkpoint/format.h"
 #include "checkpoint/json_internal.h"
+#include "common/limits.h"
 
 namespace tessera::checkpoint {
 
@@ -20,7 +21,6 @@ using detail::member;
 namespace {
 
 constexpr int64_t kMaxDims = 64;
-constexpr int kMaxWorldSize = 1 << 20;
 
 // Tensor names become safetensors keys and log text: printable, bounded.
 void checkTensorName(const std::string& name, const std::string& where) {
@@ -185,7 +185,7 @@ CheckpointMetadata parseMetadata(const std::string& text, const std::string& sou
   const Json& cs = asObject(member(j, "checksum", source), source + ".checksum");
   const std::string algo = asString(member(cs, "algorithm", source + ".checksum"), source + ".checksum.algorithm", 64);
   if (algo != kChecksumAlgorithm) throw CheckpointError(strCat(source, ": unknown checksum algorithm '", algo, "'"));
-  m.blockBytes = asInt(member(cs, "block_bytes", source + ".checksum"), source + ".checksum.block_bytes", 8, int64_t{1} << 34);
+  m.blockBytes = asInt(member(cs, "block_bytes", source + ".checksum"), source + ".checksum.block_bytes", 8, kMaxBlockBytes);
   if (m.blockBytes % 8 != 0) throw CheckpointError(strCat(source, ": block_bytes ", m.blockBytes, " is not a multiple of 8"));
 
   const Json& ts = asObject(member(j, "trainer_state", source), source + ".trainer_state");
@@ -275,7 +275,7 @@ RankIndex parseRankIndex(const std::string& text, const std::string& source) {
   r.worldSize = static_cast<int>(asInt(member(j, "world_size", source), source + ".world_size", 1, kMaxWorldSize));
   r.rank = static_cast<int>(asInt(member(j, "rank", source), source + ".rank", 0, r.worldSize - 1));
   r.step = asInt(member(j, "step", source), source + ".step", 0);
-  r.blockBytes = asInt(member(j, "block_bytes", source), source + ".block_bytes", 8, int64_t{1} << 34);
+  r.blockBytes = asInt(member(j, "block_bytes", source), source + ".block_bytes", 8, kMaxBlockBytes);
   const Json& f = asObject(member(j, "file", source), source + ".file");
   r.file.name = asString(member(f, "name", source + ".file"), source + ".file.name", 255);
   checkFileName(r.file.name, source + ".file.name");
@@ -325,6 +325,18 @@ std::string stepDirName(int64_t step) {
   char buf[48];
   std::snprintf(buf, sizeof(buf), "step_%08lld", static_cast<long long>(step));
   return buf;
+}
+
+std::optional<int64_t> parseStepDirName(const std::string& name) {
+  constexpr size_t kPrefix = 5;  // "step_"
+  if (name.size() <= kPrefix || name.compare(0, kPrefix, "step_") != 0 || name.size() > kPrefix + 18) return std::nullopt;
+  int64_t step = 0;
+  for (size_t i = kPrefix; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return std::nullopt;
+    step = step * 10 + (name[i] - '0');  // at most 18 digits: no overflow
+  }
+  if (stepDirName(step) != name) return std::nullopt;  // not the canonical spelling
+  return step;
 }
 
 }  // namespace tessera::checkpoint

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -108,7 +109,10 @@ std::string parseTrainerState(const std::string& text, const std::string& source
 std::string rankDataFile(int rank);
 std::string rankIndexFile(int rank);
 std::string rankErrorFile(int rank);
-// "step_00000100".
+// "step_00000100": at least 8 digits, zero-padded.
 std::string stepDirName(int64_t step);
+// The step a directory name stands for, only when the name is exactly stepDirName(step):
+// "step_20", "step_00000020.tmp" or "step_-0000001" are not checkpoint directories.
+std::optional<int64_t> parseStepDirName(const std::string& name);
 
 }  // namespace tessera::checkpoint

@@ -32,6 +32,15 @@ CheckpointReader::CheckpointReader(std::string dir) : dir_(std::move(dir)) {
     throw CheckpointError(strCat("checkpoint ", dir_, " is not a complete checkpoint: it has no ", kMetadataFile));
   }
   metadata_ = parseMetadata(readFileBounded(path, kMaxJsonBytes), path);
+  // A step directory holds the step it is named for: a renamed one would resume the run
+  // at another step than the one it claims.
+  fs::path dirPath = fs::path(dir_).lexically_normal();
+  if (!dirPath.has_filename()) dirPath = dirPath.parent_path();  // "step_00000010/"
+  const std::optional<int64_t> named = parseStepDirName(dirPath.filename().string());
+  if (named && *named != metadata_.step) {
+    throw CheckpointError(strCat("checkpoint ", dir_, " is named for step ", *named, " but ", path, " says step ",
+                                 metadata_.step));
+  }
   for (const auto& f : metadata_.files) recordedBytes_[f.name] = f.bytes;
 }
 
@@ -65,6 +74,10 @@ const File& CheckpointReader::file(const std::string& name, const std::string& t
                                  "'"));
   }
   return files_.emplace(name, std::move(f)).first->second;
+}
+
+void CheckpointReader::checkFilesOf(const TensorInfo& t) {
+  for (const auto& c : t.chunks) file(c.file, t.name);
 }
 
 void CheckpointReader::checksumMismatch(const TensorInfo& t, const ChunkInfo& c, int64_t block, uint64_t got) const {
@@ -140,6 +153,7 @@ void CheckpointReader::streamTensor(const TensorInfo& t, const std::function<voi
                                     bool verify) {
   const int64_t B = metadata_.blockBytes;
   std::vector<uint8_t> buf;
+  checkFilesOf(t);
   for (const auto& c : t.chunks) {
     for (int64_t off = 0; off < c.length; off += B) {
       const int64_t n = std::min(B, c.length - off);
@@ -152,6 +166,7 @@ void CheckpointReader::streamTensor(const TensorInfo& t, const std::function<voi
 
 at::Tensor CheckpointReader::readFull(const std::string& name, bool verify) {
   const TensorInfo& t = tensor(name);
+  checkFilesOf(t);  // the sizes come from metadata.json: allocate only what the files hold
   at::Tensor out = at::empty(t.shape, at::TensorOptions().dtype(t.dtype));
   if (out.numel() > 0) readRows(t, 0, t.rows(), out.data_ptr(), verify);
   return out;
@@ -234,13 +249,21 @@ std::vector<CheckpointRef> listCheckpoints(const std::string& checkpointsDir) {
   if (!fs::is_directory(checkpointsDir, ec)) return out;
   for (const auto& entry : fs::directory_iterator(checkpointsDir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (name.size() <= 5 || name.compare(0, 5, "step_") != 0) continue;
-    const std::string digits = name.substr(5);
-    if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-      continue;  // step_N.tmp, step_N.deleting, ...
+    const std::optional<int64_t> step = parseStepDirName(name);
+    if (!step) {
+      // step_N.tmp, step_N.deleting are the protocol's own; a hand-named "step_20" is not a
+      // checkpoint directory and is said so, not half-used.
+      const bool stepLike = name.rfind("step_", 0) == 0 && name.find('.') == std::string::npos;
+      if (stepLike) TLOG_WARN0("checkpoints: ignoring " << entry.path().string() << ": not named step_<8+ digits>");
+      continue;
+    }
+    // A checkpoint never reads outside its step directory, so a linked one is not listed.
+    if (entry.is_symlink(ec)) {
+      TLOG_WARN0("checkpoints: ignoring " << entry.path().string() << ": a symbolic link, not a directory");
+      continue;
     }
     if (!entry.is_directory(ec) || !pathExists((entry.path() / kMetadataFile).string())) continue;
-    out.push_back({std::stoll(digits), entry.path().string()});
+    out.push_back({*step, entry.path().string()});
   }
   std::sort(out.begin(), out.end(), [](const CheckpointRef& a, const CheckpointRef& b) { return a.step < b.step; });
   return out;
@@ -249,9 +272,17 @@ std::vector<CheckpointRef> listCheckpoints(const std::string& checkpointsDir) {
 std::string readLatest(const std::string& checkpointsDir) {
   const std::string path = (fs::path(checkpointsDir) / "latest").string();
   if (!pathExists(path)) return "";
-  std::string text = readFileBounded(path, 4096);
-  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-  return text;
+  // Only a hint (resume picks the newest complete checkpoint anyway): a damaged one is
+  // reported and ignored, never fatal.
+  try {
+    std::string text = readFileBounded(path, 4096);
+    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+    if (!parseStepDirName(text)) throw CheckpointError(strCat("it does not name a step directory"));
+    return text;
+  } catch (const Error& e) {
+    TLOG_WARN0("checkpoints: ignoring " << path << ": " << e.what());
+    return "";
+  }
 }
 
 std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const std::vector<StateEntry>& entries,

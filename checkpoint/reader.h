@@ -67,6 +67,9 @@ class CheckpointReader {
 
  private:
   const File& file(const std::string& name, const std::string& tensorName);
+  // Opens every file holding a chunk of `t`, checking its size against the metadata, so
+  // that a buffer sized from metadata.json is allocated only for data that is there.
+  void checkFilesOf(const TensorInfo& t);
   void readChunkRange(const TensorInfo& t, const ChunkInfo& c, int64_t begin, int64_t end, uint8_t* dst, bool verify);
   [[noreturn]] void checksumMismatch(const TensorInfo& t, const ChunkInfo& c, int64_t block, uint64_t got) const;
 

@@ -106,6 +106,67 @@ SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64
   return h;
 }
 
+std::map<std::string, std::string> parseSafetensorsIndex(const std::string& text, const std::string& source) {
+  if (static_cast<int64_t>(text.size()) > kMaxIndexBytes) {
+    throw CheckpointError(strCat(source, ": ", text.size(), " bytes, more than the ", kMaxIndexBytes, " an index may have"));
+  }
+  const Json j = detail::parseJson(text, source);
+  asObject(j, source);
+  const Json& map = asObject(detail::member(j, "weight_map", source), source + ".weight_map");
+  std::map<std::string, std::string> out;
+  for (const auto& [name, f] : map.items()) {
+    if (name.empty()) throw CheckpointError(strCat(source, ": weight_map has an empty tensor name"));
+    const std::string file = asString(f, source + ".weight_map." + name, 255);
+    if (file.empty() || file == ".." || file == "." || file.find('/') != std::string::npos ||
+        file.find('\0') != std::string::npos) {
+      throw CheckpointError(strCat(source, ": weight_map file '", file, "' is not a plain file name"));
+    }
+    out[name] = file;
+  }
+  return out;
+}
+
+SafetensorsSet::SafetensorsSet(const std::string& path) {
+  const bool isIndex = path.size() > 11 && path.compare(path.size() - 11, 11, ".index.json") == 0;
+  if (!isIndex) {
+    open({path});
+    return;
+  }
+  const std::map<std::string, std::string> expectedFile =
+      parseSafetensorsIndex(readFileBounded(path, kMaxIndexBytes, LinkPolicy::kFollow), path);
+  std::vector<std::string> files;
+  std::set<std::string> unique;
+  for (const auto& [name, file] : expectedFile) {
+    if (unique.insert(file).second) files.push_back((fs::path(path).parent_path() / file).string());
+  }
+  open(files);
+  for (const auto& [name, file] : expectedFile) {
+    auto it = byName_.find(name);
+    if (it == byName_.end() || fs::path(it->second.reader->path()).filename() != file) {
+      throw CheckpointError(strCat(path, ": weight_map puts '", name, "' in ", file, ", which does not hold it"));
+    }
+  }
+}
+
+void SafetensorsSet::open(const std::vector<std::string>& files) {
+  for (const auto& f : files) {
+    readers_.push_back(std::make_unique<SafetensorsReader>(f));
+    const SafetensorsReader* r = readers_.back().get();
+    for (const auto& e : r->header().tensors) {
+      if (!byName_.emplace(e.name, Located{r, &e}).second) {
+        throw CheckpointError(strCat(f, ": tensor '", e.name, "' also appears in another file of the set"));
+      }
+    }
+  }
+}
+
+std::map<std::string, at::Tensor> loadSafetensors(const std::string& path) {
+  const SafetensorsSet set(path);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, located] : set.byName()) out[name] = located.reader->read(name);
+  return out;
+}
+
 std::string buildSafetensorsHeader(std::vector<SafetensorsEntry>& tensors, std::map<std::string, std::string> metadata) {
   if (!metadata.count("format")) metadata["format"] = "pt";
   Json j = Json::object();
@@ -134,6 +195,7 @@ SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsEn
   const std::string header = buildSafetensorsHeader(tensors_, std::move(metadata));
   headerSize_ = static_cast<int64_t>(header.size());
   dataBytes_ = tensors_.empty() ? 0 : tensors_.back().end;
+  checkReplaceable(path_);
   file_ = File::openWrite(path_ + ".tmp");
   file_.writeAll(header.data(), header.size());
 }
@@ -177,7 +239,7 @@ void saveSafetensors(const std::string& path, const std::map<std::string, at::Te
   writer.finish();
 }
 
-SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)), file_(File::openRead(path_)) {
+SafetensorsReader::SafetensorsReader(std::string path) : path_(std::move(path)), file_(File::openRead(path_, LinkPolicy::kFollow)) {
   const int64_t size = file_.size();
   uint8_t lenBytes[8] = {};
   if (size < 8) throw CheckpointError(strCat(path_, ": shorter than the 8-byte header length"));

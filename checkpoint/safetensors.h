@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -30,6 +31,8 @@ namespace tessera::checkpoint {
 
 // The safetensors library refuses headers above 100 MB; so does this reader.
 constexpr int64_t kMaxSafetensorsHeader = 100'000'000;
+// An index lists names and file names only; 64 MiB is ~500k tensors.
+constexpr int64_t kMaxIndexBytes = int64_t{64} << 20;
 
 struct SafetensorsEntry {
   std::string name;
@@ -58,6 +61,13 @@ struct SafetensorsHeader {
 // dtypes, negative or overflowing shapes, offsets outside the data section, sizes that
 // differ from shape x dtype size, overlaps or holes.
 SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64_t fileSize, const std::string& source);
+
+// A sharded export's index (model.safetensors.index.json, as Hugging Face writes it):
+// {"metadata": {...}, "weight_map": {tensor name: file name}}. Returns the weight map.
+// Throws CheckpointError naming `source` for invalid JSON, a missing or non-object
+// weight_map, a file that is not a plain name in the index's directory ("../x", "a/b",
+// "", "."), or an empty tensor name.
+std::map<std::string, std::string> parseSafetensorsIndex(const std::string& text, const std::string& source);
 
 // Lays `tensors` out back to back in the given order (sets begin/end) and returns the
 // 8-byte length + JSON header padded to a multiple of 8. metadata gets "format": "pt"
@@ -106,6 +116,24 @@ class SafetensorsReader {
   std::string path_;
   File file_;
   SafetensorsHeader header_;
+};
+
+// A single safetensors file, or the files of a sharded export listed by its *.index.json:
+// every tensor by name, with the reader that holds it. Throws CheckpointError naming the
+// file for a tensor in two files or one the index puts in a file that lacks it.
+class SafetensorsSet {
+ public:
+  explicit SafetensorsSet(const std::string& path);
+  struct Located {
+    const SafetensorsReader* reader;
+    const SafetensorsEntry* entry;
+  };
+  const std::map<std::string, Located>& byName() const { return byName_; }
+
+ private:
+  void open(const std::vector<std::string>& files);
+  std::vector<std::unique_ptr<SafetensorsReader>> readers_;
+  std::map<std::string, Located> byName_;
 };
 
 // Every tensor of a file (or of a sharded export: a *.index.json path), by name.

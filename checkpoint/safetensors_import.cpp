@@ -1,79 +1,12 @@
-// Loading safetensors sets (a file, or a sharded export's index) and strict import into
-// shards (see safetensors.h). Separate from safetensors.cpp so the format code builds
-// on its own (the fuzz target links only the readers).
-#include <filesystem>
-#include <memory>
-#include <set>
-
+// Strict import of safetensors sets into shards (see safetensors.h). Separate from
+// safetensors.cpp so the format code builds without the distributed stack (the fuzz
+// targets link only the readers).
 #include "checkpoint/format.h"
-#include "checkpoint/json_internal.h"
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "distributed/communicator.h"
 
 namespace tessera::checkpoint {
-
-namespace fs = std::filesystem;
-using detail::asObject;
-using detail::asString;
-using detail::Json;
-
-namespace {
-
-// A single file, or the files of a sharded export listed by its index.json.
-struct FileSet {
-  std::vector<std::unique_ptr<SafetensorsReader>> readers;
-  std::map<std::string, std::pair<const SafetensorsReader*, const SafetensorsEntry*>> byName;
-
-  explicit FileSet(const std::string& path) {
-    const bool isIndex = path.size() > 11 && path.compare(path.size() - 11, 11, ".index.json") == 0;
-    std::vector<std::string> files;
-    if (isIndex) {
-      const Json j = detail::parseJson(readFileBounded(path, int64_t{64} << 20), path);
-      const Json& map = asObject(detail::member(j, "weight_map", path), path + ".weight_map");
-      std::set<std::string> unique;
-      std::map<std::string, std::string> expectedFile;
-      for (const auto& [name, f] : map.items()) {
-        const std::string file = asString(f, path + ".weight_map." + name, 255);
-        if (file.empty() || file == ".." || file == "." || file.find('/') != std::string::npos) {
-          throw CheckpointError(strCat(path, ": weight_map file '", file, "' is not a plain file name"));
-        }
-        expectedFile[name] = file;
-        if (unique.insert(file).second) files.push_back((fs::path(path).parent_path() / file).string());
-      }
-      open(files);
-      for (const auto& [name, file] : expectedFile) {
-        auto it = byName.find(name);
-        if (it == byName.end() || fs::path(it->second.first->path()).filename() != file) {
-          throw CheckpointError(strCat(path, ": weight_map puts '", name, "' in ", file, ", which does not hold it"));
-        }
-      }
-    } else {
-      open({path});
-    }
-  }
-
-  void open(const std::vector<std::string>& files) {
-    for (const auto& f : files) {
-      readers.push_back(std::make_unique<SafetensorsReader>(f));
-      const auto* r = readers.back().get();
-      for (const auto& e : r->header().tensors) {
-        if (!byName.emplace(e.name, std::make_pair(r, &e)).second) {
-          throw CheckpointError(strCat(f, ": tensor '", e.name, "' also appears in another file of the set"));
-        }
-      }
-    }
-  }
-};
-
-}  // namespace
-
-std::map<std::string, at::Tensor> loadSafetensors(const std::string& path) {
-  FileSet set(path);
-  std::map<std::string, at::Tensor> out;
-  for (const auto& [name, re] : set.byName) out[name] = re.first->read(name);
-  return out;
-}
 
 std::string MatchReport::str() const {
   std::string out;
@@ -108,9 +41,9 @@ MatchReport matchTensors(const std::map<std::string, std::vector<int64_t>>& foun
 namespace {
 
 void importOnThisRank(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options) {
-  FileSet set(path);
+  const SafetensorsSet set(path);
   std::map<std::string, std::vector<int64_t>> found, expected;
-  for (const auto& [name, re] : set.byName) found[name] = re.second->shape;
+  for (const auto& [name, located] : set.byName()) found[name] = located.entry->shape;
   std::vector<std::string> fileNames;
   for (const auto& e : entries) {
     checkEntry(e, "importSafetensors");
@@ -125,7 +58,7 @@ void importOnThisRank(const std::string& path, const std::vector<StateEntry>& en
   }
   std::vector<std::string> dtypeErrors;
   for (size_t i = 0; i < entries.size(); ++i) {
-    const auto& se = *set.byName.at(fileNames[i]).second;
+    const SafetensorsEntry& se = *set.byName().at(fileNames[i]).entry;
     if (at::isFloatingType(entries[i].spec.dtype()) && !at::isFloatingType(se.dtype)) {
       // Integer or bool data is no weight: converting it would produce plausible garbage.
       dtypeErrors.push_back(strCat(fileNames[i], ": file has ", dtypeName(se.dtype), ", a floating-point tensor is needed"));
@@ -141,7 +74,7 @@ void importOnThisRank(const std::string& path, const std::vector<StateEntry>& en
   }
   for (size_t i = 0; i < entries.size(); ++i) {
     const auto& e = entries[i];
-    const auto& [reader, se] = set.byName.at(fileNames[i]);
+    const auto& [reader, se] = set.byName().at(fileNames[i]);
     const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
     auto [rb, re] = e.spec.localRowRange();
     const int64_t bufferRows = replicated ? e.spec.globalRows() : e.spec.chunkRows();

@@ -6,10 +6,10 @@
 #include <chrono>
 #include <cstdlib>
 #include <exception>
-#include <fstream>
 #include <iostream>
 
 #include "common/errors.h"
+#include "common/file_open.h"
 #include "common/logging.h"
 
 namespace tessera {
@@ -24,8 +24,7 @@ void writeErrorFile(const std::string& message) {
          {{"message", message},
           {"extraInfo",
            {{"py_callstack", ""}, {"timestamp", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count())}}}}}};
-    std::ofstream out(path);
-    out << j.dump() << "\n";
+    replaceFile(path, j.dump() + "\n");
   } catch (...) {
     // Reporting must never turn one failure into another.
   }

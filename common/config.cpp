@@ -1,6 +1,7 @@
 // yaml-cpp-backed implementation of the config schema (see config.h).
 #include "common/config.h"
 
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -9,11 +10,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <sstream>
 
 #include "common/errors.h"
+#include "common/file_open.h"
 
 namespace tessera::config {
 
@@ -148,10 +149,23 @@ SourceLocation locate(const std::string& source, const YAML::Node& node) {
 
 std::string describe(const YAML::Node& node) {
   if (node.IsNull()) return "null";
-  if (node.IsScalar()) return strCat("'", node.Scalar(), "'");
+  if (node.IsScalar()) {
+    // Quote at most the start of one line: a file that is not YAML (base: /etc/passwd)
+    // parses as one long scalar, and an error must not echo it.
+    constexpr size_t kMaxQuoted = 60;
+    const std::string& text = node.Scalar();
+    const size_t cut = std::min(text.find('\n'), kMaxQuoted);
+    return cut >= text.size() ? strCat("'", text, "'") : strCat("'", text.substr(0, cut), "...'");
+  }
   if (node.IsSequence()) return "a list";
   if (node.IsMap()) return "a mapping";
   return "an undefined value";
+}
+
+// A constraint's bound as written: 1099511627776, not 1.09951e+12.
+std::string bound(double v) {
+  if (std::floor(v) == v && std::fabs(v) < 9007199254740992.0) return std::to_string(static_cast<int64_t>(v));
+  return strCat(v);
 }
 
 bool parseInt(const std::string& text, int64_t* out) {
@@ -299,10 +313,10 @@ std::vector<FieldInfo> ConfigSchema::fields() const {
     info.defaultText = f.defaultText;
     info.required = f.required;
     std::vector<std::string> parts;
-    if (f.min) parts.push_back(strCat(">= ", *f.min));
-    if (f.greaterThan) parts.push_back(strCat("> ", *f.greaterThan));
-    if (f.max) parts.push_back(strCat("<= ", *f.max));
-    if (f.lessThan) parts.push_back(strCat("< ", *f.lessThan));
+    if (f.min) parts.push_back(strCat(">= ", bound(*f.min)));
+    if (f.greaterThan) parts.push_back(strCat("> ", bound(*f.greaterThan)));
+    if (f.max) parts.push_back(strCat("<= ", bound(*f.max)));
+    if (f.lessThan) parts.push_back(strCat("< ", bound(*f.lessThan)));
     if (!f.choices.empty()) {
       std::string c = "one of:";
       for (size_t i = 0; i < f.choices.size(); ++i) c += strCat(i ? ", " : " ", f.choices[i]);
@@ -334,12 +348,12 @@ void ConfigSchema::Impl::assign(Field& field, const YAML::Node& node, const Sour
   const std::string& path = field.path;
   auto checkNumber = [&](double v, const std::string& shown, const std::string& where, const SourceLocation& at) {
     const SourceLocation& loc = at;
-    if (field.min && v < *field.min) fail(loc, where, strCat("value ", shown, " is out of range: must be >= ", *field.min));
-    if (field.max && v > *field.max) fail(loc, where, strCat("value ", shown, " is out of range: must be <= ", *field.max));
+    if (field.min && v < *field.min) fail(loc, where, strCat("value ", shown, " is out of range: must be >= ", bound(*field.min)));
+    if (field.max && v > *field.max) fail(loc, where, strCat("value ", shown, " is out of range: must be <= ", bound(*field.max)));
     if (field.greaterThan && !(v > *field.greaterThan))
-      fail(loc, where, strCat("value ", shown, " is out of range: must be > ", *field.greaterThan));
+      fail(loc, where, strCat("value ", shown, " is out of range: must be > ", bound(*field.greaterThan)));
     if (field.lessThan && !(v < *field.lessThan))
-      fail(loc, where, strCat("value ", shown, " is out of range: must be < ", *field.lessThan));
+      fail(loc, where, strCat("value ", shown, " is out of range: must be < ", bound(*field.lessThan)));
   };
   auto checkChoice = [&](const std::string& v, const std::string& where, const SourceLocation& loc) {
     if (field.choices.empty() || std::find(field.choices.begin(), field.choices.end(), v) != field.choices.end()) return;
@@ -449,10 +463,40 @@ void ConfigSchema::Impl::loadMap(const YAML::Node& map, const std::string& prefi
 
 namespace {
 
+// Records where each document the parser hands out starts (the events themselves are not
+// needed: YAML::Load builds the node).
+class DocumentStarts : public YAML::EventHandler {
+ public:
+  YAML::Mark start;
+  void OnDocumentStart(const YAML::Mark& mark) override { start = mark; }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
 YAML::Node parseRoot(const std::string& yamlText, const std::string& sourceName) {
   YAML::Node root;
   try {
+    // YAML::Load reads the first document and drops the rest: a config holding a second
+    // document (or trailing text yaml-cpp skips, such as a stray ',') would run with half
+    // of what it says. Not YAML::LoadAll: yaml-cpp 0.7's loops forever on a stray ','
+    // (its parser hands out the same empty document again without consuming it), so the
+    // parser is asked for at most two documents here.
     root = YAML::Load(yamlText);
+    std::istringstream in(yamlText);
+    YAML::Parser parser(in);
+    DocumentStarts starts;
+    if (parser.HandleNextDocument(starts) && parser.HandleNextDocument(starts)) {
+      const SourceLocation loc{sourceName, starts.start.line + 1, starts.start.column + 1};
+      throw ConfigError(strCat(loc.str(), ": text after the first YAML document (a second document after '---', or ",
+                               "a stray character such as ','): a config file holds one document (merge them, or ",
+                               "use base:)"));
+    }
   } catch (const YAML::Exception& e) {
     SourceLocation loc{sourceName, e.mark.line + 1, e.mark.column + 1};
     if (e.mark.line < 0) loc.line = 0;
@@ -465,12 +509,14 @@ YAML::Node parseRoot(const std::string& yamlText, const std::string& sourceName)
 }
 
 std::string readConfigFile(const std::string& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw ConfigError(strCat(file, ": cannot read config file: ", std::strerror(errno)));
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw ConfigError(strCat(file, ": cannot read config file"));
-  return text.str();
+  // A config is a few KiB; the bound stops /dev/zero-like inputs (refused anyway as not
+  // regular) and a mistyped multi-GB file from being read whole.
+  constexpr int64_t kMaxConfigBytes = int64_t{4} << 20;
+  try {
+    return readRegularFile(file, kMaxConfigBytes);
+  } catch (const Error& e) {
+    throw ConfigError(strCat(file, ": cannot read config file: ", e.what()));
+  }
 }
 
 }  // namespace

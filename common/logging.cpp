@@ -1,7 +1,7 @@
 // spdlog-backed implementation of the logging facade (the only file that sees spdlog).
 #include "common/logging.h"
 
-#include <spdlog/sinks/basic_file_sink.h>
+#include <spdlog/sinks/base_sink.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
@@ -11,7 +11,10 @@
 #include <cstdlib>
 #include <mutex>
 
+#include <unistd.h>
+
 #include "common/errors.h"
+#include "common/file_open.h"
 
 namespace tessera::log {
 namespace {
@@ -33,14 +36,36 @@ spdlog::level::level_enum toSpd(Level level) {
   return spdlog::level::info;
 }
 
+// Appends log lines to a file opened by openForAppend. Not spdlog's basic_file_sink: it
+// opens with fopen(), which writes through a symbolic link planted at logs/rank_N.log.
+class AppendFileSink final : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  explicit AppendFileSink(const std::string& path) : path_(path), fd_(openForAppend(path)) {}
+  ~AppendFileSink() override { ::close(fd_); }
+  AppendFileSink(const AppendFileSink&) = delete;
+  AppendFileSink& operator=(const AppendFileSink&) = delete;
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    spdlog::memory_buf_t line;
+    formatter_->format(msg, line);
+    writeAllTo(fd_, line.data(), line.size(), path_);  // spdlog reports a throw on stderr
+  }
+  void flush_() override {}  // every line is written at once
+
+ private:
+  std::string path_;
+  int fd_;
+};
+
 std::shared_ptr<spdlog::logger> makeLogger(const LogOptions& options) {
   std::vector<spdlog::sink_ptr> sinks;
   if (options.console) sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
   if (!options.file.empty()) {
     try {
-      sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(options.file));
-    } catch (const spdlog::spdlog_ex& e) {
-      throw Error(strCat("log::init: cannot open log file '", options.file, "': ", e.what()));
+      sinks.push_back(std::make_shared<AppendFileSink>(options.file));
+    } catch (const Error& e) {
+      throw Error(strCat("log::init: cannot open log file: ", e.what()));
     }
   }
   auto logger = std::make_shared<spdlog::logger>("tessera", sinks.begin(), sinks.end());

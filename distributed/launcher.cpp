@@ -25,13 +25,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <sstream>
 
 #include "common/errors.h"
-#include "common/logging.h"
+#include "common/file_open.h"
 #include "common/filesystem.h"
+#include "common/logging.h"
+#include "common/limits.h"
 
 extern char** environ;
 
@@ -75,7 +76,6 @@ std::string formatSeconds(double seconds, int precision = 2) {
   return out.str();
 }
 
-std::string errnoText(int error) { return std::strerror(error); }
 
 void setFdFlag(int fd, int getCmd, int setCmd, int flag) {
   const int flags = ::fcntl(fd, getCmd);
@@ -249,8 +249,11 @@ Launcher::Launcher(LaunchOptions options) : options_(std::move(options)), start_
     rank.errorFile = strCat(dir, "/rank_", rank.globalRank, ".error.json");
     if (!options_.logDir.empty()) {
       const std::string logFile = strCat(options_.logDir, "/rank_", rank.globalRank, ".log");
-      rank.logFd = ::open(logFile.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND | O_CLOEXEC, 0644);
-      if (rank.logFd < 0) throw Error(strCat("--log-dir: cannot open '", logFile, "': ", errnoText(errno)));
+      try {
+        rank.logFd = createFreshFile(logFile);  // never through a link planted at the name
+      } catch (const Error& e) {
+        throw Error(strCat("--log-dir: ", e.what()));
+      }
     }
   }
   installSignalHandlers();
@@ -638,7 +641,16 @@ void validateLaunchOptions(const LaunchOptions& o) {
     throw UsageError(strCat("unknown option '", program, "' (tessera-run's options go before PROGRAM)"));
   }
   if (o.nprocPerNode < 1) throw UsageError(strCat("--nproc-per-node must be at least 1, got ", o.nprocPerNode));
+  if (o.nprocPerNode > kMaxLocalRanks) {
+    throw UsageError(strCat("--nproc-per-node ", o.nprocPerNode, " is more than the ", kMaxLocalRanks,
+                            " processes one tessera-run starts"));
+  }
   if (o.nnodes < 1) throw UsageError(strCat("--nnodes must be at least 1, got ", o.nnodes));
+  // Checked before any rank number is computed: nnodes x nproc-per-node in int wraps.
+  if (boundedProduct(o.nnodes, o.nprocPerNode, kMaxWorldSize) < 0) {
+    throw UsageError(strCat("--nnodes ", o.nnodes, " x --nproc-per-node ", o.nprocPerNode, " is more than the ",
+                            kMaxWorldSize, " ranks a run may have"));
+  }
   if (o.nodeRank < 0 || o.nodeRank >= o.nnodes) {
     throw UsageError(strCat("--node-rank ", o.nodeRank, " is out of range for --nnodes ", o.nnodes, " (0..",
                             o.nnodes - 1, ")"));
@@ -689,11 +701,15 @@ std::map<std::string, std::string> rankEnvironment(const LaunchOptions& o, int l
 }
 
 std::optional<std::string> readErrorFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return std::nullopt;
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  const std::string text = trim(buffer.str());
+  std::string content;
+  try {
+    // A rank's error report is small; anything that is not a small regular file is ignored.
+    constexpr int64_t kMaxErrorFileBytes = int64_t{1} << 20;
+    content = readRegularFile(path, kMaxErrorFileBytes, LinkPolicy::kRefuse);
+  } catch (const Error&) {
+    return std::nullopt;
+  }
+  const std::string text = trim(content);
   if (text.empty()) return std::nullopt;
   try {
     const auto json = nlohmann::json::parse(text);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "common/limits.h"
 
 namespace tessera::distributed {
 namespace {
@@ -64,8 +65,8 @@ struct Names {
 };
 
 void validate(const RankEnv& env, const Names& n) {
-  if (env.world_size < 1) {
-    throw ConfigError(strCat("RankEnv: ", n.world, "='", env.world_size, "' must be >= 1"));
+  if (env.world_size < 1 || env.world_size > kMaxWorldSize) {
+    throw ConfigError(strCat("RankEnv: ", n.world, "='", env.world_size, "' must be in 1..", kMaxWorldSize));
   }
   if (env.rank < 0 || env.rank >= env.world_size) {
     throw ConfigError(strCat("RankEnv: ", n.rank, "='", env.rank, "' is out of range for ", n.world, "='",

@@ -106,6 +106,7 @@ ShardedModelEMAManager::ShardedModelEMAManager(EmaOptions o) : options_(std::mov
     }
     powerGammas_.push_back(powerEmaExponent(options_.powerStds[i]));
   }
+  names_ = emaProfileNames(options_.prefix, options_.decays, options_.powerStds);
 }
 
 void ShardedModelEMAManager::addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live) {
@@ -239,18 +240,12 @@ double ShardedModelEMAManager::powerGamma(size_t profile) const {
 
 std::string ShardedModelEMAManager::stateName(size_t decayIndex) const {
   TESSERA_CHECK(decayIndex < numProfiles(), "ShardedModelEMAManager::stateName: profile index ", decayIndex);
-  return decayIndex == 0 ? options_.prefix : decayName(decayIndex);
+  return names_[decayIndex].state;
 }
 
 std::string ShardedModelEMAManager::decayName(size_t decayIndex) const {
   TESSERA_CHECK(decayIndex < numProfiles(), "ShardedModelEMAManager::decayName: profile index ", decayIndex);
-  char buf[64];
-  if (isPowerProfile(decayIndex)) {
-    std::snprintf(buf, sizeof(buf), "%g", powerStd(decayIndex));
-    return options_.prefix + "_phema" + buf;
-  }
-  std::snprintf(buf, sizeof(buf), "%g", options_.decays[decayIndex]);
-  return options_.prefix + "_" + buf;
+  return names_[decayIndex].alias;
 }
 
 size_t ShardedModelEMAManager::decayIndexOf(const std::string& name) const {

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "ema/profile_names.h"
 #include "sharding/sharded_param.h"
 #ifdef TESSERA_EMA_CUDA_KERNEL
 #include "ema/ema_blend_cuda.h"
@@ -53,7 +54,7 @@ struct EmaOptions {
   double invGamma = 1.0;
   double power = 2.0 / 3.0;
   std::string buffers = "copy";  // copy | average: how buffers (e.g. BN running stats) follow the model
-  std::string prefix = "generator_ema";
+  std::string prefix = kDefaultEmaPrefix;
   // Power-function EMA profiles to track, by sigma_rel in (0, 0.28) (empty: none).
   std::vector<double> powerStds;
 };
@@ -147,6 +148,7 @@ class ShardedModelEMAManager {
 
   EmaOptions options_;
   std::vector<double> powerGammas_;  // per power profile, from options_.powerStds
+  std::vector<EmaProfileName> names_;  // per profile: emaProfileNames(options_)
   std::vector<std::string> paramNames_, bufferNames_;
   std::map<std::string, Entry> params_;
   std::map<std::string, BufferEntry> buffers_;

@@ -146,6 +146,15 @@ int64_t ShardedOptimizer::stepCount(const ShardedParam& param) const {
   return slotOf(param).steps.item<int64_t>();
 }
 
+void ShardedOptimizer::checkLoadedStepCounts(int64_t maxStep, const std::string& source,
+                                             const std::string& prefix) const {
+  for (const Slot& slot : slots_) {
+    const int64_t t = slot.steps.item<int64_t>();
+    TESSERA_CHECK(0 <= t && t <= maxStep, source, ": ", prefix, "step/", slot.param->name, " is ", t,
+                  ", outside [0, ", maxStep, "] (the checkpoint's step count)");
+  }
+}
+
 std::vector<StateEntry> ShardedOptimizer::stateEntries(const std::string& prefix) {
   std::vector<StateEntry> entries;
   for (const std::string& key : stateNames()) {

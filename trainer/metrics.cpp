@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "common/errors.h"
+#include "common/file_open.h"
 #include "common/logging.h"
 
 namespace tessera::trainer {
@@ -27,12 +28,15 @@ std::string fixed(double v, int digits) {
 }  // namespace
 
 MetricsLog::MetricsLog(const std::string& jsonlPath, int64_t totalSteps)
-    : totalSteps_(totalSteps), terminal_(::isatty(STDERR_FILENO) == 1), startSec_(nowSec()) {
+    : jsonlPath_(jsonlPath), totalSteps_(totalSteps), terminal_(::isatty(STDERR_FILENO) == 1), startSec_(nowSec()) {
   std::filesystem::create_directories(std::filesystem::path(jsonlPath).parent_path());
   // A resumed run appends to the metrics of the run it continues; its loss curve
   // covers both.
-  {
-    std::ifstream previous(jsonlPath);
+  // Opened first: a link or a FIFO planted at the name is refused before anything is read.
+  fd_ = openForAppend(jsonlPath);
+  try {
+    constexpr int64_t kMaxMetricsBytes = int64_t{1} << 30;
+    std::istringstream previous(readRegularFile(jsonlPath, kMaxMetricsBytes, LinkPolicy::kRefuse));
     for (std::string line; std::getline(previous, line);) {
       try {
         const auto j = nlohmann::json::parse(line);
@@ -41,9 +45,14 @@ MetricsLog::MetricsLog(const std::string& jsonlPath, int64_t totalSteps)
         // A line cut short by a crash is skipped, not fatal.
       }
     }
+  } catch (...) {
+    ::close(fd_);
+    throw;
   }
-  out_.open(jsonlPath, std::ios::app);
-  if (!out_) throw Error(strCat("MetricsLog: cannot open '", jsonlPath, "' for writing"));
+}
+
+MetricsLog::~MetricsLog() {
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void MetricsLog::record(const StepMetrics& m) {
@@ -53,8 +62,8 @@ void MetricsLog::record(const StepMetrics& m) {
                       {"peak_rss_mib", m.peakRssMiB},       {"comm_mib", m.commMiB},
                       {"collectives_per_step", m.collectivesPerStep}};
   for (const auto& [k, v] : m.extra) j[k] = v;
-  out_ << j.dump() << "\n";
-  out_.flush();
+  const std::string jsonLine = j.dump() + "\n";
+  writeAllTo(fd_, jsonLine.data(), jsonLine.size(), jsonlPath_);
   losses_.emplace_back(m.step, m.loss);
 
   const double elapsed = nowSec() - startSec_;
@@ -76,9 +85,7 @@ void MetricsLog::record(const StepMetrics& m) {
 }
 
 void MetricsLog::writeLossCurve(const std::string& svgPath, const std::string& title) const {
-  std::ofstream svg(svgPath);
-  if (!svg) throw Error(strCat("MetricsLog: cannot write '", svgPath, "'"));
-  svg << renderLineChartSvg(losses_, title, "step", "loss");
+  replaceFile(svgPath, renderLineChartSvg(losses_, title, "step", "loss"));
 }
 
 namespace {

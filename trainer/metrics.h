@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,6 +28,9 @@ class MetricsLog {
  public:
   // Appends to `jsonlPath` (created with its directory when missing).
   MetricsLog(const std::string& jsonlPath, int64_t totalSteps);
+  ~MetricsLog();
+  MetricsLog(const MetricsLog&) = delete;
+  MetricsLog& operator=(const MetricsLog&) = delete;
 
   // Writes one JSON line and a console line.
   void record(const StepMetrics& m);
@@ -38,7 +40,8 @@ class MetricsLog {
   const std::vector<std::pair<int64_t, double>>& lossHistory() const { return losses_; }
 
  private:
-  std::ofstream out_;
+  std::string jsonlPath_;
+  int fd_ = -1;  // jsonlPath_, opened for appending
   int64_t totalSteps_;
   bool terminal_;
   double startSec_;

@@ -5,13 +5,13 @@
 #include <torch/utils.h>
 
 #include <cstdlib>
-#include <fstream>
 
 #include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
 #include "trainer/layers.h"
 #include "trainer/metrics.h"
 #include "common/errors.h"
+#include "common/file_open.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
@@ -124,7 +124,8 @@ bool resume(RunParts& run) {
                                 [&] { loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, entries); });
   }
   if (!loaded) return false;
-  const TrainerCounters saved = countersFromJson(loaded->trainerState);
+  const TrainerCounters saved =
+      countersFromJson(loaded->trainerState, (std::filesystem::path(loaded->dir) / "trainer_state.json").string());
   if (saved.globalBatch != cfg.data.global_batch) {
     throw ConfigError(strCat("data.global_batch: ", cfg.data.global_batch, " differs from the ", saved.globalBatch,
                              " that checkpoint ", loaded->dir, " was trained with; the data position cannot be converted"));
@@ -133,6 +134,7 @@ bool resume(RunParts& run) {
     throw ConfigError(strCat("run.seed: ", cfg.run.seed, " differs from the ", saved.seed, " of checkpoint ",
                              loaded->dir, "; the data order would change"));
   }
+  run.strategy->optimizer().checkLoadedStepCounts(saved.step, loaded->dir);
   if (run.ema) run.ema->setUpdateCount(saved.emaUpdates);
   run.strategy->publishParameters();
   run.startStep = saved.step;
@@ -190,7 +192,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   const int world = run->comm->worldSize();
   run->runDir = cfg.run.dir;
   fs::create_directories(run->runDir / "logs");
-  if (rank == 0) std::ofstream(run->runDir / "config.resolved.yaml") << run->resolvedYaml;
+  if (rank == 0) replaceFile((run->runDir / "config.resolved.yaml").string(), run->resolvedYaml);
 
   // Data. torch's generator starts from run.seed on every rank (whatever draws from it);
   // the model's initial values do not come from it but from the strategy's initializer,
@@ -198,14 +200,29 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   run->device = trainingDevice(cfg);
   run->data = makeDataset(cfg.data, cfg.model, predictsEveryPosition(cfg.model));
+  if (run->data->trainSamples() < cfg.data.global_batch) {
+    throw ConfigError(strCat("data.global_batch: ", cfg.data.global_batch, " is more than the ",
+                             run->data->trainSamples(), " training samples of data.path ", run->data->describe()));
+  }
   run->sampler = std::make_unique<DistributedSampler>(run->data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
                                                       cfg.data.shuffle);
   run->microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
 
   // Model (deferred: nothing allocated yet), strategy (materialises this rank's part),
   // schedule, EMA.
-  run->model = makeModel(cfg.model, run->data->spec(), run->device);
-  run->strategy = sharding::makeStrategy(*run->model, run->comm, strategyOptions(cfg, *run->model));
+  // An allocation that fails (model.vocab_size 2^31) is reported with the keys that size
+  // the model, without LibTorch's C++ backtrace.
+  const std::string modelKeys = strCat("model (arch ", cfg.model.arch, ", vocab_size ", cfg.model.vocab_size, ", context ",
+                                       cfg.model.context, ", embed_dim ", cfg.model.embed_dim, ", layers ",
+                                       cfg.model.layers, ")");
+  try {
+    run->model = makeModel(cfg.model, run->data->spec(), run->device);
+    run->strategy = sharding::makeStrategy(*run->model, run->comm, strategyOptions(cfg, *run->model));
+  } catch (const c10::Error& e) {
+    throw ConfigError(strCat(modelKeys, ": this rank's part cannot be built: ", e.what_without_backtrace()));
+  } catch (const std::bad_alloc&) {
+    throw ConfigError(strCat(modelKeys, ": this rank's part does not fit in memory"));
+  }
   run->schedule = std::make_unique<sharding::LrSchedule>(scheduleOptions(cfg));
   run->ema = makeEma(cfg, *run->strategy);
   int64_t numParams = 0;

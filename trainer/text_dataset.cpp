@@ -3,12 +3,12 @@
 #include "trainer/text_dataset.h"
 
 #include <algorithm>
-#include <fstream>
-#include <iterator>
+#include <limits>
 #include <numeric>
 #include <random>
 
 #include "common/errors.h"
+#include "common/file_open.h"
 
 namespace tessera::trainer {
 
@@ -23,11 +23,12 @@ TokenFormat parseTokenFormat(const std::string& kind, const std::string& tokenDt
 namespace {
 
 // Little-endian ids of `width` bytes each.
-std::vector<uint32_t> decodeTokens(const std::string& path, const std::vector<uint8_t>& raw, int width) {
-  if (width == 1) return std::vector<uint32_t>(raw.begin(), raw.end());
-  TESSERA_CHECK(raw.size() % static_cast<size_t>(width) == 0, "dataset '", path, "': ", raw.size(),
+std::vector<uint32_t> decodeTokens(const std::string& path, const std::string& bytes, int width) {
+  const auto* raw = reinterpret_cast<const uint8_t*>(bytes.data());
+  if (width == 1) return std::vector<uint32_t>(raw, raw + bytes.size());
+  TESSERA_CHECK(bytes.size() % static_cast<size_t>(width) == 0, "dataset '", path, "': ", bytes.size(),
                 " bytes is not a whole number of uint", 8 * width, " tokens (", width, " bytes each)");
-  std::vector<uint32_t> tokens(raw.size() / static_cast<size_t>(width));
+  std::vector<uint32_t> tokens(bytes.size() / static_cast<size_t>(width));
   for (size_t i = 0; i < tokens.size(); ++i) {
     uint32_t v = 0;
     for (int b = width - 1; b >= 0; --b) v = (v << 8) | raw[i * static_cast<size_t>(width) + static_cast<size_t>(b)];
@@ -41,9 +42,12 @@ std::vector<uint32_t> decodeTokens(const std::string& path, const std::vector<ui
 TextDataset::TextDataset(const std::string& path, int64_t context, double evalFraction, TokenFormat format,
                          int64_t vocabSize, bool everyPosition)
     : path_(path), context_(context), vocabSize_(vocabSize), everyPosition_(everyPosition) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(strCat("dataset: cannot read data file '", path, "'"));
-  const std::vector<uint8_t> raw{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  std::string raw;
+  try {
+    raw = readRegularFile(path, std::numeric_limits<int64_t>::max());
+  } catch (const Error& e) {
+    throw Error(strCat("dataset: cannot read data file: ", e.what()));
+  }
   const int width = format == TokenFormat::kBytes ? 1 : format == TokenFormat::kUint16 ? 2 : 4;
   tokens_ = decodeTokens(path, raw, width);
   if (vocabSize > 0) {
@@ -132,6 +136,7 @@ std::vector<int64_t> DistributedSampler::indicesFor(int64_t step, int rank, int 
   TESSERA_CHECK(worldSize >= 1 && rank >= 0 && rank < worldSize, "DistributedSampler: rank ", rank, " of ", worldSize);
   TESSERA_CHECK(globalBatch_ % worldSize == 0, "DistributedSampler: global batch ", globalBatch_,
                 " is not divisible by world size ", worldSize);
+  TESSERA_CHECK(step >= 0, "DistributedSampler: step ", step, " is negative");
   const int64_t epoch = step / stepsPerEpoch_;
   const int64_t first = (step % stepsPerEpoch_) * globalBatch_;
   const int64_t perRank = globalBatch_ / worldSize;

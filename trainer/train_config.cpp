@@ -2,17 +2,36 @@
 // the key they describe) and loads a run config with overrides.
 #include "trainer/train_config.h"
 
+#include <algorithm>
+
 #include "common/config.h"
 #include "common/errors.h"
+#include "common/limits.h"
+#include "ema/profile_names.h"
 
 namespace tessera::trainer {
+
+namespace {
+
+// Upper bounds of the sizes a config may ask for. Far above any run this code can do, and
+// low enough that the products the trainer forms from two of them (context x embed_dim,
+// micro_batch x world size, bucket bytes) stay far from int64 overflow: a product that
+// wrapped would pass a divisibility check, divide by zero or allocate a negative size.
+constexpr double kMaxSteps = double(int64_t{1} << 40);
+constexpr double kMaxVocab = double(int64_t{1} << 31);
+constexpr double kMaxWidth = double(int64_t{1} << 24);
+constexpr double kMaxLayers = 1 << 16;
+constexpr double kMaxBatch = double(int64_t{1} << 31);
+constexpr double kMaxBucketMiB = 1 << 20;  // 1 TiB
+
+}  // namespace
 
 void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.describeSection("run", "Identity, length and seed of the run");
   s.add("run.name", &c.run.name, "Run name, shown in the log and on the loss curve").nonEmpty();
   s.add("run.dir", &c.run.dir, "Run directory: resolved config, metrics, logs, checkpoints, exports").nonEmpty();
   s.add("run.seed", &c.run.seed, "Seed for model init, data order and dropout").min(0);
-  s.add("run.steps", &c.run.steps, "Optimizer steps to run").min(1);
+  s.add("run.steps", &c.run.steps, "Optimizer steps to run").min(1).max(kMaxSteps);
   s.add("run.log_every", &c.run.log_every, "Print and record metrics every N steps").min(1);
   s.add("run.stop_after_steps", &c.run.stop_after_steps,
         "Stop with a checkpoint after this many steps of this invocation (time-limited jobs); 0 = run to the end")
@@ -31,15 +50,15 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("model.arch", &c.model.arch,
         "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors)")
       .oneOf({"mlp", "gpt", "diffusion"});
-  s.add("model.vocab_size", &c.model.vocab_size, "Vocabulary size (256 for byte-level text)").min(2);
-  s.add("model.context", &c.model.context, "Context length in tokens").min(1);
-  s.add("model.embed_dim", &c.model.embed_dim, "Token embedding width; diffusion: the denoiser's width").min(1);
-  s.add("model.hidden", &c.model.hidden, "Hidden layer widths of the MLP").min(1).nonEmpty();
+  s.add("model.vocab_size", &c.model.vocab_size, "Vocabulary size (256 for byte-level text)").min(2).max(kMaxVocab);
+  s.add("model.context", &c.model.context, "Context length in tokens").min(1).max(kMaxWidth);
+  s.add("model.embed_dim", &c.model.embed_dim, "Token embedding width; diffusion: the denoiser's width").min(1).max(kMaxWidth);
+  s.add("model.hidden", &c.model.hidden, "Hidden layer widths of the MLP").min(1).max(kMaxWidth).nonEmpty();
   s.add("model.activation", &c.model.activation, "Activation between MLP layers").oneOf({"relu", "gelu"});
-  s.add("model.layers", &c.model.layers, "gpt: decoder blocks; diffusion: denoiser blocks").min(1);
-  s.add("model.heads", &c.model.heads, "gpt: attention heads; must divide model.embed_dim").min(1);
+  s.add("model.layers", &c.model.layers, "gpt: decoder blocks; diffusion: denoiser blocks").min(1).max(kMaxLayers);
+  s.add("model.heads", &c.model.heads, "gpt: attention heads; must divide model.embed_dim").min(1).max(kMaxWidth);
   s.add("model.tie_head", &c.model.tie_head, "gpt: compute the logits with wte.weight instead of an lm_head");
-  s.add("model.timesteps", &c.model.timesteps, "diffusion: noise levels T of the forward process").min(1);
+  s.add("model.timesteps", &c.model.timesteps, "diffusion: noise levels T of the forward process").min(1).max(kMaxWidth);
   s.add("model.beta_start", &c.model.beta_start, "diffusion: first beta of the linear noise schedule")
       .greaterThan(0.0).lessThan(1.0);
   s.add("model.beta_end", &c.model.beta_end, "diffusion: last beta of the linear noise schedule")
@@ -49,7 +68,7 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
         "its rows)");
   s.add("model.samples", &c.model.samples,
         "diffusion: samples drawn with generator_ema (DDPM) at the end, written to <run.dir>/samples.safetensors")
-      .min(0);
+      .min(0).max(kMaxBatch);
 
   s.describeSection("data", "Training data");
   s.add("data.kind", &c.data.kind,
@@ -62,8 +81,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
       .required()
       .nonEmpty();
   s.add("data.token_dtype", &c.data.token_dtype, "tokens: width of each id in the file").oneOf({"uint16", "uint32"});
-  s.add("data.global_batch", &c.data.global_batch, "Samples per optimizer step over all ranks").min(1);
-  s.add("data.micro_batch", &c.data.micro_batch, "Samples per forward/backward on one rank").min(1);
+  s.add("data.global_batch", &c.data.global_batch, "Samples per optimizer step over all ranks").min(1).max(kMaxBatch);
+  s.add("data.micro_batch", &c.data.micro_batch, "Samples per forward/backward on one rank").min(1).max(kMaxBatch);
   s.add("data.shuffle", &c.data.shuffle, "Seeded shuffle per epoch; false reads samples in file order");
   s.add("data.eval_fraction", &c.data.eval_fraction, "Fraction at the end of the file held out for evaluation")
       .min(0.0).lessThan(1.0);
@@ -87,7 +106,7 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("sharding.strategy", &c.sharding.strategy, "Data-parallel strategy")
       .oneOf({"no_shard", "zero1", "zero2", "zero3", "hybrid"});
   s.add("sharding.bucket_mb", &c.sharding.bucket_mb, "Gradient bucket size in MiB (fewer, larger messages)")
-      .greaterThan(0.0);
+      .greaterThan(0.0).max(kMaxBucketMiB);
   s.add("sharding.param_dtype", &c.sharding.param_dtype, "Compute dtype of the parameters (masters stay fp32)")
       .oneOf({"fp32", "bf16", "fp16"});
   s.add("sharding.reduce_dtype", &c.sharding.reduce_dtype, "Dtype gradients are reduced in").oneOf({"fp32", "bf16", "fp16"});
@@ -102,7 +121,7 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
         "With gradient accumulation: reduce every micro-batch's gradients during its backward (false: keep full "
         "gradients, reduce once at the last micro-batch)");
   s.add("sharding.shard_size", &c.sharding.shard_size,
-        "hybrid: ranks per shard group, dividing the world size (0 = all ranks)").min(0);
+        "hybrid: ranks per shard group, dividing the world size (0 = all ranks)").min(0).max(kMaxWorldSize);
   s.add("sharding.min_unit_params", &c.sharding.min_unit_params,
         "zero3/hybrid: wrapped modules with fewer parameters stay part of their parent unit (0 = all units)")
       .min(0);
@@ -145,8 +164,37 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
       .oneOf({"fp32", "bf16", "fp16"});
 }
 
+namespace {
+
+// checkpoint.export names what the run has: "model" or one of its EMA profiles, by either
+// of its names. Checked before training, not when the exports are written at the end.
+void checkExportNames(const config::ConfigSchema& s, const TrainConfig& c) {
+  std::vector<std::string> known = {"model"};
+  if (c.ema.enabled) {
+    for (const auto& n : ema::emaProfileNames(ema::kDefaultEmaPrefix, c.ema.decays, c.ema.posthoc.stds)) {
+      known.push_back(n.state);
+      if (n.alias != n.state) known.push_back(n.alias);
+    }
+  }
+  for (const auto& what : c.checkpoint.export_what) {
+    if (std::find(known.begin(), known.end(), what) != known.end()) continue;
+    std::string list;
+    for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+    const char* why = what.rfind(ema::kDefaultEmaPrefix, 0) == 0 && !c.ema.enabled ? " (ema.enabled is false)" : "";
+    throw ConfigError(s.errorMessage("checkpoint.export", strCat("'", what, "' is not something this run has", why,
+                                                                 "; it can export: ", list)));
+  }
+}
+
+}  // namespace
+
 void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, int worldSize) {
   TESSERA_CHECK(worldSize >= 1, "validateTrainConfig: world size ", worldSize);
+  if (boundedProduct(c.run.steps, c.data.global_batch, kMaxCounter) < 0) {
+    throw ConfigError(s.errorMessage("run.steps", strCat(c.run.steps, " steps of data.global_batch ", c.data.global_batch,
+                                                         " samples are more than the ", kMaxCounter,
+                                                         " samples a run can count")));
+  }
   if (c.optim.nesterov && c.optim.momentum <= 0) {
     throw ConfigError(s.errorMessage("optim.nesterov", "needs optim.momentum > 0"));
   }
@@ -158,10 +206,9 @@ void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, in
   if (c.optim.schedule.min_lr > c.optim.lr) {
     throw ConfigError(s.errorMessage("optim.schedule.min_lr", strCat(c.optim.schedule.min_lr, " is above optim.lr (", c.optim.lr, ")")));
   }
-  for (const auto& what : c.checkpoint.export_what) {
-    if (what.rfind("generator_ema", 0) == 0 && !c.ema.enabled) {
-      throw ConfigError(s.errorMessage("checkpoint.export", strCat("exports '", what, "' but ema.enabled is false")));
-    }
+  checkExportNames(s, c);
+  if (c.sharding.bucket_mb * 1024 * 1024 < 1) {
+    throw ConfigError(s.errorMessage("sharding.bucket_mb", strCat(c.sharding.bucket_mb, " MiB is less than one byte")));
   }
   if (!c.ema.posthoc.stds.empty() && !c.ema.enabled) {
     throw ConfigError(s.errorMessage("ema.posthoc.stds", "tracks power-function EMA profiles: needs ema.enabled"));
@@ -192,8 +239,9 @@ void validateTrainConfig(const config::ConfigSchema& s, const TrainConfig& c, in
     throw ConfigError(s.errorMessage("model.samples", "draws samples with generator_ema: needs model.arch diffusion "
                                                       "and ema.enabled"));
   }
-  const int64_t perStep = c.data.micro_batch * worldSize;
-  if (c.data.global_batch % perStep != 0) {
+  // Products of bounded keys, still checked: a world size comes from outside the config.
+  const int64_t perStep = boundedProduct(c.data.micro_batch, worldSize, c.data.global_batch);
+  if (perStep <= 0 || c.data.global_batch % perStep != 0) {
     throw ConfigError(s.errorMessage(
         "data.global_batch",
         strCat(c.data.global_batch, " is not a multiple of data.micro_batch (", c.data.micro_batch,

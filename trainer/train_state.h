@@ -1,4 +1,4 @@
-// The trainer's sharded state as checkpoint entries, and its JSON trainer state.
+// The trainer's sharded state as checkpoint entries (its counters: train_counters.h).
 //
 // Entry names (the checkpoint's tensor names; exports strip the prefix back to the
 // user's module names), each collected from the part that owns the state:
@@ -10,12 +10,10 @@
 // strategy).
 #pragma once
 
-#include <cstdint>
-#include <map>
-#include <string>
 #include <vector>
 
 #include "checkpoint/state.h"
+#include "trainer/train_counters.h"
 
 namespace tessera::sharding {
 class ShardingStrategy;
@@ -30,21 +28,5 @@ namespace tessera::trainer {
 // zero states for parameters it has not stepped yet, so every rank lists the same entries.
 std::vector<checkpoint::StateEntry> collectStateEntries(sharding::ShardingStrategy& strategy,
                                                         ema::ShardedModelEMAManager* ema);
-
-// Counters that are not tensors: the EMA update count and where the run is.
-struct TrainerCounters {
-  int64_t step = 0;               // optimizer steps completed
-  int64_t globalBatch = 0;        // the data position is step x globalBatch samples
-  int64_t seed = 0;
-  int64_t emaUpdates = 0;
-  int64_t skippedSteps = 0;
-  std::string strategy;
-  int worldSize = 1;
-  std::string resolvedConfig;     // YAML text of the run that saved
-};
-
-std::string countersToJson(const TrainerCounters& c);
-// Throws tessera::Error naming the key when the JSON lacks one or has the wrong type.
-TrainerCounters countersFromJson(const std::string& json);
 
 }  // namespace tessera::trainer

@@ -66,6 +66,9 @@ int main(int argc, char** argv) {
     tessera::log::init(logOptions);
 
     if (list->parsed()) {
+      if (!std::filesystem::is_directory(dir)) {
+        throw tessera::UsageError(tessera::strCat("list: '", dir, "' is not a directory"));
+      }
       const std::string latest = ckpt::readLatest(dir);
       for (const auto& c : ckpt::listCheckpoints(dir)) {
         const bool isLatest = std::filesystem::path(c.dir).filename() == latest;

@@ -2,45 +2,20 @@
 // status 2 and a message naming the key and the YAML line:column.
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
-#include <sys/wait.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <string>
 
+#include "tests/support/run_command.h"
 #include "tests/support/scratch_path.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int status = -1;
-  std::string output;
-};
-
-// Runs a shell command (bounded by `timeout`), capturing stdout+stderr.
-// A file name unique to the running test: ctest runs the tests of this suite in parallel.
-std::string uniqueName(const std::string& suffix) {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::string("tessera_cli_") + info->name() + "_" + std::to_string(::getpid()) + suffix;
-}
-
-Result runCommand(const std::string& command) {
-  const fs::path out = fs::temp_directory_path() / uniqueName(".out");
-  const std::string full = "timeout 120 " + command + " > '" + out.string() + "' 2>&1";
-  const int raw = std::system(full.c_str());
-  Result r;
-  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  std::ifstream in(out);
-  std::stringstream s;
-  s << in.rdbuf();
-  r.output = s.str();
-  fs::remove(out);
-  return r;
-}
+using tessera::test::runCommand;
 
 std::string writeConfig(const std::string& text) {
   static int written = 0;  // a test may write several
@@ -54,7 +29,7 @@ const std::string kGood = "data:\n  path: /usr/share/common-licenses/GPL-3\n";
 
 void expectConfigError(const std::string& yaml, const std::string& extraArgs, const std::string& expected) {
   const std::string file = writeConfig(yaml);
-  Result r = runCommand(kTrain + " --config " + file + " " + extraArgs);
+  tessera::test::CommandResult r = runCommand(kTrain + " --config " + file + " " + extraArgs);
   EXPECT_EQ(r.status, 2) << r.output;
   // ".yaml:L:C: ..." stands for "<the config file>:L:C: ...".
   const std::string want = expected.rfind(".yaml:", 0) == 0 ? file + expected.substr(5) : expected;
@@ -93,7 +68,7 @@ TEST(TrainCliTest, MalformedYaml) {
 }
 
 TEST(TrainCliTest, UnreadableFile) {
-  Result r = runCommand(kTrain + " --config /nonexistent/run.yaml");
+  tessera::test::CommandResult r = runCommand(kTrain + " --config /nonexistent/run.yaml");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("/nonexistent/run.yaml: cannot read config file"), std::string::npos) << r.output;
 }
@@ -104,7 +79,7 @@ TEST(TrainCliTest, BadOverrides) {
 }
 
 TEST(TrainCliTest, BadArguments) {
-  Result r = runCommand(kTrain + " --no-such-flag");
+  tessera::test::CommandResult r = runCommand(kTrain + " --no-such-flag");
   EXPECT_EQ(r.status, 2) << r.output;
   r = runCommand(kTrain);  // --config is required
   EXPECT_EQ(r.status, 2) << r.output;
@@ -113,7 +88,7 @@ TEST(TrainCliTest, BadArguments) {
 
 TEST(TrainCliTest, PrintConfigShowsOverrides) {
   const std::string file = writeConfig(kGood);
-  Result r = runCommand(kTrain + " --config " + file + " --set run.steps=7 --set model.hidden=[8,4] --print-config");
+  tessera::test::CommandResult r = runCommand(kTrain + " --config " + file + " --set run.steps=7 --set model.hidden=[8,4] --print-config");
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("steps: 7"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("hidden: [8, 4]"), std::string::npos) << r.output;

@@ -7,7 +7,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-#include <sys/wait.h>
 
 #include <cmath>
 #include <cstdio>
@@ -20,6 +19,7 @@
 #include <vector>
 
 #include "common/filesystem.h"
+#include "tests/support/run_command.h"
 #include "tests/support/scratch_path.h"
 
 namespace {
@@ -33,14 +33,9 @@ const std::string kBin = TESSERA_BIN_DIR;
 std::string uniqueDir(const std::string& tag) { return tessera::test::scratchPath("tessera_e2e", tag); }
 
 int run(const std::string& command, std::string* output = nullptr) {
-  const fs::path out = fs::temp_directory_path() / ("tessera_e2e_out_" + std::to_string(::getpid()));
-  const int raw = std::system(("timeout 300 " + command + " > '" + out.string() + "' 2>&1").c_str());
-  std::ifstream in(out);
-  std::stringstream s;
-  s << in.rdbuf();
-  if (output) *output = s.str();
-  fs::remove(out);
-  return WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  const tessera::test::CommandResult r = tessera::test::runCommand(command, 300);
+  if (output) *output = r.output;
+  return r.status;
 }
 
 std::vector<nlohmann::json> readMetrics(const std::string& runDir) {

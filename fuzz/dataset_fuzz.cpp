@@ -1,0 +1,68 @@
+// libFuzzer target: the dataset readers on a file of arbitrary bytes — byte-level text,
+// uint16 and uint32 token files (with a vocabulary bound) and safetensors tensor data.
+// The first byte picks the reader and a context length; the rest is the file, handed over
+// as an in-memory file (memfd) so that the readers open it by path as they do in a run.
+// Only tessera::Error may come out; an accepted dataset must hand out a batch of its
+// first and last train samples with the shapes its spec promises.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "common/errors.h"
+#include "trainer/tensor_dataset.h"
+#include "trainer/text_dataset.h"
+
+namespace trainer = tessera::trainer;
+
+namespace {
+
+// An anonymous in-memory file holding `bytes`, reachable by path as /proc/self/fd/N.
+class MemFile {
+ public:
+  MemFile(const uint8_t* data, size_t size) : fd_(::memfd_create("fuzz", MFD_CLOEXEC)) {
+    if (fd_ < 0 || ::write(fd_, data, size) != static_cast<ssize_t>(size)) std::abort();
+  }
+  ~MemFile() { ::close(fd_); }
+  std::string path() const { return "/proc/self/fd/" + std::to_string(fd_); }
+
+ private:
+  int fd_;
+};
+
+std::unique_ptr<trainer::Dataset> open(uint8_t selector, const std::string& path) {
+  const int64_t context = 1 + (selector >> 2) % 8;
+  switch (selector % 4) {
+    case 0:
+      return std::make_unique<trainer::TextDataset>(path, context, 0.25, trainer::TokenFormat::kBytes, 256);
+    case 1:
+      return std::make_unique<trainer::TextDataset>(path, context, 0.25, trainer::TokenFormat::kUint16, 1000, true);
+    case 2:
+      return std::make_unique<trainer::TextDataset>(path, context, 0.25, trainer::TokenFormat::kUint32, 70000);
+    default:
+      return std::make_unique<trainer::TensorDataset>(path, 0.25);
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 1) return 0;
+  const MemFile file(data + 1, size - 1);
+  try {
+    const auto dataset = open(data[0], file.path());
+    const int64_t n = dataset->trainSamples();
+    if (n < 1 || dataset->evalSamples() < 1) std::abort();  // the readers promise both splits
+    const trainer::Batch batch = dataset->trainBatch({0, n - 1});
+    const trainer::DataSpec spec = dataset->spec();
+    if (batch.size() != 2 || batch.inputs.dim() != 1 + static_cast<int64_t>(spec.inputShape.size())) std::abort();
+    dataset->evalBatch(0, 1);
+  } catch (const tessera::Error&) {
+    // refused with a message
+  }
+  return 0;
+}

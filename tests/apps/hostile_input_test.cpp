@@ -1,0 +1,496 @@
+// Damaged and crafted input, as a careless user or someone handing over a file would
+// produce it: every program refuses it with exit status 1 or 2 (never a signal), within
+// seconds (never a hang), naming the file or key — and writes nothing outside the run.
+// One test per class of damage (issue "Hostile and damaged input"); each builds the damaged
+// input from a real run's files.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "checkpoint/format.h"
+#include "checkpoint/safetensors.h"
+#include "tests/support/run_command.h"
+#include "tests/support/scratch_path.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using tessera::test::CommandResult;
+using tessera::test::runCommand;
+using tessera::test::shellQuote;
+
+const std::string kBin = TESSERA_BIN_DIR;
+const std::string kTrain = kBin + "/tessera-train";
+const std::string kConfig = std::string(TESSERA_SOURCE_DIR) + "/configs/default.yaml";
+// One process, two steps, a synchronous checkpoint at the end and the default exports.
+const std::string kShortRun = " --set run.steps=2 --set run.log_every=1 --set checkpoint.async=false"
+                              " --set log.per_rank_files=false --set optim.schedule.kind=constant";
+// A refusal comes in seconds; a hang runs into runCommand's timeout.
+constexpr double kPromptSeconds = 30;
+constexpr int kTimeoutSeconds = 60;
+
+std::string readText(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void writeText(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  ASSERT_TRUE(out.good()) << path;
+}
+
+json readJson(const fs::path& path) { return json::parse(readText(path)); }
+void writeJson(const fs::path& path, const json& j) { writeText(path, j.dump(1)); }
+
+void makeFifo(const fs::path& path) { ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << path; }
+
+bool isFifo(const fs::path& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
+}
+
+// `command` must be refused: exit status `status` (1 or 2; 0 = either), promptly, with
+// each of `names` in its output. Returns the output.
+std::string expectRefused(const std::string& command, std::initializer_list<std::string> names, int status = 0) {
+  const CommandResult r = runCommand(command, kTimeoutSeconds);
+  if (status == 0) {
+    EXPECT_TRUE(r.refused()) << "status " << r.status << " (124: hung; >128: a signal) for\n  " << command << "\n"
+                             << r.output;
+  } else {
+    EXPECT_EQ(r.status, status) << command << "\n" << r.output;
+  }
+  EXPECT_LT(r.seconds, kPromptSeconds) << command;
+  for (const auto& name : names) {
+    EXPECT_NE(r.output.find(name), std::string::npos) << "expected '" << name << "' in the output of\n  " << command
+                                                      << "\n" << r.output;
+  }
+  return r.output;
+}
+
+// `command` must succeed; returns its output.
+std::string expectSuccess(const std::string& command) {
+  const CommandResult r = runCommand(command, 300);
+  EXPECT_EQ(r.status, 0) << command << "\n" << r.output;
+  return r.output;
+}
+
+class HostileInputTest : public ::testing::Test {
+ protected:
+  // A scratch path for this test, removed when it passes.
+  std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_hostile", tag); }
+
+  // A config file holding `yaml`.
+  std::string config(const std::string& yaml) {
+    const std::string path = scratch("config" + std::to_string(++configs_) + ".yaml");
+    writeText(path, yaml);
+    return path;
+  }
+
+  // Trains the short run into a fresh run directory; returns the run directory (the
+  // checkpoint is <run>/checkpoints/step_00000002, the exports under <run>/export/).
+  std::string trainedRun(const std::string& extra = "") {
+    const std::string dir = scratch("run" + std::to_string(++runs_));
+    expectSuccess(kTrain + " --config " + kConfig + kShortRun + " --set run.dir=" + dir + extra);
+    return dir;
+  }
+
+  static std::string stepDir(const std::string& run) { return run + "/checkpoints/step_00000002"; }
+
+  int configs_ = 0;
+  int runs_ = 0;
+};
+
+// Writes `text` as the checkpoint's trainer_state.json and records its size and checksum
+// in metadata.json, as a forger would: the checksums hold, only the values are wrong.
+void forgeTrainerState(const std::string& step, const std::string& text) {
+  writeText(step + "/trainer_state.json", text);
+  json md = readJson(step + "/metadata.json");
+  md["trainer_state"]["bytes"] = text.size();
+  md["trainer_state"]["checksum"] =
+      tessera::checkpoint::checksumHex(tessera::checkpoint::checksum(text.data(), text.size()));
+  writeJson(step + "/metadata.json", md);
+}
+
+// Class 1: sizes whose products would wrap are refused with the key named.
+TEST_F(HostileInputTest, ConfigSizesThatWouldOverflowNameTheKey) {
+  const std::string base = kTrain + " --config " + kConfig + " --set run.dir=" + scratch("run");
+  expectRefused(base + " --set data.micro_batch=4611686018427387904", {"data.micro_batch", "out of range"}, 2);
+  expectRefused(base + " --set data.global_batch=9223372036854775807", {"data.global_batch", "out of range"}, 2);
+  expectRefused(base + " --set sharding.bucket_mb=1e300", {"sharding.bucket_mb", "out of range"}, 2);
+  expectRefused(base + " --set sharding.bucket_mb=1e-300", {"sharding.bucket_mb", "less than one byte"}, 2);
+  expectRefused(base + " --set run.steps=1099511627776 --set data.global_batch=1048576 --set data.micro_batch=1",
+                {"run.steps", "samples a run can count"}, 2);
+  expectRefused(base + " --set model.vocab_size=4294967296", {"model.vocab_size", "out of range"}, 2);
+  // Within the bounds but more than memory: the allocation fails with the model's keys
+  // named and no C++ backtrace (ulimit: the same on a machine that overcommits).
+  const std::string out = expectRefused("ulimit -v 16000000; " + base + " --set model.vocab_size=2147483648",
+                                        {"model (arch mlp, vocab_size 2147483648", "cannot be built"}, 2);
+  EXPECT_EQ(out.find("frame #"), std::string::npos) << out;
+  // tessera-run: nnodes x nproc-per-node wrapped to a negative RANK.
+  expectRefused(kBin + "/tessera-run --nnodes 2147483647 --node-rank 2147483646 --nproc-per-node 2 /bin/true",
+                {"--nnodes 2147483647 x --nproc-per-node 2"}, 2);
+  expectRefused(kBin + "/tessera-run --standalone --nproc-per-node 100000 /bin/true", {"--nproc-per-node 100000"}, 2);
+}
+
+// Class 2: every counter read back from trainer_state.json is range- and type-checked.
+TEST_F(HostileInputTest, TrainerStateIsCheckedWithFileAndKeyNamed) {
+  const std::string run = trainedRun();
+  const std::string step = stepDir(run);
+  const json good = readJson(step + "/trainer_state.json");
+  const std::string resume = kTrain + " --config " + kConfig + kShortRun + " --set run.steps=4 --set run.dir=" + run +
+                             " --resume " + step;
+  for (const auto& [key, value] : std::initializer_list<std::pair<std::string, json>>{
+           {"step", -521}, {"step", 1.5}, {"ema_updates", -1}, {"ema_updates", 3}, {"skipped_steps", 3},
+           {"world_size", 1e12}, {"world_size", 0}, {"global_batch", 0}, {"strategy", 7}, {"seed", "x"}}) {
+    json forged = good;
+    forged[key] = value;
+    forgeTrainerState(step, forged.dump());
+    SCOPED_TRACE(key + " = " + value.dump());
+    expectRefused(resume, {step + "/trainer_state.json", "'" + key + "'"}, 1);
+  }
+  forgeTrainerState(step, "[1, 2]");
+  expectRefused(resume, {step + "/trainer_state.json", "expected an object"}, 1);
+}
+
+// Class 2: optimizer step counts saved in the rank data (checksums re-signed by the
+// forger) are checked before AdamW divides by 1 - beta^t.
+TEST_F(HostileInputTest, NegativeOptimizerStepCountIsRefused) {
+  const std::string run = trainedRun();
+  const std::string step = stepDir(run);
+  json md = readJson(step + "/metadata.json");
+  bool forged = false;
+  for (auto& t : md["tensors"]) {
+    if (t["name"].get<std::string>().rfind("optim/step/", 0) != 0) continue;
+    auto& chunk = t["chunks"][0];
+    const std::string file = step + "/" + chunk["file"].get<std::string>();
+    std::string bytes = readText(file);
+    const int64_t offset = chunk["offset"];
+    const int64_t minusOne = -1;
+    ASSERT_EQ(chunk["length"].get<int64_t>(), 8);
+    bytes.replace(static_cast<size_t>(offset), 8, reinterpret_cast<const char*>(&minusOne), 8);
+    writeText(file, bytes);
+    chunk["checksums"][0] = tessera::checkpoint::checksumHex(tessera::checkpoint::checksum(&minusOne, 8));
+    forged = true;
+    break;
+  }
+  ASSERT_TRUE(forged) << "no optim/step/ tensor in " << step;
+  writeJson(step + "/metadata.json", md);
+  expectSuccess(kBin + "/tessera-ckpt verify " + step);  // the forgery holds up to checksums
+  expectRefused(kTrain + " --config " + kConfig + kShortRun + " --set run.steps=4 --set run.dir=" + run +
+                    " --resume " + step,
+                {step, "optim/step/", "is -1, outside [0, 2]"}, 1);
+}
+
+// Class 3: a FIFO or a device where a file belongs is refused at once (open() of a FIFO
+// would block forever; /dev/zero would be read until memory runs out).
+TEST_F(HostileInputTest, NonRegularFilesAreRefusedWithoutBlocking) {
+  const std::string fifo = scratch("fifo");
+  makeFifo(fifo);
+  const std::string train = kTrain + " --config " + kConfig + kShortRun + " --set run.dir=" + scratch("run");
+  expectRefused(kTrain + " --config " + fifo, {fifo, "FIFO"}, 2);
+  expectRefused(kTrain + " --config /dev/zero", {"/dev/zero", "character device"}, 2);
+  expectRefused(kTrain + " --config " + config("base: " + fifo + "\n"), {fifo, "FIFO"}, 2);
+  expectRefused(kTrain + " --config " + config("base: /dev/urandom\n"), {"/dev/urandom", "character device"}, 2);
+  expectRefused(train + " --set data.path=" + fifo, {fifo, "FIFO"});
+  expectRefused(train + " --set data.kind=tensors --set data.path=" + fifo, {fifo, "FIFO"});
+  expectRefused(train + " --set model.init_from=" + fifo, {fifo, "FIFO"});
+  expectRefused(train + " --set ema.init_from=" + fifo, {fifo, "FIFO"});
+
+  // Inside a checkpoint: metadata.json, trainer_state.json, a rank's data file.
+  const std::string run = trainedRun();
+  const std::string step = stepDir(run);
+  const std::string resume = kTrain + " --config " + kConfig + kShortRun + " --set run.steps=4 --set run.dir=" + run;
+  const std::string dataFile = readJson(step + "/metadata.json")["files"][0]["name"];
+  for (const std::string& name : {std::string("trainer_state.json"), dataFile, std::string("metadata.json")}) {
+    SCOPED_TRACE(name);
+    const std::string path = step + "/" + name;
+    fs::rename(path, path + ".saved");
+    makeFifo(path);
+    expectRefused(kBin + "/tessera-ckpt verify " + step, {path, "FIFO"}, 1);
+    expectRefused(resume + " --resume " + step, {path, "FIFO"}, 1);
+    fs::remove(path);
+    fs::rename(path + ".saved", path);
+  }
+  // `latest` is only a hint: a FIFO there is reported and the newest checkpoint resumes.
+  const std::string latest = run + "/checkpoints/latest";
+  fs::remove(latest);
+  makeFifo(latest);
+  const std::string out = expectSuccess(resume + " --resume auto");
+  EXPECT_NE(out.find("ignoring " + latest), std::string::npos) << out;
+  EXPECT_NE(out.find("resumed from " + step), std::string::npos) << out;
+}
+
+// Class 4: links planted in the run directory, or at an export's temporary name, are
+// replaced or refused — never written through.
+TEST_F(HostileInputTest, PlantedLinksAreNeverWrittenThrough) {
+  const std::string outside = scratch("outside");
+  fs::create_directories(outside);
+  const std::string run = scratch("run");
+  fs::create_directories(run + "/checkpoints");
+  fs::create_directories(run + "/export");
+  const std::map<std::string, std::string> planted = {
+      {"config.resolved.yaml", "victim1"},
+      {"loss.svg", "victim2"},
+      {"checkpoints/latest.tmp", "victim3"},
+      {"checkpoints/latest", "victim4"},
+      {"export/generator_ema.safetensors.tmp", "victim5"},
+      {"export/generator_ema.safetensors", "victim6"}};
+  for (const auto& [name, victim] : planted) {
+    writeText(outside + "/" + victim, "precious\n");
+    fs::create_symlink(outside + "/" + victim, run + "/" + name);
+  }
+  expectSuccess(kTrain + " --config " + kConfig + kShortRun + " --set run.dir=" + run);
+  for (const auto& [name, victim] : planted) {
+    EXPECT_EQ(readText(outside + "/" + victim), "precious\n") << name << " was written through";
+    if (name.size() < 4 || name.compare(name.size() - 4, 4, ".tmp") != 0) {
+      EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(run + "/" + name))) << name << " is not the run's own file";
+    }
+  }
+
+  // Appended files cannot be replaced without losing what is there: a link is refused.
+  for (const std::string& name : {std::string("metrics.jsonl"), std::string("logs/rank_0.log")}) {
+    SCOPED_TRACE(name);
+    const std::string dir = scratch(std::string("append_") + (name[0] == 'm' ? "metrics" : "log"));
+    fs::create_directories(dir + "/logs");
+    writeText(outside + "/victim_append", "precious\n");
+    fs::create_symlink(outside + "/victim_append", dir + "/" + name);
+    expectRefused(kTrain + " --config " + kConfig + kShortRun + " --set log.per_rank_files=true --set run.dir=" + dir,
+                  {dir + "/" + name, "symbolic link"}, 1);
+    EXPECT_EQ(readText(outside + "/victim_append"), "precious\n");
+  }
+
+  // tessera-run --log-dir: a link at a rank's log name is replaced.
+  const std::string logDir = scratch("launcher_logs");
+  fs::create_directories(logDir);
+  writeText(outside + "/victim_launcher", "precious\n");
+  fs::create_symlink(outside + "/victim_launcher", logDir + "/rank_0.log");
+  expectSuccess(kBin + "/tessera-run --standalone --nproc-per-node 1 --log-dir " + logDir + " /bin/echo hello");
+  EXPECT_EQ(readText(outside + "/victim_launcher"), "precious\n");
+  EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(logDir + "/rank_0.log")));
+
+  // tessera-export: a FIFO or device as --out is refused, not replaced by a file; a link at
+  // the temporary name is not followed.
+  const std::string step = run + "/checkpoints/step_00000002";
+  const std::string fifo = scratch("out_fifo");
+  makeFifo(fifo);
+  expectRefused(kBin + "/tessera-export " + step + " --what model --out " + fifo, {fifo, "FIFO"});
+  EXPECT_TRUE(isFifo(fifo));
+  const std::string out = scratch("export.safetensors");
+  writeText(outside + "/victim_export", "precious\n");
+  fs::create_symlink(outside + "/victim_export", out + ".tmp");
+  expectSuccess(kBin + "/tessera-export " + step + " --what model --out " + out);
+  EXPECT_EQ(readText(outside + "/victim_export"), "precious\n");
+  EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(out)));
+}
+
+// Class 5: a checkpoint never reads outside its step directory: a rank file or a step
+// directory that is a link is refused (a link can point anywhere, e.g. at another run).
+TEST_F(HostileInputTest, CheckpointReadsStayInsideTheStepDirectory) {
+  const std::string run = trainedRun();
+  const std::string step = stepDir(run);
+  const std::string dataFile = step + "/" + readJson(step + "/metadata.json")["files"][0]["name"].get<std::string>();
+  const std::string copy = scratch("outside_copy");
+  fs::copy_file(dataFile, copy);
+  fs::remove(dataFile);
+  fs::create_symlink(copy, dataFile);
+  expectRefused(kBin + "/tessera-ckpt verify " + step, {dataFile, "symbolic link"}, 1);
+  expectRefused(kBin + "/tessera-export " + step + " --what model --out " + scratch("x.safetensors"),
+                {dataFile, "symbolic link"}, 1);
+  fs::remove(dataFile);
+  fs::rename(copy, dataFile);
+
+  // A linked step directory is not listed (nor resumed by --resume auto).
+  const std::string elsewhere = scratch("elsewhere");
+  fs::create_directories(elsewhere);
+  fs::rename(step, elsewhere + "/step_00000002");
+  fs::create_symlink(elsewhere + "/step_00000002", step);
+  const CommandResult list = runCommand(kBin + "/tessera-ckpt list " + run + "/checkpoints");
+  EXPECT_EQ(list.status, 0) << list.output;
+  EXPECT_NE(list.output.find("ignoring " + step + ": a symbolic link"), std::string::npos) << list.output;
+}
+
+// Class 6: `latest` is a hint that never blocks a resume; step directories count only under
+// their canonical names, and a directory must hold the step it is named for.
+TEST_F(HostileInputTest, LatestAndStepDirectoryNamesFollowOneRule) {
+  const std::string run = trainedRun();
+  const std::string checkpoints = run + "/checkpoints";
+  const std::string step = stepDir(run);
+  const std::string resume = kTrain + " --config " + kConfig + kShortRun + " --set run.steps=3 --set run.dir=" + run +
+                             " --resume auto";
+  const std::string latest = checkpoints + "/latest";
+  // Too long, a directory, garbage: each warned about, and the newest checkpoint resumes.
+  for (int damage = 0; damage < 3; ++damage) {
+    SCOPED_TRACE(damage);
+    fs::remove_all(latest);
+    if (damage == 0) writeText(latest, std::string(100000, '9'));
+    if (damage == 1) fs::create_directories(latest);
+    if (damage == 2) writeText(latest, "../../../etc\n");
+    const std::string out = expectSuccess(resume);
+    EXPECT_NE(out.find("ignoring " + latest), std::string::npos) << out;
+    EXPECT_NE(out.find("resumed from " + step), std::string::npos) << out;
+    fs::remove_all(checkpoints + "/step_00000003");
+  }
+
+  // A copy under a higher step's name is refused by name, and resume falls back to the
+  // real one.
+  const std::string renamed = checkpoints + "/step_00000099";
+  fs::copy(step, renamed);
+  expectRefused(kBin + "/tessera-ckpt verify " + renamed, {renamed, "named for step 99", "says step 2"}, 1);
+  std::string out = expectSuccess(resume);
+  EXPECT_NE(out.find("named for step 99"), std::string::npos) << out;
+  EXPECT_NE(out.find("resumed from " + step), std::string::npos) << out;
+  fs::remove_all(renamed);
+  fs::remove_all(checkpoints + "/step_00000003");
+
+  // "step_20" is no checkpoint directory: listed nowhere, said so, and not resumed.
+  fs::rename(step, checkpoints + "/step_2");
+  const CommandResult list = runCommand(kBin + "/tessera-ckpt list " + checkpoints);
+  EXPECT_EQ(list.status, 0) << list.output;
+  EXPECT_NE(list.output.find("ignoring " + checkpoints + "/step_2: not named step_<8+ digits>"), std::string::npos)
+      << list.output;
+  out = expectSuccess(resume);
+  EXPECT_NE(out.find("ignoring " + checkpoints + "/step_2"), std::string::npos) << out;
+  EXPECT_EQ(out.find("resumed from"), std::string::npos) << out;
+  // Named explicitly, it loads: the name rule is for discovery only.
+  expectSuccess(kBin + "/tessera-ckpt verify " + checkpoints + "/step_2");
+}
+
+// Class 7: sizes in a checkpoint are capped before anything is allocated for them.
+TEST_F(HostileInputTest, SizesFromFilesAreCheckedBeforeAllocating) {
+  const std::string run = trainedRun();
+  const std::string step = stepDir(run);
+  const json good = readJson(step + "/metadata.json");
+
+  json md = good;
+  md["checksum"]["block_bytes"] = int64_t{1} << 34;
+  writeJson(step + "/metadata.json", md);
+  expectRefused(kBin + "/tessera-ckpt verify " + step, {step + "/metadata.json", "block_bytes"}, 1);
+
+  // A tensor claiming 512 GiB in a file that claims as much: the file is checked first.
+  md = good;
+  size_t index = 0;
+  while (md["tensors"][index]["name"].get<std::string>().rfind("model/", 0) != 0) ++index;
+  json& t = md["tensors"][index];
+  const int64_t rows = int64_t{1} << 37;
+  const int64_t bytes = rows * 4;
+  t["dtype"] = "F32";
+  t["shape"] = {rows};
+  t["placement"] = "shard0";
+  const int64_t blockBytes = md["checksum"]["block_bytes"];
+  json sums = json::array();
+  for (int64_t b = 0; b < bytes / blockBytes; ++b) sums.push_back("0000000000000000");
+  const std::string file = t["chunks"][0]["file"];
+  t["chunks"] = json::array({{{"rank", 0}, {"file", file}, {"offset", 0}, {"length", bytes}, {"rows", {0, rows}},
+                              {"checksums", sums}}});
+  for (auto& f : md["files"]) {
+    if (f["name"] == file) f["bytes"] = bytes;
+  }
+  writeJson(step + "/metadata.json", md);
+  const std::string limit = "ulimit -v 8000000; ";  // an attempt to allocate 512 GiB fails fast
+  for (const std::string& command : {kBin + "/tessera-ckpt verify " + step,
+                                    kBin + "/tessera-export " + step + " --what model --out " + scratch("big.safetensors")}) {
+    expectRefused(limit + command, {step + "/" + file, "metadata records " + std::to_string(bytes)}, 1);
+  }
+}
+
+// Class 8: ema.init_from follows model.init_from's rules: no integer tensors, no NaN or
+// Inf, no tensor the model lacks — each named with its file.
+TEST_F(HostileInputTest, EmaInitFromIsStrict) {
+  const std::string run = trainedRun();
+  const std::string weights = run + "/export/generator_ema.safetensors";
+  const auto tensors = tessera::checkpoint::loadSafetensors(weights);
+  const std::string victim = tensors.begin()->first;
+  const std::string train =
+      kTrain + " --config " + kConfig + kShortRun + " --resume none --set run.dir=" + scratch("run");
+  expectSuccess(train + " --set ema.init_from=" + weights);
+
+  auto save = [&](const std::string& tag, std::map<std::string, at::Tensor> t) {
+    const std::string path = scratch(tag + ".safetensors");
+    tessera::checkpoint::saveSafetensors(path, t);
+    return path;
+  };
+  auto integer = tensors;
+  integer[victim] = integer[victim].to(at::kInt);
+  auto nan = tensors;
+  nan[victim] = nan[victim].clone();
+  nan[victim].view(-1)[0] = std::numeric_limits<float>::quiet_NaN();
+  auto extra = tensors;
+  extra["not_in_the_model.weight"] = at::zeros({3});
+  auto missing = tensors;
+  missing.erase(victim);
+  auto reshaped = tensors;
+  reshaped[victim] = reshaped[victim].reshape({-1});
+  for (const auto& [file, names] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {save("integer", integer), {victim, "a floating-point tensor is needed"}},
+           {save("nan", nan), {victim, "NaN or Inf"}},
+           {save("extra", extra), {"unexpected", "not_in_the_model.weight"}},
+           {save("missing", missing), {"missing", victim}},
+           {save("reshaped", reshaped), {"shape mismatch", victim}}}) {
+    const std::string out = expectRefused(train + " --set ema.init_from=" + file, {file}, 1);
+    for (const auto& name : names) EXPECT_NE(out.find(name), std::string::npos) << name << " in\n" << out;
+  }
+}
+
+// Class 9: YAML edge cases.
+TEST_F(HostileInputTest, YamlEdgeCases) {
+  const std::string data = "data:\n  path: /usr/share/common-licenses/GPL-3\n";
+  const std::string two = config(data + "run:\n  steps: 5\n---\nrun:\n  steps: 7\n");
+  expectRefused(kTrain + " --config " + two + " --print-config", {two + ":5:1", "text after the first YAML document"}, 2);
+  // yaml-cpp's own LoadAll would loop forever on this one (found by fuzz/config_fuzz.cpp).
+  const std::string stray = config(",\n");
+  expectRefused(kTrain + " --config " + stray + " --print-config", {stray + ":1:1", "text after the first YAML document"},
+                2);
+  const std::string dir = scratch("base_dir");
+  fs::create_directories(dir);
+  expectRefused(kTrain + " --config " + config("base: " + dir + "\n" + data), {dir, "directory"}, 2);
+  // A base that is not YAML: the error quotes at most the start of one line.
+  const std::string out =
+      expectRefused(kTrain + " --config " + config("base: /etc/passwd\n" + data), {"/etc/passwd"}, 2);
+  std::istringstream passwd(readText("/etc/passwd"));
+  std::string first, second;
+  std::getline(passwd, first);
+  std::getline(passwd, second);
+  if (!second.empty()) {
+    EXPECT_EQ(out.find(second), std::string::npos) << out;
+  }
+  EXPECT_LT(out.size(), 600u) << out;
+}
+
+// Class 10: messages name the thing that is wrong.
+TEST_F(HostileInputTest, MessagesNameTheFileOrKey) {
+  const std::string train = kTrain + " --config " + kConfig + kShortRun + " --set run.dir=" + scratch("run");
+  const std::string dir = scratch("data_dir");
+  fs::create_directories(dir);
+  expectRefused(train + " --set data.path=" + dir, {dir, "directory"});
+  const std::string small = scratch("small.txt");
+  writeText(small, std::string(120, 'a'));  // 44 training windows of 16 bytes, a global batch of 64
+  expectRefused(train + " --set data.eval_fraction=0.5 --set data.path=" + small, {small, "data.global_batch"}, 2);
+  // Before any training, not after.
+  const std::string out = expectRefused(train + " --set checkpoint.export=[generator_ema_0.9]",
+                                        {"checkpoint.export", "generator_ema_0.9", "generator_ema_0.999"}, 2);
+  EXPECT_EQ(out.find("step 1"), std::string::npos) << out;
+  expectRefused(train + " --set ema.enabled=false", {"checkpoint.export", "ema.enabled is false"}, 2);
+
+  const std::string missing = scratch("missing_dir");
+  expectRefused(kBin + "/tessera-ckpt list " + missing, {missing, "not a directory"}, 2);
+  const std::string run = trainedRun();
+  expectRefused(kBin + "/tessera-export " + stepDir(run) + " --what model --out ''", {"--out"}, 2);
+}
+
+}  // namespace

@@ -1,0 +1,29 @@
+// The trainer's counters — where the run is, what it was started with — and their JSON
+// form, trainer_state.json in every checkpoint. Apart from the tensor state so that the
+// reader, which takes a file from anyone, builds and is fuzzed without LibTorch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace tessera::trainer {
+
+// Counters that are not tensors: the EMA update count and where the run is.
+struct TrainerCounters {
+  int64_t step = 0;               // optimizer steps completed
+  int64_t globalBatch = 0;        // the data position is step x globalBatch samples
+  int64_t seed = 0;
+  int64_t emaUpdates = 0;
+  int64_t skippedSteps = 0;
+  std::string strategy;
+  int worldSize = 1;
+  std::string resolvedConfig;     // YAML text of the run that saved
+};
+
+std::string countersToJson(const TrainerCounters& c);
+// Throws tessera::Error naming `source` (the file) and the key when the JSON lacks one,
+// has the wrong type (a fraction where an integer belongs) or a value out of range (a
+// negative step, more EMA updates or skipped steps than steps, a world size of 0).
+TrainerCounters countersFromJson(const std::string& json, const std::string& source);
+
+}  // namespace tessera::trainer
