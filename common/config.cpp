@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include <filesystem>
 #include <set>
 #include <sstream>
+#include <type_traits>
 
 #include "common/errors.h"
 #include "common/file_open.h"
@@ -56,6 +58,19 @@ struct ConfigSchema::Impl {
   std::map<std::string, size_t> byPath;
   std::set<std::string> sectionPaths;  // every proper prefix of a field path
   std::map<std::string, std::string> sectionDocs;
+  // Sections whose keys are names the user picks (addNamedSection).
+  struct NamedSection {
+    std::function<void(ConfigSchema&, const std::string&)> bindEntry;
+    std::vector<std::pair<std::string, std::unique_ptr<ConfigSchema>>> entries;  // in order of appearance
+  };
+  std::map<std::string, NamedSection> namedSections;
+
+  // Entry `name` of named section `section`, made on first use.
+  ConfigSchema& entry(NamedSection& section, const std::string& name);
+  // The named section `path` is the first part of, with the entry name; nullptr if none.
+  std::pair<NamedSection*, std::string> namedSectionOf(const std::string& path);
+  // Adds every field's value to `root` under its dotted path.
+  void addToYaml(YAML::Node& root) const;
 
   // Converts `node` into the field's type, checks its constraints, stores it.
   void assign(Field& field, const YAML::Node& node, const SourceLocation& loc);
@@ -189,6 +204,12 @@ bool parseDouble(const std::string& text, double* out) {
   return true;
 }
 
+// Entry names become tensor-name prefixes and file names: identifiers only.
+bool isEntryName(const std::string& name) {
+  if (name.empty() || name.size() > 64 || std::isdigit(static_cast<unsigned char>(name[0]))) return false;
+  return std::all_of(name.begin(), name.end(), [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+}
+
 bool parseBool(const std::string& text, bool* out) {
   std::string lower = text;
   std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
@@ -288,6 +309,7 @@ std::string ConfigSchema::closestKey(const std::string& path) const {
   };
   for (const auto& f : impl_->fields) consider(f.path);
   for (const auto& s : impl_->sectionPaths) consider(s);
+  for (const auto& [s, section] : impl_->namedSections) consider(s);
   // Beyond a third of the key's length a suggestion is noise.
   if (bestDistance == std::string::npos || bestDistance > std::max<size_t>(2, path.size() / 3)) return "";
   return best;
@@ -336,6 +358,7 @@ std::map<std::string, std::string> ConfigSchema::sections() const {
     auto it = impl_->sectionDocs.find(s);
     out[s] = it == impl_->sectionDocs.end() ? "" : it->second;
   }
+  for (const auto& [s, section] : impl_->namedSections) out[s] = impl_->sectionDocs.at(s);
   return out;
 }
 
@@ -455,9 +478,74 @@ void ConfigSchema::Impl::loadMap(const YAML::Node& map, const std::string& prefi
       if (value.IsNull()) continue;  // "ema:" with nothing under it keeps the defaults
       if (!value.IsMap()) fail(keyLoc, path, strCat("is a section: expected a mapping, got ", describe(value)));
       loadMap(value, path, source, schema);
+    } else if (auto named = namedSections.find(path); named != namedSections.end()) {
+      if (value.IsNull()) continue;
+      if (!value.IsMap()) fail(keyLoc, path, strCat("expected a mapping of names to entries, got ", describe(value)));
+      std::set<std::string> names;
+      for (auto e = value.begin(); e != value.end(); ++e) {
+        const SourceLocation nameLoc = locate(source, e->first);
+        if (!e->first.IsScalar()) fail(nameLoc, path, "entry names must be plain names");
+        const std::string& name = e->first.Scalar();
+        const std::string entryPath = path + "." + name;
+        if (!names.insert(name).second) fail(nameLoc, entryPath, "named twice");
+        if (!isEntryName(name)) {
+          fail(nameLoc, entryPath, "entry names are identifiers: letters, digits and '_', not starting with a digit");
+        }
+        if (!e->second.IsNull() && !e->second.IsMap()) {
+          fail(nameLoc, entryPath, strCat("expected a mapping of keys, got ", describe(e->second)));
+        }
+        ConfigSchema& entrySchema = entry(named->second, name);
+        if (e->second.IsMap()) entrySchema.impl_->loadMap(e->second, entryPath, source, entrySchema);
+      }
     } else {
       fail(keyLoc, path, strCat("unknown key", suggestion(schema, path)));
     }
+  }
+}
+
+namespace {
+
+// Sets `node` at the dotted `path` below `root`, making the maps on the way (yaml-cpp
+// keeps insertion order when emitting).
+void setAtPath(YAML::Node& root, const std::string& path, const YAML::Node& value) {
+  std::vector<std::string> parts;
+  std::stringstream ss(path);
+  for (std::string part; std::getline(ss, part, '.');) parts.push_back(part);
+  YAML::Node node = root;
+  for (size_t i = 0; i + 1 < parts.size(); ++i) {
+    YAML::Node child = node[parts[i]];
+    if (!child.IsDefined() || child.IsNull()) node[parts[i]] = YAML::Node(YAML::NodeType::Map);
+    node.reset(node[parts[i]]);
+  }
+  node[parts.back()] = value;
+}
+
+}  // namespace
+
+ConfigSchema& ConfigSchema::Impl::entry(NamedSection& section, const std::string& name) {
+  for (auto& [existing, schema] : section.entries) {
+    if (existing == name) return *schema;  // a base file and this one name the same entry
+  }
+  auto schema = std::make_unique<ConfigSchema>();
+  section.bindEntry(*schema, name);
+  section.entries.emplace_back(name, std::move(schema));
+  return *section.entries.back().second;
+}
+
+std::pair<ConfigSchema::Impl::NamedSection*, std::string> ConfigSchema::Impl::namedSectionOf(const std::string& path) {
+  for (auto& [sectionPath, section] : namedSections) {
+    if (path.size() > sectionPath.size() + 1 && path.compare(0, sectionPath.size() + 1, sectionPath + ".") == 0) {
+      const std::string rest = path.substr(sectionPath.size() + 1);
+      return {&section, rest.substr(0, rest.find('.'))};
+    }
+  }
+  return {nullptr, ""};
+}
+
+void ConfigSchema::Impl::addToYaml(YAML::Node& root) const {
+  for (const auto& f : fields) setAtPath(root, f.path, valueNode(f.target));
+  for (const auto& [path, section] : namedSections) {
+    for (const auto& [name, schema] : section.entries) schema->impl_->addToYaml(root);
   }
 }
 
@@ -563,7 +651,18 @@ void ConfigSchema::applyOverride(const std::string& assignment) {
   const std::string text = assignment.substr(eq + 1);
   auto found = impl_->byPath.find(path);
   if (found == impl_->byPath.end()) {
-    if (impl_->sectionPaths.count(path)) fail(loc, path, "is a section, not a value; set one of its keys");
+    if (impl_->sectionPaths.count(path) || impl_->namedSections.count(path)) {
+      fail(loc, path, "is a section, not a value; set one of its keys");
+    }
+    if (auto [section, name] = impl_->namedSectionOf(path); section != nullptr) {
+      std::string names;
+      for (auto& [existing, entry] : section->entries) {
+        if (existing == name) return entry->applyOverride(assignment);
+        names += (names.empty() ? "" : ", ") + existing;
+      }
+      fail(loc, path, strCat("no entry '", name, "' (the config has: ", names.empty() ? "none" : names,
+                             "); --set cannot add one, the config file must name it"));
+    }
     fail(loc, path, strCat("unknown key", Impl::suggestion(*this, path)));
   }
   Field& field = impl_->fields[found->second];
@@ -598,25 +697,50 @@ void ConfigSchema::checkRequired() const {
       throw ConfigError(strCat(at, ": ", f.path, ": missing required key"));
     }
   }
+  for (const auto& [path, section] : impl_->namedSections) {
+    for (const auto& [name, schema] : section.entries) schema->checkRequired();
+  }
+}
+
+void ConfigSchema::addNamedSection(const std::string& path, std::string doc,
+                                   std::function<void(ConfigSchema& entry, const std::string& name)> bindEntry) {
+  TESSERA_CHECK(!path.empty() && !impl_->byPath.count(path) && !impl_->sectionPaths.count(path) &&
+                    !impl_->namedSections.count(path),
+                "ConfigSchema::addNamedSection: '", path, "' is taken");
+  impl_->namedSections[path].bindEntry = std::move(bindEntry);
+  impl_->sectionDocs[path] = std::move(doc);
+}
+
+std::vector<std::pair<std::string, ConfigSchema*>> ConfigSchema::entries(const std::string& path) const {
+  auto it = impl_->namedSections.find(path);
+  TESSERA_CHECK(it != impl_->namedSections.end(), "ConfigSchema::entries: no named section '", path, "'");
+  std::vector<std::pair<std::string, ConfigSchema*>> out;
+  for (const auto& [name, schema] : it->second.entries) out.emplace_back(name, schema.get());
+  return out;
+}
+
+void ConfigSchema::inheritUnset(const ConfigSchema& defaults,
+                                const std::function<std::string(const std::string&)>& defaultPath) {
+  for (auto& f : impl_->fields) {
+    if (!f.location.source.empty()) continue;
+    auto it = defaults.impl_->byPath.find(defaultPath(f.path));
+    if (it == defaults.impl_->byPath.end()) continue;
+    const Field& from = defaults.impl_->fields[it->second];
+    if (from.target.index() != f.target.index()) continue;
+    std::visit([&](auto* to) { *to = *std::get<std::remove_reference_t<decltype(to)>>(from.target); }, f.target);
+    f.location = from.location;
+  }
+}
+
+bool ConfigSchema::anySet(const std::string& prefix) const {
+  return std::any_of(impl_->fields.begin(), impl_->fields.end(), [&](const Field& f) {
+    return !f.location.source.empty() && f.path.compare(0, prefix.size(), prefix) == 0;
+  });
 }
 
 std::string ConfigSchema::toYaml() const {
   YAML::Node root(YAML::NodeType::Map);
-  for (const auto& f : impl_->fields) {
-    // Build the nested path; yaml-cpp keeps insertion order when emitting.
-    std::vector<std::string> parts;
-    std::stringstream ss(f.path);
-    for (std::string part; std::getline(ss, part, '.');) parts.push_back(part);
-    YAML::Node node = root;
-    for (size_t i = 0; i + 1 < parts.size(); ++i) {
-      YAML::Node child = node[parts[i]];
-      if (!child.IsDefined() || child.IsNull()) {
-        node[parts[i]] = YAML::Node(YAML::NodeType::Map);
-      }
-      node.reset(node[parts[i]]);
-    }
-    node[parts.back()] = valueNode(f.target);
-  }
+  impl_->addToYaml(root);
   YAML::Emitter out;
   out << root;
   return std::string(out.c_str()) + "\n";

@@ -97,7 +97,28 @@ class ConfigSchema {
   // sequence and converted to the key's type.
   void applyOverride(const std::string& assignment);
 
-  // Throws ConfigError for every required key that was never given (the first one).
+  // A section whose keys are names the user picks, each entry holding the same keys:
+  //   models:
+  //     generator: {arch: diffusion, optim: {lr: 1.0e-4}}
+  //     critic: {arch: diffusion}
+  // Each entry gets a schema of its own, made when the entry first appears in a file
+  // (`--set models.<name>.<key>=...` sets a key of an entry that exists; it cannot make
+  // one). `bindEntry(entry, name)` creates the entry's storage and registers its keys with
+  // their full paths ("models.generator.arch"). Entry names are identifiers (letters,
+  // digits, '_'; not starting with a digit): they become tensor-name prefixes and file names.
+  void addNamedSection(const std::string& path, std::string doc,
+                       std::function<void(ConfigSchema& entry, const std::string& name)> bindEntry);
+  // The entries of a named section, in the order they first appeared.
+  std::vector<std::pair<std::string, ConfigSchema*>> entries(const std::string& path) const;
+  // Sets every key that no file or override set to the value of `defaults`' key
+  // `defaultPath(key)` when it has one of the same type (keeping where that value came
+  // from): an entry inherits what it does not say from the top level.
+  void inheritUnset(const ConfigSchema& defaults, const std::function<std::string(const std::string&)>& defaultPath);
+  // Whether any key starting with `prefix` was set by a file or an override.
+  bool anySet(const std::string& prefix) const;
+
+  // Throws ConfigError for every required key that was never given (the first one),
+  // entries of named sections included.
   void checkRequired() const;
 
   // The resolved configuration as YAML (every key, in registration order).

@@ -1,6 +1,6 @@
 // libFuzzer target: the run config reader — YAML text through the trainer's schema, then
 // `--set` overrides, the required-key check and the cross-field validation, as
-// tessera-train does. Input: the YAML document, then optionally a NUL byte and one
+// tessera-train does (models: entries included). Input: the YAML document, then optionally a NUL byte and one
 // override per line; the input's length picks the world size (1-4).
 // Only tessera::Error (ConfigError) may come out. What is accepted must resolve to YAML
 // that loads back to the same resolved YAML (the run's config.resolved.yaml and the
@@ -23,8 +23,7 @@ std::string resolve(const std::string& yaml, const std::vector<std::string>& ove
   tessera::trainer::bindTrainConfig(schema, config);
   schema.loadString(yaml, "fuzz.yaml");
   for (const auto& o : overrides) schema.applyOverride(o);
-  schema.checkRequired();
-  tessera::trainer::validateTrainConfig(schema, config, world);
+  tessera::trainer::finishTrainConfig(schema, config, world);
   return schema.toYaml();
 }
 

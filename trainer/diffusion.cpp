@@ -128,4 +128,25 @@ at::Tensor sampleDdpm(const NoiseSchedule& schedule, const std::vector<int64_t>&
   return x;
 }
 
+at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
+                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& predictNoise) {
+  const int64_t T = schedule.timesteps;
+  TESSERA_CHECK(steps >= 1 && steps <= T, "sampleDdim: ", steps, " steps for ", T, " timesteps");
+  const int64_t n = noise.size(0);
+  at::Tensor x = noise.to(at::kFloat);
+  for (int64_t k = 0; k < steps; ++k) {
+    // Timesteps T-1 = t_0 > t_1 > ... > t_{steps-1} = 0 (steps 1: just T-1, then x0).
+    const int64_t t = steps == 1 ? T - 1 : (T - 1) * (steps - 1 - k) / (steps - 1);
+    const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
+    const at::Tensor eps =
+        predictNoise(x, at::full({n}, t, at::TensorOptions().dtype(at::kLong).device(x.device()))).to(at::kFloat);
+    const at::Tensor x0 = (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
+    if (k + 1 == steps) return x0;
+    const int64_t next = (T - 1) * (steps - 2 - k) / (steps - 1);
+    const double nextBar = schedule.alphaBars[static_cast<size_t>(next)];
+    x = std::sqrt(nextBar) * x0 + std::sqrt(1.0 - nextBar) * eps;
+  }
+  return x;
+}
+
 }  // namespace tessera::trainer

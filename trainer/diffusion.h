@@ -82,4 +82,12 @@ at::Tensor sampleDdpm(const NoiseSchedule& schedule, const std::vector<int64_t>&
                       uint64_t seed, at::Device device,
                       const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& predictNoise);
 
+// Deterministic DDIM sampling (Song et al. 2021, eta = 0) from the noise `noise` [n,
+// sampleShape...] in `steps` steps over timesteps T-1 ... 0 evenly spaced:
+// x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t), x_s = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps
+// for the next timestep s (x0 itself after t = 0). The same noise gives the same sample:
+// the teacher's noise -> sample pairs of DMD's regression loss.
+at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
+                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& predictNoise);
+
 }  // namespace tessera::trainer

@@ -6,19 +6,66 @@
 
 #include <cstdlib>
 
+#include "checkpoint/format.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
-#include "trainer/layers.h"
-#include "trainer/metrics.h"
+#include "common/counter_rng.h"
 #include "common/errors.h"
 #include "common/file_open.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
 #include "sharding/mixed_precision.h"
+#include "trainer/layers.h"
+#include "trainer/metrics.h"
 
 namespace tessera::trainer {
 namespace fs = std::filesystem;
+
+std::vector<checkpoint::StateEntry> ModelPart::stateEntries() {
+  std::vector<checkpoint::StateEntry> entries = strategy->stateEntries(cfg.names.weights);
+  if (cfg.trainable) {
+    for (auto& e : strategy->optimizer().stateEntries(cfg.names.optimizer)) entries.push_back(std::move(e));
+  }
+  if (ema) {
+    for (auto& e : ema->stateEntries("ema/")) entries.push_back(std::move(e));
+  }
+  return entries;
+}
+
+std::map<std::string, std::string> ModelPart::exportAliases() const {
+  std::map<std::string, std::string> aliases = ema ? ema->exportAliases("ema/") : std::map<std::string, std::string>{};
+  aliases[cfg.names.exportName] = cfg.names.weights;
+  return aliases;
+}
+
+ModelPart& RunParts::model(const std::string& name) {
+  for (ModelPart& m : models) {
+    if (m.cfg.name == name) return m;
+  }
+  throw Error(strCat("RunParts: no model named '", name, "'"));
+}
+
+std::vector<checkpoint::StateEntry> RunParts::stateEntries() {
+  std::vector<checkpoint::StateEntry> entries;
+  for (ModelPart& m : models) {
+    for (auto& e : m.stateEntries()) entries.push_back(std::move(e));
+  }
+  return entries;
+}
+
+std::map<std::string, std::string> RunParts::exportAliases() const {
+  std::map<std::string, std::string> aliases;
+  for (const ModelPart& m : models) aliases.merge(m.exportAliases());
+  return aliases;
+}
+
+std::string RunParts::strategies() const {
+  if (cfg.models.empty()) return models.front().cfg.sharding.strategy;
+  std::string out;
+  for (const ModelPart& m : models) out += strCat(out.empty() ? "" : " ", m.cfg.name, ":", m.cfg.sharding.strategy);
+  return out;
+}
 
 namespace {
 
@@ -34,75 +81,123 @@ at::Device trainingDevice(const TrainConfig& cfg) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
-sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const TrainModel& model) {
+// The seed a model's initial values are drawn with: run.seed for the single-model form
+// (as runs always had), mixed with the name for a models: entry, so that two models of
+// the same architecture do not start equal.
+uint64_t initSeed(const TrainConfig& cfg, const ModelEntry& m) {
+  const auto seed = static_cast<uint64_t>(cfg.run.seed);
+  if (cfg.models.empty()) return seed;
+  return mix64(seed ^ checkpoint::checksum(m.name.data(), m.name.size()));
+}
+
+sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const ModelEntry& m, const TrainModel& model) {
   sharding::StrategyOptions o;
-  o.strategy = cfg.sharding.strategy;
-  o.bucketBytes = static_cast<int64_t>(cfg.sharding.bucket_mb * 1024 * 1024);
-  o.paramDtype = sharding::parseFloatDtype(cfg.sharding.param_dtype, "sharding.param_dtype");
-  o.reduceDtype = sharding::parseFloatDtype(cfg.sharding.reduce_dtype, "sharding.reduce_dtype");
-  o.bufferSync = cfg.sharding.buffer_sync;
-  o.gradClip = cfg.optim.grad_clip;
-  o.optimizer.name = cfg.optim.name;
-  o.optimizer.beta1 = cfg.optim.betas[0];
-  o.optimizer.beta2 = cfg.optim.betas[1];
-  o.optimizer.eps = cfg.optim.eps;
-  o.optimizer.weightDecay = cfg.optim.weight_decay;
-  o.optimizer.momentum = cfg.optim.momentum;
-  o.optimizer.nesterov = cfg.optim.nesterov;
-  o.fullyShard.reshardAfterForward = cfg.sharding.reshard_after_forward;
-  o.fullyShard.prefetch = static_cast<int>(cfg.sharding.prefetch);
-  o.fullyShard.minUnitParams = cfg.sharding.min_unit_params;
-  o.fullyShard.activationCheckpointing = cfg.sharding.activation_checkpointing;
-  o.fullyShard.shardSize = static_cast<int>(cfg.sharding.shard_size);
-  o.wrap = cfg.sharding.wrap.empty() ? defaultUnits(cfg.model) : cfg.sharding.wrap;
+  o.strategy = m.sharding.strategy;
+  o.bucketBytes = static_cast<int64_t>(m.sharding.bucket_mb * 1024 * 1024);
+  o.paramDtype = sharding::parseFloatDtype(m.sharding.param_dtype, m.sectionKeys + "sharding.param_dtype");
+  o.reduceDtype = sharding::parseFloatDtype(m.sharding.reduce_dtype, m.sectionKeys + "sharding.reduce_dtype");
+  o.bufferSync = m.sharding.buffer_sync;
+  o.gradClip = m.optim.grad_clip;
+  o.optimizer.name = m.optim.name;
+  o.optimizer.beta1 = m.optim.betas[0];
+  o.optimizer.beta2 = m.optim.betas[1];
+  o.optimizer.eps = m.optim.eps;
+  o.optimizer.weightDecay = m.optim.weight_decay;
+  o.optimizer.momentum = m.optim.momentum;
+  o.optimizer.nesterov = m.optim.nesterov;
+  o.fullyShard.reshardAfterForward = m.sharding.reshard_after_forward;
+  o.fullyShard.prefetch = static_cast<int>(m.sharding.prefetch);
+  o.fullyShard.minUnitParams = m.sharding.min_unit_params;
+  o.fullyShard.activationCheckpointing = m.sharding.activation_checkpointing;
+  o.fullyShard.shardSize = static_cast<int>(m.sharding.shard_size);
+  o.wrap = m.sharding.wrap.empty() ? defaultUnits(m.model) : m.sharding.wrap;
   // The model is built deferred: each rank initialises only what it holds, with values
-  // that depend on run.seed and the parameter names alone.
-  o.initializer = layers::initializerOf(model, static_cast<uint64_t>(cfg.run.seed));
+  // that depend on the seed and the parameter names alone.
+  o.initializer = layers::initializerOf(model, initSeed(cfg, m));
   return o;
 }
 
-sharding::LrScheduleOptions scheduleOptions(const TrainConfig& cfg) {
+sharding::LrScheduleOptions scheduleOptions(const TrainConfig& cfg, const ModelEntry& m) {
   sharding::LrScheduleOptions o;
-  o.kind = cfg.optim.schedule.kind;
-  o.baseLr = cfg.optim.lr;
-  o.warmupSteps = cfg.optim.schedule.warmup_steps;
+  o.kind = m.optim.schedule.kind;
+  o.baseLr = m.optim.lr;
+  o.warmupSteps = m.optim.schedule.warmup_steps;
   o.totalSteps = cfg.run.steps;
-  o.minLr = cfg.optim.schedule.min_lr;
-  o.stepSize = cfg.optim.schedule.step_size;
-  o.gamma = cfg.optim.schedule.gamma;
+  o.minLr = m.optim.schedule.min_lr;
+  o.stepSize = m.optim.schedule.step_size;
+  o.gamma = m.optim.schedule.gamma;
   return o;
 }
 
-std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const TrainConfig& cfg, const sharding::ShardingStrategy& strategy) {
-  if (!cfg.ema.enabled) return nullptr;
+std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const ModelEntry& m, const sharding::ShardingStrategy& strategy) {
+  if (!m.trainable || !m.ema.enabled) return nullptr;
   ema::EmaOptions o;
-  o.decays = cfg.ema.decays;
-  o.dtype = sharding::parseFloatDtype(cfg.ema.dtype, "ema.dtype");
-  o.startStep = cfg.ema.start_step;
-  o.updateEvery = cfg.ema.update_every;
-  o.warmup = cfg.ema.warmup;
-  o.invGamma = cfg.ema.inv_gamma;
-  o.power = cfg.ema.power;
-  o.buffers = cfg.ema.buffers;
-  o.powerStds = cfg.ema.posthoc.stds;
+  o.decays = m.ema.decays;
+  o.dtype = sharding::parseFloatDtype(m.ema.dtype, m.sectionKeys + "ema.dtype");
+  o.startStep = m.ema.start_step;
+  o.updateEvery = m.ema.update_every;
+  o.warmup = m.ema.warmup;
+  o.invGamma = m.ema.inv_gamma;
+  o.power = m.ema.power;
+  o.buffers = m.ema.buffers;
+  o.powerStds = m.ema.posthoc.stds;
+  o.prefix = m.names.ema;
   auto manager = std::make_unique<ema::ShardedModelEMAManager>(o);
   ema::followStrategy(*manager, strategy);
   return manager;
 }
 
+// One model: built deferred (nothing allocated), then its strategy materialises this
+// rank's part; a frozen model's parameters stop requiring gradients first, so the
+// strategy shards them without an optimizer slot. An allocation that fails
+// (model.vocab_size 2^31) is reported with the keys that size the model, without
+// LibTorch's C++ backtrace.
+ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
+  const ModelOptions& m = entry.model;
+  ModelPart part;
+  part.cfg = entry;
+  const std::string modelKeys = strCat(entry.modelKeys.empty() ? "model" : entry.modelKeys.substr(0, entry.modelKeys.size() - 1),
+                                       " (arch ", m.arch, ", vocab_size ", m.vocab_size, ", context ", m.context,
+                                       ", embed_dim ", m.embed_dim, ", layers ", m.layers, ")");
+  try {
+    part.model = makeModel(m, run.data->spec(), run.device);
+    if (!entry.trainable) {
+      for (auto& p : part.model->parameters()) p.set_requires_grad(false);
+    }
+    part.strategy = sharding::makeStrategy(*part.model, run.comm, strategyOptions(run.cfg, entry, *part.model));
+  } catch (const c10::Error& e) {
+    throw ConfigError(strCat(modelKeys, ": this rank's part cannot be built: ", e.what_without_backtrace()));
+  } catch (const std::bad_alloc&) {
+    throw ConfigError(strCat(modelKeys, ": this rank's part does not fit in memory"));
+  }
+  if (entry.trainable) part.schedule = std::make_unique<sharding::LrSchedule>(scheduleOptions(run.cfg, entry));
+  part.ema = makeEma(entry, *part.strategy);
+  int64_t numParams = 0;
+  for (const auto& p : part.model->parameters()) numParams += p.numel();
+  TLOG_INFO0("run " << run.cfg.run.name << ": " << (run.cfg.models.empty() ? "model" : "model " + entry.name) << " "
+                    << m.arch << ": " << numParams << " parameters" << (entry.trainable ? "" : " (frozen)")
+                    << "; strategy " << entry.sharding.strategy << " over " << run.comm->worldSize()
+                    << " ranks; resident " << part.strategy->residentBytes().str() << "; peak RSS so far "
+                    << peakRssMiB() << " MiB");
+  return part;
+}
+
 // Checkpoints are written over the group the state is sharded over, by the ranks holding
-// a full set of it (hybrid: the first replica group; the others skip).
+// a full set of it (hybrid: the first replica group; the others skip). Every model of a
+// models: run is sharded over all ranks (hybrid is refused there), so the first model's
+// group is every model's.
 void setUpCheckpointer(RunParts& run) {
-  if (!run.strategy->firstReplica()) return;
+  const ModelPart& first = run.models.front();
+  if (!first.strategy->firstReplica()) return;
   checkpoint::CheckpointOptions options;
   options.keepLast = static_cast<int>(run.cfg.checkpoint.keep_last);
   options.async = run.cfg.checkpoint.async;
-  run.checkpointer.emplace((run.runDir / "checkpoints").string(), run.strategy->stateCommPtr(), options);
-  if (run.ema && !run.cfg.ema.posthoc.stds.empty()) {
-    // Post-hoc EMA snapshots: every one kept (keep_last 0), written synchronously (an
-    // async writer would keep a second staging copy of the profiles).
+  run.checkpointer.emplace((run.runDir / "checkpoints").string(), first.strategy->stateCommPtr(), options);
+  if (first.ema && !first.cfg.ema.posthoc.stds.empty()) {
+    // Post-hoc EMA snapshots (single-model form): every one kept (keep_last 0), written
+    // synchronously (an async writer would keep a second staging copy of the profiles).
     checkpoint::CheckpointOptions posthoc;
-    run.posthocWriter.emplace((run.runDir / "posthoc").string(), run.strategy->stateCommPtr(), posthoc);
+    run.posthocWriter.emplace((run.runDir / "posthoc").string(), first.strategy->stateCommPtr(), posthoc);
   }
 }
 
@@ -114,7 +209,7 @@ bool resume(RunParts& run) {
   const TrainConfig& cfg = run.cfg;
   if (cfg.checkpoint.resume == "none") return false;
   const std::string checkpointsDir = (run.runDir / "checkpoints").string();
-  std::vector<checkpoint::StateEntry> entries = collectStateEntries(*run.strategy, run.ema.get());
+  std::vector<checkpoint::StateEntry> entries = run.stateEntries();
   std::optional<checkpoint::LoadResult> loaded;
   if (cfg.checkpoint.resume == "auto") {
     loaded = checkpoint::resumeAuto(checkpointsDir, entries, run.comm.get());
@@ -134,48 +229,65 @@ bool resume(RunParts& run) {
     throw ConfigError(strCat("run.seed: ", cfg.run.seed, " differs from the ", saved.seed, " of checkpoint ",
                              loaded->dir, "; the data order would change"));
   }
-  run.strategy->optimizer().checkLoadedStepCounts(saved.step, loaded->dir);
-  if (run.ema) run.ema->setUpdateCount(saved.emaUpdates);
-  run.strategy->publishParameters();
+  for (ModelPart& m : run.models) {
+    if (m.cfg.trainable) m.strategy->optimizer().checkLoadedStepCounts(saved.step, loaded->dir, m.cfg.names.optimizer);
+    if (m.ema) {
+      if (cfg.models.empty()) {
+        m.ema->setUpdateCount(saved.emaUpdates);
+      } else {
+        auto count = saved.emaUpdatesOf.find(m.cfg.names.ema);
+        TESSERA_CHECK(count != saved.emaUpdatesOf.end(), loaded->dir, "/trainer_state.json: no 'ema_updates_of' count for ",
+                      m.cfg.names.ema);
+        m.ema->setUpdateCount(count->second);
+      }
+    }
+    m.strategy->publishParameters();
+  }
   run.startStep = saved.step;
   run.counters.skippedSteps = saved.skippedSteps;
   TLOG_INFO0("resumed from " << loaded->dir << " (step " << saved.step << ", saved by " << saved.worldSize
                              << " ranks with " << saved.strategy << "; now " << run.comm->worldSize()
-                             << " ranks with " << cfg.sharding.strategy << "), read " << loaded->bytesRead
-                             << " bytes in " << loaded->seconds << " s");
+                             << " ranks with " << run.strategies() << "), read " << loaded->bytesRead << " bytes in "
+                             << loaded->seconds << " s");
   return true;
 }
 
-// A fresh run's start from files: model.init_from into the strategy's records (each rank
-// reads the rows it holds), the EMA then starting from those weights; ema.init_from into
-// every EMA. Both strict: names, shapes, floating point, finite (importSafetensors), and
-// agreed: a bad row that one rank reads fails every rank.
-void initializeFromFiles(RunParts& run) {
-  const TrainConfig& cfg = run.cfg;
-  if (cfg.model.init_from) {
-    checkpoint::ImportOptions options;
-    options.stripPrefix = "model/";
-    options.comm = run.comm.get();
-    checkpoint::importSafetensors(*cfg.model.init_from, run.strategy->stateEntries("model/"), options);
-    run.strategy->publishParameters();
-    if (run.ema) run.ema->resetFromLive();
-    TLOG_INFO0("model initialised from " << *cfg.model.init_from);
+// Imports `file` into `entries` (names without `stripPrefix`); any failure — a missing
+// file, names or shapes that do not fit, integers, NaN — is a config error naming `key`.
+void importInto(RunParts& run, const std::string& key, const std::string& file,
+                const std::vector<checkpoint::StateEntry>& entries, const std::string& stripPrefix) {
+  checkpoint::ImportOptions options;
+  options.stripPrefix = stripPrefix;
+  options.comm = run.comm.get();
+  try {
+    checkpoint::importSafetensors(file, entries, options);
+  } catch (const std::exception& e) {
+    throw ConfigError(strCat(key, ": ", e.what()));
   }
-  if (run.ema && cfg.ema.init_from) {
-    // Fine-tuning: every EMA starts from given weights (names as the module's).
-    const std::vector<checkpoint::StateEntry> entries = run.ema->stateEntries("ema/");
-    for (size_t d = 0; d < run.ema->numProfiles(); ++d) {
-      const std::string prefix = "ema/" + run.ema->stateName(d) + "/";
-      std::vector<checkpoint::StateEntry> decay;
-      for (const auto& e : entries) {
-        if (e.name.compare(0, prefix.size(), prefix) == 0) decay.push_back(e);
-      }
-      checkpoint::ImportOptions options;
-      options.stripPrefix = prefix;
-      options.comm = run.comm.get();
-      checkpoint::importSafetensors(*cfg.ema.init_from, decay, options);
+}
+
+// A fresh run's start from files, model by model: init_from into the strategy's records
+// (each rank reads the rows it holds), the EMA then starting from those weights;
+// ema.init_from into every EMA profile. Both strict: names, shapes, floating point,
+// finite (importSafetensors), and agreed: a bad row that one rank reads fails every rank.
+void initializeFromFiles(RunParts& run) {
+  for (ModelPart& m : run.models) {
+    const ModelEntry& e = m.cfg;
+    if (e.model.init_from) {
+      importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(e.names.weights),
+                 e.names.weights);
+      m.strategy->publishParameters();
+      if (m.ema) m.ema->resetFromLive();
+      TLOG_INFO0((run.cfg.models.empty() ? "model" : "model " + e.name) << " initialised from " << *e.model.init_from);
     }
-    TLOG_INFO0("EMA initialised from " << *cfg.ema.init_from);
+    if (m.ema && e.ema.init_from) {
+      // Fine-tuning: every EMA profile starts from given weights (names as the module's).
+      for (size_t d = 0; d < m.ema->numProfiles(); ++d) {
+        importInto(run, e.sectionKeys + "ema.init_from", *e.ema.init_from, m.ema->profileEntries(d, "ema/"),
+                   "ema/" + m.ema->stateName(d) + "/");
+      }
+      TLOG_INFO0(m.cfg.names.ema << " initialised from " << *e.ema.init_from);
+    }
   }
 }
 
@@ -195,8 +307,8 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   if (rank == 0) replaceFile((run->runDir / "config.resolved.yaml").string(), run->resolvedYaml);
 
   // Data. torch's generator starts from run.seed on every rank (whatever draws from it);
-  // the model's initial values do not come from it but from the strategy's initializer,
-  // keyed by run.seed and parameter name, so every rank agrees on them by construction.
+  // the models' initial values do not come from it but from the strategies' initializers,
+  // keyed by the seed and parameter names, so every rank agrees on them by construction.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   run->device = trainingDevice(cfg);
   run->data = makeDataset(cfg.data, cfg.model, predictsEveryPosition(cfg.model));
@@ -207,37 +319,16 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->sampler = std::make_unique<DistributedSampler>(run->data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
                                                       cfg.data.shuffle);
   run->microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
-
-  // Model (deferred: nothing allocated yet), strategy (materialises this rank's part),
-  // schedule, EMA.
-  // An allocation that fails (model.vocab_size 2^31) is reported with the keys that size
-  // the model, without LibTorch's C++ backtrace.
-  const std::string modelKeys = strCat("model (arch ", cfg.model.arch, ", vocab_size ", cfg.model.vocab_size, ", context ",
-                                       cfg.model.context, ", embed_dim ", cfg.model.embed_dim, ", layers ",
-                                       cfg.model.layers, ")");
-  try {
-    run->model = makeModel(cfg.model, run->data->spec(), run->device);
-    run->strategy = sharding::makeStrategy(*run->model, run->comm, strategyOptions(cfg, *run->model));
-  } catch (const c10::Error& e) {
-    throw ConfigError(strCat(modelKeys, ": this rank's part cannot be built: ", e.what_without_backtrace()));
-  } catch (const std::bad_alloc&) {
-    throw ConfigError(strCat(modelKeys, ": this rank's part does not fit in memory"));
-  }
-  run->schedule = std::make_unique<sharding::LrSchedule>(scheduleOptions(cfg));
-  run->ema = makeEma(cfg, *run->strategy);
-  int64_t numParams = 0;
-  for (const auto& p : run->model->parameters()) numParams += p.numel();
-  TLOG_INFO0("run " << cfg.run.name << ": model " << cfg.model.arch << ": " << numParams << " parameters; strategy " << cfg.sharding.strategy
-                      << " over " << world << " ranks; resident " << run->strategy->residentBytes().str()
-                      << "; peak RSS so far " << peakRssMiB() << " MiB");
   TLOG_INFO0("data " << run->data->describe() << "; " << run->sampler->stepsPerEpoch() << " steps per epoch; "
                      << run->microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
+
+  for (const ModelEntry& entry : runModels(cfg)) run->models.push_back(buildModel(*run, entry));
 
   // Checkpointer and resume.
   setUpCheckpointer(*run);
   run->counters.globalBatch = cfg.data.global_batch;
   run->counters.seed = cfg.run.seed;
-  run->counters.strategy = cfg.sharding.strategy;
+  run->counters.strategy = run->strategies();
   run->counters.worldSize = world;
   run->counters.resolvedConfig = run->resolvedYaml;
   if (!resume(*run)) initializeFromFiles(*run);  // a resumed run keeps the checkpoint's weights

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@ struct RunOptions {
   int64_t stop_after_steps = 0;   // stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end
   int64_t eval_every = 0;         // held-out loss (live and EMA weights) every N steps; 0 = at the end only
   std::string device = "cpu";     // cpu | cuda (this rank's GPU: LOCAL_RANK modulo the GPUs visible)
+  std::string recipe = "standard";  // standard (the one `model`) | dmd (models generator, critic, teacher)
 };
 
 struct LogSection {
@@ -120,6 +122,41 @@ struct CheckpointSection {
   std::string export_dtype = "fp32";  // fp32 | bf16 | fp16
 };
 
+// run.recipe dmd: distribution-matching distillation (trainer/dmd_recipe.h).
+struct RecipeOptions {
+  int64_t critic_steps = 1;  // critic updates per generator update
+  double min_t = 0.02;       // the generator's samples are noised at t in [min_t, max_t] x T
+  double max_t = 0.98;
+  double regression_weight = 0.25;  // weight of DMD's regression loss to the teacher's samples (0: off)
+  int64_t regression_pairs = 1024;  // noise -> teacher sample pairs it regresses on
+  int64_t pair_steps = 50;          // DDIM steps the teacher takes for each pair
+};
+
+// Where a model's state lives in checkpoints and the names it is exported under. The
+// single-model form keeps the names runs always had; a models: entry gets its own.
+struct ModelStateNames {
+  std::string weights;     // tensor-name prefix of its weights: "model/" | "<name>/"
+  std::string optimizer;   // of its optimizer state: "optim/" | "optim/<name>/"
+  std::string ema;         // its EMA's name: "generator_ema" | "<name>_ema"
+  std::string exportName;  // checkpoint.export / tessera-export --what: "model" | "<name>"
+};
+
+// One model of a run: a models: entry (its sections default to the top-level ones), or the
+// single-model form's top-level sections under the name "model".
+struct ModelEntry {
+  std::string name;
+  ModelOptions model;
+  bool trainable = true;  // false: frozen (no optimizer, no EMA); its weights are sharded and saved all the same
+  ShardingOptions sharding;
+  OptimOptions optim;
+  EmaSection ema;
+  ModelStateNames names;  // set by runModels()
+  // Its keys as messages name them, set by runModels(): model keys are modelKeys + key
+  // ("model.arch" | "models.<name>.arch"), section keys sectionKeys + key ("optim.lr" |
+  // "models.<name>.optim.lr").
+  std::string modelKeys, sectionKeys;
+};
+
 struct TrainConfig {
   RunOptions run;
   LogSection log;
@@ -129,14 +166,22 @@ struct TrainConfig {
   ShardingOptions sharding;
   EmaSection ema;
   CheckpointSection checkpoint;
+  RecipeOptions recipe;
+  std::deque<ModelEntry> models;  // the models: form (empty: the single-model form); a deque keeps the keys' bindings valid
 };
+
+// The models the run trains, each with its state names: the models: entries in the order
+// the config names them, or the single-model form as one entry named "model".
+std::vector<ModelEntry> runModels(const TrainConfig& config);
 
 // Registers every key of `config` with `schema` (the variables are bound by pointer).
 void bindTrainConfig(config::ConfigSchema& schema, TrainConfig& config);
 
-// Cross-field checks (e.g. global_batch divisible by micro_batch x world size);
-// throws ConfigError naming the keys and where they were set.
-void validateTrainConfig(const config::ConfigSchema& schema, const TrainConfig& config, int worldSize);
+// What follows loading the file and the overrides: the required keys, the models:
+// entries inheriting what they do not set from the top-level sections, and the checks
+// across keys (e.g. global_batch divisible by micro_batch x world size, the models a
+// recipe needs); throws ConfigError naming the keys and where they were set.
+void finishTrainConfig(config::ConfigSchema& schema, TrainConfig& config, int worldSize);
 
 // Loads `file` (if not empty), then each "a.b=c" override, then checks required keys.
 // Returns the resolved YAML text alongside the config.

@@ -17,6 +17,7 @@ std::string countersToJson(const TrainerCounters& c) {
                       {"strategy", c.strategy},
                       {"world_size", c.worldSize},
                       {"resolved_config", c.resolvedConfig}};
+  if (!c.emaUpdatesOf.empty()) j["ema_updates_of"] = c.emaUpdatesOf;
   return j.dump(2);
 }
 
@@ -33,8 +34,7 @@ TrainerCounters countersFromJson(const std::string& text, const std::string& sou
     return j.at(key);
   };
   // Integers only (1.5 or 1e3 is refused, not truncated), within what the run can hold.
-  auto integer = [&](const char* key, int64_t lo, int64_t hi) {
-    const nlohmann::json& v = get(key);
+  auto integerValue = [&](const nlohmann::json& v, const std::string& key, int64_t lo, int64_t hi) {
     if (!v.is_number_integer()) throw Error(strCat(source, ": '", key, "' must be an integer, got ", v.dump()));
     if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
       throw Error(strCat(source, ": '", key, "' is ", v.dump(), ", outside [", lo, ", ", hi, "]"));
@@ -43,6 +43,7 @@ TrainerCounters countersFromJson(const std::string& text, const std::string& sou
     if (x < lo || x > hi) throw Error(strCat(source, ": '", key, "' is ", x, ", outside [", lo, ", ", hi, "]"));
     return x;
   };
+  auto integer = [&](const char* key, int64_t lo, int64_t hi) { return integerValue(get(key), key, lo, hi); };
   auto string = [&](const char* key) {
     const nlohmann::json& v = get(key);
     if (!v.is_string()) throw Error(strCat(source, ": '", key, "' must be a string, got ", v.type_name()));
@@ -58,6 +59,13 @@ TrainerCounters countersFromJson(const std::string& text, const std::string& sou
   c.strategy = string("strategy");
   c.worldSize = static_cast<int>(integer("world_size", 1, kMaxWorldSize));
   c.resolvedConfig = string("resolved_config");
+  if (j.contains("ema_updates_of")) {  // runs of several models; older checkpoints lack it
+    const nlohmann::json& of = j.at("ema_updates_of");
+    if (!of.is_object()) throw Error(strCat(source, ": 'ema_updates_of' must be an object, got ", of.type_name()));
+    for (const auto& [name, count] : of.items()) {
+      c.emaUpdatesOf[name] = integerValue(count, "ema_updates_of." + name, 0, c.step);
+    }
+  }
   return c;
 }
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 
 namespace tessera::trainer {
@@ -13,7 +14,8 @@ struct TrainerCounters {
   int64_t step = 0;               // optimizer steps completed
   int64_t globalBatch = 0;        // the data position is step x globalBatch samples
   int64_t seed = 0;
-  int64_t emaUpdates = 0;
+  int64_t emaUpdates = 0;         // the single-model form's EMA
+  std::map<std::string, int64_t> emaUpdatesOf;  // a models: run's EMAs, by name ("generator_ema")
   int64_t skippedSteps = 0;
   std::string strategy;
   int worldSize = 1;

@@ -410,7 +410,7 @@ TEST_F(HostileInputTest, SizesFromFilesAreCheckedBeforeAllocating) {
 }
 
 // Class 8: ema.init_from follows model.init_from's rules: no integer tensors, no NaN or
-// Inf, no tensor the model lacks — each named with its file.
+// Inf, no tensor the model lacks — each a config error naming the key and the file.
 TEST_F(HostileInputTest, EmaInitFromIsStrict) {
   const std::string run = trainedRun();
   const std::string weights = run + "/export/generator_ema.safetensors";
@@ -442,7 +442,7 @@ TEST_F(HostileInputTest, EmaInitFromIsStrict) {
            {save("extra", extra), {"unexpected", "not_in_the_model.weight"}},
            {save("missing", missing), {"missing", victim}},
            {save("reshaped", reshaped), {"shape mismatch", victim}}}) {
-    const std::string out = expectRefused(train + " --set ema.init_from=" + file, {file}, 1);
+    const std::string out = expectRefused(train + " --set ema.init_from=" + file, {"ema.init_from: ", file}, 2);
     for (const auto& name : names) EXPECT_NE(out.find(name), std::string::npos) << name << " in\n" << out;
   }
 }

@@ -454,19 +454,21 @@ TEST(TrainE2ETest, ModelInitFromAnExport) {
   EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
   EXPECT_EQ(out.find("initialised from"), std::string::npos) << out;
 
-  // A model of another size: every mismatched shape listed, the file named, exit 1.
+  // A model of another size: a config error naming the key, every mismatched shape listed,
+  // the file named, exit 2.
   const std::string bad = uniqueDir("bad");
   EXPECT_EQ(run(kBin + "/tessera-train" + kResumeArgs + still + " --set model.hidden=[40] --set model.init_from=" + file +
                     " --set run.dir=" + bad,
                 &out),
-            1)
+            2)
       << out;
-  EXPECT_NE(out.find(file + " does not match the model"), std::string::npos) << out;
+  EXPECT_NE(out.find("model.init_from: importSafetensors: " + file + " does not match the model"), std::string::npos)
+      << out;
   EXPECT_NE(out.find("layers.0.weight: file has [48, 512], expected [40, 512]"), std::string::npos) << out;
   EXPECT_EQ(run(kBin + "/tessera-train" + kResumeArgs + still + " --set model.init_from=" + file + ".missing" +
                     " --set run.dir=" + bad,
                 &out),
-            1)
+            2)
       << out;
   EXPECT_NE(out.find(file + ".missing"), std::string::npos) << out;
 }

@@ -1,0 +1,301 @@
+// Distribution-matching distillation (see dmd_recipe.h).
+#include "trainer/dmd_recipe.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/accumulate.h>
+#include <torch/utils.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "common/counter_rng.h"
+#include "common/errors.h"
+#include "distributed/communicator.h"
+#include "ema/strategy_ema.h"
+#include "sharding/fully_shard.h"
+#include "trainer/diffusion.h"
+#include "trainer/run_setup.h"
+
+namespace tessera::trainer {
+
+namespace {
+
+// What each draw of a sample is for: one stream of random numbers per purpose (the critic's
+// purposes once per critic update of the step).
+constexpr uint64_t kGeneratorInput = 1;   // z of the generator's update
+constexpr uint64_t kGeneratorNoise = 2;   // t and eps that noise its samples
+constexpr uint64_t kCriticInput = 0x100;  // + update index: z of a critic update
+constexpr uint64_t kCriticNoise = 0x200;  // + update index: the critic's diffusion loss draws
+
+// Seeds of stream `purpose` for samples whose seeds are `sampleSeeds`.
+std::vector<uint64_t> streamSeeds(const std::vector<uint64_t>& sampleSeeds, uint64_t purpose) {
+  std::vector<uint64_t> out(sampleSeeds.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = mix64(sampleSeeds[i] ^ mix64(purpose));
+  return out;
+}
+
+// One seed per sample of global indices `indices` at `step` (run seed mixed in).
+std::vector<uint64_t> sampleSeeds(int64_t runSeed, int64_t step, const std::vector<int64_t>& indices) {
+  std::vector<uint64_t> out;
+  out.reserve(indices.size());
+  for (int64_t i : indices) out.push_back(noiseSeed(runSeed, step, i));
+  return out;
+}
+
+// Standard normal [n, shape...], sample i drawn from its own CPU generator seeded seeds[i]:
+// the same whichever rank or micro-batch draws it.
+at::Tensor normalPerSample(const std::vector<uint64_t>& seeds, const std::vector<int64_t>& shape) {
+  std::vector<int64_t> full{static_cast<int64_t>(seeds.size())};
+  full.insert(full.end(), shape.begin(), shape.end());
+  at::Tensor out = at::empty(full, at::kFloat);
+  for (size_t i = 0; i < seeds.size(); ++i) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seeds[i]);
+    out[static_cast<int64_t>(i)].copy_(at::randn(shape, gen, at::kFloat));
+  }
+  return out;
+}
+
+// The denoiser's noise prediction eps(x_t, t), through its root unit.
+at::Tensor predictNoise(DiffusionDenoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps) {
+  return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps},
+                               [&model](const std::vector<at::Tensor>& in) {
+                                 return std::vector<at::Tensor>{model.forward(in[0], in[1])};
+                               })[0];
+}
+
+DiffusionDenoiser& denoiserOf(ModelPart& part) {
+  auto* model = dynamic_cast<DiffusionDenoiser*>(part.model.get());
+  TESSERA_CHECK_AS(ConfigError, model != nullptr, "run.recipe dmd: ", part.cfg.modelKeys,
+                   "arch must be diffusion (a denoiser)");
+  return *model;
+}
+
+class DmdRecipe : public Recipe {
+ public:
+  explicit DmdRecipe(RunParts& run)
+      : run_(run),
+        generator_(run.model("generator")),
+        critic_(run.model("critic")),
+        teacher_(run.model("teacher")),
+        generatorNet_(denoiserOf(generator_)),
+        criticNet_(denoiserOf(critic_)),
+        teacherNet_(denoiserOf(teacher_)) {
+    const NoiseSchedule& g = generatorNet_.schedule();
+    for (const ModelPart* other : {&critic_, &teacher_}) {
+      const NoiseSchedule& s = dynamic_cast<DiffusionDenoiser&>(*other->model).schedule();
+      TESSERA_CHECK_AS(ConfigError, s.timesteps == g.timesteps && s.alphaBars == g.alphaBars, "run.recipe dmd: ",
+                       other->cfg.modelKeys, "timesteps/beta_start/beta_end differ from the generator's: the three "
+                                             "models must share one noise schedule");
+    }
+    const int64_t T = g.timesteps;
+    minT_ = std::min<int64_t>(T - 1, static_cast<int64_t>(std::floor(run.cfg.recipe.min_t * static_cast<double>(T))));
+    maxT_ = std::max<int64_t>(minT_, static_cast<int64_t>(std::ceil(run.cfg.recipe.max_t * static_cast<double>(T))) - 1);
+    if (run.cfg.recipe.regression_weight > 0) makePairs();
+  }
+
+  StepOutcome step(int64_t step, bool stopRequested) override {
+    distributed::Communicator& comm = *run_.comm;
+    const std::vector<int64_t> indices = run_.sampler->indicesFor(step, comm.rank(), comm.worldSize());
+    const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, step, indices);
+    StepOutcome out;
+    double criticLoss = 0;
+    for (int64_t k = 0; k < run_.cfg.recipe.critic_steps; ++k) criticLoss += criticUpdate(step, k, indices, seeds);
+    out.extra["critic_loss"] = criticLoss / static_cast<double>(run_.cfg.recipe.critic_steps);
+
+    sharding::ShardingStrategy& strategy = *generator_.strategy;
+    strategy.zeroGrad();
+    at::Tensor stepLoss = at::zeros({1}, at::kDouble);
+    forEachMicroBatch(generator_, indices, seeds, [&](const std::vector<int64_t>& microIndices,
+                                                      const std::vector<uint64_t>& micro) {
+      at::Tensor perSample = generatorLoss(micro);
+      if (run_.cfg.recipe.regression_weight > 0) {
+        perSample = perSample + run_.cfg.recipe.regression_weight * regressionLoss(microIndices);
+      }
+      const at::Tensor loss = perSample.mean() / static_cast<double>(run_.microBatches);
+      loss.backward();
+      stepLoss += loss.detach().to(at::kDouble).cpu();
+    });
+    out.lr = generator_.schedule->lrAt(step);
+    // The generator's loss and the stop flags ride on its gradient-norm all-reduce.
+    at::Tensor shared = at::cat({stepLoss, at::full({1}, stopRequested ? 1.0 : 0.0, at::kDouble)});
+    out.result = strategy.step(out.lr, shared);
+    if (generator_.ema) generator_.ema->update(step + 1, !out.result.skipped);
+    out.loss = shared[0].item<double>() / static_cast<double>(comm.worldSize());
+    out.stopSignalled = shared[1].item<double>() > 0;
+    return out;
+  }
+
+  void evaluate(std::map<std::string, double>& out) override {
+    out["eval_loss"] = teacherLossOfSamples();
+    if (generator_.ema) {
+      double emaLoss = 0;
+      ema::withEmaWeights(*generator_.ema, *generator_.strategy, 0, [&] { emaLoss = teacherLossOfSamples(); });
+      out["eval_loss_ema"] = emaLoss;
+    }
+  }
+
+  // One-step samples of generator_ema (every rank draws all of them: zero3 gathers
+  // collectively).
+  std::string drawSamples() override {
+    TESSERA_CHECK(generator_.ema != nullptr, "model.samples needs the generator's EMA");
+    torch::NoGradGuard noGrad;
+    std::vector<int64_t> all(static_cast<size_t>(run_.cfg.model.samples));
+    std::iota(all.begin(), all.end(), 0);
+    const at::Tensor noise = normalPerSample(sampleSeeds(run_.cfg.run.seed, -2, all), generatorNet_.sampleShape());
+    at::Tensor samples;
+    ema::withEmaWeights(*generator_.ema, *generator_.strategy, 0,
+                        [&] { samples = generateOneStep(generatorNet_, noise.to(run_.device)); });
+    return writeSamples(run_, samples, generator_.cfg.names.ema);
+  }
+
+ private:
+  // Runs `fn(indices, seeds)` on each micro-batch of this rank's share of the step (global
+  // sample indices and their seeds), with `part`'s gradient synchronisation set as
+  // sharding.reduce_every_micro_batch says.
+  template <typename Fn>
+  void forEachMicroBatch(ModelPart& part, const std::vector<int64_t>& indices, const std::vector<uint64_t>& seeds,
+                         Fn&& fn) {
+    const auto micro = static_cast<std::ptrdiff_t>(run_.cfg.data.micro_batch);
+    for (int64_t m = 0; m < run_.microBatches; ++m) {
+      if (!part.cfg.sharding.reduce_every_micro_batch) part.strategy->setRequiresGradientSync(m + 1 == run_.microBatches);
+      const std::ptrdiff_t begin = m * micro;
+      fn(std::vector<int64_t>(indices.begin() + begin, indices.begin() + begin + micro),
+         std::vector<uint64_t>(seeds.begin() + begin, seeds.begin() + begin + micro));
+    }
+  }
+
+  // Critic update k of `step`: the diffusion loss on generator samples (no gradient into
+  // the generator). Returns the loss, mean over the global batch.
+  double criticUpdate(int64_t step, int64_t k, const std::vector<int64_t>& indices, const std::vector<uint64_t>& seeds) {
+    sharding::ShardingStrategy& strategy = *critic_.strategy;
+    strategy.zeroGrad();
+    at::Tensor stepLoss = at::zeros({1}, at::kDouble);
+    forEachMicroBatch(critic_, indices, seeds, [&](const std::vector<int64_t>&, const std::vector<uint64_t>& micro) {
+      Batch batch;
+      {
+        torch::NoGradGuard noGrad;
+        const at::Tensor z = normalPerSample(streamSeeds(micro, kCriticInput + static_cast<uint64_t>(k)),
+                                             generatorNet_.sampleShape());
+        batch.inputs = generateOneStep(generatorNet_, z.to(run_.device));
+      }
+      batch.noiseSeeds = streamSeeds(micro, kCriticNoise + static_cast<uint64_t>(k));
+      const at::Tensor loss =
+          lossesOf(*critic_.model, std::move(batch), run_.device).mean() / static_cast<double>(run_.microBatches);
+      loss.backward();
+      stepLoss += loss.detach().to(at::kDouble).cpu();
+    });
+    const sharding::StepResult result = strategy.step(critic_.schedule->lrAt(step), stepLoss);
+    if (critic_.ema) critic_.ema->update(step + 1, !result.skipped);
+    return stepLoss.item<double>() / static_cast<double>(run_.comm->worldSize());
+  }
+
+  // The generator's per-sample surrogate loss 0.5 mean(x - sg(x - g))^2 (dmd_recipe.h).
+  at::Tensor generatorLoss(const std::vector<uint64_t>& micro) {
+    const std::vector<int64_t>& shape = generatorNet_.sampleShape();
+    const at::Tensor z = normalPerSample(streamSeeds(micro, kGeneratorInput), shape).to(run_.device);
+    const at::Tensor x = generateOneStep(generatorNet_, z);
+    // t in [minT, maxT] and eps per sample, from the sample's own stream.
+    const auto n = static_cast<int64_t>(micro.size());
+    const std::vector<uint64_t> noiseSeeds = streamSeeds(micro, kGeneratorNoise);
+    at::Tensor timesteps = at::empty({n}, at::kLong);
+    at::Tensor signal = at::empty({n, 1}, at::kFloat), spread = at::empty({n, 1}, at::kFloat);
+    std::vector<int64_t> flatShape{c10::multiply_integers(shape)};
+    at::Tensor eps = at::empty({n, flatShape[0]}, at::kFloat);
+    const std::vector<double>& alphaBars = generatorNet_.schedule().alphaBars;
+    for (int64_t i = 0; i < n; ++i) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(noiseSeeds[static_cast<size_t>(i)]);
+      const int64_t t = at::randint(minT_, maxT_ + 1, {1}, gen, at::kLong).item<int64_t>();
+      eps[i].copy_(at::randn(flatShape, gen, at::kFloat));
+      timesteps[i] = t;
+      signal[i] = std::sqrt(alphaBars[static_cast<size_t>(t)]);
+      spread[i] = std::sqrt(1.0 - alphaBars[static_cast<size_t>(t)]);
+    }
+    const at::Device device = run_.device;
+    signal = signal.to(device);
+    spread = spread.to(device);
+    const at::Tensor flatX = x.flatten(1).to(at::kFloat);
+    at::Tensor direction;
+    {
+      torch::NoGradGuard noGrad;
+      const at::Tensor noisy = (signal * flatX.detach() + spread * eps.to(device)).view(x.sizes());
+      const at::Tensor t = timesteps.to(device);
+      const at::Tensor x0Teacher = (noisy.flatten(1) - spread * predictNoise(teacherNet_, noisy, t).flatten(1).to(at::kFloat)) / signal;
+      const at::Tensor x0Critic = (noisy.flatten(1) - spread * predictNoise(criticNet_, noisy, t).flatten(1).to(at::kFloat)) / signal;
+      const at::Tensor scale = (flatX.detach() - x0Teacher).abs().mean(1, /*keepdim=*/true).clamp_min(1e-6);
+      direction = (x0Critic - x0Teacher) / scale;
+    }
+    const at::Tensor target = (flatX - direction).detach();
+    return 0.5 * (flatX - target).square().mean(1);
+  }
+
+  // DMD's regression loss of the samples `indices` (global): pair index mod the number of
+  // pairs, mean squared distance of G(z) to the teacher's DDIM sample of the same z.
+  at::Tensor regressionLoss(const std::vector<int64_t>& indices) {
+    std::vector<int64_t> pairs;
+    pairs.reserve(indices.size());
+    for (int64_t i : indices) pairs.push_back(i % pairNoise_.size(0));
+    const at::Tensor which = at::tensor(pairs, at::kLong);
+    const at::Tensor x = generateOneStep(generatorNet_, pairNoise_.index_select(0, which).to(run_.device));
+    return (x.flatten(1).to(at::kFloat) - pairSamples_.index_select(0, which).to(run_.device).flatten(1)).square().mean(1);
+  }
+
+  // The pairs of the regression loss: recipe.regression_pairs noises (fixed by run.seed)
+  // and the teacher's DDIM samples of them, made on every rank alike (the teacher's
+  // forwards are collective under zero3). A resumed run makes the same pairs.
+  void makePairs() {
+    torch::NoGradGuard noGrad;
+    std::vector<int64_t> all(static_cast<size_t>(run_.cfg.recipe.regression_pairs));
+    std::iota(all.begin(), all.end(), 0);
+    pairNoise_ = normalPerSample(sampleSeeds(run_.cfg.run.seed, -3, all), generatorNet_.sampleShape());
+    TESSERA_CHECK_AS(ConfigError, run_.cfg.recipe.pair_steps <= teacherNet_.schedule().timesteps,
+                     "recipe.pair_steps: ", run_.cfg.recipe.pair_steps, " is more than the teacher's ",
+                     teacherNet_.schedule().timesteps, " timesteps");
+    pairSamples_ = sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), run_.cfg.recipe.pair_steps,
+                              [this](const at::Tensor& x, const at::Tensor& t) { return predictNoise(teacherNet_, x, t); })
+                       .cpu();
+  }
+
+  // The teacher's noise-prediction loss on 1024 one-step samples of the generator as it
+  // is now (fixed noise: comparable from one evaluation to the next), split over the ranks.
+  double teacherLossOfSamples() {
+    torch::NoGradGuard noGrad;
+    const int rank = run_.comm->rank(), world = run_.comm->worldSize();
+    constexpr int64_t kSamples = 1024;
+    // Every rank runs the forwards (zero3 gathers inside them): at least one sample each.
+    const int64_t n = std::max<int64_t>(kSamples, world);
+    const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
+    std::vector<int64_t> mine(static_cast<size_t>(end - begin));
+    std::iota(mine.begin(), mine.end(), begin);
+    const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, -1, mine);
+    Batch batch;
+    batch.inputs = generateOneStep(generatorNet_, normalPerSample(streamSeeds(seeds, kGeneratorInput),
+                                                                  generatorNet_.sampleShape()).to(run_.device));
+    batch.noiseSeeds = streamSeeds(seeds, kGeneratorNoise);
+    const at::Tensor losses = lossesOf(*teacher_.model, std::move(batch), run_.device);
+    at::Tensor sums = at::tensor({losses.to(at::kDouble).sum().item<double>(), static_cast<double>(losses.numel())},
+                                 at::kDouble);
+    run_.comm->allReduce(sums, distributed::ReduceOp::kSum);
+    return sums[0].item<double>() / sums[1].item<double>();
+  }
+
+  RunParts& run_;
+  ModelPart &generator_, &critic_, &teacher_;
+  DiffusionDenoiser &generatorNet_, &criticNet_, &teacherNet_;
+  int64_t minT_ = 0, maxT_ = 0;  // the generator's samples are noised at t in [minT_, maxT_]
+  at::Tensor pairNoise_, pairSamples_;  // the regression loss's pairs (CPU)
+};
+
+}  // namespace
+
+at::Tensor generateOneStep(DiffusionDenoiser& model, const at::Tensor& noise) {
+  const NoiseSchedule& schedule = model.schedule();
+  const int64_t last = schedule.timesteps - 1;
+  const double alphaBar = schedule.alphaBars[static_cast<size_t>(last)];
+  const at::Tensor t = at::full({noise.size(0)}, last, at::TensorOptions().dtype(at::kLong).device(noise.device()));
+  const at::Tensor eps = predictNoise(model, noise, t).to(at::kFloat);
+  return (noise - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
+}
+
+std::unique_ptr<Recipe> makeDmdRecipe(RunParts& run) { return std::make_unique<DmdRecipe>(run); }
+
+}  // namespace tessera::trainer

@@ -1,0 +1,61 @@
+// What a train step does, by run.recipe: the standard recipe trains the one model on the
+// data (standard_recipe.cpp); dmd distils a teacher into a one-step generator with a
+// critic (dmd_recipe.h). The train loop (trainer.cpp) around a recipe is the same: logs,
+// evaluations, checkpoints of every model, exports, stop signals.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "sharding/strategy.h"
+#include "trainer/dataset.h"
+
+namespace tessera::trainer {
+
+struct RunParts;
+class TrainModel;
+
+// What one step leaves for the periodic actions and the stop decision. Every rank gets
+// the same values (they ride on the step's collectives).
+struct StepOutcome {
+  double loss = 0;               // the recipe's main loss, mean over the global batch
+  double lr = 0;                 // of the main model
+  sharding::StepResult result;   // of the main model's optimizer step
+  bool stopSignalled = false;    // some rank had a stop signal
+  std::map<std::string, double> extra;  // further figures for metrics.jsonl (e.g. critic_loss)
+};
+
+class Recipe {
+ public:
+  virtual ~Recipe() = default;
+  // Optimizer step `step` (0-based) of every model the recipe trains, EMA updates
+  // included; `stopRequested`: this rank saw SIGTERM/SIGINT. Collective.
+  virtual StepOutcome step(int64_t step, bool stopRequested) = 0;
+  // Held-out figures for an evaluation: eval_loss with the live weights and eval_loss_ema
+  // with the EMA's (when there is one). Collective.
+  virtual void evaluate(std::map<std::string, double>& out) = 0;
+  // At the end of a finished run, model.samples > 0: draws the samples, rank 0 writes
+  // <run.dir>/samples.safetensors and returns its path ("" on other ranks). Collective.
+  virtual std::string drawSamples() = 0;
+};
+
+// The recipe run.recipe names, over the parts of the run.
+std::unique_ptr<Recipe> makeRecipe(RunParts& run);
+
+// Helpers the recipes share.
+
+// The loss of each prediction of `batch`, with the model's root entered as a unit
+// (zero3/hybrid gather the root's parameters there; a plain call under the other
+// strategies). Inputs and targets move to `device` first.
+at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device);
+
+// Rank 0 writes `samples` to <run.dir>/samples.safetensors (metadata generator:
+// `generator`) and logs their per-feature mean and spread against the held-out data's
+// (the train data's when none is held out). Returns the file written.
+std::string writeSamples(RunParts& run, const at::Tensor& samples, const std::string& generator);
+
+}  // namespace tessera::trainer
