@@ -151,7 +151,7 @@ void ShardedOptimizer::checkLoadedStepCounts(int64_t maxStep, const std::string&
   for (const Slot& slot : slots_) {
     const int64_t t = slot.steps.item<int64_t>();
     TESSERA_CHECK(0 <= t && t <= maxStep, source, ": ", prefix, "step/", slot.param->name, " is ", t,
-                  ", outside [0, ", maxStep, "] (the checkpoint's step count)");
+                  ", outside [0, ", maxStep, "] (the optimizer steps the checkpoint's step allows)");
   }
 }
 

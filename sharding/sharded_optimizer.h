@@ -70,8 +70,8 @@ class ShardedOptimizer {
   //                             for parameters not stepped yet, so every rank lists the same)
   //   <prefix>step/<param>      the step count: an int64 scalar, replicated
   std::vector<StateEntry> stateEntries(const std::string& prefix = "optim/");
-  // Checks step counts loaded from `source` (a checkpoint): each in [0, maxStep], the run's
-  // step count. A negative count would make Adam's bias correction divide by zero.
+  // Checks step counts loaded from `source` (a checkpoint): each in [0, maxStep], the most
+  // optimizer steps the checkpoint's run step allows. A negative count would make Adam's bias correction divide by zero.
   // tessera::Error naming `source`, the entry and the value otherwise.
   void checkLoadedStepCounts(int64_t maxStep, const std::string& source, const std::string& prefix = "optim/") const;
 

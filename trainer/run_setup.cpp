@@ -5,6 +5,7 @@
 #include <torch/utils.h>
 
 #include <cstdlib>
+#include <limits>
 
 #include "checkpoint/format.h"
 #include "checkpoint/reader.h"
@@ -12,6 +13,7 @@
 #include "common/counter_rng.h"
 #include "common/errors.h"
 #include "common/file_open.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
@@ -229,8 +231,11 @@ bool resume(RunParts& run) {
     throw ConfigError(strCat("run.seed: ", cfg.run.seed, " differs from the ", saved.seed, " of checkpoint ",
                              loaded->dir, "; the data order would change"));
   }
+  // No model takes more optimizer steps per run step than dmd's critic (recipe.critic_steps).
+  const int64_t perRunStep = cfg.run.recipe == "dmd" ? cfg.recipe.critic_steps : 1;
+  const int64_t maxUpdates = boundedProduct(saved.step, perRunStep, std::numeric_limits<int64_t>::max());
   for (ModelPart& m : run.models) {
-    if (m.cfg.trainable) m.strategy->optimizer().checkLoadedStepCounts(saved.step, loaded->dir, m.cfg.names.optimizer);
+    if (m.cfg.trainable) m.strategy->optimizer().checkLoadedStepCounts(maxUpdates, loaded->dir, m.cfg.names.optimizer);
     if (m.ema) {
       if (cfg.models.empty()) {
         m.ema->setUpdateCount(saved.emaUpdates);

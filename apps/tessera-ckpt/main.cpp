@@ -1,5 +1,5 @@
 // tessera-ckpt: inspects and verifies sharded checkpoints offline.
-//   tessera-ckpt info DIR     step, world size, strategy, tensors and sizes
+//   tessera-ckpt info DIR     step, world size, strategy, models and EMAs, tensors and sizes
 //   tessera-ckpt verify DIR   reads every byte and checks every checksum and file size
 //   tessera-ckpt list DIR     the complete checkpoints of a run's checkpoints directory
 // DIR is a step_N directory or a run's checkpoints directory (info/verify then use the
@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <iomanip>
 #include <iostream>
+#include <map>
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/format.h"
@@ -44,6 +45,58 @@ std::string resolveStepDir(const std::string& dir) {
     throw ckpt::CheckpointError(tessera::strCat(dir, " is not a complete checkpoint (no metadata.json) and holds none"));
   }
   return all.back().dir;
+}
+
+// The models and EMAs a checkpoint holds, from its tensor names (the trainer's layout:
+// <model>/..., optim/[<model>/]..., ema/<ema>/...; the single-model form's model is
+// "model" with its optimizer state directly under optim/).
+void printParts(const ckpt::CheckpointSummary& s) {
+  struct Part {
+    int64_t tensors = 0, bytes = 0, optimizerTensors = 0;
+  };
+  std::map<std::string, Part> models, emas;
+  auto component = [](const std::string& name, size_t index) {
+    size_t begin = 0;
+    for (size_t i = 0; i < index; ++i) begin = name.find('/', begin) + 1;
+    return name.substr(begin, name.find('/', begin) - begin);
+  };
+  for (const auto& t : s.tensors) {
+    const std::string head = component(t.name, 0);
+    if (t.name.find('/') == std::string::npos) continue;
+    if (head == "ema") {
+      Part& e = emas[component(t.name, 1)];
+      ++e.tensors;
+      e.bytes += t.bytes();
+    } else if (head != "optim") {
+      Part& m = models[head];
+      ++m.tensors;
+      m.bytes += t.bytes();
+    }
+  }
+  for (const auto& t : s.tensors) {
+    if (component(t.name, 0) != "optim") continue;
+    const std::string owner = component(t.name, 1);
+    auto it = models.find(owner);
+    if (it != models.end() && owner != "model") {
+      ++it->second.optimizerTensors;
+    } else if (models.count("model")) {
+      ++models["model"].optimizerTensors;  // the single-model form: optim/<state>/<param>
+    }
+  }
+  for (const auto& [name, m] : models) {
+    std::cout << "model        " << name << "  " << m.tensors << " tensors, " << human(m.bytes) << "; "
+              << (m.optimizerTensors > 0 ? tessera::strCat("optimizer state ", m.optimizerTensors, " tensors")
+                                         : std::string("frozen (no optimizer state)"))
+              << "\n";
+  }
+  for (const auto& [name, e] : emas) {
+    std::string also;
+    for (const auto& [alias, prefix] : s.aliases) {
+      if (prefix == "ema/" + name + "/" && alias != name) also += (also.empty() ? "" : ", ") + alias;
+    }
+    std::cout << "ema          " << name << "  " << e.tensors << " tensors, " << human(e.bytes)
+              << (also.empty() ? "" : "; also exported as " + also) << "\n";
+  }
 }
 
 }  // namespace
@@ -85,6 +138,7 @@ int main(int argc, char** argv) {
                 << "strategy     " << (s.strategy.empty() ? "-" : s.strategy) << "\n"
                 << "tensors      " << s.tensors.size() << " (" << human(s.tensorBytes) << "; files "
                 << human(s.fileBytes) << ")\n";
+      printParts(s);
       for (const auto& [alias, prefix] : s.aliases) std::cout << "alias        " << alias << " -> " << prefix << "\n";
       for (const auto& t : s.tensors) {
         std::cout << "  " << t.name << "  " << ckpt::dtypeName(t.dtype) << " " << at::IntArrayRef(t.shape) << "  "

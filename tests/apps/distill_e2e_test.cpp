@@ -1,0 +1,268 @@
+// Several models in one run, end to end: distribution-matching distillation (run.recipe
+// dmd) of a diffusion teacher into a one-step generator. The shipped configs reach the
+// teacher's sample quality; the run sharded over 2-4 ranks, each model under its own
+// strategy, equals one process; a run stopped and resumed on another world size with
+// other strategies equals the uninterrupted one; one checkpoint serves tessera-export and
+// tessera-ckpt; bad models: configs are config errors naming the model and key.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "checkpoint/safetensors.h"
+#include "tests/support/run_command.h"
+#include "tests/support/scratch_path.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tessera::test::CommandResult;
+using tessera::test::runCommand;
+
+const std::string kBin = TESSERA_BIN_DIR;
+const std::string kSource = TESSERA_SOURCE_DIR;
+const std::string kTrain = kBin + "/tessera-train";
+const std::string kRings = kSource + "/data/rings.safetensors";
+
+std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_distill", tag); }
+
+// Runs `command`, expecting success; returns its output.
+std::string mustRun(const std::string& command, int timeoutSeconds = 600) {
+  const CommandResult r = runCommand(command, timeoutSeconds);
+  EXPECT_EQ(r.status, 0) << command << "\n" << r.output;
+  return r.output;
+}
+
+std::string launch(int ranks) {
+  return ranks == 1 ? kTrain : kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kTrain;
+}
+
+std::vector<nlohmann::json> readMetrics(const std::string& runDir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(fs::path(runDir) / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+at::Tensor samplesOf(const std::string& runDir) {
+  return tessera::checkpoint::loadSafetensors(runDir + "/samples.safetensors").at("samples");
+}
+
+// The ring metric of the diffusion test (train_e2e_test.cpp): the 1-Wasserstein distance
+// between the radius distribution of `points` and the data's (mean |r_i - q_i| over the
+// sorted radii and the data's radius quantiles at the same ranks).
+double ringDistance(const at::Tensor& points) {
+  static const at::Tensor dataRadii =
+      std::get<0>(tessera::checkpoint::loadSafetensors(kRings).at("inputs").norm(2, 1).sort());
+  const at::Tensor radii = std::get<0>(points.norm(2, 1).sort());
+  const at::Tensor ranks = (at::linspace(0, 1, radii.size(0)) * (dataRadii.size(0) - 1)).round().to(at::kLong);
+  return (radii - dataRadii.index_select(0, ranks)).abs().mean().item<double>();
+}
+
+// Every tensor of the two files within `tolerance` relative (L2 norm of the difference
+// over the norm of `a`'s tensor).
+void expectSameWeights(const std::string& a, const std::string& b, double tolerance) {
+  const auto x = tessera::checkpoint::loadSafetensors(a);
+  const auto y = tessera::checkpoint::loadSafetensors(b);
+  ASSERT_EQ(x.size(), y.size()) << a << " vs " << b;
+  for (const auto& [name, t] : x) {
+    ASSERT_TRUE(y.count(name)) << name << " missing from " << b;
+    const double rel = (t - y.at(name)).norm().item<double>() / std::max(t.norm().item<double>(), 1e-30);
+    EXPECT_LT(rel, tolerance) << name << " of " << a << " vs " << b;
+  }
+}
+
+// Same logged figures. The generator's loss is compared more loosely: it is the squared
+// difference of two nearly equal clean-sample estimates, each divided by sqrt(abar_t)
+// (down to 0.08 here), so float rounding of another reduction order grows in it.
+void expectSameMetrics(const std::string& a, const std::string& b) {
+  const auto x = readMetrics(a), y = readMetrics(b);
+  ASSERT_EQ(x.size(), y.size()) << a << " vs " << b;
+  ASSERT_FALSE(x.empty());
+  for (size_t i = 0; i < x.size(); ++i) {
+    for (const auto& [key, tolerance] : std::vector<std::pair<std::string, double>>{
+             {"loss", 1e-4}, {"critic_loss", 1e-5}, {"eval_loss", 1e-5}, {"eval_loss_ema", 1e-5}}) {
+      if (!x[i].contains(key)) continue;
+      ASSERT_TRUE(y[i].contains(key)) << key;
+      const double u = x[i][key], v = y[i][key];
+      EXPECT_NEAR(u, v, tolerance * std::abs(u)) << key << " at step " << x[i]["step"] << ": " << a << " vs " << b;
+    }
+  }
+}
+
+// A small teacher: the diffusion config's denoiser trained briefly, exported as
+// <dir>/export/generator_ema.safetensors.
+std::string smallTeacher() {
+  const std::string dir = scratch("teacher");
+  mustRun(kTrain + " --config " + kSource + "/configs/diffusion.yaml --set data.path=" + kRings +
+          " --set run.dir=" + dir + " --set run.steps=20 --set run.log_every=10 --set run.eval_every=0"
+          " --set model.samples=0 --set optim.schedule.warmup_steps=2 --set log.per_rank_files=false");
+  return dir + "/export/generator_ema.safetensors";
+}
+
+// configs/distill.yaml, small and fast: 6 steps, evaluations at 3 and 6, a few pairs.
+std::string smallDistill(const std::string& teacher, const std::string& runDir) {
+  return " --config " + kSource + "/configs/distill.yaml --set data.path=" + kRings + " --set model.init_from=" +
+         teacher + " --set run.dir=" + runDir +
+         " --set run.steps=6 --set run.log_every=1 --set run.eval_every=3 --set data.global_batch=48"
+         " --set data.micro_batch=4 --set recipe.regression_pairs=64 --set recipe.pair_steps=10"
+         " --set model.samples=16 --set checkpoint.every_steps=0 --set checkpoint.async=false"
+         " --set log.per_rank_files=false";
+}
+
+std::string strategies(const std::string& generator, const std::string& critic, const std::string& teacher) {
+  return " --set models.generator.sharding.strategy=" + generator + " --set models.critic.sharding.strategy=" +
+         critic + " --set models.teacher.sharding.strategy=" + teacher;
+}
+
+// The shipped configs: train the teacher (configs/diffusion.yaml, 2048 DDPM samples), then
+// distil it (configs/distill.yaml). The one-step generator_ema's 2048 samples reach the
+// ring metric within 1.5x of the teacher's, far below the untrained one-step generator's.
+TEST(DistillE2ETest, ShippedConfigsDistilTheTeacherIntoOneStep) {
+  const std::string teacher = scratch("diffusion"), distilled = scratch("distill"), untrained = scratch("untrained");
+  mustRun(launch(2) + " --config " + kSource + "/configs/diffusion.yaml --set data.path=" + kRings +
+          " --set run.dir=" + teacher + " --set model.samples=2048 --set log.per_rank_files=false");
+  const std::string teacherWeights = teacher + "/export/generator_ema.safetensors";
+  const std::string distill = " --config " + kSource + "/configs/distill.yaml --set data.path=" + kRings +
+                              " --set model.init_from=" + teacherWeights + " --set log.per_rank_files=false";
+  const std::string out = mustRun(launch(2) + distill + " --set run.dir=" + distilled);
+  // The generator as it starts (the teacher's one-step guess): one step at a learning
+  // rate of ~0, with an EMA that keeps the start.
+  mustRun(kTrain + distill + " --set run.dir=" + untrained +
+          " --set run.steps=1 --set models.generator.optim.lr=1e-12 --set models.generator.ema.decays=[0.999999]"
+          " --set checkpoint.export=[generator_ema]");
+  const double teacherDistance = ringDistance(samplesOf(teacher));
+  const double oneStep = ringDistance(samplesOf(distilled));
+  const double start = ringDistance(samplesOf(untrained));
+  ASSERT_EQ(samplesOf(distilled).sizes(), (c10::IntArrayRef{2048, 2}));
+  ASSERT_EQ(samplesOf(teacher).sizes(), (c10::IntArrayRef{2048, 2}));
+  std::cout << "ring distance: teacher (200-step DDPM) " << teacherDistance << ", one-step generator_ema " << oneStep
+            << " (" << oneStep / teacherDistance << "x), untrained one-step " << start << "\n";
+  EXPECT_LT(oneStep, 1.5 * teacherDistance) << out;
+  EXPECT_GT(start, 2.5 * oneStep);
+  // The run's metrics carry both models' losses and the evaluations.
+  const auto metrics = readMetrics(distilled);
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_TRUE(metrics.back().contains("critic_loss"));
+  EXPECT_TRUE(metrics.back().contains("eval_loss_ema"));
+  for (const std::string name : {"generator_ema", "generator", "critic"}) {
+    EXPECT_TRUE(fs::exists(distilled + "/export/" + name + ".safetensors")) << name;
+  }
+}
+
+// 2, 3 and 4 ranks, every model under another strategy (none the same as the one-process
+// run's), equal one process: same losses and evaluations, exports within 1e-6.
+TEST(DistillE2ETest, ShardedRunsEqualOneProcess) {
+  const std::string teacher = smallTeacher();
+  const std::string single = scratch("single");
+  mustRun(launch(1) + smallDistill(teacher, single) + strategies("no_shard", "no_shard", "no_shard"));
+  const std::vector<std::pair<int, std::string>> runs = {{2, strategies("zero3", "zero2", "zero3")},
+                                                         {3, strategies("zero2", "zero3", "zero1")},
+                                                         {4, strategies("zero1", "no_shard", "zero3")}};
+  for (const auto& [ranks, chosen] : runs) {
+    SCOPED_TRACE(std::to_string(ranks) + " ranks:" + chosen);
+    const std::string dir = scratch("world" + std::to_string(ranks));
+    mustRun(launch(ranks) + smallDistill(teacher, dir) + chosen);
+    expectSameMetrics(single, dir);
+    for (const std::string name : {"generator_ema", "generator", "critic"}) {
+      expectSameWeights(single + "/export/" + name + ".safetensors", dir + "/export/" + name + ".safetensors", 1e-6);
+    }
+    const double samples = (samplesOf(single) - samplesOf(dir)).abs().max().item<double>();
+    EXPECT_LT(samples, 1e-5) << "one-step samples differ by " << samples;
+  }
+}
+
+// Stopped at step 3 on 2 ranks, resumed on 3 ranks with every model under another
+// strategy: the same figures and exports as the uninterrupted 2-rank run. The one
+// checkpoint holds all three models, the optimizers and the EMA; tessera-export and
+// tessera-ckpt read it offline.
+TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) {
+  const std::string teacher = smallTeacher();
+  const std::string whole = scratch("whole"), resumed = scratch("resumed");
+  mustRun(launch(2) + smallDistill(teacher, whole));
+  mustRun(launch(2) + smallDistill(teacher, resumed) + " --set run.stop_after_steps=3");
+  const std::string out = mustRun(launch(3) + smallDistill(teacher, resumed) + strategies("zero2", "zero3", "zero1"));
+  EXPECT_NE(out.find("resumed from " + resumed + "/checkpoints/step_00000003"), std::string::npos) << out;
+  EXPECT_NE(out.find("now 3 ranks with generator:zero2 critic:zero3 teacher:zero1"), std::string::npos) << out;
+  expectSameMetrics(whole, resumed);
+  for (const std::string name : {"generator_ema", "generator", "critic"}) {
+    expectSameWeights(whole + "/export/" + name + ".safetensors", resumed + "/export/" + name + ".safetensors", 1e-6);
+  }
+
+  // Offline, from the one checkpoint: every model and the EMA by name.
+  const std::string step = resumed + "/checkpoints/step_00000006";
+  for (const std::string name : {"generator_ema", "generator", "critic", "teacher"}) {
+    const std::string file = scratch(name + ".safetensors");
+    mustRun(kBin + "/tessera-export " + step + " --what " + name + " --out " + file);
+    if (name == "teacher") {
+      expectSameWeights(teacher, file, 1e-30);  // frozen: what it started from, bit for bit
+    } else {
+      expectSameWeights(resumed + "/export/" + name + ".safetensors", file, 1e-7);
+    }
+  }
+  const std::string info = mustRun(kBin + "/tessera-ckpt info " + step);
+  EXPECT_NE(info.find("model        generator  34 tensors"), std::string::npos) << info;
+  EXPECT_NE(info.find("model        teacher  34 tensors, 472.3 KiB; frozen (no optimizer state)"), std::string::npos)
+      << info;
+  EXPECT_NE(info.find("ema          generator_ema"), std::string::npos) << info;
+}
+
+// Bad models: configs exit with status 2 and name the model and the key.
+TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
+  const std::string teacher = smallTeacher();
+  const std::string dir = scratch("run");
+  // A config of its own with `models` as its models: section.
+  auto configWith = [&](const std::string& tag, const std::string& models) {
+    const std::string path = scratch(tag + ".yaml");
+    std::ofstream(path) << "run: {recipe: dmd, steps: 2, dir: " << dir << "}\n"
+                        << "model: {arch: diffusion, embed_dim: 64, layers: 3, timesteps: 200, beta_start: 1.0e-4, "
+                           "beta_end: 0.05, init_from: "
+                        << teacher << "}\n"
+                        << "data: {kind: tensors, path: " << kRings << ", global_batch: 48, micro_batch: 4}\n"
+                        << "log: {per_rank_files: false}\n"
+                        << "checkpoint: {resume: none}\n"
+                        << "models:\n"
+                        << models;
+    return path;
+  };
+  const std::string good = "  generator: {}\n  critic: {}\n  teacher: {trainable: false}\n";
+  auto expectConfigError = [&](const std::string& args, const std::vector<std::string>& names) {
+    const CommandResult r = runCommand(kTrain + args, 120);
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
+    for (const auto& name : names) EXPECT_NE(r.output.find(name), std::string::npos) << name << " in\n" << r.output;
+  };
+  // The config as written trains (two steps): the cases below each change one thing.
+  EXPECT_EQ(runCommand(kTrain + " --config " + configWith("good", good), 300).status, 0);
+  // A model named twice.
+  const std::string twice = configWith("twice", good + "  critic: {}\n");
+  expectConfigError(" --config " + twice, {twice + ":10:3", "models.critic: named twice"});
+  // A recipe that needs a model the config lacks.
+  expectConfigError(" --config " + configWith("lacking", "  generator: {}\n  teacher: {trainable: false}\n"),
+                    {"run.recipe: dmd needs a model named 'critic' under models: (the config has: generator, teacher)"});
+  // A frozen model with an optim or ema section.
+  expectConfigError(" --config " + configWith("frozen", "  generator: {}\n  critic: {}\n  teacher: {trainable: false, "
+                                                          "optim: {lr: 0.1}}\n"),
+                    {"models.teacher.trainable", "has no optim: remove its models.teacher.optim section"});
+  const std::string config = " --config " + configWith("base", good);
+  expectConfigError(config + " --set models.teacher.ema.decays=[0.9]", {"models.teacher.trainable", "has no ema"});
+  // init_from whose tensors do not fit: a wider teacher than the file.
+  expectConfigError(config + " --set models.teacher.embed_dim=32",
+                    {"models.teacher.init_from: ", teacher, "does not match the model", "shape mismatch"});
+  // --set for a model the config does not name; a bad name; the recipe's roles.
+  expectConfigError(config + " --set models.critc.optim.lr=1", {"models.critc.optim.lr", "no entry 'critc'"});
+  expectConfigError(" --config " + configWith("bad_name", good + "  9lives: {}\n"), {"models.9lives", "identifiers"});
+  expectConfigError(config + " --set models.critic.trainable=false", {"models.critic.trainable", "dmd trains its critic"});
+  expectConfigError(config + " --set models.generator.sharding.strategy=hybrid",
+                    {"models.generator.sharding.strategy", "hybrid is not supported"});
+  expectConfigError(config + " --set run.recipe=standard", {"run.recipe: standard trains the single model"});
+  expectConfigError(config + " --set checkpoint.export=[teacher_ema]",
+                    {"checkpoint.export", "'teacher_ema'", "generator_ema"});
+}
+
+}  // namespace
