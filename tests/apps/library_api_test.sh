@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the build tree $1 into a scratch prefix under $3, configures and builds the
-# examples project $2 against it (find_package(Tessera)), and runs its program on one
+# examples project $2 against it (find_package(Tessera)), and runs its programs on one
 # rank and, through the installed tessera-run, on two. Fails on any step.
 set -euo pipefail
 build_dir=$1 examples_dir=$2 work=$3
@@ -17,4 +17,11 @@ cmake --build "$work/build" > "$work/build.log"
 "$work/prefix/bin/tessera-run" --standalone --nproc-per-node 2 \
   "$work/build/train_with_tessera" --out "$work/ema2.safetensors"
 test -s "$work/ema1.safetensors" && test -s "$work/ema2.safetensors"
-echo "library API: installed, example built and run on 1 and 2 ranks"
+# Two models, two optimizers, one EMA, one checkpoint: it checks itself that the loss fell
+# and that the run resumed from its checkpoint ends where the uninterrupted one does.
+"$work/build/two_models_one_checkpoint" --dir "$work/two1"
+"$work/prefix/bin/tessera-run" --standalone --nproc-per-node 2 \
+  "$work/build/two_models_one_checkpoint" --dir "$work/two2"
+test -s "$work/two1/decoder_ema.safetensors" && test -s "$work/two2/decoder_ema.safetensors"
+test -f "$work/two2/checkpoints/step_00000020/metadata.json"
+echo "library API: installed, both examples built and run on 1 and 2 ranks"

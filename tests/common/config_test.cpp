@@ -2,7 +2,10 @@
 // each checked for the key path and the YAML line:column it names.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 
@@ -261,6 +264,122 @@ TEST(ConfigSchemaRegistration, RejectsDuplicatesAndNesting) {
   EXPECT_THROW(s.add("x.y", &b, ""), Error);
   EXPECT_THROW(s.add("x.y.z", &b, ""), Error);
   EXPECT_THROW(s.add("x", &b, ""), Error);
+}
+
+// A section whose keys are names the user picks: each entry its own schema, inheriting
+// what it does not set from the top level.
+class NamedSectionTest : public ::testing::Test {
+ protected:
+  struct Entry {
+    std::string name;
+    double lr = 1.0;
+    int64_t width = 8;
+  };
+
+  void SetUp() override {
+    schema.add("optim.lr", &lr, "lr").greaterThan(0.0);
+    schema.add("model.width", &width, "width").min(1);
+    schema.addNamedSection("models", "models by name", [this](ConfigSchema& entry, const std::string& name) {
+      entries.push_back({name});
+      Entry& e = entries.back();
+      entry.add("models." + name + ".optim.lr", &e.lr, "lr").greaterThan(0.0);
+      entry.add("models." + name + ".width", &e.width, "width").min(1);
+    });
+  }
+
+  // Entry keys inherit the top-level key of the same meaning.
+  void inherit() {
+    for (const auto& [name, entry] : schema.entries("models")) {
+      const std::string prefix = "models." + name + ".";
+      entry->inheritUnset(schema, [prefix](const std::string& key) {
+        const std::string rest = key.substr(prefix.size());
+        return rest.rfind("optim.", 0) == 0 ? rest : "model." + rest;
+      });
+    }
+  }
+
+  template <typename Fn>
+  std::string errorOf(Fn fn) {
+    try {
+      fn();
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "expected ConfigError";
+    return "";
+  }
+
+  double lr = 0.5;
+  int64_t width = 4;
+  std::deque<Entry> entries;  // stable addresses for the bound keys
+  ConfigSchema schema;
+};
+
+TEST_F(NamedSectionTest, EntriesLoadOverrideAndInherit) {
+  schema.loadString("optim: {lr: 0.25}\nmodels:\n  g: {width: 16}\n  c: {optim: {lr: 2.0}}\n", "m.yaml");
+  schema.applyOverride("models.c.width=32");
+  // What an entry set itself, before it inherits the rest.
+  EXPECT_TRUE(schema.entries("models")[1].second->anySet("models.c.optim."));
+  EXPECT_FALSE(schema.entries("models")[0].second->anySet("models.g.optim."));
+  inherit();
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_EQ(entries[0].name, "g");
+  EXPECT_EQ(entries[0].width, 16);
+  EXPECT_DOUBLE_EQ(entries[0].lr, 0.25);  // inherited after the top level was read
+  EXPECT_EQ(entries[1].width, 32);
+  EXPECT_DOUBLE_EQ(entries[1].lr, 2.0);
+  // Where an inherited value came from is where the top level set it.
+  EXPECT_EQ(schema.entries("models")[0].second->locationOf("models.g.optim.lr").str(), "m.yaml:1:13");
+  // The resolved YAML holds the entries and loads back to itself.
+  const std::string yaml = schema.toYaml();
+  EXPECT_NE(yaml.find("models:\n  g:\n    optim:\n      lr: 0.25\n    width: 16\n"), std::string::npos) << yaml;
+  double lr2 = 0;
+  int64_t width2 = 0;
+  std::deque<Entry> entries2;
+  ConfigSchema second;
+  second.add("optim.lr", &lr2, "");
+  second.add("model.width", &width2, "");
+  second.addNamedSection("models", "", [&entries2](ConfigSchema& entry, const std::string& name) {
+    entries2.push_back({name});
+    entry.add("models." + name + ".optim.lr", &entries2.back().lr, "");
+    entry.add("models." + name + ".width", &entries2.back().width, "");
+  });
+  second.loadString(yaml, "resolved.yaml");
+  EXPECT_EQ(second.toYaml(), yaml);
+}
+
+TEST_F(NamedSectionTest, ErrorsNameTheEntryAndKey) {
+  EXPECT_NE(errorOf([&] { schema.loadString("models:\n  g: {}\n  g: {}\n", "t.yaml"); }).find("t.yaml:3:3: models.g: named twice"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.loadString("models:\n  g: {widht: 3}\n", "u.yaml"); })
+                .find("u.yaml:2:7: models.g.widht: unknown key (did you mean 'models.g.width'?)"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.loadString("models:\n  g: {width: 0}\n", "r.yaml"); }).find("models.g.width: value 0"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.loadString("models:\n  2x: {}\n", "n.yaml"); }).find("models.2x: entry names are identifiers"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.loadString("models: [a, b]\n", "l.yaml"); }).find("models: expected a mapping"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.loadString("models:\n  g: 3\n", "s.yaml"); }).find("models.g: expected a mapping of keys"),
+            std::string::npos);
+  schema.loadString("models:\n  g: {}\n", "ok.yaml");
+  EXPECT_NE(errorOf([&] { schema.applyOverride("models.h.width=3"); }).find("no entry 'h' (the config has: g)"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("models=3"); }).find("is a section"), std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("models.g.width=x"); }).find("models.g.width: expected an integer"),
+            std::string::npos);
+}
+
+TEST_F(NamedSectionTest, ABaseFileAndItsChildNameTheSameEntry) {
+  const auto dir = std::filesystem::temp_directory_path() / ("tessera_named_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir / "base.yaml") << "models:\n  g: {width: 16, optim: {lr: 3.0}}\n";
+  std::ofstream(dir / "child.yaml") << "base: base.yaml\nmodels:\n  g: {width: 24}\n  c: {}\n";
+  schema.loadFile((dir / "child.yaml").string());
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(entries.size(), 2u);  // g once, merged
+  EXPECT_EQ(entries[0].width, 24);
+  EXPECT_DOUBLE_EQ(entries[0].lr, 3.0);
 }
 
 }  // namespace
