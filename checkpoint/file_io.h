@@ -21,10 +21,10 @@ class File {
   File(const File&) = delete;
   File& operator=(const File&) = delete;
 
-  // Opens a regular file for reading. A missing file throws CheckpointError ("missing
-  // file ..."); a FIFO, device or directory throws tessera::Error, and so does a symbolic
-  // link unless `links` is kFollow: files inside a checkpoint are never links (a checkpoint
-  // does not read outside its step directory); safetensors weights the user names may be.
+  // Opens a regular file for reading. A missing file, a FIFO, a device, a directory, and a
+  // symbolic link unless `links` is kFollow, throw CheckpointError naming the file: files
+  // inside a checkpoint are never links (a checkpoint does not read outside its step
+  // directory); safetensors weights the user names may be.
   static File openRead(const std::string& path, LinkPolicy links = LinkPolicy::kRefuse);
   // Creates a new file for writing (mode 0644), replacing whatever entry is at `path`
   // without following a link planted there (createFreshFile).

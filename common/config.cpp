@@ -732,10 +732,14 @@ void ConfigSchema::inheritUnset(const ConfigSchema& defaults,
   }
 }
 
-bool ConfigSchema::anySet(const std::string& prefix) const {
-  return std::any_of(impl_->fields.begin(), impl_->fields.end(), [&](const Field& f) {
-    return !f.location.source.empty() && f.path.compare(0, prefix.size(), prefix) == 0;
-  });
+std::vector<std::string> ConfigSchema::changedKeys(const std::string& prefix) const {
+  std::vector<std::string> out;
+  for (const auto& f : impl_->fields) {
+    if (f.path.compare(0, prefix.size(), prefix) == 0 && emitInline(valueNode(f.target)) != f.defaultText) {
+      out.push_back(f.path);
+    }
+  }
+  return out;
 }
 
 std::string ConfigSchema::toYaml() const {

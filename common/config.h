@@ -114,8 +114,8 @@ class ConfigSchema {
   // `defaultPath(key)` when it has one of the same type (keeping where that value came
   // from): an entry inherits what it does not say from the top level.
   void inheritUnset(const ConfigSchema& defaults, const std::function<std::string(const std::string&)>& defaultPath);
-  // Whether any key starting with `prefix` was set by a file or an override.
-  bool anySet(const std::string& prefix) const;
+  // The keys starting with `prefix` whose value differs from their default (whoever set it).
+  std::vector<std::string> changedKeys(const std::string& prefix) const;
 
   // Throws ConfigError for every required key that was never given (the first one),
   // entries of named sections included.

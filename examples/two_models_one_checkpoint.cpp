@@ -176,7 +176,9 @@ int main(int argc, char** argv) {
     const auto loaded = checkpoint::loadCheckpoint(dir + "/checkpoints/step_00000020", resumed.stateEntries());
     resumed.encoderStrategy->publishParameters();  // the loaded masters into the modules
     resumed.decoderStrategy->publishParameters();
-    resumed.ema->setUpdateCount(kSteps / 2);       // what trainerState recorded
+    // The counters saved next to the tensors: {"ema_updates": N}.
+    const std::string& state = loaded.trainerState;
+    resumed.ema->setUpdateCount(std::stoll(state.substr(state.find(':') + 1)));
     double resumedLast = 0;
     for (int64_t step = loaded.step; step < kSteps; ++step) resumedLast = resumed.step(step, *comm);
 

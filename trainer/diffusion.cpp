@@ -110,6 +110,13 @@ at::Tensor DiffusionDenoiser::losses(const Batch& batch) {
   return (predicted.flatten(1).to(at::kFloat) - noise).square().mean(1);
 }
 
+at::Tensor predictNoiseInUnits(DiffusionDenoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps) {
+  return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps},
+                               [&model](const std::vector<at::Tensor>& in) {
+                                 return std::vector<at::Tensor>{model.forward(in[0], in[1])};
+                               })[0];
+}
+
 at::Tensor sampleDdpm(const NoiseSchedule& schedule, const std::vector<int64_t>& sampleShape, int64_t count,
                       uint64_t seed, at::Device device,
                       const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& predictNoise) {

@@ -74,6 +74,10 @@ class DiffusionDenoiser : public TrainModel {
   layers::LayerNorm outNorm_{nullptr};
 };
 
+// The denoiser's noise prediction eps(x_t, t) with its root entered as a unit (zero3/hybrid
+// gather the root's parameters there; a plain call under the other strategies).
+at::Tensor predictNoiseInUnits(DiffusionDenoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps);
+
 // DDPM ancestral sampling of `count` samples from pure noise drawn with `seed`:
 // x_{t-1} = (x_t - beta_t / sqrt(1 - abar_t) eps) / sqrt(1 - beta_t) + sqrt(beta_t) z.
 // `predictNoise(x_t, t)` is the denoiser's forward (the trainer routes it through the

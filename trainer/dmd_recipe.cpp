@@ -34,6 +34,12 @@ std::vector<uint64_t> streamSeeds(const std::vector<uint64_t>& sampleSeeds, uint
   return out;
 }
 
+// Elements [begin, end) of `v`.
+template <typename T>
+std::vector<T> slice(const std::vector<T>& v, size_t begin, size_t end) {
+  return std::vector<T>(v.begin() + static_cast<std::ptrdiff_t>(begin), v.begin() + static_cast<std::ptrdiff_t>(end));
+}
+
 // One seed per sample of global indices `indices` at `step` (run seed mixed in).
 std::vector<uint64_t> sampleSeeds(int64_t runSeed, int64_t step, const std::vector<int64_t>& indices) {
   std::vector<uint64_t> out;
@@ -55,14 +61,6 @@ at::Tensor normalPerSample(const std::vector<uint64_t>& seeds, const std::vector
   return out;
 }
 
-// The denoiser's noise prediction eps(x_t, t), through its root unit.
-at::Tensor predictNoise(DiffusionDenoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps) {
-  return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps},
-                               [&model](const std::vector<at::Tensor>& in) {
-                                 return std::vector<at::Tensor>{model.forward(in[0], in[1])};
-                               })[0];
-}
-
 DiffusionDenoiser& denoiserOf(ModelPart& part) {
   auto* model = dynamic_cast<DiffusionDenoiser*>(part.model.get());
   TESSERA_CHECK_AS(ConfigError, model != nullptr, "run.recipe dmd: ", part.cfg.modelKeys,
@@ -80,14 +78,8 @@ class DmdRecipe : public Recipe {
         generatorNet_(denoiserOf(generator_)),
         criticNet_(denoiserOf(critic_)),
         teacherNet_(denoiserOf(teacher_)) {
-    const NoiseSchedule& g = generatorNet_.schedule();
-    for (const ModelPart* other : {&critic_, &teacher_}) {
-      const NoiseSchedule& s = dynamic_cast<DiffusionDenoiser&>(*other->model).schedule();
-      TESSERA_CHECK_AS(ConfigError, s.timesteps == g.timesteps && s.alphaBars == g.alphaBars, "run.recipe dmd: ",
-                       other->cfg.modelKeys, "timesteps/beta_start/beta_end differ from the generator's: the three "
-                                             "models must share one noise schedule");
-    }
-    const int64_t T = g.timesteps;
+    // One noise schedule for the three (finishTrainConfig checked their keys).
+    const int64_t T = generatorNet_.schedule().timesteps;
     minT_ = std::min<int64_t>(T - 1, static_cast<int64_t>(std::floor(run.cfg.recipe.min_t * static_cast<double>(T))));
     maxT_ = std::max<int64_t>(minT_, static_cast<int64_t>(std::ceil(run.cfg.recipe.max_t * static_cast<double>(T))) - 1);
     if (run.cfg.recipe.regression_weight > 0) makePairs();
@@ -99,14 +91,19 @@ class DmdRecipe : public Recipe {
     const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, step, indices);
     StepOutcome out;
     double criticLoss = 0;
-    for (int64_t k = 0; k < run_.cfg.recipe.critic_steps; ++k) criticLoss += criticUpdate(step, k, indices, seeds);
+    bool criticApplied = false;
+    for (int64_t k = 0; k < run_.cfg.recipe.critic_steps; ++k) criticLoss += criticUpdate(step, k, seeds, criticApplied);
+    // A critic EMA (when one is configured) follows the critic once per run step, like every
+    // EMA of the run: its update count stays within the run's step count.
+    if (critic_.ema) critic_.ema->update(step + 1, criticApplied);
     out.extra["critic_loss"] = criticLoss / static_cast<double>(run_.cfg.recipe.critic_steps);
 
     sharding::ShardingStrategy& strategy = *generator_.strategy;
     strategy.zeroGrad();
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
-    forEachMicroBatch(generator_, indices, seeds, [&](const std::vector<int64_t>& microIndices,
-                                                      const std::vector<uint64_t>& micro) {
+    forEachMicroBatch(run_, generator_, [&](size_t begin, size_t end) {
+      const std::vector<uint64_t> micro = slice(seeds, begin, end);
+      const std::vector<int64_t> microIndices = slice(indices, begin, end);
       at::Tensor perSample = generatorLoss(micro);
       if (run_.cfg.recipe.regression_weight > 0) {
         perSample = perSample + run_.cfg.recipe.regression_weight * regressionLoss(microIndices);
@@ -149,28 +146,15 @@ class DmdRecipe : public Recipe {
   }
 
  private:
-  // Runs `fn(indices, seeds)` on each micro-batch of this rank's share of the step (global
-  // sample indices and their seeds), with `part`'s gradient synchronisation set as
-  // sharding.reduce_every_micro_batch says.
-  template <typename Fn>
-  void forEachMicroBatch(ModelPart& part, const std::vector<int64_t>& indices, const std::vector<uint64_t>& seeds,
-                         Fn&& fn) {
-    const auto micro = static_cast<std::ptrdiff_t>(run_.cfg.data.micro_batch);
-    for (int64_t m = 0; m < run_.microBatches; ++m) {
-      if (!part.cfg.sharding.reduce_every_micro_batch) part.strategy->setRequiresGradientSync(m + 1 == run_.microBatches);
-      const std::ptrdiff_t begin = m * micro;
-      fn(std::vector<int64_t>(indices.begin() + begin, indices.begin() + begin + micro),
-         std::vector<uint64_t>(seeds.begin() + begin, seeds.begin() + begin + micro));
-    }
-  }
-
   // Critic update k of `step`: the diffusion loss on generator samples (no gradient into
   // the generator). Returns the loss, mean over the global batch.
-  double criticUpdate(int64_t step, int64_t k, const std::vector<int64_t>& indices, const std::vector<uint64_t>& seeds) {
+  // `applied` is set when the optimizer applied the update (a non-finite norm skips it).
+  double criticUpdate(int64_t step, int64_t k, const std::vector<uint64_t>& seeds, bool& applied) {
     sharding::ShardingStrategy& strategy = *critic_.strategy;
     strategy.zeroGrad();
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
-    forEachMicroBatch(critic_, indices, seeds, [&](const std::vector<int64_t>&, const std::vector<uint64_t>& micro) {
+    forEachMicroBatch(run_, critic_, [&](size_t begin, size_t end) {
+      const std::vector<uint64_t> micro = slice(seeds, begin, end);
       Batch batch;
       {
         torch::NoGradGuard noGrad;
@@ -185,7 +169,7 @@ class DmdRecipe : public Recipe {
       stepLoss += loss.detach().to(at::kDouble).cpu();
     });
     const sharding::StepResult result = strategy.step(critic_.schedule->lrAt(step), stepLoss);
-    if (critic_.ema) critic_.ema->update(step + 1, !result.skipped);
+    applied = applied || !result.skipped;
     return stepLoss.item<double>() / static_cast<double>(run_.comm->worldSize());
   }
 
@@ -219,8 +203,8 @@ class DmdRecipe : public Recipe {
       torch::NoGradGuard noGrad;
       const at::Tensor noisy = (signal * flatX.detach() + spread * eps.to(device)).view(x.sizes());
       const at::Tensor t = timesteps.to(device);
-      const at::Tensor x0Teacher = (noisy.flatten(1) - spread * predictNoise(teacherNet_, noisy, t).flatten(1).to(at::kFloat)) / signal;
-      const at::Tensor x0Critic = (noisy.flatten(1) - spread * predictNoise(criticNet_, noisy, t).flatten(1).to(at::kFloat)) / signal;
+      const at::Tensor x0Teacher = (noisy.flatten(1) - spread * predictNoiseInUnits(teacherNet_, noisy, t).flatten(1).to(at::kFloat)) / signal;
+      const at::Tensor x0Critic = (noisy.flatten(1) - spread * predictNoiseInUnits(criticNet_, noisy, t).flatten(1).to(at::kFloat)) / signal;
       const at::Tensor scale = (flatX.detach() - x0Teacher).abs().mean(1, /*keepdim=*/true).clamp_min(1e-6);
       direction = (x0Critic - x0Teacher) / scale;
     }
@@ -247,11 +231,8 @@ class DmdRecipe : public Recipe {
     std::vector<int64_t> all(static_cast<size_t>(run_.cfg.recipe.regression_pairs));
     std::iota(all.begin(), all.end(), 0);
     pairNoise_ = normalPerSample(sampleSeeds(run_.cfg.run.seed, -3, all), generatorNet_.sampleShape());
-    TESSERA_CHECK_AS(ConfigError, run_.cfg.recipe.pair_steps <= teacherNet_.schedule().timesteps,
-                     "recipe.pair_steps: ", run_.cfg.recipe.pair_steps, " is more than the teacher's ",
-                     teacherNet_.schedule().timesteps, " timesteps");
     pairSamples_ = sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), run_.cfg.recipe.pair_steps,
-                              [this](const at::Tensor& x, const at::Tensor& t) { return predictNoise(teacherNet_, x, t); })
+                              [this](const at::Tensor& x, const at::Tensor& t) { return predictNoiseInUnits(teacherNet_, x, t); })
                        .cpu();
   }
 
@@ -259,23 +240,17 @@ class DmdRecipe : public Recipe {
   // is now (fixed noise: comparable from one evaluation to the next), split over the ranks.
   double teacherLossOfSamples() {
     torch::NoGradGuard noGrad;
-    const int rank = run_.comm->rank(), world = run_.comm->worldSize();
     constexpr int64_t kSamples = 1024;
-    // Every rank runs the forwards (zero3 gathers inside them): at least one sample each.
-    const int64_t n = std::max<int64_t>(kSamples, world);
-    const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
-    std::vector<int64_t> mine(static_cast<size_t>(end - begin));
-    std::iota(mine.begin(), mine.end(), begin);
-    const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, -1, mine);
-    Batch batch;
-    batch.inputs = generateOneStep(generatorNet_, normalPerSample(streamSeeds(seeds, kGeneratorInput),
-                                                                  generatorNet_.sampleShape()).to(run_.device));
-    batch.noiseSeeds = streamSeeds(seeds, kGeneratorNoise);
-    const at::Tensor losses = lossesOf(*teacher_.model, std::move(batch), run_.device);
-    at::Tensor sums = at::tensor({losses.to(at::kDouble).sum().item<double>(), static_cast<double>(losses.numel())},
-                                 at::kDouble);
-    run_.comm->allReduce(sums, distributed::ReduceOp::kSum);
-    return sums[0].item<double>() / sums[1].item<double>();
+    return meanOverRanks(run_, std::max<int64_t>(kSamples, run_.comm->worldSize()), [&](int64_t begin, int64_t end) {
+      std::vector<int64_t> mine(static_cast<size_t>(end - begin));
+      std::iota(mine.begin(), mine.end(), begin);
+      const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, -1, mine);
+      Batch batch;
+      batch.inputs = generateOneStep(generatorNet_, normalPerSample(streamSeeds(seeds, kGeneratorInput),
+                                                                    generatorNet_.sampleShape()).to(run_.device));
+      batch.noiseSeeds = streamSeeds(seeds, kGeneratorNoise);
+      return lossesOf(*teacher_.model, std::move(batch), run_.device);
+    });
   }
 
   RunParts& run_;
@@ -292,7 +267,7 @@ at::Tensor generateOneStep(DiffusionDenoiser& model, const at::Tensor& noise) {
   const int64_t last = schedule.timesteps - 1;
   const double alphaBar = schedule.alphaBars[static_cast<size_t>(last)];
   const at::Tensor t = at::full({noise.size(0)}, last, at::TensorOptions().dtype(at::kLong).device(noise.device()));
-  const at::Tensor eps = predictNoise(model, noise, t).to(at::kFloat);
+  const at::Tensor eps = predictNoiseInUnits(model, noise, t).to(at::kFloat);
   return (noise - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
 }
 

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -17,6 +18,7 @@
 namespace tessera::trainer {
 
 struct RunParts;
+struct ModelPart;
 class TrainModel;
 
 // What one step leaves for the periodic actions and the stop decision. Every rank gets
@@ -52,6 +54,16 @@ std::unique_ptr<Recipe> makeRecipe(RunParts& run);
 // (zero3/hybrid gather the root's parameters there; a plain call under the other
 // strategies). Inputs and targets move to `device` first.
 at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device);
+
+// Runs `fn(begin, end)` for each micro-batch of this rank's share of a step — positions
+// [begin, end) in the rank's sample indices — with `part`'s gradient synchronisation set
+// as its sharding.reduce_every_micro_batch says (off before the last micro-batch when false).
+void forEachMicroBatch(const RunParts& run, ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn);
+
+// The mean of `losses(begin, end)` (per-prediction losses of samples [begin, end)) over
+// `n` samples split among the ranks, each rank at least one (zero3 gathers inside the
+// forwards: every rank must run them). Collective.
+double meanOverRanks(const RunParts& run, int64_t n, const std::function<at::Tensor(int64_t begin, int64_t end)>& losses);
 
 // Rank 0 writes `samples` to <run.dir>/samples.safetensors (metadata generator:
 // `generator`) and logs their per-feature mean and spread against the held-out data's

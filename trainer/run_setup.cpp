@@ -231,8 +231,9 @@ bool resume(RunParts& run) {
     throw ConfigError(strCat("run.seed: ", cfg.run.seed, " differs from the ", saved.seed, " of checkpoint ",
                              loaded->dir, "; the data order would change"));
   }
-  // No model takes more optimizer steps per run step than dmd's critic (recipe.critic_steps).
-  const int64_t perRunStep = cfg.run.recipe == "dmd" ? cfg.recipe.critic_steps : 1;
+  // No model takes more optimizer steps per run step than dmd's critic, whose
+  // recipe.critic_steps may have been higher in the run that saved.
+  const int64_t perRunStep = cfg.run.recipe == "dmd" ? RecipeOptions::kMaxCriticSteps : 1;
   const int64_t maxUpdates = boundedProduct(saved.step, perRunStep, std::numeric_limits<int64_t>::max());
   for (ModelPart& m : run.models) {
     if (m.cfg.trainable) m.strategy->optimizer().checkLoadedStepCounts(maxUpdates, loaded->dir, m.cfg.names.optimizer);

@@ -29,6 +29,25 @@ at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device) {
   });
 }
 
+void forEachMicroBatch(const RunParts& run, ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn) {
+  const auto micro = static_cast<size_t>(run.cfg.data.micro_batch);
+  for (int64_t m = 0; m < run.microBatches; ++m) {
+    if (!part.cfg.sharding.reduce_every_micro_batch) part.strategy->setRequiresGradientSync(m + 1 == run.microBatches);
+    fn(static_cast<size_t>(m) * micro, static_cast<size_t>(m + 1) * micro);
+  }
+}
+
+double meanOverRanks(const RunParts& run, int64_t n, const std::function<at::Tensor(int64_t begin, int64_t end)>& losses) {
+  const int rank = run.comm->rank(), world = run.comm->worldSize();
+  TESSERA_CHECK_AS(ConfigError, n >= world, "evaluation: ", n, " samples, fewer than the ", world,
+                   " ranks (every rank runs the forwards; raise data.eval_fraction)");
+  const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
+  const at::Tensor mine = losses(begin, end);
+  at::Tensor sums = at::tensor({mine.to(at::kDouble).sum().item<double>(), static_cast<double>(mine.numel())}, at::kDouble);
+  run.comm->allReduce(sums, distributed::ReduceOp::kSum);
+  return sums[0].item<double>() / sums[1].item<double>();
+}
+
 std::string writeSamples(RunParts& run, const at::Tensor& samples, const std::string& generator) {
   if (run.comm->rank() != 0) return "";
   const std::string out = (run.runDir / "samples.safetensors").string();
@@ -69,20 +88,17 @@ class StandardRecipe : public Recipe {
     const TrainConfig& cfg = run_.cfg;
     strategy.zeroGrad();
     const std::vector<int64_t> indices = run_.sampler->indicesFor(step, comm.rank(), comm.worldSize());
-    const int64_t micro = cfg.data.micro_batch;
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
-    for (int64_t m = 0; m < run_.microBatches; ++m) {
-      // sharding.reduce_every_micro_batch false: micro-batches before the last keep full
-      // gradients and do not communicate.
-      if (!part_.cfg.sharding.reduce_every_micro_batch) strategy.setRequiresGradientSync(m + 1 == run_.microBatches);
-      std::vector<int64_t> slice(indices.begin() + m * micro, indices.begin() + (m + 1) * micro);
+    forEachMicroBatch(run_, part_, [&](size_t begin, size_t end) {
+      std::vector<int64_t> slice(indices.begin() + static_cast<std::ptrdiff_t>(begin),
+                                 indices.begin() + static_cast<std::ptrdiff_t>(end));
       Batch batch = run_.data->trainBatch(slice);
       seedNoise(batch, cfg.run.seed, step, slice);
       at::Tensor loss =
           lossesOf(*part_.model, std::move(batch), run_.device).mean() / static_cast<double>(run_.microBatches);
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
-    }
+    });
     StepOutcome out;
     out.lr = part_.schedule->lrAt(step);
     // The step's loss (summed, then averaged) and the stop flags ride on the strategy's
@@ -114,39 +130,23 @@ class StandardRecipe : public Recipe {
     at::Tensor samples;
     ema::withEmaWeights(*part_.ema, *part_.strategy, 0, [&] {
       samples = sampleDdpm(model->schedule(), model->sampleShape(), cfg.model.samples, noiseSeed(cfg.run.seed, -2, 0),
-                           run_.device, [&](const at::Tensor& x, const at::Tensor& t) {
-                             return sharding::unitForward(*model, std::vector<at::Tensor>{x, t},
-                                                          [&](const std::vector<at::Tensor>& in) {
-                                                            return std::vector<at::Tensor>{model->forward(in[0], in[1])};
-                                                          })[0];
-                           });
+                           run_.device,
+                           [model](const at::Tensor& x, const at::Tensor& t) { return predictNoiseInUnits(*model, x, t); });
     });
     return writeSamples(run_, samples, part_.cfg.names.ema);
   }
 
  private:
-  // Sum of the losses over this rank's share of the first `n` held-out samples, all-reduced
-  // to the mean over all their predictions.
+  // The mean loss over the first (up to 4096) held-out samples' predictions.
   double heldOutLoss() {
     torch::NoGradGuard noGrad;
-    const int rank = run_.comm->rank(), world = run_.comm->worldSize();
-    const int64_t n = std::min<int64_t>(run_.data->evalSamples(), 4096);
-    // Every rank must run the forward (zero3 gathers inside it): at least one sample each.
-    TESSERA_CHECK_AS(ConfigError, n >= world, "evaluation: data.eval_fraction leaves ", n,
-                     " held-out samples, fewer than the ", world, " ranks");
-    const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
-    at::Tensor sums = at::zeros({2}, at::kDouble);  // [loss sum, count]
-    if (end > begin) {
+    return meanOverRanks(run_, std::min<int64_t>(run_.data->evalSamples(), 4096), [&](int64_t begin, int64_t end) {
       Batch batch = run_.data->evalBatch(begin, end - begin);
       std::vector<int64_t> indices(static_cast<size_t>(end - begin));
       std::iota(indices.begin(), indices.end(), begin);
       seedNoise(batch, run_.cfg.run.seed, -1, indices);
-      const at::Tensor losses = lossesOf(*part_.model, batch, run_.device);
-      sums[0] = losses.to(at::kDouble).sum().item<double>();
-      sums[1] = static_cast<double>(losses.numel());  // predictions, not windows
-    }
-    run_.comm->allReduce(sums, distributed::ReduceOp::kSum);
-    return sums[0].item<double>() / sums[1].item<double>();
+      return lossesOf(*part_.model, batch, run_.device);  // one per prediction, not per window
+    });
   }
 
   RunParts& run_;

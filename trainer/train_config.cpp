@@ -99,7 +99,8 @@ void bindShardingKeys(config::ConfigSchema& s, const std::string& p, ShardingOpt
 
 void bindEmaKeys(config::ConfigSchema& s, const std::string& p, EmaSection& e) {
   s.add(p + "enabled", &e.enabled, "Keep an EMA of the parameters");
-  s.add(p + "decays", &e.decays, "EMA decays; the first is generator_ema, each also generator_ema_<decay>")
+  s.add(p + "decays", &e.decays,
+        "EMA decays; the first is generator_ema (a models: entry's: <name>_ema), each also <that name>_<decay>")
       .min(0.0).lessThan(1.0).nonEmpty();
   s.add(p + "dtype", &e.dtype, "EMA dtype").oneOf({"fp32", "bf16"});
   s.add(p + "start_step", &e.start_step, "Steps before this copy the parameters instead of averaging").min(0);
@@ -202,7 +203,9 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
       .oneOf({"fp32", "bf16", "fp16"});
 
   s.describeSection("recipe", "run.recipe dmd: distribution-matching distillation");
-  s.add("recipe.critic_steps", &c.recipe.critic_steps, "Critic updates per generator update").min(1).max(1000);
+  s.add("recipe.critic_steps", &c.recipe.critic_steps, "Critic updates per generator update")
+      .min(1)
+      .max(RecipeOptions::kMaxCriticSteps);
   s.add("recipe.min_t", &c.recipe.min_t,
         "The generator's samples are noised at a timestep drawn in [min_t, max_t] x model.timesteps")
       .min(0.0).lessThan(1.0);
@@ -296,6 +299,15 @@ void checkExportNames(const config::ConfigSchema& s, const TrainConfig& c) {
       if (n.alias != n.state) known.push_back(n.alias);
     }
   }
+  // Two things under one name (a model "generator_ema" beside the generator's EMA) would
+  // export one as the other.
+  for (size_t i = 0; i < known.size(); ++i) {
+    if (std::find(known.begin(), known.begin() + static_cast<std::ptrdiff_t>(i), known[i]) !=
+        known.begin() + static_cast<std::ptrdiff_t>(i)) {
+      throw ConfigError(strCat("two things this run can export are named '", known[i], "' (models, their EMAs and ",
+                               "the EMAs' <name>_<decay> names must all differ): rename the model or change the decay"));
+    }
+  }
   for (const auto& what : c.checkpoint.export_what) {
     if (std::find(known.begin(), known.end(), what) != known.end()) continue;
     std::string list;
@@ -308,17 +320,30 @@ void checkExportNames(const config::ConfigSchema& s, const TrainConfig& c) {
 }
 
 // The models: entries before they inherit: what an entry may not say. A frozen model has
-// no optimizer and no EMA, so sections for them are mistakes, not defaults to ignore.
+// no optimizer and no EMA, so changing their keys is a mistake, not a default to ignore
+// (ema.enabled false only says so). Names that would collide with the state's own
+// prefixes (model/, optim/, ema/) are refused.
 void checkEntriesAsWritten(const config::ConfigSchema& s, const TrainConfig& c) {
+  constexpr size_t kMaxModels = 16;
   const auto entries = s.entries("models");  // in the order of c.models: both as the entries appeared
+  if (entries.size() > kMaxModels) {
+    throw ConfigError(entries[kMaxModels].second->errorMessage("models." + entries[kMaxModels].first + ".trainable",
+                                                               strCat("more than ", kMaxModels, " models in one run")));
+  }
   for (size_t i = 0; i < entries.size(); ++i) {
-    const config::ConfigSchema* entry = entries[i].second;
-    const std::string p = "models." + entries[i].first + ".";
+    const config::ConfigSchema& entry = *entries[i].second;
+    const std::string& name = entries[i].first;
+    const std::string p = "models." + name + ".";
+    if (name == "model" || name == "optim" || name == "ema") {
+      throw ConfigError(entry.errorMessage(p + "trainable", strCat("'", name, "' is reserved (the checkpoint's ", name,
+                                                                   "/ prefix): name the model otherwise")));
+    }
     if (c.models[i].trainable) continue;
     for (const char* section : {"optim", "ema"}) {
-      if (entry->anySet(p + section + ".")) {
-        throw ConfigError(entry->errorMessage(p + "trainable", strCat("false (a frozen model) has no ", section,
-                                                                      ": remove its ", p + section, " section")));
+      for (const std::string& key : entry.changedKeys(p + section + ".")) {
+        if (key == p + "ema.enabled" && !c.models[i].ema.enabled) continue;
+        throw ConfigError(entry.errorMessage(key, strCat("set on a frozen model (", p, "trainable: false), which has no ",
+                                                         section, ": remove it")));
       }
     }
   }
@@ -354,9 +379,36 @@ void checkRecipe(const config::ConfigSchema& s, const TrainConfig& c) {
                                                                 : strCat("dmd trains its ", role, ": trainable true")));
     }
   }
+  const auto entries = s.entries("models");
+  const ModelEntry* generator = nullptr;
+  for (size_t i = 0; i < c.models.size(); ++i) {
+    const ModelEntry& m = c.models[i];
+    const std::string p = "models." + m.name + ".";
+    if (m.name != "generator" && m.name != "critic" && m.name != "teacher") {
+      throw ConfigError(entries[i].second->errorMessage(p + "trainable", strCat("dmd trains generator, critic and ",
+                                                                                "teacher; '", m.name, "' would never be "
+                                                                                "used: remove it")));
+    }
+    if (m.name == "generator") generator = &m;
+  }
+  // One noise schedule: the critic's and the teacher's estimates are compared at the
+  // generator's timesteps.
+  for (size_t i = 0; i < c.models.size(); ++i) {
+    const ModelOptions& m = c.models[i].model;
+    if (m.timesteps != generator->model.timesteps || m.beta_start != generator->model.beta_start ||
+        m.beta_end != generator->model.beta_end) {
+      throw ConfigError(entries[i].second->errorMessage(
+          "models." + c.models[i].name + ".timesteps", "timesteps, beta_start and beta_end must be the generator's "
+                                                       "(dmd compares the models' estimates at the same noise levels)"));
+    }
+  }
   if (c.recipe.min_t >= c.recipe.max_t) {
     throw ConfigError(s.errorMessage("recipe.min_t", strCat(c.recipe.min_t, " is not below recipe.max_t (",
                                                             c.recipe.max_t, ")")));
+  }
+  if (c.recipe.regression_weight > 0 && c.recipe.pair_steps > generator->model.timesteps) {
+    throw ConfigError(s.errorMessage("recipe.pair_steps", strCat(c.recipe.pair_steps, " is more than the teacher's ",
+                                                                 generator->model.timesteps, " timesteps")));
   }
 }
 
@@ -389,12 +441,17 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
   checkEntriesAsWritten(s, c);
   // An entry's unset keys take the top level's values: "models.g.optim.lr" <- "optim.lr",
   // "models.g.arch" <- "model.arch".
-  for (const auto& [name, entry] : s.entries("models")) {
-    const std::string p = "models." + name + ".";
-    entry->inheritUnset(s, [&p](const std::string& key) {
+  // A frozen model inherits no optimizer or EMA keys: it has neither, and its resolved
+  // config must load back (checkEntriesAsWritten refuses changed ones).
+  const auto entries = s.entries("models");
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const std::string p = "models." + entries[i].first + ".";
+    const bool frozen = !c.models[i].trainable;
+    entries[i].second->inheritUnset(s, [&p, frozen](const std::string& key) {
       const std::string rest = key.substr(p.size());
       for (const char* section : {"sharding.", "optim.", "ema."}) {
-        if (rest.rfind(section, 0) == 0) return rest;
+        if (rest.rfind(section, 0) != 0) continue;
+        return frozen && std::string(section) != "sharding." ? std::string() : rest;
       }
       return "model." + rest;
     });

@@ -124,7 +124,8 @@ struct CheckpointSection {
 
 // run.recipe dmd: distribution-matching distillation (trainer/dmd_recipe.h).
 struct RecipeOptions {
-  int64_t critic_steps = 1;  // critic updates per generator update
+  static constexpr int64_t kMaxCriticSteps = 1000;
+  int64_t critic_steps = 1;  // critic updates per generator update, at most kMaxCriticSteps
   double min_t = 0.02;       // the generator's samples are noised at t in [min_t, max_t] x T
   double max_t = 0.98;
   double regression_weight = 0.25;  // weight of DMD's regression loss to the teacher's samples (0: off)

@@ -178,20 +178,25 @@ TEST(DistillE2ETest, ShardedRunsEqualOneProcess) {
   }
 }
 
-// Stopped at step 3 on 2 ranks, resumed on 3 ranks with every model under another
-// strategy: the same figures and exports as the uninterrupted 2-rank run. The one
-// checkpoint holds all three models, the optimizers and the EMA; tessera-export and
-// tessera-ckpt read it offline.
+// Stopped at step 3 on 4 ranks (generator zero3, critic zero2, teacher zero3: the
+// config's), resumed on 3 ranks with every model under another strategy: the same figures
+// and exports as the uninterrupted 4-rank run. The one checkpoint holds all three models,
+// the optimizers and the EMA; tessera-export and tessera-ckpt read it offline.
 TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) {
   const std::string teacher = smallTeacher();
   const std::string whole = scratch("whole"), resumed = scratch("resumed");
-  mustRun(launch(2) + smallDistill(teacher, whole));
-  mustRun(launch(2) + smallDistill(teacher, resumed) + " --set run.stop_after_steps=3");
-  const std::string out = mustRun(launch(3) + smallDistill(teacher, resumed) + strategies("zero2", "zero3", "zero1"));
+  // The critic with an EMA of its own too, updated once per run step however many critic
+  // updates a step makes.
+  const std::string criticEma = " --set models.critic.ema.enabled=true --set recipe.critic_steps=3"
+                                " --set checkpoint.export=[generator_ema,generator,critic,critic_ema]";
+  mustRun(launch(4) + smallDistill(teacher, whole) + criticEma);
+  mustRun(launch(4) + smallDistill(teacher, resumed) + criticEma + " --set run.stop_after_steps=3");
+  const std::string out =
+      mustRun(launch(3) + smallDistill(teacher, resumed) + criticEma + strategies("zero2", "zero3", "zero1"));
   EXPECT_NE(out.find("resumed from " + resumed + "/checkpoints/step_00000003"), std::string::npos) << out;
   EXPECT_NE(out.find("now 3 ranks with generator:zero2 critic:zero3 teacher:zero1"), std::string::npos) << out;
   expectSameMetrics(whole, resumed);
-  for (const std::string name : {"generator_ema", "generator", "critic"}) {
+  for (const std::string name : {"generator_ema", "generator", "critic", "critic_ema"}) {
     expectSameWeights(whole + "/export/" + name + ".safetensors", resumed + "/export/" + name + ".safetensors", 1e-6);
   }
 
@@ -211,6 +216,24 @@ TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) 
   EXPECT_NE(info.find("model        teacher  34 tensors, 472.3 KiB; frozen (no optimizer state)"), std::string::npos)
       << info;
   EXPECT_NE(info.find("ema          generator_ema"), std::string::npos) << info;
+}
+
+// A single-model run's checkpoint as earlier versions wrote it — without the "model"
+// export alias this version adds — resumes, and tessera-export finds the model by name.
+TEST(DistillE2ETest, SingleModelCheckpointsOfEarlierVersionsLoad) {
+  const std::string run = scratch("single_model");
+  const std::string args = " --config " + kSource + "/configs/default.yaml --set run.dir=" + run +
+                           " --set log.per_rank_files=false --set checkpoint.async=false --set run.log_every=1"
+                           " --set optim.schedule.kind=constant";
+  mustRun(kTrain + args + " --set run.steps=2");
+  const std::string step = run + "/checkpoints/step_00000002";
+  nlohmann::json md = nlohmann::json::parse(std::ifstream(step + "/metadata.json"));
+  ASSERT_EQ(md["aliases"]["model"], "model/");
+  md["aliases"].erase("model");
+  std::ofstream(step + "/metadata.json") << md.dump(1);
+  const std::string out = mustRun(kTrain + args + " --set run.steps=3");
+  EXPECT_NE(out.find("resumed from " + step), std::string::npos) << out;
+  mustRun(kBin + "/tessera-export " + step + " --what model --out " + scratch("model.safetensors"));
 }
 
 // Bad models: configs exit with status 2 and name the model and the key.
@@ -248,9 +271,21 @@ TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
   // A frozen model with an optim or ema section.
   expectConfigError(" --config " + configWith("frozen", "  generator: {}\n  critic: {}\n  teacher: {trainable: false, "
                                                           "optim: {lr: 0.1}}\n"),
-                    {"models.teacher.trainable", "has no optim: remove its models.teacher.optim section"});
+                    {"models.teacher.optim.lr: set on a frozen model (models.teacher.trainable: false), which has no "
+                     "optim"});
   const std::string config = " --config " + configWith("base", good);
-  expectConfigError(config + " --set models.teacher.ema.decays=[0.9]", {"models.teacher.trainable", "has no ema"});
+  expectConfigError(config + " --set models.teacher.ema.decays=[0.9]", {"models.teacher.ema.decays", "has no ema"});
+  // ema.enabled false on it only says what is so; its resolved config loads back.
+  const std::string resolved = scratch("resolved.yaml");
+  ASSERT_EQ(runCommand(kTrain + config + " --set models.teacher.ema.enabled=false --print-config > " + resolved, 60).status,
+            0);
+  EXPECT_EQ(runCommand(kTrain + " --config " + resolved + " --print-config", 60).status, 0);
+  // Reserved names, and names that collide with an EMA's.
+  expectConfigError(" --config " + configWith("reserved", good + "  optim: {}\n"), {"models.optim", "reserved"});
+  expectConfigError(" --config " + configWith("extra", good + "  student: {}\n"),
+                    {"models.student.trainable", "'student' would never be used"});
+  expectConfigError(config + " --set models.teacher.timesteps=100",
+                    {"models.teacher.timesteps", "must be the generator's"});
   // init_from whose tensors do not fit: a wider teacher than the file.
   expectConfigError(config + " --set models.teacher.embed_dim=32",
                     {"models.teacher.init_from: ", teacher, "does not match the model", "shape mismatch"});

@@ -318,9 +318,10 @@ class NamedSectionTest : public ::testing::Test {
 TEST_F(NamedSectionTest, EntriesLoadOverrideAndInherit) {
   schema.loadString("optim: {lr: 0.25}\nmodels:\n  g: {width: 16}\n  c: {optim: {lr: 2.0}}\n", "m.yaml");
   schema.applyOverride("models.c.width=32");
-  // What an entry set itself, before it inherits the rest.
-  EXPECT_TRUE(schema.entries("models")[1].second->anySet("models.c.optim."));
-  EXPECT_FALSE(schema.entries("models")[0].second->anySet("models.g.optim."));
+  // What an entry changed itself, before it inherits the rest.
+  EXPECT_EQ(schema.entries("models")[1].second->changedKeys("models.c."),
+            (std::vector<std::string>{"models.c.optim.lr", "models.c.width"}));
+  EXPECT_TRUE(schema.entries("models")[0].second->changedKeys("models.g.optim.").empty());
   inherit();
   ASSERT_EQ(entries.size(), 2u);
   EXPECT_EQ(entries[0].name, "g");
