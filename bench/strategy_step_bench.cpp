@@ -31,6 +31,7 @@
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
 #include "sharding/fully_shard.h"
+#include "sharding/host_allocator.h"
 #include "sharding/strategy.h"
 
 namespace {
@@ -78,7 +79,11 @@ int main(int argc, char** argv) {
     app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
     app.add_option("--steps", steps, "timed steps")->capture_default_str()->check(CLI::PositiveNumber);
     app.add_option("--threads", threads, "intra-op threads per rank")->capture_default_str()->check(CLI::PositiveNumber);
+    bool torchAllocator = false;
+    app.add_flag("--torch-allocator", torchAllocator,
+                 "keep LibTorch's CPU allocator (default: the caching host allocator tessera-train runs with)");
     CLI11_PARSE(app, argc, argv);
+    if (!torchAllocator) sharding::useCachingHostAllocator();
 
     at::set_num_threads(threads);
     auto runtime = distributed::Runtime::init(distributed::RankEnv::fromEnvironment());

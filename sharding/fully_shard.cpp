@@ -12,6 +12,7 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -96,6 +97,9 @@ struct FullyShardStrategy::Internal {
   std::vector<FsdpUnit*> currentOrder;   // units entered in the running forward
   std::vector<FsdpUnit*> forwardOrder;   // of the last completed forward
   std::vector<FsdpUnit*> backwardOrder;  // reverse of forwardOrder, each unit once, no root
+  // Position in forwardOrder of the unit the backward gathers first: the last non-root unit
+  // with trainable parameters. It stays gathered from its forward into its backward.
+  size_t keepPosition = SIZE_MAX;
   int depth = 0;                         // unitForward nesting
   int checkpointedForwardDepth = 0;      // inside a checkpointed unit's forward
   int recomputeDepth = 0;                // inside a recompute's nested backward
@@ -194,8 +198,11 @@ struct FullyShardStrategy::Internal {
     }
     // The root stays gathered from its forward into its backward, which starts right
     // after it and needs it first (FSDP2 keeps the root unsharded after forward too):
-    // one all-gather less per micro-batch.
-    if (!grad || (s.fsdp_.reshardAfterForward && !u.isRoot)) reshard(u);
+    // one all-gather less per micro-batch. So does the unit the backward enters first
+    // (the previous forward's order says which): resharding it would only gather it again
+    // at once, while the loss is computed. Never across a step: step() reshards all.
+    const bool backwardNeedsFirst = position == keepPosition && forwardOrder[position] == &u;
+    if (!grad || (s.fsdp_.reshardAfterForward && !u.isRoot && !backwardNeedsFirst)) reshard(u);
     if (grad) {
       std::weak_ptr<int> token = alive;
       FsdpUnit* unit = &u;
@@ -213,6 +220,13 @@ struct FullyShardStrategy::Internal {
 
   void finishForward(bool grad) {
     forwardOrder = currentOrder;
+    keepPosition = SIZE_MAX;
+    for (size_t k = forwardOrder.size(); k-- > 0;) {
+      if (!forwardOrder[k]->isRoot && !forwardOrder[k]->trainable.empty()) {
+        keepPosition = k;
+        break;
+      }
+    }
     backwardOrder.clear();
     std::unordered_set<FsdpUnit*> seen;
     for (auto it = forwardOrder.rbegin(); it != forwardOrder.rend(); ++it) {

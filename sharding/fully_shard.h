@@ -48,8 +48,10 @@
 //             saved-variable version check.
 //   forward   pre: wait for the prefetched gather (or gather now), then issue the gathers of
 //             the next `prefetch` units in the recorded forward order. post: reshard when
-//             reshardAfterForward (always in no-grad mode; never the root in grad mode,
-//             whose backward follows at once, as in FSDP2), and register a hook on every
+//             reshardAfterForward (always in no-grad mode; in grad mode never the root,
+//             whose backward follows at once, as in FSDP2, nor the last unit with trainable
+//             parameters of the previous forward's order, which the backward enters first),
+//             and register a hook on every
 //             output that requires grad, which re-gathers the unit before autograd enters
 //             it in backward and prefetches the next units in reverse forward order.
 //   backward  an AccumulateGrad post hook per trainable parameter; when all of a unit's
@@ -87,13 +89,16 @@
 // the root, the running unit and at most `prefetch` units in flight: (prefetch + 1) units
 // + root, because the next gathers are issued only after the running unit's flat buffer is
 // dropped. One exception: while a unit's parameters are copied out of its gather buffer it
-// is held twice for that moment, so prefetch 0 peaks at 2 units + root, not 1.
+// is held twice for that moment, so prefetch 0 peaks at 2 units + root, not 1. The unit
+// kept from forward into backward is the running unit of the forward's end and of the
+// backward's start: it adds nothing to that peak.
 // Between steps a rank holds fp32 masters, gradient shards and AdamW moments of
 // 16 Psi/N bytes (+ padding), and no full parameter.
 //
 // Comm per step and rank (ring model of the communicator): all-gather of every unit in
-// forward, again in backward when reshardAfterForward (all but the root), one
-// reduce-scatter: (3 Psi' - Psi'_root) (N-1)/N elements (2 Psi' (N-1)/N without resharding
+// forward, again in backward when reshardAfterForward (all but the root and the unit the
+// backward enters first), one reduce-scatter: (3 Psi' - Psi'_root - Psi'_last) (N-1)/N
+// elements from the second step on (2 Psi' (N-1)/N without resharding
 // after forward), Psi' = Psi + padding; plus
 // one double all-reduced for the gradient norm.
 #pragma once

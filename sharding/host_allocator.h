@@ -13,9 +13,10 @@
 //
 // Blocks below minBytes go to the allocator that was there before (glibc's malloc, told
 // to keep freed memory in its heap: small blocks fragment little and fault often); larger
-// ones are mapped with mmap. Mapped memory grows only up to the most ever in use at once:
-// on a miss beyond that, cached blocks of other sizes are unmapped first; and no more than
-// maxCachedBytes sit unused.
+// ones are mapped with mmap. Mapped memory grows only up to the most ever in use at once
+// plus one largest block (the slack that lets a step whose sizes change over its course
+// keep its blocks): on a miss beyond that, cached blocks of other sizes are unmapped
+// first; and no more than maxCachedBytes sit unused.
 #pragma once
 
 #include <cstddef>
@@ -39,6 +40,8 @@ struct HostCacheStats {
   int64_t mappedBytes = 0;
   int64_t inUseBytes = 0;      // blocks of this allocator in use now
   int64_t peakInUseBytes = 0;  // the most ever in use at once
+  int64_t largestBlockBytes = 0;  // the largest block ever mapped: the slack above the peak
+  int64_t mappings = 0;           // blocks mapped so far (each one's pages fault in anew)
 };
 HostCacheStats hostCacheStats();
 

@@ -885,8 +885,14 @@ TEST(FullyShardMemoryTest, ForwardPeakIsPrefetchPlusOneUnits) {
                           static_cast<long long>(bound));
             }
           }
-          EXPECT_EQ(engine.unshardedParamBytes(), engine.unitParamBytes(root))
-              << "only the root stays gathered after forward, for its backward";
+          // After forward the root stays gathered for its backward, and from the second
+          // forward on (the order is recorded) the unit the backward enters first: the
+          // last block (units are the blocks in order, then the root).
+          const size_t lastBlock = root - 1;
+          EXPECT_EQ(engine.unitName(lastBlock), "blocks." + std::to_string(root - 1));
+          EXPECT_EQ(engine.unshardedParamBytes(),
+                    engine.unitParamBytes(root) + (t == 1 ? engine.unitParamBytes(lastBlock) : 0))
+              << "after forward " << t;
           loss.backward();
           EXPECT_EQ(engine.unshardedParamBytes(), 0);
           engine.step(1e-3);
@@ -901,6 +907,7 @@ struct StepMeasure {
   distributed::CommStats comm;
   int64_t psi = 0, shardNumel = 0, rowNumelSum = 0;
   int64_t rootShardNumel = 0;  // the root unit's part of shardNumel
+  int64_t lastShardNumel = 0;  // that of the unit the backward enters first
   size_t units = 0;
 };
 
@@ -932,6 +939,12 @@ std::vector<StepMeasure> measureSteps(int world, bool reshardAfterForward) {
       s.rowNumelSum += p.spec.rowNumel();
     }
     for (const auto& name : engine.unitParamNames(engine.unitCount() - 1)) s.rootShardNumel += engine.param(name).spec.paddedNumel();
+    // WideUnitMlp runs its units in wrap order: the backward enters the last one first.
+    for (size_t i = 0; i < engine.unitCount(); ++i) {
+      if (engine.unitName(i) != m.units.back()) continue;
+      for (const auto& name : engine.unitParamNames(i)) s.lastShardNumel += engine.param(name).spec.paddedNumel();
+    }
+    EXPECT_GT(s.lastShardNumel, 0);
   });
   return out;
 }
@@ -965,21 +978,22 @@ TEST(FullyShardCommTest, BytesPerStepAreThreePsiOrTwoPsi) {
     for (bool reshard : {true, false}) {
       const auto ms = measureSteps(world, reshard);
       const double k = reshard ? 3.0 : 2.0;
-      // With reshard_after_forward every unit but the root is gathered twice (forward and
-      // backward): the root stays gathered from its forward into its backward, as in FSDP2.
+      // With reshard_after_forward every unit is gathered twice (forward and backward) but
+      // two: the root (as in FSDP2) and, from the second step on (this is one), the unit the
+      // backward enters first stay gathered from their forward into their backward.
+      const auto keptOf = [&](const StepMeasure& s) { return reshard ? s.rootShardNumel + s.lastShardNumel : 0; };
       const auto targetOf = [&](const StepMeasure& s) {
-        return (k * static_cast<double>(s.psi) - (reshard ? static_cast<double>(s.rootShardNumel * world) : 0.0)) *
-               (world - 1) / world * 4;
+        return (k * static_cast<double>(s.psi) - static_cast<double>(keptOf(s) * world)) * (world - 1) / world * 4;
       };
       for (int r = 0; r < world; ++r) {
         const StepMeasure& s = ms[static_cast<size_t>(r)];
         const double target = targetOf(s);
         EXPECT_LE(std::abs(s.comm.totalBytes() - target), 0.02 * target) << "rank " << r << ": " << s.comm.toString();
         const auto units = static_cast<int64_t>(s.units);
-        EXPECT_EQ(s.comm[CommOp::kAllGather].calls, reshard ? 2 * units - 1 : units);
+        EXPECT_EQ(s.comm[CommOp::kAllGather].calls, reshard ? 2 * units - 2 : units);
         EXPECT_EQ(s.comm[CommOp::kReduceScatter].calls, units) << "each unit reduced exactly once";
         EXPECT_EQ(s.comm[CommOp::kAllGather].bytes,
-                  (reshard ? 2 * s.shardNumel - s.rootShardNumel : s.shardNumel) * (world - 1) * 4);
+                  (reshard ? 2 * s.shardNumel - keptOf(s) : s.shardNumel) * (world - 1) * 4);
         EXPECT_EQ(s.comm[CommOp::kReduceScatter].bytes, (world - 1) * 4 * s.shardNumel);
       }
       const StepMeasure& s = ms[0];
@@ -987,7 +1001,7 @@ TEST(FullyShardCommTest, BytesPerStepAreThreePsiOrTwoPsi) {
       std::printf("[comm] zero3 N=%d reshard_after_forward=%d Psi=%lld: sent %lld B/step/rank, %s Psi (N-1)/N x 4 = "
                   "%.0f B (%+.2f%%); %s\n",
                   world, reshard, static_cast<long long>(s.psi), static_cast<long long>(s.comm.totalBytes()),
-                  reshard ? "(3 - root share)" : "2", target, 100.0 * (s.comm.totalBytes() - target) / target,
+                  reshard ? "(3 - kept units' share)" : "2", target, 100.0 * (s.comm.totalBytes() - target) / target,
                   s.comm.toString().c_str());
     }
   }
