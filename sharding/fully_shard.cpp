@@ -97,8 +97,9 @@ struct FullyShardStrategy::Internal {
   std::vector<FsdpUnit*> currentOrder;   // units entered in the running forward
   std::vector<FsdpUnit*> forwardOrder;   // of the last completed forward
   std::vector<FsdpUnit*> backwardOrder;  // reverse of forwardOrder, each unit once, no root
-  // Position in forwardOrder of the unit the backward gathers first: the last non-root unit
-  // with trainable parameters. It stays gathered from its forward into its backward.
+  // Position in forwardOrder of the unit the backward enters first, kept gathered from its
+  // forward into its backward: the last unit entered, when it is a child of the root with
+  // trainable parameters (SIZE_MAX otherwise).
   size_t keepPosition = SIZE_MAX;
   int depth = 0;                         // unitForward nesting
   int checkpointedForwardDepth = 0;      // inside a checkpointed unit's forward
@@ -175,7 +176,13 @@ struct FullyShardStrategy::Internal {
     TESSERA_CHECK(outer || !u.isRoot, "FullyShardStrategy: the root unit was entered again inside its own forward");
     TESSERA_CHECK(checkpointedForwardDepth == 0, "FullyShardStrategy: unit '", u.name,
                   "' runs inside an activation-checkpointed unit; checkpointed units must not contain units");
-    if (outer) currentOrder.clear();
+    if (outer) {
+      currentOrder.clear();
+      // A unit kept for a backward that has not run yet (two forwards before one backward,
+      // or a forward without one) is not held through this forward: its backward gathers
+      // it again.
+      if (s.fsdp_.reshardAfterForward) reshardKeptUnits(nullptr);
+    }
     currentOrder.push_back(&u);
     const size_t position = currentOrder.size() - 1;
     unshard(u);
@@ -200,8 +207,9 @@ struct FullyShardStrategy::Internal {
     // after it and needs it first (FSDP2 keeps the root unsharded after forward too):
     // one all-gather less per micro-batch. So does the unit the backward enters first
     // (the previous forward's order says which): resharding it would only gather it again
-    // at once, while the loss is computed. Never across a step: step() reshards all.
-    const bool backwardNeedsFirst = position == keepPosition && forwardOrder[position] == &u;
+    // at once, while the loss is computed. A step that changes the masters reshards every
+    // unit (publishParameters), so no unit is kept across one.
+    const bool backwardNeedsFirst = depth == 1 && position == keepPosition && forwardOrder[position] == &u;
     if (!grad || (s.fsdp_.reshardAfterForward && !u.isRoot && !backwardNeedsFirst)) reshard(u);
     if (grad) {
       std::weak_ptr<int> token = alive;
@@ -220,13 +228,11 @@ struct FullyShardStrategy::Internal {
 
   void finishForward(bool grad) {
     forwardOrder = currentOrder;
-    keepPosition = SIZE_MAX;
-    for (size_t k = forwardOrder.size(); k-- > 0;) {
-      if (!forwardOrder[k]->isRoot && !forwardOrder[k]->trainable.empty()) {
-        keepPosition = k;
-        break;
-      }
-    }
+    FsdpUnit* last = forwardOrder.back();
+    keepPosition = !last->isRoot && !last->trainable.empty() ? forwardOrder.size() - 1 : SIZE_MAX;
+    // This forward's order differed from the recorded one and kept a unit that is not its
+    // last: free it now rather than when its gradients arrive.
+    if (grad && s.fsdp_.reshardAfterForward) reshardKeptUnits(last);
     backwardOrder.clear();
     std::unordered_set<FsdpUnit*> seen;
     for (auto it = forwardOrder.rbegin(); it != forwardOrder.rend(); ++it) {
@@ -236,6 +242,14 @@ struct FullyShardStrategy::Internal {
     // no-grad mode everything: no backward will free them.
     for (auto& u : units) {
       if (!grad || u->state == FsdpUnit::State::kGathering) reshard(*u);
+    }
+  }
+
+  // Reshards every gathered unit but the root and `except` (with reshardAfterForward, the
+  // only ones gathered between a forward and its backward).
+  void reshardKeptUnits(const FsdpUnit* except) {
+    for (auto& u : units) {
+      if (!u->isRoot && u.get() != except && u->state == FsdpUnit::State::kUnsharded) reshard(*u);
     }
   }
 

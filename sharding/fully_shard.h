@@ -49,8 +49,10 @@
 //   forward   pre: wait for the prefetched gather (or gather now), then issue the gathers of
 //             the next `prefetch` units in the recorded forward order. post: reshard when
 //             reshardAfterForward (always in no-grad mode; in grad mode never the root,
-//             whose backward follows at once, as in FSDP2, nor the last unit with trainable
-//             parameters of the previous forward's order, which the backward enters first),
+//             whose backward follows at once, as in FSDP2, nor the unit the backward
+//             enters first: the last one of the previous forward's order, when it is a
+//             child of the root with trainable parameters; a second forward before the
+//             backward, or one in another order, reshards it first),
 //             and register a hook on every
 //             output that requires grad, which re-gathers the unit before autograd enters
 //             it in backward and prefetches the next units in reverse forward order.

@@ -59,8 +59,7 @@ class CachingHostAllocator final : public c10::Allocator {
       // course (zero3 gathers 16 MiB units, then reduces 4 MiB chunks, then gathers
       // again) unmapped blocks and faulted them in again every step: 3.2M page faults
       // instead of 0.4M in bench_strategy_step_bench's zero3 at 4 ranks, a step 2x slower.
-      largestBlock_ = std::max(largestBlock_, size);
-      const size_t limit = std::max(peakInUse_ + largestBlock_, inUse_ + size);
+      const size_t limit = std::max(peakInUse_ + std::max(largestBlock_, size), inUse_ + size);
       while (mapped_ + size > limit && !free_.empty()) {
         auto oldest = free_.begin();
         for (auto candidate = free_.begin(); candidate != free_.end(); ++candidate) {
@@ -76,6 +75,7 @@ class CachingHostAllocator final : public c10::Allocator {
       TORCH_CHECK(ptr != MAP_FAILED, "CachingHostAllocator: cannot map ", size, " bytes: ", std::strerror(errno));
       mapped_ += size;
       ++mappings_;
+      largestBlock_ = std::max(largestBlock_, size);
     }
     blocks_[ptr] = blockSize;
     inUse_ += blockSize;
