@@ -17,7 +17,7 @@ constexpr int64_t kMiB = int64_t{1} << 20;
 
 at::Tensor bytes(int64_t n) { return at::empty({n}, at::kByte); }
 
-TEST(HostAllocatorTest, ReusesFreedBlocksAndMapsNoMoreThanThePeakInUse) {
+TEST(HostAllocatorTest, ReusesFreedBlocksAndKeepsOneBlockAboveThePeak) {
   useCachingHostAllocator();
   const HostCacheStats start = hostCacheStats();
 
