@@ -8,9 +8,10 @@
 // Model: Linear layers of the given widths with ReLU between them (1024-2048-2048-1024 by
 // default, 8.4M parameters); zero3 makes every Linear a unit. Each step: zeroGrad,
 // forward of this rank's slice of the global batch, MSE loss against a fixed target,
-// backward, AdamW step. Prints one JSON line on rank 0: the median and every step time
-// after the warm-up (rank 0's wall clock, as the reference measures), the median of each
-// phase, and the number of collectives per step.
+// backward, AdamW step. Host memory comes from the caching allocator tessera-train
+// installs (--torch-allocator: LibTorch's). Prints one JSON line on rank 0: the median
+// and every step time after the warm-up (rank 0's wall clock, as the reference
+// measures), the median of each phase, and the number of collectives per step.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
