@@ -26,9 +26,11 @@
 //      replaces `latest`, and only then deletes checkpoints beyond keep_last.
 // The writing of step 4 and step 5 run on the calling thread (sync) or on one background
 // writer thread per rank (async: the training stall is steps 1-4's copy). The writer
-// threads never use the communicator: the hand-off between ranks goes through the
-// (shared) filesystem, so training collectives and the writer never interleave on one
-// communicator. The directory must therefore be on a filesystem every rank sees (one
+// threads issue no collective: the hand-off between ranks goes through the (shared)
+// filesystem, so training collectives and the writer never interleave on one
+// communicator. (An async writer only waits, with the communicator's timeout, for the
+// one-element all-reduce save() issued after the copy, so that it starts once every
+// rank has staged; a timeout there marks the communicator broken, as any would.) The directory must therefore be on a filesystem every rank sees (one
 // machine, or NFS/Lustre/GPFS for several).
 //
 // A crash at any point leaves either the previous checkpoints untouched plus an
@@ -78,8 +80,9 @@ struct CheckpointOptions {
   bool async = false;
   // Checksum granularity (multiple of 8): a resharding reader reads at most 2 extra
   // blocks per chunk. 1 MiB: a 4 -> 3 rank resharded load of bench/checkpoint_bench
-  // reads 1.05x the checkpoint's bytes (1.16x with 4 MiB blocks), and metadata.json
-  // stays small (16 hex digits per MiB: 20 MB for a 1 TB checkpoint).
+  // reads 1.05x the checkpoint's bytes (1.16x with 4 MiB blocks); metadata.json holds
+  // one checksum line (~26 bytes) per MiB: ~27 MB for 1 TiB, and its 256 MiB cap
+  // (kMaxJsonBytes) is reached at ~10 TiB: raise blockBytes for larger checkpoints.
   int64_t blockBytes = int64_t{1} << 20;
   // How long rank 0 waits for the other ranks' chunk tables.
   std::chrono::milliseconds commitTimeout = std::chrono::minutes(10);

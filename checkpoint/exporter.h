@@ -4,7 +4,7 @@
 //
 // Names: the tensors under a prefix ("ema/generator_ema/", "model/") with the prefix
 // stripped, i.e. the user's module names ("layers.0.weight"). Memory: the offline export
-// streams each tensor from its chunks one checksum block (4 MiB) at a time, so its peak
+// streams each tensor from its chunks one checksum block (1 MiB by default) at a time, so its peak
 // is about one block plus the process, whatever the model size; the online export holds
 // one full tensor at a time on rank 0.
 // Splitting: with maxShardBytes, tensors go, in order, into files of at most that many

@@ -6,7 +6,7 @@
 // chunk that intersects them, only the intersecting bytes, so the same code loads a
 // checkpoint saved on any number of ranks into any other (and Shard(0) <-> Replicate:
 // a replicated destination needs all rows). Checksums cover blocks of block_bytes
-// (4 MiB by default) of each chunk: a verified read also reads the rest of the first
+// (1 MiB by default) of each chunk: a verified read also reads the rest of the first
 // and last block it touches (at most 2 blocks extra per chunk), never whole chunks.
 //
 // Errors are CheckpointError naming the checkpoint directory, the file and the tensor:

@@ -5,6 +5,8 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <csignal>
 
 #include <filesystem>
@@ -144,6 +146,40 @@ TEST(AsyncSaveTest, AtMostOneSaveInFlight) {
   EXPECT_EQ(maxActive.load(), 1);
   EXPECT_EQ(listCheckpoints(tmp.path()).size(), 2u);
   EXPECT_EQ(readLatest(tmp.path()), "step_00000002");
+}
+
+// A writer starts only once every rank has staged (a writer hashing beside a copy still
+// running slows it when ranks share cores): rank 1 is slow to stage; rank 0's writer
+// reaches its data file only after rank 1's copy began, although rank 0's own save()
+// returned long before.
+TEST(AsyncSaveTest, WritersStartOnceEveryRankHasStaged) {
+  TempDir tmp;
+  const auto model = sampleModel();
+  CheckpointOptions options;
+  options.async = true;
+  using Clock = std::chrono::steady_clock;
+  std::atomic<int64_t> rank1StagedAt{0}, rank0WriterAt{0};
+  const auto now = [] { return Clock::now().time_since_epoch().count(); };
+  options.faultHook = [&](SavePoint p, int rank) {
+    if (p == SavePoint::kStaging && rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      rank1StagedAt = now();  // its copy starts now
+    } else if (p == SavePoint::kBeforeData && rank == 0) {
+      rank0WriterAt = now();
+    }
+  };
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    Checkpointer ckpt(tmp.path(), ctx.comm(), options);
+    SaveRequest req;
+    req.step = 1;
+    req.entries = entriesFor(model, ctx.world, ctx.rank);
+    ckpt.save(req);
+    ckpt.finish();
+  });
+  ASSERT_GT(rank1StagedAt.load(), 0);
+  ASSERT_GT(rank0WriterAt.load(), 0);
+  EXPECT_GT(rank0WriterAt.load(), rank1StagedAt.load()) << "rank 0's writer started before rank 1 had staged";
+  EXPECT_EQ(readLatest(tmp.path()), "step_00000001");
 }
 
 TEST(AsyncSaveTest, DestructorWaitsForTheWriter) {
