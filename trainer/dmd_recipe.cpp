@@ -89,17 +89,14 @@ class DmdRecipe : public Recipe {
     distributed::Communicator& comm = *run_.comm;
     const std::vector<int64_t> indices = run_.sampler->indicesFor(step, comm.rank(), comm.worldSize());
     const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, step, indices);
-    StepOutcome out;
     double criticLoss = 0;
     bool criticApplied = false;
     for (int64_t k = 0; k < run_.cfg.recipe.critic_steps; ++k) criticLoss += criticUpdate(step, k, seeds, criticApplied);
     // A critic EMA (when one is configured) follows the critic once per run step, like every
     // EMA of the run: its update count stays within the run's step count.
     if (critic_.ema) critic_.ema->update(step + 1, criticApplied);
-    out.extra["critic_loss"] = criticLoss / static_cast<double>(run_.cfg.recipe.critic_steps);
 
-    sharding::ShardingStrategy& strategy = *generator_.strategy;
-    strategy.zeroGrad();
+    generator_.strategy->zeroGrad();
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
     forEachMicroBatch(run_, generator_, [&](size_t begin, size_t end) {
       const std::vector<uint64_t> micro = slice(seeds, begin, end);
@@ -112,13 +109,8 @@ class DmdRecipe : public Recipe {
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
     });
-    out.lr = generator_.schedule->lrAt(step);
-    // The generator's loss and the stop flags ride on its gradient-norm all-reduce.
-    at::Tensor shared = at::cat({stepLoss, at::full({1}, stopRequested ? 1.0 : 0.0, at::kDouble)});
-    out.result = strategy.step(out.lr, shared);
-    if (generator_.ema) generator_.ema->update(step + 1, !out.result.skipped);
-    out.loss = shared[0].item<double>() / static_cast<double>(comm.worldSize());
-    out.stopSignalled = shared[1].item<double>() > 0;
+    StepOutcome out = stepMainModel(run_, generator_, step, stepLoss, stopRequested);
+    out.extra["critic_loss"] = criticLoss / static_cast<double>(run_.cfg.recipe.critic_steps);
     return out;
   }
 

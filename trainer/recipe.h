@@ -60,6 +60,13 @@ at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device);
 // as its sharding.reduce_every_micro_batch says (off before the last micro-batch when false).
 void forEachMicroBatch(const RunParts& run, ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn);
 
+// The optimizer step of the recipe's main model `part` (then its EMA update) with the
+// step's summed loss `stepLoss` (a [1] double tensor) and this rank's stop request riding
+// on the gradient-norm all-reduce (no collective of their own): the outcome's lr,
+// result, loss (mean over ranks) and stopSignalled. Collective.
+StepOutcome stepMainModel(const RunParts& run, ModelPart& part, int64_t step, const at::Tensor& stepLoss,
+                          bool stopRequested);
+
 // The mean of `losses(begin, end)` (per-prediction losses of samples [begin, end)) over
 // `n` samples split among the ranks, each rank at least one (zero3 gathers inside the
 // forwards: every rank must run them). Collective.

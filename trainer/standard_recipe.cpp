@@ -37,6 +37,18 @@ void forEachMicroBatch(const RunParts& run, ModelPart& part, const std::function
   }
 }
 
+StepOutcome stepMainModel(const RunParts& run, ModelPart& part, int64_t step, const at::Tensor& stepLoss,
+                          bool stopRequested) {
+  StepOutcome out;
+  out.lr = part.schedule->lrAt(step);
+  at::Tensor shared = at::cat({stepLoss, at::full({1}, stopRequested ? 1.0 : 0.0, at::kDouble)});
+  out.result = part.strategy->step(out.lr, shared);
+  if (part.ema) part.ema->update(step + 1, !out.result.skipped);
+  out.loss = shared[0].item<double>() / static_cast<double>(run.comm->worldSize());
+  out.stopSignalled = shared[1].item<double>() > 0;
+  return out;
+}
+
 double meanOverRanks(const RunParts& run, int64_t n, const std::function<at::Tensor(int64_t begin, int64_t end)>& losses) {
   const int rank = run.comm->rank(), world = run.comm->worldSize();
   TESSERA_CHECK_AS(ConfigError, n >= world, "evaluation: ", n, " samples, fewer than the ", world,
@@ -99,16 +111,7 @@ class StandardRecipe : public Recipe {
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
     });
-    StepOutcome out;
-    out.lr = part_.schedule->lrAt(step);
-    // The step's loss (summed, then averaged) and the stop flags ride on the strategy's
-    // gradient-norm all-reduce: no collective of their own.
-    at::Tensor shared = at::cat({stepLoss, at::full({1}, stopRequested ? 1.0 : 0.0, at::kDouble)});
-    out.result = strategy.step(out.lr, shared);
-    if (part_.ema) part_.ema->update(step + 1, !out.result.skipped);
-    out.loss = shared[0].item<double>() / static_cast<double>(comm.worldSize());
-    out.stopSignalled = shared[1].item<double>() > 0;
-    return out;
+    return stepMainModel(run_, part_, step, stepLoss, stopRequested);
   }
 
   void evaluate(std::map<std::string, double>& out) override {

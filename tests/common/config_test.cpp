@@ -29,6 +29,21 @@ struct Options {
   std::string path;
 };
 
+// Runs `fn`, expects a ConfigError, returns its message.
+template <typename Fn>
+std::string errorOf(Fn fn) {
+  try {
+    fn();
+  } catch (const ConfigError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected ConfigError, got: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "expected ConfigError, nothing was thrown";
+  return "";
+}
+
 class ConfigSchemaTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -45,20 +60,6 @@ class ConfigSchemaTest : public ::testing::Test {
     schema.add("data.path", &o.path, "path").required();
   }
 
-  // Runs `fn`, expects a ConfigError, returns its message.
-  template <typename Fn>
-  std::string errorOf(Fn fn) {
-    try {
-      fn();
-    } catch (const ConfigError& e) {
-      return e.what();
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "expected ConfigError, got: " << e.what();
-      return "";
-    }
-    ADD_FAILURE() << "expected ConfigError, nothing was thrown";
-    return "";
-  }
 
   Options o;
   ConfigSchema schema;
@@ -298,16 +299,6 @@ class NamedSectionTest : public ::testing::Test {
     }
   }
 
-  template <typename Fn>
-  std::string errorOf(Fn fn) {
-    try {
-      fn();
-    } catch (const ConfigError& e) {
-      return e.what();
-    }
-    ADD_FAILURE() << "expected ConfigError";
-    return "";
-  }
 
   double lr = 0.5;
   int64_t width = 4;
