@@ -5,6 +5,8 @@
 
 #include <cstdio>
 #include <limits>
+#include <memory>
+#include <new>
 
 namespace tessera::checkpoint {
 
@@ -44,6 +46,15 @@ bool isKnownDtypeName(const std::string& name) {
 int64_t dtypeBytes(at::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
 
 uint64_t checksum(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+
+uint64_t checksum(std::initializer_list<std::pair<const void*, size_t>> pieces) {
+  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(), XXH3_freeState);
+  if (!state || XXH3_64bits_reset(state.get()) != XXH_OK) throw std::bad_alloc();
+  for (const auto& [data, bytes] : pieces) {
+    if (bytes > 0) XXH3_64bits_update(state.get(), data, bytes);
+  }
+  return XXH3_64bits_digest(state.get());
+}
 
 std::string checksumHex(uint64_t value) {
   char buf[17];

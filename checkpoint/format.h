@@ -6,7 +6,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "common/errors.h"
 
@@ -32,6 +34,9 @@ int64_t dtypeBytes(at::ScalarType dtype);
 
 // The checksum of checkpoint blocks: XXH3 64-bit, seed 0.
 uint64_t checksum(const void* data, size_t bytes);
+// The checksum of a block held in pieces (a block read partly into its destination and
+// partly into scratch): the same value as checksum() of the pieces joined, in order.
+uint64_t checksum(std::initializer_list<std::pair<const void*, size_t>> pieces);
 std::string checksumHex(uint64_t value);  // 16 lowercase hex digits
 // Parses 16 hex digits; throws CheckpointError naming `where` otherwise.
 uint64_t parseChecksumHex(const std::string& text, const std::string& where);

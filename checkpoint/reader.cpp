@@ -89,6 +89,18 @@ void CheckpointReader::checksumMismatch(const TensorInfo& t, const ChunkInfo& c,
                                checksumHex(c.checksums.at(static_cast<size_t>(block))), ", got ", checksumHex(got)));
 }
 
+namespace {
+
+// Bytes per positioned read (whole blocks when verifying, one block at the default size).
+// A verified read hashes each read right after it arrives, while it is still in the
+// CPU's caches, instead of hashing a long run from memory after reading all of it; on
+// this 2-core machine that is faster than both that and hashing on a helper thread
+// behind the next read, and 1 MiB reads into fresh memory beat one read of the whole
+// range (docs/benchmarks.md, Checkpoints).
+constexpr int64_t kReadBytes = 1 << 20;
+
+}  // namespace
+
 void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, int64_t begin, int64_t end, uint8_t* dst,
                                       bool verify) {
   if (end <= begin) return;
@@ -96,40 +108,52 @@ void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, i
   const std::string what = strCat("tensor '", t.name, "'");
   bytesRead_ += end - begin;
   if (!verify) {
-    f.readAt(dst, static_cast<size_t>(end - begin), c.offset + begin, what);
+    for (int64_t pos = begin; pos < end; pos += kReadBytes) {
+      f.readAt(dst + (pos - begin), static_cast<size_t>(std::min(kReadBytes, end - pos)), c.offset + pos, what);
+    }
     return;
   }
   const int64_t B = metadata_.blockBytes;
+  const int64_t segmentBlocks = std::max<int64_t>(1, kReadBytes / B);
   int64_t block = begin / B;
   const int64_t lastBlock = (end - 1) / B;
   while (block <= lastBlock) {
     const int64_t kb = block * B;
     const int64_t ke = std::min(c.length, kb + B);
     if (kb >= begin && ke <= end) {
-      // A run of whole blocks goes straight into dst with one read, hashed in place.
-      int64_t runEnd = block;
-      while (runEnd + 1 <= lastBlock && std::min(c.length, (runEnd + 2) * B) <= end) ++runEnd;
-      const int64_t re = std::min(c.length, (runEnd + 1) * B);
+      // A segment of whole blocks (one block, at the default block size) goes straight
+      // into dst with one read and is hashed in place.
+      int64_t segEnd = block;
+      while (segEnd + 1 <= lastBlock && segEnd + 1 < block + segmentBlocks &&
+             std::min(c.length, (segEnd + 2) * B) <= end) {
+        ++segEnd;
+      }
+      const int64_t se = std::min(c.length, (segEnd + 1) * B);
       uint8_t* out = dst + (kb - begin);
-      f.readAt(out, static_cast<size_t>(re - kb), c.offset + kb, what);
-      for (int64_t k = block; k <= runEnd; ++k) {
+      f.readAt(out, static_cast<size_t>(se - kb), c.offset + kb, what);
+      for (int64_t k = block; k <= segEnd; ++k) {
         const int64_t b0 = k * B - kb;
         const int64_t b1 = std::min(c.length, (k + 1) * B) - kb;
         const uint64_t got = checksum(out + b0, static_cast<size_t>(b1 - b0));
         if (got != c.checksums[static_cast<size_t>(k)]) checksumMismatch(t, c, k, got);
       }
-      block = runEnd + 1;
+      block = segEnd + 1;
     } else {
-      // Edge block: read all of it to check it, keep the part asked for. A buffer per
-      // edge block, not one kept per reader: a program holding many readers open (the
-      // post-hoc EMA reconstruction, one per snapshot) would keep a block per reader.
-      std::vector<uint8_t> scratch(static_cast<size_t>(ke - kb));
-      f.readAt(scratch.data(), scratch.size(), c.offset + kb, what);
-      bytesRead_ += (ke - kb) - (std::min(ke, end) - std::max(kb, begin));
-      const uint64_t got = checksum(scratch.data(), scratch.size());
-      if (got != c.checksums[static_cast<size_t>(block)]) checksumMismatch(t, c, block, got);
+      // Edge block: the part asked for is read straight into dst, the rest of the block
+      // into scratch (sized for that rest only), and the pieces are hashed in order.
       const int64_t from = std::max(kb, begin), to = std::min(ke, end);
-      std::memcpy(dst + (from - begin), scratch.data() + (from - kb), static_cast<size_t>(to - from));
+      std::vector<uint8_t> scratch(static_cast<size_t>((from - kb) + (ke - to)));
+      uint8_t* before = scratch.data();
+      uint8_t* after = scratch.data() + (from - kb);
+      uint8_t* wanted = dst + (from - begin);
+      f.readAt(before, static_cast<size_t>(from - kb), c.offset + kb, what);
+      f.readAt(wanted, static_cast<size_t>(to - from), c.offset + from, what);
+      f.readAt(after, static_cast<size_t>(ke - to), c.offset + to, what);
+      bytesRead_ += static_cast<int64_t>(scratch.size());
+      const uint64_t got = checksum({{before, static_cast<size_t>(from - kb)},
+                                     {wanted, static_cast<size_t>(to - from)},
+                                     {after, static_cast<size_t>(ke - to)}});
+      if (got != c.checksums[static_cast<size_t>(block)]) checksumMismatch(t, c, block, got);
       ++block;
     }
   }

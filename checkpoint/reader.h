@@ -7,7 +7,8 @@
 // checkpoint saved on any number of ranks into any other (and Shard(0) <-> Replicate:
 // a replicated destination needs all rows). Checksums cover blocks of block_bytes
 // (1 MiB by default) of each chunk: a verified read also reads the rest of the first
-// and last block it touches (at most 2 blocks extra per chunk), never whole chunks.
+// and last block it touches (at most 2 blocks extra per chunk), never whole chunks, and
+// hashes each block as it arrives (while it is in the CPU's caches).
 //
 // Errors are CheckpointError naming the checkpoint directory, the file and the tensor:
 // missing metadata, missing or truncated rank files, metadata pointing outside a file,
@@ -70,6 +71,8 @@ class CheckpointReader {
   // Opens every file holding a chunk of `t`, checking its size against the metadata, so
   // that a buffer sized from metadata.json is allocated only for data that is there.
   void checkFilesOf(const TensorInfo& t);
+  // Reads bytes [begin, end) of chunk c into dst; when verify, checks every block it
+  // touches (reading the rest of an edge block into scratch).
   void readChunkRange(const TensorInfo& t, const ChunkInfo& c, int64_t begin, int64_t end, uint8_t* dst, bool verify);
   [[noreturn]] void checksumMismatch(const TensorInfo& t, const ChunkInfo& c, int64_t block, uint64_t got) const;
 

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "checkpoint/format.h"
 #include "checkpoint/metadata.h"
 #include "tests/checkpoint/checkpoint_test_util.h"
 
@@ -215,6 +216,62 @@ TEST_F(CorruptionTest, ResumeAutoListsEveryFailureWhenNothingLoads) {
     const std::string msg = e.what();
     EXPECT_HAS(msg, "step_00000001");
     EXPECT_HAS(msg, "checksum mismatch");
+  }
+}
+
+// The checksum of a block read in pieces (the part a reader keeps straight into its
+// destination, the rest into scratch) is the checksum of the block whole.
+TEST(EdgeBlockTest, ChecksumOfPiecesIsTheChecksumOfTheBlock) {
+  std::vector<uint8_t> block(1000);
+  for (size_t i = 0; i < block.size(); ++i) block[i] = static_cast<uint8_t>(i * 131 + 7);
+  const uint64_t whole = checksum(block.data(), block.size());
+  EXPECT_EQ(checksum({{block.data(), 100}, {block.data() + 100, 650}, {block.data() + 750, 250}}), whole);
+  EXPECT_EQ(checksum({{block.data(), 0}, {block.data(), 1000}, {block.data() + 1000, 0}}), whole);
+  EXPECT_NE(checksum({{block.data(), 100}, {block.data() + 101, 899}}), whole);
+}
+
+// A read that keeps only part of a checksum block still checks all of it: damage in the
+// rows of an edge block that the read does not keep is caught on either side of the rows
+// it keeps, and a read that does not touch the damaged block loads.
+TEST(EdgeBlockTest, DamageInTheRowsNotKeptOfAnEdgeBlockIsCaught) {
+  TempDir tmp;
+  std::vector<GlobalTensor> model{{"model/big", at::arange(64 * 16, at::kFloat).view({64, 16})}};
+  CheckpointOptions options;
+  options.blockBytes = 256;  // 4 rows of 64 bytes: block 5 holds rows [20, 24)
+  saveSingle(tmp.path(), model, 1, options);
+  const std::string dir = tmp / "step_00000001";
+  const ChunkInfo chunk = CheckpointReader(dir).tensor("model/big").chunks.at(0);
+  auto readError = [&](int64_t rowBegin, int64_t rowEnd) -> std::string {
+    CheckpointReader reader(dir);
+    const TensorInfo& t = reader.tensor("model/big");
+    at::Tensor rows = at::empty({rowEnd - rowBegin, 16});
+    try {
+      reader.readRows(t, rowBegin, rowEnd, rows.data_ptr());
+    } catch (const CheckpointError& e) {
+      return e.what();
+    }
+    EXPECT_TRUE(bitwiseEqual(rows, model[0].full.narrow(0, rowBegin, rowEnd - rowBegin)));
+    return "";
+  };
+  auto flipByteOfRow = [&](int64_t row) {
+    std::fstream f(dir + "/" + chunk.file, std::ios::in | std::ios::out | std::ios::binary);
+    const int64_t offset = chunk.offset + row * 64 + 5;
+    f.seekg(offset);
+    char c;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(offset);
+    f.write(&c, 1);
+  };
+  EXPECT_EQ(readError(21, 22), "");  // block 5 read on both sides of row 21
+  EXPECT_EQ(readError(22, 44), "");  // rank 1 of 3: block 5 an edge before its rows
+  EXPECT_EQ(readError(0, 22), "");   // rank 0 of 3: block 5 an edge after its rows
+  for (const int64_t damaged : {20, 23}) {
+    flipByteOfRow(damaged);
+    EXPECT_HAS(readError(21, 22), "block 5 = file bytes [1280, 1536)");
+    EXPECT_HAS(readError(damaged == 20 ? 22 : 0, damaged == 20 ? 44 : 22), "checksum mismatch");
+    EXPECT_EQ(readError(24, 64), "");
+    flipByteOfRow(damaged);  // undone
   }
 }
 
