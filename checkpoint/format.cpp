@@ -1,12 +1,13 @@
 // Dtype names, checksums and checked arithmetic shared by both formats (see format.h).
 #include "checkpoint/format.h"
 
+// The streaming state on the stack (its layout is this header's version's, as is the
+// library's: both come from the same libxxhash package).
+#define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>
 
 #include <cstdio>
 #include <limits>
-#include <memory>
-#include <new>
 
 namespace tessera::checkpoint {
 
@@ -48,12 +49,12 @@ int64_t dtypeBytes(at::ScalarType dtype) { return static_cast<int64_t>(c10::elem
 uint64_t checksum(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
 
 uint64_t checksum(std::initializer_list<std::pair<const void*, size_t>> pieces) {
-  std::unique_ptr<XXH3_state_t, XXH_errorcode (*)(XXH3_state_t*)> state(XXH3_createState(), XXH3_freeState);
-  if (!state || XXH3_64bits_reset(state.get()) != XXH_OK) throw std::bad_alloc();
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);  // seed 0, as checksum(data, bytes)
   for (const auto& [data, bytes] : pieces) {
-    if (bytes > 0) XXH3_64bits_update(state.get(), data, bytes);
+    if (bytes > 0) XXH3_64bits_update(&state, data, bytes);
   }
-  return XXH3_64bits_digest(state.get());
+  return XXH3_64bits_digest(&state);
 }
 
 std::string checksumHex(uint64_t value) {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 
 #include "checkpoint/format.h"
 #include "common/errors.h"
@@ -91,12 +92,11 @@ void CheckpointReader::checksumMismatch(const TensorInfo& t, const ChunkInfo& c,
 
 namespace {
 
-// Bytes per positioned read (whole blocks when verifying, one block at the default size).
-// A verified read hashes each read right after it arrives, while it is still in the
-// CPU's caches, instead of hashing a long run from memory after reading all of it; on
-// this 2-core machine that is faster than both that and hashing on a helper thread
-// behind the next read, and 1 MiB reads into fresh memory beat one read of the whole
-// range (docs/benchmarks.md, Checkpoints).
+// Bytes per positioned read: at most this, or one checksum block where blocks are larger
+// (one block at the default block size). A verified read hashes each read right after it
+// arrives, while it is still in the CPU's caches, rather than a long run from memory
+// after reading all of it; measured against that, against hashing on a helper thread,
+// and against one read of the whole range in docs/benchmarks.md (Checkpoints).
 constexpr int64_t kReadBytes = 1 << 20;
 
 }  // namespace
@@ -121,8 +121,8 @@ void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, i
     const int64_t kb = block * B;
     const int64_t ke = std::min(c.length, kb + B);
     if (kb >= begin && ke <= end) {
-      // A segment of whole blocks (one block, at the default block size) goes straight
-      // into dst with one read and is hashed in place.
+      // A segment of whole blocks (at most kReadBytes, or one block) goes straight into
+      // dst with one read and is hashed in place.
       int64_t segEnd = block;
       while (segEnd + 1 <= lastBlock && segEnd + 1 < block + segmentBlocks &&
              std::min(c.length, (segEnd + 2) * B) <= end) {
@@ -142,14 +142,15 @@ void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, i
       // Edge block: the part asked for is read straight into dst, the rest of the block
       // into scratch (sized for that rest only), and the pieces are hashed in order.
       const int64_t from = std::max(kb, begin), to = std::min(ke, end);
-      std::vector<uint8_t> scratch(static_cast<size_t>((from - kb) + (ke - to)));
-      uint8_t* before = scratch.data();
-      uint8_t* after = scratch.data() + (from - kb);
+      const int64_t rest = (from - kb) + (ke - to);
+      std::unique_ptr<uint8_t[]> scratch(new uint8_t[static_cast<size_t>(rest)]);  // not zeroed: read over
+      uint8_t* before = scratch.get();
+      uint8_t* after = scratch.get() + (from - kb);
       uint8_t* wanted = dst + (from - begin);
       f.readAt(before, static_cast<size_t>(from - kb), c.offset + kb, what);
       f.readAt(wanted, static_cast<size_t>(to - from), c.offset + from, what);
       f.readAt(after, static_cast<size_t>(ke - to), c.offset + to, what);
-      bytesRead_ += static_cast<int64_t>(scratch.size());
+      bytesRead_ += rest;
       const uint64_t got = checksum({{before, static_cast<size_t>(from - kb)},
                                      {wanted, static_cast<size_t>(to - from)},
                                      {after, static_cast<size_t>(ke - to)}});

@@ -117,6 +117,39 @@ TEST(CheckpointTest, ResumeReadsOnlyTheIntersectingBytes) {
   EXPECT_TRUE(bitwiseEqual(got[0].local, got[0].spec.shardOf(model[0].full)));
 }
 
+// Chunks of several MiB, rows of an odd size: a read crosses several 1 MiB reads (blocks
+// of 96 KiB, ten to a read, and a block size that does not divide 1 MiB) or reads one
+// block larger than 1 MiB at a time (1.5 MiB), verified and not, on 1 to 4 ranks.
+TEST(CheckpointTest, LargeChunksLoadOnEveryWorldSizeWithLargeAndSmallBlocks) {
+  TempDir tmp;
+  std::vector<GlobalTensor> model{
+      {"model/big", (at::arange(5003 * 193, at::kFloat) * 0.001).sin().view({5003, 193})}};  // 772-byte rows
+  const int64_t rowBytes = 193 * 4;
+  for (const int64_t blockBytes : {int64_t{96} << 10, int64_t{3} << 19}) {
+    CheckpointOptions options;
+    options.blockBytes = blockBytes;
+    const std::string root = tmp / strCat("b", blockBytes);
+    saveOnRanks(2, root, model, 1, options);  // chunks of 2502 and 2501 rows (~1.9 MiB)
+    for (int world = 1; world <= 4; ++world) {
+      for (int rank = 0; rank < world; ++rank) {
+        for (const bool verify : {true, false}) {
+          auto got = junkEntriesFor(model, world, rank);
+          LoadOptions load;
+          load.verify = verify;
+          const LoadResult r = loadCheckpoint(root + "/step_00000001", got, load);
+          const std::string where = strCat("block ", blockBytes, ", rank ", rank, " of ", world, ", verify ", verify);
+          EXPECT_TRUE(bitwiseEqual(got[0].local, got[0].spec.shardOf(model[0].full))) << where;
+          auto [rb, re] = got[0].spec.localRowRange();
+          const int64_t needed = (re - rb) * rowBytes;
+          EXPECT_GE(r.bytesRead, needed) << where;
+          // At most the rest of one block at each end of each of the 2 chunks read.
+          EXPECT_LE(r.bytesRead, needed + (verify ? 2 * 2 * blockBytes : 0)) << where;
+        }
+      }
+    }
+  }
+}
+
 TEST(CheckpointTest, KeepLastDeletesOnlyOlderCheckpoints) {
   TempDir tmp;
   const auto model = sampleModel();

@@ -227,7 +227,10 @@ TEST(EdgeBlockTest, ChecksumOfPiecesIsTheChecksumOfTheBlock) {
   const uint64_t whole = checksum(block.data(), block.size());
   EXPECT_EQ(checksum({{block.data(), 100}, {block.data() + 100, 650}, {block.data() + 750, 250}}), whole);
   EXPECT_EQ(checksum({{block.data(), 0}, {block.data(), 1000}, {block.data() + 1000, 0}}), whole);
-  EXPECT_NE(checksum({{block.data(), 100}, {block.data() + 101, 899}}), whole);
+  EXPECT_EQ(checksum({{block.data(), 200}, {block.data() + 200, 40}}), checksum(block.data(), 240));  // short input
+  std::vector<uint8_t> damaged = block;
+  damaged[700] ^= 1;
+  EXPECT_NE(checksum({{damaged.data(), 100}, {damaged.data() + 100, 900}}), whole);
 }
 
 // A read that keeps only part of a checksum block still checks all of it: damage in the
