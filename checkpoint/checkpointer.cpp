@@ -46,6 +46,12 @@ constexpr int64_t kWritebackBytes = int64_t{8} << 20;
 
 }  // namespace
 
+int64_t checksumBlockBytes(int64_t requested, int64_t maxChecksums, int64_t stateBytes, int64_t chunks) {
+  int64_t block = requested;
+  while (block * 2 <= kMaxBlockBytes && stateBytes / block + chunks > maxChecksums) block *= 2;
+  return block;
+}
+
 // What one rank writes for one step: everything the writer needs, owned (staged copies
 // in async mode), so the caller may change its tensors as soon as save() returns.
 struct Checkpointer::Job {
@@ -289,6 +295,8 @@ Checkpointer::Checkpointer(std::string checkpointsDir, std::shared_ptr<distribut
                    "Checkpointer: blockBytes ", options_.blockBytes, " must be a multiple of 8 in [8, ", kMaxBlockBytes,
                    "]");
   TESSERA_CHECK_AS(ConfigError, options_.keepLast >= 0, "Checkpointer: keep_last ", options_.keepLast, " < 0");
+  TESSERA_CHECK_AS(ConfigError, options_.maxChecksums >= 1, "Checkpointer: maxChecksums ", options_.maxChecksums,
+                   " < 1");
   if (comm_) {
     rank_ = comm_->rank();
     world_ = comm_->worldSize();
@@ -401,6 +409,19 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   job->rankState = rankState;
   job->aliases = request.aliases;
   job->options = options_;
+  // Every rank computes the same block size: from the global shapes, which every rank
+  // saves alike (the commit checks it).
+  int64_t stateBytes = 0, chunks = 0;
+  for (const auto& e : request.entries) {
+    stateBytes += e.spec.globalNumel() * dtypeBytes(e.spec.dtype());
+    chunks += e.spec.placement() == sharding::Placement::kReplicate ? 1 : world_;
+  }
+  job->options.blockBytes = checksumBlockBytes(options_.blockBytes, options_.maxChecksums, stateBytes, chunks);
+  if (job->options.blockBytes != options_.blockBytes) {
+    TLOG_INFO0("checkpoint step " << request.step << ": " << mib(stateBytes) << " of state: checksum blocks of "
+                                  << mib(job->options.blockBytes) << " instead of " << mib(options_.blockBytes)
+                                  << ", so that metadata.json holds at most " << options_.maxChecksums << " checksums");
+  }
 
   // 2. Rank 0 prepares step_N.tmp, when its own previous save committed: then every
   //    rank had published its part of it, so no writer is still inside a *.tmp and
@@ -458,6 +479,7 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   stats.waitSeconds = waitSeconds;
   stats.stagingSeconds = stagingSeconds;
   stats.stagingAllocatedBytes = staging_.takeAllocatedBytes();
+  stats.blockBytes = job->options.blockBytes;
   stats.async = options_.async;
 
   job_ = job;

@@ -150,6 +150,35 @@ TEST(CheckpointTest, LargeChunksLoadOnEveryWorldSizeWithLargeAndSmallBlocks) {
   }
 }
 
+// A state that would need more than maxChecksums checksum blocks is saved with a larger
+// block size (doubled until it fits), recorded in metadata.json, and loads resharded as
+// any other: metadata.json stays small enough for every rank to parse, whatever the size
+// of the state.
+TEST(CheckpointTest, BlockSizeGrowsSoThatMetadataHoldsAtMostMaxChecksums) {
+  const int64_t MiB = int64_t{1} << 20, TiB = int64_t{1} << 40;
+  EXPECT_EQ(checksumBlockBytes(MiB, 4 * MiB, TiB, 100), MiB);            // 1M blocks
+  EXPECT_EQ(checksumBlockBytes(MiB, 4 * MiB, 10 * TiB, 100), 4 * MiB);   // 2.5M blocks of 4 MiB
+  EXPECT_EQ(checksumBlockBytes(64, 100, 64 << 10, 26), 1024);            // 64 + 26 partial ones
+  EXPECT_EQ(checksumBlockBytes(MiB, 1, int64_t{1} << 62, 1), kMaxBlockBytes);  // at most the largest
+
+  TempDir tmp;
+  std::vector<GlobalTensor> model{{"model/w", at::arange(256 * 64, at::kFloat).view({256, 64})}};  // 64 KiB
+  CheckpointOptions options;
+  options.blockBytes = 64;
+  options.maxChecksums = 100;
+  saveOnRanks(2, tmp.path(), model, 1, options);
+  const CheckpointMetadata md = CheckpointReader(tmp / "step_00000001").metadata();
+  EXPECT_EQ(md.blockBytes, 1024);  // 512-byte blocks would be 128 + 2 > 100
+  size_t checksums = 0;
+  for (const auto& c : md.tensors.at(0).chunks) checksums += c.checksums.size();
+  EXPECT_EQ(checksums, 64u);
+  for (int rank = 0; rank < 3; ++rank) {
+    auto got = junkEntriesFor(model, 3, rank);
+    loadCheckpoint(tmp / "step_00000001", got);
+    EXPECT_TRUE(bitwiseEqual(got[0].local, got[0].spec.shardOf(model[0].full))) << "rank " << rank << " of 3";
+  }
+}
+
 TEST(CheckpointTest, KeepLastDeletesOnlyOlderCheckpoints) {
   TempDir tmp;
   const auto model = sampleModel();
