@@ -46,9 +46,21 @@ constexpr int64_t kWritebackBytes = int64_t{8} << 20;
 
 }  // namespace
 
-int64_t checksumBlockBytes(int64_t requested, int64_t maxChecksums, int64_t stateBytes, int64_t chunks) {
+int64_t estimateMetadataBytes(int64_t blockBytes, int64_t stateBytes, int64_t chunks) {
+  TESSERA_CHECK(blockBytes > 0 && stateBytes >= 0 && chunks >= 0, "estimateMetadataBytes: block ", blockBytes,
+                ", state ", stateBytes, ", chunks ", chunks);
+  // dump(1): a checksum is an indented quoted line (~26 bytes); a chunk's fields and
+  // brackets ~190 bytes; both rounded up, plus the tensor headers and the file list.
+  constexpr int64_t kPerChecksum = 28, kPerChunk = 256, kFixed = 64 << 10;
+  return kPerChecksum * (stateBytes / blockBytes + chunks) + kPerChunk * chunks + kFixed;
+}
+
+int64_t checksumBlockBytes(int64_t requested, int64_t maxMetadataBytes, int64_t stateBytes, int64_t chunks) {
   int64_t block = requested;
-  while (block * 2 <= kMaxBlockBytes && stateBytes / block + chunks > maxChecksums) block *= 2;
+  while (block * 2 <= kMaxBlockBytes && estimateMetadataBytes(block, stateBytes, chunks) > maxMetadataBytes &&
+         estimateMetadataBytes(block * 2, stateBytes, chunks) < estimateMetadataBytes(block, stateBytes, chunks)) {
+    block *= 2;
+  }
   return block;
 }
 
@@ -172,7 +184,9 @@ struct Checkpointer::Job {
         RankIndex idx = parseRankIndex(readFileBounded(path, kMaxJsonBytes), path);
         TESSERA_CHECK(idx.rank == r && idx.worldSize == world && idx.step == step && idx.blockBytes == options.blockBytes,
                       "checkpoint step ", step, ": ", path, " is for rank ", idx.rank, " of ", idx.worldSize, ", step ",
-                      idx.step, " (expected rank ", r, " of ", world, ", step ", step, ")");
+                      idx.step, ", checksum blocks of ", idx.blockBytes, " bytes (expected rank ", r, " of ", world,
+                      ", step ", step, ", blocks of ", options.blockBytes,
+                      " bytes: a rank that saves other entries computes another block size)");
         out[static_cast<size_t>(r)] = std::move(idx);
         have[static_cast<size_t>(r)] = true;
         --remaining;
@@ -295,8 +309,8 @@ Checkpointer::Checkpointer(std::string checkpointsDir, std::shared_ptr<distribut
                    "Checkpointer: blockBytes ", options_.blockBytes, " must be a multiple of 8 in [8, ", kMaxBlockBytes,
                    "]");
   TESSERA_CHECK_AS(ConfigError, options_.keepLast >= 0, "Checkpointer: keep_last ", options_.keepLast, " < 0");
-  TESSERA_CHECK_AS(ConfigError, options_.maxChecksums >= 1, "Checkpointer: maxChecksums ", options_.maxChecksums,
-                   " < 1");
+  TESSERA_CHECK_AS(ConfigError, options_.maxMetadataBytes >= 1, "Checkpointer: maxMetadataBytes ",
+                   options_.maxMetadataBytes, " < 1");
   if (comm_) {
     rank_ = comm_->rank();
     world_ = comm_->worldSize();
@@ -410,17 +424,24 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   job->aliases = request.aliases;
   job->options = options_;
   // Every rank computes the same block size: from the global shapes, which every rank
-  // saves alike (the commit checks it).
+  // saves alike (the commit checks it, naming the block sizes).
   int64_t stateBytes = 0, chunks = 0;
   for (const auto& e : request.entries) {
     stateBytes += e.spec.globalNumel() * dtypeBytes(e.spec.dtype());
-    chunks += e.spec.placement() == sharding::Placement::kReplicate ? 1 : world_;
+    const int64_t rows = e.spec.globalRows(), chunkRows = e.spec.chunkRows();  // both 0 for an empty tensor
+    if (rows == 0) continue;
+    chunks += e.spec.placement() == sharding::Placement::kReplicate ? 1 : (rows + chunkRows - 1) / chunkRows;
   }
-  job->options.blockBytes = checksumBlockBytes(options_.blockBytes, options_.maxChecksums, stateBytes, chunks);
+  job->options.blockBytes = checksumBlockBytes(options_.blockBytes, options_.maxMetadataBytes, stateBytes, chunks);
+  const int64_t metadataBytes = estimateMetadataBytes(job->options.blockBytes, stateBytes, chunks);
+  TESSERA_CHECK(metadataBytes <= kMaxJsonBytes, "checkpoint step ", request.step, ": ", mib(stateBytes), " of state in ",
+                chunks, " chunks would need a metadata.json of up to ", mib(metadataBytes), ", over the ",
+                mib(kMaxJsonBytes), " readers accept, even with checksum blocks of ", mib(job->options.blockBytes),
+                " (save fewer, larger tensors)");
   if (job->options.blockBytes != options_.blockBytes) {
     TLOG_INFO0("checkpoint step " << request.step << ": " << mib(stateBytes) << " of state: checksum blocks of "
                                   << mib(job->options.blockBytes) << " instead of " << mib(options_.blockBytes)
-                                  << ", so that metadata.json holds at most " << options_.maxChecksums << " checksums");
+                                  << ", so that metadata.json stays under " << mib(options_.maxMetadataBytes));
   }
 
   // 2. Rank 0 prepares step_N.tmp, when its own previous save committed: then every

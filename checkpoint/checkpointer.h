@@ -81,23 +81,26 @@ struct CheckpointOptions {
   // Checksum granularity (multiple of 8): a resharding reader reads at most 2 extra
   // blocks per chunk. 1 MiB: a 4 -> 3 rank resharded load of bench/checkpoint_bench
   // reads 1.05x the checkpoint's bytes (1.16x with 4 MiB blocks). The smallest block a
-  // save uses: see maxChecksums.
+  // save uses: see maxMetadataBytes.
   int64_t blockBytes = int64_t{1} << 20;
-  // metadata.json holds one checksum line (~26 bytes) per block, and every rank parses
-  // it to load: a save whose state would need more blocks than this doubles its block
-  // size until it needs at most this many (up to kMaxBlockBytes). 4M: ~110 MB of JSON,
-  // under the 256 MiB readers accept (kMaxJsonBytes); 1 MiB blocks up to ~4 TiB of state.
-  int64_t maxChecksums = int64_t{4} << 20;
+  // The size metadata.json may reach (every rank parses it to load): ~26 bytes per
+  // checksum block and ~256 per chunk (estimateMetadataBytes). A save whose estimate is
+  // larger doubles its block size until it fits (up to kMaxBlockBytes); one whose
+  // metadata could not fit the 256 MiB readers accept (kMaxJsonBytes) even then fails
+  // before writing anything. 128 MiB: 1 MiB blocks up to ~4.5 TiB of state.
+  int64_t maxMetadataBytes = int64_t{128} << 20;
   // How long rank 0 waits for the other ranks' chunk tables.
   std::chrono::milliseconds commitTimeout = std::chrono::minutes(10);
   // Tests: called at each SavePoint with the rank; a throw fails the save there.
   std::function<void(SavePoint point, int rank)> faultHook;
 };
 
-// The checksum block size a save uses: `requested`, doubled while a state of
-// `stateBytes` in `chunks` chunks would need more than maxChecksums blocks (each chunk
-// ends in a partial block), at most kMaxBlockBytes.
-int64_t checksumBlockBytes(int64_t requested, int64_t maxChecksums, int64_t stateBytes, int64_t chunks);
+// An upper bound on the size of metadata.json for a state of `stateBytes` in `chunks`
+// chunks with checksum blocks of `blockBytes` (each chunk ends in a partial block).
+int64_t estimateMetadataBytes(int64_t blockBytes, int64_t stateBytes, int64_t chunks);
+// The checksum block size a save uses: `requested`, doubled while the estimate is over
+// `maxMetadataBytes` and doubling still lowers it, at most kMaxBlockBytes.
+int64_t checksumBlockBytes(int64_t requested, int64_t maxMetadataBytes, int64_t stateBytes, int64_t chunks);
 
 struct SaveRequest {
   int64_t step = 0;
@@ -117,7 +120,7 @@ struct SaveStats {
   double waitSeconds = 0;       // waiting for the previous save + agreeing on its outcome
   double stagingSeconds = 0;    // copying the shards (async), or 0
   int64_t stagingAllocatedBytes = 0;  // staging memory this save had to allocate (0 once reused)
-  int64_t blockBytes = 0;       // the checksum block size this save used (see maxChecksums)
+  int64_t blockBytes = 0;       // the checksum block size this save used (see maxMetadataBytes)
   double stallSeconds = 0;      // total time save() kept the caller (the training stall)
   bool async = false;
 };

@@ -41,8 +41,9 @@ std::string checksumHex(uint64_t value);  // 16 lowercase hex digits
 // Parses 16 hex digits; throws CheckpointError naming `where` otherwise.
 uint64_t parseChecksumHex(const std::string& text, const std::string& where);
 constexpr const char* kChecksumAlgorithm = "xxh3_64";
-// The largest checksum block a checkpoint may use (Checkpointer writes 1 MiB blocks): a
-// reader holds up to one block of a chunk in memory, so a file cannot ask for more.
+// The largest checksum block a checkpoint may use (Checkpointer writes 1 MiB blocks, more
+// for a state past ~4.5 TiB): a reader holds up to one block of a chunk in memory, so a
+// file cannot ask for more.
 constexpr int64_t kMaxBlockBytes = int64_t{256} << 20;
 
 // Both formats are little-endian; Tessera runs on little-endian hosts only (x86-64,

@@ -34,7 +34,8 @@ constexpr int kFormatVersion = 1;
 constexpr const char* kFormatName = "tessera-checkpoint";
 constexpr const char* kMetadataFile = "metadata.json";
 constexpr const char* kTrainerStateFile = "trainer_state.json";
-// Readers refuse JSON documents larger than this (metadata of a huge model is a few MiB).
+// Readers refuse JSON documents larger than this (the Checkpointer keeps metadata.json
+// under CheckpointOptions::maxMetadataBytes, 128 MiB by default).
 constexpr int64_t kMaxJsonBytes = int64_t{256} << 20;
 
 struct ChunkInfo {

@@ -150,31 +150,34 @@ TEST(CheckpointTest, LargeChunksLoadOnEveryWorldSizeWithLargeAndSmallBlocks) {
   }
 }
 
-// A state that would need more than maxChecksums checksum blocks is saved with a larger
-// block size (doubled until it fits), recorded in metadata.json, and loads resharded as
-// any other: metadata.json stays small enough for every rank to parse, whatever the size
-// of the state.
-TEST(CheckpointTest, BlockSizeGrowsSoThatMetadataHoldsAtMostMaxChecksums) {
+// A state whose metadata.json would be larger than maxMetadataBytes is saved with a
+// larger checksum block size (doubled until it fits), recorded in metadata.json and in
+// SaveStats, and loads resharded as any other.
+TEST(CheckpointTest, BlockSizeGrowsSoThatMetadataStaysUnderItsBudget) {
   const int64_t MiB = int64_t{1} << 20, TiB = int64_t{1} << 40;
-  EXPECT_EQ(checksumBlockBytes(MiB, 4 * MiB, TiB, 100), MiB);            // 1M blocks
-  EXPECT_EQ(checksumBlockBytes(MiB, 4 * MiB, 10 * TiB, 100), 4 * MiB);   // 2.5M blocks of 4 MiB
-  EXPECT_EQ(checksumBlockBytes(64, 100, 64 << 10, 26), 1024);            // 64 + 26 partial ones
+  EXPECT_EQ(checksumBlockBytes(MiB, 128 * MiB, TiB, 100), MiB);           // ~30 MB of metadata
+  EXPECT_EQ(checksumBlockBytes(MiB, 128 * MiB, 10 * TiB, 100), 4 * MiB);  // 2 MiB: ~147 MB
   EXPECT_EQ(checksumBlockBytes(MiB, 1, int64_t{1} << 62, 1), kMaxBlockBytes);  // at most the largest
+  // Chunks alone over the budget: doubling stops once it no longer helps.
+  EXPECT_EQ(checksumBlockBytes(64, 1000, 64, 100), 128);
+  EXPECT_GT(estimateMetadataBytes(kMaxBlockBytes, 0, 2 << 20), kMaxJsonBytes);  // 2M chunks: refused
 
   TempDir tmp;
   std::vector<GlobalTensor> model{{"model/w", at::arange(256 * 64, at::kFloat).view({256, 64})}};  // 64 KiB
   CheckpointOptions options;
   options.blockBytes = 64;
-  options.maxChecksums = 100;
-  saveOnRanks(2, tmp.path(), model, 1, options);
-  const CheckpointMetadata md = CheckpointReader(tmp / "step_00000001").metadata();
-  EXPECT_EQ(md.blockBytes, 1024);  // 512-byte blocks would be 128 + 2 > 100
+  // 1024-byte blocks: 28 x (64 + 2) + 256 x 2 + 64 KiB = 67,896 bytes; 512-byte: 69,688.
+  options.maxMetadataBytes = 68000;
+  EXPECT_EQ(saveSingle(tmp / "one", model, 1, options).blockBytes, 1024);
+  saveOnRanks(2, tmp / "two", model, 1, options);
+  const CheckpointMetadata md = CheckpointReader(tmp / "two/step_00000001").metadata();
+  EXPECT_EQ(md.blockBytes, 1024);
   size_t checksums = 0;
   for (const auto& c : md.tensors.at(0).chunks) checksums += c.checksums.size();
   EXPECT_EQ(checksums, 64u);
   for (int rank = 0; rank < 3; ++rank) {
     auto got = junkEntriesFor(model, 3, rank);
-    loadCheckpoint(tmp / "step_00000001", got);
+    loadCheckpoint(tmp / "two/step_00000001", got);
     EXPECT_TRUE(bitwiseEqual(got[0].local, got[0].spec.shardOf(model[0].full))) << "rank " << rank << " of 3";
   }
 }
