@@ -404,6 +404,23 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
     dtypeName(e.spec.dtype());  // throws for dtypes the format cannot hold
   }
 
+  // The checksum block size, before anything else happens: every rank computes the same
+  // one, from the global shapes, which every rank saves alike (the commit checks it,
+  // naming the block sizes).
+  int64_t stateBytes = 0, chunks = 0;
+  for (const auto& e : request.entries) {
+    stateBytes += e.spec.globalNumel() * dtypeBytes(e.spec.dtype());
+    const int64_t rows = e.spec.globalRows(), chunkRows = e.spec.chunkRows();  // both 0 for an empty tensor
+    if (rows == 0) continue;
+    chunks += e.spec.placement() == sharding::Placement::kReplicate ? 1 : (rows + chunkRows - 1) / chunkRows;
+  }
+  const int64_t blockBytes = checksumBlockBytes(options_.blockBytes, options_.maxMetadataBytes, stateBytes, chunks);
+  const int64_t metadataBytes = estimateMetadataBytes(blockBytes, stateBytes, chunks);
+  TESSERA_CHECK(metadataBytes <= kMaxJsonBytes, "checkpoint step ", request.step, ": ", mib(stateBytes), " of state in ",
+                chunks, " chunks would need a metadata.json of up to ", mib(metadataBytes), ", over the ",
+                mib(kMaxJsonBytes), " readers accept, even with checksum blocks of ", mib(blockBytes),
+                " (save fewer, larger tensors)");
+
   // 1. At most one save in flight: finish this rank's previous one (its staging
   //    buffers are free again after this).
   const int64_t previous = inFlightStep_;
@@ -423,21 +440,7 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   job->rankState = rankState;
   job->aliases = request.aliases;
   job->options = options_;
-  // Every rank computes the same block size: from the global shapes, which every rank
-  // saves alike (the commit checks it, naming the block sizes).
-  int64_t stateBytes = 0, chunks = 0;
-  for (const auto& e : request.entries) {
-    stateBytes += e.spec.globalNumel() * dtypeBytes(e.spec.dtype());
-    const int64_t rows = e.spec.globalRows(), chunkRows = e.spec.chunkRows();  // both 0 for an empty tensor
-    if (rows == 0) continue;
-    chunks += e.spec.placement() == sharding::Placement::kReplicate ? 1 : (rows + chunkRows - 1) / chunkRows;
-  }
-  job->options.blockBytes = checksumBlockBytes(options_.blockBytes, options_.maxMetadataBytes, stateBytes, chunks);
-  const int64_t metadataBytes = estimateMetadataBytes(job->options.blockBytes, stateBytes, chunks);
-  TESSERA_CHECK(metadataBytes <= kMaxJsonBytes, "checkpoint step ", request.step, ": ", mib(stateBytes), " of state in ",
-                chunks, " chunks would need a metadata.json of up to ", mib(metadataBytes), ", over the ",
-                mib(kMaxJsonBytes), " readers accept, even with checksum blocks of ", mib(job->options.blockBytes),
-                " (save fewer, larger tensors)");
+  job->options.blockBytes = blockBytes;
   if (job->options.blockBytes != options_.blockBytes) {
     TLOG_INFO0("checkpoint step " << request.step << ": " << mib(stateBytes) << " of state: checksum blocks of "
                                   << mib(job->options.blockBytes) << " instead of " << mib(options_.blockBytes)
