@@ -19,6 +19,17 @@ namespace {
 using namespace testing;  // NOLINT
 namespace fs = std::filesystem;
 
+// Damages one byte of a file in place.
+void flipByte(const std::string& path, int64_t offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(offset);
+  char c;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x5a);
+  f.seekp(offset);
+  f.write(&c, 1);
+}
+
 class CorruptionTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -35,16 +46,6 @@ class CorruptionTest : public ::testing::Test {
       if (c.rank == rank) return c;
     }
     throw std::runtime_error("no chunk");
-  }
-
-  void flipByte(const std::string& path, int64_t offset) const {
-    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(offset);
-    char c;
-    f.read(&c, 1);
-    c = static_cast<char>(c ^ 0x5a);
-    f.seekp(offset);
-    f.write(&c, 1);
   }
 
   // Loads on (world, rank) and returns the CheckpointError's message ("" if none thrown).
@@ -256,16 +257,7 @@ TEST(EdgeBlockTest, DamageInTheRowsNotKeptOfAnEdgeBlockIsCaught) {
     EXPECT_TRUE(bitwiseEqual(rows, model[0].full.narrow(0, rowBegin, rowEnd - rowBegin)));
     return "";
   };
-  auto flipByteOfRow = [&](int64_t row) {
-    std::fstream f(dir + "/" + chunk.file, std::ios::in | std::ios::out | std::ios::binary);
-    const int64_t offset = chunk.offset + row * 64 + 5;
-    f.seekg(offset);
-    char c;
-    f.read(&c, 1);
-    c = static_cast<char>(c ^ 0x5a);
-    f.seekp(offset);
-    f.write(&c, 1);
-  };
+  auto flipByteOfRow = [&](int64_t row) { flipByte(dir + "/" + chunk.file, chunk.offset + row * 64 + 5); };
   EXPECT_EQ(readError(21, 22), "");  // block 5 read on both sides of row 21
   EXPECT_EQ(readError(22, 44), "");  // rank 1 of 3: block 5 an edge before its rows
   EXPECT_EQ(readError(0, 22), "");   // rank 0 of 3: block 5 an edge after its rows
