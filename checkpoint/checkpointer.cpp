@@ -390,29 +390,24 @@ int64_t Checkpointer::stage(const SaveRequest& request, Job& job) {
   return bytes;
 }
 
-SaveStats Checkpointer::save(const SaveRequest& request) {
-  const auto start = Clock::now();
+// The request's checks, before anything happens: names, layouts and dtypes of the
+// entries, the JSON objects. Returns the block size every rank computes alike from the
+// global shapes (the commit checks it, naming the block sizes).
+int64_t Checkpointer::checkRequest(const SaveRequest& request) const {
   TESSERA_CHECK(request.step >= 0, "Checkpointer::save: negative step ", request.step);
-  const std::string trainerState = parseTrainerState(request.trainerState, "SaveRequest.trainerState");
-  const std::string rankState = parseTrainerState(request.rankState, "SaveRequest.rankState");
   std::set<std::string> names;
+  int64_t stateBytes = 0, chunks = 0;
   for (const auto& e : request.entries) {
     checkEntry(e, "Checkpointer::save");
     TESSERA_CHECK(names.insert(e.name).second, "Checkpointer::save: entry '", e.name, "' appears twice");
-    TESSERA_CHECK(e.spec.worldSize() == world_ && e.spec.rank() == rank_, "Checkpointer::save: entry '", e.name,
-                  "' has spec ", e.spec.str(), " but this is rank ", rank_, " of ", world_);
-    dtypeName(e.spec.dtype());  // throws for dtypes the format cannot hold
-  }
-
-  // The checksum block size, before anything else happens: every rank computes the same
-  // one, from the global shapes, which every rank saves alike (the commit checks it,
-  // naming the block sizes).
-  int64_t stateBytes = 0, chunks = 0;
-  for (const auto& e : request.entries) {
-    stateBytes += e.spec.globalNumel() * dtypeBytes(e.spec.dtype());
+    // A replicated tensor is whole on every rank (rank 0 writes it): its spec's group does
+    // not matter. A sharded one must be laid out over this checkpointer's group.
+    const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+    TESSERA_CHECK(replicated || (e.spec.worldSize() == world_ && e.spec.rank() == rank_), "Checkpointer::save: entry '",
+                  e.name, "' has spec ", e.spec.str(), " but this is rank ", rank_, " of ", world_);
+    stateBytes += e.spec.globalNumel() * dtypeBytes(e.spec.dtype());  // throws for dtypes the format cannot hold
     const int64_t rows = e.spec.globalRows(), chunkRows = e.spec.chunkRows();  // both 0 for an empty tensor
-    if (rows == 0) continue;
-    chunks += e.spec.placement() == sharding::Placement::kReplicate ? 1 : (rows + chunkRows - 1) / chunkRows;
+    if (rows > 0) chunks += replicated ? 1 : (rows + chunkRows - 1) / chunkRows;
   }
   const int64_t blockBytes = checksumBlockBytes(options_.blockBytes, options_.maxMetadataBytes, stateBytes, chunks);
   const int64_t metadataBytes = estimateMetadataBytes(blockBytes, stateBytes, chunks);
@@ -420,14 +415,15 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
                 chunks, " chunks would need a metadata.json of up to ", mib(metadataBytes), ", over the ",
                 mib(kMaxJsonBytes), " readers accept, even with checksum blocks of ", mib(blockBytes),
                 " (save fewer, larger tensors)");
+  if (blockBytes != options_.blockBytes) {
+    TLOG_INFO0("checkpoint step " << request.step << ": " << mib(stateBytes) << " of state: checksum blocks of "
+                                  << mib(blockBytes) << " instead of " << mib(options_.blockBytes)
+                                  << ", so that metadata.json stays under " << mib(options_.maxMetadataBytes));
+  }
+  return blockBytes;
+}
 
-  // 1. At most one save in flight: finish this rank's previous one (its staging
-  //    buffers are free again after this).
-  const int64_t previous = inFlightStep_;
-  inFlightStep_ = -1;
-  const std::string previousError = waitLocal();
-  const double waitSeconds = secondsSince(start);
-
+std::shared_ptr<Checkpointer::Job> Checkpointer::makeJob(const SaveRequest& request, int64_t blockBytes) const {
   auto job = std::make_shared<Job>();
   job->rank = rank_;
   job->world = world_;
@@ -436,31 +432,32 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   job->tmpDir = (fs::path(root_) / (stepDirName(request.step) + ".tmp")).string();
   job->finalDir = (fs::path(root_) / stepDirName(request.step)).string();
   job->strategy = request.strategy;
-  job->trainerState = trainerState;
-  job->rankState = rankState;
+  job->trainerState = parseTrainerState(request.trainerState, "SaveRequest.trainerState");
+  job->rankState = parseTrainerState(request.rankState, "SaveRequest.rankState");
   job->aliases = request.aliases;
   job->options = options_;
   job->options.blockBytes = blockBytes;
-  if (job->options.blockBytes != options_.blockBytes) {
-    TLOG_INFO0("checkpoint step " << request.step << ": " << mib(stateBytes) << " of state: checksum blocks of "
-                                  << mib(job->options.blockBytes) << " instead of " << mib(options_.blockBytes)
-                                  << ", so that metadata.json stays under " << mib(options_.maxMetadataBytes));
-  }
+  return job;
+}
 
-  // 2. Rank 0 prepares step_N.tmp, when its own previous save committed: then every
-  //    rank had published its part of it, so no writer is still inside a *.tmp and
-  //    every one there is debris of a crash. (When it failed, all ranks throw below.)
+// Steps 2-4 of the protocol (checkpointer.h): rank 0 prepares step_N.tmp, one agreement
+// on whether any rank's previous save failed or the directory could not be made
+// (overlapped with the staging copy), the staging copy. Throws on every rank when the
+// agreement says so; a staging failure is this save's outcome (job.error), told to rank
+// 0's commit at once. Returns the bytes this rank writes.
+int64_t Checkpointer::agreeAndStage(const SaveRequest& request, Job& job, int64_t previous,
+                                    const std::string& previousError, double& stagingSeconds) {
+  // Rank 0 prepares step_N.tmp when its own previous save committed: then every rank had
+  // published its part of it, so no writer is still inside a *.tmp and every one there is
+  // debris of a crash. (When it failed, all ranks throw below.)
   std::string prepError;
   if (rank_ == 0 && previousError.empty()) {
     try {
-      prepareTmpDir(job->tmpDir);
+      prepareTmpDir(job.tmpDir);
     } catch (const std::exception& e) {
       prepError = e.what();
     }
   }
-
-  // 3. One agreement, overlapped with the staging copy: did any rank's previous save
-  //    fail (an async failure is never lost), did rank 0 prepare the directory.
   at::Tensor failedRanks = at::full({2}, int64_t{world_}, at::kLong);  // min over ranks; world_ = none
   int64_t* lowest = failedRanks.data_ptr<int64_t>();
   if (!previousError.empty()) lowest[0] = rank_;
@@ -468,93 +465,120 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   std::shared_ptr<distributed::CommHandle> agreement;
   if (comm_ && world_ > 1) agreement = comm_->allReduceAsync(failedRanks, distributed::ReduceOp::kMin);
 
-  // 4. Stage: the real rows of each entry, contiguous on the CPU. Async copies them
-  //    into the reused staging buffers (the caller keeps training on the originals);
-  //    sync uses CPU tensors as they are.
+  // The real rows of each entry, contiguous on the CPU: async copies them into the reused
+  // staging buffers (the caller keeps training on the originals); sync uses CPU tensors
+  // as they are.
   const auto stagingStart = Clock::now();
   int64_t bytes = 0;
   std::string stagingError;
   try {
-    bytes = stage(request, *job);
+    bytes = stage(request, job);
   } catch (const std::exception& e) {
     stagingError = e.what();
   }
-  const double stagingSeconds = options_.async ? secondsSince(stagingStart) : 0.0;
+  stagingSeconds = options_.async ? secondsSince(stagingStart) : 0.0;
   if (agreement) agreement->wait();
   auto failedRank = [&](int64_t r) { return r == world_ ? -1 : static_cast<int>(r); };
   distributed::throwIfFailed(failedRank(lowest[0]), rank_, previousError,
                              strCat("checkpoint: the previous save (step ", previous, ")"));
   distributed::throwIfFailed(failedRank(lowest[1]), rank_, prepError,
-                             strCat("checkpoint step ", request.step, ": preparing ", job->tmpDir));
+                             strCat("checkpoint step ", request.step, ": preparing ", job.tmpDir));
   if (!stagingError.empty()) {
-    // The other ranks write their parts: tell rank 0's commit at once instead of letting
-    // it wait for this rank's, and keep the failure as this save's outcome.
-    job->error = strCat("staging failed: ", stagingError);
+    job.error = strCat("staging failed: ", stagingError);
     try {
-      writeFileAtomic((fs::path(job->tmpDir) / rankErrorFile(rank_)).string(), job->error);
+      writeFileAtomic((fs::path(job.tmpDir) / rankErrorFile(rank_)).string(), job.error);
     } catch (...) {
     }
   }
+  return bytes;
+}
 
-  SaveStats stats;
-  stats.step = request.step;
-  stats.dir = job->finalDir;
-  stats.bytes = bytes;
-  stats.waitSeconds = waitSeconds;
-  stats.stagingSeconds = stagingSeconds;
-  stats.stagingAllocatedBytes = staging_.takeAllocatedBytes();
-  stats.blockBytes = job->options.blockBytes;
-  stats.async = options_.async;
-
-  job_ = job;
-  inFlightStep_ = request.step;
-  if (options_.async) {
-    // 5. The writer starts once every rank has staged: on a machine where ranks share
-    //    cores, a writer hashing while another rank still copies made that copy, and so
-    //    the stall, 1.3x-1.5x the bare copy instead of 1.1x-1.2x (bench/checkpoint_bench).
-    //    Issued here, on the training thread, by every rank (the collective order stays
-    //    the call order); only the wait is the writer's.
-    if (comm_ && world_ > 1) {
-      job->copiesDoneValue = at::zeros({1}, at::kLong);
-      job->copiesDone = comm_->allReduceAsync(job->copiesDoneValue, distributed::ReduceOp::kMin);
-    }
-    if (!job->error.empty()) {
-      // Like a writer failure: every rank throws at the next save or finish().
-      TLOG_ERROR("checkpoint step " << request.step << ": " << job->error);
-      if (job->copiesDone) job->copiesDone->wait();  // no writer here to wait for it
-      stats.stallSeconds = secondsSince(start);
-      return stats;
-    }
-    writer_ = std::thread([job] {
-      try {
-        if (job->copiesDone) job->copiesDone->wait();
-        job->run();
-      } catch (const std::exception& e) {
-        job->error = e.what();
-      } catch (...) {
-        job->error = "unknown exception in the checkpoint writer";
-      }
-    });
-    stats.stallSeconds = secondsSince(start);
-    TLOG_INFO0("checkpoint step " << request.step << ": async save started; training stall " << stats.stallSeconds
-                                  << " s (staging " << mib(bytes) << " took " << stagingSeconds << " s"
-                                  << (stats.stagingAllocatedBytes > 0 ? ", allocating the staging buffers" : "")
-                                  << ", waiting " << waitSeconds << " s)");
-    return stats;
+// Step 5, async: the writer thread starts once every rank has staged (a writer hashing
+// while another rank still copies slows that copy: docs/checkpoint.md). The all-reduce is
+// issued here, on the training thread, by every rank (the collective order stays the call
+// order); only the wait is the writer's.
+void Checkpointer::startWriter(const std::shared_ptr<Job>& job) {
+  if (comm_ && world_ > 1) {
+    job->copiesDoneValue = at::zeros({1}, at::kLong);
+    job->copiesDone = comm_->allReduceAsync(job->copiesDoneValue, distributed::ReduceOp::kMin);
   }
-  if (job->error.empty()) {
+  if (!job->error.empty()) {
+    // Like a writer failure: every rank throws at the next save or finish().
+    TLOG_ERROR("checkpoint step " << job->step << ": " << job->error);
+    if (job->copiesDone) job->copiesDone->wait();  // no writer here to wait for it
+    return;
+  }
+  writer_ = std::thread([job] {
     try {
+      if (job->copiesDone) job->copiesDone->wait();
       job->run();
     } catch (const std::exception& e) {
       job->error = e.what();
+    } catch (...) {
+      job->error = "unknown exception in the checkpoint writer";
+    }
+  });
+}
+
+// Step 5, sync: write and commit now; every rank learns whether every rank succeeded.
+void Checkpointer::writeNow(Job& job) {
+  if (job.error.empty()) {
+    try {
+      job.run();
+    } catch (const std::exception& e) {
+      job.error = e.what();
     }
   }
   inFlightStep_ = -1;
-  distributed::throwIfAnyRankFailed(comm_.get(), waitLocal(), strCat("checkpoint step ", request.step));
+  distributed::throwIfAnyRankFailed(comm_.get(), waitLocal(), strCat("checkpoint step ", job.step));
+}
+
+SaveStats Checkpointer::save(const SaveRequest& request) {
+  const auto start = Clock::now();
+  const int64_t blockBytes = checkRequest(request);
+  auto job = makeJob(request, blockBytes);
+  // At most one save in flight: finish this rank's previous one (its staging buffers are
+  // free again after this).
+  const int64_t previous = inFlightStep_;
+  inFlightStep_ = -1;
+  const std::string previousError = waitLocal();
+  SaveStats stats;
+  stats.waitSeconds = secondsSince(start);
+  stats.bytes = agreeAndStage(request, *job, previous, previousError, stats.stagingSeconds);
+  stats.step = request.step;
+  stats.dir = job->finalDir;
+  stats.stagingAllocatedBytes = staging_.takeAllocatedBytes();
+  stats.blockBytes = blockBytes;
+  stats.async = options_.async;
+  job_ = job;
+  inFlightStep_ = request.step;
+  if (options_.async) {
+    startWriter(job);
+    stats.stallSeconds = secondsSince(start);
+    if (job->error.empty()) {
+      TLOG_INFO0("checkpoint step " << request.step << ": async save started; training stall " << stats.stallSeconds
+                                    << " s (staging " << mib(stats.bytes) << " took " << stats.stagingSeconds << " s"
+                                    << (stats.stagingAllocatedBytes > 0 ? ", allocating the staging buffers" : "")
+                                    << ", waiting " << stats.waitSeconds << " s)");
+    }
+    return stats;
+  }
+  writeNow(*job);
   stats.stallSeconds = secondsSince(start);
-  TLOG_INFO0("checkpoint step " << request.step << " saved in " << stats.stallSeconds << " s (" << mib(bytes)
+  TLOG_INFO0("checkpoint step " << request.step << " saved in " << stats.stallSeconds << " s (" << mib(stats.bytes)
                                 << " on rank 0)");
   return stats;
+}
+
+SaveStats Checkpointer::save(int64_t step, const StateMap& states, const SaveOptions& options) {
+  SaveRequest request;
+  request.step = step;
+  request.entries = collectEntries(states);
+  request.aliases = collectExportNames(states);
+  request.strategy = options.strategy.empty() ? describeStrategies(states) : options.strategy;
+  request.trainerState = options.trainerState;
+  request.rankState = options.rankState;
+  return save(request);
 }
 
 void Checkpointer::finish() {

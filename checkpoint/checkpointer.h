@@ -113,6 +113,13 @@ struct SaveRequest {
   std::map<std::string, std::string> aliases;
 };
 
+// What a Stateful save records besides the components' tensors (see SaveRequest).
+struct SaveOptions {
+  std::string strategy;             // "" = the strategies among the components (describeStrategies)
+  std::string trainerState = "{}";  // JSON object; rank 0's is saved
+  std::string rankState = "{}";     // JSON object; every rank's is saved
+};
+
 struct SaveStats {
   int64_t step = 0;
   std::string dir;              // the final step_N directory
@@ -141,6 +148,9 @@ class Checkpointer {
   // previous async save failed or (sync) this save failed anywhere. Saving a step that
   // already exists replaces it.
   SaveStats save(const SaveRequest& request);
+  // The same for a map of Stateful components (checkpoint/state.h): their entries under
+  // "<key>/", their export names as the checkpoint's aliases.
+  SaveStats save(int64_t step, const StateMap& states, const SaveOptions& options = {});
   // Collective. Waits for the in-flight save and throws on every rank if it failed on any.
   void finish();
 
@@ -155,6 +165,13 @@ class Checkpointer {
   std::string waitLocal();  // joins the writer; returns its error ("" when none)
   // Rank 0: removes the *.tmp debris of crashed saves and creates tmpDir.
   void prepareTmpDir(const std::string& tmpDir) const;
+  // The steps of save() (the protocol in the header comment).
+  int64_t checkRequest(const SaveRequest& request) const;
+  std::shared_ptr<Job> makeJob(const SaveRequest& request, int64_t blockBytes) const;
+  int64_t agreeAndStage(const SaveRequest& request, Job& job, int64_t previous, const std::string& previousError,
+                        double& stagingSeconds);
+  void startWriter(const std::shared_ptr<Job>& job);
+  void writeNow(Job& job);
   // Fills job.sources with the rows of the request's entries (staged copies where
   // async or on a device); returns the bytes this rank writes.
   int64_t stage(const SaveRequest& request, Job& job);

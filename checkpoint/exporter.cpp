@@ -129,8 +129,8 @@ std::string exportPrefix(const std::string& what, const std::map<std::string, st
   if (!what.empty() && what.back() == '/') return what;
   auto alias = aliases.find(what);
   if (alias != aliases.end()) return alias->second;
-  if (what == "model") return "model/";
-  return "ema/" + what + "/";
+  if (what == sharding::kModelKey) return sharding::statePrefix(sharding::kModelKey);
+  return sharding::statePrefix(sharding::kEmaKey) + what + "/";
 }
 
 std::string resolveExportPrefix(const CheckpointMetadata& md, const std::string& what) {
@@ -201,11 +201,12 @@ ExportResult exportCheckpoint(const std::string& checkpointDir, const std::strin
   return result;
 }
 
-ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::string& prefix,
+ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& aliases,
                           distributed::Communicator* comm, const std::string& out, const ExportOptions& options) {
   const auto start = Clock::now();
   const int rank = comm ? comm->rank() : 0;
   const int world = comm ? comm->worldSize() : 1;
+  const std::string prefix = exportPrefix(options.what, aliases);
   ExportResult result;
   result.prefix = prefix;
   std::vector<Item> items;
@@ -223,7 +224,12 @@ ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::str
     items.push_back(std::move(it));
     sources.push_back(&e);
   }
-  TESSERA_CHECK(!items.empty(), "exportOnline: no entry starts with '", prefix, "'");
+  if (items.empty()) {
+    std::string known;
+    for (const auto& [name, p] : aliases) known += (known.empty() ? "" : ", ") + name;
+    throw Error(strCat("exportOnline: nothing to export as '", options.what, "' (no tensor under '", prefix,
+                       "'); it can export: ", known.empty() ? "nothing" : known, ", or a prefix ending in '/'"));
+  }
   const Plan plan = planFiles(items, out, options);
   // Rank 0 keeps gathering after a local write error (the other ranks are in the same
   // collectives); the error is raised everywhere at the end.
@@ -345,6 +351,11 @@ at::ScalarType parseExportDtype(const std::string& text) {
   } catch (const ConfigError& e) {
     throw UsageError(e.what());  // a command-line argument, not a config key
   }
+}
+
+ExportResult exportOnline(const StateMap& states, distributed::Communicator* comm, const std::string& out,
+                          const ExportOptions& options) {
+  return exportOnline(collectEntries(states), collectExportNames(states), comm, out, options);
 }
 
 }  // namespace tessera::checkpoint

@@ -67,11 +67,16 @@ std::string resolveExportPrefix(const CheckpointMetadata& metadata, const std::s
 // Offline export of checkpoint directory `checkpointDir` to `out`.
 ExportResult exportCheckpoint(const std::string& checkpointDir, const std::string& out, const ExportOptions& options);
 
-// Online export, collective over `comm` (the CPU/gloo group; nullptr: one process):
-// the entries whose names start with `prefix` (stripped in the file), in order. Every
-// rank passes the same entries; rank 0 writes. Errors on rank 0 are raised on every rank.
-ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::string& prefix,
+// Online export, collective over `comm` (the CPU/gloo group; nullptr: one process): the
+// entries under exportPrefix(options.what, aliases) (stripped in the file), in order.
+// Every rank passes the same entries; rank 0 writes. Errors on rank 0 are raised on every
+// rank; what names nothing is an error listing what can be exported.
+ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& aliases,
                           distributed::Communicator* comm, const std::string& out, const ExportOptions& options);
+// The same for a map of Stateful components (checkpoint/state.h), e.g. {{"ema", ema}} and
+// options.what "generator_ema".
+ExportResult exportOnline(const StateMap& states, distributed::Communicator* comm, const std::string& out,
+                          const ExportOptions& options);
 
 // "2GB" (10^9, as Hugging Face), "500MiB" (2^20), "123" bytes; UsageError otherwise.
 int64_t parseByteSize(const std::string& text);

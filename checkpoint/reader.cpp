@@ -225,8 +225,13 @@ LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>&
   CheckpointReader reader(dir);
   const auto& md = reader.metadata();
   std::map<std::string, bool> used;
+  std::vector<std::string> missingOptional;
   for (const auto& e : entries) {
     checkEntry(e, "loadCheckpoint");
+    if (e.optional && md.find(e.name) == nullptr) {
+      missingOptional.push_back(e.name);
+      continue;
+    }
     const TensorInfo& t = reader.tensor(e.name);
     used[e.name] = true;
     if (t.dtype != e.spec.dtype()) {
@@ -264,8 +269,22 @@ LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>&
   r.trainerState = reader.trainerState(options.verify);
   r.rankStates = md.rankStates;
   r.bytesRead = reader.bytesRead();
+  r.missingOptional = std::move(missingOptional);
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;
+}
+
+LoadResult load(const std::string& dir, const StateMap& states, const LoadOptions& options) {
+  LoadResult result = loadCheckpoint(dir, collectEntries(states), options);
+  afterLoad(states);
+  return result;
+}
+
+std::optional<LoadResult> resumeLatest(const std::string& checkpointsDir, const StateMap& states,
+                                       distributed::Communicator* comm, const LoadOptions& options) {
+  std::optional<LoadResult> result = resumeAuto(checkpointsDir, collectEntries(states), comm, options);
+  if (result) afterLoad(states);
+  return result;
 }
 
 std::vector<CheckpointRef> listCheckpoints(const std::string& checkpointsDir) {

@@ -100,6 +100,8 @@ struct LoadResult {
   std::vector<std::string> rankStates;   // per saved rank (RNG state...): convert or refuse
                                          // when savedWorldSize differs from the new one
   int64_t bytesRead = 0;
+  // Entries marked optional that the checkpoint does not have (left as they were).
+  std::vector<std::string> missingOptional;
   double seconds = 0;
 };
 
@@ -107,6 +109,11 @@ struct LoadResult {
 // directory `dir` into entry.local in place (CPU or CUDA; padding rows zeroed). Each rank
 // calls it independently; no communication.
 LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>& entries, const LoadOptions& options = {});
+
+// The Stateful forms (checkpoint/state.h): every component's entries ("<key>/<name>")
+// loaded in place, then each component's afterLoad() — the strategies publish the loaded
+// masters, so every rank calls these (collectively for zero1/zero2's gathers).
+LoadResult load(const std::string& dir, const StateMap& states, const LoadOptions& options = {});
 
 struct CheckpointRef {
   int64_t step = 0;
@@ -129,6 +136,10 @@ std::string readLatest(const std::string& checkpointsDir);
 // may have overwritten some destination buffers; the next attempt rewrites all of them.
 std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const std::vector<StateEntry>& entries,
                                      distributed::Communicator* comm, const LoadOptions& options = {});
+
+// resumeAuto for a map of Stateful components, each restored (afterLoad) once one loaded.
+std::optional<LoadResult> resumeLatest(const std::string& checkpointsDir, const StateMap& states,
+                                       distributed::Communicator* comm, const LoadOptions& options = {});
 
 // Offline summary for tessera-ckpt info.
 struct CheckpointSummary {

@@ -1,18 +1,52 @@
 // The unit of sharded state the checkpointer saves and loads: sharding::StateEntry, a
-// named local buffer and the ShardSpec that places it (docs/design.md, "One layout").
-// Names are the caller's; the trainer uses "model/<param>", "optim/<state>/<param>",
-// "ema/<ema name>/<param>" so exports can select a prefix and strip it back to the
-// user's module names.
+// named local buffer and the ShardSpec that places it (docs/design.md, "One layout"), and
+// the map of Stateful components a checkpoint is made of (sharding/stateful.h): each
+// component's entries are saved as "<key>/<name>", so exports select a prefix and strip
+// it back to the module's own names.
 #pragma once
 
+#include <map>
+#include <string>
+#include <vector>
+
 #include "sharding/sharded_param.h"
+#include "sharding/stateful.h"
 
 namespace tessera::checkpoint {
 
 using sharding::StateEntry;
+using sharding::StateItem;
+using sharding::StateMap;
+using sharding::Stateful;
 
 // Throws tessera::Error naming the entry when local does not fit spec (element count,
 // dtype) or the name is empty; `where` prefixes the message.
 void checkEntry(const StateEntry& entry, const char* where);
+
+// Every component's entries, each name prefixed with its component's key ("model/...").
+// tessera::UsageError for an empty key or a key with a '/' at either end.
+std::vector<StateEntry> collectEntries(const StateMap& states);
+// Export names -> tensor-name prefixes, from each component's exportNames() ("" = the key).
+std::map<std::string, std::string> collectExportNames(const StateMap& states);
+// The strategies among the components, for a checkpoint's record: "zero3" for one,
+// "encoder:zero3 decoder:zero2" for several, "" for none.
+std::string describeStrategies(const StateMap& states);
+// Runs every component's afterLoad(), in order.
+void afterLoad(const StateMap& states);
+
+// Named int64 counters saved with a checkpoint — a step, a data position, anything of the
+// caller's — as replicated scalars ("<key>/<name>"). Declare each one before a load (its
+// value before the load stays when the checkpoint lacks it only if optional).
+class Counters final : public Stateful {
+ public:
+  int64_t& operator[](const std::string& name) { return values_[name]; }
+  int64_t at(const std::string& name) const;  // UsageError for an unknown name
+  std::vector<StateEntry> stateEntries() override;
+  void afterLoad() override;
+
+ private:
+  std::map<std::string, int64_t> values_;
+  std::map<std::string, at::Tensor> tensors_;  // the values as entries, between save/load and afterLoad
+};
 
 }  // namespace tessera::checkpoint

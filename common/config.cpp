@@ -98,11 +98,17 @@ std::string typeName(const FieldTarget& target) {
   return std::visit(Visitor{}, target);
 }
 
+// The shortest decimal that reads back as `v` (0.05, not 0.050000000000000003): what the
+// user wrote, for any value that came from a YAML file.
 std::string formatDouble(double v) {
-  std::ostringstream out;
-  out.precision(17);
-  out << v;
-  std::string s = out.str();
+  std::string s;
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::ostringstream out;
+    out.precision(precision);
+    out << v;
+    s = out.str();
+    if (std::strtod(s.c_str(), nullptr) == v) break;
+  }
   // Keep floats recognisable as floats in YAML ("1.0", not "1").
   if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
   return s;
@@ -603,7 +609,7 @@ std::string readConfigFile(const std::string& file) {
   try {
     return readRegularFile(file, kMaxConfigBytes);
   } catch (const Error& e) {
-    throw ConfigError(strCat(file, ": cannot read config file: ", e.what()));
+    throw ConfigError(strCat(file, ": cannot read config file: ", e.what(), relativePathNote(file)));
   }
 }
 
@@ -738,6 +744,15 @@ std::vector<std::string> ConfigSchema::changedKeys(const std::string& prefix) co
     if (f.path.compare(0, prefix.size(), prefix) == 0 && emitInline(valueNode(f.target)) != f.defaultText) {
       out.push_back(f.path);
     }
+  }
+  return out;
+}
+
+std::map<std::string, std::string> ConfigSchema::values() const {
+  std::map<std::string, std::string> out;
+  for (const auto& f : impl_->fields) out[f.path] = emitInline(valueNode(f.target));
+  for (const auto& [path, section] : impl_->namedSections) {
+    for (const auto& [name, schema] : section.entries) out.merge(schema->values());
   }
   return out;
 }

@@ -123,6 +123,9 @@ class ConfigSchema {
 
   // The resolved configuration as YAML (every key, in registration order).
   std::string toYaml() const;
+  // Every key's value as inline YAML ("0.05", "[8, 4]", "null"), named sections' entries
+  // included, by dotted path: what two configurations are compared by.
+  std::map<std::string, std::string> values() const;
 
   // Where the current value of `path` came from (empty source = default).
   SourceLocation locationOf(const std::string& path) const;

@@ -1,6 +1,8 @@
 // Safe opens for untrusted paths (see file_open.h).
 #include "common/file_open.h"
 
+#include <filesystem>
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -160,6 +162,13 @@ void replaceFile(const std::string& path, const std::string& content) {
     ::unlink(tmp.c_str());
     throw Error(strCat("cannot rename '", tmp, "' to '", path, "': ", errnoText(err)));
   }
+}
+
+std::string relativePathNote(const std::string& path) {
+  if (path.empty() || path[0] == '/') return "";
+  std::error_code ec;
+  const std::string cwd = std::filesystem::current_path(ec).string();
+  return strCat(" (a relative path: resolved against the working directory ", ec ? "?" : cwd, ")");
 }
 
 }  // namespace tessera

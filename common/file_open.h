@@ -34,6 +34,11 @@ int createFreshFile(const std::string& path);
 // regular file at `path`. Throws tessera::Error naming `path`.
 int openForAppend(const std::string& path);
 
+// For an error about a path the user gave: "" when it is absolute, else the directory it
+// was resolved against (" (a relative path: resolved against the working directory
+// /home/u)"), so that a config run from another directory says why its file is missing.
+std::string relativePathNote(const std::string& path);
+
 // Reads the whole of a regular file of at most `maxBytes`. Throws tessera::Error naming
 // `path` when it is missing, not a regular file, larger than `maxBytes`, or unreadable.
 std::string readRegularFile(const std::string& path, int64_t maxBytes, LinkPolicy links = LinkPolicy::kFollow);

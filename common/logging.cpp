@@ -20,9 +20,16 @@ namespace tessera::log {
 namespace {
 
 std::mutex g_mutex;
-std::shared_ptr<spdlog::logger> g_logger;  // guarded by g_mutex for replacement
+// The process's loggers: `all` writes to every sink (console and file), `fileOnly` to the
+// rank's file alone (null without one): rank-0-only lines go to the console of rank 0 and
+// to every rank's file, so that each rank's file tells its whole story.
+struct Loggers {
+  std::shared_ptr<spdlog::logger> all, fileOnly;
+};
+Loggers g_loggers;  // guarded by g_mutex for replacement
 std::atomic<int> g_level{static_cast<int>(Level::kInfo)};
 std::atomic<int> g_rank{0};
+std::atomic<bool> g_configured{false};  // init() was called: adoptRank() leaves it alone
 
 spdlog::level::level_enum toSpd(Level level) {
   switch (level) {
@@ -58,29 +65,39 @@ class AppendFileSink final : public spdlog::sinks::base_sink<std::mutex> {
   int fd_;
 };
 
-std::shared_ptr<spdlog::logger> makeLogger(const LogOptions& options) {
-  std::vector<spdlog::sink_ptr> sinks;
-  if (options.console) sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
-  if (!options.file.empty()) {
-    try {
-      sinks.push_back(std::make_shared<AppendFileSink>(options.file));
-    } catch (const Error& e) {
-      throw Error(strCat("log::init: cannot open log file: ", e.what()));
-    }
-  }
+std::shared_ptr<spdlog::logger> makeLogger(std::vector<spdlog::sink_ptr> sinks, int rank) {
   auto logger = std::make_shared<spdlog::logger>("tessera", sinks.begin(), sinks.end());
   // Time, level, then the rank prefix: "[12:00:01.123] [info] [rank 3] message".
-  std::string prefix = options.rank >= 0 ? strCat("[rank ", options.rank, "] ") : std::string();
+  std::string prefix = rank >= 0 ? strCat("[rank ", rank, "] ") : std::string();
   logger->set_pattern("[%H:%M:%S.%e] [%l] " + prefix + "%v");
   logger->set_level(spdlog::level::trace);  // filtering is done by g_level
   logger->flush_on(spdlog::level::warn);
   return logger;
 }
 
-std::shared_ptr<spdlog::logger> current() {
+Loggers makeLoggers(const LogOptions& options) {
+  std::vector<spdlog::sink_ptr> sinks;
+  if (options.console) sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
+  spdlog::sink_ptr file;
+  if (!options.file.empty()) {
+    try {
+      file = std::make_shared<AppendFileSink>(options.file);
+    } catch (const Error& e) {
+      throw Error(strCat("log::init: cannot open log file: ", e.what()));
+    }
+    sinks.push_back(file);
+  }
+  Loggers out;
+  out.all = makeLogger(sinks, options.rank);
+  if (file) out.fileOnly = makeLogger({file}, options.rank);
+  return out;
+}
+
+Loggers current() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (!g_logger) {
+  if (!g_loggers.all) {
     LogOptions defaults;
+    defaults.rank = g_rank;
     const char* env = std::getenv("TESSERA_LOG_LEVEL");
     if (env && *env) {
       try {
@@ -90,9 +107,9 @@ std::shared_ptr<spdlog::logger> current() {
         // reports it properly when the app configures logging.
       }
     }
-    g_logger = makeLogger(defaults);
+    g_loggers = makeLoggers(defaults);
   }
-  return g_logger;
+  return g_loggers;
 }
 
 }  // namespace
@@ -133,12 +150,20 @@ void init(const LogOptions& options) {
       throw ConfigError(strCat("TESSERA_LOG_LEVEL: ", e.what()));
     }
   }
-  auto logger = makeLogger(options);
+  Loggers loggers = makeLoggers(options);
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (g_logger) g_logger->flush();
-  g_logger = std::move(logger);
+  if (g_loggers.all) g_loggers.all->flush();
+  g_loggers = std::move(loggers);
   g_level = static_cast<int>(lvl);
   g_rank = options.rank;
+  g_configured = true;
+}
+
+void adoptRank(int rank) {
+  if (g_configured) return;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_rank = rank;
+  g_loggers = Loggers{};  // remade with the rank by the next line logged
 }
 
 Level level() { current(); return static_cast<Level>(g_level.load()); }
@@ -146,8 +171,23 @@ void setLevel(Level lvl) { g_level = static_cast<int>(lvl); }
 int rank() { return g_rank.load(); }
 bool enabled(Level lvl) { return lvl != Level::kOff && static_cast<int>(lvl) >= static_cast<int>(level()); }
 
-void write(Level lvl, const std::string& message) { current()->log(toSpd(lvl), "{}", message); }
+void write(Level lvl, const std::string& message) { current().all->log(toSpd(lvl), "{}", message); }
 
-void flush() { current()->flush(); }
+void writeRankZero(Level lvl, const std::string& message) {
+  const Loggers loggers = current();
+  if (rank() <= 0) {
+    loggers.all->log(toSpd(lvl), "{}", message);
+  } else if (loggers.fileOnly) {
+    loggers.fileOnly->log(toSpd(lvl), "{}", message);
+  }
+}
+
+void writeToFile(Level lvl, const std::string& message) {
+  if (!enabled(lvl)) return;
+  const Loggers loggers = current();
+  if (loggers.fileOnly) loggers.fileOnly->log(toSpd(lvl), "{}", message);
+}
+
+void flush() { current().all->flush(); }
 
 }  // namespace tessera::log

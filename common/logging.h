@@ -1,5 +1,6 @@
-// Logging facade: rank-prefixed lines ("[rank 3] ..."), rank-0-only helpers, a level
-// from the config or TESSERA_LOG_LEVEL, and an optional per-rank log file.
+// Logging facade: rank-prefixed lines ("[rank 3] ..."), rank-0-only helpers (console of
+// rank 0, and every rank's file), a level from the config or TESSERA_LOG_LEVEL, and an
+// optional per-rank log file.
 //
 // spdlog stays inside logging.cpp; callers use the stream-style macros below, which
 // skip building the message when its level is off:
@@ -36,6 +37,14 @@ bool enabled(Level level);
 
 // Writes one line at `level` (no check of rank).
 void write(Level level, const std::string& message);
+// A rank-0-only line: on rank 0 (or no rank) everywhere, on other ranks to their log file
+// only, so the console shows it once and every rank's file holds it.
+void writeRankZero(Level level, const std::string& message);
+// Writes one line to this rank's log file only (nothing without one).
+void writeToFile(Level level, const std::string& message);
+// Library use (no init() call): prefix lines with `rank` from now on. Runtime::init calls
+// it; an application's own init() wins.
+void adoptRank(int rank);
 // Flushes console and file sinks.
 void flush();
 
@@ -43,10 +52,14 @@ void flush();
 
 #define TESSERA_LOG_AT_(lvl, only_rank0, expr)                                        \
   do {                                                                               \
-    if (::tessera::log::enabled(lvl) && (!(only_rank0) || ::tessera::log::rank() <= 0)) { \
+    if (::tessera::log::enabled(lvl)) {                                              \
       std::ostringstream tessera_log_stream_;                                        \
       tessera_log_stream_ << expr;                                                   \
-      ::tessera::log::write(lvl, tessera_log_stream_.str());                         \
+      if (only_rank0) {                                                              \
+        ::tessera::log::writeRankZero(lvl, tessera_log_stream_.str());               \
+      } else {                                                                       \
+        ::tessera::log::write(lvl, tessera_log_stream_.str());                       \
+      }                                                                              \
     }                                                                                \
   } while (false)
 

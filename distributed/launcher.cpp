@@ -146,6 +146,9 @@ std::string describeStatus(int waitStatus) {
 
 bool isFailure(int waitStatus) { return !WIFEXITED(waitStatus) || WEXITSTATUS(waitStatus) != 0; }
 
+// What Tessera's programs exit with on bad configuration or arguments (common/app_main.h).
+constexpr int kBadInputStatus = 2;
+
 class Launcher {
  public:
   explicit Launcher(LaunchOptions options);
@@ -199,6 +202,9 @@ class Launcher {
   void drainOutput();
   void killEverythingNow();
   void reportFailure(double stoppedInS);
+  // The launcher's exit status for a failed rank: the rank's own exit status (2: bad
+  // input), or 1 when it was killed by a signal or could not start.
+  static int failureExitStatus(const Failure& f);
 
   LaunchOptions options_;
   bool console_ = true;
@@ -330,12 +336,18 @@ int Launcher::run() {
       return 0;
     }
     if (outcome == Outcome::kInterrupted) return 128 + firstSignal_;
+    const int status = failureExitStatus(*failure_);
+    if (status == kBadInputStatus) {
+      // Bad configuration or arguments: a restart would fail the same way.
+      if (restart < options_.maxRestarts) TLOG_ERROR("tessera-run: rank exited 2 (bad input): not restarting");
+      return status;
+    }
     if (restart >= options_.maxRestarts) {
       if (options_.maxRestarts > 0) {
         TLOG_ERROR("tessera-run: giving up after " << options_.maxRestarts << " restart"
                    << (options_.maxRestarts > 1 ? "s" : "") << " (--max-restarts " << options_.maxRestarts << ")");
       }
-      return 1;
+      return status;
     }
     TLOG_WARN("tessera-run: restarting all " << nproc << " ranks (restart " << restart + 1 << " of "
               << options_.maxRestarts << ")");
@@ -366,7 +378,10 @@ Launcher::Outcome Launcher::runAttempt(int restartCount) {
   while (true) {
     pump(kPollPeriodS * 10);
     if (firstSignal_ != 0) {
-      TLOG_WARN("tessera-run: got " << signalName(firstSignal_) << "; forwarding it to the ranks");
+      TLOG_WARN("tessera-run: got " << signalName(firstSignal_) << "; forwarding it to the ranks (Tessera's trainer "
+                << "stops after its current step with a checkpoint). Waiting up to " << options_.gracePeriodS
+                << " s for them; a second " << signalName(firstSignal_) << " (Ctrl-C) kills them now, "
+                << "without a checkpoint");
       const double stoppedIn = stopRanks(firstSignal_);
       TLOG_WARN("tessera-run: ranks stopped in " << formatSeconds(stoppedIn) << " s after "
                 << signalName(firstSignal_) << "; exiting with status " << 128 + firstSignal_);
@@ -617,6 +632,11 @@ void Launcher::killEverythingNow() {
   for (Rank& rank : ranks_) {
     if (rank.running && ::waitpid(rank.pid, nullptr, 0) == rank.pid) rank.running = false;
   }
+}
+
+int Launcher::failureExitStatus(const Failure& f) {
+  if (!f.execError.empty() || !WIFEXITED(f.waitStatus)) return 1;
+  return WEXITSTATUS(f.waitStatus);
 }
 
 void Launcher::reportFailure(double stoppedInS) {

@@ -18,9 +18,11 @@
 //     output only with --tee. The error files are D/rank_G.error.json.
 //   - The launcher's own lines ("tessera-run: ...") go to stderr through common/logging.
 //
-// Exit status of launch(): 0 all ranks exited 0; 1 a rank failed (after the restarts);
-// 128+N the launcher got signal N (SIGINT, SIGTERM, SIGHUP, SIGQUIT), which it forwarded to
-// every rank's process group. Bad options throw tessera::UsageError (tessera-run exits 2).
+// Exit status of launch(): 0 all ranks exited 0; a failed rank's own exit status (after
+// the restarts; 1 when it was killed by a signal), so 2 means a rank refused its
+// configuration or arguments, which is never restarted; 128+N the launcher got signal N
+// (SIGINT, SIGTERM, SIGHUP, SIGQUIT), which it forwarded to every rank's process group (a
+// second one kills them at once). Bad options throw tessera::UsageError (tessera-run exits 2).
 #pragma once
 
 #include <map>

@@ -25,6 +25,7 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
     makeCommunicator("nccl", nullptr, env.rank, env.world_size);
   }
 
+  log::adoptRank(env.rank);  // library use: lines say which rank wrote them
   std::shared_ptr<Runtime> runtime(new Runtime());
   runtime->env_ = env;
   RendezvousOptions rendezvousOptions;

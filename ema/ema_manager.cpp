@@ -284,6 +284,33 @@ std::map<std::string, std::string> ShardedModelEMAManager::exportAliases(const s
   return aliases;
 }
 
+std::vector<sharding::StateEntry> ShardedModelEMAManager::stateEntries() {
+  std::vector<sharding::StateEntry> entries = stateEntries("");
+  updateCount_.fill_(updates_);
+  // Replicated over the group the shards are laid out over (every rank holds the count).
+  const sharding::ShardSpec* any = params_.empty() ? nullptr : &params_.begin()->second.spec;
+  sharding::StateEntry count{updateCountName(),
+                             sharding::ShardSpec({}, at::kLong, any ? any->worldSize() : 1, any ? any->rank() : 0,
+                                                 sharding::Placement::kReplicate),
+                             updateCount_};
+  count.optional = true;
+  entries.push_back(std::move(count));
+  return entries;
+}
+
+void ShardedModelEMAManager::afterLoad() {
+  const int64_t count = updateCount_.item<int64_t>();
+  TESSERA_CHECK(count >= 0, "ShardedModelEMAManager: loaded update count ", count, " of ", stateName(0),
+                " is negative");
+  updates_ = count;
+}
+
+std::map<std::string, std::string> ShardedModelEMAManager::exportNames() const {
+  std::map<std::string, std::string> names = exportAliases("");
+  for (size_t d = 0; d < numProfiles(); ++d) names[stateName(d)] = stateName(d) + "/";
+  return names;
+}
+
 ShardedModelEMAManager::Entry& ShardedModelEMAManager::entry(const std::string& name) {
   auto it = params_.find(name);
   TESSERA_CHECK(it != params_.end(), "ShardedModelEMAManager: no parameter named '", name, "'");

@@ -39,6 +39,7 @@
 
 #include "ema/profile_names.h"
 #include "sharding/sharded_param.h"
+#include "sharding/stateful.h"
 #ifdef TESSERA_EMA_CUDA_KERNEL
 #include "ema/ema_blend_cuda.h"
 #endif
@@ -59,7 +60,7 @@ struct EmaOptions {
   std::vector<double> powerStds;
 };
 
-class ShardedModelEMAManager {
+class ShardedModelEMAManager : public sharding::Stateful {
  public:
   // Throws tessera::ConfigError for decays outside [0, 1), updateEvery < 1, an unknown
   // buffers mode, an empty decay list.
@@ -116,12 +117,22 @@ class ShardedModelEMAManager {
   // Every EMA tensor as a checkpoint entry that saves and loads in place:
   // <prefix><stateName(d)>/<name> for each decay d, parameters (their spec) and buffers
   // (replicated).
-  std::vector<sharding::StateEntry> stateEntries(const std::string& prefix = "ema/");
+  std::vector<sharding::StateEntry> stateEntries(const std::string& prefix);
   // The entries of one profile only (<prefix><stateName(profile)>/<name>).
-  std::vector<sharding::StateEntry> profileEntries(size_t profile, const std::string& prefix = "ema/");
+  std::vector<sharding::StateEntry> profileEntries(size_t profile, const std::string& prefix);
   // Export names -> checkpoint prefixes: decayName(d) -> "<prefix><stateName(d)>/" for
   // every decay (stateName itself resolves without an alias).
-  std::map<std::string, std::string> exportAliases(const std::string& prefix = "ema/") const;
+  std::map<std::string, std::string> exportAliases(const std::string& prefix) const;
+
+  // Stateful (sharding/stateful.h): every profile's tensors (stateEntries("")) and the
+  // update count as an int64 scalar, "<stateName(0)>.updates" (optional: checkpoints older
+  // than it keep the count in trainer_state.json); a load restores the count; exported
+  // under every profile's names.
+  std::vector<sharding::StateEntry> stateEntries() override;
+  void afterLoad() override;
+  std::map<std::string, std::string> exportNames() const override;
+  // The count entry's name ("generator_ema.updates").
+  std::string updateCountName() const { return stateName(0) + ".updates"; }
 
   // Bytes of EMA state on this rank (all decays).
   int64_t bytes() const;
@@ -153,6 +164,7 @@ class ShardedModelEMAManager {
   std::map<std::string, Entry> params_;
   std::map<std::string, BufferEntry> buffers_;
   int64_t updates_ = 0;
+  at::Tensor updateCount_ = at::zeros({}, at::kLong);  // updates_ as a checkpoint entry
   // Per decay: the GPU kernel's segment table (CUDA builds only; see blendOnGpu).
 #ifdef TESSERA_EMA_CUDA_KERNEL
   struct FusedTable {

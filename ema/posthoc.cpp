@@ -35,6 +35,15 @@ std::string snapshotsDir(const std::string& dir) {
 
 }  // namespace
 
+std::vector<sharding::StateEntry> posthocSnapshotEntries(ShardedModelEMAManager& manager) {
+  std::vector<sharding::StateEntry> entries;
+  for (size_t i = 0; i < manager.numProfiles(); ++i) {
+    if (!manager.isPowerProfile(i)) continue;
+    for (auto& e : manager.profileEntries(i, sharding::statePrefix(sharding::kEmaKey))) entries.push_back(std::move(e));
+  }
+  return entries;
+}
+
 std::string posthocSnapshotState(const ShardedModelEMAManager& manager) {
   nlohmann::json profiles = nlohmann::json::object();
   for (size_t i = 0; i < manager.numProfiles(); ++i) {
@@ -96,7 +105,7 @@ PosthocResult reconstructPosthocEma(const std::string& dir, const std::string& o
   for (size_t i = 0; i < result.used.size(); ++i) {
     readers.push_back(std::make_unique<checkpoint::CheckpointReader>(result.used[i].dir));
     for (const auto& [name, sigma] : result.used[i].profiles) {
-      stored.push_back({i, "ema/" + name + "/"});
+      stored.push_back({i, sharding::statePrefix(sharding::kEmaKey) + name + "/"});
       profiles.push_back({result.used[i].step, powerEmaExponent(sigma)});
     }
   }

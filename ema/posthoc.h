@@ -15,10 +15,14 @@
 #include <utility>
 #include <vector>
 
+#include "sharding/sharded_param.h"
+
 namespace tessera::ema {
 
 class ShardedModelEMAManager;
 
+// A snapshot's tensors: `manager`'s power-function profiles, "ema/<profile>/<param>".
+std::vector<sharding::StateEntry> posthocSnapshotEntries(ShardedModelEMAManager& manager);
 // The trainer_state.json of a snapshot of `manager`'s power-function profiles.
 std::string posthocSnapshotState(const ShardedModelEMAManager& manager);
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "sharding/sharded_param.h"
+#include "sharding/stateful.h"
 
 namespace tessera::sharding {
 
@@ -38,7 +39,7 @@ struct OptimizerOptions {
   bool nesterov = false;       // sgd (needs momentum > 0 and dampening 0)
 };
 
-class ShardedOptimizer {
+class ShardedOptimizer : public Stateful {
  public:
   // Throws tessera::ConfigError for an unknown name or invalid hyperparameters.
   explicit ShardedOptimizer(OptimizerOptions options);
@@ -69,7 +70,9 @@ class ShardedOptimizer {
   //   <prefix><state>/<param>   each state tensor, the parameter's spec (zeros are created
   //                             for parameters not stepped yet, so every rank lists the same)
   //   <prefix>step/<param>      the step count: an int64 scalar, replicated
-  std::vector<StateEntry> stateEntries(const std::string& prefix = "optim/");
+  std::vector<StateEntry> stateEntries(const std::string& prefix);
+  // Stateful (sharding/stateful.h): the entries relative to its key ("exp_avg/<param>").
+  std::vector<StateEntry> stateEntries() override { return stateEntries(""); }
   // Checks step counts loaded from `source` (a checkpoint): each in [0, maxStep], the most
   // optimizer steps the checkpoint's run step allows. A negative count would make Adam's bias correction divide by zero.
   // tessera::Error naming `source`, the entry and the value otherwise.

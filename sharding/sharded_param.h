@@ -61,6 +61,9 @@ struct StateEntry {
   // spec.localRows() are padding). Replicate: the full tensor. dtype == spec.dtype().
   // CPU or CUDA; any shape with the right element count; contiguity not required.
   at::Tensor local;
+  // A load that does not find it leaves `local` as it is and reports it
+  // (LoadResult::missingOptional): state added after older checkpoints were written.
+  bool optional = false;
 };
 
 }  // namespace tessera::sharding

@@ -5,7 +5,9 @@
 
 #include <c10/core/GradMode.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
+#include <algorithm>
 #include <sstream>
 #include <unordered_set>
 
@@ -204,12 +206,59 @@ void withValuesSwapped(const std::vector<at::Tensor>& targets, const std::functi
   restore();
 }
 
-StepResult ShardingStrategy::step(double lr, const at::Tensor& sumAlongside) {
-  const bool alongside = sumAlongside.defined() && sumAlongside.numel() > 0;
-  TESSERA_CHECK_AS(UsageError, !alongside || (sumAlongside.scalar_type() == at::kDouble &&
-                                              sumAlongside.device().is_cpu() && sumAlongside.is_contiguous()),
-                   "ShardingStrategy::step: the values summed alongside the gradient norm must be a contiguous CPU "
-                   "double tensor, got ", sumAlongside.toString());
+void StepSums::add(const std::string& name, double value) {
+  for (size_t i = 0; i < names_.size(); ++i) {
+    if (names_[i] == name) {
+      values_[i] += value;
+      return;
+    }
+  }
+  names_.push_back(name);
+  values_.push_back(value);
+}
+
+double StepSums::operator[](const std::string& name) const {
+  for (size_t i = 0; i < names_.size(); ++i) {
+    if (names_[i] == name) return values_[i];
+  }
+  throw UsageError(strCat("StepSums: no value named '", name, "'"));
+}
+
+StepResult ShardingStrategy::step(double lr, StepSums* sums) {
+  return stepWith([&] { optimizer_.step(lr); }, sums);
+}
+
+StepResult ShardingStrategy::step(torch::optim::Optimizer& optimizer, StepSums* sums) {
+  const std::vector<NamedTensor>& shards = shardedParameters();
+  return stepWith(
+      [&] {
+        for (size_t i = 0; i < shards.size(); ++i) {
+          const ShardedParam& p = *shardRecords_[i];
+          at::Tensor& grad = shards[i].tensor.mutable_grad();
+          grad = p.grad.defined() ? p.grad.reshape(p.master.sizes()).to(at::kFloat) : at::Tensor();
+        }
+        optimizer.step();
+        for (const NamedTensor& shard : shards) shard.tensor.mutable_grad().reset();
+      },
+      sums);
+}
+
+const std::vector<ShardingStrategy::NamedTensor>& ShardingStrategy::shardedParameters() {
+  if (shards_.empty()) {
+    for (ShardedParam& p : params_) {
+      if (!p.trainable) continue;
+      // A tensor object of its own (its .grad() is the optimizer's), sharing the master's storage.
+      shards_.push_back({p.name, p.master.detach()});
+      shardRecords_.push_back(&p);
+    }
+  }
+  return shards_;
+}
+
+StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepSums* sums) {
+  const at::Tensor sumAlongside =
+      sums != nullptr && !sums->values_.empty() ? at::tensor(sums->values_, at::kDouble) : at::Tensor();
+  const bool alongside = sumAlongside.defined();
   synchronizeGradients();
   StepResult result;
   // The norm's all-reduce spans the world unless hybrid's is over its shard group only.
@@ -226,15 +275,17 @@ StepResult ShardingStrategy::step(double lr, const at::Tensor& sumAlongside) {
     zeroGrad();
     ++stepsSkipped_;
     synchronizeBuffers();
+    if (alongside) std::copy_n(sumAlongside.data_ptr<double>(), sums->values_.size(), sums->values_.begin());
     return result;
   }
-  optimizer_.step(lr);
+  update();
   // The records' gradients live for one step; transient gradient shards (zero1) are freed
   // here, what zero2/zero3 keep until zeroGrad() is in heldGradShards_.
   for (ShardedParam& p : params_) p.grad.reset();
   publishParameters();
   synchronizeBuffers();
   ++stepsApplied_;
+  if (alongside) std::copy_n(sumAlongside.data_ptr<double>(), sums->values_.size(), sums->values_.begin());
   return result;
 }
 

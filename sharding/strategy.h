@@ -50,6 +50,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -59,9 +60,13 @@
 #include "sharding/shard_spec.h"
 #include "sharding/sharded_optimizer.h"
 #include "sharding/sharded_param.h"
+#include "sharding/stateful.h"
 
 namespace torch::nn {
 class Module;
+}
+namespace torch::optim {
+class Optimizer;
 }
 
 namespace tessera::distributed {
@@ -124,6 +129,23 @@ struct StrategyOptions {
   ParamInitializer initializer;
 };
 
+// Values summed over all ranks in a step's own all-reduce (the gradient norm's), by name:
+// the step's loss and this rank's stop request ride along without a collective of their
+// own. Every rank adds the same names in the same order.
+class StepSums {
+ public:
+  // Adds `value` to this rank's `name` (0 until the first add).
+  void add(const std::string& name, double value);
+  // After the step: the sum over all ranks (before it: this rank's). UsageError for a name
+  // never added.
+  double operator[](const std::string& name) const;
+
+ private:
+  friend class ShardingStrategy;
+  std::vector<std::string> names_;
+  std::vector<double> values_;
+};
+
 struct StepResult {
   double gradNorm = 0.0;  // global L2 norm of the averaged gradients, before clipping
   double clipCoef = 1.0;  // factor the gradients were scaled by (1 = not clipped)
@@ -144,9 +166,14 @@ struct ResidentBytes {
   std::string str() const;
 };
 
-class ShardingStrategy {
+class ShardingStrategy : public Stateful {
  public:
-  virtual ~ShardingStrategy();
+  struct NamedTensor {
+    std::string name;
+    at::Tensor tensor;
+  };
+
+  ~ShardingStrategy() override;
   ShardingStrategy(const ShardingStrategy&) = delete;
   ShardingStrategy& operator=(const ShardingStrategy&) = delete;
 
@@ -169,15 +196,23 @@ class ShardingStrategy {
   // One optimizer step from the gradients the module accumulated since the last
   // zeroGrad() (several backward passes accumulate, as in torch). Collective: every rank
   // calls it after its backward. Gradients are averaged over ranks, clipped to
-  // options().gradClip by global norm, and applied to the fp32 masters with learning
-  // rate `lr`; the module's parameters are then updated everywhere and its buffers
-  // synchronised. A non-finite global norm skips the update on every rank: the result
-  // says so, the gradients are dropped, parameters and optimizer states are untouched.
-  // `sumAlongside` (optional, a small contiguous CPU double tensor, e.g. the step's loss):
-  // summed over all ranks in the same all-reduce as the gradient norm (or in one of its
-  // own where the norm needs none: no_shard, hybrid's replica sums), overwritten with the
-  // sums; the caller saves a collective per step.
-  StepResult step(double lr, const at::Tensor& sumAlongside = {});
+  // options().gradClip by global norm, and applied to the fp32 masters by the strategy's
+  // fused optimizer with learning rate `lr`; the module's parameters are then updated
+  // everywhere and its buffers synchronised. A non-finite global norm skips the update on
+  // every rank: the result says so, the gradients are dropped, parameters and optimizer
+  // states are untouched. `sums` (optional) are summed over all ranks in the same
+  // all-reduce as the gradient norm (or one of their own where the norm needs none).
+  StepResult step(double lr, StepSums* sums = nullptr);
+  // The same step with a torch::optim optimizer built over shardedParameters() (any
+  // parameter groups; its learning rates are its own): the averaged, clipped gradients are
+  // set as the shards' .grad(), then optimizer.step().
+  StepResult step(torch::optim::Optimizer& optimizer, StepSums* sums = nullptr);
+
+  // The trainable parameters' local shards, by name, for a torch::optim optimizer (FSDP2's
+  // sharded model.parameters()): each aliases its fp32 master (ShardedParam::master's
+  // layout: this rank's padded rows when sharded, the full tensor under no_shard), the
+  // same tensor objects for the strategy's lifetime.
+  const std::vector<NamedTensor>& shardedParameters();
 
   // Rewrites the module's parameters from the fp32 masters (collective). step() does this
   // itself; call it after changing masters directly, e.g. restoring a checkpoint.
@@ -208,10 +243,6 @@ class ShardingStrategy {
   // tessera::Error naming `name` when it is not a parameter of the module.
   const ShardedParam& param(const std::string& name) const;
   // The module's buffers (BatchNorm statistics), by name, as synchronised after each step.
-  struct NamedTensor {
-    std::string name;
-    at::Tensor tensor;
-  };
   const std::vector<NamedTensor>& buffers() const { return buffers_; }
   // How a buffer is laid out in checkpoints: replicated over the state group.
   ShardSpec bufferSpec(const at::Tensor& buffer) const;
@@ -221,7 +252,12 @@ class ShardingStrategy {
   // The module's state as checkpoint entries that save and load in place:
   // <prefix><param> for every master (its record's spec) and <prefix><buffer> for every
   // buffer (replicated). After loading, call publishParameters().
-  std::vector<StateEntry> stateEntries(const std::string& prefix = "model/");
+  std::vector<StateEntry> stateEntries(const std::string& prefix);
+  // Stateful (sharding/stateful.h): the entries named as the module names them; a load
+  // publishes the loaded masters into the module; exported under its key.
+  std::vector<StateEntry> stateEntries() override { return stateEntries(""); }
+  void afterLoad() override { publishParameters(); }
+  std::map<std::string, std::string> exportNames() const override { return {{"", ""}}; }
 
   // Steps applied and steps skipped for a non-finite gradient norm.
   int64_t stepsApplied() const { return stepsApplied_; }
@@ -281,9 +317,15 @@ class ShardingStrategy {
  private:
   std::vector<NamedTensor> collected_;  // every parameter, at construction
   std::vector<NamedTensor> buffers_;
+  // The step after synchronizeGradients: clip, non-finite skip, `update` (an optimizer's
+  // step), publish, buffers.
+  StepResult stepWith(const std::function<void()>& update, StepSums* sums);
+
   std::vector<ShardedParam> params_;    // reserved for every parameter: never reallocates
   std::unordered_map<std::string, ShardedParam*> byName_;
   ShardedOptimizer optimizer_;
+  std::vector<NamedTensor> shards_;     // shardedParameters(), made at its first call
+  std::vector<ShardedParam*> shardRecords_;  // the record of each of shards_
   int64_t stepsApplied_ = 0;
   int64_t stepsSkipped_ = 0;
 };

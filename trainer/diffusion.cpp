@@ -9,7 +9,7 @@
 #include <cmath>
 
 #include "common/errors.h"
-#include "sharding/fully_shard.h"
+#include "sharding/unit.h"
 
 namespace tessera::trainer {
 
@@ -50,8 +50,8 @@ DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<in
                                torch::nn::Sequential(layers::Linear(width, width, /*bias=*/true, device), torch::nn::SiLU(),
                                                      layers::Linear(width, width, /*bias=*/true, device)));
   inputProj_ = register_module("input_proj", layers::Linear(features_, width, /*bias=*/true, device));
-  blocks_ = register_module("blocks", torch::nn::ModuleList());
-  for (int64_t i = 0; i < options.layers; ++i) blocks_->push_back(std::make_shared<DenoiserBlock>(width, device));
+  blocks_ = register_module("blocks", sharding::UnitList<DenoiserBlock>());
+  for (int64_t i = 0; i < options.layers; ++i) blocks_->emplace_back(width, device);
   outNorm_ = register_module("out_norm", layers::LayerNorm(width, device));
   outputProj_ = register_module("output_proj", layers::Linear(width, features_, /*bias=*/true, device));
 }
@@ -76,12 +76,7 @@ at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor&
   const auto dtype = inputProj_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
   const at::Tensor temb = timeEmbed_->forward(timeEmbedding(timesteps).to(dtype));
   at::Tensor h = inputProj_->forward(noisy.flatten(1).to(dtype));
-  for (const auto& module : *blocks_) {
-    auto* block = module->as<DenoiserBlock>();
-    h = sharding::unitForward(*module, std::vector<at::Tensor>{h, temb}, [block](const std::vector<at::Tensor>& in) {
-          return std::vector<at::Tensor>{block->forward(in[0], in[1])};
-        })[0];
-  }
+  for (auto& block : *blocks_) h = block->forward(h, temb);
   return outputProj_->forward(outNorm_->forward(h)).view(noisy.sizes());
 }
 

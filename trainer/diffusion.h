@@ -15,7 +15,8 @@
 //                embedding of t: time_embed.0.*, time_embed.2.*
 //   input_proj   Linear(D, W) of the flattened x_t (D features)
 //   blocks.<i>   h + fc2(silu(fc1(norm(h) + time_proj(silu(temb))))), fc1: W -> 4W;
-//                names blocks.<i>.norm, .time_proj, .fc1, .fc2. Units: "blocks.*".
+//                names blocks.<i>.norm, .time_proj, .fc1, .fc2. Each block is a unit
+//                (sharding::Unit).
 //   out_norm     LayerNorm(W), then output_proj Linear(W, D): the predicted noise.
 #pragma once
 
@@ -27,6 +28,7 @@
 #include <functional>
 #include <vector>
 
+#include "sharding/unit.h"
 #include "trainer/models.h"
 
 namespace tessera::trainer {
@@ -70,7 +72,7 @@ class DiffusionDenoiser : public TrainModel {
   NoiseSchedule schedule_;
   torch::nn::Sequential timeEmbed_{nullptr};
   layers::Linear inputProj_{nullptr}, outputProj_{nullptr};
-  torch::nn::ModuleList blocks_{nullptr};
+  sharding::UnitList<DenoiserBlock> blocks_{nullptr};
   layers::LayerNorm outNorm_{nullptr};
 };
 

@@ -160,9 +160,11 @@ class DmdRecipe : public Recipe {
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
     });
-    const sharding::StepResult result = strategy.step(critic_.schedule->lrAt(step), stepLoss);
+    sharding::StepSums sums;
+    sums.add("loss", stepLoss.item<double>());
+    const sharding::StepResult result = strategy.step(critic_.schedule->lrAt(step), &sums);
     applied = applied || !result.skipped;
-    return stepLoss.item<double>() / static_cast<double>(run_.comm->worldSize());
+    return sums["loss"] / static_cast<double>(run_.comm->worldSize());
   }
 
   // The generator's per-sample surrogate loss 0.5 mean(x - sg(x - g))^2 (dmd_recipe.h).

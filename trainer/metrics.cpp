@@ -68,20 +68,27 @@ void MetricsLog::record(const StepMetrics& m) {
 
   const double elapsed = nowSec() - startSec_;
   const double eta = m.step > 0 ? elapsed / static_cast<double>(m.step) * static_cast<double>(totalSteps_ - m.step) : 0;
-  std::ostringstream line;
-  line << "step " << m.step << "/" << totalSteps_ << " loss " << fixed(m.loss, 4) << " lr " << m.lr << " gnorm "
-       << fixed(m.gradNorm, 3) << " " << fixed(m.samplesPerSec, 1) << " samples/s " << fixed(m.stepTimeMs, 1)
-       << " ms/step rss " << fixed(m.peakRssMiB, 0) << " MiB comm " << fixed(m.commMiB, 2) << " MiB";
-  for (const auto& [k, v] : m.extra) line << " " << k << " " << fixed(v, 4);
+  const std::string line = formatStepLine(m, totalSteps_);
   if (terminal_) {
-    // A progress bar with ETA on a terminal; plain log lines otherwise.
+    // A progress bar with ETA on a terminal (the log file gets the plain line); plain log
+    // lines otherwise.
     const int width = 30;
     const int filled = totalSteps_ > 0 ? static_cast<int>(width * m.step / totalSteps_) : width;
     std::string bar = "[" + std::string(filled, '#') + std::string(width - filled, '.') + "]";
-    std::fprintf(stderr, "\r%s %s ETA %ss\n", bar.c_str(), line.str().c_str(), fixed(eta, 0).c_str());
+    std::fprintf(stderr, "\r%s %s ETA %ss\n", bar.c_str(), line.c_str(), fixed(eta, 0).c_str());
+    log::writeToFile(log::Level::kInfo, line);
   } else {
-    TLOG_INFO(line.str() << " eta " << fixed(eta, 0) << "s");
+    TLOG_INFO(line << " eta " << fixed(eta, 0) << "s");
   }
+}
+
+std::string formatStepLine(const StepMetrics& m, int64_t totalSteps) {
+  std::ostringstream line;
+  line << "step " << m.step << "/" << totalSteps << " loss " << fixed(m.loss, 4) << " lr " << m.lr << " gnorm "
+       << fixed(m.gradNorm, 3) << " " << fixed(m.samplesPerSec, 1) << " samples/s " << fixed(m.stepTimeMs, 1)
+       << " ms/step rss " << fixed(m.peakRssMiB, 0) << " MiB comm " << fixed(m.commMiB, 2) << " MiB";
+  for (const auto& [k, v] : m.extra) line << " " << k << " " << fixed(v, 4);
+  return line.str();
 }
 
 void MetricsLog::writeLossCurve(const std::string& svgPath, const std::string& title) const {

@@ -48,6 +48,9 @@ class MetricsLog {
   std::vector<std::pair<int64_t, double>> losses_;
 };
 
+// "step 100/300 loss 2.1234 lr 0.003 gnorm ..." : the line a metrics record is logged as.
+std::string formatStepLine(const StepMetrics& m, int64_t totalSteps);
+
 // Renders (x, y) series as a standalone SVG line chart (hand-written: a few dozen lines
 // of SVG need no plotting library, and none is packaged for C++ in Debian).
 std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& points, const std::string& title,

@@ -10,17 +10,15 @@
 #include <limits>
 
 #include "common/errors.h"
-#include "sharding/fully_shard.h"
 #include "trainer/diffusion.h"
 
 namespace tessera::trainer {
 namespace {
 
-// [Linear -> activation] for each hidden layer, each entered as a (possible) unit.
-at::Tensor runHiddenLayers(torch::nn::ModuleList& hidden, at::Tensor x, const std::string& activation) {
-  for (const auto& layer : *hidden) {
-    auto* linear = layer->as<layers::LinearImpl>();
-    x = sharding::unitForward(*layer, x, [linear](const at::Tensor& in) { return linear->forward(in); });
+// [Linear -> activation] for each hidden layer (each a unit).
+at::Tensor runHiddenLayers(sharding::UnitList<layers::Linear>& hidden, at::Tensor x, const std::string& activation) {
+  for (auto& layer : *hidden) {
+    x = layer->forward(x);
     x = activation == "relu" ? at::relu(x) : at::gelu(x);
   }
   return x;
@@ -40,10 +38,10 @@ at::Tensor NextTokenModel::losses(const Batch& batch) {
 
 ContextMlp::ContextMlp(const ModelOptions& options, at::Device device) : options_(options) {
   embed_ = register_module("embed", layers::Embedding(options.vocab_size, options.embed_dim, device));
-  layers_ = register_module("layers", torch::nn::ModuleList());
+  layers_ = register_module("layers", sharding::UnitList<layers::Linear>());
   int64_t width = options.context * options.embed_dim;
   for (int64_t hidden : options.hidden) {
-    layers_->push_back(layers::Linear(width, hidden, /*bias=*/true, device));
+    layers_->emplace_back(width, hidden, /*bias=*/true, device);
     width = hidden;
   }
   head_ = register_module("head", layers::Linear(width, options.vocab_size, /*bias=*/true, device));
@@ -58,10 +56,10 @@ at::Tensor ContextMlp::nextTokenLogits(const at::Tensor& tokens) {
 FeatureMlp::FeatureMlp(const ModelOptions& options, const DataSpec& data, at::Device device)
     : options_(options), data_(data) {
   TESSERA_CHECK_AS(ConfigError, data.hasTargets, "model.arch mlp on tensor data needs 'targets' in the data file");
-  layers_ = register_module("layers", torch::nn::ModuleList());
+  layers_ = register_module("layers", sharding::UnitList<layers::Linear>());
   int64_t width = c10::multiply_integers(data.inputShape);
   for (int64_t hidden : options.hidden) {
-    layers_->push_back(layers::Linear(width, hidden, /*bias=*/true, device));
+    layers_->emplace_back(width, hidden, /*bias=*/true, device);
     width = hidden;
   }
   const int64_t out = data.classes > 0 ? data.classes : c10::multiply_integers(data.targetShape);
@@ -138,10 +136,8 @@ Gpt::Gpt(const ModelOptions& options, at::Device device) : options_(options) {
   wpe_ = register_module("wpe", layers::Embedding(options.context, options.embed_dim, device));
   wte_->setInit("weight", sharding::ParamInit::normal(0.0, kGpt2Std));
   wpe_->setInit("weight", sharding::ParamInit::normal(0.0, kGpt2Std));
-  blocks_ = register_module("h", torch::nn::ModuleList());
-  for (int64_t i = 0; i < options.layers; ++i) {
-    blocks_->push_back(std::make_shared<GptBlock>(options.embed_dim, options.heads, options.layers, device));
-  }
+  blocks_ = register_module("h", sharding::UnitList<GptBlock>());
+  for (int64_t i = 0; i < options.layers; ++i) blocks_->emplace_back(options.embed_dim, options.heads, options.layers, device);
   lnF_ = register_module("ln_f", layers::LayerNorm(options.embed_dim, device));
   if (!options.tie_head) {
     lmHead_ = register_module("lm_head", layers::Linear(options.embed_dim, options.vocab_size, /*bias=*/false, device));
@@ -154,10 +150,7 @@ at::Tensor Gpt::forward(const at::Tensor& tokens) {
                 "Gpt: expected tokens [batch, 1..", options_.context, "], got ", tokens.sizes());
   const at::Tensor positions = at::arange(tokens.size(1), tokens.options());
   at::Tensor x = wte_->forward(tokens) + wpe_->forward(positions);
-  for (const auto& module : *blocks_) {
-    auto* block = module->as<GptBlock>();
-    x = sharding::unitForward(*module, x, [block](const at::Tensor& in) { return block->forward(in); });
-  }
+  for (auto& block : *blocks_) x = block->forward(x);
   x = lnF_->forward(x);
   return options_.tie_head ? x.matmul(wte_->weight.t()) : lmHead_->forward(x);
 }
@@ -190,11 +183,5 @@ void initializeModel(torch::nn::Module& model, uint64_t seed) {
   sharding::materializeAll(model, layers::initializerOf(model, seed));
 }
 
-std::vector<std::string> defaultUnits(const ModelOptions& options) {
-  if (options.arch == "gpt") return options.layers > 0 ? std::vector<std::string>{"h.*"} : std::vector<std::string>{};
-  if (options.arch == "diffusion") return {"blocks.*"};
-  if (options.hidden.empty()) return {};
-  return {"layers.*"};
-}
 
 }  // namespace tessera::trainer

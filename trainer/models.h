@@ -15,9 +15,10 @@
 //              N(0, 0.02), LayerNorms 1 / 0
 //
 // Every model is a TrainModel: it turns a Batch into the loss of each prediction; the
-// trainer averages them for training and sums them over the ranks for evaluation. Units
-// for zero3/hybrid (defaultUnits) are entered through sharding::unitForward inside the
-// models, a plain call under the other strategies.
+// trainer averages them for training and sums them over the ranks for evaluation. The
+// zero3/hybrid units are the models' sharding::Unit members (the hidden layers, the blocks:
+// a plain call under the other strategies); the trainer enters a model's root through
+// sharding::unitForward.
 //
 // mlp on token data (data.kind text / tokens; a NextTokenModel): embed (Embedding vocab x
 //   embed_dim) -> flatten the window -> [Linear -> act] x len(hidden) -> Linear to vocab;
@@ -41,6 +42,7 @@
 #include <string>
 #include <vector>
 
+#include "sharding/unit.h"
 #include "trainer/dataset.h"
 #include "trainer/layers.h"
 #include "trainer/train_config.h"
@@ -75,7 +77,7 @@ class ContextMlp : public NextTokenModel {
  private:
   ModelOptions options_;
   layers::Embedding embed_{nullptr};
-  torch::nn::ModuleList layers_{nullptr};
+  sharding::UnitList<layers::Linear> layers_{nullptr};
   layers::Linear head_{nullptr};
 };
 
@@ -89,7 +91,7 @@ class FeatureMlp : public TrainModel {
  private:
   ModelOptions options_;
   DataSpec data_;
-  torch::nn::ModuleList layers_{nullptr};
+  sharding::UnitList<layers::Linear> layers_{nullptr};
   layers::Linear head_{nullptr};
 };
 
@@ -118,7 +120,7 @@ class Gpt : public NextTokenModel {
  private:
   ModelOptions options_;
   layers::Embedding wte_{nullptr}, wpe_{nullptr};
-  torch::nn::ModuleList blocks_{nullptr};
+  sharding::UnitList<GptBlock> blocks_{nullptr};
   layers::LayerNorm lnF_{nullptr};
   layers::Linear lmHead_{nullptr};  // absent with tie_head
 };
@@ -143,9 +145,5 @@ inline std::shared_ptr<TrainModel> makeModel(const ModelOptions& options) {
 // gives it its initial value under `seed` (what a strategy's ranks hold together).
 void initializeModel(torch::nn::Module& model, uint64_t seed);
 
-// The submodules that become zero3/hybrid units when sharding.wrap is empty: the MLP's
-// hidden layers ("layers.*", none without hidden layers), the GPT's blocks ("h.*"), the
-// denoiser's blocks ("blocks.*").
-std::vector<std::string> defaultUnits(const ModelOptions& options);
 
 }  // namespace tessera::trainer

@@ -20,25 +20,16 @@
 #include "sharding/mixed_precision.h"
 #include "trainer/layers.h"
 #include "trainer/metrics.h"
+#include "trainer/resume_check.h"
 
 namespace tessera::trainer {
 namespace fs = std::filesystem;
 
-std::vector<checkpoint::StateEntry> ModelPart::stateEntries() {
-  std::vector<checkpoint::StateEntry> entries = strategy->stateEntries(cfg.names.weights);
-  if (cfg.trainable) {
-    for (auto& e : strategy->optimizer().stateEntries(cfg.names.optimizer)) entries.push_back(std::move(e));
-  }
-  if (ema) {
-    for (auto& e : ema->stateEntries("ema/")) entries.push_back(std::move(e));
-  }
-  return entries;
-}
-
-std::map<std::string, std::string> ModelPart::exportAliases() const {
-  std::map<std::string, std::string> aliases = ema ? ema->exportAliases("ema/") : std::map<std::string, std::string>{};
-  aliases[cfg.names.exportName] = cfg.names.weights;
-  return aliases;
+checkpoint::StateMap ModelPart::states() {
+  checkpoint::StateMap states{{cfg.names.weights, *strategy}};
+  if (cfg.trainable) states.emplace_back(cfg.names.optimizer, strategy->optimizer());
+  if (ema) states.emplace_back(sharding::kEmaKey, *ema);
+  return states;
 }
 
 ModelPart& RunParts::model(const std::string& name) {
@@ -48,18 +39,12 @@ ModelPart& RunParts::model(const std::string& name) {
   throw Error(strCat("RunParts: no model named '", name, "'"));
 }
 
-std::vector<checkpoint::StateEntry> RunParts::stateEntries() {
-  std::vector<checkpoint::StateEntry> entries;
+checkpoint::StateMap RunParts::states() {
+  checkpoint::StateMap states;
   for (ModelPart& m : models) {
-    for (auto& e : m.stateEntries()) entries.push_back(std::move(e));
+    for (const checkpoint::StateItem& item : m.states()) states.push_back(item);
   }
-  return entries;
-}
-
-std::map<std::string, std::string> RunParts::exportAliases() const {
-  std::map<std::string, std::string> aliases;
-  for (const ModelPart& m : models) aliases.merge(m.exportAliases());
-  return aliases;
+  return states;
 }
 
 std::string RunParts::strategies() const {
@@ -112,7 +97,7 @@ sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const ModelEnt
   o.fullyShard.minUnitParams = m.sharding.min_unit_params;
   o.fullyShard.activationCheckpointing = m.sharding.activation_checkpointing;
   o.fullyShard.shardSize = static_cast<int>(m.sharding.shard_size);
-  o.wrap = m.sharding.wrap.empty() ? defaultUnits(m.model) : m.sharding.wrap;
+  o.wrap = m.sharding.wrap;  // empty: the model's own units (its sharding::Unit members)
   // The model is built deferred: each rank initialises only what it holds, with values
   // that depend on the seed and the parameter names alone.
   o.initializer = layers::initializerOf(model, initSeed(cfg, m));
@@ -203,6 +188,66 @@ void setUpCheckpointer(RunParts& run) {
   }
 }
 
+std::string newestCheckpoint(const std::string& checkpointsDir) {
+  const auto all = checkpoint::listCheckpoints(checkpointsDir);
+  return all.empty() ? std::string() : all.back().dir;
+}
+
+// Before resuming from `dir`: the settings that differ from those it was saved with. A
+// change the saved state can follow (a new learning rate, more steps) is listed in a
+// warning; one it cannot (another model shape, optimizer or EMA set) is refused, naming the
+// keys. A checkpoint whose settings cannot be read is left to the load to judge.
+void checkSettingsAgainst(const RunParts& run, const std::string& dir) {
+  if (dir.empty()) return;
+  std::string savedYaml;
+  try {
+    checkpoint::CheckpointReader reader(dir);
+    savedYaml = countersFromJson(reader.trainerState(), dir + "/trainer_state.json").resolvedConfig;
+  } catch (const std::exception&) {
+    return;
+  }
+  const ResumeCheck check = compareWithSaved(savedYaml, run.resolvedYaml);
+  if (!check.uncomparable.empty()) {
+    TLOG_WARN0("resume from " << dir << ": its settings could not be compared with this run's: " << check.uncomparable);
+  }
+  if (!check.refused.empty()) {
+    throw ConfigError(strCat("resume from ", dir, ": ", describeChanges(check.refused),
+                             ": the checkpoint's state cannot be used with ", check.refused.size() == 1 ? "this setting" : "these settings",
+                             " (the checkpoint has other tensors, shapes or data order); set them back, or start afresh "
+                             "with --resume none or another run.dir"));
+  }
+  if (!check.changed.empty()) {
+    TLOG_WARN0("resume from " << dir << ": settings differ from the checkpoint's (this run's apply): "
+                              << describeChanges(check.changed));
+  }
+}
+
+// The counts a checkpoint restored, checked against its step: optimizer steps (at most the
+// recipe's updates per run step, each), and each EMA's update count (at most one per step;
+// a checkpoint older than the EMA's own count entry has it in trainer_state.json).
+void checkLoadedCounts(RunParts& run, const checkpoint::LoadResult& loaded, const TrainerCounters& saved) {
+  const std::string stateFile = loaded.dir + "/trainer_state.json";
+  const int64_t perRunStep = run.cfg.run.recipe == "dmd" ? RecipeOptions::kMaxCriticSteps : 1;
+  const int64_t maxUpdates = boundedProduct(saved.step, perRunStep, std::numeric_limits<int64_t>::max());
+  for (ModelPart& m : run.models) {
+    if (m.cfg.trainable) {
+      m.strategy->optimizer().checkLoadedStepCounts(maxUpdates, loaded.dir, sharding::statePrefix(m.cfg.names.optimizer));
+    }
+    if (!m.ema) continue;
+    const std::string countEntry = sharding::statePrefix(sharding::kEmaKey) + m.ema->updateCountName();
+    const auto& missing = loaded.missingOptional;
+    if (std::find(missing.begin(), missing.end(), countEntry) != missing.end()) {
+      const bool single = run.models.size() == 1 && saved.legacyEmaUpdates.has_value();
+      auto of = saved.legacyEmaUpdatesOf.find(m.cfg.names.ema);
+      TESSERA_CHECK(single || of != saved.legacyEmaUpdatesOf.end(), loaded.dir, ": no update count of ",
+                    m.cfg.names.ema, " (neither the tensor ", countEntry, " nor ", stateFile, "'s ema_updates)");
+      m.ema->setUpdateCount(single ? *saved.legacyEmaUpdates : of->second);
+    }
+    TESSERA_CHECK(m.ema->updateCount() <= saved.step, loaded.dir, ": ", countEntry, " is ", m.ema->updateCount(),
+                  ", more updates than the checkpoint's ", saved.step, " steps");
+  }
+}
+
 // checkpoint.resume: loads the newest complete checkpoint ("auto", falling back to older
 // ones when one fails verification on any rank) or the one named, into the run's state
 // in place, and continues its counters. The data position is step x global batch, so the
@@ -211,14 +256,17 @@ bool resume(RunParts& run) {
   const TrainConfig& cfg = run.cfg;
   if (cfg.checkpoint.resume == "none") return false;
   const std::string checkpointsDir = (run.runDir / "checkpoints").string();
-  std::vector<checkpoint::StateEntry> entries = run.stateEntries();
+  checkSettingsAgainst(run, cfg.checkpoint.resume == "auto" ? newestCheckpoint(checkpointsDir) : cfg.checkpoint.resume);
+  const checkpoint::StateMap states = run.states();
   std::optional<checkpoint::LoadResult> loaded;
   if (cfg.checkpoint.resume == "auto") {
-    loaded = checkpoint::resumeAuto(checkpointsDir, entries, run.comm.get());
+    loaded = checkpoint::resumeLatest(checkpointsDir, states, run.comm.get());
   } else {
     // Each rank reads its own rows: all leave together when one fails.
-    distributed::runOnEveryRank(run.comm.get(), "checkpoint.resume: " + cfg.checkpoint.resume,
-                                [&] { loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, entries); });
+    distributed::runOnEveryRank(run.comm.get(), "checkpoint.resume: " + cfg.checkpoint.resume + relativePathNote(cfg.checkpoint.resume), [&] {
+      loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, checkpoint::collectEntries(states));
+    });
+    checkpoint::afterLoad(states);  // collective: outside the agreement above
   }
   if (!loaded) return false;
   const TrainerCounters saved =
@@ -231,24 +279,7 @@ bool resume(RunParts& run) {
     throw ConfigError(strCat("run.seed: ", cfg.run.seed, " differs from the ", saved.seed, " of checkpoint ",
                              loaded->dir, "; the data order would change"));
   }
-  // No model takes more optimizer steps per run step than dmd's critic, whose
-  // recipe.critic_steps may have been higher in the run that saved.
-  const int64_t perRunStep = cfg.run.recipe == "dmd" ? RecipeOptions::kMaxCriticSteps : 1;
-  const int64_t maxUpdates = boundedProduct(saved.step, perRunStep, std::numeric_limits<int64_t>::max());
-  for (ModelPart& m : run.models) {
-    if (m.cfg.trainable) m.strategy->optimizer().checkLoadedStepCounts(maxUpdates, loaded->dir, m.cfg.names.optimizer);
-    if (m.ema) {
-      if (cfg.models.empty()) {
-        m.ema->setUpdateCount(saved.emaUpdates);
-      } else {
-        auto count = saved.emaUpdatesOf.find(m.cfg.names.ema);
-        TESSERA_CHECK(count != saved.emaUpdatesOf.end(), loaded->dir, "/trainer_state.json: no 'ema_updates_of' count for ",
-                      m.cfg.names.ema);
-        m.ema->setUpdateCount(count->second);
-      }
-    }
-    m.strategy->publishParameters();
-  }
+  checkLoadedCounts(run, *loaded, saved);
   run.startStep = saved.step;
   run.counters.skippedSteps = saved.skippedSteps;
   TLOG_INFO0("resumed from " << loaded->dir << " (step " << saved.step << ", saved by " << saved.worldSize
@@ -268,7 +299,7 @@ void importInto(RunParts& run, const std::string& key, const std::string& file,
   try {
     checkpoint::importSafetensors(file, entries, options);
   } catch (const std::exception& e) {
-    throw ConfigError(strCat(key, ": ", e.what()));
+    throw ConfigError(strCat(key, ": ", e.what(), relativePathNote(file)));
   }
 }
 
@@ -280,8 +311,8 @@ void initializeFromFiles(RunParts& run) {
   for (ModelPart& m : run.models) {
     const ModelEntry& e = m.cfg;
     if (e.model.init_from) {
-      importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(e.names.weights),
-                 e.names.weights);
+      const std::string prefix = sharding::statePrefix(e.names.weights);
+      importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix);
       m.strategy->publishParameters();
       if (m.ema) m.ema->resetFromLive();
       TLOG_INFO0((run.cfg.models.empty() ? "model" : "model " + e.name) << " initialised from " << *e.model.init_from);
@@ -289,8 +320,9 @@ void initializeFromFiles(RunParts& run) {
     if (m.ema && e.ema.init_from) {
       // Fine-tuning: every EMA profile starts from given weights (names as the module's).
       for (size_t d = 0; d < m.ema->numProfiles(); ++d) {
-        importInto(run, e.sectionKeys + "ema.init_from", *e.ema.init_from, m.ema->profileEntries(d, "ema/"),
-                   "ema/" + m.ema->stateName(d) + "/");
+        const std::string emaPrefix = sharding::statePrefix(sharding::kEmaKey);
+        importInto(run, e.sectionKeys + "ema.init_from", *e.ema.init_from, m.ema->profileEntries(d, emaPrefix),
+                   emaPrefix + m.ema->stateName(d) + "/");
       }
       TLOG_INFO0(m.cfg.names.ema << " initialised from " << *e.ema.init_from);
     }
@@ -317,7 +349,17 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   // keyed by the seed and parameter names, so every rank agrees on them by construction.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   run->device = trainingDevice(cfg);
-  run->data = makeDataset(cfg.data, cfg.model, predictsEveryPosition(cfg.model));
+  std::error_code missing;
+  if (!fs::exists(cfg.data.path, missing)) {
+    throw ConfigError(strCat("data.path: no file at '", cfg.data.path, "'", relativePathNote(cfg.data.path)));
+  }
+  try {
+    run->data = makeDataset(cfg.data, cfg.model, predictsEveryPosition(cfg.model));
+  } catch (const ConfigError& e) {
+    throw ConfigError(strCat("data.path: ", e.what(), relativePathNote(cfg.data.path)));
+  } catch (const std::exception& e) {  // a file that is there but not usable: not the config's fault
+    throw Error(strCat("data.path: ", e.what(), relativePathNote(cfg.data.path)));
+  }
   if (run->data->trainSamples() < cfg.data.global_batch) {
     throw ConfigError(strCat("data.global_batch: ", cfg.data.global_batch, " is more than the ",
                              run->data->trainSamples(), " training samples of data.path ", run->data->describe()));

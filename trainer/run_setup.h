@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "checkpoint/checkpointer.h"
+#include "checkpoint/state.h"
 #include "ema/ema_manager.h"
 #include "sharding/lr_schedule.h"
 #include "sharding/strategy.h"
@@ -37,18 +38,13 @@ struct ModelPart {
   std::unique_ptr<sharding::LrSchedule> schedule;    // null for a frozen model
   std::unique_ptr<ema::ShardedModelEMAManager> ema;  // null without an EMA
 
-  // Its tensors as checkpoint entries, each collected from the part that owns it (the
-  // checkpoint's tensor names; exports strip the prefix back to the module's names):
-  //   <weights><param>, <weights><buffer>   the strategy: fp32 masters, buffers
-  //   <optimizer><state>/<param>            the optimizer: exp_avg, exp_avg_sq, momentum_buffer
-  //   <optimizer>step/<param>               its step count (int64, replicated)
-  //   ema/<ema name>/<param>                the EMA: generator_ema, generator_ema_0.999, ...
-  // with <weights> = "model/", <optimizer> = "optim/" for the single-model form and
-  // "<name>/", "optim/<name>/" for a models: entry (cfg.names). Frozen models have no
-  // optimizer state. Loading the same names with another run's specs reshards them.
-  std::vector<checkpoint::StateEntry> stateEntries();
-  // Export names -> tensor-name prefixes: the model's name and its EMA's names.
-  std::map<std::string, std::string> exportAliases() const;
+  // Its components as the run's checkpoint holds them (checkpoint/state.h): the strategy
+  // (fp32 masters, buffers) under cfg.names.weights ("model" | "<name>"), the optimizer
+  // (exp_avg, exp_avg_sq, momentum_buffer, step counts) under cfg.names.optimizer ("optim"
+  // | "optim/<name>"; none for a frozen model), the EMA under "ema" (its profiles by name:
+  // generator_ema, generator_ema_0.999, ...). Loading the same names with another run's
+  // specs reshards them.
+  checkpoint::StateMap states();
 };
 
 struct RunParts {
@@ -73,9 +69,8 @@ struct RunParts {
 
   // The model named `name` (tessera::Error if there is none).
   ModelPart& model(const std::string& name);
-  // Every model's checkpoint entries and export aliases together: the run's checkpoint.
-  std::vector<checkpoint::StateEntry> stateEntries();
-  std::map<std::string, std::string> exportAliases() const;
+  // Every model's components together: the run's checkpoint.
+  checkpoint::StateMap states();
   // The strategies in one line for logs and the checkpoint ("zero3", or
   // "generator:zero3 critic:zero2 teacher:zero3").
   std::string strategies() const;

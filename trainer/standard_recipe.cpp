@@ -41,11 +41,13 @@ StepOutcome stepMainModel(const RunParts& run, ModelPart& part, int64_t step, co
                           bool stopRequested) {
   StepOutcome out;
   out.lr = part.schedule->lrAt(step);
-  at::Tensor shared = at::cat({stepLoss, at::full({1}, stopRequested ? 1.0 : 0.0, at::kDouble)});
-  out.result = part.strategy->step(out.lr, shared);
+  sharding::StepSums sums;
+  sums.add("loss", stepLoss.item<double>());
+  sums.add("stop requests", stopRequested ? 1.0 : 0.0);
+  out.result = part.strategy->step(out.lr, &sums);
   if (part.ema) part.ema->update(step + 1, !out.result.skipped);
-  out.loss = shared[0].item<double>() / static_cast<double>(run.comm->worldSize());
-  out.stopSignalled = shared[1].item<double>() > 0;
+  out.loss = sums["loss"] / static_cast<double>(run.comm->worldSize());
+  out.stopSignalled = sums["stop requests"] > 0;
   return out;
 }
 

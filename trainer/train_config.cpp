@@ -234,8 +234,8 @@ namespace {
 
 // The names a model's state and exports go by (see ModelStateNames).
 ModelStateNames stateNames(const std::string& name, bool singleModelForm) {
-  if (singleModelForm) return {"model/", "optim/", ema::kDefaultEmaPrefix, "model"};
-  return {name + "/", "optim/" + name + "/", name + "_ema", name};
+  if (singleModelForm) return {"model", "optim", ema::kDefaultEmaPrefix};
+  return {name, "optim/" + name, name + "_ema"};
 }
 
 // A model's keys as checks see them: the schema that knows where each was set.
@@ -292,7 +292,7 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
 void checkExportNames(const config::ConfigSchema& s, const TrainConfig& c) {
   std::vector<std::string> known;
   for (const ModelEntry& m : runModels(c)) {
-    known.push_back(m.names.exportName);
+    known.push_back(m.names.weights);
     if (!m.trainable || !m.ema.enabled) continue;
     for (const auto& n : ema::emaProfileNames(m.names.ema, m.ema.decays, m.ema.posthoc.stds)) {
       known.push_back(n.state);

@@ -133,13 +133,13 @@ struct RecipeOptions {
   int64_t pair_steps = 50;          // DDIM steps the teacher takes for each pair
 };
 
-// Where a model's state lives in checkpoints and the names it is exported under. The
-// single-model form keeps the names runs always had; a models: entry gets its own.
+// Where a model's state lives in checkpoints (the keys of its components, sharding/
+// stateful.h) and the names it is exported under. The single-model form keeps the names
+// runs always had; a models: entry gets its own.
 struct ModelStateNames {
-  std::string weights;     // tensor-name prefix of its weights: "model/" | "<name>/"
-  std::string optimizer;   // of its optimizer state: "optim/" | "optim/<name>/"
-  std::string ema;         // its EMA's name: "generator_ema" | "<name>_ema"
-  std::string exportName;  // checkpoint.export / tessera-export --what: "model" | "<name>"
+  std::string weights;    // its weights' key, also its export name: "model" | "<name>"
+  std::string optimizer;  // its optimizer state's key: "optim" | "optim/<name>"
+  std::string ema;        // its EMA's name: "generator_ema" | "<name>_ema"
 };
 
 // One model of a run: a models: entry (its sections default to the top-level ones), or the

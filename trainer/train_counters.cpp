@@ -12,12 +12,10 @@ std::string countersToJson(const TrainerCounters& c) {
   nlohmann::json j = {{"step", c.step},
                       {"global_batch", c.globalBatch},
                       {"seed", c.seed},
-                      {"ema_updates", c.emaUpdates},
                       {"skipped_steps", c.skippedSteps},
                       {"strategy", c.strategy},
                       {"world_size", c.worldSize},
                       {"resolved_config", c.resolvedConfig}};
-  if (!c.emaUpdatesOf.empty()) j["ema_updates_of"] = c.emaUpdatesOf;
   return j.dump(2);
 }
 
@@ -54,16 +52,17 @@ TrainerCounters countersFromJson(const std::string& text, const std::string& sou
   // The data position is step x global_batch samples: it must not overflow.
   c.step = integer("step", 0, kMaxCounter / c.globalBatch);
   c.seed = integer("seed", INT64_MIN, INT64_MAX);
-  c.emaUpdates = integer("ema_updates", 0, c.step);
   c.skippedSteps = integer("skipped_steps", 0, c.step);
   c.strategy = string("strategy");
   c.worldSize = static_cast<int>(integer("world_size", 1, kMaxWorldSize));
   c.resolvedConfig = string("resolved_config");
-  if (j.contains("ema_updates_of")) {  // runs of several models; older checkpoints lack it
+  // Older checkpoints' EMA counts (train_counters.h).
+  if (j.contains("ema_updates")) c.legacyEmaUpdates = integer("ema_updates", 0, c.step);
+  if (j.contains("ema_updates_of")) {
     const nlohmann::json& of = j.at("ema_updates_of");
     if (!of.is_object()) throw Error(strCat(source, ": 'ema_updates_of' must be an object, got ", of.type_name()));
     for (const auto& [name, count] : of.items()) {
-      c.emaUpdatesOf[name] = integerValue(count, "ema_updates_of." + name, 0, c.step);
+      c.legacyEmaUpdatesOf[name] = integerValue(count, "ema_updates_of." + name, 0, c.step);
     }
   }
   return c;

@@ -5,21 +5,25 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 namespace tessera::trainer {
 
-// Counters that are not tensors: the EMA update count and where the run is.
+// Counters that are not tensors: where the run is and what it was started with.
 struct TrainerCounters {
   int64_t step = 0;               // optimizer steps completed
   int64_t globalBatch = 0;        // the data position is step x globalBatch samples
   int64_t seed = 0;
-  int64_t emaUpdates = 0;         // the single-model form's EMA
-  std::map<std::string, int64_t> emaUpdatesOf;  // a models: run's EMAs, by name ("generator_ema")
   int64_t skippedSteps = 0;
   std::string strategy;
   int worldSize = 1;
   std::string resolvedConfig;     // YAML text of the run that saved
+  // Checkpoints written before each EMA saved its own update count held it here: the
+  // single-model form's ("ema_updates"), a models: run's by EMA name ("ema_updates_of").
+  // Read when present (and checked), never written.
+  std::optional<int64_t> legacyEmaUpdates;
+  std::map<std::string, int64_t> legacyEmaUpdatesOf;
 };
 
 std::string countersToJson(const TrainerCounters& c);

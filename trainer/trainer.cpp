@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <map>
 
+#include <unistd.h>
+
 #include "checkpoint/exporter.h"
 #include "common/errors.h"
 #include "common/logging.h"
@@ -35,9 +37,23 @@ struct Trainer::State {
 namespace {
 
 // Set by SIGTERM (preemption) or SIGINT (Ctrl-C): the ranks agree on it with the next
-// step's loss and stop after that step, with a checkpoint.
+// step's loss and stop after that step, with a checkpoint. A second signal ends the
+// process at once (the default action), as the first one's message says.
 std::atomic<bool> g_stopRequested{false};
-extern "C" void onStopSignal(int) { g_stopRequested = true; }
+extern "C" void onStopSignal(int signal) {
+  if (g_stopRequested.exchange(true)) {
+    std::signal(signal, SIG_DFL);
+    std::raise(signal);
+    return;
+  }
+  if (log::rank() <= 0) {
+    static const char kMessage[] =
+        "\ntessera-train: stop requested: stopping after the current step with a checkpoint (resume to continue); "
+        "a second Ctrl-C (or SIGTERM) stops at once, without one\n";
+    const ssize_t ignored = ::write(STDERR_FILENO, kMessage, sizeof(kMessage) - 1);  // async-signal-safe
+    (void)ignored;
+  }
+}
 
 // Installs the stop handlers for the train loop and restores the previous ones after it
 // (a second signal during the final save or the exports gets the default treatment).
@@ -113,10 +129,7 @@ class TrainLoop {
     checkpoint::SaveRequest request;
     request.step = done;
     request.strategy = run_.strategies();
-    for (size_t i = 0; i < ema.numProfiles(); ++i) {
-      if (!ema.isPowerProfile(i)) continue;
-      for (auto& e : ema.profileEntries(i)) request.entries.push_back(std::move(e));
-    }
+    request.entries = ema::posthocSnapshotEntries(ema);
     request.trainerState = ema::posthocSnapshotState(ema);
     run_.posthocWriter->save(request);
   }
@@ -172,7 +185,11 @@ class TrainLoop {
     for (const auto& [key, sum] : windowExtra_) m.extra[key] = sum / static_cast<double>(windowSteps_);
     if (skippedInRun_ > 0) m.extra["skipped_steps"] = static_cast<double>(skippedInRun_);
     if (evaluateNow) evaluate(m.extra);
-    if (metrics_) metrics_->record(m);
+    if (metrics_) {
+      metrics_->record(m);
+    } else {
+      TLOG_INFO0(formatStepLine(m, cfg_.run.steps));  // into this rank's own log file
+    }
     if (firstWindow_) summary_.firstLoss = m.loss;
     firstWindow_ = false;
     summary_.finalLoss = m.loss;
@@ -193,28 +210,16 @@ class TrainLoop {
   void saveCheckpoint(int64_t done) {
     if (!schedule_.claimSave(done)) return;
     run_.counters.step = done;
-    for (const ModelPart& m : run_.models) {
-      if (!m.ema) continue;
-      if (cfg_.models.empty()) {
-        run_.counters.emaUpdates = m.ema->updateCount();
-      } else {
-        run_.counters.emaUpdatesOf[m.cfg.names.ema] = m.ema->updateCount();
-      }
-    }
-    checkpoint::SaveRequest request;
-    request.step = done;
-    request.strategy = run_.strategies();
-    request.entries = run_.stateEntries();
-    request.trainerState = countersToJson(run_.counters);
-    request.aliases = run_.exportAliases();
-    if (run_.checkpointer) run_.checkpointer->save(request);  // logs the training stall it caused
+    checkpoint::SaveOptions options;
+    options.strategy = run_.strategies();
+    options.trainerState = countersToJson(run_.counters);
+    if (run_.checkpointer) run_.checkpointer->save(done, run_.states(), options);  // logs the training stall it caused
   }
 
   // checkpoint.export_what: consolidated safetensors, gathered one tensor at a time to
   // rank 0 over the state group.
   void exportWeights(int64_t done) {
-    const auto entries = run_.stateEntries();
-    const std::map<std::string, std::string> aliases = run_.exportAliases();
+    const checkpoint::StateMap states = run_.states();
     sharding::ShardingStrategy& writer = *run_.models.front().strategy;  // every model's state group (run_setup.h)
     const int rank = run_.comm->rank();
     for (const auto& what : cfg_.checkpoint.export_what) {
@@ -225,7 +230,7 @@ class TrainLoop {
       const std::string out = (run_.runDir / "export" / (what + ".safetensors")).string();
       if (rank == 0) fs::create_directories(run_.runDir / "export");
       if (writer.firstReplica()) {  // rank 0 of the state group (global rank 0) writes; logs what it wrote
-        checkpoint::exportOnline(entries, checkpoint::exportPrefix(what, aliases), &writer.stateComm(), out, options);
+        checkpoint::exportOnline(states, &writer.stateComm(), out, options);
       }
       if (rank == 0) summary_.exports.push_back(out);
     }
@@ -257,6 +262,16 @@ Trainer::~Trainer() = default;
 
 TrainSummary Trainer::run() {
   std::unique_ptr<RunParts> run = setUpRun(state_->config, state_->resolvedYaml, state_->comm);
+  if (run->startStep > 0 && run->startStep == run->cfg.run.steps) {
+    TrainSummary summary;
+    summary.steps = run->startStep;
+    summary.runDir = run->runDir.string();
+    summary.alreadyFinished = true;
+    TLOG_WARN0("run.dir " << run->runDir.string() << " holds a finished run (step " << run->startStep << " of "
+                          << run->cfg.run.steps << "); nothing to do: another run.dir, or --resume none, starts afresh "
+                          << "(raise run.steps to train further)");
+    return summary;
+  }
   TrainLoop loop(*run);
   int64_t done = run->startStep;
   bool stopped = false;

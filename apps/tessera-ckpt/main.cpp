@@ -15,12 +15,14 @@
 #include "checkpoint/format.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/reader.h"
+#include "checkpoint/state.h"
 #include "common/app_main.h"
 #include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
 
 namespace ckpt = tessera::checkpoint;
+namespace sharding = tessera::sharding;
 
 namespace {
 
@@ -63,24 +65,25 @@ void printParts(const ckpt::CheckpointSummary& s) {
   for (const auto& t : s.tensors) {
     const std::string head = component(t.name, 0);
     if (t.name.find('/') == std::string::npos) continue;
-    if (head == "ema") {
+    if (head == sharding::kEmaKey) {
+      if (t.name.find('/', head.size() + 1) == std::string::npos) continue;  // an EMA's update count
       Part& e = emas[component(t.name, 1)];
       ++e.tensors;
       e.bytes += t.bytes();
-    } else if (head != "optim") {
+    } else if (head != sharding::kOptimizerKey) {
       Part& m = models[head];
       ++m.tensors;
       m.bytes += t.bytes();
     }
   }
   for (const auto& t : s.tensors) {
-    if (component(t.name, 0) != "optim") continue;
+    if (component(t.name, 0) != sharding::kOptimizerKey) continue;
     const std::string owner = component(t.name, 1);
     auto it = models.find(owner);
-    if (it != models.end() && owner != "model") {
+    if (it != models.end() && owner != sharding::kModelKey) {
       ++it->second.optimizerTensors;
-    } else if (models.count("model")) {
-      ++models["model"].optimizerTensors;  // the single-model form: optim/<state>/<param>
+    } else if (models.count(sharding::kModelKey)) {
+      ++models[sharding::kModelKey].optimizerTensors;  // the single-model form: optim/<state>/<param>
     }
   }
   for (const auto& [name, m] : models) {
@@ -92,7 +95,8 @@ void printParts(const ckpt::CheckpointSummary& s) {
   for (const auto& [name, e] : emas) {
     std::string also;
     for (const auto& [alias, prefix] : s.aliases) {
-      if (prefix == "ema/" + name + "/" && alias != name) also += (also.empty() ? "" : ", ") + alias;
+      const bool same = prefix == sharding::statePrefix(sharding::kEmaKey) + name + "/";
+      if (same && alias != name) also += (also.empty() ? "" : ", ") + alias;
     }
     std::cout << "ema          " << name << "  " << e.tensors << " tensors, " << human(e.bytes)
               << (also.empty() ? "" : "; also exported as " + also) << "\n";

@@ -3,7 +3,8 @@
 //               [--master-port P] [--max-restarts K] [--log-dir D] [--tee] [--standalone]
 //               [--grace-period-s S] [--run-id ID] PROGRAM [ARGS...]
 // Everything from PROGRAM on is passed to the ranks untouched. Exit status: 0 all ranks
-// exited 0; 1 a rank failed (after the restarts); 2 bad arguments; 128+N stopped by signal N.
+// exited 0; a failed rank's own status (2: it refused its config; 1: killed by a signal);
+// 2 bad arguments; 128+N stopped by signal N.
 // Behaviour (output, teardown, restarts) is documented in distributed/launcher.h.
 #include "common/app_main.h"
 #include "common/command_line.h"
@@ -42,8 +43,9 @@ int main(int argc, char** argv) {
     app.add_option("--run-id,--rdzv-id,--rdzv_id", o.runId, "TORCHELASTIC_RUN_ID given to the ranks")
         ->capture_default_str();
     app.footer(
-        "Each rank's output line is printed as \"[rank N]: line\". Exit status: 0 all ranks exited 0, "
-        "1 a rank failed, 2 bad arguments, 128+N stopped by signal N (forwarded to the ranks).");
+        "Each rank's output line is printed as \"[rank N]: line\". Exit status: 0 all ranks exited 0; "
+        "a failed rank's own exit status (2 when it refused its configuration: not restarted; 1 when killed by a "
+        "signal); 2 bad arguments; 128+N stopped by signal N (forwarded to the ranks; a second one kills them).");
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
     if (o.standalone && (addr->count() > 0 || port->count() > 0)) {
       throw tessera::UsageError("--standalone picks its own address and port; drop --master-addr/--master-port");

@@ -52,6 +52,7 @@ int main(int argc, char** argv) {
     TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s");
     tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, runtime->comm());
     const auto summary = trainer.run();
+    if (summary.alreadyFinished) return 0;  // said so, nothing trained
     TLOG_INFO0("done: " << summary.steps << " steps, loss " << summary.firstLoss << " -> " << summary.finalLoss
                         << ", held-out loss " << summary.evalLoss << " (EMA " << summary.evalLossEma << "), " << summary.samplesPerSec << " samples/s");
     TLOG_INFO0("metrics: " << summary.metricsPath << "; loss curve: " << summary.lossCurvePath);

@@ -100,8 +100,10 @@ TEST(ExportTest, OnlineExportEqualsOfflineExport) {
   ex.dtype = at::kBFloat16;
   test::runOnRanks(3, [&](test::RankContext& ctx) {
     const auto entries = entriesFor(model, ctx.world, ctx.rank);
-    exportOnline(entries, "ema/generator_ema/", ctx.comm().get(), tmp / "online.safetensors", ex);
-    exportOnline(entries, "model/", ctx.comm().get(), tmp / "online_model.safetensors", ex);
+    ExportOptions ema = ex;
+    ema.what = "generator_ema";
+    exportOnline(entries, {}, ctx.comm().get(), tmp / "online.safetensors", ema);
+    exportOnline(entries, {}, ctx.comm().get(), tmp / "online_model.safetensors", ex);  // what: "model"
   });
   ex.what = "generator_ema";
   exportCheckpoint(tmp / "ckpt/step_00000001", tmp / "offline.safetensors", ex);

@@ -253,7 +253,7 @@ TEST(SafetensorsTest, ImportFromAShardedExportOnEveryRank) {
   }
   ExportOptions ex;
   ex.maxShardBytes = 64;  // a (112 bytes) alone, then b and c
-  const ExportResult written = exportOnline(full, "model/", nullptr, tmp / "out", ex);
+  const ExportResult written = exportOnline(full, {}, nullptr, tmp / "out", ex);  // what: "model"
   ASSERT_FALSE(written.indexFile.empty());
   ASSERT_EQ(written.files.size(), 2u);
   for (int world = 1; world <= 4; ++world) {

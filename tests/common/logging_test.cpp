@@ -43,13 +43,51 @@ TEST(LoggingTest, RankPrefixAndLevelFilterInFile) {
   TLOG_DEBUG("hidden debug line");
   TLOG_INFO("visible " << 42);
   TLOG_WARN("a warning");
-  TLOG_INFO0("rank-0-only line");  // we are rank 3: must not appear
   flush();
   const std::string text = readFile(file);
   EXPECT_NE(text.find("[rank 3] visible 42"), std::string::npos) << text;
   EXPECT_NE(text.find("[warning] [rank 3] a warning"), std::string::npos) << text;
   EXPECT_EQ(text.find("hidden debug line"), std::string::npos) << text;
-  EXPECT_EQ(text.find("rank-0-only line"), std::string::npos) << text;
+}
+
+// A rank-0-only line is printed once on the console (by rank 0) and kept in every rank's
+// own file: a rank's file is its whole story, not an empty file.
+TEST(LoggingTest, RankZeroLinesGoToEveryRanksFileButOnlyRankZerosConsole) {
+  const std::string file = tempLogPath("rank3-console.log");
+  std::filesystem::remove(file);
+  init({/*rank=*/3, /*level=*/"info", file, /*console=*/true});
+  testing::internal::CaptureStderr();
+  TLOG_INFO0("rank-0-only line");
+  TLOG_INFO("every rank's line");
+  flush();
+  const std::string console = testing::internal::GetCapturedStderr();
+  const std::string text = readFile(file);
+  EXPECT_NE(text.find("[rank 3] rank-0-only line"), std::string::npos) << text;
+  EXPECT_EQ(console.find("rank-0-only line"), std::string::npos) << console;
+  EXPECT_NE(console.find("[rank 3] every rank's line"), std::string::npos) << console;
+
+  init({0, "info", "", true});
+  testing::internal::CaptureStderr();
+  TLOG_INFO0("rank zero prints it");
+  flush();
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("[rank 0] rank zero prints it"), std::string::npos);
+}
+
+// A library user never calls init(): Runtime::init adopts the rank, so lines say who wrote
+// them; an application's own init() is not overridden. (ctest runs every test in a process
+// of its own, so no earlier init() is in effect here.)
+TEST(LoggingTest, LibraryUseTakesTheRankFromTheRuntime) {
+  adoptRank(2);
+  testing::internal::CaptureStderr();
+  TLOG_INFO("from a library rank");
+  flush();
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("[rank 2] from a library rank"), std::string::npos);
+  init({5, "info", "", true});
+  adoptRank(1);
+  testing::internal::CaptureStderr();
+  TLOG_INFO("after init");
+  flush();
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("[rank 5] after init"), std::string::npos);
 }
 
 TEST(LoggingTest, RankZeroHelpersPrintOnRankZero) {

@@ -334,7 +334,7 @@ TEST_F(LauncherTest, RankExitCodeStopsTheOthersWithNoProcessLeft) {
   LauncherProcess run({"--nproc-per-node", "4", "--grace-period-s", "5", kScripts + "fail_rank.sh", dir_.string(),
                        "1", "exit7"},
                       dir_);
-  EXPECT_EQ(run.wait(), 1) << run.output();
+  EXPECT_EQ(run.wait(), 7) << run.output();  // the failed rank's own status
   const std::string err = run.err();
   EXPECT_TRUE(contains(err, "tessera-run: rank 1 failed (exit code 7) after ")) << err;
   EXPECT_TRUE(contains(err, "; stopped the other 3 ranks in ")) << err;
@@ -350,6 +350,20 @@ TEST_F(LauncherTest, RankExitCodeStopsTheOthersWithNoProcessLeft) {
   RecordProperty("failure_to_exit_ms", std::to_string(failureToExitMs));
   std::cout << "rank 1 failure -> tessera-run exit (3 other ranks stopped): " << failureToExitMs << " ms\n";
   EXPECT_LT(failureToExitMs, 10000.0);
+}
+
+// A rank that refuses its configuration exits 2 (common/app_main.h): tessera-run exits 2
+// too, and does not restart what would fail the same way.
+TEST_F(LauncherTest, BadConfigExitStatusIsPropagatedAndNotRestarted) {
+  LauncherProcess run({"--nproc-per-node", "2", "--max-restarts", "3", kScripts + "fail_rank.sh", dir_.string(), "1",
+                       "exit2"},
+                      dir_);
+  EXPECT_EQ(run.wait(), 2) << run.output();
+  const std::string err = run.err();
+  EXPECT_TRUE(contains(err, "tessera-run: rank 1 failed (exit code 2)")) << err;
+  EXPECT_TRUE(contains(err, "not restarting")) << err;
+  EXPECT_FALSE(contains(err, "restarting all")) << err;
+  expectNoProcessLeft();
 }
 
 TEST_F(LauncherTest, RankKilledBySignalIsReported) {
@@ -378,7 +392,7 @@ TEST_F(LauncherTest, ErrorFileMessageIsSurfaced) {
       {"text", "tessera-run: rank 1 error: plain boom"}};
   for (const auto& [mode, expected] : cases) {
     LauncherProcess run({"--nproc-per-node", "2", kScripts + "fail_rank.sh", dir_.string(), "1", mode}, dir_, {}, mode);
-    EXPECT_EQ(run.wait(), 1) << run.output();
+    EXPECT_EQ(run.wait(), 3) << run.output();
     EXPECT_TRUE(contains(run.err(), "tessera-run: rank 1 failed (exit code 3)")) << run.err();
     EXPECT_TRUE(contains(run.err(), expected)) << mode << "\n" << run.err();
     for (const auto& entry : fs::directory_iterator(dir_)) {
@@ -401,7 +415,7 @@ TEST_F(LauncherTest, MaxRestartsRestartsAllRanksThenGivesUp) {
   EXPECT_TRUE(contains(ok.err(), "(after 2 restarts)")) << ok.err();
 
   LauncherProcess fail({"--nproc-per-node", "2", "--max-restarts", "1", kScripts + "restart.sh", "2"}, dir_, {}, "fail");
-  EXPECT_EQ(fail.wait(), 1) << fail.output();
+  EXPECT_EQ(fail.wait(), 5) << fail.output();  // restart.sh's failing rank exits 5
   EXPECT_TRUE(contains(fail.out(), "[rank 1]: rank 1 failing at restart 1 of 1")) << fail.out();
   EXPECT_TRUE(contains(fail.err(), "giving up after 1 restart")) << fail.err();
 }
@@ -424,6 +438,9 @@ TEST_F(LauncherTest, SigtermAndSigintAreForwardedToEveryRank) {
       EXPECT_TRUE(processGone(pid)) << "rank " << rank << " pid " << pid;
     }
     EXPECT_TRUE(contains(run.err(), "tessera-run: got SIG" + name + "; forwarding it to the ranks")) << run.err();
+    // The first signal says what a second one does.
+    EXPECT_TRUE(contains(run.err(), "a second SIG" + name + " (Ctrl-C) kills them now, without a checkpoint"))
+        << run.err();
   }
 }
 

@@ -69,10 +69,7 @@ std::map<std::string, at::Tensor> track(int world, const std::vector<double>& st
       if (writer && t % kSnapshotEvery == 0) {
         checkpoint::SaveRequest request;
         request.step = t;
-        for (size_t i = 0; i < manager.numProfiles(); ++i) {
-          if (!manager.isPowerProfile(i)) continue;
-          for (auto& e : manager.profileEntries(i)) request.entries.push_back(std::move(e));
-        }
+        request.entries = posthocSnapshotEntries(manager);
         request.trainerState = posthocSnapshotState(manager);
         writer->save(request);
       }

@@ -61,14 +61,13 @@ struct Case {
   int shardSize;  // hybrid
 };
 
-// `model` sharded by `strategy` (its default units; hybrid over groups of shardSize),
+// `model` sharded by `strategy` (its own units; hybrid over groups of shardSize),
 // its deferred parameters initialised from kSeed.
 std::unique_ptr<sharding::ShardingStrategy> shardModel(torch::nn::Module& model, const ModelOptions& options,
                                                        const std::string& strategy, int shardSize,
                                                        test::RankContext& ctx) {
   sharding::StrategyOptions o;
   o.strategy = strategy;
-  o.wrap = defaultUnits(options);
   o.fullyShard.shardSize = shardSize;
   o.initializer = layers::initializerOf(model, kSeed);
   return sharding::makeStrategy(model, ctx.comm(), o);
@@ -120,7 +119,7 @@ TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
   for (const auto& [name, w] : weights) full.push_back({"model/" + name, sharding::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
   checkpoint::ExportOptions ex;
   ex.maxShardBytes = 4096;
-  const std::string index = checkpoint::exportOnline(full, "model/", nullptr, (dir / "sharded").string(), ex).indexFile;
+  const std::string index = checkpoint::exportOnline(full, {}, nullptr, (dir / "sharded").string(), ex).indexFile;
   ASSERT_FALSE(index.empty());
   std::vector<Case> cases;
   for (const char* s : {"no_shard", "zero1", "zero2", "zero3"}) {

@@ -1,0 +1,71 @@
+// Stateful components as checkpoint entries (see state.h).
+#include "checkpoint/state.h"
+
+#include "common/errors.h"
+#include "sharding/strategy.h"
+
+namespace tessera::checkpoint {
+
+std::vector<StateEntry> collectEntries(const StateMap& states) {
+  std::vector<StateEntry> entries;
+  for (const StateItem& item : states) {
+    TESSERA_CHECK_AS(UsageError, !item.key.empty() && item.key.front() != '/' && item.key.back() != '/',
+                     "checkpoint state key '", item.key, "' must be a name without a leading or trailing '/'");
+    for (StateEntry& e : item.state->stateEntries()) {
+      e.name = sharding::statePrefix(item.key) + e.name;
+      entries.push_back(std::move(e));
+    }
+  }
+  return entries;
+}
+
+std::map<std::string, std::string> collectExportNames(const StateMap& states) {
+  std::map<std::string, std::string> names;
+  for (const StateItem& item : states) {
+    for (const auto& [name, prefix] : item.state->exportNames()) {
+      names[name.empty() ? item.key : name] = sharding::statePrefix(item.key) + prefix;
+    }
+  }
+  return names;
+}
+
+std::string describeStrategies(const StateMap& states) {
+  std::vector<std::pair<std::string, std::string>> found;
+  for (const StateItem& item : states) {
+    if (const auto* s = dynamic_cast<const sharding::ShardingStrategy*>(item.state)) {
+      found.emplace_back(item.key, sharding::strategyKindName(s->kind()));
+    }
+  }
+  if (found.size() == 1) return found[0].second;
+  std::string out;
+  for (const auto& [key, kind] : found) out += strCat(out.empty() ? "" : " ", key, ":", kind);
+  return out;
+}
+
+void afterLoad(const StateMap& states) {
+  for (const StateItem& item : states) item.state->afterLoad();
+}
+
+int64_t Counters::at(const std::string& name) const {
+  auto it = values_.find(name);
+  TESSERA_CHECK_AS(UsageError, it != values_.end(), "Counters: no counter named '", name, "'");
+  return it->second;
+}
+
+std::vector<StateEntry> Counters::stateEntries() {
+  std::vector<StateEntry> entries;
+  tensors_.clear();
+  for (const auto& [name, value] : values_) {
+    at::Tensor& t = tensors_[name] = at::full({}, value, at::kLong);
+    // Replicated: rank 0 writes it, every rank reads it; the group size does not matter
+    // for a whole tensor, so a one-rank spec serves any run.
+    entries.push_back({name, sharding::ShardSpec({}, at::kLong, 1, 0, sharding::Placement::kReplicate), t});
+  }
+  return entries;
+}
+
+void Counters::afterLoad() {
+  for (const auto& [name, t] : tensors_) values_[name] = t.item<int64_t>();
+}
+
+}  // namespace tessera::checkpoint

@@ -1,0 +1,191 @@
+// One FSDP unit's lifecycle (see fsdp_unit.h).
+#include "sharding/fsdp_unit.h"
+
+#include <c10/core/GradMode.h>
+
+#include "common/errors.h"
+#include "distributed/communicator.h"
+#include "sharding/param_init.h"
+
+namespace tessera::sharding {
+namespace {
+
+size_t fullBytes(const at::Tensor& p) { return static_cast<size_t>(p.numel()) * p.element_size(); }
+
+}  // namespace
+
+FsdpUnit::FsdpUnit(std::string name, const torch::nn::Module* module, bool isRoot, const UnitContext& context)
+    : ctx_(context), name_(std::move(name)), module_(module), isRoot_(isRoot) {}
+
+FsdpUnit::~FsdpUnit() {
+  if (!gather_) return;
+  try {
+    gather_->wait();
+  } catch (...) {
+    // Errors are moot now; only the buffers' lifetime matters.
+  }
+}
+
+void FsdpUnit::setLayout(std::vector<ShardSpec> specs, const std::vector<bool>& trainable, at::Device device) {
+  std::vector<ShardSpec> gradSpecs;
+  for (size_t k = 0; k < specs.size(); ++k) {
+    if (!trainable[k]) continue;
+    trainable_.push_back(k);
+    gradSpecs.push_back(specs[k]);
+  }
+  layout_ = std::make_unique<FlatLayout>(std::move(specs));
+  gradLayout_ = std::make_unique<FlatLayout>(std::move(gradSpecs));
+  masterChunk_ = at::zeros({layout_->chunkNumel()}, at::TensorOptions().dtype(at::kFloat).device(device));
+  gatherBytes_ = layout_->flatNumel() * static_cast<int64_t>(c10::elementSize(ctx_.paramDtype));
+  ready_.assign(trainable_.size(), false);
+}
+
+at::Tensor FsdpUnit::masterSlot(size_t k) const { return layout_->slot(masterChunk_, k); }
+
+void FsdpUnit::adoptRecords(std::vector<ShardedParam*> records) {
+  TESSERA_CHECK(records.size() == layout_->size(), "FsdpUnit '", name_, "': ", records.size(), " records for ",
+                layout_->size(), " slots");
+  params_ = std::move(records);
+  c10::NoGradGuard noGrad;
+  for (ShardedParam* p : params_) {
+    const at::Tensor& param = p->moduleParam;
+    param.set_data(deferredTensor(param.sizes().vec(), masterChunk_.options().dtype(ctx_.paramDtype)));
+    paramBytes_ += static_cast<int64_t>(fullBytes(param));
+  }
+}
+
+// ---- lifecycle ------------------------------------------------------------------------
+
+void FsdpUnit::unshard() {
+  if (sharded_ != ShardedState::kSharded) return;
+  if (params_.empty()) {  // e.g. a root whose children are all units: nothing to gather
+    sharded_ = ShardedState::kUnsharded;
+    return;
+  }
+  flat_ = at::empty({layout_->flatNumel()}, masterChunk_.options().dtype(ctx_.paramDtype));
+  at::Tensor chunk = layout_->chunk(flat_, ctx_.shardComm->rank());
+  chunk.copy_(masterChunk_);  // cast to the compute dtype before gathering: half the bytes in bf16
+  gather_ = ctx_.shardComm->allGatherIntoAsync(flat_, chunk);
+  sharded_ = ShardedState::kUnsharding;
+  ctx_.sample();
+}
+
+void FsdpUnit::waitForUnshard() {
+  unshard();
+  if (sharded_ != ShardedState::kUnsharding) return;
+  gather_->wait();
+  gather_.reset();
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const at::Tensor& p = params_[k]->moduleParam;
+    setStorageBytes(p, fullBytes(p));
+    // variable_data(): a new version counter, so autograd's saved references to p do not
+    // see a modification.
+    layout_->unpackFull(flat_, k, p.variable_data());
+  }
+  sharded_ = ShardedState::kUnsharded;
+  ctx_.sample();  // the flat buffer and the full parameters, both alive for this moment
+  flat_ = at::Tensor();
+}
+
+void FsdpUnit::reshard() {
+  if (sharded_ == ShardedState::kUnsharding) {
+    gather_->wait();  // never leave a collective unwaited
+    gather_.reset();
+    flat_ = at::Tensor();
+  } else if (sharded_ == ShardedState::kUnsharded) {
+    for (const ShardedParam* p : params_) setStorageBytes(p->moduleParam, 0);
+  }
+  sharded_ = ShardedState::kSharded;
+}
+
+void FsdpUnit::preForward() {
+  training_ = TrainingState::kForward;
+  waitForUnshard();
+}
+
+void FsdpUnit::postForward(bool reshardNow) {
+  training_ = TrainingState::kIdle;
+  if (reshardNow) reshard();
+}
+
+bool FsdpUnit::preBackward() {
+  waitForUnshard();
+  if (training_ == TrainingState::kPreBackward || training_ == TrainingState::kPostBackward) return false;
+  training_ = TrainingState::kPreBackward;
+  return true;
+}
+
+bool FsdpUnit::gradReady(size_t j) {
+  if (ready_[j]) return false;
+  ready_[j] = true;
+  return ++readyCount_ == trainable_.size();
+}
+
+void FsdpUnit::postBackward() {
+  training_ = TrainingState::kPostBackward;
+  if (!hasFrozenParams()) reshard();
+}
+
+ReduceJob FsdpUnit::startReduce() {
+  const auto options = masterChunk_.options().dtype(ctx_.reduceDtype);
+  ReduceJob job;
+  job.unit = this;
+  job.flat = at::empty({gradLayout_->flatNumel()}, options);
+  {
+    c10::NoGradGuard noGrad;
+    for (size_t j = 0; j < trainable_.size(); ++j) {
+      gradLayout_->packFull(job.flat, j, trainableParam(j).grad());
+      trainableParam(j).mutable_grad().reset();
+    }
+  }
+  job.local = at::empty({gradLayout_->chunkNumel()}, options);
+  job.handle = ctx_.shardComm->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
+  reduced_ = true;
+  return job;
+}
+
+void FsdpUnit::finishReduce(ReduceJob& job) {
+  job.flat = at::Tensor();
+  // hybrid: the shard group's average, averaged again over the replica groups.
+  if (ctx_.replicaComm != nullptr) ctx_.replicaComm->allReduce(job.local, distributed::ReduceOp::kAvg);
+  c10::NoGradGuard noGrad;
+  if (!gradShard_.defined()) {
+    gradShard_ = job.local.scalar_type() == at::kFloat ? job.local : job.local.to(at::kFloat);
+  } else {
+    gradShard_.add_(job.local);
+  }
+}
+
+void FsdpUnit::endBackward() {
+  std::fill(ready_.begin(), ready_.end(), false);
+  readyCount_ = 0;
+  reduced_ = false;
+  training_ = TrainingState::kIdle;
+}
+
+// ---- what it holds --------------------------------------------------------------------
+
+bool FsdpUnit::hasLocalGradients() const {
+  for (size_t j = 0; j < trainable_.size(); ++j) {
+    if (trainableParam(j).grad().defined()) return true;
+  }
+  return false;
+}
+
+void FsdpUnit::exposeGradients() const {
+  if (!gradShard_.defined()) return;
+  for (size_t j = 0; j < trainable_.size(); ++j) params_[trainable_[j]]->grad = gradLayout_->slot(gradShard_, j);
+}
+
+int64_t FsdpUnit::reduceBytes() const {
+  return gradLayout_->flatNumel() * static_cast<int64_t>(c10::elementSize(ctx_.reduceDtype));
+}
+
+int64_t FsdpUnit::unshardedBytes() const {
+  int64_t bytes = 0;
+  for (const ShardedParam* p : params_) bytes += static_cast<int64_t>(p->moduleParam.storage().nbytes());
+  if (flat_.defined()) bytes += static_cast<int64_t>(flat_.storage().nbytes());
+  return bytes;
+}
+
+}  // namespace tessera::sharding

@@ -1,0 +1,150 @@
+// FsdpUnit: one FSDP unit, FSDP2's FSDPParamGroup — the parameters one module owns, their
+// fp32 master shards as the slots of one flat chunk, and the unit's lifecycle, one method
+// per event:
+//   forward:   preForward (unshard + waitForUnshard) ... postForward (reshard or keep)
+//   backward:  preBackward (gathered again) ... gradients arrive (gradReady) ...
+//              postBackward (reshard, then the reduce-scatter: startReduce / finishReduce)
+// The strategy-wide order of these calls (prefetch, the unit kept from forward into
+// backward, the end of backward) is FullyShardState's (fsdp_state.h). Layout, memory and
+// communication: docs/design.md, "FSDP unit lifecycle".
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sharding/flat_layout.h"
+#include "sharding/sharded_param.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace tessera::distributed {
+class Communicator;
+class CommHandle;
+}  // namespace tessera::distributed
+
+namespace tessera::sharding {
+
+// Where the unit's parameters are: only the masters' shards (kSharded), being all-gathered
+// (kUnsharding: the gather is in flight), or full in the module's parameters (kUnsharded).
+enum class ShardedState { kSharded, kUnsharding, kUnsharded };
+// What the unit is doing in the step: nothing (kIdle), running its forward (kForward),
+// gathered for its backward (kPreBackward), done with its backward (kPostBackward).
+enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
+
+// What every unit of one strategy shares: the groups, the dtypes, and the peak accounting
+// the strategy samples after each gather and copy-out.
+struct UnitContext {
+  distributed::Communicator* shardComm = nullptr;    // the Shard(0) group
+  distributed::Communicator* replicaComm = nullptr;  // hybrid: across replica groups; else null
+  at::ScalarType paramDtype = at::kFloat;            // the gathered parameters' dtype
+  at::ScalarType reduceDtype = at::kFloat;           // the gradients' dtype on the wire
+  std::function<void()> sample;                      // records the bytes held now
+};
+
+// One reduce-scatter of a unit's gradients in flight (InflightCollectives' job).
+struct ReduceJob {
+  class FsdpUnit* unit = nullptr;
+  at::Tensor flat, local;  // this rank's full gradients, packed; its reduced chunk
+  std::shared_ptr<distributed::CommHandle> handle;
+};
+
+class FsdpUnit {
+ public:
+  FsdpUnit(std::string name, const torch::nn::Module* module, bool isRoot, const UnitContext& context);
+  ~FsdpUnit();  // waits for a gather still in flight (its buffers must outlive it)
+  FsdpUnit(const FsdpUnit&) = delete;
+  FsdpUnit& operator=(const FsdpUnit&) = delete;
+
+  // ---- construction (FullyShardStrategy, in this order) ------------------------------
+  // The layout of the unit's members (their specs over the shard group, frozen ones
+  // included; `trainable[k]` for member k) and an fp32 master chunk of zeros on `device`.
+  void setLayout(std::vector<ShardSpec> specs, const std::vector<bool>& trainable, at::Device device);
+  // Member k's slot of the master chunk (spec(k).localShape()), for its initial values.
+  at::Tensor masterSlot(size_t k) const;
+  // The members' records, in layout order; their module parameters then get fresh empty
+  // storage in the compute dtype (allocated only while the unit is gathered).
+  void adoptRecords(std::vector<ShardedParam*> records);
+
+  // ---- lifecycle ---------------------------------------------------------------------
+  // Issues the all-gather of the masters, cast to the compute dtype (kSharded ->
+  // kUnsharding; a unit without parameters is kUnsharded at once). No-op otherwise.
+  void unshard();
+  // Waits for the gather and copies the full parameters into the module's (regrown)
+  // storage: kUnsharded. Gathers now when nothing was issued.
+  void waitForUnshard();
+  // Frees the parameters' storage (kSharded); a gather in flight is waited for first.
+  void reshard();
+  void preForward();
+  void postForward(bool reshardNow);
+  // Gathered for the backward. True the first time in this backward (the scheduler
+  // prefetches then).
+  bool preBackward();
+  // Trainable member j's gradient has arrived; true when it was the last one missing.
+  bool gradReady(size_t j);
+  // Every gradient is in: frees the parameters (unless a frozen member is held: no gradient
+  // says when its last user ran) before the reduction allocates its buffers.
+  void postBackward();
+  // Packs the full gradients (zeros where one is missing), frees them and issues the
+  // reduce-scatter (kAvg over the shard group: the one division by N).
+  ReduceJob startReduce();
+  // The reduce-scatter of `job` completed: (hybrid: averaged over the replica groups)
+  // added into the gradient shard, which accumulates until clearGradients().
+  void finishReduce(ReduceJob& job);
+  // Back to kIdle for the next backward, every gradient flag cleared.
+  void endBackward();
+  // Drops the gradient shard (zeroGrad).
+  void clearGradients() { gradShard_ = at::Tensor(); }
+
+  // ---- what it holds -----------------------------------------------------------------
+  const std::string& name() const { return name_; }
+  const torch::nn::Module* module() const { return module_; }
+  bool isRoot() const { return isRoot_; }
+  ShardedState shardedState() const { return sharded_; }
+  TrainingState trainingState() const { return training_; }
+  const std::vector<ShardedParam*>& params() const { return params_; }
+  size_t trainableCount() const { return trainable_.size(); }
+  bool hasFrozenParams() const { return trainable_.size() < params_.size(); }
+  const at::Tensor& trainableParam(size_t j) const { return params_[trainable_[j]]->moduleParam; }
+  // Whether any trainable parameter holds a full (unreduced) gradient.
+  bool hasLocalGradients() const;
+  // Reduced in this backward already.
+  bool reduced() const { return reduced_; }
+  const at::Tensor& gradShard() const { return gradShard_; }
+  // Sets each trainable record's `grad` to its slot of the gradient shard (the step's).
+  void exposeGradients() const;
+  int64_t paramBytes() const { return paramBytes_; }    // full parameters in the compute dtype
+  int64_t gatherBytes() const { return gatherBytes_; }  // the flat gather buffer
+  int64_t reduceBytes() const;                          // the flat gradient buffer
+  // Storage bytes alive now: full parameters and a gather buffer in flight.
+  int64_t unshardedBytes() const;
+
+ private:
+  const UnitContext& ctx_;
+  std::string name_;  // qualified module name; "" for the root
+  const torch::nn::Module* module_;
+  bool isRoot_;
+  std::vector<ShardedParam*> params_;  // slot k of layout_ is params_[k]
+  std::unique_ptr<FlatLayout> layout_;  // gathered: every member, frozen ones too
+  at::Tensor masterChunk_;              // fp32: every member's master, in layout_'s slots
+  std::vector<size_t> trainable_;       // slot j of gradLayout_ is params_[trainable_[j]]
+  std::unique_ptr<FlatLayout> gradLayout_;
+  at::Tensor gradShard_;                // fp32 reduced gradients, accumulating
+  int64_t paramBytes_ = 0, gatherBytes_ = 0;
+
+  ShardedState sharded_ = ShardedState::kSharded;
+  TrainingState training_ = TrainingState::kIdle;
+  at::Tensor flat_;                     // the gather buffer while kUnsharding
+  std::shared_ptr<distributed::CommHandle> gather_;
+  std::vector<bool> ready_;             // per trainable member, in this backward
+  size_t readyCount_ = 0;
+  bool reduced_ = false;
+};
+
+}  // namespace tessera::sharding

@@ -1,0 +1,115 @@
+// Checkpoints written before the Stateful checkpoint API (tests/data/legacy_v1, written by
+// the code of commit 7607dca) still load: a run resumed from one, on another world size,
+// ends where the same run without interruption ends today, and the offline tools read it.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tests/support/run_command.h"
+#include "tests/support/scratch_path.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tessera::test::CommandResult;
+using tessera::test::runCommand;
+
+const std::string kBin = TESSERA_BIN_DIR;
+const std::string kSource = TESSERA_SOURCE_DIR;
+const std::string kLegacy = kSource + "/tests/data/legacy_v1";
+
+// The settings the legacy checkpoints were written with (tests/data/legacy_v1/README.md).
+const std::string kTiny =
+    " --set model.embed_dim=8 --set model.layers=2 --set model.timesteps=20 --set model.samples=0"
+    " --set data.global_batch=16 --set data.micro_batch=4 --set run.log_every=4 --set run.eval_every=8"
+    " --set checkpoint.async=false --set optim.schedule.warmup_steps=2 --set run.steps=8"
+    " --set checkpoint.every_steps=4 --set data.path=" + kSource + "/data/rings.safetensors";
+const std::string kDiffusion = " --config " + kSource + "/configs/diffusion.yaml" + kTiny +
+                               " --set sharding.min_unit_params=0";
+const std::string kDistill = " --config " + kSource + "/configs/distill.yaml" + kTiny +
+                             " --set recipe.regression_pairs=16 --set recipe.pair_steps=5 --set model.init_from=" +
+                             kLegacy + "/teacher.safetensors";
+
+std::string launch(int ranks) {
+  return kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kBin + "/tessera-train";
+}
+
+std::vector<nlohmann::json> readMetrics(const std::string& runDir) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(fs::path(runDir) / "metrics.jsonl");
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// A run directory whose checkpoints are a copy of legacy checkpoint `name` (step 4).
+std::string runDirWithLegacy(const std::string& name) {
+  const fs::path dir = tessera::test::scratchPath("tessera_legacy", name);
+  const fs::path checkpoints = dir / "checkpoints";
+  fs::create_directories(checkpoints);
+  fs::copy(kLegacy + "/" + name + "_step_00000004", checkpoints / "step_00000004", fs::copy_options::recursive);
+  std::ofstream(checkpoints / "latest") << "step_00000004\n";
+  return dir.string();
+}
+
+// The last record (step 8: the window of steps 5-8 and the evaluation) of a resumed and an
+// uninterrupted run agree.
+void expectSameEnd(const std::string& resumedDir, const std::string& referenceDir, const std::string& what) {
+  const auto resumed = readMetrics(resumedDir), reference = readMetrics(referenceDir);
+  ASSERT_FALSE(resumed.empty()) << what;
+  ASSERT_FALSE(reference.empty()) << what;
+  const nlohmann::json& a = resumed.back();
+  const nlohmann::json& b = reference.back();
+  EXPECT_EQ(a["step"], 8) << what;
+  EXPECT_EQ(b["step"], 8) << what;
+  for (const char* key : {"loss", "eval_loss", "eval_loss_ema", "critic_loss"}) {
+    if (!b.contains(key)) continue;
+    ASSERT_TRUE(a.contains(key)) << what << ": " << key;
+    const double x = a[key], y = b[key];
+    EXPECT_NEAR(x, y, 1e-5 * std::abs(y)) << what << ": " << key;
+  }
+}
+
+TEST(LegacyCheckpointTest, SingleModelCheckpointResumesOnOtherWorldSizes) {
+  const std::string reference = tessera::test::scratchPath("tessera_legacy", "diffusion_reference");
+  CommandResult r = runCommand(launch(2) + kDiffusion + " --set run.dir=" + reference, 300);
+  ASSERT_EQ(r.status, 0) << r.output;
+  for (const int ranks : {1, 4}) {
+    const std::string dir = runDirWithLegacy("diffusion");
+    r = runCommand(launch(ranks) + kDiffusion + " --set run.dir=" + dir, 300);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("resumed from " + dir + "/checkpoints/step_00000004 (step 4"), std::string::npos) << r.output;
+    expectSameEnd(dir, reference, "diffusion resumed on " + std::to_string(ranks) + " ranks");
+  }
+}
+
+TEST(LegacyCheckpointTest, SeveralModelCheckpointResumes) {
+  const std::string reference = tessera::test::scratchPath("tessera_legacy", "distill_reference");
+  CommandResult r = runCommand(launch(2) + kDistill + " --set run.dir=" + reference, 300);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string dir = runDirWithLegacy("distill");
+  r = runCommand(launch(4) + kDistill + " --set run.dir=" + dir, 300);
+  ASSERT_EQ(r.status, 0) << r.output;
+  expectSameEnd(dir, reference, "distill resumed on 4 ranks");
+}
+
+TEST(LegacyCheckpointTest, OfflineToolsReadIt) {
+  for (const std::string name : {"diffusion", "distill"}) {
+    const std::string dir = kLegacy + "/" + name + "_step_00000004";
+    CommandResult r = runCommand(kBin + "/tessera-ckpt verify " + dir);
+    EXPECT_EQ(r.status, 0) << r.output;
+    r = runCommand(kBin + "/tessera-ckpt info " + dir);
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("generator_ema"), std::string::npos) << r.output;
+    const std::string out = tessera::test::scratchPath("tessera_legacy", name + "_ema.safetensors");
+    r = runCommand(kBin + "/tessera-export " + dir + " --what generator_ema --out " + out);
+    EXPECT_EQ(r.status, 0) << r.output;
+    EXPECT_TRUE(fs::exists(out)) << r.output;
+  }
+}
+
+}  // namespace
