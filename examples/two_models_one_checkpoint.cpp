@@ -1,9 +1,9 @@
-// Tessera as a library, several models: an encoder (zero3, its blocks are FSDP units) and
-// a decoder (zero2) trained together as an autoencoder, each by its own strategy and
+// Tessera as a library, several models: an encoder (zero3, its blocks are units) and a
+// decoder (zero2) trained together as an autoencoder, each by its own strategy and fused
 // optimizer; a sharded EMA of the decoder; one checkpoint holding both models, both
 // optimizers and the EMA, written halfway and loaded into fresh models that finish the
-// run — which must end exactly where the uninterrupted run ends. The same wiring serves
-// a generator and a critic, or any models with a step of your own.
+// run — which must end exactly where the uninterrupted run ends. The same wiring serves a
+// generator and a critic, or any models with a step of your own.
 //
 //   two_models_one_checkpoint --dir runs/two_models
 //   tessera-run --standalone --nproc-per-node 2 two_models_one_checkpoint --dir runs/two_models
@@ -16,7 +16,6 @@
 #include <cstdio>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/exporter.h"
@@ -27,7 +26,6 @@
 #include "ema/ema_manager.h"
 #include "ema/strategy_ema.h"
 #include "sharding/fully_shard.h"
-#include "sharding/strategy.h"
 
 namespace {
 
@@ -44,20 +42,16 @@ TORCH_MODULE(Block);
 
 // Two residual blocks (the zero3 units), then a projection to the code.
 struct EncoderImpl : torch::nn::Module {
-  EncoderImpl()
-      : blocks(register_module("blocks", torch::nn::ModuleList())),
-        proj(register_module("proj", torch::nn::Linear(kWidth, kCode))) {
-    for (int i = 0; i < 2; ++i) blocks->push_back(Block(kWidth));
+  EncoderImpl() : proj(register_module("proj", torch::nn::Linear(kWidth, kCode))) {
+    blocks = register_module("blocks", sharding::UnitList<Block>());
+    for (int i = 0; i < 2; ++i) blocks->emplace_back(kWidth);
   }
   at::Tensor forward(const at::Tensor& x) {
     at::Tensor h = x;
-    for (const auto& module : *blocks) {
-      auto* block = module->as<Block>();
-      h = sharding::unitForward(*module, h, [block](const at::Tensor& in) { return block->forward(in); });
-    }
+    for (auto& block : *blocks) h = block->forward(h);
     return proj(h);
   }
-  torch::nn::ModuleList blocks;
+  sharding::UnitList<Block> blocks{nullptr};
   torch::nn::Linear proj;
 };
 TORCH_MODULE(Encoder);
@@ -71,24 +65,21 @@ struct DecoderImpl : torch::nn::Module {
 };
 TORCH_MODULE(Decoder);
 
-// Everything one run holds: two models with their strategies (each owns its optimizer)
-// and the decoder's EMA.
+// Everything one run holds: two models with their strategies (each with its fused
+// optimizer) and the decoder's EMA.
 struct Parts {
-  Encoder encoder;
-  Decoder decoder;
+  sharding::Unit<Encoder> encoder{nullptr};
+  Decoder decoder{nullptr};
   std::unique_ptr<sharding::ShardingStrategy> encoderStrategy, decoderStrategy;
   std::unique_ptr<ema::ShardedModelEMAManager> ema;
 
   explicit Parts(const std::shared_ptr<distributed::Communicator>& comm) {
     torch::manual_seed(0);  // the same initial weights on every rank and in every Parts
-    sharding::StrategyOptions zero3;
-    zero3.strategy = "zero3";
-    zero3.wrap = {"blocks.*"};
-    zero3.optimizer.name = "adamw";
-    encoderStrategy = sharding::makeStrategy(*encoder, comm, zero3);
+    encoder = sharding::Unit<Encoder>();
+    decoder = Decoder();
+    encoderStrategy = sharding::fullyShard(*encoder, comm);
     sharding::StrategyOptions zero2;
     zero2.strategy = "zero2";
-    zero2.optimizer.name = "adamw";
     decoderStrategy = sharding::makeStrategy(*decoder, comm, zero2);
     ema::EmaOptions emaOptions;
     emaOptions.decays = {0.9};
@@ -97,20 +88,12 @@ struct Parts {
     ema::followStrategy(*ema, *decoderStrategy);
   }
 
-  // The one checkpoint's entries: each model's weights and optimizer state under its own
-  // prefix, and the EMA. The same names on every rank, in every run: that is what lets a
-  // checkpoint saved by N ranks load into M.
-  std::vector<checkpoint::StateEntry> stateEntries() {
-    std::vector<checkpoint::StateEntry> entries;
-    auto add = [&entries](std::vector<checkpoint::StateEntry> more) {
-      for (auto& e : more) entries.push_back(std::move(e));
-    };
-    add(encoderStrategy->stateEntries("encoder/"));
-    add(encoderStrategy->optimizer().stateEntries("optim/encoder/"));
-    add(decoderStrategy->stateEntries("decoder/"));
-    add(decoderStrategy->optimizer().stateEntries("optim/decoder/"));
-    add(ema->stateEntries("ema/"));
-    return entries;
+  // The one checkpoint: each component under its key. The same keys in every run are what
+  // lets a checkpoint saved by N ranks load into M.
+  checkpoint::StateMap states() {
+    return {{"encoder", *encoderStrategy}, {"optim/encoder", encoderStrategy->optimizer()},
+            {"decoder", *decoderStrategy}, {"optim/decoder", decoderStrategy->optimizer()},
+            {"ema", *ema}};
   }
 
   // One step on this rank's slice of the global batch; returns the mean loss over all ranks.
@@ -123,16 +106,16 @@ struct Parts {
     const at::Tensor x = torch::randn({8 * world, kCode}).mm(mixing).narrow(0, 8 * rank, 8);
     encoderStrategy->zeroGrad();
     decoderStrategy->zeroGrad();
-    const at::Tensor code = sharding::unitForward(*encoder, x, [&](const at::Tensor& in) { return encoder->forward(in); });
-    const at::Tensor loss = torch::mse_loss(decoder->forward(code), x);
+    const at::Tensor loss = torch::mse_loss(decoder->forward(encoder->forward(x)), x);
     loss.backward();
     // Each strategy reduces its own gradients and steps its own optimizer; the loss rides
     // on the decoder's gradient-norm all-reduce.
     encoderStrategy->step(1e-2);
-    at::Tensor mean = loss.detach().to(at::kDouble).reshape({1});
-    decoderStrategy->step(1e-2, mean);
+    sharding::StepSums sums;
+    sums.add("loss", loss.item<double>());
+    decoderStrategy->step(1e-2, &sums);
     ema->update(step + 1);
-    return mean.item<double>() / world;
+    return sums["loss"] / world;
   }
 };
 
@@ -146,48 +129,31 @@ int main(int argc, char** argv) {
   try {
     auto runtime = distributed::Runtime::init(distributed::RankEnv::fromEnvironment());
     auto comm = runtime->comm();
-    const int rank = comm->rank();
 
     // The uninterrupted run, with one checkpoint halfway.
     Parts run(comm);
     checkpoint::Checkpointer checkpointer(dir + "/checkpoints", comm);
     double first = 0, last = 0;
     for (int64_t step = 0; step < kSteps; ++step) {
-      const double loss = run.step(step, *comm);
-      if (step == 0) first = loss;
-      last = loss;
-      if (step + 1 == kSteps / 2) {
-        checkpoint::SaveRequest request;
-        request.step = step + 1;
-        request.strategy = "encoder:zero3 decoder:zero2";
-        request.entries = run.stateEntries();
-        request.trainerState = "{\"ema_updates\": " + std::to_string(run.ema->updateCount()) + "}";
-        request.aliases = run.ema->exportAliases("ema/");
-        request.aliases["encoder"] = "encoder/";
-        request.aliases["decoder"] = "decoder/";
-        checkpointer.save(request);
-      }
+      last = run.step(step, *comm);
+      if (step == 0) first = last;
+      if (step + 1 == kSteps / 2) checkpointer.save(step + 1, run.states());
     }
     checkpointer.finish();
 
-    // Fresh models, loaded from the checkpoint (each rank reads only its shards), then the
+    // Fresh models loaded from the checkpoint (each rank reads only its shards), then the
     // second half again.
     Parts resumed(comm);
-    const auto loaded = checkpoint::loadCheckpoint(dir + "/checkpoints/step_00000020", resumed.stateEntries());
-    resumed.encoderStrategy->publishParameters();  // the loaded masters into the modules
-    resumed.decoderStrategy->publishParameters();
-    // The counters saved next to the tensors: {"ema_updates": N}.
-    const std::string& state = loaded.trainerState;
-    resumed.ema->setUpdateCount(std::stoll(state.substr(state.find(':') + 1)));
+    const auto loaded = checkpoint::load(dir + "/checkpoints/step_00000020", resumed.states());
     double resumedLast = 0;
     for (int64_t step = loaded.step; step < kSteps; ++step) resumedLast = resumed.step(step, *comm);
 
     // The decoder's EMA as one safetensors file (rank 0 writes it).
     checkpoint::ExportOptions exportOptions;
-    checkpoint::exportOnline(resumed.ema->stateEntries("ema/"), "ema/decoder_ema/", runtime->cpuComm().get(),
-                             dir + "/decoder_ema.safetensors", exportOptions);
+    exportOptions.what = "decoder_ema";
+    checkpoint::exportOnline(resumed.states(), runtime->cpuComm().get(), dir + "/decoder_ema.safetensors", exportOptions);
     const bool same = std::abs(resumedLast - last) <= 1e-6 * std::abs(last);
-    if (rank == 0) {
+    if (comm->rank() == 0) {
       std::printf("two_models_one_checkpoint: %d rank(s), encoder zero3 + decoder zero2, loss %.4f -> %.4f; resumed "
                   "from %s: %.6f (%s the uninterrupted run)\n",
                   comm->worldSize(), first, last, loaded.dir.c_str(), resumedLast, same ? "equals" : "DIFFERS from");

@@ -13,10 +13,15 @@ command -v ninja > /dev/null && generator=(-G Ninja)
 cmake -S "$examples_dir" -B "$work/build" "${generator[@]}" "${launcher[@]}" \
   -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/configure.log"
 cmake --build "$work/build" > "$work/build.log"
-"$work/build/train_with_tessera" --out "$work/ema1.safetensors"
+"$work/build/train_with_tessera" --dir "$work/one" --steps 60
+# Two ranks: 40 steps, then a second invocation resumes from the step-40 checkpoint.
 "$work/prefix/bin/tessera-run" --standalone --nproc-per-node 2 \
-  "$work/build/train_with_tessera" --out "$work/ema2.safetensors"
-test -s "$work/ema1.safetensors" && test -s "$work/ema2.safetensors"
+  "$work/build/train_with_tessera" --dir "$work/two" --steps 40
+"$work/prefix/bin/tessera-run" --standalone --nproc-per-node 2 \
+  "$work/build/train_with_tessera" --dir "$work/two" --steps 60 | tee "$work/resumed.log"
+grep -q "steps 40 -> 60" "$work/resumed.log"
+test -s "$work/one/regressor_ema.safetensors" && test -s "$work/two/regressor_ema.safetensors"
+test -f "$work/two/checkpoints/step_00000060/metadata.json"
 # Two models, two optimizers, one EMA, one checkpoint: it checks itself that the loss fell
 # and that the run resumed from its checkpoint ends where the uninterrupted one does.
 "$work/build/two_models_one_checkpoint" --dir "$work/two1"
