@@ -15,7 +15,7 @@ rm -rf "$RUN_DIR"   # the main job starts fresh each time
 LAUNCH=("$BIN/tessera-run" --standalone --nproc-per-node 2 --log-dir "$RUN_DIR/launcher" --tee)
 echo "== part 1: train until step 150, checkpoint, stop"
 "${LAUNCH[@]}" "$BIN/tessera-train" --config configs/default.yaml --set run.stop_after_steps=150 "$@"
-echo "== part 2: resume from the checkpoint, finish, export generator_ema"
+echo "== part 2: resume from the checkpoint, finish, export model_ema"
 "${LAUNCH[@]}" "$BIN/tessera-train" --config configs/default.yaml --resume auto "$@"
 echo
 echo "run directory:   $RUN_DIR"

@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
     auto comm = tessera::distributed::makeCommunicator(gCuda ? "nccl" : "gloo",
                                                        tessera::distributed::Store::createInProcess(), 0, 1);
     tessera::sharding::StrategyOptions options;
-    options.strategy = "zero3";
+    options.strategy = tessera::sharding::StrategyKind::kZero3;
     options.paramDtype = compute;
     options.reduceDtype = at::kFloat;
     options.optimizer.weightDecay = 0.1;

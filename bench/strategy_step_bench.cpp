@@ -96,9 +96,9 @@ int main(int argc, char** argv) {
     at::manual_seed(0);
     Mlp model(widths);
     sharding::StrategyOptions options;
-    options.strategy = strategyName;
+    options.strategy = sharding::parseStrategyKind(strategyName);
     options.wrap = {"layers.*"};
-    options.optimizer.name = "adamw";
+    options.optimizer.kind = sharding::OptimizerKind::kAdamW;
     auto strategy = sharding::makeStrategy(*model, comm, options);
 
     // The same global batch every step (the reference draws it the same way: randn with

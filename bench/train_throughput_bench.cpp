@@ -52,17 +52,23 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+const char* strategyName(const TrainConfig& cfg) {
+  return tessera::sharding::strategyKindName(cfg.models.front().sharding.strategy);
+}
+
 // The plain loop: samples per second over `steps` steps after 10 warm-up steps.
 double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps) {
   at::set_num_threads(threads);
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
-  auto data = tessera::trainer::makeDataset(cfg.data, cfg.model, tessera::trainer::predictsEveryPosition(cfg.model));
-  auto model = tessera::trainer::makeModel(cfg.model, data->spec());
+  const tessera::trainer::ModelEntry& m = cfg.models.front();
+  auto data = tessera::trainer::makeDataset(cfg.data, m.model, tessera::trainer::predictsEveryPosition(m.model));
+  auto model = tessera::trainer::makeModel(m.model, data->spec());
   tessera::trainer::initializeModel(*model, static_cast<uint64_t>(cfg.run.seed));
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(cfg.optim.lr)
-                                                         .betas({cfg.optim.betas.at(0), cfg.optim.betas.at(1)})
-                                                         .eps(cfg.optim.eps)
-                                                         .weight_decay(cfg.optim.weight_decay));
+  const tessera::sharding::OptimizerOptions& o = m.sharding.optimizer;
+  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(m.schedule.baseLr)
+                                                         .betas({o.beta1, o.beta2})
+                                                         .eps(o.eps)
+                                                         .weight_decay(o.weightDecay));
   tessera::trainer::DistributedSampler sampler(data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
                                                cfg.data.shuffle);
   const int64_t micro = cfg.data.micro_batch, accumulation = cfg.data.global_batch / micro;
@@ -75,7 +81,7 @@ double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps
       tessera::trainer::seedNoise(batch, cfg.run.seed, s, slice);
       (model->losses(batch).mean() / static_cast<double>(accumulation)).backward();
     }
-    if (cfg.optim.grad_clip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), cfg.optim.grad_clip);
+    if (m.sharding.gradClip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), m.sharding.gradClip);
     optimizer.step();
   };
   for (int64_t s = 0; s < 10; ++s) step(s);
@@ -152,8 +158,8 @@ int main(int argc, char** argv) {
     const TrainConfig cfg = tessera::trainer::loadTrainConfig(config, sets, nproc).config;
     const std::string binDir = fs::absolute(fs::path(argv[0])).parent_path().string();
     std::printf("config %s: model %s, global batch %lld (micro-batches of %lld), strategy %s on %d ranks, %lld steps\n",
-                config.c_str(), cfg.model.arch.c_str(), static_cast<long long>(cfg.data.global_batch),
-                static_cast<long long>(cfg.data.micro_batch), cfg.sharding.strategy.c_str(), nproc,
+                config.c_str(), cfg.models.front().model.arch.c_str(), static_cast<long long>(cfg.data.global_batch),
+                static_cast<long long>(cfg.data.micro_batch), strategyName(cfg), nproc,
                 static_cast<long long>(steps));
     std::vector<double> plain1, plainN, steady, wall;
     for (int rep = 0; rep < reps; ++rep) {
@@ -168,7 +174,7 @@ int main(int argc, char** argv) {
     const double p1 = median(plain1), pn = median(plainN), st = median(steady), wa = median(wall);
     std::printf("\nmedian samples/s: plain LibTorch loop (AdamW) 1 thread %.0f, %d threads %.0f; tessera-train %s x%d "
                 "steady %.0f (%.2fx / %.2fx), whole command %.0f (%.2fx / %.2fx)\n",
-                p1, threads, pn, cfg.sharding.strategy.c_str(), nproc, st, st / p1, st / pn, wa, wa / p1, wa / pn);
+                p1, threads, pn, strategyName(cfg), nproc, st, st / p1, st / pn, wa, wa / p1, wa / pn);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_train_throughput_bench: %s\n", e.what());
     return 1;

@@ -228,12 +228,13 @@ LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>&
   std::vector<std::string> missingOptional;
   for (const auto& e : entries) {
     checkEntry(e, "loadCheckpoint");
-    if (e.optional && md.find(e.name) == nullptr) {
+    const bool former = md.find(e.name) == nullptr && !e.formerName.empty() && md.find(e.formerName) != nullptr;
+    if (e.optional && md.find(e.name) == nullptr && !former) {
       missingOptional.push_back(e.name);
       continue;
     }
-    const TensorInfo& t = reader.tensor(e.name);
-    used[e.name] = true;
+    const TensorInfo& t = reader.tensor(former ? e.formerName : e.name);
+    used[t.name] = true;
     if (t.dtype != e.spec.dtype()) {
       throw CheckpointError(strCat("checkpoint ", dir, ": tensor '", e.name, "' was saved as ", dtypeName(t.dtype),
                                    ", the model expects ", dtypeName(e.spec.dtype())));

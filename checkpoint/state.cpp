@@ -13,6 +13,7 @@ std::vector<StateEntry> collectEntries(const StateMap& states) {
                      "checkpoint state key '", item.key, "' must be a name without a leading or trailing '/'");
     for (StateEntry& e : item.state->stateEntries()) {
       e.name = sharding::statePrefix(item.key) + e.name;
+      if (!e.formerName.empty()) e.formerName = sharding::statePrefix(item.key) + e.formerName;
       entries.push_back(std::move(e));
     }
   }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <climits>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -88,7 +89,12 @@ std::string typeName(const FieldTarget& target) {
   struct Visitor {
     std::string operator()(bool*) const { return "bool"; }
     std::string operator()(int64_t*) const { return "int"; }
+    std::string operator()(int*) const { return "int"; }
     std::string operator()(double*) const { return "float"; }
+    std::string operator()(const ChoiceTarget&) const { return "string"; }
+    std::string operator()(const PairTarget&) const { return "list[float]"; }
+    std::string operator()(const ScaledTarget&) const { return "float"; }
+    std::string operator()(std::map<std::string, double>*) const { return "map[string, float]"; }
     std::string operator()(std::string*) const { return "string"; }
     std::string operator()(std::optional<std::string>*) const { return "string|null"; }
     std::string operator()(std::vector<int64_t>*) const { return "list[int]"; }
@@ -118,7 +124,25 @@ YAML::Node valueNode(const FieldTarget& target) {
   struct Visitor {
     YAML::Node operator()(bool* v) const { return YAML::Node(*v); }
     YAML::Node operator()(int64_t* v) const { return YAML::Node(*v); }
+    YAML::Node operator()(int* v) const { return YAML::Node(*v); }
     YAML::Node operator()(double* v) const { return YAML::Node(formatDouble(*v)); }
+    YAML::Node operator()(const ChoiceTarget& c) const { return YAML::Node(c.names.at(c.get())); }
+    YAML::Node operator()(const PairTarget& p) const {
+      YAML::Node n(YAML::NodeType::Sequence);
+      n.push_back(formatDouble(*p.first));
+      n.push_back(formatDouble(*p.second));
+      n.SetStyle(YAML::EmitterStyle::Flow);
+      return n;
+    }
+    YAML::Node operator()(const ScaledTarget& t) const {
+      return YAML::Node(formatDouble(static_cast<double>(*t.target) / t.unit));
+    }
+    YAML::Node operator()(std::map<std::string, double>* v) const {
+      YAML::Node n(YAML::NodeType::Map);
+      for (const auto& [k, x] : *v) n[k] = formatDouble(x);
+      n.SetStyle(YAML::EmitterStyle::Flow);
+      return n;
+    }
     YAML::Node operator()(std::string* v) const { return YAML::Node(*v); }
     YAML::Node operator()(std::optional<std::string>* v) const {
       return v->has_value() ? YAML::Node(**v) : YAML::Node(YAML::NodeType::Null);
@@ -144,6 +168,23 @@ YAML::Node valueNode(const FieldTarget& target) {
   };
   return std::visit(Visitor{}, target);
 }
+
+// Sets the variable of `to` to the value of `from`'s (the same kind of target).
+struct CopyValue {
+  const FieldTarget& from;
+  void operator()(const ChoiceTarget& c) const { c.set(std::get<ChoiceTarget>(from).get()); }
+  void operator()(const PairTarget& p) const {
+    *p.first = *std::get<PairTarget>(from).first;
+    *p.second = *std::get<PairTarget>(from).second;
+  }
+  void operator()(const ScaledTarget& t) const { *t.target = *std::get<ScaledTarget>(from).target; }
+  template <typename T>
+  void operator()(T* to) const {
+    *to = *std::get<T*>(from);
+  }
+};
+
+void copyValue(const FieldTarget& from, FieldTarget& to) { std::visit(CopyValue{from}, to); }
 
 std::string emitInline(const YAML::Node& node) {
   YAML::Emitter out;
@@ -286,6 +327,8 @@ FieldRef ConfigSchema::add(const std::string& path, FieldTarget target, std::str
   field.path = path;
   field.target = target;
   field.doc = std::move(doc);
+  if (const auto* c = std::get_if<ChoiceTarget>(&target)) field.choices = c->names;  // the closed set, in docs and errors
+  if (std::holds_alternative<PairTarget>(target)) field.exactSize = 2;
   field.defaultText = emitInline(valueNode(target));
   impl_->byPath[path] = impl_->fields.size();
   impl_->fields.push_back(std::move(field));
@@ -413,6 +456,48 @@ void ConfigSchema::Impl::assign(Field& field, const YAML::Node& node, const Sour
       int64_t x = toInt(node, loc, path);
       number(static_cast<double>(x), std::to_string(x), path, loc);
       *v = x;
+    }
+    void operator()(int* v) const {
+      int64_t x = toInt(node, loc, path);
+      if (x < INT_MIN || x > INT_MAX) fail(loc, path, strCat("value ", x, " does not fit an int"));
+      number(static_cast<double>(x), std::to_string(x), path, loc);
+      *v = static_cast<int>(x);
+    }
+    void operator()(const ChoiceTarget& c) const {
+      const std::string x = toString(node, loc, path);
+      choice(x, path, loc);
+      c.set(static_cast<size_t>(std::find(c.names.begin(), c.names.end(), x) - c.names.begin()));
+    }
+    void operator()(const PairTarget& p) const {
+      auto list = toList<double>(node, loc, path, "numbers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& at) {
+        double x = toDouble(n, l, at);
+        number(x, n.Scalar(), at, l);
+        return x;
+      });
+      sizeCheck(list.size());
+      *p.first = list[0];
+      *p.second = list[1];
+    }
+    void operator()(const ScaledTarget& t) const {
+      const double x = toDouble(node, loc, path);
+      number(x, node.Scalar(), path, loc);
+      const double scaled = std::round(x * t.unit);
+      if (!(std::fabs(scaled) < 9.2e18)) fail(loc, path, strCat("value ", node.Scalar(), " is too large"));
+      *t.target = static_cast<int64_t>(scaled);
+    }
+    void operator()(std::map<std::string, double>* v) const {
+      if (!node.IsMap()) fail(loc, path, strCat("expected a mapping of names to numbers, got ", describe(node)));
+      std::map<std::string, double> out;
+      for (auto it = node.begin(); it != node.end(); ++it) {
+        const std::string key = toString(it->first, loc, path);
+        const std::string at = strCat(path, ".", key);
+        const SourceLocation l = loc.line > 0 && it->second.Mark().line >= 0 ? locate(loc.source, it->second) : loc;
+        const double x = toDouble(it->second, l, at);
+        number(x, it->second.Scalar(), at, l);
+        if (!out.emplace(key, x).second) fail(l, at, "appears twice");
+      }
+      sizeCheck(out.size());
+      *v = out;
     }
     void operator()(double* v) const {
       double x = toDouble(node, loc, path);
@@ -733,7 +818,7 @@ void ConfigSchema::inheritUnset(const ConfigSchema& defaults,
     if (it == defaults.impl_->byPath.end()) continue;
     const Field& from = defaults.impl_->fields[it->second];
     if (from.target.index() != f.target.index()) continue;
-    std::visit([&](auto* to) { *to = *std::get<std::remove_reference_t<decltype(to)>>(from.target); }, f.target);
+    copyValue(from.target, f.target);
     f.location = from.location;
   }
 }

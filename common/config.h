@@ -16,6 +16,7 @@
 // yaml-cpp stays inside config.cpp.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -24,6 +25,8 @@
 #include <string>
 #include <variant>
 #include <vector>
+
+#include "common/enum_names.h"
 
 namespace tessera::config {
 
@@ -35,9 +38,44 @@ struct SourceLocation {
   std::string str() const;
 };
 
+// A key whose value is one of a closed set of names, bound to an enum variable: choiceOf
+// builds it from the enum's name table (common/enum_names.h).
+struct ChoiceTarget {
+  std::vector<std::string> names;
+  std::function<size_t()> get;      // the index in `names` of the variable's value
+  std::function<void(size_t)> set;  // sets the variable to the value of names[i]
+};
+template <typename E, size_t N>
+ChoiceTarget choiceOf(E* target, const std::array<EnumName<E>, N>& table) {
+  ChoiceTarget c;
+  for (const auto& entry : table) c.names.push_back(entry.name);
+  c.get = [target, table] {
+    for (size_t i = 0; i < N; ++i) {
+      if (table[i].value == *target) return i;
+    }
+    return size_t{0};
+  };
+  c.set = [target, table](size_t i) { *target = table[i].value; };
+  return c;
+}
+
+// Two numbers written as a list of two ([0.9, 0.999]), bound to two variables.
+struct PairTarget {
+  double* first;
+  double* second;
+};
+
+// A number written in `unit`s and held as an integer count (MiB in the config, bytes in
+// the variable); constraints apply to the number as written.
+struct ScaledTarget {
+  int64_t* target;
+  double unit;
+};
+
 // The C++ variables a key can be bound to.
-using FieldTarget = std::variant<bool*, int64_t*, double*, std::string*, std::optional<std::string>*,
-                                 std::vector<int64_t>*, std::vector<double>*, std::vector<std::string>*>;
+using FieldTarget = std::variant<bool*, int64_t*, int*, double*, std::string*, std::optional<std::string>*,
+                                 std::vector<int64_t>*, std::vector<double>*, std::vector<std::string>*,
+                                 std::map<std::string, double>*, ChoiceTarget, PairTarget, ScaledTarget>;
 
 class ConfigSchema;
 

@@ -94,8 +94,6 @@ ShardedModelEMAManager::ShardedModelEMAManager(EmaOptions o) : options_(std::mov
   }
   TESSERA_CHECK_AS(ConfigError, options_.updateEvery >= 1, "ShardedModelEMAManager: update_every must be >= 1");
   TESSERA_CHECK_AS(ConfigError, options_.startStep >= 0, "ShardedModelEMAManager: start_step must be >= 0");
-  TESSERA_CHECK_AS(ConfigError, options_.buffers == "copy" || options_.buffers == "average",
-                   "ShardedModelEMAManager: buffers must be copy or average, got '", options_.buffers, "'");
   TESSERA_CHECK_AS(ConfigError, options_.invGamma > 0 && options_.power > 0,
                    "ShardedModelEMAManager: warmup inv_gamma and power must be > 0");
   TESSERA_CHECK_AS(ConfigError, at::isFloatingType(options_.dtype), "ShardedModelEMAManager: EMA dtype must be floating");
@@ -107,6 +105,9 @@ ShardedModelEMAManager::ShardedModelEMAManager(EmaOptions o) : options_(std::mov
     powerGammas_.push_back(powerEmaExponent(options_.powerStds[i]));
   }
   names_ = emaProfileNames(options_.prefix, options_.decays, options_.powerStds);
+  if (!options_.formerPrefix.empty()) {
+    formerNames_ = emaProfileNames(options_.formerPrefix, options_.decays, options_.powerStds);
+  }
 }
 
 void ShardedModelEMAManager::addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live) {
@@ -217,7 +218,7 @@ void ShardedModelEMAManager::update(int64_t step, bool optimizerApplied) {
     blendOnGpu(i, kernelTensors, kernelDevice, d);
 #endif
     for (auto& [name, b] : buffers_) {
-      if (copyOnly || options_.buffers == "copy" || !at::isFloatingType(b.live.scalar_type())) {
+      if (copyOnly || options_.buffers == EmaBuffers::kCopy || !at::isFloatingType(b.live.scalar_type())) {
         b.ema[i].copy_(b.live);
       } else {
         blend(b.ema[i], b.live, d);
@@ -266,15 +267,15 @@ std::vector<sharding::StateEntry> ShardedModelEMAManager::stateEntries(const std
 
 std::vector<sharding::StateEntry> ShardedModelEMAManager::profileEntries(size_t profile, const std::string& prefix) {
   const std::string base = prefix + stateName(profile) + "/";
+  const std::string formerBase = formerNames_.empty() ? "" : prefix + formerNames_.at(profile).state + "/";
   std::vector<sharding::StateEntry> entries;
-  for (const std::string& name : paramNames_) {
-    const Entry& e = params_.at(name);
-    entries.push_back({base + name, e.spec, e.ema.at(profile)});
-  }
-  for (const std::string& name : bufferNames_) {
-    const BufferEntry& b = buffers_.at(name);
-    entries.push_back({base + name, b.spec, b.ema.at(profile)});
-  }
+  auto add = [&](const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& ema) {
+    sharding::StateEntry entry{base + name, spec, ema};
+    if (!formerBase.empty()) entry.formerName = formerBase + name;
+    entries.push_back(std::move(entry));
+  };
+  for (const std::string& name : paramNames_) add(name, params_.at(name).spec, params_.at(name).ema.at(profile));
+  for (const std::string& name : bufferNames_) add(name, buffers_.at(name).spec, buffers_.at(name).ema.at(profile));
   return entries;
 }
 
@@ -294,6 +295,7 @@ std::vector<sharding::StateEntry> ShardedModelEMAManager::stateEntries() {
                                                  sharding::Placement::kReplicate),
                              updateCount_};
   count.optional = true;
+  if (!formerNames_.empty()) count.formerName = formerNames_[0].state + ".updates";
   entries.push_back(std::move(count));
   return entries;
 }
@@ -307,7 +309,12 @@ void ShardedModelEMAManager::afterLoad() {
 
 std::map<std::string, std::string> ShardedModelEMAManager::exportNames() const {
   std::map<std::string, std::string> names = exportAliases("");
-  for (size_t d = 0; d < numProfiles(); ++d) names[stateName(d)] = stateName(d) + "/";
+  for (size_t d = 0; d < numProfiles(); ++d) {
+    names[stateName(d)] = stateName(d) + "/";
+    if (formerNames_.empty()) continue;
+    names[formerNames_[d].state] = stateName(d) + "/";
+    names[formerNames_[d].alias] = stateName(d) + "/";
+  }
   return names;
 }
 

@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "ema/profile_names.h"
 #include "sharding/sharded_param.h"
 #include "sharding/stateful.h"
@@ -46,6 +47,13 @@
 
 namespace tessera::ema {
 
+enum class EmaBuffers { kCopy, kAverage };
+inline constexpr std::array<EnumName<EmaBuffers>, 2> kEmaBuffersNames = {
+    {{"copy", EmaBuffers::kCopy}, {"average", EmaBuffers::kAverage}}};
+
+// The dtypes an EMA may be kept in.
+inline constexpr std::array<EnumName<at::ScalarType>, 2> kEmaDtypeNames = {{{"fp32", at::kFloat}, {"bf16", at::kBFloat16}}};
+
 struct EmaOptions {
   std::vector<double> decays = {0.999};
   at::ScalarType dtype = at::kFloat;
@@ -54,16 +62,19 @@ struct EmaOptions {
   bool warmup = false;        // use the warmup formula above
   double invGamma = 1.0;
   double power = 2.0 / 3.0;
-  std::string buffers = "copy";  // copy | average: how buffers (e.g. BN running stats) follow the model
+  EmaBuffers buffers = EmaBuffers::kCopy;  // how buffers (e.g. BN running stats) follow the model
   std::string prefix = kDefaultEmaPrefix;
+  // The name this EMA had in older checkpoints ("" = none): its tensors are read under it
+  // when a checkpoint lacks the current names, and its profiles export under it too.
+  std::string formerPrefix;
   // Power-function EMA profiles to track, by sigma_rel in (0, 0.28) (empty: none).
   std::vector<double> powerStds;
 };
 
 class ShardedModelEMAManager : public sharding::Stateful {
  public:
-  // Throws tessera::ConfigError for decays outside [0, 1), updateEvery < 1, an unknown
-  // buffers mode, an empty decay list.
+  // Throws tessera::ConfigError for decays outside [0, 1), updateEvery < 1, an empty
+  // decay list.
   explicit ShardedModelEMAManager(EmaOptions options);
 
   // Registers a live parameter shard to follow. `live` is read at every update (it is the
@@ -160,6 +171,7 @@ class ShardedModelEMAManager : public sharding::Stateful {
   EmaOptions options_;
   std::vector<double> powerGammas_;  // per power profile, from options_.powerStds
   std::vector<EmaProfileName> names_;  // per profile: emaProfileNames(options_)
+  std::vector<EmaProfileName> formerNames_;  // the same under options_.formerPrefix (empty without one)
   std::vector<std::string> paramNames_, bufferNames_;
   std::map<std::string, Entry> params_;
   std::map<std::string, BufferEntry> buffers_;

@@ -79,7 +79,7 @@ struct Parts {
     decoder = Decoder();
     encoderStrategy = sharding::fullyShard(*encoder, comm);
     sharding::StrategyOptions zero2;
-    zero2.strategy = "zero2";
+    zero2.strategy = sharding::StrategyKind::kZero2;
     decoderStrategy = sharding::makeStrategy(*decoder, comm, zero2);
     ema::EmaOptions emaOptions;
     emaOptions.decays = {0.9};

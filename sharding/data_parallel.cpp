@@ -53,7 +53,7 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
     : ShardingStrategy(module, std::move(comm), std::move(options)) {
   TESSERA_CHECK_AS(ConfigError,
                    kind_ == StrategyKind::kNoShard || kind_ == StrategyKind::kZero1 || kind_ == StrategyKind::kZero2,
-                   "DataParallelStrategy: strategy '", options_.strategy, "' is not one of no_shard, zero1, zero2");
+                   "DataParallelStrategy: strategy '", strategyKindName(kind_), "' is not one of no_shard, zero1, zero2");
   sharded_ = kind_ != StrategyKind::kNoShard;
   freeFullGrads_ = kind_ == StrategyKind::kZero2;
   overlap_ = kind_ != StrategyKind::kZero1;

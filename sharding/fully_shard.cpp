@@ -21,7 +21,7 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
                                        StrategyOptions options, FullyShardOptions fsdp)
     : ShardingStrategy(module, std::move(comm), std::move(options)), fsdp_(fsdp) {
   TESSERA_CHECK_AS(ConfigError, kind_ == StrategyKind::kZero3 || kind_ == StrategyKind::kHybrid,
-                   "FullyShardStrategy: strategy '", options_.strategy, "' is not zero3 or hybrid");
+                   "FullyShardStrategy: strategy '", strategyKindName(kind_), "' is not zero3 or hybrid");
   TESSERA_CHECK_AS(ConfigError, fsdp_.prefetch >= 0, "FullyShardStrategy: prefetch must be >= 0, got ",
                    fsdp_.prefetch);
   if (kind_ == StrategyKind::kHybrid) setUpHybridGroups();
@@ -178,7 +178,7 @@ void FullyShardStrategy::synchronizeGradients() {
 
 std::unique_ptr<FullyShardStrategy> fullyShard(torch::nn::Module& root, std::shared_ptr<distributed::Communicator> comm,
                                                StrategyOptions options) {
-  if (options.strategy == StrategyOptions{}.strategy) options.strategy = "zero3";  // unless hybrid is asked for
+  if (options.strategy == StrategyOptions{}.strategy) options.strategy = StrategyKind::kZero3;  // unless hybrid is asked for
   return std::make_unique<FullyShardStrategy>(root, std::move(comm), options);
 }
 

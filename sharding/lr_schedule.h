@@ -6,10 +6,18 @@
 #include <cstdint>
 #include <string>
 
+#include "common/enum_names.h"
+
 namespace tessera::sharding {
 
+enum class ScheduleKind { kConstant, kCosine, kLinear, kStep };
+inline constexpr std::array<EnumName<ScheduleKind>, 4> kScheduleKindNames = {{{"constant", ScheduleKind::kConstant},
+                                                                              {"cosine", ScheduleKind::kCosine},
+                                                                              {"linear", ScheduleKind::kLinear},
+                                                                              {"step", ScheduleKind::kStep}}};
+
 struct LrScheduleOptions {
-  std::string kind = "constant";  // constant | cosine | linear | step
+  ScheduleKind kind = ScheduleKind::kConstant;
   double baseLr = 3e-4;
   int64_t warmupSteps = 0;        // linear ramp up to baseLr over these steps (see lrAt)
   int64_t totalSteps = 1;         // decay ends here (cosine, linear)
@@ -20,7 +28,7 @@ struct LrScheduleOptions {
 
 class LrSchedule {
  public:
-  // Throws tessera::ConfigError for an unknown kind or inconsistent options.
+  // Throws tessera::ConfigError for inconsistent options.
   explicit LrSchedule(LrScheduleOptions options);
 
   // Learning rate for optimizer step `step` (0-based: the lr the step-th update uses).

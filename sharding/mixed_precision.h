@@ -14,7 +14,14 @@
 
 #include <string>
 
+#include "common/enum_names.h"
+
 namespace tessera::sharding {
+
+// The names configs give the floating dtypes a module computes in and gradients are
+// reduced in.
+inline constexpr std::array<EnumName<at::ScalarType>, 3> kFloatDtypeNames = {
+    {{"fp32", at::kFloat}, {"bf16", at::kBFloat16}, {"fp16", at::kHalf}}};
 
 // "fp32" | "float32" | "float", "bf16" | "bfloat16", "fp16" | "float16" | "half".
 // Throws tessera::ConfigError naming `what` (e.g. "sharding.param_dtype") otherwise.

@@ -4,6 +4,9 @@
 #include "sharding/sharded_optimizer.h"
 
 #include <c10/core/GradMode.h>
+#include <fnmatch.h>
+
+#include <algorithm>
 #include <cmath>
 
 #include "common/errors.h"
@@ -13,10 +16,29 @@ namespace tessera::sharding {
 
 bool defaultDecays(const std::vector<int64_t>& globalShape) { return globalShape.size() >= 2; }
 
+namespace {
+
+bool matches(const std::string& pattern, const std::string& name) { return ::fnmatch(pattern.c_str(), name.c_str(), 0) == 0; }
+
+}  // namespace
+
+bool decays(const OptimizerOptions& options, const std::string& name, const std::vector<int64_t>& shape) {
+  if (!defaultDecays(shape)) return false;
+  return std::none_of(options.noDecay.begin(), options.noDecay.end(), [&](const std::string& p) { return matches(p, name); });
+}
+
+double lrScaleOf(const OptimizerOptions& options, const std::string& name) {
+  for (const auto& [pattern, scale] : options.lrScale) {
+    if (matches(pattern, name)) return scale;
+  }
+  return 1.0;
+}
+
 ShardedOptimizer::ShardedOptimizer(OptimizerOptions o) : options_(std::move(o)) {
-  const auto& n = options_.name;
-  TESSERA_CHECK_AS(ConfigError, n == "adamw" || n == "adam" || n == "sgd", "ShardedOptimizer: unknown optimizer '", n,
-                   "' (adamw, adam, sgd)");
+  for (const auto& [pattern, scale] : options_.lrScale) {
+    TESSERA_CHECK_AS(ConfigError, scale > 0 && std::isfinite(scale), "ShardedOptimizer: learning-rate scale of '",
+                     pattern, "' must be a positive number, got ", scale);
+  }
   TESSERA_CHECK_AS(ConfigError, options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 && options_.beta2 < 1,
                    "ShardedOptimizer: betas must be in [0, 1), got (", options_.beta1, ", ", options_.beta2, ")");
   TESSERA_CHECK_AS(ConfigError, options_.eps > 0, "ShardedOptimizer: eps must be > 0");
@@ -45,7 +67,7 @@ const ShardedOptimizer::Slot& ShardedOptimizer::slotOf(const ShardedParam& param
 }
 
 std::vector<std::string> ShardedOptimizer::stateNames() const {
-  if (options_.name == "sgd") {
+  if (options_.kind == OptimizerKind::kSgd) {
     return options_.momentum > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
   }
   return {"exp_avg", "exp_avg_sq"};
@@ -78,7 +100,7 @@ void ShardedOptimizer::step(double baseLr) {
     int64_t& steps = *slot.steps.data_ptr<int64_t>();
     const int64_t t = ++steps;
 
-    if (options_.name == "sgd") {
+    if (options_.kind == OptimizerKind::kSgd) {
       if (wd != 0) grad = grad.add(param, wd);
       if (options_.momentum != 0) {
         // torch starts the buffer as the first gradient (no dampening). Keyed on the step
@@ -109,8 +131,8 @@ void ShardedOptimizer::step(double baseLr) {
       // One pass instead of the ten below, rounding as they do on a CPU with FMA (the
       // scalars rounded to fp32 as torch does).
       AdamScalars s;
-      s.paramScale = static_cast<float>(options_.name == "adamw" ? 1.0 - lr * wd : 1.0);
-      s.gradDecay = static_cast<float>(options_.name == "adamw" ? 0.0 : wd);
+      s.paramScale = static_cast<float>(options_.kind == OptimizerKind::kAdamW ? 1.0 - lr * wd : 1.0);
+      s.gradDecay = static_cast<float>(options_.kind == OptimizerKind::kAdamW ? 0.0 : wd);
       s.beta1 = static_cast<float>(options_.beta1);
       s.oneMinusBeta1 = static_cast<float>(1.0 - options_.beta1);
       s.beta2 = static_cast<float>(options_.beta2);
@@ -123,7 +145,7 @@ void ShardedOptimizer::step(double baseLr) {
                     param.numel(), s);
       continue;
     }
-    if (options_.name == "adamw") {
+    if (options_.kind == OptimizerKind::kAdamW) {
       param.mul_(1.0 - lr * wd);
     } else if (wd != 0) {
       grad = grad.add(param, wd);

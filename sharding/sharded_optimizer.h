@@ -21,15 +21,20 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "sharding/sharded_param.h"
 #include "sharding/stateful.h"
 
 namespace tessera::sharding {
 
+enum class OptimizerKind { kAdamW, kAdam, kSgd };
+inline constexpr std::array<EnumName<OptimizerKind>, 3> kOptimizerKindNames = {
+    {{"adamw", OptimizerKind::kAdamW}, {"adam", OptimizerKind::kAdam}, {"sgd", OptimizerKind::kSgd}}};
+
 // The learning rate is not an option: it changes every step (an LR schedule), so step()
 // takes it.
 struct OptimizerOptions {
-  std::string name = "adamw";  // adamw | adam | sgd
+  OptimizerKind kind = OptimizerKind::kAdamW;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
@@ -37,6 +42,12 @@ struct OptimizerOptions {
   double momentum = 0.0;       // sgd
   double dampening = 0.0;      // sgd
   bool nesterov = false;       // sgd (needs momentum > 0 and dampening 0)
+  // Parameter groups, by name pattern (fnmatch: "*" matches any run of characters). No
+  // weight decay for parameters matching `noDecay`, nor for any of fewer than 2 dimensions
+  // (biases, norm weights: defaultDecays); `lrScale` multiplies the learning rate of the
+  // parameters matching a pattern (the first that matches, in the map's order).
+  std::vector<std::string> noDecay;
+  std::map<std::string, double> lrScale;
 };
 
 class ShardedOptimizer : public Stateful {
@@ -99,5 +110,9 @@ class ShardedOptimizer : public Stateful {
 // Default weight-decay rule: no decay for biases, norm weights and every other
 // parameter with fewer than 2 dimensions.
 bool defaultDecays(const std::vector<int64_t>& globalShape);
+// Whether parameter `name` (global shape `shape`) decays under `options`, and its
+// learning-rate multiplier (OptimizerOptions::noDecay, lrScale).
+bool decays(const OptimizerOptions& options, const std::string& name, const std::vector<int64_t>& shape);
+double lrScaleOf(const OptimizerOptions& options, const std::string& name);
 
 }  // namespace tessera::sharding

@@ -51,6 +51,10 @@ struct ShardedParam {
 
 // One named piece of sharded state, as checkpoints save and load it in place.
 struct StateEntry {
+  StateEntry() = default;
+  StateEntry(std::string name, ShardSpec spec, at::Tensor local)
+      : name(std::move(name)), spec(std::move(spec)), local(std::move(local)) {}
+
   // "model/<param>", "optim/<state>/<param>", "ema/<ema name>/<param>", ...: exports select
   // a prefix and strip it back to the module's names.
   std::string name;
@@ -64,6 +68,9 @@ struct StateEntry {
   // A load that does not find it leaves `local` as it is and reports it
   // (LoadResult::missingOptional): state added after older checkpoints were written.
   bool optional = false;
+  // The name older checkpoints hold it under ("" = none): a load that does not find `name`
+  // reads this one.
+  std::string formerName;
 };
 
 }  // namespace tessera::sharding

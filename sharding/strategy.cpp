@@ -22,31 +22,10 @@
 namespace tessera::sharding {
 
 StrategyKind parseStrategyKind(const std::string& name) {
-  if (name == "no_shard") return StrategyKind::kNoShard;
-  if (name == "zero1") return StrategyKind::kZero1;
-  if (name == "zero2") return StrategyKind::kZero2;
-  if (name == "zero3") return StrategyKind::kZero3;
-  if (name == "hybrid") return StrategyKind::kHybrid;
-  throw ConfigError(strCat("sharding strategy: unknown '", name, "' (no_shard, zero1, zero2, zero3, hybrid)"));
+  return parseEnum(kStrategyKindNames, name, "sharding strategy");
 }
 
-const char* strategyKindName(StrategyKind kind) {
-  switch (kind) {
-    case StrategyKind::kNoShard: return "no_shard";
-    case StrategyKind::kZero1: return "zero1";
-    case StrategyKind::kZero2: return "zero2";
-    case StrategyKind::kZero3: return "zero3";
-    case StrategyKind::kHybrid: return "hybrid";
-  }
-  return "?";
-}
-
-BufferSync parseBufferSync(const std::string& name) {
-  if (name == "broadcast") return BufferSync::kBroadcast;
-  if (name == "average") return BufferSync::kAverage;
-  if (name == "none") return BufferSync::kNone;
-  throw ConfigError(strCat("sharding buffer sync: unknown '", name, "' (broadcast, average, none)"));
-}
+const char* strategyKindName(StrategyKind kind) { return enumName(kStrategyKindNames, kind); }
 
 std::string ResidentBytes::str() const {
   std::ostringstream s;
@@ -61,8 +40,8 @@ ShardingStrategy::ShardingStrategy(torch::nn::Module& module, std::shared_ptr<di
       comm_(std::move(comm)),
       shardComm_(comm_),
       options_(std::move(options)),
-      kind_(parseStrategyKind(options_.strategy)),
-      bufferSync_(parseBufferSync(options_.bufferSync)),
+      kind_(options_.strategy),
+      bufferSync_(options_.bufferSync),
       optimizer_(options_.optimizer) {
   TESSERA_CHECK_AS(UsageError, comm_ != nullptr, "ShardingStrategy: no communicator");
   checkFloatDtype(options_.paramDtype, "sharding param dtype");
@@ -118,7 +97,10 @@ ShardedParam& ShardingStrategy::registerParam(const std::string& name, const at:
   p.moduleParam = moduleParam;
   p.trainable = moduleParam.requires_grad();
   byName_[name] = &p;
-  if (p.trainable) optimizer_.addParam(p, defaultDecays(p.spec.globalShape()));
+  if (p.trainable) {
+    const OptimizerOptions& o = options_.optimizer;
+    optimizer_.addParam(p, decays(o, name, p.spec.globalShape()), lrScaleOf(o, name));
+  }
   return p;
 }
 
@@ -349,7 +331,7 @@ bool ShardingStrategy::firstReplica() const { return comm_->rank() < shardComm_-
 std::unique_ptr<ShardingStrategy> makeStrategy(torch::nn::Module& module,
                                                std::shared_ptr<distributed::Communicator> comm,
                                                const StrategyOptions& options) {
-  switch (parseStrategyKind(options.strategy)) {
+  switch (options.strategy) {
     case StrategyKind::kNoShard:
     case StrategyKind::kZero1:
     case StrategyKind::kZero2:
@@ -358,7 +340,7 @@ std::unique_ptr<ShardingStrategy> makeStrategy(torch::nn::Module& module,
     case StrategyKind::kHybrid:
       return std::make_unique<FullyShardStrategy>(module, std::move(comm), options);
   }
-  throw ConfigError(strCat("makeStrategy: unknown strategy '", options.strategy, "'"));
+  throw ConfigError(strCat("makeStrategy: unknown strategy ", static_cast<int>(options.strategy)));
 }
 
 }  // namespace tessera::sharding

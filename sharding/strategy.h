@@ -56,6 +56,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "sharding/param_init.h"
 #include "sharding/shard_spec.h"
 #include "sharding/sharded_optimizer.h"
@@ -76,6 +77,11 @@ class Communicator;
 namespace tessera::sharding {
 
 enum class StrategyKind { kNoShard, kZero1, kZero2, kZero3, kHybrid };
+inline constexpr std::array<EnumName<StrategyKind>, 5> kStrategyKindNames = {{{"no_shard", StrategyKind::kNoShard},
+                                                                              {"zero1", StrategyKind::kZero1},
+                                                                              {"zero2", StrategyKind::kZero2},
+                                                                              {"zero3", StrategyKind::kZero3},
+                                                                              {"hybrid", StrategyKind::kHybrid}}};
 // "no_shard" | "zero1" | "zero2" | "zero3" | "hybrid"; tessera::ConfigError otherwise.
 StrategyKind parseStrategyKind(const std::string& name);
 const char* strategyKindName(StrategyKind kind);
@@ -88,8 +94,8 @@ enum class BufferSync {
   kAverage,    // floating buffers averaged over ranks (integer ones: rank 0's)
   kNone,       // left alone (the user keeps them consistent, or the model has none)
 };
-// "broadcast" | "average" | "none"; tessera::ConfigError otherwise.
-BufferSync parseBufferSync(const std::string& name);
+inline constexpr std::array<EnumName<BufferSync>, 3> kBufferSyncNames = {
+    {{"broadcast", BufferSync::kBroadcast}, {"average", BufferSync::kAverage}, {"none", BufferSync::kNone}}};
 
 // zero3 / hybrid only (FullyShardStrategy, sharding/fully_shard.h).
 struct FullyShardOptions {
@@ -113,13 +119,13 @@ struct FullyShardOptions {
 };
 
 struct StrategyOptions {
-  std::string strategy = "no_shard";      // no_shard | zero1 | zero2 | zero3 | hybrid
+  StrategyKind strategy = StrategyKind::kNoShard;
   int64_t bucketBytes = 25 * 1024 * 1024; // gradient bucket size, in reduce-dtype bytes
   at::ScalarType paramDtype = at::kFloat; // compute dtype of the module: fp32, bf16, fp16
   at::ScalarType reduceDtype = at::kFloat;// dtype gradients are reduced in: fp32, bf16, fp16
   OptimizerOptions optimizer;             // the sharded optimizer over the fp32 masters
   double gradClip = 0.0;                  // max global grad norm; 0 = no clipping
-  std::string bufferSync = "broadcast";   // broadcast | average | none
+  BufferSync bufferSync = BufferSync::kBroadcast;
   FullyShardOptions fullyShard;           // zero3 / hybrid
   // zero3 / hybrid: the submodules that become units, by qualified name (named_modules()):
   // "blocks.*" = every direct child of blocks, "blocks.0" = that module. The root is

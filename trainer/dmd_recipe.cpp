@@ -128,7 +128,7 @@ class DmdRecipe : public Recipe {
   std::string drawSamples() override {
     TESSERA_CHECK(generator_.ema != nullptr, "model.samples needs the generator's EMA");
     torch::NoGradGuard noGrad;
-    std::vector<int64_t> all(static_cast<size_t>(run_.cfg.model.samples));
+    std::vector<int64_t> all(static_cast<size_t>(run_.cfg.defaults.model.samples));
     std::iota(all.begin(), all.end(), 0);
     const at::Tensor noise = normalPerSample(sampleSeeds(run_.cfg.run.seed, -2, all), generatorNet_.sampleShape());
     at::Tensor samples;

@@ -20,6 +20,7 @@
 #include "sharding/mixed_precision.h"
 #include "trainer/layers.h"
 #include "trainer/metrics.h"
+#include "trainer/recipe_spec.h"
 #include "trainer/resume_check.h"
 
 namespace tessera::trainer {
@@ -48,9 +49,10 @@ checkpoint::StateMap RunParts::states() {
 }
 
 std::string RunParts::strategies() const {
-  if (cfg.models.empty()) return models.front().cfg.sharding.strategy;
+  auto name = [](const ModelPart& m) { return sharding::strategyKindName(m.cfg.sharding.strategy); };
+  if (cfg.singleModelForm) return name(models.front());
   std::string out;
-  for (const ModelPart& m : models) out += strCat(out.empty() ? "" : " ", m.cfg.name, ":", m.cfg.sharding.strategy);
+  for (const ModelPart& m : models) out += strCat(out.empty() ? "" : " ", m.cfg.name, ":", name(m));
   return out;
 }
 
@@ -73,63 +75,23 @@ at::Device trainingDevice(const TrainConfig& cfg) {
 // the same architecture do not start equal.
 uint64_t initSeed(const TrainConfig& cfg, const ModelEntry& m) {
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
-  if (cfg.models.empty()) return seed;
+  if (cfg.singleModelForm) return seed;
   return mix64(seed ^ checkpoint::checksum(m.name.data(), m.name.size()));
 }
 
+// The config's strategy options, with the initial values of the model's deferred
+// parameters: each rank initialises only what it holds, with values that depend on the
+// seed and the parameter names alone. An empty sharding.wrap leaves the units to the
+// model's own sharding::Unit members.
 sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const ModelEntry& m, const TrainModel& model) {
-  sharding::StrategyOptions o;
-  o.strategy = m.sharding.strategy;
-  o.bucketBytes = static_cast<int64_t>(m.sharding.bucket_mb * 1024 * 1024);
-  o.paramDtype = sharding::parseFloatDtype(m.sharding.param_dtype, m.sectionKeys + "sharding.param_dtype");
-  o.reduceDtype = sharding::parseFloatDtype(m.sharding.reduce_dtype, m.sectionKeys + "sharding.reduce_dtype");
-  o.bufferSync = m.sharding.buffer_sync;
-  o.gradClip = m.optim.grad_clip;
-  o.optimizer.name = m.optim.name;
-  o.optimizer.beta1 = m.optim.betas[0];
-  o.optimizer.beta2 = m.optim.betas[1];
-  o.optimizer.eps = m.optim.eps;
-  o.optimizer.weightDecay = m.optim.weight_decay;
-  o.optimizer.momentum = m.optim.momentum;
-  o.optimizer.nesterov = m.optim.nesterov;
-  o.fullyShard.reshardAfterForward = m.sharding.reshard_after_forward;
-  o.fullyShard.prefetch = static_cast<int>(m.sharding.prefetch);
-  o.fullyShard.minUnitParams = m.sharding.min_unit_params;
-  o.fullyShard.activationCheckpointing = m.sharding.activation_checkpointing;
-  o.fullyShard.shardSize = static_cast<int>(m.sharding.shard_size);
-  o.wrap = m.sharding.wrap;  // empty: the model's own units (its sharding::Unit members)
-  // The model is built deferred: each rank initialises only what it holds, with values
-  // that depend on the seed and the parameter names alone.
+  sharding::StrategyOptions o = m.sharding;
   o.initializer = layers::initializerOf(model, initSeed(cfg, m));
   return o;
 }
 
-sharding::LrScheduleOptions scheduleOptions(const TrainConfig& cfg, const ModelEntry& m) {
-  sharding::LrScheduleOptions o;
-  o.kind = m.optim.schedule.kind;
-  o.baseLr = m.optim.lr;
-  o.warmupSteps = m.optim.schedule.warmup_steps;
-  o.totalSteps = cfg.run.steps;
-  o.minLr = m.optim.schedule.min_lr;
-  o.stepSize = m.optim.schedule.step_size;
-  o.gamma = m.optim.schedule.gamma;
-  return o;
-}
-
 std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const ModelEntry& m, const sharding::ShardingStrategy& strategy) {
-  if (!m.trainable || !m.ema.enabled) return nullptr;
-  ema::EmaOptions o;
-  o.decays = m.ema.decays;
-  o.dtype = sharding::parseFloatDtype(m.ema.dtype, m.sectionKeys + "ema.dtype");
-  o.startStep = m.ema.start_step;
-  o.updateEvery = m.ema.update_every;
-  o.warmup = m.ema.warmup;
-  o.invGamma = m.ema.inv_gamma;
-  o.power = m.ema.power;
-  o.buffers = m.ema.buffers;
-  o.powerStds = m.ema.posthoc.stds;
-  o.prefix = m.names.ema;
-  auto manager = std::make_unique<ema::ShardedModelEMAManager>(o);
+  if (!m.hasEma()) return nullptr;
+  auto manager = std::make_unique<ema::ShardedModelEMAManager>(m.ema.options);
   ema::followStrategy(*manager, strategy);
   return manager;
 }
@@ -157,13 +119,14 @@ ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
   } catch (const std::bad_alloc&) {
     throw ConfigError(strCat(modelKeys, ": this rank's part does not fit in memory"));
   }
-  if (entry.trainable) part.schedule = std::make_unique<sharding::LrSchedule>(scheduleOptions(run.cfg, entry));
+  if (entry.trainable) part.schedule = std::make_unique<sharding::LrSchedule>(entry.schedule);
   part.ema = makeEma(entry, *part.strategy);
   int64_t numParams = 0;
   for (const auto& p : part.model->parameters()) numParams += p.numel();
-  TLOG_INFO0("run " << run.cfg.run.name << ": " << (run.cfg.models.empty() ? "model" : "model " + entry.name) << " "
+  TLOG_INFO0("run " << run.cfg.run.name << ": " << (run.cfg.singleModelForm ? "model" : "model " + entry.name) << " "
                     << m.arch << ": " << numParams << " parameters" << (entry.trainable ? "" : " (frozen)")
-                    << "; strategy " << entry.sharding.strategy << " over " << run.comm->worldSize()
+                    << "; strategy " << sharding::strategyKindName(entry.sharding.strategy) << " over "
+                    << run.comm->worldSize()
                     << " ranks; resident " << part.strategy->residentBytes().str() << "; peak RSS so far "
                     << peakRssMiB() << " MiB");
   return part;
@@ -180,7 +143,7 @@ void setUpCheckpointer(RunParts& run) {
   options.keepLast = static_cast<int>(run.cfg.checkpoint.keep_last);
   options.async = run.cfg.checkpoint.async;
   run.checkpointer.emplace((run.runDir / "checkpoints").string(), first.strategy->stateCommPtr(), options);
-  if (first.ema && !first.cfg.ema.posthoc.stds.empty()) {
+  if (first.ema && !first.cfg.ema.options.powerStds.empty()) {
     // Post-hoc EMA snapshots (single-model form): every one kept (keep_last 0), written
     // synchronously (an async writer would keep a second staging copy of the profiles).
     checkpoint::CheckpointOptions posthoc;
@@ -227,9 +190,10 @@ void checkSettingsAgainst(const RunParts& run, const std::string& dir) {
 // a checkpoint older than the EMA's own count entry has it in trainer_state.json).
 void checkLoadedCounts(RunParts& run, const checkpoint::LoadResult& loaded, const TrainerCounters& saved) {
   const std::string stateFile = loaded.dir + "/trainer_state.json";
-  const int64_t perRunStep = run.cfg.run.recipe == "dmd" ? RecipeOptions::kMaxCriticSteps : 1;
-  const int64_t maxUpdates = boundedProduct(saved.step, perRunStep, std::numeric_limits<int64_t>::max());
+  const RecipeSpec& recipe = recipeSpec(run.cfg.run.recipe);
   for (ModelPart& m : run.models) {
+    const int64_t maxUpdates =
+        boundedProduct(saved.step, recipe.maxUpdatesPerRunStep(m.cfg.name), std::numeric_limits<int64_t>::max());
     if (m.cfg.trainable) {
       m.strategy->optimizer().checkLoadedStepCounts(maxUpdates, loaded.dir, sharding::statePrefix(m.cfg.names.optimizer));
     }
@@ -315,16 +279,16 @@ void initializeFromFiles(RunParts& run) {
       importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix);
       m.strategy->publishParameters();
       if (m.ema) m.ema->resetFromLive();
-      TLOG_INFO0((run.cfg.models.empty() ? "model" : "model " + e.name) << " initialised from " << *e.model.init_from);
+      TLOG_INFO0((run.cfg.singleModelForm ? "model" : "model " + e.name) << " initialised from " << *e.model.init_from);
     }
-    if (m.ema && e.ema.init_from) {
+    if (m.ema && e.ema.initFrom) {
       // Fine-tuning: every EMA profile starts from given weights (names as the module's).
       for (size_t d = 0; d < m.ema->numProfiles(); ++d) {
         const std::string emaPrefix = sharding::statePrefix(sharding::kEmaKey);
-        importInto(run, e.sectionKeys + "ema.init_from", *e.ema.init_from, m.ema->profileEntries(d, emaPrefix),
+        importInto(run, e.sectionKeys + "ema.init_from", *e.ema.initFrom, m.ema->profileEntries(d, emaPrefix),
                    emaPrefix + m.ema->stateName(d) + "/");
       }
-      TLOG_INFO0(m.cfg.names.ema << " initialised from " << *e.ema.init_from);
+      TLOG_INFO0(m.cfg.names.ema << " initialised from " << *e.ema.initFrom);
     }
   }
 }
@@ -354,7 +318,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
     throw ConfigError(strCat("data.path: no file at '", cfg.data.path, "'", relativePathNote(cfg.data.path)));
   }
   try {
-    run->data = makeDataset(cfg.data, cfg.model, predictsEveryPosition(cfg.model));
+    run->data = makeDataset(cfg.data, cfg.defaults.model, predictsEveryPosition(cfg.defaults.model));
   } catch (const ConfigError& e) {
     throw ConfigError(strCat("data.path: ", e.what(), relativePathNote(cfg.data.path)));
   } catch (const std::exception& e) {  // a file that is there but not usable: not the config's fault
@@ -370,7 +334,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   TLOG_INFO0("data " << run->data->describe() << "; " << run->sampler->stepsPerEpoch() << " steps per epoch; "
                      << run->microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
 
-  for (const ModelEntry& entry : runModels(cfg)) run->models.push_back(buildModel(*run, entry));
+  for (const ModelEntry& entry : cfg.models) run->models.push_back(buildModel(*run, entry));
 
   // Checkpointer and resume.
   setUpCheckpointer(*run);

@@ -32,7 +32,7 @@ at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device) {
 void forEachMicroBatch(const RunParts& run, ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn) {
   const auto micro = static_cast<size_t>(run.cfg.data.micro_batch);
   for (int64_t m = 0; m < run.microBatches; ++m) {
-    if (!part.cfg.sharding.reduce_every_micro_batch) part.strategy->setRequiresGradientSync(m + 1 == run.microBatches);
+    if (!part.cfg.reduceEveryMicroBatch) part.strategy->setRequiresGradientSync(m + 1 == run.microBatches);
     fn(static_cast<size_t>(m) * micro, static_cast<size_t>(m + 1) * micro);
   }
 }
@@ -134,7 +134,7 @@ class StandardRecipe : public Recipe {
     const TrainConfig& cfg = run_.cfg;
     at::Tensor samples;
     ema::withEmaWeights(*part_.ema, *part_.strategy, 0, [&] {
-      samples = sampleDdpm(model->schedule(), model->sampleShape(), cfg.model.samples, noiseSeed(cfg.run.seed, -2, 0),
+      samples = sampleDdpm(model->schedule(), model->sampleShape(), cfg.defaults.model.samples, noiseSeed(cfg.run.seed, -2, 0),
                            run_.device,
                            [model](const at::Tensor& x, const at::Tensor& t) { return predictNoiseInUnits(*model, x, t); });
     });

@@ -8,6 +8,8 @@
 #include "common/errors.h"
 #include "common/limits.h"
 #include "ema/profile_names.h"
+#include "sharding/mixed_precision.h"
+#include "trainer/recipe_spec.h"
 
 namespace tessera::trainer {
 
@@ -53,71 +55,86 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
         "its rows)");
 }
 
-void bindOptimKeys(config::ConfigSchema& s, const std::string& p, OptimOptions& o) {
-  s.add(p + "name", &o.name, "Optimizer").oneOf({"adamw", "adam", "sgd"});
-  s.add(p + "lr", &o.lr, "Learning rate").greaterThan(0.0);
-  s.add(p + "betas", &o.betas, "Adam betas (beta1, beta2)").min(0.0).lessThan(1.0).size(2);
+// optim.*: the library's optimizer options, its learning-rate schedule, gradient clipping.
+void bindOptimKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m) {
+  sharding::OptimizerOptions& o = m.sharding.optimizer;
+  s.add(p + "name", config::choiceOf(&o.kind, sharding::kOptimizerKindNames), "Optimizer");
+  s.add(p + "lr", &m.schedule.baseLr, "Learning rate").greaterThan(0.0);
+  s.add(p + "betas", config::PairTarget{&o.beta1, &o.beta2}, "Adam betas (beta1, beta2)").min(0.0).lessThan(1.0);
   s.add(p + "eps", &o.eps, "Adam epsilon").greaterThan(0.0);
-  s.add(p + "weight_decay", &o.weight_decay, "Weight decay (decoupled for adamw)").min(0.0);
+  s.add(p + "weight_decay", &o.weightDecay, "Weight decay (decoupled for adamw)").min(0.0);
+  s.add(p + "no_decay", &o.noDecay,
+        "Parameter-name patterns ('*' wildcards, e.g. wte.*) without weight decay, besides every parameter of fewer "
+        "than 2 dimensions (biases, norm weights), which never decays");
+  s.add(p + "lr_scale", &o.lrScale,
+        "Learning-rate multipliers by parameter-name pattern, e.g. {wte.*: 0.1} (the first pattern that matches, in "
+        "alphabetical order)")
+      .greaterThan(0.0);
   s.add(p + "momentum", &o.momentum, "SGD momentum").min(0.0).lessThan(1.0);
   s.add(p + "nesterov", &o.nesterov, "SGD Nesterov momentum (needs momentum > 0)");
-  s.add(p + "grad_clip", &o.grad_clip, "Clip gradients to this global L2 norm; 0 = off").min(0.0);
-  s.add(p + "schedule.kind", &o.schedule.kind, "LR schedule").oneOf({"constant", "cosine", "linear", "step"});
-  s.add(p + "schedule.warmup_steps", &o.schedule.warmup_steps, "Linear warmup steps").min(0);
-  s.add(p + "schedule.min_lr", &o.schedule.min_lr, "Floor of cosine and linear decay").min(0.0);
-  s.add(p + "schedule.step_size", &o.schedule.step_size, "Step decay: period in steps").min(1);
-  s.add(p + "schedule.gamma", &o.schedule.gamma, "Step decay: factor per period").greaterThan(0.0).max(1.0);
+  s.add(p + "grad_clip", &m.sharding.gradClip, "Clip gradients to this global L2 norm; 0 = off").min(0.0);
+  s.add(p + "schedule.kind", config::choiceOf(&m.schedule.kind, sharding::kScheduleKindNames), "LR schedule");
+  s.add(p + "schedule.warmup_steps", &m.schedule.warmupSteps, "Linear warmup steps").min(0);
+  s.add(p + "schedule.min_lr", &m.schedule.minLr, "Floor of cosine and linear decay").min(0.0);
+  s.add(p + "schedule.step_size", &m.schedule.stepSize, "Step decay: period in steps").min(1);
+  s.add(p + "schedule.gamma", &m.schedule.gamma, "Step decay: factor per period").greaterThan(0.0).max(1.0);
 }
 
-void bindShardingKeys(config::ConfigSchema& s, const std::string& p, ShardingOptions& sh) {
-  s.add(p + "strategy", &sh.strategy, "Data-parallel strategy")
-      .oneOf({"no_shard", "zero1", "zero2", "zero3", "hybrid"});
-  s.add(p + "bucket_mb", &sh.bucket_mb, "Gradient bucket size in MiB (fewer, larger messages)")
+// sharding.*: the library's strategy options.
+void bindShardingKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m) {
+  sharding::StrategyOptions& o = m.sharding;
+  s.add(p + "strategy", config::choiceOf(&o.strategy, sharding::kStrategyKindNames), "Data-parallel strategy");
+  s.add(p + "bucket_mb", config::ScaledTarget{&o.bucketBytes, 1024.0 * 1024.0},
+        "Gradient bucket size in MiB (fewer, larger messages)")
       .greaterThan(0.0).max(kMaxBucketMiB);
-  s.add(p + "param_dtype", &sh.param_dtype, "Compute dtype of the parameters (masters stay fp32)")
-      .oneOf({"fp32", "bf16", "fp16"});
-  s.add(p + "reduce_dtype", &sh.reduce_dtype, "Dtype gradients are reduced in").oneOf({"fp32", "bf16", "fp16"});
-  s.add(p + "buffer_sync", &sh.buffer_sync, "How module buffers stay equal across ranks")
-      .oneOf({"broadcast", "average", "none"});
-  s.add(p + "reshard_after_forward", &sh.reshard_after_forward,
+  s.add(p + "param_dtype", config::choiceOf(&o.paramDtype, sharding::kFloatDtypeNames),
+        "Compute dtype of the parameters (masters stay fp32)");
+  s.add(p + "reduce_dtype", config::choiceOf(&o.reduceDtype, sharding::kFloatDtypeNames),
+        "Dtype gradients are reduced in");
+  s.add(p + "buffer_sync", config::choiceOf(&o.bufferSync, sharding::kBufferSyncNames),
+        "How module buffers stay equal across ranks");
+  s.add(p + "reshard_after_forward", &o.fullyShard.reshardAfterForward,
         "zero3/hybrid: free each unit's parameters after its forward and gather again in backward");
-  s.add(p + "prefetch", &sh.prefetch, "zero3/hybrid: units gathered ahead of use (0 = off)").min(0).max(16);
-  s.add(p + "activation_checkpointing", &sh.activation_checkpointing,
+  s.add(p + "prefetch", &o.fullyShard.prefetch, "zero3/hybrid: units gathered ahead of use (0 = off)").min(0).max(16);
+  s.add(p + "activation_checkpointing", &o.fullyShard.activationCheckpointing,
         "zero3/hybrid: recompute each block's forward in backward instead of keeping activations");
-  s.add(p + "reduce_every_micro_batch", &sh.reduce_every_micro_batch,
+  s.add(p + "reduce_every_micro_batch", &m.reduceEveryMicroBatch,
         "With gradient accumulation: reduce every micro-batch's gradients during its backward (false: keep full "
         "gradients, reduce once at the last micro-batch)");
-  s.add(p + "shard_size", &sh.shard_size,
+  s.add(p + "shard_size", &o.fullyShard.shardSize,
         "hybrid: ranks per shard group, dividing the world size (0 = all ranks)").min(0).max(kMaxWorldSize);
-  s.add(p + "min_unit_params", &sh.min_unit_params,
+  s.add(p + "min_unit_params", &o.fullyShard.minUnitParams,
         "zero3/hybrid: wrapped modules with fewer parameters stay part of their parent unit (0 = all units)")
       .min(0);
-  s.add(p + "wrap", &sh.wrap,
+  s.add(p + "wrap", &o.wrap,
         "zero3/hybrid: submodules that become units, by name ('layers.*' = each child of layers); "
         "empty = the model's blocks");
 }
 
-void bindEmaKeys(config::ConfigSchema& s, const std::string& p, EmaSection& e) {
-  s.add(p + "enabled", &e.enabled, "Keep an EMA of the parameters");
+// ema.*: the library's EMA options and the trainer's keys around them.
+void bindEmaKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m) {
+  ema::EmaOptions& e = m.ema.options;
+  s.add(p + "enabled", &m.ema.enabled, "Keep an EMA of the parameters");
   s.add(p + "decays", &e.decays,
-        "EMA decays; the first is generator_ema (a models: entry's: <name>_ema), each also <that name>_<decay>")
+        "EMA decays; the first is the EMA's name (<model>_ema; generator_ema for a diffusion model), each also "
+        "<that name>_<decay>")
       .min(0.0).lessThan(1.0).nonEmpty();
-  s.add(p + "dtype", &e.dtype, "EMA dtype").oneOf({"fp32", "bf16"});
-  s.add(p + "start_step", &e.start_step, "Steps before this copy the parameters instead of averaging").min(0);
-  s.add(p + "update_every", &e.update_every, "Update every k steps with decay^k").min(1);
+  s.add(p + "dtype", config::choiceOf(&e.dtype, ema::kEmaDtypeNames), "EMA dtype");
+  s.add(p + "start_step", &e.startStep, "Steps before this copy the parameters instead of averaging").min(0);
+  s.add(p + "update_every", &e.updateEvery, "Update every k steps with decay^k").min(1);
   s.add(p + "warmup", &e.warmup, "Warmup: decay = min(decay, 1 - (1 + k/inv_gamma)^-power)");
-  s.add(p + "inv_gamma", &e.inv_gamma, "Warmup inv_gamma").greaterThan(0.0);
+  s.add(p + "inv_gamma", &e.invGamma, "Warmup inv_gamma").greaterThan(0.0);
   s.add(p + "power", &e.power, "Warmup power").greaterThan(0.0);
-  s.add(p + "buffers", &e.buffers, "Buffers (e.g. BatchNorm statistics): copied or averaged").oneOf({"copy", "average"});
-
-  s.add(p + "init_from", &e.init_from,
+  s.add(p + "buffers", config::choiceOf(&e.buffers, ema::kEmaBuffersNames),
+        "Buffers (e.g. BatchNorm statistics): copied or averaged");
+  s.add(p + "init_from", &m.ema.initFrom,
         "Safetensors file or sharded export (e.g. an exported generator_ema) to start every EMA from; "
         "default: the model's start");
-  s.add(p + "posthoc.stds", &e.posthoc.stds,
+  s.add(p + "posthoc.stds", &e.powerStds,
         "Post-hoc EMA: sigma_rel of the power-function profiles to track (e.g. [0.05, 0.10]; empty: off); "
         "reconstruct any sigma_rel afterwards with tessera-export --posthoc-ema (docs/ema.md)")
       .greaterThan(0.0).lessThan(0.28);
-  s.add(p + "posthoc.snapshot_every", &e.posthoc.snapshot_every,
+  s.add(p + "posthoc.snapshot_every", &m.ema.snapshotEvery,
         "Post-hoc EMA: steps between snapshots of the profiles in <run.dir>/posthoc/ (kept whatever "
         "checkpoint.keep_last says)").min(0);
 }
@@ -129,9 +146,9 @@ void bindModelEntry(config::ConfigSchema& s, ModelEntry& entry) {
   bindModelKeys(s, p, entry.model);
   s.add(p + "trainable", &entry.trainable,
         "false: a frozen model (no optimizer, no EMA; sharded and checkpointed all the same)");
-  bindShardingKeys(s, p + "sharding.", entry.sharding);
-  bindOptimKeys(s, p + "optim.", entry.optim);
-  bindEmaKeys(s, p + "ema.", entry.ema);
+  bindShardingKeys(s, p + "sharding.", entry);
+  bindOptimKeys(s, p + "optim.", entry);
+  bindEmaKeys(s, p + "ema.", entry);
 }
 
 }  // namespace
@@ -150,10 +167,13 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
       .min(0);
   s.add("run.device", &c.run.device, "Where the model trains: cpu, or cuda (each rank's GPU: LOCAL_RANK modulo the GPUs)")
       .oneOf({"cpu", "cuda"});
-  s.add("run.recipe", &c.run.recipe,
-        "What a step trains: standard (the model on the data), dmd (distribution-matching distillation of the models "
-        "generator, critic and teacher)")
-      .oneOf({"standard", "dmd"});
+  std::string recipes;
+  std::vector<std::string> recipeNames;
+  for (const RecipeSpec* spec : recipeSpecs()) {
+    recipes += strCat(recipes.empty() ? "" : ", ", spec->name, " (", spec->description, ")");
+    recipeNames.push_back(spec->name);
+  }
+  s.add("run.recipe", &c.run.recipe, "What a step trains: " + recipes).oneOf(recipeNames);
 
   s.describeSection("log", "Logging");
   s.add("log.level", &c.log.level, "Log level; the TESSERA_LOG_LEVEL environment variable overrides it")
@@ -161,8 +181,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("log.per_rank_files", &c.log.per_rank_files, "Also write <run.dir>/logs/rank_N.log per rank");
 
   s.describeSection("model", "The model to train (models: form: the defaults of every model)");
-  bindModelKeys(s, "model.", c.model);
-  s.add("model.samples", &c.model.samples,
+  bindModelKeys(s, "model.", c.defaults.model);
+  s.add("model.samples", &c.defaults.model.samples,
         "diffusion: samples drawn with generator_ema (DDPM) at the end, written to <run.dir>/samples.safetensors")
       .min(0).max(kMaxBatch);
 
@@ -184,11 +204,11 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
       .min(0.0).lessThan(1.0);
 
   s.describeSection("optim", "Optimizer");
-  bindOptimKeys(s, "optim.", c.optim);
+  bindOptimKeys(s, "optim.", c.defaults);
   s.describeSection("sharding", "How training state is split over the ranks");
-  bindShardingKeys(s, "sharding.", c.sharding);
-  s.describeSection("ema", "Exponential moving average of the parameters (generator_ema)");
-  bindEmaKeys(s, "ema.", c.ema);
+  bindShardingKeys(s, "sharding.", c.defaults);
+  s.describeSection("ema", "Exponential moving average of the parameters (<model>_ema; generator_ema for a diffusion model)");
+  bindEmaKeys(s, "ema.", c.defaults);
   s.describeSection("checkpoint", "Sharded checkpoints, resume and export");
   s.add("checkpoint.every_steps", &c.checkpoint.every_steps, "Save every N steps (0: only at the end)").min(0);
   s.add("checkpoint.at_end", &c.checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");
@@ -199,8 +219,8 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   s.add("checkpoint.export", &c.checkpoint.export_what,
         "Exported as <run.dir>/export/<name>.safetensors at the end: generator_ema, generator_ema_<decay>, model "
         "(models: form: a model's name, <name>_ema, <name>_ema_<decay>)");
-  s.add("checkpoint.export_dtype", &c.checkpoint.export_dtype, "Dtype of exported floating tensors")
-      .oneOf({"fp32", "bf16", "fp16"});
+  s.add("checkpoint.export_dtype", config::choiceOf(&c.checkpoint.export_dtype, sharding::kFloatDtypeNames),
+        "Dtype of exported floating tensors");
 
   s.describeSection("recipe", "run.recipe dmd: distribution-matching distillation");
   s.add("recipe.critic_steps", &c.recipe.critic_steps, "Critic updates per generator update")
@@ -233,9 +253,10 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
 namespace {
 
 // The names a model's state and exports go by (see ModelStateNames).
-ModelStateNames stateNames(const std::string& name, bool singleModelForm) {
-  if (singleModelForm) return {"model", "optim", ema::kDefaultEmaPrefix};
-  return {name, "optim/" + name, name + "_ema"};
+ModelStateNames stateNames(const ModelEntry& m, bool singleModelForm) {
+  if (!singleModelForm) return {m.name, "optim/" + m.name, m.name + "_ema", ""};
+  if (m.model.arch == "diffusion") return {"model", "optim", ema::kDefaultEmaPrefix, ""};
+  return {"model", "optim", "model_ema", ema::kDefaultEmaPrefix};
 }
 
 // A model's keys as checks see them: the schema that knows where each was set.
@@ -251,26 +272,25 @@ struct ModelKeys {
 // The checks of one model's keys against each other and the run's.
 void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   const ModelEntry& m = k.entry;
-  if (m.optim.nesterov && m.optim.momentum <= 0) k.fail("optim.nesterov", "needs optim.momentum > 0");
-  if ((m.optim.schedule.kind == "cosine" || m.optim.schedule.kind == "linear") &&
-      m.optim.schedule.warmup_steps >= c.run.steps) {
-    k.fail("optim.schedule.warmup_steps",
-           strCat(m.optim.schedule.warmup_steps, " must be below run.steps (", c.run.steps, ")"));
+  const sharding::OptimizerOptions& o = m.sharding.optimizer;
+  if (o.nesterov && o.momentum <= 0) k.fail("optim.nesterov", "needs optim.momentum > 0");
+  const bool decaysToEnd = m.schedule.kind == sharding::ScheduleKind::kCosine ||
+                           m.schedule.kind == sharding::ScheduleKind::kLinear;
+  if (decaysToEnd && m.schedule.warmupSteps >= c.run.steps) {
+    k.fail("optim.schedule.warmup_steps", strCat(m.schedule.warmupSteps, " must be below run.steps (", c.run.steps, ")"));
   }
-  if (m.optim.schedule.min_lr > m.optim.lr) {
-    k.fail("optim.schedule.min_lr", strCat(m.optim.schedule.min_lr, " is above optim.lr (", m.optim.lr, ")"));
+  if (m.schedule.minLr > m.schedule.baseLr) {
+    k.fail("optim.schedule.min_lr", strCat(m.schedule.minLr, " is above optim.lr (", m.schedule.baseLr, ")"));
   }
-  if (m.sharding.bucket_mb * 1024 * 1024 < 1) {
-    k.fail("sharding.bucket_mb", strCat(m.sharding.bucket_mb, " MiB is less than one byte"));
-  }
-  if (!m.ema.posthoc.stds.empty() && !m.ema.enabled) {
-    k.fail("ema.posthoc.stds", "tracks power-function EMA profiles: needs ema.enabled");
-  }
-  if (!m.ema.posthoc.stds.empty() && m.ema.posthoc.snapshot_every <= 0) {
+  if (m.sharding.bucketBytes < 1) k.fail("sharding.bucket_mb", "is less than one byte");
+  const ema::EmaOptions& e = m.ema.options;
+  if (!e.powerStds.empty() && !m.ema.enabled) k.fail("ema.posthoc.stds", "tracks power-function EMA profiles: needs ema.enabled");
+  if (!e.powerStds.empty() && m.ema.snapshotEvery <= 0) {
     k.fail("ema.posthoc.snapshot_every", "must be > 0 when ema.posthoc.stds is set (the snapshots are what is reconstructed)");
   }
-  if (m.sharding.strategy == "hybrid" && m.sharding.shard_size > 0 && worldSize % m.sharding.shard_size != 0) {
-    k.fail("sharding.shard_size", strCat(m.sharding.shard_size, " does not divide the world size (", worldSize, ")"));
+  const int shardSize = m.sharding.fullyShard.shardSize;
+  if (m.sharding.strategy == sharding::StrategyKind::kHybrid && shardSize > 0 && worldSize % shardSize != 0) {
+    k.fail("sharding.shard_size", strCat(shardSize, " does not divide the world size (", worldSize, ")"));
   }
   if (m.model.arch == "gpt" && m.model.embed_dim % m.model.heads != 0) {
     k.fail("heads", strCat(m.model.heads, " does not divide ", m.modelKeys, "embed_dim (", m.model.embed_dim, ")"), true);
@@ -287,16 +307,19 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
 }
 
 // checkpoint.export names what the run has: a model (single-model form: "model") or one
-// of the EMA profiles, by either of its names. Checked before training, not when the
+// of the EMA profiles, by any of its names. Checked before training, not when the
 // exports are written at the end.
 void checkExportNames(const config::ConfigSchema& s, const TrainConfig& c) {
   std::vector<std::string> known;
-  for (const ModelEntry& m : runModels(c)) {
+  for (const ModelEntry& m : c.models) {
     known.push_back(m.names.weights);
-    if (!m.trainable || !m.ema.enabled) continue;
-    for (const auto& n : ema::emaProfileNames(m.names.ema, m.ema.decays, m.ema.posthoc.stds)) {
-      known.push_back(n.state);
-      if (n.alias != n.state) known.push_back(n.alias);
+    if (!m.hasEma()) continue;
+    for (const std::string& ema : {m.names.ema, m.names.formerEma}) {
+      if (ema.empty()) continue;
+      for (const auto& n : ema::emaProfileNames(ema, m.ema.options.decays, m.ema.options.powerStds)) {
+        known.push_back(n.state);
+        if (n.alias != n.state) known.push_back(n.alias);
+      }
     }
   }
   // Two things under one name (a model "generator_ema" beside the generator's EMA) would
@@ -312,7 +335,7 @@ void checkExportNames(const config::ConfigSchema& s, const TrainConfig& c) {
     if (std::find(known.begin(), known.end(), what) != known.end()) continue;
     std::string list;
     for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
-    const bool emaOff = c.models.empty() && what.rfind(ema::kDefaultEmaPrefix, 0) == 0 && !c.ema.enabled;
+    const bool emaOff = c.singleModelForm && what.find("_ema") != std::string::npos && !c.models.front().hasEma();
     throw ConfigError(s.errorMessage("checkpoint.export", strCat("'", what, "' is not something this run has",
                                                                  emaOff ? " (ema.enabled is false)" : "",
                                                                  "; it can export: ", list)));
@@ -334,7 +357,7 @@ void checkEntriesAsWritten(const config::ConfigSchema& s, const TrainConfig& c) 
     const config::ConfigSchema& entry = *entries[i].second;
     const std::string& name = entries[i].first;
     const std::string p = "models." + name + ".";
-    if (name == "model" || name == "optim" || name == "ema") {
+    if (name == sharding::kModelKey || name == sharding::kOptimizerKey || name == sharding::kEmaKey) {
       throw ConfigError(entry.errorMessage(p + "trainable", strCat("'", name, "' is reserved (the checkpoint's ", name,
                                                                    "/ prefix): name the model otherwise")));
     }
@@ -349,100 +372,11 @@ void checkEntriesAsWritten(const config::ConfigSchema& s, const TrainConfig& c) 
   }
 }
 
-// run.recipe: which models it needs, and what each must be.
-void checkRecipe(const config::ConfigSchema& s, const TrainConfig& c) {
-  if (c.run.recipe == "standard") {
-    if (!c.models.empty()) {
-      throw ConfigError(s.errorMessage("run.recipe", "standard trains the single model: section; a models: map needs "
-                                                     "a recipe that trains several (dmd)"));
-    }
-    return;
-  }
-  // dmd: a generator and a critic trained against a frozen teacher, all denoisers.
-  std::string have;
-  for (const ModelEntry& m : c.models) have += (have.empty() ? "" : ", ") + m.name;
-  for (const char* role : {"generator", "critic", "teacher"}) {
-    auto m = std::find_if(c.models.begin(), c.models.end(), [&](const ModelEntry& e) { return e.name == role; });
-    if (m == c.models.end()) {
-      throw ConfigError(s.errorMessage("run.recipe", strCat("dmd needs a model named '", role, "' under models: (the "
-                                                            "config has: ", have.empty() ? "none" : have, ")")));
-    }
-    const config::ConfigSchema& entry = *s.entries("models")[static_cast<size_t>(m - c.models.begin())].second;
-    const std::string p = strCat("models.", role, ".");
-    if (m->model.arch != "diffusion") {
-      throw ConfigError(entry.errorMessage(p + "arch", strCat("dmd's ", role, " is a denoiser: arch diffusion, not ",
-                                                              m->model.arch)));
-    }
-    if (m->trainable != (std::string(role) != "teacher")) {
-      throw ConfigError(entry.errorMessage(p + "trainable", std::string(role) == "teacher"
-                                                                ? "dmd's teacher is frozen: trainable false"
-                                                                : strCat("dmd trains its ", role, ": trainable true")));
-    }
-  }
-  const auto entries = s.entries("models");
-  const ModelEntry* generator = nullptr;
-  for (size_t i = 0; i < c.models.size(); ++i) {
-    const ModelEntry& m = c.models[i];
-    const std::string p = "models." + m.name + ".";
-    if (m.name != "generator" && m.name != "critic" && m.name != "teacher") {
-      throw ConfigError(entries[i].second->errorMessage(p + "trainable", strCat("dmd trains generator, critic and ",
-                                                                                "teacher; '", m.name, "' would never be "
-                                                                                "used: remove it")));
-    }
-    if (m.name == "generator") generator = &m;
-  }
-  // One noise schedule: the critic's and the teacher's estimates are compared at the
-  // generator's timesteps.
-  for (size_t i = 0; i < c.models.size(); ++i) {
-    const ModelOptions& m = c.models[i].model;
-    if (m.timesteps != generator->model.timesteps || m.beta_start != generator->model.beta_start ||
-        m.beta_end != generator->model.beta_end) {
-      throw ConfigError(entries[i].second->errorMessage(
-          "models." + c.models[i].name + ".timesteps", "timesteps, beta_start and beta_end must be the generator's "
-                                                       "(dmd compares the models' estimates at the same noise levels)"));
-    }
-  }
-  if (c.recipe.min_t >= c.recipe.max_t) {
-    throw ConfigError(s.errorMessage("recipe.min_t", strCat(c.recipe.min_t, " is not below recipe.max_t (",
-                                                            c.recipe.max_t, ")")));
-  }
-  if (c.recipe.regression_weight > 0 && c.recipe.pair_steps > generator->model.timesteps) {
-    throw ConfigError(s.errorMessage("recipe.pair_steps", strCat(c.recipe.pair_steps, " is more than the teacher's ",
-                                                                 generator->model.timesteps, " timesteps")));
-  }
-}
-
-}  // namespace
-
-std::vector<ModelEntry> runModels(const TrainConfig& c) {
-  if (c.models.empty()) {
-    ModelEntry single;
-    single.name = "model";
-    single.model = c.model;
-    single.sharding = c.sharding;
-    single.optim = c.optim;
-    single.ema = c.ema;
-    single.names = stateNames(single.name, true);
-    single.modelKeys = "model.";
-    return {single};
-  }
-  std::vector<ModelEntry> out(c.models.begin(), c.models.end());
-  for (ModelEntry& m : out) {
-    m.names = stateNames(m.name, false);
-    m.modelKeys = m.sectionKeys = "models." + m.name + ".";
-    if (!m.trainable) m.ema.enabled = false;  // a frozen model's weights are what they are
-  }
-  return out;
-}
-
-void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
-  TESSERA_CHECK(worldSize >= 1, "finishTrainConfig: world size ", worldSize);
-  s.checkRequired();
-  checkEntriesAsWritten(s, c);
-  // An entry's unset keys take the top level's values: "models.g.optim.lr" <- "optim.lr",
-  // "models.g.arch" <- "model.arch".
-  // A frozen model inherits no optimizer or EMA keys: it has neither, and its resolved
-  // config must load back (checkEntriesAsWritten refuses changed ones).
+// The models: entries take the top-level sections' values for the keys they do not set
+// ("models.g.optim.lr" <- "optim.lr", "models.g.arch" <- "model.arch"). A frozen model
+// inherits no optimizer or EMA keys: it has neither, and its resolved config must load
+// back (checkEntriesAsWritten refuses changed ones).
+void inheritTopLevel(config::ConfigSchema& s, TrainConfig& c) {
   const auto entries = s.entries("models");
   for (size_t i = 0; i < entries.size(); ++i) {
     const std::string p = "models." + entries[i].first + ".";
@@ -456,45 +390,80 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
       return "model." + rest;
     });
   }
+}
+
+// The run's models, each with its names and keys: the single-model form becomes the one
+// entry "model" here, so that everything after reads one list.
+void settleModels(TrainConfig& c) {
+  c.singleModelForm = c.models.empty();
+  if (c.singleModelForm) c.models.push_back(c.defaults);
+  for (ModelEntry& m : c.models) {
+    m.names = stateNames(m, c.singleModelForm);
+    m.modelKeys = c.singleModelForm ? "model." : "models." + m.name + ".";
+    m.sectionKeys = c.singleModelForm ? "" : m.modelKeys;
+    m.schedule.totalSteps = c.run.steps;
+    m.ema.options.prefix = m.names.ema;
+    m.ema.options.formerPrefix = m.names.formerEma;
+  }
+}
+
+// model.samples draws with the EMA of the model the recipe samples from.
+void checkSamples(const config::ConfigSchema& s, const TrainConfig& c) {
+  if (c.defaults.model.samples <= 0) return;
+  const bool dmd = c.run.recipe == "dmd";
+  for (const ModelEntry& m : c.models) {
+    if (dmd && m.name != "generator") continue;
+    if (!dmd && (m.model.arch != "diffusion" || !m.hasEma())) {
+      throw ConfigError(s.errorMessage("model.samples", "draws samples with generator_ema: needs model.arch "
+                                                        "diffusion and ema.enabled"));
+    }
+    if (dmd && !m.hasEma()) {
+      throw ConfigError(s.errorMessage("model.samples", "draws one-step samples with generator_ema: needs the "
+                                                        "generator's ema.enabled"));
+    }
+  }
+}
+
+}  // namespace
+
+ModelEntry::ModelEntry() {
+  // The trainer's defaults where they differ from the library's: wrapped modules under a
+  // million parameters stay with their parent (a tiny unit costs a collective and saves no
+  // memory worth having), and step decay every 100 steps.
+  sharding.fullyShard.minUnitParams = 1000000;
+  schedule.stepSize = 100;
+}
+
+void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
+  TESSERA_CHECK(worldSize >= 1, "finishTrainConfig: world size ", worldSize);
+  s.checkRequired();
+  checkEntriesAsWritten(s, c);
+  inheritTopLevel(s, c);
   if (boundedProduct(c.run.steps, c.data.global_batch, kMaxCounter) < 0) {
     throw ConfigError(s.errorMessage("run.steps", strCat(c.run.steps, " steps of data.global_batch ", c.data.global_batch,
                                                          " samples are more than the ", kMaxCounter,
                                                          " samples a run can count")));
   }
-  checkRecipe(s, c);
-  if (c.models.empty()) {
-    validateModel({s, runModels(c).front()}, c, worldSize);
-  } else {
-    const auto entries = s.entries("models");
-    const std::vector<ModelEntry> models = runModels(c);
-    for (size_t i = 0; i < models.size(); ++i) {
-      const ModelKeys keys{*entries[i].second, models[i]};
-      validateModel(keys, c, worldSize);
-      // One checkpoint holds every model, written over one group: hybrid's replica groups
-      // would need one per group.
-      if (models[i].sharding.strategy == "hybrid") {
-        keys.fail("sharding.strategy", "hybrid is not supported in a models: run yet (every model must be sharded "
-                                       "over all ranks: no_shard, zero1, zero2 or zero3)");
-      }
-      if (!models[i].ema.posthoc.stds.empty()) {
-        keys.fail("ema.posthoc.stds", "post-hoc EMA snapshots are not supported in a models: run yet");
-      }
+  settleModels(c);
+  recipeSpec(c.run.recipe).validate(s, c);
+  const auto entries = c.singleModelForm ? std::vector<std::pair<std::string, config::ConfigSchema*>>{}
+                                         : s.entries("models");
+  for (size_t i = 0; i < c.models.size(); ++i) {
+    const ModelKeys keys{c.singleModelForm ? s : *entries[i].second, c.models[i]};
+    validateModel(keys, c, worldSize);
+    if (c.singleModelForm) continue;
+    // One checkpoint holds every model, written over one group: hybrid's replica groups
+    // would need one per group.
+    if (c.models[i].sharding.strategy == sharding::StrategyKind::kHybrid) {
+      keys.fail("sharding.strategy", "hybrid is not supported in a models: run yet (every model must be sharded "
+                                     "over all ranks: no_shard, zero1, zero2 or zero3)");
+    }
+    if (!c.models[i].ema.options.powerStds.empty()) {
+      keys.fail("ema.posthoc.stds", "post-hoc EMA snapshots are not supported in a models: run yet");
     }
   }
   checkExportNames(s, c);
-  if (c.model.samples > 0) {
-    const bool dmd = c.run.recipe == "dmd";
-    if (!dmd && (c.model.arch != "diffusion" || !c.ema.enabled)) {
-      throw ConfigError(s.errorMessage("model.samples", "draws samples with generator_ema: needs model.arch "
-                                                        "diffusion and ema.enabled"));
-    }
-    for (const ModelEntry& m : runModels(c)) {
-      if (dmd && m.name == "generator" && !m.ema.enabled) {
-        throw ConfigError(s.errorMessage("model.samples", "draws one-step samples with generator_ema: needs the "
-                                                          "generator's ema.enabled"));
-      }
-    }
-  }
+  checkSamples(s, c);
   // Products of bounded keys, still checked: a world size comes from outside the config.
   const int64_t perStep = boundedProduct(c.data.micro_batch, worldSize, c.data.global_batch);
   if (perStep <= 0 || c.data.global_batch % perStep != 0) {

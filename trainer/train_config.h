@@ -9,6 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "ema/ema_manager.h"
+#include "sharding/lr_schedule.h"
+#include "sharding/strategy.h"
+
 namespace tessera::config {
 class ConfigSchema;
 }
@@ -59,57 +63,13 @@ struct DataOptions {
   double eval_fraction = 0.05; // tail of the file held out for evaluation
 };
 
-struct ScheduleOptions {
-  std::string kind = "constant";  // constant | cosine | linear | step
-  int64_t warmup_steps = 0;
-  double min_lr = 0.0;            // floor of cosine / linear decay
-  int64_t step_size = 100;        // step decay period
-  double gamma = 0.1;             // step decay factor
-};
-
-struct OptimOptions {
-  std::string name = "adamw";              // adamw | adam | sgd
-  double lr = 3.0e-4;
-  std::vector<double> betas = {0.9, 0.999};
-  double eps = 1.0e-8;
-  double weight_decay = 0.01;
-  double momentum = 0.0;                   // sgd only
-  bool nesterov = false;                   // sgd only
-  double grad_clip = 0.0;                  // max global grad norm; 0 = off
-  ScheduleOptions schedule;
-};
-
-struct ShardingOptions {
-  std::string strategy = "no_shard";  // no_shard | zero1 | zero2 | zero3 | hybrid
-  double bucket_mb = 25.0;            // gradient bucket size in MiB
-  std::string param_dtype = "fp32";   // compute dtype: fp32 | bf16 | fp16
-  std::string reduce_dtype = "fp32";  // gradient reduction dtype
-  std::string buffer_sync = "broadcast";  // broadcast | average | none
-  // zero3 / hybrid
-  bool reshard_after_forward = true;
-  int64_t prefetch = 1;
-  bool activation_checkpointing = false;
-  bool reduce_every_micro_batch = true;  // false: accumulate full gradients, reduce at the last micro-batch
-  int64_t shard_size = 0;         // hybrid: ranks per shard group (0 = all)
-  std::vector<std::string> wrap;  // unit name patterns; empty = the model's blocks
-  int64_t min_unit_params = 1000000;  // wrapped modules smaller than this are not units
-};
-
-struct EmaSection {
-  bool enabled = true;
-  std::vector<double> decays = {0.999};
-  std::string dtype = "fp32";   // fp32 | bf16
-  int64_t start_step = 0;
-  int64_t update_every = 1;
-  bool warmup = false;
-  double inv_gamma = 1.0;
-  double power = 2.0 / 3.0;
-  std::string buffers = "copy";  // copy | average
-  std::optional<std::string> init_from;  // safetensors file or *.index.json every EMA starts from (fresh runs)
-  struct Posthoc {
-    std::vector<double> stds;     // sigma_rel of the power-function profiles tracked (empty: off)
-    int64_t snapshot_every = 0;   // steps between snapshots in <run.dir>/posthoc/
-  } posthoc;
+// A model's EMA: the library's options (ema/ema_manager.h) and what the trainer does
+// around it.
+struct EmaConfig {
+  bool enabled = true;                    // ema.enabled
+  ema::EmaOptions options;                // ema.decays, dtype, ..., posthoc.stds (prefix: the model's EMA name)
+  std::optional<std::string> initFrom;    // ema.init_from: safetensors every profile starts from (fresh runs)
+  int64_t snapshotEvery = 0;              // ema.posthoc.snapshot_every: steps between post-hoc snapshots
 };
 
 struct CheckpointSection {
@@ -119,7 +79,7 @@ struct CheckpointSection {
   bool async = true;             // write in a background thread
   std::string resume = "auto";   // auto | none | a checkpoint directory
   std::vector<std::string> export_what = {"generator_ema"};  // exported at the end of the run
-  std::string export_dtype = "fp32";  // fp32 | bf16 | fp16
+  at::ScalarType export_dtype = at::kFloat;  // fp32 | bf16 | fp16
 };
 
 // run.recipe dmd: distribution-matching distillation (trainer/dmd_recipe.h).
@@ -139,49 +99,57 @@ struct RecipeOptions {
 struct ModelStateNames {
   std::string weights;    // its weights' key, also its export name: "model" | "<name>"
   std::string optimizer;  // its optimizer state's key: "optim" | "optim/<name>"
-  std::string ema;        // its EMA's name: "generator_ema" | "<name>_ema"
+  std::string ema;        // its EMA's name: "<name>_ema", "generator_ema" for a single diffusion model
+  // The name the single-model form's EMA had before it followed the model ("generator_ema"),
+  // kept as an export alias and read from older checkpoints; "" when it is the name.
+  std::string formerEma;
 };
 
-// One model of a run: a models: entry (its sections default to the top-level ones), or the
-// single-model form's top-level sections under the name "model".
+// One model of a run. The sharding, optim and ema sections bind the library's own option
+// structs; where the trainer's defaults differ from the library's, the constructor says so.
 struct ModelEntry {
-  std::string name;
-  ModelOptions model;
-  bool trainable = true;  // false: frozen (no optimizer, no EMA); its weights are sharded and saved all the same
-  ShardingOptions sharding;
-  OptimOptions optim;
-  EmaSection ema;
-  ModelStateNames names;  // set by runModels()
-  // Its keys as messages name them, set by runModels(): model keys are modelKeys + key
-  // ("model.arch" | "models.<name>.arch"), section keys sectionKeys + key ("optim.lr" |
-  // "models.<name>.optim.lr").
-  std::string modelKeys, sectionKeys;
+  ModelEntry();
+  std::string name = "model";
+  ModelOptions model;                    // model.* (arch and its shape)
+  bool trainable = true;                 // false: frozen (no optimizer, no EMA); sharded and saved all the same
+  sharding::StrategyOptions sharding;    // sharding.*; optim.* but lr and schedule (sharding.optimizer);
+                                         // optim.grad_clip (sharding.gradClip)
+  bool reduceEveryMicroBatch = true;     // sharding.reduce_every_micro_batch
+  sharding::LrScheduleOptions schedule;  // optim.lr, optim.schedule.* (totalSteps: run.steps)
+  EmaConfig ema;                         // ema.*
+  ModelStateNames names;                 // set when the config is finished
+  // Whether it keeps an EMA: ema.enabled, and trainable (a frozen model's weights are what
+  // they are, whatever its inherited ema.enabled says).
+  bool hasEma() const { return trainable && ema.enabled; }
+  // Its keys as messages name them: model keys modelKeys + key ("model.arch" |
+  // "models.<name>.arch"), section keys sectionKeys + key ("optim.lr" | "models.<name>.optim.lr").
+  std::string modelKeys = "model.", sectionKeys;
 };
 
 struct TrainConfig {
   RunOptions run;
   LogSection log;
-  ModelOptions model;
   DataOptions data;
-  OptimOptions optim;
-  ShardingOptions sharding;
-  EmaSection ema;
   CheckpointSection checkpoint;
   RecipeOptions recipe;
-  std::deque<ModelEntry> models;  // the models: form (empty: the single-model form); a deque keeps the keys' bindings valid
+  // The top-level model, sharding, optim and ema sections: the one model of the
+  // single-model form, or the defaults every models: entry inherits.
+  ModelEntry defaults;
+  // The models the run trains, in the order the config names them, each with its names set
+  // (finishTrainConfig): the models: entries, or the single-model form as one entry named
+  // "model". A deque keeps the entries' key bindings valid.
+  std::deque<ModelEntry> models;
+  bool singleModelForm = true;  // the config has no models: section
 };
-
-// The models the run trains, each with its state names: the models: entries in the order
-// the config names them, or the single-model form as one entry named "model".
-std::vector<ModelEntry> runModels(const TrainConfig& config);
 
 // Registers every key of `config` with `schema` (the variables are bound by pointer).
 void bindTrainConfig(config::ConfigSchema& schema, TrainConfig& config);
 
 // What follows loading the file and the overrides: the required keys, the models:
-// entries inheriting what they do not set from the top-level sections, and the checks
-// across keys (e.g. global_batch divisible by micro_batch x world size, the models a
-// recipe needs); throws ConfigError naming the keys and where they were set.
+// entries inheriting what they do not set from the top-level sections (or the single-model
+// form made the one entry), every model's names, and the checks across keys (e.g.
+// global_batch divisible by micro_batch x world size, the models the recipe needs); throws
+// ConfigError naming the keys and where they were set.
 void finishTrainConfig(config::ConfigSchema& schema, TrainConfig& config, int worldSize);
 
 // Loads `file` (if not empty), then each "a.b=c" override, then checks required keys.

@@ -119,7 +119,7 @@ class TrainLoop {
     const bool evalNow = cfg_.run.eval_every > 0 && done % cfg_.run.eval_every == 0;
     if (done % cfg_.run.log_every == 0 || last || evalNow) logWindow(done, out, evalNow || last);
     if (schedule_.periodicSaveDue(done)) saveCheckpoint(done);
-    if (run_.posthocWriter && done % cfg_.ema.posthoc.snapshot_every == 0) savePosthocSnapshot(done);
+    if (run_.posthocWriter && done % run_.models.front().cfg.ema.snapshotEvery == 0) savePosthocSnapshot(done);
   }
 
   // ema.posthoc: the power-function profiles at step `done`, for tessera-export
@@ -155,7 +155,7 @@ class TrainLoop {
     if (schedule_.finalSaveDue(done, stopped)) saveCheckpoint(done);
     if (run_.checkpointer) run_.checkpointer->finish();
     if (!stopped) exportWeights(done);
-    if (!stopped && cfg_.model.samples > 0) summary_.samplesPath = recipe_->drawSamples();
+    if (!stopped && cfg_.defaults.model.samples > 0) summary_.samplesPath = recipe_->drawSamples();
     if (run_.comm->rank() == 0) {
       summary_.metricsPath = (run_.runDir / "metrics.jsonl").string();
       summary_.lossCurvePath = (run_.runDir / "loss.svg").string();
@@ -225,7 +225,7 @@ class TrainLoop {
     for (const auto& what : cfg_.checkpoint.export_what) {
       checkpoint::ExportOptions options;
       options.what = what;
-      options.dtype = sharding::parseFloatDtype(cfg_.checkpoint.export_dtype, "checkpoint.export_dtype");
+      options.dtype = cfg_.checkpoint.export_dtype;
       options.metadata["tessera_step"] = std::to_string(done);
       const std::string out = (run_.runDir / "export" / (what + ".safetensors")).string();
       if (rank == 0) fs::create_directories(run_.runDir / "export");

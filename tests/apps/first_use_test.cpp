@@ -77,7 +77,7 @@ TEST(FirstUseTest, FinishedRunDirSaysSoAndDoesNothing) {
   const std::string dir = scratch("finished");
   CommandResult r = runCommand(kTrain + kSmall + " --set run.dir=" + dir);
   ASSERT_EQ(r.status, 0) << r.output;
-  const fs::path exported = fs::path(dir) / "export" / "generator_ema.safetensors";
+  const fs::path exported = fs::path(dir) / "export" / "model_ema.safetensors";
   ASSERT_TRUE(fs::exists(exported)) << r.output;
   const auto exportedAt = fs::last_write_time(exported);
   const std::string metrics = readFile(fs::path(dir) / "metrics.jsonl");

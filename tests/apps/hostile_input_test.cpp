@@ -249,8 +249,8 @@ TEST_F(HostileInputTest, PlantedLinksAreNeverWrittenThrough) {
       {"loss.svg", "victim2"},
       {"checkpoints/latest.tmp", "victim3"},
       {"checkpoints/latest", "victim4"},
-      {"export/generator_ema.safetensors.tmp", "victim5"},
-      {"export/generator_ema.safetensors", "victim6"}};
+      {"export/model_ema.safetensors.tmp", "victim5"},
+      {"export/model_ema.safetensors", "victim6"}};
   for (const auto& [name, victim] : planted) {
     writeText(outside + "/" + victim, "precious\n");
     fs::create_symlink(outside + "/" + victim, run + "/" + name);
@@ -413,7 +413,7 @@ TEST_F(HostileInputTest, SizesFromFilesAreCheckedBeforeAllocating) {
 // Inf, no tensor the model lacks — each a config error naming the key and the file.
 TEST_F(HostileInputTest, EmaInitFromIsStrict) {
   const std::string run = trainedRun();
-  const std::string weights = run + "/export/generator_ema.safetensors";
+  const std::string weights = run + "/export/model_ema.safetensors";
   const auto tensors = tessera::checkpoint::loadSafetensors(weights);
   const std::string victim = tensors.begin()->first;
   const std::string train =

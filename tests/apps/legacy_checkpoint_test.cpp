@@ -87,6 +87,25 @@ TEST(LegacyCheckpointTest, SingleModelCheckpointResumesOnOtherWorldSizes) {
   }
 }
 
+// The MLP's EMA was saved as generator_ema: it loads as model_ema, and both names export.
+TEST(LegacyCheckpointTest, RenamedEmaLoadsFromItsFormerName) {
+  const std::string mlp = " --config " + kSource +
+                          "/configs/default.yaml --set model.embed_dim=4 --set model.context=4 --set model.hidden=[8]"
+                          " --set data.global_batch=16 --set data.micro_batch=4 --set run.steps=8 --set run.log_every=4"
+                          " --set run.eval_every=8 --set checkpoint.async=false --set optim.schedule.warmup_steps=2"
+                          " --set checkpoint.every_steps=4 --set checkpoint.export=[model_ema,generator_ema_0.999]";
+  const std::string reference = tessera::test::scratchPath("tessera_legacy", "mlp_reference");
+  CommandResult r = runCommand(launch(2) + mlp + " --set run.dir=" + reference, 300);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string dir = runDirWithLegacy("mlp");
+  r = runCommand(launch(4) + mlp + " --set run.dir=" + dir, 300);
+  ASSERT_EQ(r.status, 0) << r.output;
+  expectSameEnd(dir, reference, "mlp resumed on 4 ranks");
+  for (const char* name : {"model_ema", "generator_ema_0.999"}) {
+    EXPECT_TRUE(fs::exists(fs::path(dir) / "export" / (std::string(name) + ".safetensors"))) << name;
+  }
+}
+
 TEST(LegacyCheckpointTest, SeveralModelCheckpointResumes) {
   const std::string reference = tessera::test::scratchPath("tessera_legacy", "distill_reference");
   CommandResult r = runCommand(launch(2) + kDistill + " --set run.dir=" + reference, 300);
@@ -98,7 +117,7 @@ TEST(LegacyCheckpointTest, SeveralModelCheckpointResumes) {
 }
 
 TEST(LegacyCheckpointTest, OfflineToolsReadIt) {
-  for (const std::string name : {"diffusion", "distill"}) {
+  for (const std::string name : {"diffusion", "distill", "mlp"}) {
     const std::string dir = kLegacy + "/" + name + "_step_00000004";
     CommandResult r = runCommand(kBin + "/tessera-ckpt verify " + dir);
     EXPECT_EQ(r.status, 0) << r.output;

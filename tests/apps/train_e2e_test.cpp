@@ -171,7 +171,7 @@ TEST(TrainE2ETest, FailingRankIsReportedByTheLauncher) {
 namespace {
 
 std::map<std::string, at::Tensor> exportOf(const std::string& runDir) {
-  return tessera::checkpoint::loadSafetensors((fs::path(runDir) / "export" / "generator_ema.safetensors").string());
+  return tessera::checkpoint::loadSafetensors((fs::path(runDir) / "export" / "model_ema.safetensors").string());
 }
 
 // The GPT decoder (tied head, so the root unit holds the shared embedding) trains the
@@ -208,7 +208,7 @@ std::string readText(const fs::path& path) {
   return text.str();
 }
 
-// The generator_ema exports of two runs are bitwise equal, tensor by tensor.
+// The model_ema exports of two runs are bitwise equal, tensor by tensor.
 void expectBitwiseEqualExports(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
   const auto reference = exportOf(referenceDir);
   const auto other = exportOf(otherDir);
@@ -299,7 +299,7 @@ for name, info in sorted(((k, v) for k, v in header.items() if k != '__metadata_
 assert end == len(body)
 )PY";
   // The export of the run saved at world size 2 with zero3 and resumed at 3 with zero2.
-  ASSERT_EQ(run(python + " " + script.string() + " " + (fs::path(fromZero3) / "export" / "generator_ema.safetensors").string(),
+  ASSERT_EQ(run(python + " " + script.string() + " " + (fs::path(fromZero3) / "export" / "model_ema.safetensors").string(),
                 &out),
             0)
       << out;

@@ -170,7 +170,7 @@ TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
   const auto initial = paramValues(*init);
 
   OptimizerOptions optim;
-  optim.name = "adamw";
+  optim.kind = sharding::OptimizerKind::kAdamW;
   optim.weightDecay = 0.1;
   constexpr double kLr = 1e-2;
 
@@ -191,7 +191,7 @@ TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
     if (ctx.rank == 0) loadParamValues(*model, initial);
     model->to(at::kCUDA);
     StrategyOptions o;
-    o.strategy = strategy;
+    o.strategy = sharding::parseStrategyKind(strategy);
     o.optimizer = optim;
     o.gradClip = 0.5;
     o.bucketBytes = 64;  // several buckets

@@ -105,7 +105,7 @@ TEST(EmaScheduleTest, BuffersCopiedOrAveraged) {
   for (const std::string mode : {"copy", "average"}) {
     EmaOptions o;
     o.decays = {0.5};
-    o.buffers = mode;
+    o.buffers = parseEnum(kEmaBuffersNames, mode, "ema.buffers");
     ShardedModelEMAManager mgr(o);
     at::Tensor mean = at::zeros({3});
     at::Tensor count = at::zeros({}, at::kLong);
@@ -181,9 +181,7 @@ TEST(EmaOptionsTest, BadOptionsAreConfigErrors) {
   o = {};
   o.decays = {};
   EXPECT_THROW(ShardedModelEMAManager{o}, ConfigError);
-  o = {};
-  o.buffers = "mean";
-  EXPECT_THROW(ShardedModelEMAManager{o}, ConfigError);
+  EXPECT_THROW(parseEnum(kEmaBuffersNames, "mean", "ema.buffers"), ConfigError);
   o = {};
   o.updateEvery = 0;
   EXPECT_THROW(ShardedModelEMAManager{o}, ConfigError);

@@ -47,7 +47,7 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
     torch::manual_seed(7);
     SmallNet net;
     sharding::StrategyOptions options;
-    options.strategy = strategyName;
+    options.strategy = sharding::parseStrategyKind(strategyName);
     options.wrap = {"fc1", "fc2"};  // zero3 / hybrid only
     options.fullyShard.shardSize = shardSize;
     auto strategy = sharding::makeStrategy(*net, ctx.comm(), options);
@@ -141,7 +141,7 @@ TEST(EmaSwapTest, SwapRestoresExactlyAlsoOnException) {
       torch::manual_seed(7);
       SmallNet net;
       sharding::StrategyOptions options;
-      options.strategy = strategyName;
+      options.strategy = sharding::parseStrategyKind(strategyName);
       options.wrap = {"fc1", "fc2"};
       auto strategy = sharding::makeStrategy(*net, ctx.comm(), options);
       EmaOptions emaOptions;
@@ -197,12 +197,12 @@ TEST(EmaBufferTest, BatchNormStatisticsCopiedOrAveraged) {
       torch::manual_seed(3);
       torch::nn::Sequential net(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6), torch::nn::Linear(6, 1));
       sharding::StrategyOptions options;
-      options.strategy = "zero2";
-      options.bufferSync = "average";
+      options.strategy = sharding::StrategyKind::kZero2;
+      options.bufferSync = sharding::BufferSync::kAverage;
       auto strategy = sharding::makeStrategy(*net, ctx.comm(), options);
       EmaOptions emaOptions;
       emaOptions.decays = {0.5};
-      emaOptions.buffers = mode;
+      emaOptions.buffers = parseEnum(kEmaBuffersNames, mode, "ema.buffers");
       ShardedModelEMAManager manager(emaOptions);
       followStrategy(manager, *strategy);
       auto bn = net[1]->as<torch::nn::BatchNorm1d>();

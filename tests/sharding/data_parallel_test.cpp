@@ -45,14 +45,14 @@ struct TrainConfig {
 
 LrOptimizer adamw(double lr, double wd) {
   OptimizerOptions o;
-  o.name = "adamw";
+  o.kind = sharding::OptimizerKind::kAdamW;
   o.weightDecay = wd;
   return {o, lr};
 }
 
 LrOptimizer sgd(double lr, double wd, double momentum, bool nesterov) {
   OptimizerOptions o;
-  o.name = "sgd";
+  o.kind = sharding::OptimizerKind::kSgd;
   o.weightDecay = wd;
   o.momentum = momentum;
   o.nesterov = nesterov;
@@ -83,7 +83,7 @@ const std::map<std::string, at::Tensor>& initialParams() {
 }
 
 std::vector<std::string> stateKeys(const OptimizerOptions& o) {
-  if (o.name == "sgd") return o.momentum > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+  if (o.kind == sharding::OptimizerKind::kSgd) return o.momentum > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
   return {"exp_avg", "exp_avg_sq"};
 }
 
@@ -139,7 +139,7 @@ const Reference& reference(size_t config) {
 
 StrategyOptions strategyOptions(const std::string& strategy, const TrainConfig& c) {
   StrategyOptions o;
-  o.strategy = strategy;
+  o.strategy = sharding::parseStrategyKind(strategy);
   o.optimizer = c.optimizer.options;
   o.gradClip = c.clip;
   o.bucketBytes = c.bucketBytes;
@@ -318,7 +318,7 @@ TEST(StrategyAccumulationTest, GradientsAccumulateAcrossStepsWithoutZeroGrad) {
       TinyMlp model;
       if (ctx.rank == 0) loadParamValues(*model, initialParams());
       StrategyOptions so;
-      so.strategy = strategy;
+      so.strategy = sharding::parseStrategyKind(strategy);
       so.optimizer = o.options;
       auto engine = makeStrategy(*model, ctx.comm(), so);
       for (int t = 0; t < 3; ++t) {
@@ -480,7 +480,7 @@ TEST(StrategyMixedPrecisionTest, Bf16ComputeWithFp32MastersConverges) {
     runOnRanks(2, [&](RankContext& ctx) {
       torch::nn::Sequential model(torch::nn::Linear(8, 16), torch::nn::Linear(16, 1));
       StrategyOptions o;
-      o.strategy = strategy;
+      o.strategy = sharding::parseStrategyKind(strategy);
       o.paramDtype = at::kBFloat16;
       o.optimizer = adamw(3e-2, 0.0).options;
       auto engine = makeStrategy(*model, ctx.comm(), o);
@@ -522,7 +522,7 @@ TEST(StrategyInitTest, RankZeroStateIsBroadcast) {
       for (auto& b : model->buffers()) b.fill_(ctx.rank + 1);
     }
     StrategyOptions o;
-    o.strategy = "zero2";
+    o.strategy = sharding::StrategyKind::kZero2;
     auto engine = makeStrategy(*model, ctx.comm(), o);
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.detach().eq(1.0f).all().item<bool>());
     for (const auto& b : model->buffers()) EXPECT_TRUE(b.eq(1).all().item<bool>());
@@ -540,8 +540,8 @@ TEST(StrategyBufferTest, BuffersBroadcastOrAveraged) {
     runOnRanks(2, [&](RankContext& ctx) {
       torch::nn::Sequential model(torch::nn::Linear(4, 6), torch::nn::BatchNorm1d(6), torch::nn::Linear(6, 1));
       StrategyOptions o;
-      o.strategy = "zero1";
-      o.bufferSync = mode;
+      o.strategy = sharding::StrategyKind::kZero1;
+      o.bufferSync = parseEnum(kBufferSyncNames, mode, "buffer sync");
       auto engine = makeStrategy(*model, ctx.comm(), o);
       auto bn = model[1]->as<torch::nn::BatchNorm1d>();
       for (int t = 0; t < 3; ++t) {
@@ -574,17 +574,17 @@ TEST(StrategyOptionsTest, BadOptionsAreConfigErrors) {
       edit(o);
       return makeStrategy(*model, ctx.comm(), o);
     };
-    EXPECT_THROW(make([](StrategyOptions& o) { o.strategy = "zero4"; }), ConfigError);
+    EXPECT_THROW(parseStrategyKind("zero4"), ConfigError);
     {
       // zero3 / hybrid: a wrap pattern that names no submodule, a shard size that does not
       // divide the world.
       TinyMlp other;
       StrategyOptions o;
-      o.strategy = "zero3";
+      o.strategy = sharding::StrategyKind::kZero3;
       o.wrap = {"blocks.*"};
       EXPECT_THROW(makeStrategy(*other, ctx.comm(), o), ConfigError);
       TinyMlp third;
-      o.strategy = "hybrid";
+      o.strategy = sharding::StrategyKind::kHybrid;
       o.wrap = {};
       o.fullyShard.shardSize = 3;
       EXPECT_THROW(makeStrategy(*third, ctx.comm(), o), ConfigError);
@@ -593,8 +593,8 @@ TEST(StrategyOptionsTest, BadOptionsAreConfigErrors) {
     EXPECT_THROW(make([](StrategyOptions& o) { o.reduceDtype = at::kInt; }), ConfigError);
     EXPECT_THROW(make([](StrategyOptions& o) { o.bucketBytes = 0; }), ConfigError);
     EXPECT_THROW(make([](StrategyOptions& o) { o.gradClip = -1; }), ConfigError);
-    EXPECT_THROW(make([](StrategyOptions& o) { o.bufferSync = "sometimes"; }), ConfigError);
-    EXPECT_THROW(make([](StrategyOptions& o) { o.optimizer.name = "lamb"; }), ConfigError);
+    EXPECT_THROW(parseEnum(kBufferSyncNames, "sometimes", "buffer sync"), ConfigError);
+    EXPECT_THROW(make([](StrategyOptions& o) { o.optimizer.lrScale["*"] = 0.0; }), ConfigError);
     auto engine = make([](StrategyOptions&) {});
     EXPECT_THROW(engine->param("no.such.param"), Error);
     EXPECT_EQ(engine->kind(), StrategyKind::kNoShard);

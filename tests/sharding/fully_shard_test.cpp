@@ -216,7 +216,7 @@ constexpr double kLr = 1e-2;
 
 OptimizerOptions adamw() {
   OptimizerOptions o;
-  o.name = "adamw";
+  o.kind = sharding::OptimizerKind::kAdamW;
   o.weightDecay = 0.1;
   return o;
 }
@@ -248,7 +248,7 @@ std::vector<RankRun> runSharded(const RunConfig& c) {
     loadParamValues(*m.module, init);
     StrategyOptions o;
     o.wrap = m.units;
-    o.strategy = c.strategy;
+    o.strategy = sharding::parseStrategyKind(c.strategy);
     o.optimizer = adamw();
     o.paramDtype = c.paramDtype;
     FullyShardStrategy engine(*m.module, ctx.comm(), o, c.fsdp);
@@ -387,7 +387,7 @@ TEST(FullyShardParityEdgeTest, WrappedModulesBelowMinUnitParamsStayWithTheRoot) 
     runOnRanks(2, [&](RankContext& ctx) {
       AnyModel m = buildModel(ModelKind::kWide);
       StrategyOptions o;
-      o.strategy = "zero3";
+      o.strategy = sharding::StrategyKind::kZero3;
       o.wrap = m.units;
       o.optimizer = adamw();
       FullyShardOptions fsdp;
@@ -434,7 +434,7 @@ TEST(FullyShardAccumulationTest, NoSyncReducesOnceAtTheLastMicroBatch) {
       AnyModel m = buildModel(ModelKind::kWide);
       StrategyOptions o;
       o.wrap = m.units;
-      o.strategy = "zero3";
+      o.strategy = sharding::StrategyKind::kZero3;
       FullyShardStrategy engine(*m.module, ctx.comm(), o);
       ctx.comm()->resetStats();
       const int micro = 4;
@@ -488,7 +488,7 @@ TEST(FullyShardCheckpointingTest, UnitForwardIsRecomputedInBackward) {
         inner->bias.fill_(-0.01);
       }
       StrategyOptions o;
-      o.strategy = "zero3";
+      o.strategy = sharding::StrategyKind::kZero3;
       o.wrap = {"0"};  // inner, the Sequential's first module
       FullyShardOptions f;
       f.activationCheckpointing = ac;
@@ -536,7 +536,7 @@ TEST(FullyShardProcessTest, ForkedRanksMatchReference) {
     loadParamValues(*m.module, init);
     StrategyOptions o;
     o.wrap = m.units;
-    o.strategy = "zero3";
+    o.strategy = sharding::StrategyKind::kZero3;
     o.optimizer = adamw();
     FullyShardStrategy engine(*m.module, ctx.comm(), o);
     for (int t = 0; t < c.steps; ++t) {
@@ -588,7 +588,7 @@ TEST(FullyShardMixedPrecisionTest, Bf16ComputeFromFp32Masters) {
     AnyModel m = buildModel(ModelKind::kTransformer);
     StrategyOptions o;
     o.wrap = m.units;
-    o.strategy = "zero3";
+    o.strategy = sharding::StrategyKind::kZero3;
     o.paramDtype = at::kBFloat16;
     FullyShardStrategy engine(*m.module, ctx.comm(), o);
     ctx.comm()->resetStats();
@@ -629,7 +629,7 @@ TEST(FullyShardLifecycleTest, ParameterObjectsStayTheSameAndStorageIsFreed) {
     AnyModel m = buildModel(ModelKind::kTransformer);
     StrategyOptions o;
     o.wrap = m.units;
-    o.strategy = "zero3";
+    o.strategy = sharding::StrategyKind::kZero3;
     o.optimizer = adamw();
     FullyShardStrategy engine(*m.module, ctx.comm(), o);
     ASSERT_EQ(engine.unitCount(), 4u);
@@ -669,7 +669,7 @@ TEST(FullyShardLifecycleTest, UnitOutsideTheRootIsAnError) {
   runOnRanks(1, [&](RankContext& ctx) {
     ToyTransformer model;
     StrategyOptions o;
-    o.strategy = "zero3";
+    o.strategy = sharding::StrategyKind::kZero3;
     o.wrap = ToyTransformerImpl::units();
     FullyShardStrategy engine(*model, ctx.comm(), o);
     auto* block = model->blocks[0]->as<BlockImpl>();
@@ -680,7 +680,7 @@ TEST(FullyShardLifecycleTest, UnitOutsideTheRootIsAnError) {
       EXPECT_NE(std::string(e.what()).find("blocks.0"), std::string::npos) << e.what();
     }
     StrategyOptions bad = o;
-    bad.strategy = "zero2";
+    bad.strategy = sharding::StrategyKind::kZero2;
     ToyTransformer other;
     EXPECT_THROW(FullyShardStrategy(*other, ctx.comm(), bad), ConfigError);
     StrategyOptions nothing = o;
@@ -709,7 +709,7 @@ TEST(FullyShardOwnershipTest, TwoStrategiesOverTwoModelsKeepTheirUnitsApart) {
     loadParamValues(*t.module, initT);
     loadParamValues(*m.module, initM);
     StrategyOptions ot;
-    ot.strategy = "zero3";
+    ot.strategy = sharding::StrategyKind::kZero3;
     ot.optimizer = adamw();
     ot.wrap = t.units;
     StrategyOptions om = ot;
@@ -780,7 +780,7 @@ void expectFrozenParity(ModelKind kind, const std::vector<std::string>& frozen,
       loadParamValues(*m.module, init);
       freeze(*m.module);
       StrategyOptions o;
-      o.strategy = "zero3";
+      o.strategy = sharding::StrategyKind::kZero3;
       o.optimizer = adamw();
       o.wrap = m.units;
       FullyShardStrategy engine(*m.module, ctx.comm(), o);
@@ -853,7 +853,7 @@ TEST(FullyShardMemoryTest, ForwardPeakIsPrefetchPlusOneUnits) {
         AnyModel m = buildModel(ModelKind::kTransformer);
         StrategyOptions o;
         o.wrap = m.units;
-        o.strategy = "zero3";
+        o.strategy = sharding::StrategyKind::kZero3;
         FullyShardOptions f;
         f.prefetch = prefetch;
         FullyShardStrategy engine(*m.module, ctx.comm(), o, f);
@@ -921,7 +921,7 @@ std::vector<StepMeasure> measureSteps(int world, bool reshardAfterForward) {
     AnyModel m = buildModel(ModelKind::kWide);
     StrategyOptions o;
     o.wrap = m.units;
-    o.strategy = "zero3";
+    o.strategy = sharding::StrategyKind::kZero3;
     o.optimizer = adamw();
     FullyShardOptions f;
     f.reshardAfterForward = reshardAfterForward;

@@ -10,14 +10,14 @@ namespace tessera::sharding {
 namespace {
 
 TEST(LrScheduleTest, Constant) {
-  LrSchedule s({"constant", 0.1});
+  LrSchedule s({ScheduleKind::kConstant, 0.1});
   EXPECT_DOUBLE_EQ(s.lrAt(0), 0.1);
   EXPECT_DOUBLE_EQ(s.lrAt(1000), 0.1);
 }
 
 TEST(LrScheduleTest, WarmupThenCosine) {
   LrScheduleOptions o;
-  o.kind = "cosine";
+  o.kind = sharding::ScheduleKind::kCosine;
   o.baseLr = 1.0;
   o.warmupSteps = 4;
   o.totalSteps = 14;
@@ -33,7 +33,7 @@ TEST(LrScheduleTest, WarmupThenCosine) {
 
 TEST(LrScheduleTest, WarmupThenLinear) {
   LrScheduleOptions o;
-  o.kind = "linear";
+  o.kind = sharding::ScheduleKind::kLinear;
   o.baseLr = 2.0;
   o.warmupSteps = 2;
   o.totalSteps = 6;
@@ -47,7 +47,7 @@ TEST(LrScheduleTest, WarmupThenLinear) {
 
 TEST(LrScheduleTest, StepDecay) {
   LrScheduleOptions o;
-  o.kind = "step";
+  o.kind = sharding::ScheduleKind::kStep;
   o.baseLr = 1.0;
   o.stepSize = 3;
   o.gamma = 0.5;
@@ -58,9 +58,9 @@ TEST(LrScheduleTest, StepDecay) {
 }
 
 TEST(LrScheduleTest, BadOptionsAreConfigErrors) {
-  EXPECT_THROW(LrSchedule({"exponential", 0.1}), ConfigError);
+  EXPECT_THROW(parseEnum(kScheduleKindNames, "exponential", "optim.schedule.kind"), ConfigError);
   LrScheduleOptions o;
-  o.kind = "cosine";
+  o.kind = sharding::ScheduleKind::kCosine;
   o.warmupSteps = 10;
   o.totalSteps = 10;
   EXPECT_THROW(LrSchedule{o}, ConfigError);

@@ -42,9 +42,9 @@ std::vector<Measurement> measure(const std::string& strategy, int world, int64_t
   runOnRanks(world, [&](RankContext& ctx) {
     WideMlp model;
     StrategyOptions o;
-    o.strategy = strategy;
+    o.strategy = sharding::parseStrategyKind(strategy);
     o.bucketBytes = bucketBytes;
-    o.optimizer.name = "adamw";
+    o.optimizer.kind = sharding::OptimizerKind::kAdamW;
     o.paramDtype = paramDtype;
     auto engine = makeStrategy(*model, ctx.comm(), o);
     Measurement& m = out[static_cast<size_t>(ctx.rank)];

@@ -79,7 +79,7 @@ void expectParity(const OptimizerOptions& o, double lr) {
       }
       at::Tensor gathered = at::cat(rows).view(init[i].sizes());
       EXPECT_TRUE(at::allclose(gathered, full[i].detach(), 1e-5, 1e-6))
-          << o.name << " world " << world << " param " << i << " max diff "
+          << enumName(kOptimizerKindNames, o.kind) << " world " << world << " param " << i << " max diff "
           << (gathered - full[i].detach()).abs().max().item<float>();
     }
   }
@@ -87,14 +87,14 @@ void expectParity(const OptimizerOptions& o, double lr) {
 
 TEST(ShardedOptimizerTest, AdamWMatchesTorchOptim) {
   OptimizerOptions o;
-  o.name = "adamw";
+  o.kind = sharding::OptimizerKind::kAdamW;
   o.weightDecay = 0.1;
   expectParity(o, 1e-2);
 }
 
 TEST(ShardedOptimizerTest, AdamMatchesTorchOptim) {
   OptimizerOptions o;
-  o.name = "adam";
+  o.kind = sharding::OptimizerKind::kAdam;
   o.weightDecay = 0.05;
   o.beta2 = 0.99;
   expectParity(o, 1e-2);
@@ -102,7 +102,7 @@ TEST(ShardedOptimizerTest, AdamMatchesTorchOptim) {
 
 TEST(ShardedOptimizerTest, SgdMomentumMatchesTorchOptim) {
   OptimizerOptions o;
-  o.name = "sgd";
+  o.kind = sharding::OptimizerKind::kSgd;
   o.momentum = 0.9;
   o.weightDecay = 0.01;
   expectParity(o, 0.05);
@@ -110,7 +110,7 @@ TEST(ShardedOptimizerTest, SgdMomentumMatchesTorchOptim) {
 
 TEST(ShardedOptimizerTest, SgdNesterovMatchesTorchOptim) {
   OptimizerOptions o;
-  o.name = "sgd";
+  o.kind = sharding::OptimizerKind::kSgd;
   o.momentum = 0.8;
   o.nesterov = true;
   o.weightDecay = 0.0;
@@ -143,7 +143,7 @@ TEST(ShardedOptimizerTest, StatesShareTheParamSpecAndSplitMemory) {
 TEST(ShardedOptimizerTest, StateEntriesRestoreEverythingAStepNeeds) {
   for (const std::string name : {"adamw", "sgd"}) {
     OptimizerOptions o;
-    o.name = name;
+    o.kind = parseEnum(kOptimizerKindNames, name, "optimizer");
     o.momentum = name == "sgd" ? 0.9 : 0.0;
     o.dampening = name == "sgd" ? 0.3 : 0.0;  // torch's first momentum step skips dampening
     const auto grads = makeGrads(6, 21);
@@ -199,14 +199,15 @@ TEST(ShardedOptimizerTest, StateEntriesRestoreEverythingAStepNeeds) {
 }
 
 TEST(ShardedOptimizerTest, BadOptionsAreConfigErrors) {
+  EXPECT_THROW(parseEnum(kOptimizerKindNames, "lamb", "optim.name"), ConfigError);  // a name no optimizer has
   OptimizerOptions o;
-  o.name = "lamb";
+  o.lrScale["wte.*"] = -1.0;
   EXPECT_THROW(ShardedOptimizer{o}, ConfigError);
   o = {};
   o.beta1 = 1.0;
   EXPECT_THROW(ShardedOptimizer{o}, ConfigError);
   o = {};
-  o.name = "sgd";
+  o.kind = sharding::OptimizerKind::kSgd;
   o.nesterov = true;
   EXPECT_THROW(ShardedOptimizer{o}, ConfigError);
 }

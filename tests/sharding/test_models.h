@@ -121,7 +121,7 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
                                                                    std::vector<at::Tensor> decay,
                                                                    std::vector<at::Tensor> noDecay) {
   using namespace torch::optim;
-  if (o.name == "adamw") {
+  if (o.kind == sharding::OptimizerKind::kAdamW) {
     auto opts = AdamWOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
     zero.weight_decay(0);
@@ -129,7 +129,7 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
         OptimizerParamGroup(decay, std::make_unique<AdamWOptions>(opts)),
         OptimizerParamGroup(noDecay, std::make_unique<AdamWOptions>(zero))});
   }
-  if (o.name == "adam") {
+  if (o.kind == sharding::OptimizerKind::kAdam) {
     auto opts = AdamOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
     zero.weight_decay(0);

@@ -157,7 +157,7 @@ TEST(LibraryApiTest, TorchAdamWOverTwoGroupsUnderEveryStrategyEqualsOneProcess) 
       sharding::testing::useOneThread();
       sharding::Unit<Net> net = makeNet();
       sharding::StrategyOptions options;
-      options.strategy = strategy;
+      options.strategy = sharding::parseStrategyKind(strategy);
       options.fullyShard.shardSize = 2;  // hybrid: two groups of two
       auto engine = sharding::makeStrategy(*net, ctx.comm(), options);
       auto adamw = twoGroupAdamW(*engine);

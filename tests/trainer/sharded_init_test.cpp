@@ -67,7 +67,7 @@ std::unique_ptr<sharding::ShardingStrategy> shardModel(torch::nn::Module& model,
                                                        const std::string& strategy, int shardSize,
                                                        test::RankContext& ctx) {
   sharding::StrategyOptions o;
-  o.strategy = strategy;
+  o.strategy = sharding::parseStrategyKind(strategy);
   o.fullyShard.shardSize = shardSize;
   o.initializer = layers::initializerOf(model, kSeed);
   return sharding::makeStrategy(model, ctx.comm(), o);
@@ -225,11 +225,11 @@ TEST(ShardedInitTest, DeferredWithoutInitializerAndHeldParametersAreErrors) {
   test::runOnRanks(1, [](test::RankContext& ctx) {
     auto model = makeModel(mlpOptions());
     sharding::StrategyOptions o;
-    o.strategy = "zero3";
+    o.strategy = sharding::StrategyKind::kZero3;
     EXPECT_THROW(sharding::makeStrategy(*model, ctx.comm(), o), ConfigError);
     o.initializer = layers::initializerOf(*model, kSeed);
     auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
-    o.strategy = "no_shard";
+    o.strategy = sharding::StrategyKind::kNoShard;
     try {
       sharding::makeStrategy(*model, ctx.comm(), o);
       ADD_FAILURE() << "a second strategy over the same parameters";

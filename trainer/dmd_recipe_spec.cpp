@@ -1,0 +1,89 @@
+// The dmd recipe's configuration (recipe_spec.h, dmd_recipe.h): a generator and a critic
+// trained against a frozen teacher, all denoisers on one noise schedule.
+#include <algorithm>
+
+#include "common/config.h"
+#include "common/errors.h"
+#include "trainer/recipe_spec.h"
+#include "trainer/train_config.h"
+
+namespace tessera::trainer {
+namespace {
+
+constexpr const char* kRoles[] = {"generator", "critic", "teacher"};
+
+// The schema of models: entry i (where its keys were set).
+const config::ConfigSchema& entrySchema(const config::ConfigSchema& schema, size_t i) {
+  return *schema.entries("models").at(i).second;
+}
+
+void checkRoles(const config::ConfigSchema& schema, const TrainConfig& c) {
+  std::string have;
+  for (const ModelEntry& m : c.models) have += (have.empty() ? "" : ", ") + m.name;
+  for (const char* role : kRoles) {
+    auto m = std::find_if(c.models.begin(), c.models.end(), [&](const ModelEntry& e) { return e.name == role; });
+    if (c.singleModelForm || m == c.models.end()) {
+      throw ConfigError(schema.errorMessage("run.recipe", strCat("dmd needs a model named '", role, "' under models: (the "
+                                                                 "config has: ", c.singleModelForm ? "none" : have, ")")));
+    }
+    const config::ConfigSchema& entry = entrySchema(schema, static_cast<size_t>(m - c.models.begin()));
+    const std::string p = strCat("models.", role, ".");
+    if (m->model.arch != "diffusion") {
+      throw ConfigError(entry.errorMessage(p + "arch", strCat("dmd's ", role, " is a denoiser: arch diffusion, not ",
+                                                              m->model.arch)));
+    }
+    const bool teacher = std::string(role) == "teacher";
+    if (m->trainable == teacher) {
+      throw ConfigError(entry.errorMessage(p + "trainable", teacher ? "dmd's teacher is frozen: trainable false"
+                                                                    : strCat("dmd trains its ", role, ": trainable true")));
+    }
+  }
+  for (size_t i = 0; i < c.models.size(); ++i) {
+    const std::string& name = c.models[i].name;
+    if (std::none_of(std::begin(kRoles), std::end(kRoles), [&](const char* r) { return name == r; })) {
+      throw ConfigError(entrySchema(schema, i).errorMessage(
+          "models." + name + ".trainable",
+          strCat("dmd trains generator, critic and teacher; '", name, "' would never be used: remove it")));
+    }
+  }
+}
+
+void validateDmd(const config::ConfigSchema& schema, const TrainConfig& c) {
+  checkRoles(schema, c);
+  const ModelEntry& generator =
+      *std::find_if(c.models.begin(), c.models.end(), [](const ModelEntry& e) { return e.name == "generator"; });
+  // One noise schedule: the critic's and the teacher's estimates are compared at the
+  // generator's timesteps.
+  for (size_t i = 0; i < c.models.size(); ++i) {
+    const ModelOptions& m = c.models[i].model;
+    if (m.timesteps != generator.model.timesteps || m.beta_start != generator.model.beta_start ||
+        m.beta_end != generator.model.beta_end) {
+      throw ConfigError(entrySchema(schema, i).errorMessage(
+          "models." + c.models[i].name + ".timesteps",
+          "timesteps, beta_start and beta_end must be the generator's (dmd compares the models' estimates at the "
+          "same noise levels)"));
+    }
+  }
+  if (c.recipe.min_t >= c.recipe.max_t) {
+    throw ConfigError(schema.errorMessage("recipe.min_t", strCat(c.recipe.min_t, " is not below recipe.max_t (",
+                                                                 c.recipe.max_t, ")")));
+  }
+  if (c.recipe.regression_weight > 0 && c.recipe.pair_steps > generator.model.timesteps) {
+    throw ConfigError(schema.errorMessage("recipe.pair_steps", strCat(c.recipe.pair_steps, " is more than the teacher's ",
+                                                                      generator.model.timesteps, " timesteps")));
+  }
+}
+
+// The critic takes recipe.critic_steps updates per run step, and the run that saved a
+// checkpoint may have had more than this one.
+int64_t maxUpdates(const std::string& model) { return model == "critic" ? RecipeOptions::kMaxCriticSteps : 1; }
+
+}  // namespace
+
+const RecipeSpec& dmdRecipeSpec() {
+  static const RecipeSpec spec{"dmd", "distribution-matching distillation of the models generator, critic and teacher",
+                               validateDmd, maxUpdates};
+  return spec;
+}
+
+}  // namespace tessera::trainer
