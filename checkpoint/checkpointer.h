@@ -1,41 +1,18 @@
 // Checkpointer: collective sharded save with an atomic commit, optional async writing,
-// and keep_last retention (docs/checkpoint.md).
-//
-// Layout under a run's checkpoints directory:
-//   step_00000100/   metadata.json, trainer_state.json, rank_0000R.bin (see metadata.h)
-//   latest           "step_00000100\n", replaced atomically after the step is durable
+// and keep_last retention. What a save writes (docs/checkpoint.md, "On disk"):
+//   step_00000100/      metadata.json, trainer_state.json, rank_0000R.bin (see metadata.h)
+//   latest              "step_00000100\n", replaced atomically after the step is durable
 //   step_00000200.tmp/  a save in progress, or the remains of one that crashed: never
 //                       loaded, removed by the next save
-//
-// Commit protocol (one save):
-//   1. every rank waits for its own previous save (at most one in flight);
-//   2. rank 0, if its previous save committed (so no rank still writes into a *.tmp),
-//      removes stale *.tmp directories and creates step_N.tmp/;
-//   3. one all-reduce, overlapped with the staging copy of step 4, agrees whether any
-//      rank's previous save failed or rank 0 could not prepare step_N.tmp; if so every
-//      rank throws (an async failure is never lost);
-//   4. every rank stages the real rows of its entries (async, or device tensors: copies
-//      into StagingBuffers allocated by the first save and reused, pinned for CUDA; sync
-//      on the CPU: the tensors themselves), then writes them to step_N.tmp/rank_R.bin one
-//      block at a time (XXH3 checksum, write, and every 8 MiB the disk started on what
-//      is written), fsyncs it, and publishes its chunk table as rank_R.json (write,
-//      fsync, rename); on failure it writes rank_R.error with the message instead;
-//   5. rank 0 waits (polling, CheckpointOptions::commitTimeout) for every rank's .json or
-//      .error, merges the chunk tables, validates the result, writes trainer_state.json,
-//      then metadata.json LAST, fsyncs, renames step_N.tmp -> step_N, fsyncs the parent,
-//      replaces `latest`, and only then deletes checkpoints beyond keep_last.
-// The writing of step 4 and step 5 run on the calling thread (sync) or on one background
-// writer thread per rank (async: the training stall is steps 1-4's copy). The writer
-// threads issue no collective: the hand-off between ranks goes through the (shared)
-// filesystem, so training collectives and the writer never interleave on one
-// communicator. (An async writer only waits, with the communicator's timeout, for the
-// one-element all-reduce save() issued after the copy, so that it starts once every
-// rank has staged; a timeout there marks the communicator broken, as any would.) The directory must therefore be on a filesystem every rank sees (one
-// machine, or NFS/Lustre/GPFS for several).
-//
-// A crash at any point leaves either the previous checkpoints untouched plus an
-// ignored step_N.tmp, or a complete step_N (possibly newer than `latest`; resumeAuto
-// takes the newest complete step).
+// The commit protocol (docs/checkpoint.md, "Commit protocol"): every rank waits for its
+// previous save; rank 0 prepares step_N.tmp/; one all-reduce, overlapped with the
+// staging copy, agrees whether any rank's previous save failed; every rank writes its
+// rows to rank_R.bin (checksummed per block, fsynced) and publishes its chunk table as
+// rank_R.json (or rank_R.error); rank 0 merges them, writes metadata.json last, renames
+// step_N.tmp -> step_N and replaces `latest`, then applies keep_last. Writing runs on the
+// caller's thread (sync) or one writer thread per rank (async: the stall is the staging
+// copy); writers hand off through the shared filesystem, never through a collective. A
+// crash leaves the previous checkpoints plus an ignored step_N.tmp, or a complete step_N.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,33 +1,16 @@
 // ShardedModelEMAManager: exponential moving averages of a model's parameters, held as
-// shards that mirror the train model's sharding (docs/design.md, "EMA").
+// shards that mirror the train model's sharding (docs/design.md, "EMA"): every EMA tensor
+// has the ShardSpec of the live tensor it follows, so EMA memory per rank is 1/N of the
+// model under every strategy and the update needs no communication.
 //
-// Every EMA tensor has the ShardSpec of the live tensor it follows: the parameter's
-// shard under zero3/hybrid, or this rank's slice of a replicated parameter under the
-// optimizer's layout (no_shard/zero1/zero2). So EMA memory per rank is 1/N of the
-// model under every strategy, and the update needs no communication.
-//
-// Update (after the optimizer step; skipped when the optimizer skipped the step):
-//   e = d * e + (1 - d) * p     in the EMA dtype (fp32 by default)
-// Schedule, with k the number of updates applied so far (0 for the first):
-//   step < start_step:  e = p (the EMA copies the parameters; not counted as an update)
-//   warmup on:          d = min(decay, 1 - (1 + k / inv_gamma)^(-power))
-//   update_every = m:   updates only every m-th step, with d^m, so the time constant in
-//                       steps stays the same.
-// Several decays at once each get their own set of shards. Naming (used in checkpoints
-// and exports): the first decay is "<prefix>" (default prefix "generator_ema"), and every
-// decay d is also reachable as "<prefix>_<d>" with d printed by %g, e.g.
-// "generator_ema_0.999". stateName(i) gives the canonical name of decay i.
-//
-// Power-function profiles (options.powerStds, for post-hoc EMA: ema/power_ema.h,
-// docs/ema.md) are further sets of shards after the decays ("profiles" counts both),
-// named "<prefix>_phema<sigma_rel>" (%g), e.g. "generator_ema_phema0.05". They update at
-// every applied optimizer step t with e = beta_t e + (1 - beta_t) p, beta_t =
-// (1 - 1/t)^(gamma + 1) (step 1 copies), and ignore start_step, update_every and warmup.
-//
-// Buffers (BatchNorm statistics) follow the model too, per options.buffers: copied at
-// every update, or averaged like the parameters (integer buffers are always copied).
-// ema/strategy_ema.h registers a strategy's parameters and buffers and runs evaluations
-// with the EMA swapped in.
+// Update (after the optimizer step; skipped when the optimizer skipped it), k the updates
+// applied so far: e = d * e + (1 - d) * p in the EMA dtype; before start_step e = p;
+// warmup: d = min(decay, 1 - (1 + k / inv_gamma)^(-power)); update_every m: every m-th
+// step, with d^m. Several decays each get their own shards, named "<prefix>" (the first)
+// and "<prefix>_<d>" (%g); power-function profiles for post-hoc EMA (options.powerStds,
+// docs/ema.md) are further shards, "<prefix>_phema<sigma_rel>". Buffers follow the model,
+// copied or averaged (options.buffers). It is a Stateful component of a checkpoint (its
+// profiles and its update count); ema/strategy_ema.h makes it follow a strategy.
 #pragma once
 
 #include <ATen/ATen.h>

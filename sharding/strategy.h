@@ -1,49 +1,19 @@
-// ShardingStrategy: the one interface every data-parallel strategy implements
-// (no_shard, zero1, zero2 in data_parallel.h; zero3 and hybrid in fully_shard.h), and the
-// parts of a training step they all share (docs/design.md, "Sharding").
+// ShardingStrategy: the one interface every data-parallel strategy implements (no_shard,
+// zero1, zero2 in data_parallel.h; zero3 and hybrid in fully_shard.h) and the parts of a
+// step they share. The design — records, initialisation, the step as a template method,
+// gradient averaging — is in docs/design.md, "Sharding".
 //
-// A strategy owns one ShardedParam record per parameter of its module (named as
-// module.named_parameters() names it; frozen ones included): the ShardSpec over the
-// strategy's state group, the fp32 master laid out by it, the gradient of the step, and
-// the module's tensor. The optimizer, the EMA, checkpoints and exports all reach a
-// parameter through its record. The module keeps computing with its own parameter
-// tensors, in `param dtype`; they are the same tensor objects for the whole run (their
-// data may be replaced once, at construction: cast to param dtype, or moved into padded
-// storage).
-//
-// Use, on every rank, in the same order:
+// A strategy owns one ShardedParam record per parameter of its module (frozen ones too):
+// the optimizer, the EMA, checkpoints and exports reach a parameter through it; it is a
+// Stateful component of a checkpoint (its fp32 masters and buffers). Use, on every rank,
+// in the same order:
 //
 //   auto strategy = makeStrategy(*model, comm, options);  // broadcasts rank 0's state
 //   for (...) {
 //     strategy->zeroGrad();
 //     loss(model->forward(localBatch)).backward();        // mean over the local batch
-//     StepResult r = strategy->step(schedule.lrAt(step)); // collective
+//     strategy->step(schedule.lrAt(step));                // or step(torchOptimizer); collective
 //   }
-//
-// Initialisation, two ways. A parameter with values (a model built in full) is made equal
-// on every rank by the constructor, which broadcasts rank 0's (so ranks that seeded
-// differently, or loaded different files, still start identical), one bucket at a time. A
-// deferred parameter (sharding/param_init.h: no storage yet) is materialised by the
-// strategy, which allocates only what this rank holds (zero3: its rows; the others: the
-// full tensor) and fills it with StrategyOptions::initializer; its values depend on
-// nothing else, so nothing is broadcast and no rank ever holds the whole model.
-//
-// step() is a template method: synchronizeGradients() (strategy specific: all-reduce,
-// reduce-scatter, or the flush of what zero3's backward hooks already reduced) sets every
-// record's `grad`, then the shared clip / non-finite check / optimizer step, then
-// publishParameters() (strategy specific: all-gather for zero1/2, a cast for replicated
-// mixed precision, nothing for zero3 whose next forward gathers), then the buffer
-// synchronisation.
-//
-// What a trainer needs beyond step() is virtual here, so no code outside sharding/ names
-// a concrete strategy: gradient synchronisation on or off for accumulation
-// (setRequiresGradientSync), evaluation with other values swapped in
-// (withSwappedParameters), and the rows each rank owns (ShardedParam::ownedSpec), which an
-// EMA follows.
-//
-// Gradient averaging: each rank's loss is the mean over its local batch, gradients are
-// averaged over ranks (divided by N exactly once), so equal local batches give the
-// gradient of the mean loss over the global batch.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,11 +1,10 @@
 // Units: the modules a zero3/hybrid strategy gathers before their forward and frees after
-// it, one at a time (what FSDP2's fully_shard(block) makes of a block).
-//
-// LibTorch modules have no forward hooks and a non-virtual forward(), so the model says
-// where its units are in its declarations, not in its forward: a submodule held as
-// sharding::Unit<Block> (several: sharding::UnitList<Block>) is an instance of Block whose
-// forward() runs the unit's lifecycle when a FullyShardStrategy holds it, and is a plain
-// call otherwise (any other strategy, or none). The forward body stays as it was:
+// it, one at a time (what FSDP2's fully_shard(block) makes of a block). LibTorch modules
+// have no forward hooks and a non-virtual forward(), so the model says where its units are
+// in its declarations: a submodule held as sharding::Unit<Block> (several:
+// sharding::UnitList<Block>) is an instance of Block whose forward() runs the unit's
+// lifecycle when a FullyShardStrategy holds it, and is a plain call otherwise. The forward
+// body stays as it was:
 //
 //   struct NetImpl : torch::nn::Module {
 //     NetImpl() { blocks = register_module("blocks", sharding::UnitList<Block>());
@@ -16,10 +15,9 @@
 //   sharding::Unit<Net> net;                       // the root is a unit too: net->forward(x)
 //   auto fsdp = sharding::fullyShard(*net, comm);  // sharding/fully_shard.h
 //
-// Parameter names are those of the plain modules ("blocks.0.fc.weight"). A unit's forward
-// may take tensors and other arguments, and return a tensor, a std::vector of tensors or a
-// std::tuple of tensors; non-tensor arguments are copied for an activation-checkpointing
-// recompute.
+// Parameter names are the plain modules' ("blocks.0.fc.weight"). A unit's forward takes
+// tensors and other arguments (copied for an activation-checkpointing recompute) and
+// returns a tensor, a std::vector or a std::tuple of tensors.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,38 +1,17 @@
-// Built-in models. Parameter names follow the equivalent PyTorch modules, so exported
-// weights load into a Python model with the same structure.
+// Built-in models: mlp (on token windows or tensors), gpt (a GPT-2-style decoder with
+// nanoGPT's names) and diffusion (the denoiser of diffusion.h). Parameter names follow the
+// equivalent PyTorch modules, so exported weights load into a Python model of the same
+// structure; each model, its parameters and its initial distributions are listed in
+// docs/design.md, "Built-in models".
 //
 // Every model is built from the deferred layers of layers.h: constructing it allocates no
-// parameter storage; a sharding strategy materialises what each rank holds and initialises
-// it (StrategyOptions::initializer = layers::initializerOf(model, run.seed)), and
-// initializeModel() does so in full for a single process. The initial values depend only
-// on run.seed and the parameter names. Initial distributions (U(-k, k) with k =
-// 1/sqrt(fan_in) is PyTorch's Linear default, N(0, 1) its Embedding's, LayerNorm weight 1
-// and bias 0):
-//   mlp        every Linear U(-k, k) (weight and bias), embed N(0, 1)
-//   diffusion  every Linear U(-k, k), LayerNorms 1 / 0
-//   gpt        GPT-2's: every Linear weight N(0, 0.02) but the residual projections
-//              (attn.c_proj, mlp.c_proj) N(0, 0.02 / sqrt(2 layers)), biases 0, wte and wpe
-//              N(0, 0.02), LayerNorms 1 / 0
-//
-// Every model is a TrainModel: it turns a Batch into the loss of each prediction; the
-// trainer averages them for training and sums them over the ranks for evaluation. The
-// zero3/hybrid units are the models' sharding::Unit members (the hidden layers, the blocks:
-// a plain call under the other strategies); the trainer enters a model's root through
-// sharding::unitForward.
-//
-// mlp on token data (data.kind text / tokens; a NextTokenModel): embed (Embedding vocab x
-//   embed_dim) -> flatten the window -> [Linear -> act] x len(hidden) -> Linear to vocab;
-//   cross-entropy of the next token. Parameters: embed.weight, layers.<i>.weight/bias,
-//   head.weight/bias. Units: the hidden layers ("layers.*").
-// mlp on tensor data (data.kind tensors): flatten the input -> [Linear -> act] x
-//   len(hidden) -> Linear to the classes (integer targets: cross-entropy) or to the target's
-//   size (float targets: mean-squared error). Parameters: layers.<i>.*, head.*.
-// diffusion: the denoiser of diffusion.h (its own noise-prediction loss).
-// gpt: a GPT-2-style decoder with nanoGPT's names: wte, wpe (learned positions), h.<i>
-//   pre-norm blocks (ln_1, attn.c_attn, attn.c_proj: causal self-attention with `heads`
-//   heads; ln_2, mlp.c_fc, mlp.c_proj: 4x GELU MLP), ln_f, lm_head (no bias; with
-//   tie_head the logits use wte.weight and there is no lm_head). forward() gives logits
-//   at every position; nextTokenLogits() the last one. Units: the blocks ("h.*").
+// parameter storage; a strategy materialises what each rank holds and initialises it
+// (StrategyOptions::initializer = layers::initializerOf(model, run.seed)), and
+// initializeModel() does so in full for a single process, so the initial values depend on
+// run.seed and the parameter names alone. Every model is a TrainModel: it turns a Batch
+// into the loss of each prediction, which the trainer averages for training and sums over
+// the ranks for evaluation. Its zero3/hybrid units are its sharding::Unit members (the
+// hidden layers, the blocks); the trainer enters its root through sharding::unitForward.
 #pragma once
 
 #include <torch/nn/module.h>

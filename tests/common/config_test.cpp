@@ -1,13 +1,14 @@
 // Tests of the config schema machinery: loading, overrides, and every error kind,
 // each checked for the key path and the YAML line:column it names.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
+#include <array>
 #include <cstdio>
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "common/config.h"
 #include "common/errors.h"
@@ -250,6 +251,86 @@ TEST_F(ConfigSchemaTest, ResolvedYamlRoundTrips) {
   EXPECT_EQ(copy.betas, o.betas);
   EXPECT_EQ(copy.dims, o.dims);
   EXPECT_EQ(second.toYaml(), yaml);
+}
+
+// Keys that are not one plain variable: an enum through its name table, two numbers
+// written as a list, a size written in MiB and held in bytes, an int, and a map. Each
+// loads, overrides, prints back as written, and refuses a bad value naming the key.
+TEST(ConfigTargetsTest, ChoicePairScaledIntAndMapBind) {
+  enum class Kind { kAlpha, kBeta };
+  constexpr std::array<EnumName<Kind>, 2> kKindNames = {{{"alpha", Kind::kAlpha}, {"beta", Kind::kBeta}}};
+  Kind kind = Kind::kAlpha;
+  double first = 0.9, second = 0.999;
+  int64_t bytes = 25 * 1024 * 1024;
+  int count = 1;
+  std::map<std::string, double> scales;
+  ConfigSchema schema;
+  schema.add("a.kind", choiceOf(&kind, kKindNames), "kind");
+  schema.add("a.betas", PairTarget{&first, &second}, "betas").min(0.0).lessThan(1.0);
+  schema.add("a.bucket_mb", ScaledTarget{&bytes, 1024.0 * 1024.0}, "bucket").greaterThan(0.0);
+  schema.add("a.count", &count, "count").min(0).max(16);
+  schema.add("a.scales", &scales, "scales").greaterThan(0.0);
+  EXPECT_NE(schema.toYaml().find("kind: alpha"), std::string::npos) << schema.toYaml();
+  EXPECT_NE(schema.toYaml().find("bucket_mb: 25"), std::string::npos) << schema.toYaml();
+
+  schema.loadString("a:\n  kind: beta\n  betas: [0.5, 0.75]\n  bucket_mb: 0.5\n  count: 3\n"
+                    "  scales: {\"wte.*\": 0.1, head.weight: 2}\n",
+                    "t.yaml");
+  EXPECT_EQ(kind, Kind::kBeta);
+  EXPECT_EQ(first, 0.5);
+  EXPECT_EQ(second, 0.75);
+  EXPECT_EQ(bytes, 512 * 1024);
+  EXPECT_EQ(count, 3);
+  EXPECT_EQ(scales, (std::map<std::string, double>{{"wte.*", 0.1}, {"head.weight", 2.0}}));
+  const std::string yaml = schema.toYaml();
+  EXPECT_NE(yaml.find("kind: beta"), std::string::npos) << yaml;
+  EXPECT_NE(yaml.find("betas: [0.5, 0.75]"), std::string::npos) << yaml;
+  EXPECT_NE(yaml.find("bucket_mb: 0.5"), std::string::npos) << yaml;
+
+  schema.applyOverride("a.kind=alpha");
+  EXPECT_EQ(kind, Kind::kAlpha);
+  schema.applyOverride("a.scales={x: 3}");
+  EXPECT_EQ(scales, (std::map<std::string, double>{{"x", 3.0}}));
+
+  EXPECT_NE(errorOf([&] { schema.applyOverride("a.kind=gamma"); }).find("a.kind: 'gamma' is not one of: alpha, beta"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("a.betas=[0.5]"); }).find("a.betas: expected 2 elements, got 1"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("a.betas=[0.5, 1.5]"); }).find("a.betas[1]: value 1.5 is out of range"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("a.bucket_mb=0"); }).find("a.bucket_mb: value 0 is out of range"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("a.count=17"); }).find("a.count: value 17 is out of range"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("a.count=99999999999"); }).find("does not fit an int"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("a.scales={x: -1}"); }).find("a.scales.x: value -1 is out of range"),
+            std::string::npos);
+  EXPECT_NE(errorOf([&] { schema.applyOverride("a.scales=[1, 2]"); }).find("expected a mapping of names to numbers"),
+            std::string::npos);
+
+  // The docs name the closed set.
+  for (const FieldInfo& f : schema.fields()) {
+    if (f.path == "a.kind") EXPECT_EQ(f.constraint, "one of: alpha, beta");
+  }
+}
+
+// An entry inherits a choice and a pair from the top level like any key.
+TEST(ConfigTargetsTest, ChoicesAndPairsInherit) {
+  enum class Kind { kAlpha, kBeta };
+  constexpr std::array<EnumName<Kind>, 2> kKindNames = {{{"alpha", Kind::kAlpha}, {"beta", Kind::kBeta}}};
+  Kind top = Kind::kBeta, entry = Kind::kAlpha;
+  double t1 = 0.1, t2 = 0.2, e1 = 0, e2 = 0;
+  ConfigSchema defaults, child;
+  defaults.add("x.kind", choiceOf(&top, kKindNames), "kind");
+  defaults.add("x.pair", PairTarget{&t1, &t2}, "pair");
+  child.add("m.x.kind", choiceOf(&entry, kKindNames), "kind");
+  child.add("m.x.pair", PairTarget{&e1, &e2}, "pair");
+  defaults.loadString("x:\n  kind: beta\n", "d.yaml");
+  child.inheritUnset(defaults, [](const std::string& key) { return key.substr(2); });
+  EXPECT_EQ(entry, Kind::kBeta);
+  EXPECT_EQ(e1, 0.1);
+  EXPECT_EQ(e2, 0.2);
 }
 
 TEST(EditDistanceTest, Basics) {

@@ -4,6 +4,9 @@
 // sizes 1-4 and shapes that do not divide evenly (including fewer rows than ranks).
 #include <gtest/gtest.h>
 
+#include <map>
+#include <utility>
+
 #include "common/errors.h"
 #include "sharding/sharded_optimizer.h"
 #include "tests/sharding/test_models.h"
@@ -29,6 +32,24 @@ std::vector<std::vector<at::Tensor>> makeGrads(int steps, uint64_t seed) {
   return out;
 }
 
+// torch::optim AdamW over the parameter groups `o` makes of parameters p0, p1, ...: one
+// group per (weight decay, learning-rate scale) the parameters have under `o`.
+std::unique_ptr<torch::optim::Optimizer> referenceGroups(const OptimizerOptions& o, double lr,
+                                                         const std::vector<at::Tensor>& params) {
+  std::map<std::pair<bool, double>, std::vector<at::Tensor>> groups;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string name = "p" + std::to_string(i);
+    groups[{decays(o, name, params[i].sizes().vec()), lrScaleOf(o, name)}].push_back(params[i]);
+  }
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  for (const auto& [key, members] : groups) {
+    auto options = torch::optim::AdamWOptions(lr * key.second).betas({o.beta1, o.beta2}).eps(o.eps);
+    options.weight_decay(key.first ? o.weightDecay : 0.0);
+    out.emplace_back(members, std::make_unique<torch::optim::AdamWOptions>(options));
+  }
+  return std::make_unique<torch::optim::AdamW>(std::move(out));
+}
+
 void expectParity(const OptimizerOptions& o, double lr) {
   const int kSteps = 20;
   const auto grads = makeGrads(kSteps, 11);
@@ -39,7 +60,8 @@ void expectParity(const OptimizerOptions& o, double lr) {
     p.set_requires_grad(true);
     (defaultDecays(p.sizes().vec()) ? decay : noDecay).push_back(p);
   }
-  auto ref = testing::referenceOptimizer(o, lr, decay, noDecay);
+  const bool groups = !o.noDecay.empty() || !o.lrScale.empty();
+  auto ref = groups ? referenceGroups(o, lr, full) : testing::referenceOptimizer(o, lr, decay, noDecay);
   for (int t = 0; t < kSteps; ++t) {
     for (size_t i = 0; i < full.size(); ++i) full[i].mutable_grad() = grads[t][i].clone();
     ref->step();
@@ -58,7 +80,7 @@ void expectParity(const OptimizerOptions& o, double lr) {
         p.name = "p" + std::to_string(i);
         p.spec = ShardSpec(init[i].sizes().vec(), at::kFloat, world, r);
         p.master = p.spec.shardOf(init[i]);
-        optimizers[r].addParam(p, defaultDecays(init[i].sizes().vec()));
+        optimizers[r].addParam(p, decays(o, p.name, init[i].sizes().vec()), lrScaleOf(o, p.name));
       }
     }
     for (int t = 0; t < kSteps; ++t) {
@@ -115,6 +137,22 @@ TEST(ShardedOptimizerTest, SgdNesterovMatchesTorchOptim) {
   o.nesterov = true;
   o.weightDecay = 0.0;
   expectParity(o, 0.05);
+}
+
+// optim.no_decay and optim.lr_scale: a 2-D parameter taken out of weight decay, others
+// with their own learning rates, equal torch's AdamW over the same parameter groups.
+TEST(ShardedOptimizerTest, ParameterGroupsMatchTorchOptimGroups) {
+  OptimizerOptions o;
+  o.kind = sharding::OptimizerKind::kAdamW;
+  o.weightDecay = 0.2;
+  o.noDecay = {"p0"};                          // [7, 5]: would decay by default
+  o.lrScale = {{"p2", 3.0}, {"p[15]", 0.5}};   // [2, 3, 2] faster; [3] and [10] slower
+  EXPECT_FALSE(decays(o, "p0", {7, 5}));
+  EXPECT_TRUE(decays(o, "p2", {2, 3, 2}));
+  EXPECT_FALSE(decays(o, "p1", {3}));          // 1-D: never
+  EXPECT_DOUBLE_EQ(lrScaleOf(o, "p5"), 0.5);
+  EXPECT_DOUBLE_EQ(lrScaleOf(o, "p3"), 1.0);
+  expectParity(o, 1e-2);
 }
 
 TEST(ShardedOptimizerTest, StatesShareTheParamSpecAndSplitMemory) {

@@ -1,0 +1,107 @@
+// The run config binds the library's own option structs: a key lands in the field the
+// library reads (no mirror struct in between), closed sets are enums, the single-model
+// form is the one entry of TrainConfig::models, and each recipe's spec answers what the
+// recipe asks of the config.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <string>
+
+#include "common/errors.h"
+#include "tests/support/scratch_path.h"
+#include "trainer/recipe_spec.h"
+#include "trainer/train_config.h"
+
+namespace tessera::trainer {
+namespace {
+
+const std::string kConfigs = std::string(TESSERA_SOURCE_DIR) + "/configs";
+
+std::string writeConfig(const std::string& text) {
+  const std::string path = test::scratchPath("tessera_train_config", "run.yaml");
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(TrainConfigTest, KeysLandInTheLibrarysOptionStructs) {
+  const auto loaded = loadTrainConfig(kConfigs + "/default.yaml",
+                                      {"sharding.strategy=zero2", "sharding.bucket_mb=0.5", "sharding.prefetch=3",
+                                       "sharding.param_dtype=bf16", "optim.name=adam", "optim.betas=[0.8, 0.95]",
+                                       "optim.no_decay=[embed.*]", "optim.lr_scale={head.*: 2.5}", "ema.dtype=bf16",
+                                       "ema.buffers=average", "checkpoint.export_dtype=fp16"},
+                                      2);
+  const TrainConfig& c = loaded.config;
+  ASSERT_EQ(c.models.size(), 1u);
+  const ModelEntry& m = c.models.front();
+  EXPECT_EQ(m.sharding.strategy, sharding::StrategyKind::kZero2);
+  EXPECT_EQ(m.sharding.bucketBytes, 512 * 1024);
+  EXPECT_EQ(m.sharding.fullyShard.prefetch, 3);
+  EXPECT_EQ(m.sharding.paramDtype, at::kBFloat16);
+  EXPECT_EQ(m.sharding.gradClip, 1.0);  // optim.grad_clip of default.yaml
+  EXPECT_EQ(m.sharding.optimizer.kind, sharding::OptimizerKind::kAdam);
+  EXPECT_EQ(m.sharding.optimizer.beta1, 0.8);
+  EXPECT_EQ(m.sharding.optimizer.beta2, 0.95);
+  EXPECT_EQ(m.sharding.optimizer.noDecay, std::vector<std::string>{"embed.*"});
+  EXPECT_EQ(m.sharding.optimizer.lrScale.at("head.*"), 2.5);
+  EXPECT_FALSE(sharding::decays(m.sharding.optimizer, "embed.weight", {256, 32}));
+  EXPECT_EQ(m.schedule.baseLr, 3e-3);
+  EXPECT_EQ(m.schedule.kind, sharding::ScheduleKind::kCosine);
+  EXPECT_EQ(m.schedule.totalSteps, 300);  // run.steps
+  EXPECT_EQ(m.ema.options.dtype, at::kBFloat16);
+  EXPECT_EQ(m.ema.options.buffers, ema::EmaBuffers::kAverage);
+  EXPECT_EQ(c.checkpoint.export_dtype, at::kHalf);
+  // Enums print by their names.
+  EXPECT_NE(loaded.resolvedYaml.find("strategy: zero2"), std::string::npos) << loaded.resolvedYaml;
+  EXPECT_NE(loaded.resolvedYaml.find("bucket_mb: 0.5"), std::string::npos) << loaded.resolvedYaml;
+  EXPECT_NE(loaded.resolvedYaml.find("lr_scale: {head.*: 2.5}"), std::string::npos) << loaded.resolvedYaml;
+}
+
+// The single-model form is one entry, named for the state it always had; the MLP's EMA
+// is named after its model, a diffusion model's keeps generator_ema.
+TEST(TrainConfigTest, SingleModelFormIsOneEntryWithItsNames) {
+  const TrainConfig mlp = loadTrainConfig(kConfigs + "/default.yaml", {}, 2).config;
+  EXPECT_TRUE(mlp.singleModelForm);
+  const ModelEntry& m = mlp.models.front();
+  EXPECT_EQ(m.name, "model");
+  EXPECT_EQ(m.names.weights, "model");
+  EXPECT_EQ(m.names.optimizer, "optim");
+  EXPECT_EQ(m.names.ema, "model_ema");
+  EXPECT_EQ(m.names.formerEma, "generator_ema");
+  EXPECT_EQ(m.ema.options.prefix, "model_ema");
+  const TrainConfig diffusion = loadTrainConfig(kConfigs + "/diffusion.yaml", {}, 2).config;
+  EXPECT_EQ(diffusion.models.front().names.ema, "generator_ema");
+  EXPECT_EQ(diffusion.models.front().names.formerEma, "");
+  const TrainConfig distill = loadTrainConfig(kConfigs + "/distill.yaml", {}, 2).config;
+  EXPECT_FALSE(distill.singleModelForm);
+  ASSERT_EQ(distill.models.size(), 3u);
+  EXPECT_EQ(distill.models[1].names.optimizer, "optim/critic");
+  EXPECT_EQ(distill.models[1].sharding.strategy, sharding::StrategyKind::kZero2);
+  EXPECT_EQ(distill.models[1].schedule.baseLr, 4e-4);                  // its own
+  EXPECT_EQ(distill.models[1].sharding.optimizer.beta1, 0.0);          // inherited from optim.betas
+  EXPECT_FALSE(distill.models[2].hasEma());                            // the frozen teacher
+}
+
+TEST(TrainConfigTest, RecipesOwnTheirSpecs) {
+  EXPECT_EQ(recipeSpec("dmd").maxUpdatesPerRunStep("critic"), RecipeOptions::kMaxCriticSteps);
+  EXPECT_EQ(recipeSpec("dmd").maxUpdatesPerRunStep("generator"), 1);
+  EXPECT_EQ(recipeSpec("standard").maxUpdatesPerRunStep("model"), 1);
+  EXPECT_THROW(recipeSpec("gan"), ConfigError);
+  // The standard recipe refuses a models: map; dmd refuses the single-model form.
+  const std::string models = writeConfig("data: {path: /usr/share/common-licenses/GPL-3}\n"
+                                         "models: {a: {arch: mlp}}\n");
+  try {
+    loadTrainConfig(models, {}, 1);
+    FAIL() << "a models: map under run.recipe standard was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("standard trains the single model"), std::string::npos) << e.what();
+  }
+  try {
+    loadTrainConfig(kConfigs + "/diffusion.yaml", {"run.recipe=dmd"}, 1);
+    FAIL() << "dmd without models was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("dmd needs a model named 'generator'"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tessera::trainer
