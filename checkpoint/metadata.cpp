@@ -168,11 +168,10 @@ std::string toJson(const CheckpointMetadata& m) {
   return j.dump(1) + "\n";
 }
 
-CheckpointMetadata parseMetadata(const std::string& text, const std::string& source) {
-  if (static_cast<int64_t>(text.size()) > kMaxJsonBytes) throw CheckpointError(strCat(source, ": too large"));
-  const Json j = detail::parseJson(text, source);
-  asObject(j, source);
-  CheckpointMetadata m;
+namespace {
+
+// format, version, step, world_size, strategy and the checksum settings.
+void parseMetadataHead(const Json& j, const std::string& source, CheckpointMetadata& m) {
   const std::string format = asString(member(j, "format", source), source + ".format", 64);
   if (format != kFormatName) throw CheckpointError(strCat(source, ": format '", format, "' is not ", kFormatName));
   m.version = static_cast<int>(asInt(member(j, "version", source), source + ".version", 1, 1000));
@@ -187,7 +186,10 @@ CheckpointMetadata parseMetadata(const std::string& text, const std::string& sou
   if (algo != kChecksumAlgorithm) throw CheckpointError(strCat(source, ": unknown checksum algorithm '", algo, "'"));
   m.blockBytes = asInt(member(cs, "block_bytes", source + ".checksum"), source + ".checksum.block_bytes", 8, kMaxBlockBytes);
   if (m.blockBytes % 8 != 0) throw CheckpointError(strCat(source, ": block_bytes ", m.blockBytes, " is not a multiple of 8"));
+}
 
+// trainer_state (its file, size and checksum), rank_states (one per rank) and aliases.
+void parseMetadataStates(const Json& j, const std::string& source, CheckpointMetadata& m) {
   const Json& ts = asObject(member(j, "trainer_state", source), source + ".trainer_state");
   m.trainerState.name = asString(member(ts, "file", source + ".trainer_state"), source + ".trainer_state.file", 255);
   checkFileName(m.trainerState.name, source + ".trainer_state.file");
@@ -207,7 +209,10 @@ CheckpointMetadata parseMetadata(const std::string& text, const std::string& sou
       m.aliases[k] = asString(v, strCat(source, ".aliases.", k), 4096);
     }
   }
+}
 
+// The data files, each listed once; returns their sizes by name.
+std::map<std::string, int64_t> parseMetadataFiles(const Json& j, const std::string& source, CheckpointMetadata& m) {
   std::map<std::string, int64_t> fileBytes;
   const Json& files = asArray(member(j, "files", source), source + ".files");
   for (size_t i = 0; i < files.size(); ++i) {
@@ -219,7 +224,40 @@ CheckpointMetadata parseMetadata(const std::string& text, const std::string& sou
     if (!fileBytes.emplace(f.name, f.bytes).second) throw CheckpointError(strCat(where, ": file '", f.name, "' listed twice"));
     m.files.push_back(f);
   }
+  return fileBytes;
+}
 
+// A tensor's chunks: each of a rank in the world and inside a listed file, together
+// covering the tensor's rows once, in order.
+void parseTensorChunks(const Json& tensor, const std::string& tw, const CheckpointMetadata& m,
+                       const std::map<std::string, int64_t>& fileBytes, TensorInfo& t) {
+  const Json& chunks = asArray(member(tensor, "chunks", tw), tw + ".chunks");
+  int64_t nextRow = 0;
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    const std::string cw = strCat(tw, " chunk ", k);
+    ChunkInfo c = parseChunk(chunks[k], t, m.blockBytes, cw);
+    if (c.rank >= m.worldSize) throw CheckpointError(strCat(cw, ": rank ", c.rank, " of world size ", m.worldSize));
+    auto f = fileBytes.find(c.file);
+    if (f == fileBytes.end()) throw CheckpointError(strCat(cw, ": file '", c.file, "' is not in the file list"));
+    if (c.offset + c.length > f->second) {
+      throw CheckpointError(strCat(cw, ": bytes [", c.offset, ", ", c.offset + c.length, ") lie outside ", c.file, " (",
+                                   f->second, " bytes)"));
+    }
+    if (c.rowBegin != nextRow) {
+      throw CheckpointError(strCat(cw, ": rows [", c.rowBegin, ", ", c.rowEnd, ") do not start at row ", nextRow,
+                                   " (chunks must cover the rows once, in order)"));
+    }
+    nextRow = c.rowEnd;
+    t.chunks.push_back(std::move(c));
+  }
+  if (nextRow != t.rows()) {
+    throw CheckpointError(strCat(tw, ": chunks cover rows [0, ", nextRow, ") of ", t.rows()));
+  }
+}
+
+// The tensors, each listed once, with their chunks.
+void parseMetadataTensors(const Json& j, const std::string& source, const std::map<std::string, int64_t>& fileBytes,
+                          CheckpointMetadata& m) {
   std::set<std::string> names;
   const Json& tensors = asArray(member(j, "tensors", source), source + ".tensors");
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -227,30 +265,22 @@ CheckpointMetadata parseMetadata(const std::string& text, const std::string& sou
     TensorInfo t = parseTensorHead(tensors[i], where);
     const std::string tw = strCat(source, ": tensor '", t.name, "'");
     if (!names.insert(t.name).second) throw CheckpointError(strCat(tw, " is listed twice"));
-    const Json& chunks = asArray(member(tensors[i], "chunks", tw), tw + ".chunks");
-    int64_t nextRow = 0;
-    for (size_t k = 0; k < chunks.size(); ++k) {
-      const std::string cw = strCat(tw, " chunk ", k);
-      ChunkInfo c = parseChunk(chunks[k], t, m.blockBytes, cw);
-      if (c.rank >= m.worldSize) throw CheckpointError(strCat(cw, ": rank ", c.rank, " of world size ", m.worldSize));
-      auto f = fileBytes.find(c.file);
-      if (f == fileBytes.end()) throw CheckpointError(strCat(cw, ": file '", c.file, "' is not in the file list"));
-      if (c.offset + c.length > f->second) {
-        throw CheckpointError(strCat(cw, ": bytes [", c.offset, ", ", c.offset + c.length, ") lie outside ", c.file, " (",
-                                     f->second, " bytes)"));
-      }
-      if (c.rowBegin != nextRow) {
-        throw CheckpointError(strCat(cw, ": rows [", c.rowBegin, ", ", c.rowEnd, ") do not start at row ", nextRow,
-                                     " (chunks must cover the rows once, in order)"));
-      }
-      nextRow = c.rowEnd;
-      t.chunks.push_back(std::move(c));
-    }
-    if (nextRow != t.rows()) {
-      throw CheckpointError(strCat(tw, ": chunks cover rows [0, ", nextRow, ") of ", t.rows()));
-    }
+    parseTensorChunks(tensors[i], tw, m, fileBytes, t);
     m.tensors.push_back(std::move(t));
   }
+}
+
+}  // namespace
+
+CheckpointMetadata parseMetadata(const std::string& text, const std::string& source) {
+  if (static_cast<int64_t>(text.size()) > kMaxJsonBytes) throw CheckpointError(strCat(source, ": too large"));
+  const Json j = detail::parseJson(text, source);
+  asObject(j, source);
+  CheckpointMetadata m;
+  parseMetadataHead(j, source, m);
+  parseMetadataStates(j, source, m);
+  const std::map<std::string, int64_t> fileBytes = parseMetadataFiles(j, source, m);
+  parseMetadataTensors(j, source, fileBytes, m);
   return m;
 }
 

@@ -38,20 +38,79 @@ const SafetensorsEntry* SafetensorsHeader::find(const std::string& name) const {
   return nullptr;
 }
 
-SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64_t fileSize, const std::string& source) {
+namespace {
+
+// The header's JSON text: its 8-byte little-endian length checked against the bytes read
+// and the file's size; sets h.headerBytes.
+std::string readHeaderText(const uint8_t* data, size_t size, int64_t fileSize, const std::string& source,
+                           SafetensorsHeader& h) {
   if (size < 8 || fileSize < 8) throw CheckpointError(strCat(source, ": shorter than the 8-byte header length"));
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | data[i];
   if (n < 2 || n > static_cast<uint64_t>(kMaxSafetensorsHeader)) {
     throw CheckpointError(strCat(source, ": header length ", n, " is outside [2, ", kMaxSafetensorsHeader, "]"));
   }
-  SafetensorsHeader h;
   h.headerBytes = static_cast<int64_t>(n);
   if (h.dataOffset() > fileSize) {
     throw CheckpointError(strCat(source, ": header of ", n, " bytes runs past the end of the file (", fileSize, " bytes)"));
   }
   if (static_cast<int64_t>(size) < h.dataOffset()) throw CheckpointError(strCat(source, ": header not fully read"));
-  const std::string text(reinterpret_cast<const char*>(data) + 8, static_cast<size_t>(n));
+  return std::string(reinterpret_cast<const char*>(data) + 8, static_cast<size_t>(n));
+}
+
+// One tensor's entry: only dtype, shape and data_offsets, whose range lies in the data
+// section and holds exactly the shape's bytes.
+SafetensorsEntry parseTensorEntry(const std::string& name, const Json& v, int64_t dataBytes, const std::string& where) {
+  asObject(v, where);
+  for (const auto& [k, unused] : v.items()) {
+    (void)unused;
+    if (k != "dtype" && k != "shape" && k != "data_offsets") throw CheckpointError(strCat(where, ": unknown key '", k, "'"));
+  }
+  SafetensorsEntry e;
+  e.name = name;
+  e.dtype = parseDtypeName(asString(detail::member(v, "dtype", where), where + ".dtype", 16), where);
+  int64_t nbytes = dtypeBytes(e.dtype);
+  const Json& shape = asArray(detail::member(v, "shape", where), where + ".shape");
+  if (shape.size() > 64) throw CheckpointError(strCat(where, ": shape has ", shape.size(), " dims"));
+  for (const auto& d : shape) {
+    e.shape.push_back(asInt(d, where + ".shape", 0));
+    nbytes = checkedMul(nbytes, e.shape.back(), where + ".shape");
+  }
+  const Json& off = asArray(detail::member(v, "data_offsets", where), where + ".data_offsets");
+  if (off.size() != 2) throw CheckpointError(strCat(where, ": data_offsets must be [begin, end]"));
+  e.begin = asInt(off[0], where + ".data_offsets", 0, dataBytes);
+  e.end = asInt(off[1], where + ".data_offsets", e.begin, dataBytes);
+  if (e.end - e.begin != nbytes) {
+    throw CheckpointError(strCat(where, ": data_offsets [", e.begin, ", ", e.end, ") hold ", e.end - e.begin,
+                                 " bytes, but shape ", at::IntArrayRef(e.shape), " of ", dtypeName(e.dtype), " needs ", nbytes));
+  }
+  return e;
+}
+
+// Sorts the tensors by data offset and checks that they tile the data section: no
+// overlap, no hole, nothing left over.
+void checkDataCovered(std::vector<SafetensorsEntry>& tensors, int64_t dataBytes, const std::string& source) {
+  std::sort(tensors.begin(), tensors.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  int64_t next = 0;
+  for (const auto& e : tensors) {
+    if (e.begin != next) {
+      throw CheckpointError(strCat(source, ": tensor '", e.name, "' starts at data offset ", e.begin, ", expected ", next,
+                                   e.begin < next ? " (overlap)" : " (hole)"));
+    }
+    next = e.end;
+  }
+  if (next != dataBytes) {
+    throw CheckpointError(strCat(source, ": tensors cover ", next, " bytes of a ", dataBytes, "-byte data section"));
+  }
+}
+
+}  // namespace
+
+SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64_t fileSize, const std::string& source) {
+  SafetensorsHeader h;
+  const std::string text = readHeaderText(data, size, fileSize, source, h);
   if (text[0] != '{') throw CheckpointError(strCat(source, ": header does not start with '{'"));
   const Json j = detail::parseJson(text, source + " header", 8);
   asObject(j, source + " header");
@@ -63,46 +122,9 @@ SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64
       }
       continue;
     }
-    const std::string where = strCat(source, ": tensor '", name, "'");
-    asObject(v, where);
-    for (const auto& [k, unused] : v.items()) {
-      (void)unused;
-      if (k != "dtype" && k != "shape" && k != "data_offsets") throw CheckpointError(strCat(where, ": unknown key '", k, "'"));
-    }
-    SafetensorsEntry e;
-    e.name = name;
-    e.dtype = parseDtypeName(asString(detail::member(v, "dtype", where), where + ".dtype", 16), where);
-    int64_t nbytes = dtypeBytes(e.dtype);
-    const Json& shape = asArray(detail::member(v, "shape", where), where + ".shape");
-    if (shape.size() > 64) throw CheckpointError(strCat(where, ": shape has ", shape.size(), " dims"));
-    for (const auto& d : shape) {
-      e.shape.push_back(asInt(d, where + ".shape", 0));
-      nbytes = checkedMul(nbytes, e.shape.back(), where + ".shape");
-    }
-    const Json& off = asArray(detail::member(v, "data_offsets", where), where + ".data_offsets");
-    if (off.size() != 2) throw CheckpointError(strCat(where, ": data_offsets must be [begin, end]"));
-    e.begin = asInt(off[0], where + ".data_offsets", 0, dataBytes);
-    e.end = asInt(off[1], where + ".data_offsets", e.begin, dataBytes);
-    if (e.end - e.begin != nbytes) {
-      throw CheckpointError(strCat(where, ": data_offsets [", e.begin, ", ", e.end, ") hold ", e.end - e.begin,
-                                   " bytes, but shape ", at::IntArrayRef(e.shape), " of ", dtypeName(e.dtype), " needs ", nbytes));
-    }
-    h.tensors.push_back(std::move(e));
+    h.tensors.push_back(parseTensorEntry(name, v, dataBytes, strCat(source, ": tensor '", name, "'")));
   }
-  std::sort(h.tensors.begin(), h.tensors.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  int64_t next = 0;
-  for (const auto& e : h.tensors) {
-    if (e.begin != next) {
-      throw CheckpointError(strCat(source, ": tensor '", e.name, "' starts at data offset ", e.begin, ", expected ", next,
-                                   e.begin < next ? " (overlap)" : " (hole)"));
-    }
-    next = e.end;
-  }
-  if (next != dataBytes) {
-    throw CheckpointError(strCat(source, ": tensors cover ", next, " bytes of a ", dataBytes, "-byte data section"));
-  }
+  checkDataCovered(h.tensors, dataBytes, source);
   return h;
 }
 

@@ -416,135 +416,156 @@ std::string ConfigSchema::Impl::suggestion(const ConfigSchema& schema, const std
   return closest.empty() ? std::string() : strCat(" (did you mean '", closest, "'?)");
 }
 
-void ConfigSchema::Impl::assign(Field& field, const YAML::Node& node, const SourceLocation& loc) {
-  const std::string& path = field.path;
-  auto checkNumber = [&](double v, const std::string& shown, const std::string& where, const SourceLocation& at) {
-    const SourceLocation& loc = at;
-    if (field.min && v < *field.min) fail(loc, where, strCat("value ", shown, " is out of range: must be >= ", bound(*field.min)));
-    if (field.max && v > *field.max) fail(loc, where, strCat("value ", shown, " is out of range: must be <= ", bound(*field.max)));
-    if (field.greaterThan && !(v > *field.greaterThan))
-      fail(loc, where, strCat("value ", shown, " is out of range: must be > ", bound(*field.greaterThan)));
-    if (field.lessThan && !(v < *field.lessThan))
-      fail(loc, where, strCat("value ", shown, " is out of range: must be < ", bound(*field.lessThan)));
-  };
-  auto checkChoice = [&](const std::string& v, const std::string& where, const SourceLocation& loc) {
-    if (field.choices.empty() || std::find(field.choices.begin(), field.choices.end(), v) != field.choices.end()) return;
+namespace {
+
+// The constraints of one key (a Field's, which is private to ConfigSchema), checked on
+// each value as it is read; an error names the value and where it came from.
+struct FieldChecks {
+  const std::string& path;
+  const SourceLocation& loc;  // where the key's value came from
+  const std::optional<double>& min;
+  const std::optional<double>& max;
+  const std::optional<double>& greaterThan;
+  const std::optional<double>& lessThan;
+  const std::vector<std::string>& choices;
+  const std::optional<size_t>& exactSize;
+  bool nonEmpty;
+
+  // A number (the key's or one element's, `shown` as written) against the key's bounds.
+  void number(double v, const std::string& shown, const std::string& where, const SourceLocation& at) const {
+    if (min && v < *min) fail(at, where, strCat("value ", shown, " is out of range: must be >= ", bound(*min)));
+    if (max && v > *max) fail(at, where, strCat("value ", shown, " is out of range: must be <= ", bound(*max)));
+    if (greaterThan && !(v > *greaterThan))
+      fail(at, where, strCat("value ", shown, " is out of range: must be > ", bound(*greaterThan)));
+    if (lessThan && !(v < *lessThan))
+      fail(at, where, strCat("value ", shown, " is out of range: must be < ", bound(*lessThan)));
+  }
+  // A string against the closed set of choices, if the key has one.
+  void choice(const std::string& v, const std::string& where, const SourceLocation& at) const {
+    if (choices.empty() || std::find(choices.begin(), choices.end(), v) != choices.end()) return;
     std::string list;
-    for (size_t i = 0; i < field.choices.size(); ++i) list += (i ? ", " : "") + field.choices[i];
-    fail(loc, where, strCat("'", v, "' is not one of: ", list));
-  };
-  auto checkSize = [&](size_t n) {
-    if (field.nonEmpty && n == 0) fail(loc, path, "must not be empty");
-    if (field.exactSize && n != *field.exactSize)
-      fail(loc, path, strCat("expected ", *field.exactSize, " elements, got ", n));
-  };
+    for (size_t i = 0; i < choices.size(); ++i) list += (i ? ", " : "") + choices[i];
+    fail(at, where, strCat("'", v, "' is not one of: ", list));
+  }
+  // The element count of a list, map or string (nonEmpty, exact size).
+  void elementCount(size_t n) const {
+    if (nonEmpty && n == 0) fail(loc, path, "must not be empty");
+    if (exactSize && n != *exactSize) fail(loc, path, strCat("expected ", *exactSize, " elements, got ", n));
+  }
+};
 
-  struct Visitor {
-    const YAML::Node& node;
-    const SourceLocation& loc;
-    const std::string& path;
-    decltype(checkNumber)& number;
-    decltype(checkChoice)& choice;
-    decltype(checkSize)& sizeCheck;
+// Converts a key's YAML value into its target's type, checks it, and stores it there
+// (std::visit over FieldTarget: one operator() per kind of target).
+struct AssignValue {
+  const YAML::Node& node;
+  const SourceLocation& loc;
+  const std::string& path;
+  const FieldChecks& checks;
 
-    void operator()(bool* v) const {
-      bool b = false;
-      if (!node.IsScalar() || !parseBool(node.Scalar(), &b)) fail(loc, path, strCat("expected true or false, got ", describe(node)));
-      *v = b;
+  void operator()(bool* v) const {
+    bool b = false;
+    if (!node.IsScalar() || !parseBool(node.Scalar(), &b)) fail(loc, path, strCat("expected true or false, got ", describe(node)));
+    *v = b;
+  }
+  void operator()(int64_t* v) const {
+    int64_t x = toInt(node, loc, path);
+    checks.number(static_cast<double>(x), std::to_string(x), path, loc);
+    *v = x;
+  }
+  void operator()(int* v) const {
+    int64_t x = toInt(node, loc, path);
+    if (x < INT_MIN || x > INT_MAX) fail(loc, path, strCat("value ", x, " does not fit an int"));
+    checks.number(static_cast<double>(x), std::to_string(x), path, loc);
+    *v = static_cast<int>(x);
+  }
+  void operator()(const ChoiceTarget& c) const {
+    const std::string x = toString(node, loc, path);
+    checks.choice(x, path, loc);
+    c.set(static_cast<size_t>(std::find(c.names.begin(), c.names.end(), x) - c.names.begin()));
+  }
+  void operator()(const PairTarget& p) const {
+    auto list = toList<double>(node, loc, path, "numbers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& at) {
+      double x = toDouble(n, l, at);
+      checks.number(x, n.Scalar(), at, l);
+      return x;
+    });
+    checks.elementCount(list.size());
+    *p.first = list[0];
+    *p.second = list[1];
+  }
+  void operator()(const ScaledTarget& t) const {
+    const double x = toDouble(node, loc, path);
+    checks.number(x, node.Scalar(), path, loc);
+    const double scaled = std::round(x * t.unit);
+    if (!(std::fabs(scaled) < 9.2e18)) fail(loc, path, strCat("value ", node.Scalar(), " is too large"));
+    *t.target = static_cast<int64_t>(scaled);
+  }
+  void operator()(std::map<std::string, double>* v) const {
+    if (!node.IsMap()) fail(loc, path, strCat("expected a mapping of names to numbers, got ", describe(node)));
+    std::map<std::string, double> out;
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      const std::string key = toString(it->first, loc, path);
+      const std::string at = strCat(path, ".", key);
+      const SourceLocation l = loc.line > 0 && it->second.Mark().line >= 0 ? locate(loc.source, it->second) : loc;
+      const double x = toDouble(it->second, l, at);
+      checks.number(x, it->second.Scalar(), at, l);
+      if (!out.emplace(key, x).second) fail(l, at, "appears twice");
     }
-    void operator()(int64_t* v) const {
-      int64_t x = toInt(node, loc, path);
-      number(static_cast<double>(x), std::to_string(x), path, loc);
-      *v = x;
-    }
-    void operator()(int* v) const {
-      int64_t x = toInt(node, loc, path);
-      if (x < INT_MIN || x > INT_MAX) fail(loc, path, strCat("value ", x, " does not fit an int"));
-      number(static_cast<double>(x), std::to_string(x), path, loc);
-      *v = static_cast<int>(x);
-    }
-    void operator()(const ChoiceTarget& c) const {
-      const std::string x = toString(node, loc, path);
-      choice(x, path, loc);
-      c.set(static_cast<size_t>(std::find(c.names.begin(), c.names.end(), x) - c.names.begin()));
-    }
-    void operator()(const PairTarget& p) const {
-      auto list = toList<double>(node, loc, path, "numbers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& at) {
-        double x = toDouble(n, l, at);
-        number(x, n.Scalar(), at, l);
-        return x;
-      });
-      sizeCheck(list.size());
-      *p.first = list[0];
-      *p.second = list[1];
-    }
-    void operator()(const ScaledTarget& t) const {
-      const double x = toDouble(node, loc, path);
-      number(x, node.Scalar(), path, loc);
-      const double scaled = std::round(x * t.unit);
-      if (!(std::fabs(scaled) < 9.2e18)) fail(loc, path, strCat("value ", node.Scalar(), " is too large"));
-      *t.target = static_cast<int64_t>(scaled);
-    }
-    void operator()(std::map<std::string, double>* v) const {
-      if (!node.IsMap()) fail(loc, path, strCat("expected a mapping of names to numbers, got ", describe(node)));
-      std::map<std::string, double> out;
-      for (auto it = node.begin(); it != node.end(); ++it) {
-        const std::string key = toString(it->first, loc, path);
-        const std::string at = strCat(path, ".", key);
-        const SourceLocation l = loc.line > 0 && it->second.Mark().line >= 0 ? locate(loc.source, it->second) : loc;
-        const double x = toDouble(it->second, l, at);
-        number(x, it->second.Scalar(), at, l);
-        if (!out.emplace(key, x).second) fail(l, at, "appears twice");
-      }
-      sizeCheck(out.size());
-      *v = out;
-    }
-    void operator()(double* v) const {
-      double x = toDouble(node, loc, path);
-      number(x, node.Scalar(), path, loc);
-      *v = x;
-    }
-    void operator()(std::string* v) const {
-      std::string x = toString(node, loc, path);
-      sizeCheck(x.size());
-      choice(x, path, loc);
-      *v = x;
-    }
-    void operator()(std::optional<std::string>* v) const {
-      if (node.IsNull()) { v->reset(); return; }
-      std::string x = toString(node, loc, path);
-      choice(x, path, loc);
-      *v = x;
-    }
-    void operator()(std::vector<int64_t>* v) const {
-      auto list = toList<int64_t>(node, loc, path, "integers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
-        int64_t x = toInt(n, l, p);
-        number(static_cast<double>(x), std::to_string(x), p, l);
-        return x;
-      });
-      sizeCheck(list.size());
-      *v = list;
-    }
-    void operator()(std::vector<double>* v) const {
-      auto list = toList<double>(node, loc, path, "numbers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
-        double x = toDouble(n, l, p);
-        number(x, n.Scalar(), p, l);
-        return x;
-      });
-      sizeCheck(list.size());
-      *v = list;
-    }
-    void operator()(std::vector<std::string>* v) const {
-      auto list = toList<std::string>(node, loc, path, "strings", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
-        std::string x = toString(n, l, p);
-        choice(x, p, l);
-        return x;
-      });
-      sizeCheck(list.size());
-      *v = list;
-    }
-  };
-  std::visit(Visitor{node, loc, path, checkNumber, checkChoice, checkSize}, field.target);
+    checks.elementCount(out.size());
+    *v = out;
+  }
+  void operator()(double* v) const {
+    double x = toDouble(node, loc, path);
+    checks.number(x, node.Scalar(), path, loc);
+    *v = x;
+  }
+  void operator()(std::string* v) const {
+    std::string x = toString(node, loc, path);
+    checks.elementCount(x.size());
+    checks.choice(x, path, loc);
+    *v = x;
+  }
+  void operator()(std::optional<std::string>* v) const {
+    if (node.IsNull()) { v->reset(); return; }
+    std::string x = toString(node, loc, path);
+    checks.choice(x, path, loc);
+    *v = x;
+  }
+  void operator()(std::vector<int64_t>* v) const {
+    auto list = toList<int64_t>(node, loc, path, "integers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
+      int64_t x = toInt(n, l, p);
+      checks.number(static_cast<double>(x), std::to_string(x), p, l);
+      return x;
+    });
+    checks.elementCount(list.size());
+    *v = list;
+  }
+  void operator()(std::vector<double>* v) const {
+    auto list = toList<double>(node, loc, path, "numbers", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
+      double x = toDouble(n, l, p);
+      checks.number(x, n.Scalar(), p, l);
+      return x;
+    });
+    checks.elementCount(list.size());
+    *v = list;
+  }
+  void operator()(std::vector<std::string>* v) const {
+    auto list = toList<std::string>(node, loc, path, "strings", [&](const YAML::Node& n, const SourceLocation& l, const std::string& p) {
+      std::string x = toString(n, l, p);
+      checks.choice(x, p, l);
+      return x;
+    });
+    checks.elementCount(list.size());
+    *v = list;
+  }
+};
+
+}  // namespace
+
+void ConfigSchema::Impl::assign(Field& field, const YAML::Node& node, const SourceLocation& loc) {
+  const FieldChecks checks{field.path, loc, field.min, field.max, field.greaterThan, field.lessThan,
+                           field.choices, field.exactSize, field.nonEmpty};
+  std::visit(AssignValue{node, loc, field.path, checks}, field.target);
   field.location = loc;
 }
 

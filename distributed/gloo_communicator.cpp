@@ -462,8 +462,8 @@ class GlooCommunicator final : public Communicator {
     const at::Tensor in = bytesOf(local_in);
     if (flat_out.nbytes() <= kAllToAllGatherBytes) {
       // Small gathers as an all-to-all of the shard repeated once per rank, straight into
-      // flat_out: Gloo's allgather in LibTorch 1.13 costs ~0.5-1 ms even for one element
-      // on 2 local ranks, its all-to-all about half (docs/benchmarks.md, "Training
+      // flat_out: Gloo's allgather in LibTorch 1.13 has a large fixed cost even for one
+      // element, its all-to-all a smaller one (docs/benchmarks.md, "Training
       // throughput"). The repeated shard is a temporary as large as flat_out, hence the cap.
       return handle("allGatherInto", describeOp("allGatherInto", local_in),
                     allToAllEqual(bytesOf(flat_out), in.repeat({worldSize()})));

@@ -149,6 +149,34 @@ bool isFailure(int waitStatus) { return !WIFEXITED(waitStatus) || WEXITSTATUS(wa
 // What Tessera's programs exit with on bad configuration or arguments (common/app_main.h).
 constexpr int kBadInputStatus = 2;
 
+// A rank's argv and environment as exec wants them (null-terminated char* arrays into the
+// strings held here), built before fork(): the parent's environment with the rank's
+// variables (rankEnvironment) replacing any of the same name. Neither copied nor moved,
+// so the pointers stay valid.
+struct ChildCommand {
+  ChildCommand(const LaunchOptions& options, int localRank, int restartCount, const std::string& errorFile) {
+    const auto overrides =
+        rankEnvironment(options, localRank, restartCount, errorFile, std::getenv("OMP_NUM_THREADS"));
+    for (char** entry = environ; *entry; ++entry) {
+      const std::string kv = *entry;
+      if (overrides.count(kv.substr(0, kv.find('='))) == 0) envStrings.push_back(kv);
+    }
+    for (const auto& [key, value] : overrides) envStrings.push_back(key + "=" + value);
+    for (std::string& s : envStrings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    argStrings = options.command;
+    for (std::string& s : argStrings) argv.push_back(s.data());
+    argv.push_back(nullptr);
+  }
+  ChildCommand(const ChildCommand&) = delete;
+  ChildCommand& operator=(const ChildCommand&) = delete;
+
+  std::vector<std::string> envStrings;
+  std::vector<char*> envp;
+  std::vector<std::string> argStrings;
+  std::vector<char*> argv;
+};
+
 class Launcher {
  public:
   explicit Launcher(LaunchOptions options);
@@ -188,6 +216,10 @@ class Launcher {
   void restoreSignalHandlers();
   Outcome runAttempt(int restartCount);
   void spawn(Rank& rank, int restartCount);
+  // Forks the rank's process, which runs execChild; returns its pid (throws if fork() fails).
+  pid_t forkRank(const Rank& rank, const int outPipe[2], const int errPipe[2], int execPipe, char** argv, char** envp);
+  // Waits until the rank's program runs or its execvp() fails (then sets rank.execError).
+  void waitForExec(Rank& rank, int execPipe);
   [[noreturn]] void execChild(const int outPipe[2], const int errPipe[2], int execPipe, char** argv, char** envp);
   void pump(double timeoutS);
   void readOutput(Rank& rank, OutputStream& stream);
@@ -408,36 +440,12 @@ Launcher::Outcome Launcher::runAttempt(int restartCount) {
 void Launcher::spawn(Rank& rank, int restartCount) {
   // Everything the child needs is built before fork(): the child only calls
   // async-signal-safe functions.
-  const auto overrides =
-      rankEnvironment(options_, rank.localRank, restartCount, rank.errorFile, std::getenv("OMP_NUM_THREADS"));
-  std::vector<std::string> envStrings;
-  for (char** entry = environ; *entry; ++entry) {
-    const std::string kv = *entry;
-    if (overrides.count(kv.substr(0, kv.find('='))) == 0) envStrings.push_back(kv);
-  }
-  for (const auto& [key, value] : overrides) envStrings.push_back(key + "=" + value);
-  std::vector<char*> envp;
-  for (std::string& s : envStrings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> argStrings = options_.command;
-  std::vector<char*> argv;
-  for (std::string& s : argStrings) argv.push_back(s.data());
-  argv.push_back(nullptr);
-
+  ChildCommand child(options_, rank.localRank, restartCount, rank.errorFile);
   int outPipe[2], errPipe[2], execPipe[2];
   makePipe(outPipe);
   makePipe(errPipe);
   makePipe(execPipe);
-  // Signals stay blocked across fork() so that none runs the launcher's handler in the
-  // child (which still shares the self-pipe) before the child resets it.
-  sigset_t all, previous;
-  sigfillset(&all);
-  ::sigprocmask(SIG_BLOCK, &all, &previous);
-  const pid_t pid = ::fork();
-  if (pid == 0) execChild(outPipe, errPipe, execPipe[1], argv.data(), envp.data());
-  const int forkErrno = errno;
-  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
-  if (pid < 0) throw Error(strCat("Launcher: fork() for rank ", rank.globalRank, " failed: ", errnoText(forkErrno)));
+  const pid_t pid = forkRank(rank, outPipe, errPipe, execPipe[1], child.argv.data(), child.envp.data());
 
   // Also set in the child; doing it here too closes the race with an early killpg().
   ::setpgid(pid, pid);
@@ -454,15 +462,33 @@ void Launcher::spawn(Rank& rank, int restartCount) {
   rank.err.pending.clear();
   setFdFlag(rank.out.fd, F_GETFL, F_SETFL, O_NONBLOCK);
   setFdFlag(rank.err.fd, F_GETFL, F_SETFL, O_NONBLOCK);
+  waitForExec(rank, execPipe[0]);
+}
 
+pid_t Launcher::forkRank(const Rank& rank, const int outPipe[2], const int errPipe[2], int execPipe, char** argv,
+                         char** envp) {
+  // Signals stay blocked across fork() so that none runs the launcher's handler in the
+  // child (which still shares the self-pipe) before the child resets it.
+  sigset_t all, previous;
+  sigfillset(&all);
+  ::sigprocmask(SIG_BLOCK, &all, &previous);
+  const pid_t pid = ::fork();
+  if (pid == 0) execChild(outPipe, errPipe, execPipe, argv, envp);
+  const int forkErrno = errno;
+  ::sigprocmask(SIG_SETMASK, &previous, nullptr);
+  if (pid < 0) throw Error(strCat("Launcher: fork() for rank ", rank.globalRank, " failed: ", errnoText(forkErrno)));
+  return pid;
+}
+
+void Launcher::waitForExec(Rank& rank, int execPipe) {
   // The exec pipe closes on a successful exec (FD_CLOEXEC) or carries execvp()'s errno.
   // Waiting for it makes "started" mean "running PROGRAM".
   int childErrno = 0;
   ssize_t n;
   do {
-    n = ::read(execPipe[0], &childErrno, sizeof childErrno);
+    n = ::read(execPipe, &childErrno, sizeof childErrno);
   } while (n < 0 && errno == EINTR);
-  ::close(execPipe[0]);
+  ::close(execPipe);
   if (n == static_cast<ssize_t>(sizeof childErrno)) {
     rank.execError = strCat("cannot execute '", options_.command[0], "': ", errnoText(childErrno));
   }

@@ -26,7 +26,8 @@ namespace tessera::ema {
 namespace {
 
 // e = d*e + w*p over n floats. __restrict and -O3 (set for this file in CMake) let the
-// compiler vectorise it; it then runs at the speed of one fused add_ (bench/ema_bench).
+// compiler vectorise it, which makes it as fast as one flat add_ over the same bytes
+// (docs/benchmarks.md, "EMA update").
 void blendKernel(float* __restrict e, const float* __restrict p, float d, float w, int64_t n) {
   for (int64_t i = 0; i < n; ++i) e[i] = d * e[i] + w * p[i];
 }
@@ -34,8 +35,8 @@ void blendKernel(float* __restrict e, const float* __restrict p, float d, float 
 }  // namespace
 
 // e = d*e + (1-d)*p for every pair on an accelerator, in one pass over memory, with one
-// multi-tensor launch per decay (torch's foreach lerp: 0.55x of copy bandwidth on an
-// H100 over 1B parameters, bench/ema_bench --device cuda).
+// multi-tensor launch per decay (torch's foreach lerp, well below copy bandwidth:
+// docs/benchmarks.md, "EMA update over 1B parameters").
 void ShardedModelEMAManager::blendFused(const std::vector<at::Tensor>& ema, const std::vector<at::Tensor>& live,
                                         double decay) {
   if (ema.empty()) return;

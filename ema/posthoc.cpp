@@ -79,8 +79,10 @@ std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir) {
   return out;
 }
 
-PosthocResult reconstructPosthocEma(const std::string& dir, const std::string& outPath, const PosthocOptions& options) {
-  const auto start = std::chrono::steady_clock::now();
+namespace {
+
+// The sigma_rel checked, and the snapshots at or before the step to reconstruct at.
+PosthocResult selectSnapshots(const std::string& dir, const PosthocOptions& options) {
   if (!(options.sigmaRel > 0 && options.sigmaRel < kMaxPowerEmaStd)) {
     throw UsageError(strCat("--posthoc-ema ", options.sigmaRel, ": sigma_rel must be in (0, ", kMaxPowerEmaStd, ")"));
   }
@@ -93,89 +95,129 @@ PosthocResult reconstructPosthocEma(const std::string& dir, const std::string& o
   if (result.used.empty()) {
     throw UsageError(strCat("--at-step ", result.step, ": the first post-hoc snapshot is at step ", all.front().step));
   }
+  return result;
+}
 
-  // One stored profile per (snapshot, profile); readers kept open for the streaming.
-  struct Stored {
-    size_t snapshot;
-    std::string prefix;  // "ema/<profile>/"
-  };
-  std::vector<Stored> stored;
-  std::vector<PowerProfile> profiles;
-  std::vector<std::unique_ptr<checkpoint::CheckpointReader>> readers;
-  for (size_t i = 0; i < result.used.size(); ++i) {
-    readers.push_back(std::make_unique<checkpoint::CheckpointReader>(result.used[i].dir));
-    for (const auto& [name, sigma] : result.used[i].profiles) {
-      stored.push_back({i, sharding::statePrefix(sharding::kEmaKey) + name + "/"});
-      profiles.push_back({result.used[i].step, powerEmaExponent(sigma)});
+// One stored profile of one snapshot.
+struct StoredProfile {
+  size_t snapshot;     // index into PosthocResult::used and PosthocSources::readers
+  std::string prefix;  // "ema/<profile>/"
+};
+
+// What a reconstruction reads: one stored profile per (snapshot, profile), readers kept
+// open for the streaming, and for each tensor its source in every stored profile.
+struct PosthocSources {
+  std::vector<std::unique_ptr<checkpoint::CheckpointReader>> readers;  // per snapshot
+  std::vector<StoredProfile> stored;
+  std::vector<PowerProfile> profiles;                // per stored profile
+  std::vector<const checkpoint::TensorInfo*> names;  // the newest stored profile's tensors
+  std::vector<checkpoint::SafetensorsEntry> entries; // their module names, dtypes, shapes: the output's
+  std::vector<std::vector<const checkpoint::TensorInfo*>> sources;  // [tensor][stored]
+};
+
+// Opens every used snapshot and lists its stored profiles, oldest snapshot first.
+PosthocSources openStoredProfiles(const std::vector<PosthocSnapshot>& used) {
+  PosthocSources src;
+  for (size_t i = 0; i < used.size(); ++i) {
+    src.readers.push_back(std::make_unique<checkpoint::CheckpointReader>(used[i].dir));
+    for (const auto& [name, sigma] : used[i].profiles) {
+      src.stored.push_back({i, sharding::statePrefix(sharding::kEmaKey) + name + "/"});
+      src.profiles.push_back({used[i].step, powerEmaExponent(sigma)});
     }
   }
-  result.weights = posthocEmaWeights(profiles, {result.step, powerEmaExponent(options.sigmaRel)});
+  return src;
+}
 
-  // The tensors: those of the newest snapshot's first profile, by module name; every
-  // stored profile must hold each with the same dtype and shape.
-  const Stored& newest = stored.back();
-  const checkpoint::CheckpointMetadata& md = readers[newest.snapshot]->metadata();
-  std::vector<const checkpoint::TensorInfo*> names;
-  std::vector<checkpoint::SafetensorsEntry> entries;
+// The tensors: those of the newest stored profile (the newest snapshot's last), by module
+// name; every stored profile must hold each with the same dtype and shape.
+void findTensors(const std::vector<PosthocSnapshot>& used, PosthocSources& src) {
+  const StoredProfile& newest = src.stored.back();
+  const checkpoint::CheckpointMetadata& md = src.readers[newest.snapshot]->metadata();
   for (const auto& t : md.tensors) {
     if (t.name.compare(0, newest.prefix.size(), newest.prefix) != 0) continue;
-    names.push_back(&t);
-    entries.push_back({t.name.substr(newest.prefix.size()), t.dtype, t.shape});
+    src.names.push_back(&t);
+    src.entries.push_back({t.name.substr(newest.prefix.size()), t.dtype, t.shape});
   }
-  if (entries.empty()) {
-    throw CheckpointError(strCat(result.used[newest.snapshot].dir, ": no tensors under '", newest.prefix, "'"));
+  if (src.entries.empty()) {
+    throw CheckpointError(strCat(used[newest.snapshot].dir, ": no tensors under '", newest.prefix, "'"));
   }
-  std::vector<std::vector<const checkpoint::TensorInfo*>> sources(names.size());  // [tensor][stored]
-  for (size_t k = 0; k < names.size(); ++k) {
-    for (const auto& s : stored) {
-      const checkpoint::TensorInfo& t = readers[s.snapshot]->tensor(s.prefix + entries[k].name);
-      if (t.dtype != names[k]->dtype || t.shape != names[k]->shape) {
-        throw CheckpointError(strCat(result.used[s.snapshot].dir, ": tensor '", t.name, "' is ",
+  src.sources.resize(src.names.size());
+  for (size_t k = 0; k < src.names.size(); ++k) {
+    const checkpoint::TensorInfo& want = *src.names[k];
+    for (const auto& s : src.stored) {
+      const checkpoint::TensorInfo& t = src.readers[s.snapshot]->tensor(s.prefix + src.entries[k].name);
+      if (t.dtype != want.dtype || t.shape != want.shape) {
+        throw CheckpointError(strCat(used[s.snapshot].dir, ": tensor '", t.name, "' is ",
                                      checkpoint::dtypeName(t.dtype), " ", at::IntArrayRef(t.shape), ", but '",
-                                     names[k]->name, "' in ", result.used[newest.snapshot].dir, " is ",
-                                     checkpoint::dtypeName(names[k]->dtype), " ", at::IntArrayRef(names[k]->shape)));
+                                     want.name, "' in ", used[newest.snapshot].dir, " is ",
+                                     checkpoint::dtypeName(want.dtype), " ", at::IntArrayRef(want.shape)));
       }
-      sources[k].push_back(&t);
+      src.sources[k].push_back(&t);
     }
   }
+}
+
+// One block buffer, one double accumulator and one output buffer for the whole run,
+// grown to the largest block: memory does not depend on the model or snapshot count.
+struct BlockBuffers {
+  at::Tensor blockBytes, sumBuffer, outBytes;
+
+  // The first `numel` elements of `buffer` as `dtype`, growing it if it is smaller.
+  static at::Tensor take(at::Tensor& buffer, int64_t numel, at::ScalarType dtype) {
+    const int64_t bytes = numel * static_cast<int64_t>(at::elementSize(dtype));
+    if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::kByte);
+    return buffer.narrow(0, 0, bytes).view(dtype);
+  }
+};
+
+// Writes tensor k one block of rows at a time: a floating one as the weighted sum of its
+// stored profiles (in double, saved in its dtype), an integer one from the newest.
+void writeCombinedTensor(PosthocSources& src, size_t k, const std::vector<double>& weights, bool verify,
+                         BlockBuffers& buffers, checkpoint::SafetensorsWriter& writer) {
+  const checkpoint::TensorInfo& t = *src.names[k];
+  const size_t newest = src.stored.back().snapshot;
+  const int64_t rows = t.rows(), rowElems = t.rowElements();
+  const int64_t blockRows = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, t.rowBytes()));
+  const bool floating = at::isFloatingType(t.dtype);
+  for (int64_t rb = 0; rb < rows && rowElems > 0; rb += blockRows) {
+    const int64_t re = std::min(rows, rb + blockRows);
+    const int64_t numel = (re - rb) * rowElems;
+    at::Tensor block = BlockBuffers::take(buffers.blockBytes, numel, t.dtype);
+    if (!floating) {
+      // Integer buffers (e.g. num_batches_tracked) are copied, not averaged: the newest.
+      src.readers[newest]->readRows(*src.sources[k].back(), rb, re, block.data_ptr(), verify);
+      writer.write(block.data_ptr(), block.numel() * static_cast<int64_t>(block.element_size()));
+      continue;
+    }
+    at::Tensor sum = BlockBuffers::take(buffers.sumBuffer, numel, at::kDouble).zero_();
+    for (size_t i = 0; i < src.stored.size(); ++i) {
+      src.readers[src.stored[i].snapshot]->readRows(*src.sources[k][i], rb, re, block.data_ptr(), verify);
+      sum.add_(block, weights[i]);  // promoted to double in place
+    }
+    at::Tensor out = BlockBuffers::take(buffers.outBytes, numel, t.dtype);
+    out.copy_(sum);
+    writer.write(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
+  }
+}
+
+}  // namespace
+
+PosthocResult reconstructPosthocEma(const std::string& dir, const std::string& outPath, const PosthocOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  PosthocResult result = selectSnapshots(dir, options);
+  PosthocSources src = openStoredProfiles(result.used);
+  result.weights = posthocEmaWeights(src.profiles, {result.step, powerEmaExponent(options.sigmaRel)});
+  findTensors(result.used, src);
 
   std::map<std::string, std::string> metadata{
       {"tessera_posthoc_sigma_rel", strCat(options.sigmaRel)},
       {"tessera_posthoc_step", strCat(result.step)},
       {"tessera_posthoc_snapshots", strCat(result.used.size())}};
-  checkpoint::SafetensorsWriter writer(outPath, entries, metadata);
-  // One block buffer, one double accumulator and one output buffer for the whole run,
-  // grown to the largest block: memory does not depend on the model or snapshot count.
-  at::Tensor blockBytes, sumBuffer, outBytes;
-  auto take = [](at::Tensor& buffer, int64_t numel, at::ScalarType dtype) {
-    const int64_t bytes = numel * static_cast<int64_t>(at::elementSize(dtype));
-    if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::kByte);
-    return buffer.narrow(0, 0, bytes).view(dtype);
-  };
-  for (size_t k = 0; k < names.size(); ++k) {
-    const checkpoint::TensorInfo& t = *names[k];
-    const int64_t rows = t.rows(), rowElems = t.rowElements();
-    const int64_t blockRows = std::max<int64_t>(1, kBlockBytes / std::max<int64_t>(1, t.rowBytes()));
-    const bool floating = at::isFloatingType(t.dtype);
-    for (int64_t rb = 0; rb < rows && rowElems > 0; rb += blockRows) {
-      const int64_t re = std::min(rows, rb + blockRows);
-      const int64_t numel = (re - rb) * rowElems;
-      at::Tensor block = take(blockBytes, numel, t.dtype);
-      if (!floating) {
-        // Integer buffers (e.g. num_batches_tracked) are copied, not averaged: the newest.
-        readers[newest.snapshot]->readRows(*sources[k].back(), rb, re, block.data_ptr(), options.verify);
-        writer.write(block.data_ptr(), block.numel() * static_cast<int64_t>(block.element_size()));
-        continue;
-      }
-      at::Tensor sum = take(sumBuffer, numel, at::kDouble).zero_();
-      for (size_t i = 0; i < stored.size(); ++i) {
-        readers[stored[i].snapshot]->readRows(*sources[k][i], rb, re, block.data_ptr(), options.verify);
-        sum.add_(block, result.weights[i]);  // promoted to double in place
-      }
-      at::Tensor out = take(outBytes, numel, t.dtype);
-      out.copy_(sum);
-      writer.write(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
-    }
+  checkpoint::SafetensorsWriter writer(outPath, src.entries, metadata);
+  BlockBuffers buffers;
+  for (size_t k = 0; k < src.names.size(); ++k) {
+    writeCombinedTensor(src, k, result.weights, options.verify, buffers, writer);
+    const checkpoint::TensorInfo& t = *src.names[k];
     result.bytes += t.numel() * static_cast<int64_t>(at::elementSize(t.dtype));
     ++result.tensors;
   }

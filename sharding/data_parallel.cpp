@@ -46,6 +46,72 @@ void pipelineBuckets(size_t buckets, Issue issue, std::function<void(InflightBuc
   inflight.drain();
 }
 
+// A replicated parameter's fp32 master (no_shard, and frozen parameters under zero1/zero2:
+// no optimizer state to shard). fp32 compute: the parameter itself, made fp32 and
+// contiguous; otherwise a separate fp32 copy, the parameter becoming its cast copy.
+at::Tensor replicatedMaster(const at::Tensor& p, const std::vector<int64_t>& shape, const at::TensorOptions& fp32,
+                            bool mastersAreParams, at::ScalarType paramDtype) {
+  at::Tensor master;
+  if (mastersAreParams) {
+    if (p.scalar_type() != at::kFloat || !p.is_contiguous()) p.set_data(p.detach().to(at::kFloat).contiguous());
+    master = p.detach();
+  } else {
+    master = at::empty(shape, fp32);
+    master.copy_(p.detach());
+    p.set_data(p.detach().to(paramDtype).contiguous());
+  }
+  return master;
+}
+
+// This rank's Shard(0) fp32 master of a trainable parameter under zero1/zero2 (see
+// spec); the parameter is re-pointed at its new storage (fp32) or its cast copy.
+at::Tensor shardedMaster(const at::Tensor& p, const ShardSpec& spec, const std::vector<int64_t>& shape,
+                         const at::TensorOptions& fp32, int world, int rank, bool mastersAreParams,
+                         at::ScalarType paramDtype) {
+  at::Tensor master;
+  if (mastersAreParams) {
+    // One storage of N x chunkRows rows: the module sees the first `rows`, this rank's
+    // master is its chunk. Padding rows are zero and stay zero (zero gradients).
+    at::Tensor storage = at::zeros({world * spec.paddedNumel()}, fp32);
+    storage.narrow(0, 0, spec.globalNumel()).copy_(p.detach().reshape({-1}));
+    p.set_data(storage.narrow(0, 0, spec.globalNumel()).view(shape));
+    master = storage.narrow(0, rank * spec.paddedNumel(), spec.paddedNumel()).view(spec.localShape());
+  } else {
+    master = spec.shardOf(p.detach().to(at::kFloat));
+    p.set_data(p.detach().to(paramDtype).contiguous());
+  }
+  return master;
+}
+
+// The gradient buckets: each one's members and flat layout, sized by their flat reduce
+// buffer (padding included).
+std::vector<std::pair<std::vector<ShardedParam*>, FlatLayout>> planGradientBuckets(std::vector<ShardedParam>& params,
+                                                                                   bool sharded, int world,
+                                                                                   const StrategyOptions& options) {
+  const int64_t elementBytes = static_cast<int64_t>(c10::elementSize(options.reduceDtype));
+  // Reverse registration order: the order backward produces the gradients. Frozen
+  // parameters are in no bucket.
+  std::vector<ShardedParam*> trainable;
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    if (it->trainable) trainable.push_back(&*it);
+  }
+  std::vector<int64_t> bytes;
+  for (const ShardedParam* p : trainable) {
+    bytes.push_back((sharded ? p->spec.paddedNumel() * world : p->spec.globalNumel()) * elementBytes);
+  }
+  std::vector<std::pair<std::vector<ShardedParam*>, FlatLayout>> buckets;
+  for (const auto& indices : planBuckets(bytes, options.bucketBytes)) {
+    std::vector<ShardedParam*> members;
+    std::vector<ShardSpec> specs;
+    for (size_t i : indices) {
+      members.push_back(trainable[i]);
+      specs.push_back(trainable[i]->spec);
+    }
+    buckets.emplace_back(std::move(members), FlatLayout(std::move(specs)));
+  }
+  return buckets;
+}
+
 }  // namespace
 
 DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
@@ -71,57 +137,18 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
     // one tensor at a time.
     if (hasNoStorage(p)) p.set_data(fullInitialValue(np));
     if (!sharded_ || !p.requires_grad()) {
-      // Replicated (no_shard, and frozen parameters under zero1/zero2: no optimizer state
-      // to shard).
       ShardSpec spec(shape, at::kFloat, world, rank, Placement::kReplicate);
-      at::Tensor master;
-      if (mastersAreParams_) {
-        if (p.scalar_type() != at::kFloat || !p.is_contiguous()) p.set_data(p.detach().to(at::kFloat).contiguous());
-        master = p.detach();
-      } else {
-        master = at::empty(shape, fp32);
-        master.copy_(p.detach());
-        p.set_data(p.detach().to(options_.paramDtype).contiguous());
-      }
+      at::Tensor master = replicatedMaster(p, shape, fp32, mastersAreParams_, options_.paramDtype);
       registerParam(np.name, p, std::move(spec), std::move(master));
       continue;
     }
     ShardSpec spec(shape, at::kFloat, world, rank);
-    at::Tensor master;
-    if (mastersAreParams_) {
-      // One storage of N x chunkRows rows: the module sees the first `rows`, this rank's
-      // master is its chunk. Padding rows are zero and stay zero (zero gradients).
-      at::Tensor storage = at::zeros({world * spec.paddedNumel()}, fp32);
-      storage.narrow(0, 0, spec.globalNumel()).copy_(p.detach().reshape({-1}));
-      p.set_data(storage.narrow(0, 0, spec.globalNumel()).view(shape));
-      master = storage.narrow(0, rank * spec.paddedNumel(), spec.paddedNumel()).view(spec.localShape());
-    } else {
-      master = spec.shardOf(p.detach().to(at::kFloat));
-      p.set_data(p.detach().to(options_.paramDtype).contiguous());
-    }
+    at::Tensor master = shardedMaster(p, spec, shape, fp32, world, rank, mastersAreParams_, options_.paramDtype);
     registerParam(np.name, p, std::move(spec), std::move(master));
   }
 
-  // Buckets, sized by their flat reduce buffer (padding included).
-  const int64_t elementBytes = static_cast<int64_t>(c10::elementSize(options_.reduceDtype));
-  // Reverse registration order: the order backward produces the gradients. Frozen
-  // parameters are in no bucket.
-  std::vector<ShardedParam*> trainable;
-  for (auto it = mutableParams().rbegin(); it != mutableParams().rend(); ++it) {
-    if (it->trainable) trainable.push_back(&*it);
-  }
-  std::vector<int64_t> bytes;
-  for (const ShardedParam* p : trainable) {
-    bytes.push_back((sharded_ ? p->spec.paddedNumel() * world : p->spec.globalNumel()) * elementBytes);
-  }
-  for (const auto& indices : planBuckets(bytes, options_.bucketBytes)) {
-    std::vector<ShardedParam*> members;
-    std::vector<ShardSpec> specs;
-    for (size_t i : indices) {
-      members.push_back(trainable[i]);
-      specs.push_back(trainable[i]->spec);
-    }
-    buckets_.emplace_back(std::move(members), FlatLayout(std::move(specs)));
+  for (auto& [members, layout] : planGradientBuckets(mutableParams(), sharded_, world, options_)) {
+    buckets_.emplace_back(std::move(members), std::move(layout));
   }
   if (overlap_) {
     for (size_t b = 0; b < buckets_.size(); ++b) {

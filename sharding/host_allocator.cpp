@@ -57,8 +57,8 @@ class CachingHostAllocator final : public c10::Allocator {
       // before those it uses every step), so unused memory is never kept beside a new
       // block. Without the slack and that order, a step whose sizes change over its
       // course (zero3 gathers 16 MiB units, then reduces 4 MiB chunks, then gathers
-      // again) unmapped blocks and faulted them in again every step: 3.2M page faults
-      // instead of 0.4M in bench_strategy_step_bench's zero3 at 4 ranks, a step 2x slower.
+      // again) unmapped blocks and faulted them in again every step: many times the page
+      // faults, and a much slower step (docs/benchmarks.md, "Memory").
       const size_t limit = std::max(peakInUse_ + std::max(largestBlock_, size), inUse_ + size);
       while (mapped_ + size > limit && !free_.empty()) {
         auto oldest = free_.begin();
@@ -142,8 +142,9 @@ class CachingHostAllocator final : public c10::Allocator {
 
 // Blocks below minBytes stay with glibc's malloc, told to keep freed memory for reuse
 // (up to 32 MiB blocks in its heap, 256 MiB of free heap top) rather than giving it back and
-// faulting it in again at the next step: +19-21% samples/s on the main job, whose buffers
-// are all small. Not when the user set malloc tunables, nor on other C libraries.
+// faulting it in again at the next step, which makes the main job, whose buffers are all
+// small, markedly faster (docs/benchmarks.md, "Training throughput"). Not when the user
+// set malloc tunables, nor on other C libraries.
 void keepSmallBlocksInTheHeap() {
 #if defined(__GLIBC__)
   for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"}) {

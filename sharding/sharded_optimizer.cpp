@@ -75,12 +75,83 @@ std::vector<std::string> ShardedOptimizer::stateNames() const {
 
 namespace {
 
+using StateMap = std::map<std::string, at::Tensor>;
+
 // CPU fp32 buffers with the same element count, contiguous state: fusedAdamStep's input.
 bool fusable(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& m, const at::Tensor& v) {
   for (const at::Tensor* t : {&param, &grad, &m, &v}) {
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->numel() != param.numel()) return false;
   }
   return param.is_contiguous() && m.is_contiguous() && v.is_contiguous();
+}
+
+// SGD (with momentum, Nesterov and weight decay as torch.optim.SGD) on one parameter at
+// step t (1 for its first).
+void sgdStep(const OptimizerOptions& o, at::Tensor& param, at::Tensor grad, StateMap& st, int64_t t, double lr,
+             double wd) {
+  if (wd != 0) grad = grad.add(param, wd);
+  if (o.momentum != 0) {
+    // torch starts the buffer as the first gradient (no dampening). Keyed on the step
+    // count, not on the buffer's existence: stateEntries() creates zero buffers for
+    // parameters not stepped yet, and a checkpoint may carry them.
+    at::Tensor& buf = st["momentum_buffer"];
+    if (t == 1 || !buf.defined()) {
+      buf = grad.clone();
+    } else {
+      buf.mul_(o.momentum).add_(grad, 1.0 - o.dampening);
+    }
+    grad = o.nesterov ? grad.add(buf, o.momentum) : buf;
+  }
+  param.add_(grad, -lr);
+}
+
+// fusedAdamStep's scalars for Adam / AdamW, rounded to fp32 as torch does; bc1 and bc2
+// are the bias corrections 1 - beta^t.
+AdamScalars adamScalars(const OptimizerOptions& o, double lr, double wd, double bc1, double bc2) {
+  AdamScalars s;
+  s.paramScale = static_cast<float>(o.kind == OptimizerKind::kAdamW ? 1.0 - lr * wd : 1.0);
+  s.gradDecay = static_cast<float>(o.kind == OptimizerKind::kAdamW ? 0.0 : wd);
+  s.beta1 = static_cast<float>(o.beta1);
+  s.oneMinusBeta1 = static_cast<float>(1.0 - o.beta1);
+  s.beta2 = static_cast<float>(o.beta2);
+  s.oneMinusBeta2 = static_cast<float>(1.0 - o.beta2);
+  s.sqrtBiasCorrection2 = static_cast<float>(std::sqrt(bc2));
+  s.eps = static_cast<float>(o.eps);
+  s.negStepSize = static_cast<float>(-lr / bc1);
+  return s;
+}
+
+// Adam / AdamW on one parameter at step t: in one pass on the CPU (fusable buffers),
+// otherwise torch's single-tensor path as tensor ops.
+void adamStep(const OptimizerOptions& o, at::Tensor& param, at::Tensor grad, StateMap& st, int64_t t, double lr,
+              double wd) {
+  if (!st.count("exp_avg")) {
+    st["exp_avg"] = at::zeros_like(param);
+    st["exp_avg_sq"] = at::zeros_like(param);
+  }
+  at::Tensor& m = st["exp_avg"];
+  at::Tensor& v = st["exp_avg_sq"];
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t));
+  if (fusable(param, grad, m, v)) {
+    // One pass instead of the ten below, rounding as they do on a CPU with FMA (the
+    // scalars rounded to fp32 as torch does).
+    const AdamScalars s = adamScalars(o, lr, wd, bc1, bc2);
+    const at::Tensor g = grad.contiguous();
+    fusedAdamStep(param.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                  param.numel(), s);
+    return;
+  }
+  if (o.kind == OptimizerKind::kAdamW) {
+    param.mul_(1.0 - lr * wd);
+  } else if (wd != 0) {
+    grad = grad.add(param, wd);
+  }
+  m.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
+  v.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
+  const double stepSize = lr / bc1;
+  at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(o.eps);
+  param.addcdiv_(m, denom, -stepSize);
 }
 
 }  // namespace
@@ -96,65 +167,13 @@ void ShardedOptimizer::step(double baseLr) {
     at::Tensor grad = p.grad.view(param.sizes()).to(at::kFloat);
     const double lr = baseLr * slot.lrScale;
     const double wd = slot.weightDecay;
-    auto& st = slot.state;
     int64_t& steps = *slot.steps.data_ptr<int64_t>();
     const int64_t t = ++steps;
-
     if (options_.kind == OptimizerKind::kSgd) {
-      if (wd != 0) grad = grad.add(param, wd);
-      if (options_.momentum != 0) {
-        // torch starts the buffer as the first gradient (no dampening). Keyed on the step
-        // count, not on the buffer's existence: stateEntries() creates zero buffers for
-        // parameters not stepped yet, and a checkpoint may carry them.
-        at::Tensor& buf = st["momentum_buffer"];
-        if (t == 1 || !buf.defined()) {
-          buf = grad.clone();
-        } else {
-          buf.mul_(options_.momentum).add_(grad, 1.0 - options_.dampening);
-        }
-        grad = options_.nesterov ? grad.add(buf, options_.momentum) : buf;
-      }
-      param.add_(grad, -lr);
-      continue;
+      sgdStep(options_, param, std::move(grad), slot.state, t, lr, wd);
+    } else {
+      adamStep(options_, param, std::move(grad), slot.state, t, lr, wd);
     }
-
-    // Adam / AdamW.
-    if (!st.count("exp_avg")) {
-      st["exp_avg"] = at::zeros_like(param);
-      st["exp_avg_sq"] = at::zeros_like(param);
-    }
-    at::Tensor& m = st["exp_avg"];
-    at::Tensor& v = st["exp_avg_sq"];
-    const double bc1 = 1.0 - std::pow(options_.beta1, static_cast<double>(t));
-    const double bc2 = 1.0 - std::pow(options_.beta2, static_cast<double>(t));
-    if (fusable(param, grad, m, v)) {
-      // One pass instead of the ten below, rounding as they do on a CPU with FMA (the
-      // scalars rounded to fp32 as torch does).
-      AdamScalars s;
-      s.paramScale = static_cast<float>(options_.kind == OptimizerKind::kAdamW ? 1.0 - lr * wd : 1.0);
-      s.gradDecay = static_cast<float>(options_.kind == OptimizerKind::kAdamW ? 0.0 : wd);
-      s.beta1 = static_cast<float>(options_.beta1);
-      s.oneMinusBeta1 = static_cast<float>(1.0 - options_.beta1);
-      s.beta2 = static_cast<float>(options_.beta2);
-      s.oneMinusBeta2 = static_cast<float>(1.0 - options_.beta2);
-      s.sqrtBiasCorrection2 = static_cast<float>(std::sqrt(bc2));
-      s.eps = static_cast<float>(options_.eps);
-      s.negStepSize = static_cast<float>(-lr / bc1);
-      const at::Tensor g = grad.contiguous();
-      fusedAdamStep(param.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
-                    param.numel(), s);
-      continue;
-    }
-    if (options_.kind == OptimizerKind::kAdamW) {
-      param.mul_(1.0 - lr * wd);
-    } else if (wd != 0) {
-      grad = grad.add(param, wd);
-    }
-    m.mul_(options_.beta1).add_(grad, 1.0 - options_.beta1);
-    v.mul_(options_.beta2).addcmul_(grad, grad, 1.0 - options_.beta2);
-    const double stepSize = lr / bc1;
-    at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(options_.eps);
-    param.addcdiv_(m, denom, -stepSize);
   }
 }
 

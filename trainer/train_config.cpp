@@ -151,21 +151,20 @@ void bindModelEntry(config::ConfigSchema& s, ModelEntry& entry) {
   bindEmaKeys(s, p + "ema.", entry);
 }
 
-}  // namespace
-
-void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
+// run.*: the run's identity, length, seed, device and recipe.
+void bindRunKeys(config::ConfigSchema& s, RunOptions& run) {
   s.describeSection("run", "Identity, length and seed of the run");
-  s.add("run.name", &c.run.name, "Run name, shown in the log and on the loss curve").nonEmpty();
-  s.add("run.dir", &c.run.dir, "Run directory: resolved config, metrics, logs, checkpoints, exports").nonEmpty();
-  s.add("run.seed", &c.run.seed, "Seed for model init, data order and dropout").min(0);
-  s.add("run.steps", &c.run.steps, "Optimizer steps to run").min(1).max(kMaxSteps);
-  s.add("run.log_every", &c.run.log_every, "Print and record metrics every N steps").min(1);
-  s.add("run.stop_after_steps", &c.run.stop_after_steps,
+  s.add("run.name", &run.name, "Run name, shown in the log and on the loss curve").nonEmpty();
+  s.add("run.dir", &run.dir, "Run directory: resolved config, metrics, logs, checkpoints, exports").nonEmpty();
+  s.add("run.seed", &run.seed, "Seed for model init, data order and dropout").min(0);
+  s.add("run.steps", &run.steps, "Optimizer steps to run").min(1).max(kMaxSteps);
+  s.add("run.log_every", &run.log_every, "Print and record metrics every N steps").min(1);
+  s.add("run.stop_after_steps", &run.stop_after_steps,
         "Stop with a checkpoint after this many steps of this invocation (time-limited jobs); 0 = run to the end")
       .min(0);
-  s.add("run.eval_every", &c.run.eval_every, "Held-out loss with live and EMA weights every N steps (0: at the end only)")
+  s.add("run.eval_every", &run.eval_every, "Held-out loss with live and EMA weights every N steps (0: at the end only)")
       .min(0);
-  s.add("run.device", &c.run.device, "Where the model trains: cpu, or cuda (each rank's GPU: LOCAL_RANK modulo the GPUs)")
+  s.add("run.device", &run.device, "Where the model trains: cpu, or cuda (each rank's GPU: LOCAL_RANK modulo the GPUs)")
       .oneOf({"cpu", "cuda"});
   std::string recipes;
   std::vector<std::string> recipeNames;
@@ -173,72 +172,95 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
     recipes += strCat(recipes.empty() ? "" : ", ", spec->name, " (", spec->description, ")");
     recipeNames.push_back(spec->name);
   }
-  s.add("run.recipe", &c.run.recipe, "What a step trains: " + recipes).oneOf(recipeNames);
+  s.add("run.recipe", &run.recipe, "What a step trains: " + recipes).oneOf(recipeNames);
+}
 
+// log.*: level and per-rank files.
+void bindLogKeys(config::ConfigSchema& s, LogSection& log) {
   s.describeSection("log", "Logging");
-  s.add("log.level", &c.log.level, "Log level; the TESSERA_LOG_LEVEL environment variable overrides it")
+  s.add("log.level", &log.level, "Log level; the TESSERA_LOG_LEVEL environment variable overrides it")
       .oneOf({"trace", "debug", "info", "warn", "error", "off"});
-  s.add("log.per_rank_files", &c.log.per_rank_files, "Also write <run.dir>/logs/rank_N.log per rank");
+  s.add("log.per_rank_files", &log.per_rank_files, "Also write <run.dir>/logs/rank_N.log per rank");
+}
 
+// model.*: the single model (or every models: entry's defaults), and its samples.
+void bindTopLevelModelKeys(config::ConfigSchema& s, ModelOptions& model) {
   s.describeSection("model", "The model to train (models: form: the defaults of every model)");
-  bindModelKeys(s, "model.", c.defaults.model);
-  s.add("model.samples", &c.defaults.model.samples,
+  bindModelKeys(s, "model.", model);
+  s.add("model.samples", &model.samples,
         "diffusion: samples drawn with generator_ema (DDPM) at the end, written to <run.dir>/samples.safetensors")
       .min(0).max(kMaxBatch);
+}
 
+// data.*: the dataset, the batch sizes and the held-out fraction.
+void bindDataKeys(config::ConfigSchema& s, DataOptions& data) {
   s.describeSection("data", "Training data");
-  s.add("data.kind", &c.data.kind,
+  s.add("data.kind", &data.kind,
         "Dataset kind: text (bytes), tokens (flat binary token ids) or tensors (safetensors 'inputs' and 'targets')")
       .oneOf({"text", "tokens", "tensors"});
-  s.add("data.path", &c.data.path,
+  s.add("data.path", &data.path,
         "Input file (text: any file, read as bytes; tokens: little-endian ids; tensors: a safetensors file with "
         "'inputs' [N, ...] and optional 'targets': integer class ids [N] for cross-entropy, floats for "
         "mean-squared error)")
       .required()
       .nonEmpty();
-  s.add("data.token_dtype", &c.data.token_dtype, "tokens: width of each id in the file").oneOf({"uint16", "uint32"});
-  s.add("data.global_batch", &c.data.global_batch, "Samples per optimizer step over all ranks").min(1).max(kMaxBatch);
-  s.add("data.micro_batch", &c.data.micro_batch, "Samples per forward/backward on one rank").min(1).max(kMaxBatch);
-  s.add("data.shuffle", &c.data.shuffle, "Seeded shuffle per epoch; false reads samples in file order");
-  s.add("data.eval_fraction", &c.data.eval_fraction, "Fraction at the end of the file held out for evaluation")
+  s.add("data.token_dtype", &data.token_dtype, "tokens: width of each id in the file").oneOf({"uint16", "uint32"});
+  s.add("data.global_batch", &data.global_batch, "Samples per optimizer step over all ranks").min(1).max(kMaxBatch);
+  s.add("data.micro_batch", &data.micro_batch, "Samples per forward/backward on one rank").min(1).max(kMaxBatch);
+  s.add("data.shuffle", &data.shuffle, "Seeded shuffle per epoch; false reads samples in file order");
+  s.add("data.eval_fraction", &data.eval_fraction, "Fraction at the end of the file held out for evaluation")
       .min(0.0).lessThan(1.0);
+}
 
+// The top-level optim.*, sharding.* and ema.* sections: the defaults of every model.
+void bindDefaultSections(config::ConfigSchema& s, ModelEntry& defaults) {
   s.describeSection("optim", "Optimizer");
-  bindOptimKeys(s, "optim.", c.defaults);
+  bindOptimKeys(s, "optim.", defaults);
   s.describeSection("sharding", "How training state is split over the ranks");
-  bindShardingKeys(s, "sharding.", c.defaults);
+  bindShardingKeys(s, "sharding.", defaults);
   s.describeSection("ema", "Exponential moving average of the parameters (<model>_ema; generator_ema for a diffusion model)");
-  bindEmaKeys(s, "ema.", c.defaults);
+  bindEmaKeys(s, "ema.", defaults);
+}
+
+// checkpoint.*: when to save, what to keep, resume and export.
+void bindCheckpointKeys(config::ConfigSchema& s, CheckpointSection& checkpoint) {
   s.describeSection("checkpoint", "Sharded checkpoints, resume and export");
-  s.add("checkpoint.every_steps", &c.checkpoint.every_steps, "Save every N steps (0: only at the end)").min(0);
-  s.add("checkpoint.at_end", &c.checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");
-  s.add("checkpoint.keep_last", &c.checkpoint.keep_last, "Newest complete checkpoints to keep (0: all)").min(0);
-  s.add("checkpoint.async", &c.checkpoint.async, "Write checkpoints in a background thread");
-  s.add("checkpoint.resume", &c.checkpoint.resume, "auto (latest complete checkpoint of run.dir), none, or a directory")
+  s.add("checkpoint.every_steps", &checkpoint.every_steps, "Save every N steps (0: only at the end)").min(0);
+  s.add("checkpoint.at_end", &checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");
+  s.add("checkpoint.keep_last", &checkpoint.keep_last, "Newest complete checkpoints to keep (0: all)").min(0);
+  s.add("checkpoint.async", &checkpoint.async, "Write checkpoints in a background thread");
+  s.add("checkpoint.resume", &checkpoint.resume, "auto (latest complete checkpoint of run.dir), none, or a directory")
       .nonEmpty();
-  s.add("checkpoint.export", &c.checkpoint.export_what,
+  s.add("checkpoint.export", &checkpoint.export_what,
         "Exported as <run.dir>/export/<name>.safetensors at the end: generator_ema, generator_ema_<decay>, model "
         "(models: form: a model's name, <name>_ema, <name>_ema_<decay>)");
-  s.add("checkpoint.export_dtype", config::choiceOf(&c.checkpoint.export_dtype, sharding::kFloatDtypeNames),
+  s.add("checkpoint.export_dtype", config::choiceOf(&checkpoint.export_dtype, sharding::kFloatDtypeNames),
         "Dtype of exported floating tensors");
+}
 
+// recipe.*: the dmd recipe's options.
+void bindRecipeKeys(config::ConfigSchema& s, RecipeOptions& recipe) {
   s.describeSection("recipe", "run.recipe dmd: distribution-matching distillation");
-  s.add("recipe.critic_steps", &c.recipe.critic_steps, "Critic updates per generator update")
+  s.add("recipe.critic_steps", &recipe.critic_steps, "Critic updates per generator update")
       .min(1)
       .max(RecipeOptions::kMaxCriticSteps);
-  s.add("recipe.min_t", &c.recipe.min_t,
+  s.add("recipe.min_t", &recipe.min_t,
         "The generator's samples are noised at a timestep drawn in [min_t, max_t] x model.timesteps")
       .min(0.0).lessThan(1.0);
-  s.add("recipe.max_t", &c.recipe.max_t, "Upper end of that range").greaterThan(0.0).max(1.0);
-  s.add("recipe.regression_weight", &c.recipe.regression_weight,
+  s.add("recipe.max_t", &recipe.max_t, "Upper end of that range").greaterThan(0.0).max(1.0);
+  s.add("recipe.regression_weight", &recipe.regression_weight,
         "Weight of DMD's regression loss: the generator's sample of a fixed noise against the teacher's "
         "deterministic (DDIM) sample of it, which keeps every mode covered (0: off)")
       .min(0.0).max(1000.0);
-  s.add("recipe.regression_pairs", &c.recipe.regression_pairs,
+  s.add("recipe.regression_pairs", &recipe.regression_pairs,
         "Noise -> teacher sample pairs the regression loss uses (made once when the run starts)")
       .min(1).max(1 << 20);
-  s.add("recipe.pair_steps", &c.recipe.pair_steps, "DDIM steps the teacher takes for each pair (at most model.timesteps)")
+  s.add("recipe.pair_steps", &recipe.pair_steps, "DDIM steps the teacher takes for each pair (at most model.timesteps)")
       .min(1).max(kMaxWidth);
+}
+
+// models: the named section whose entries become c.models, in order of appearance.
+void bindModelsSection(config::ConfigSchema& s, TrainConfig& c) {
   s.addNamedSection("models",
                     "Several models in one run, by name (run.recipe dmd: generator, critic, teacher); each entry has "
                     "the model keys, trainable, and sharding/optim/ema sections, inheriting what it does not set from "
@@ -248,6 +270,20 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
                       c.models.back().name = name;
                       bindModelEntry(entry, c.models.back());
                     });
+}
+
+}  // namespace
+
+// The sections in this order: the resolved config lists keys in registration order.
+void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
+  bindRunKeys(s, c.run);
+  bindLogKeys(s, c.log);
+  bindTopLevelModelKeys(s, c.defaults.model);
+  bindDataKeys(s, c.data);
+  bindDefaultSections(s, c.defaults);
+  bindCheckpointKeys(s, c.checkpoint);
+  bindRecipeKeys(s, c.recipe);
+  bindModelsSection(s, c);
 }
 
 namespace {

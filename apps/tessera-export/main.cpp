@@ -48,78 +48,100 @@ int listPosthoc(const std::string& dir) {
   return 0;
 }
 
+// The command line, as parsed.
+struct ExportArgs {
+  std::string dir, out, dtype, maxShard;
+  bool noVerify = false;
+  ckpt::ExportOptions options;
+  std::optional<double> posthocSigma;
+  std::optional<int64_t> atStep;
+  bool list = false;
+};
+
+// Declares the options and which ones exclude each other.
+void addOptions(CLI::App& app, ExportArgs& args) {
+  app.add_option("CKPT_DIR", args.dir,
+                 "Checkpoint step directory, or a run's checkpoints directory; with --posthoc-ema or --list: "
+                 "the run directory (or its posthoc/ directory)")
+      ->required();
+  auto* what = app.add_option("--what", args.options.what,
+                              "generator_ema | generator_ema_<decay> | model | a prefix ending in '/'");
+  auto* posthoc = app.add_option("--posthoc-ema", args.posthocSigma,
+                                 "Reconstruct the power-function EMA of this sigma_rel from the run's post-hoc "
+                                 "snapshots (ema.posthoc)");
+  app.add_option("--at-step", args.atStep,
+                 "With --posthoc-ema: the step to reconstruct at (default: the last snapshot)")
+      ->needs(posthoc);
+  auto* listFlag =
+      app.add_flag("--list", args.list, "List the run's post-hoc snapshots and the sigma_rel range they cover");
+  auto* outOption = app.add_option("--out", args.out, "Output .safetensors file (a directory with --max-shard-size)");
+  what->excludes(posthoc)->excludes(listFlag);
+  posthoc->excludes(listFlag);
+  outOption->excludes(listFlag);
+  app.add_option("--dtype", args.dtype, "Cast floating-point tensors: fp32 | bf16 | fp16");
+  app.add_option("--max-shard-size", args.maxShard, "Split into files of at most this size, e.g. 2GB, 500MiB");
+  app.add_flag("--no-verify", args.noVerify, "Skip checksum verification");
+}
+
+// --posthoc-ema: one file in the saved dtype, reconstructed from the run's snapshots.
+int reconstructPosthoc(const ExportArgs& args) {
+  if (!args.dtype.empty() || !args.maxShard.empty()) {
+    throw tessera::UsageError("--posthoc-ema writes one file in the saved dtype: no --dtype or --max-shard-size");
+  }
+  tessera::ema::PosthocOptions posthocOptions;
+  posthocOptions.sigmaRel = *args.posthocSigma;
+  posthocOptions.atStep = args.atStep;
+  posthocOptions.verify = args.options.verify;
+  const auto result = tessera::ema::reconstructPosthocEma(args.dir, args.out, posthocOptions);
+  std::cout << "reconstructed the post-hoc EMA of sigma_rel " << *args.posthocSigma << " at step " << result.step
+            << " from " << result.used.size() << " snapshots (" << result.weights.size() << " profiles): "
+            << result.tensors << " tensors (" << result.bytes << " bytes) in " << result.seconds << " s\n  " << args.out
+            << "\n";
+  return 0;
+}
+
+// CKPT_DIR itself if it is a complete checkpoint, else the newest complete one in it.
+std::string checkpointStepDir(const std::string& dir) {
+  if (ckpt::pathExists((std::filesystem::path(dir) / ckpt::kMetadataFile).string())) return dir;
+  const auto all = ckpt::listCheckpoints(dir);
+  if (all.empty()) {
+    throw tessera::UsageError(tessera::strCat(dir, " is neither a complete checkpoint (no metadata.json) nor a ",
+                                              "directory holding one"));
+  }
+  std::cerr << "tessera-export: using the newest complete checkpoint " << all.back().dir << "\n";
+  return all.back().dir;
+}
+
+// --what: exports that part of the checkpoint and lists the files written.
+int exportWhat(const ExportArgs& args) {
+  const std::string stepDir = checkpointStepDir(args.dir);
+  const auto result = ckpt::exportCheckpoint(stepDir, args.out, args.options);
+  std::cout << "exported " << result.tensors << " tensors under '" << result.prefix << "' (" << result.totalBytes
+            << " bytes) from " << stepDir << " in " << result.seconds << " s\n";
+  for (const auto& f : result.files) std::cout << "  " << f << "\n";
+  if (!result.indexFile.empty()) std::cout << "  " << result.indexFile << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   return tessera::runMain("tessera-export", [&]() -> int {
     CLI::App app{"Tessera: export consolidated safetensors from a sharded checkpoint"};
-    std::string dir, out, dtype, maxShard;
-    bool noVerify = false;
-    ckpt::ExportOptions options;
-    app.add_option("CKPT_DIR", dir,
-                   "Checkpoint step directory, or a run's checkpoints directory; with --posthoc-ema or --list: "
-                   "the run directory (or its posthoc/ directory)")
-        ->required();
-    auto* what = app.add_option("--what", options.what,
-                                "generator_ema | generator_ema_<decay> | model | a prefix ending in '/'");
-    std::optional<double> posthocSigma;
-    std::optional<int64_t> atStep;
-    bool list = false;
-    auto* posthoc = app.add_option("--posthoc-ema", posthocSigma,
-                                   "Reconstruct the power-function EMA of this sigma_rel from the run's post-hoc "
-                                   "snapshots (ema.posthoc)");
-    app.add_option("--at-step", atStep, "With --posthoc-ema: the step to reconstruct at (default: the last snapshot)")
-        ->needs(posthoc);
-    auto* listFlag = app.add_flag("--list", list, "List the run's post-hoc snapshots and the sigma_rel range they cover");
-    auto* outOption = app.add_option("--out", out, "Output .safetensors file (a directory with --max-shard-size)");
-    what->excludes(posthoc)->excludes(listFlag);
-    posthoc->excludes(listFlag);
-    outOption->excludes(listFlag);
-    app.add_option("--dtype", dtype, "Cast floating-point tensors: fp32 | bf16 | fp16");
-    app.add_option("--max-shard-size", maxShard, "Split into files of at most this size, e.g. 2GB, 500MiB");
-    app.add_flag("--no-verify", noVerify, "Skip checksum verification");
+    ExportArgs args;
+    addOptions(app, args);
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
     tessera::log::LogOptions logOptions;
     logOptions.rank = -1;  // a single-process tool: no rank prefix
     logOptions.level = "warn";
     tessera::log::init(logOptions);
-    if (!dtype.empty()) options.dtype = ckpt::parseExportDtype(dtype);
-    if (!maxShard.empty()) options.maxShardBytes = ckpt::parseByteSize(maxShard);
-    options.verify = !noVerify;
-    if (list) return listPosthoc(dir);
-    if (out.empty()) throw tessera::UsageError("--out is required");
-    if (posthocSigma) {
-      if (!dtype.empty() || !maxShard.empty()) {
-        throw tessera::UsageError("--posthoc-ema writes one file in the saved dtype: no --dtype or --max-shard-size");
-      }
-      tessera::ema::PosthocOptions posthocOptions;
-      posthocOptions.sigmaRel = *posthocSigma;
-      posthocOptions.atStep = atStep;
-      posthocOptions.verify = options.verify;
-      const auto result = tessera::ema::reconstructPosthocEma(dir, out, posthocOptions);
-      std::cout << "reconstructed the post-hoc EMA of sigma_rel " << *posthocSigma << " at step " << result.step
-                << " from " << result.used.size() << " snapshots (" << result.weights.size() << " profiles): "
-                << result.tensors << " tensors (" << result.bytes << " bytes) in " << result.seconds << " s\n  " << out
-                << "\n";
-      return 0;
-    }
-    if (options.what.empty()) throw tessera::UsageError("give --what (or --posthoc-ema, or --list)");
-
-    std::string stepDir = dir;
-    if (!ckpt::pathExists((std::filesystem::path(dir) / ckpt::kMetadataFile).string())) {
-      const auto all = ckpt::listCheckpoints(dir);
-      if (all.empty()) {
-        throw tessera::UsageError(tessera::strCat(dir, " is neither a complete checkpoint (no metadata.json) nor a ",
-                                                  "directory holding one"));
-      }
-      stepDir = all.back().dir;
-      std::cerr << "tessera-export: using the newest complete checkpoint " << stepDir << "\n";
-    }
-    const auto result = ckpt::exportCheckpoint(stepDir, out, options);
-    std::cout << "exported " << result.tensors << " tensors under '" << result.prefix << "' (" << result.totalBytes
-              << " bytes) from " << stepDir << " in " << result.seconds << " s\n";
-    for (const auto& f : result.files) std::cout << "  " << f << "\n";
-    if (!result.indexFile.empty()) std::cout << "  " << result.indexFile << "\n";
-    return 0;
+    if (!args.dtype.empty()) args.options.dtype = ckpt::parseExportDtype(args.dtype);
+    if (!args.maxShard.empty()) args.options.maxShardBytes = ckpt::parseByteSize(args.maxShard);
+    args.options.verify = !args.noVerify;
+    if (args.list) return listPosthoc(args.dir);
+    if (args.out.empty()) throw tessera::UsageError("--out is required");
+    if (args.posthocSigma) return reconstructPosthoc(args);
+    if (args.options.what.empty()) throw tessera::UsageError("give --what (or --posthoc-ema, or --list)");
+    return exportWhat(args);
   });
 }
