@@ -87,7 +87,8 @@ class ShardedOptimizer : public Stateful {
   // Checks step counts loaded from `source` (a checkpoint): each in [0, maxStep], the most
   // optimizer steps the checkpoint's run step allows. A negative count would make Adam's bias correction divide by zero.
   // tessera::Error naming `source`, the entry and the value otherwise.
-  void checkLoadedStepCounts(int64_t maxStep, const std::string& source, const std::string& prefix = "optim/") const;
+  void checkLoadedStepCounts(int64_t maxStep, const std::string& source,
+                             const std::string& prefix = statePrefix(kOptimizerKey)) const;
 
   // Bytes held in optimizer state tensors on this rank.
   int64_t stateBytes() const;

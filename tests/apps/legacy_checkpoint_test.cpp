@@ -74,17 +74,26 @@ void expectSameEnd(const std::string& resumedDir, const std::string& referenceDi
   }
 }
 
-TEST(LegacyCheckpointTest, SingleModelCheckpointResumesOnOtherWorldSizes) {
-  const std::string reference = tessera::test::scratchPath("tessera_legacy", "diffusion_reference");
-  CommandResult r = runCommand(launch(2) + kDiffusion + " --set run.dir=" + reference, 300);
-  ASSERT_EQ(r.status, 0) << r.output;
-  for (const int ranks : {1, 4}) {
-    const std::string dir = runDirWithLegacy("diffusion");
-    r = runCommand(launch(ranks) + kDiffusion + " --set run.dir=" + dir, 300);
-    ASSERT_EQ(r.status, 0) << r.output;
+// Legacy checkpoint `name` (written by 2 ranks at step 4), resumed by `args` on each of
+// `worlds`, ends where `args` run from scratch on 2 ranks ends; returns the last run dir.
+std::string expectResumesLikeUninterrupted(const std::string& name, const std::string& args,
+                                           std::initializer_list<int> worlds) {
+  const std::string reference = tessera::test::scratchPath("tessera_legacy", name + "_reference");
+  CommandResult r = runCommand(launch(2) + args + " --set run.dir=" + reference, 300);
+  EXPECT_EQ(r.status, 0) << r.output;
+  std::string dir;
+  for (const int ranks : worlds) {
+    dir = runDirWithLegacy(name);
+    r = runCommand(launch(ranks) + args + " --set run.dir=" + dir, 300);
+    EXPECT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("resumed from " + dir + "/checkpoints/step_00000004 (step 4"), std::string::npos) << r.output;
-    expectSameEnd(dir, reference, "diffusion resumed on " + std::to_string(ranks) + " ranks");
+    expectSameEnd(dir, reference, name + " resumed on " + std::to_string(ranks) + " ranks");
   }
+  return dir;
+}
+
+TEST(LegacyCheckpointTest, SingleModelCheckpointResumesOnOtherWorldSizes) {
+  expectResumesLikeUninterrupted("diffusion", kDiffusion, {1, 4});
 }
 
 // The MLP's EMA was saved as generator_ema: it loads as model_ema, and both names export.
@@ -94,27 +103,13 @@ TEST(LegacyCheckpointTest, RenamedEmaLoadsFromItsFormerName) {
                           " --set data.global_batch=16 --set data.micro_batch=4 --set run.steps=8 --set run.log_every=4"
                           " --set run.eval_every=8 --set checkpoint.async=false --set optim.schedule.warmup_steps=2"
                           " --set checkpoint.every_steps=4 --set checkpoint.export=[model_ema,generator_ema_0.999]";
-  const std::string reference = tessera::test::scratchPath("tessera_legacy", "mlp_reference");
-  CommandResult r = runCommand(launch(2) + mlp + " --set run.dir=" + reference, 300);
-  ASSERT_EQ(r.status, 0) << r.output;
-  const std::string dir = runDirWithLegacy("mlp");
-  r = runCommand(launch(4) + mlp + " --set run.dir=" + dir, 300);
-  ASSERT_EQ(r.status, 0) << r.output;
-  expectSameEnd(dir, reference, "mlp resumed on 4 ranks");
+  const std::string dir = expectResumesLikeUninterrupted("mlp", mlp, {4});
   for (const char* name : {"model_ema", "generator_ema_0.999"}) {
     EXPECT_TRUE(fs::exists(fs::path(dir) / "export" / (std::string(name) + ".safetensors"))) << name;
   }
 }
 
-TEST(LegacyCheckpointTest, SeveralModelCheckpointResumes) {
-  const std::string reference = tessera::test::scratchPath("tessera_legacy", "distill_reference");
-  CommandResult r = runCommand(launch(2) + kDistill + " --set run.dir=" + reference, 300);
-  ASSERT_EQ(r.status, 0) << r.output;
-  const std::string dir = runDirWithLegacy("distill");
-  r = runCommand(launch(4) + kDistill + " --set run.dir=" + dir, 300);
-  ASSERT_EQ(r.status, 0) << r.output;
-  expectSameEnd(dir, reference, "distill resumed on 4 ranks");
-}
+TEST(LegacyCheckpointTest, SeveralModelCheckpointResumes) { expectResumesLikeUninterrupted("distill", kDistill, {4}); }
 
 TEST(LegacyCheckpointTest, OfflineToolsReadIt) {
   for (const std::string name : {"diffusion", "distill", "mlp"}) {
