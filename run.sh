@@ -17,6 +17,7 @@ echo "== part 1: train until step 150, checkpoint, stop"
 "${LAUNCH[@]}" "$BIN/tessera-train" --config configs/default.yaml --set run.stop_after_steps=150 "$@"
 echo "== part 2: resume from the checkpoint, finish, export model_ema"
 "${LAUNCH[@]}" "$BIN/tessera-train" --config configs/default.yaml --resume auto "$@"
+RUN_DIR=$(cd "$RUN_DIR" && pwd)   # the paths below, wherever ./run.sh was started from
 echo
 echo "run directory:   $RUN_DIR"
 echo "resolved config: $RUN_DIR/config.resolved.yaml"

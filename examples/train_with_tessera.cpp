@@ -94,6 +94,13 @@ int main(int argc, char** argv) {
     checkpoint::Checkpointer checkpointer(dir + "/checkpoints", comm);
     checkpoint::resumeLatest(dir + "/checkpoints", states, comm.get());  // from the newest one, if any
     const int64_t start = counters["step"];
+    if (start >= steps) {
+      if (rank == 0) {
+        std::printf("train_with_tessera: %s is at step %lld already: nothing to train (raise --steps)\n", dir.c_str(),
+                    static_cast<long long>(start));
+      }
+      return 0;
+    }
 
     // y = sum(x) / 4: every rank draws the same global batch and trains on its slice.
     double first = 0, last = 0;

@@ -226,6 +226,11 @@ bool resume(RunParts& run) {
   if (cfg.checkpoint.resume == "auto") {
     loaded = checkpoint::resumeLatest(checkpointsDir, states, run.comm.get());
   } else {
+    std::error_code missing;
+    if (!fs::exists(cfg.checkpoint.resume, missing)) {
+      throw ConfigError(strCat("checkpoint.resume: no checkpoint directory at '", cfg.checkpoint.resume, "'",
+                               relativePathNote(cfg.checkpoint.resume)));
+    }
     // Each rank reads its own rows: all leave together when one fails.
     distributed::runOnEveryRank(run.comm.get(), "checkpoint.resume: " + cfg.checkpoint.resume + relativePathNote(cfg.checkpoint.resume), [&] {
       loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, checkpoint::collectEntries(states));

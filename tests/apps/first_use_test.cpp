@@ -99,6 +99,13 @@ TEST(FirstUseTest, ShippedConfigOutsideTheRepoNamesTheKeyAndTheDirectory) {
   EXPECT_TRUE(contains(r.output, "data.path: no file at 'data/rings.safetensors' (a relative path: resolved against "
                                  "the working directory " + elsewhere.string() + ")"))
       << r.output;
+  // A checkpoint to resume from, named relative to the working directory, that is not there.
+  const CommandResult resume = runCommand("cd " + elsewhere.string() + " && " + kTrain + kSmall +
+                                          " --resume runs/x/checkpoints/step_00000004 --set run.dir=" + scratch("r"));
+  EXPECT_EQ(resume.status, 2) << resume.output;
+  EXPECT_TRUE(contains(resume.output, "checkpoint.resume: no checkpoint directory at 'runs/x/checkpoints/step_00000004' "
+                                      "(a relative path: resolved against the working directory " + elsewhere.string() + ")"))
+      << resume.output;
   // A config file named relative to the working directory, that is not there.
   const CommandResult missing = runCommand("cd " + elsewhere.string() + " && " + kTrain + " --config configs/default.yaml");
   EXPECT_EQ(missing.status, 2) << missing.output;
