@@ -201,16 +201,17 @@ ExportResult exportCheckpoint(const std::string& checkpointDir, const std::strin
   return result;
 }
 
-ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& aliases,
-                          distributed::Communicator* comm, const std::string& out, const ExportOptions& options) {
-  const auto start = Clock::now();
-  const int rank = comm ? comm->rank() : 0;
-  const int world = comm ? comm->worldSize() : 1;
-  const std::string prefix = exportPrefix(options.what, aliases);
-  ExportResult result;
-  result.prefix = prefix;
+namespace {
+
+// The entries under `prefix`, as the items of the files (names stripped of the prefix).
+struct Selection {
   std::vector<Item> items;
-  std::vector<const StateEntry*> sources;
+  std::vector<const StateEntry*> sources;  // the entry of each item
+};
+
+Selection selectEntries(const std::vector<StateEntry>& entries, const std::string& prefix,
+                        const std::map<std::string, std::string>& aliases, const ExportOptions& options) {
+  Selection out;
   for (const auto& e : entries) {
     if (e.name.compare(0, prefix.size(), prefix) != 0) continue;
     checkEntry(e, "exportOnline");
@@ -221,81 +222,94 @@ ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map
     it.from = e.spec.dtype();
     it.to = targetDtype(it.from, options.dtype);
     it.shape = e.spec.globalShape();
-    items.push_back(std::move(it));
-    sources.push_back(&e);
+    out.items.push_back(std::move(it));
+    out.sources.push_back(&e);
   }
-  if (items.empty()) {
+  if (out.items.empty()) {
     std::string known;
     for (const auto& [name, p] : aliases) known += (known.empty() ? "" : ", ") + name;
     throw Error(strCat("exportOnline: nothing to export as '", options.what, "' (no tensor under '", prefix,
                        "'); it can export: ", known.empty() ? "nothing" : known, ", or a prefix ending in '/'"));
   }
-  const Plan plan = planFiles(items, out, options);
-  // Rank 0 keeps gathering after a local write error (the other ranks are in the same
-  // collectives); the error is raised everywhere at the end.
-  std::string error;
-  for (size_t s = 0; s < plan.shards.size(); ++s) {
-    std::unique_ptr<SafetensorsWriter> writer;
-    if (rank == 0) {
-      try {
-        makeParent(plan.paths[s]);
-        writer = std::make_unique<SafetensorsWriter>(plan.paths[s], entriesOf(items, plan.shards[s]),
-                                                     fileMetadata(options, prefix));
-      } catch (const std::exception& e) {
-        if (error.empty()) error = e.what();
-      }
-    }
-    for (size_t i : plan.shards[s]) {
-      const StateEntry& e = *sources[i];
-      const Item& it = items[i];
-      at::Tensor full;
-      if (e.spec.placement() == sharding::Placement::kReplicate) {
-        if (rank == 0) full = e.local.cpu().contiguous().view(it.shape);
-      } else {
-        at::Tensor local = e.local.cpu().contiguous().view({-1});
-        at::Tensor gathered;
-        if (rank == 0) gathered = at::empty({local.numel() * world}, local.options());
-        if (comm && world > 1) {
-          comm->gatherToRoot(gathered, local, 0);
-        } else {
-          gathered = local;
-        }
-        if (rank == 0) full = gathered.narrow(0, 0, e.spec.globalNumel()).view(it.shape);
-      }
-      if (rank == 0 && writer) {
-        try {
-          writer->writeTensor(full.to(it.to).contiguous());
-        } catch (const std::exception& ex) {
-          if (error.empty()) error = ex.what();
-          writer.reset();
-        }
-      }
-      result.totalBytes += it.bytes();
-      result.largestTensorBytes = std::max(result.largestTensorBytes, it.bytes());
-      ++result.tensors;
-    }
-    if (rank == 0 && writer) {
-      try {
-        writer->finish();
-        result.files.push_back(plan.paths[s]);
-      } catch (const std::exception& ex) {
-        if (error.empty()) error = ex.what();
-      }
-    }
+  return out;
+}
+
+// Entry `e` whole on rank 0 (undefined elsewhere): gathered to it when sharded.
+// Collective over `comm` for a sharded entry.
+at::Tensor fullOnRankZero(const StateEntry& e, const Item& it, distributed::Communicator* comm, int rank, int world) {
+  if (e.spec.placement() == sharding::Placement::kReplicate) {
+    return rank == 0 ? e.local.cpu().contiguous().view(it.shape) : at::Tensor();
   }
-  if (rank == 0 && error.empty()) {
-    try {
-      writeIndex(plan, items, result);
-    } catch (const std::exception& ex) {
-      error = ex.what();
-    }
+  at::Tensor local = e.local.cpu().contiguous().view({-1});
+  at::Tensor gathered;
+  if (rank == 0) gathered = at::empty({local.numel() * world}, local.options());
+  if (comm && world > 1) {
+    comm->gatherToRoot(gathered, local, 0);
+  } else {
+    gathered = local;
   }
+  return rank == 0 ? gathered.narrow(0, 0, e.spec.globalNumel()).view(it.shape) : at::Tensor();
+}
+
+// Runs `fn` on rank 0, keeping the first error in `error` (the other ranks are in the
+// same collectives: rank 0 carries on gathering and the error is raised at the end).
+template <typename Fn>
+void onRankZero(int rank, std::string& error, Fn fn) {
+  if (rank != 0) return;
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    if (error.empty()) error = e.what();
+  }
+}
+
+// Rank 0's error (or none), raised on every rank.
+void raiseEverywhere(const std::string& error, distributed::Communicator* comm, int rank, int world) {
   if (comm && world > 1) {
     at::Tensor flag = at::tensor({error.empty() ? int64_t{0} : int64_t{1}}, at::kLong);
     comm->broadcast(flag, 0);
     if (rank != 0 && flag.item<int64_t>() != 0) throw Error("exportOnline: rank 0 failed to write the export (see its log)");
   }
   if (!error.empty()) throw Error(strCat("exportOnline: ", error));
+}
+
+}  // namespace
+
+ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& aliases,
+                          distributed::Communicator* comm, const std::string& out, const ExportOptions& options) {
+  const auto start = Clock::now();
+  const int rank = comm ? comm->rank() : 0;
+  const int world = comm ? comm->worldSize() : 1;
+  const std::string prefix = exportPrefix(options.what, aliases);
+  ExportResult result;
+  result.prefix = prefix;
+  const Selection selected = selectEntries(entries, prefix, aliases, options);
+  const std::vector<Item>& items = selected.items;
+  const Plan plan = planFiles(items, out, options);
+  std::string error;
+  for (size_t s = 0; s < plan.shards.size(); ++s) {
+    std::unique_ptr<SafetensorsWriter> writer;
+    onRankZero(rank, error, [&] {
+      makeParent(plan.paths[s]);
+      writer = std::make_unique<SafetensorsWriter>(plan.paths[s], entriesOf(items, plan.shards[s]),
+                                                   fileMetadata(options, prefix));
+    });
+    for (size_t i : plan.shards[s]) {
+      const at::Tensor full = fullOnRankZero(*selected.sources[i], items[i], comm, rank, world);
+      if (writer && error.empty()) onRankZero(rank, error, [&] { writer->writeTensor(full.to(items[i].to).contiguous()); });
+      result.totalBytes += items[i].bytes();
+      result.largestTensorBytes = std::max(result.largestTensorBytes, items[i].bytes());
+      ++result.tensors;
+    }
+    if (writer && error.empty()) {
+      onRankZero(rank, error, [&] {
+        writer->finish();
+        result.files.push_back(plan.paths[s]);
+      });
+    }
+  }
+  if (error.empty()) onRankZero(rank, error, [&] { writeIndex(plan, items, result); });
+  raiseEverywhere(error, comm, rank, world);
   if (rank != 0) {
     result.files = plan.paths;
     result.indexFile = plan.indexPath;
