@@ -178,6 +178,11 @@ void FullyShardStrategy::synchronizeGradients() {
 
 std::unique_ptr<FullyShardStrategy> fullyShard(torch::nn::Module& root, std::shared_ptr<distributed::Communicator> comm,
                                                StrategyOptions options) {
+  // The root's parameters are gathered when its forward is entered: a root whose forward
+  // is a plain call would compute from freed storage.
+  TESSERA_CHECK_AS(UsageError, isUnitModule(root), "fullyShard: the root module is not a sharding::Unit; declare it "
+                   "sharding::Unit<YourModel> (its forward then gathers the root's parameters), or build the "
+                   "strategy with makeStrategy and enter the root through sharding::unitForward");
   if (options.strategy == StrategyOptions{}.strategy) options.strategy = StrategyKind::kZero3;  // unless hybrid is asked for
   return std::make_unique<FullyShardStrategy>(root, std::move(comm), options);
 }

@@ -113,10 +113,12 @@ class FullyShardStrategy final : public ShardingStrategy {
   std::unique_ptr<FullyShardState> state_;
 };
 
-// FSDP2's fully_shard(model) for a root module: a FullyShardStrategy over `root` and the
-// ranks of `comm` — zero3, or hybrid when options.strategy says so (the default "no_shard"
-// means zero3 here) — its units the modules declared sharding::Unit (or options.wrap's).
-// Collective.
+// FSDP2's fully_shard(model) for a root module declared sharding::Unit (UsageError
+// otherwise: its forward is where the root's parameters are gathered): a
+// FullyShardStrategy over `root` and the ranks of `comm` — zero3, or hybrid when
+// options.strategy says so (the default "no_shard" means zero3 here) — its units the
+// modules declared sharding::Unit (or options.wrap's, whose forwards must go through
+// sharding::unitForward). Collective.
 std::unique_ptr<FullyShardStrategy> fullyShard(torch::nn::Module& root, std::shared_ptr<distributed::Communicator> comm,
                                                StrategyOptions options = {});
 

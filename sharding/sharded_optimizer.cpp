@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "common/errors.h"
+#include "common/logging.h"
 #include "sharding/cpu_kernels.h"
 
 namespace tessera::sharding {
@@ -28,10 +29,27 @@ bool decays(const OptimizerOptions& options, const std::string& name, const std:
 }
 
 double lrScaleOf(const OptimizerOptions& options, const std::string& name) {
-  for (const auto& [pattern, scale] : options.lrScale) {
-    if (matches(pattern, name)) return scale;
+  double scale = 1.0;
+  size_t longest = 0;  // the most specific pattern wins: "blocks.0.*" over "blocks.*"
+  for (const auto& [pattern, value] : options.lrScale) {
+    if (pattern.size() > longest && matches(pattern, name)) {
+      scale = value;
+      longest = pattern.size();
+    }
   }
-  return 1.0;
+  return scale;
+}
+
+std::vector<std::string> unmatchedPatterns(const OptimizerOptions& options, const std::vector<std::string>& names) {
+  std::vector<std::string> patterns = options.noDecay;
+  for (const auto& [pattern, scale] : options.lrScale) patterns.push_back(pattern);
+  std::vector<std::string> out;
+  for (const std::string& pattern : patterns) {
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return matches(pattern, n); })) {
+      out.push_back(pattern);
+    }
+  }
+  return out;
 }
 
 ShardedOptimizer::ShardedOptimizer(OptimizerOptions o) : options_(std::move(o)) {
@@ -64,6 +82,17 @@ const ShardedOptimizer::Slot& ShardedOptimizer::slotOf(const ShardedParam& param
   auto it = slotIndex_.find(&param);
   TESSERA_CHECK(it != slotIndex_.end(), "ShardedOptimizer: parameter '", param.name, "' is not registered");
   return slots_[it->second];
+}
+
+// A parameter-group pattern that names no parameter is a typo or a renamed module: said
+// once, at the first step.
+void ShardedOptimizer::warnUnmatchedPatterns() {
+  patternsChecked_ = true;
+  std::vector<std::string> names;
+  for (const Slot& slot : slots_) names.push_back(slot.param->name);
+  for (const std::string& pattern : unmatchedPatterns(options_, names)) {
+    TLOG_WARN0("optimizer parameter groups: pattern '" << pattern << "' matches no trainable parameter");
+  }
 }
 
 std::vector<std::string> ShardedOptimizer::stateNames() const {
@@ -157,6 +186,7 @@ void adamStep(const OptimizerOptions& o, at::Tensor& param, at::Tensor grad, Sta
 }  // namespace
 
 void ShardedOptimizer::step(double baseLr) {
+  if (!patternsChecked_) warnUnmatchedPatterns();
   c10::NoGradGuard noGrad;
   for (Slot& slot : slots_) {
     ShardedParam& p = *slot.param;

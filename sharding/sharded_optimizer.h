@@ -45,7 +45,8 @@ struct OptimizerOptions {
   // Parameter groups, by name pattern (fnmatch: "*" matches any run of characters). No
   // weight decay for parameters matching `noDecay`, nor for any of fewer than 2 dimensions
   // (biases, norm weights: defaultDecays); `lrScale` multiplies the learning rate of the
-  // parameters matching a pattern (the first that matches, in the map's order).
+  // parameters matching a pattern (the longest pattern that matches: the most specific).
+  // A pattern that matches no trainable parameter is warned about at the first step.
   std::vector<std::string> noDecay;
   std::map<std::string, double> lrScale;
 };
@@ -102,10 +103,12 @@ class ShardedOptimizer : public Stateful {
     at::Tensor steps;  // int64 scalar on the CPU: a checkpoint entry loads it in place
   };
   const Slot& slotOf(const ShardedParam& param) const;
+  void warnUnmatchedPatterns();
 
   OptimizerOptions options_;
   std::vector<Slot> slots_;
   std::unordered_map<const ShardedParam*, size_t> slotIndex_;
+  bool patternsChecked_ = false;
 };
 
 // Default weight-decay rule: no decay for biases, norm weights and every other
@@ -115,5 +118,7 @@ bool defaultDecays(const std::vector<int64_t>& globalShape);
 // learning-rate multiplier (OptimizerOptions::noDecay, lrScale).
 bool decays(const OptimizerOptions& options, const std::string& name, const std::vector<int64_t>& shape);
 double lrScaleOf(const OptimizerOptions& options, const std::string& name);
+// The noDecay and lrScale patterns that match none of `names`.
+std::vector<std::string> unmatchedPatterns(const OptimizerOptions& options, const std::vector<std::string>& names);
 
 }  // namespace tessera::sharding

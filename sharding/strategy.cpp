@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "common/errors.h"
+#include "common/logging.h"
 #include "distributed/communicator.h"
 #include "sharding/data_parallel.h"
 #include "sharding/fully_shard.h"
@@ -189,6 +190,8 @@ void withValuesSwapped(const std::vector<at::Tensor>& targets, const std::functi
 }
 
 void StepSums::add(const std::string& name, double value) {
+  TESSERA_CHECK_AS(UsageError, !summed_, "StepSums::add: '", name, "' added after the step summed these values; "
+                   "use a new StepSums for each step");
   for (size_t i = 0; i < names_.size(); ++i) {
     if (names_[i] == name) {
       values_[i] += value;
@@ -197,6 +200,11 @@ void StepSums::add(const std::string& name, double value) {
   }
   names_.push_back(name);
   values_.push_back(value);
+}
+
+void StepSums::takeSums(const at::Tensor& sums) {
+  if (sums.defined()) std::copy_n(sums.data_ptr<double>(), values_.size(), values_.begin());
+  summed_ = true;
 }
 
 double StepSums::operator[](const std::string& name) const {
@@ -210,7 +218,31 @@ StepResult ShardingStrategy::step(double lr, StepSums* sums) {
   return stepWith([&] { optimizer_.step(lr); }, sums);
 }
 
+// Every tensor `optimizer` steps must be one of the shards (an optimizer built over
+// model->parameters(), as in FSDP2, would find no gradients under zero3 and step nothing);
+// a shard in none of its groups is trained by nobody.
+void ShardingStrategy::checkOptimizerTensors(torch::optim::Optimizer& optimizer) {
+  std::unordered_map<const c10::TensorImpl*, size_t> shardIndex;
+  const std::vector<NamedTensor>& shards = shardedParameters();
+  for (size_t i = 0; i < shards.size(); ++i) shardIndex.emplace(shards[i].tensor.unsafeGetTensorImpl(), i);
+  std::vector<bool> stepped(shards.size(), false);
+  for (const auto& group : optimizer.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      auto it = shardIndex.find(p.unsafeGetTensorImpl());
+      TESSERA_CHECK_AS(UsageError, it != shardIndex.end(), "ShardingStrategy::step: the optimizer holds a tensor of "
+                       "shape ", p.sizes(), " that is not one of this strategy's shardedParameters(); build its "
+                       "parameter groups from strategy.shardedParameters(), not model->parameters()");
+      stepped[it->second] = true;
+    }
+  }
+  for (size_t i = 0; i < shards.size(); ++i) {
+    if (!stepped[i]) TLOG_WARN0("ShardingStrategy::step: no optimizer group holds '" << shards[i].name << "'; it is not trained");
+  }
+  checkedOptimizer_ = &optimizer;
+}
+
 StepResult ShardingStrategy::step(torch::optim::Optimizer& optimizer, StepSums* sums) {
+  if (checkedOptimizer_ != &optimizer) checkOptimizerTensors(optimizer);
   const std::vector<NamedTensor>& shards = shardedParameters();
   return stepWith(
       [&] {
@@ -257,7 +289,7 @@ StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepS
     zeroGrad();
     ++stepsSkipped_;
     synchronizeBuffers();
-    if (alongside) std::copy_n(sumAlongside.data_ptr<double>(), sums->values_.size(), sums->values_.begin());
+    if (sums != nullptr) sums->takeSums(sumAlongside);
     return result;
   }
   update();
@@ -267,7 +299,7 @@ StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepS
   publishParameters();
   synchronizeBuffers();
   ++stepsApplied_;
-  if (alongside) std::copy_n(sumAlongside.data_ptr<double>(), sums->values_.size(), sums->values_.begin());
+  if (sums != nullptr) sums->takeSums(sumAlongside);
   return result;
 }
 

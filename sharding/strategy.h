@@ -107,10 +107,10 @@ struct StrategyOptions {
 
 // Values summed over all ranks in a step's own all-reduce (the gradient norm's), by name:
 // the step's loss and this rank's stop request ride along without a collective of their
-// own. Every rank adds the same names in the same order.
+// own. Every rank adds the same names in the same order; one StepSums serves one step.
 class StepSums {
  public:
-  // Adds `value` to this rank's `name` (0 until the first add).
+  // Adds `value` to this rank's `name` (0 until the first add). UsageError after the step.
   void add(const std::string& name, double value);
   // After the step: the sum over all ranks (before it: this rank's). UsageError for a name
   // never added.
@@ -118,8 +118,10 @@ class StepSums {
 
  private:
   friend class ShardingStrategy;
+  void takeSums(const at::Tensor& sums);  // the step's results (undefined: none were added)
   std::vector<std::string> names_;
   std::vector<double> values_;
+  bool summed_ = false;
 };
 
 struct StepResult {
@@ -254,8 +256,8 @@ class ShardingStrategy : public Stateful {
 
   // Registers the record of parameter `name`: its spec, and its fp32 master (which may
   // alias the parameter's storage). A trainable one (requires_grad) joins the optimizer
-  // (decay per defaultDecays). The returned record stays where it is for the strategy's
-  // lifetime.
+  // (weight decay and learning-rate scale per OptimizerOptions: decays, lrScaleOf). The
+  // returned record stays where it is for the strategy's lifetime.
   ShardedParam& registerParam(const std::string& name, const at::Tensor& moduleParam, ShardSpec spec,
                               at::Tensor master);
 
@@ -296,12 +298,14 @@ class ShardingStrategy : public Stateful {
   // The step after synchronizeGradients: clip, non-finite skip, `update` (an optimizer's
   // step), publish, buffers.
   StepResult stepWith(const std::function<void()>& update, StepSums* sums);
+  void checkOptimizerTensors(torch::optim::Optimizer& optimizer);
 
   std::vector<ShardedParam> params_;    // reserved for every parameter: never reallocates
   std::unordered_map<std::string, ShardedParam*> byName_;
   ShardedOptimizer optimizer_;
   std::vector<NamedTensor> shards_;     // shardedParameters(), made at its first call
   std::vector<ShardedParam*> shardRecords_;  // the record of each of shards_
+  const torch::optim::Optimizer* checkedOptimizer_ = nullptr;  // the last one checkOptimizerTensors passed
   int64_t stepsApplied_ = 0;
   int64_t stepsSkipped_ = 0;
 };

@@ -27,6 +27,7 @@
 #include <array>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -64,6 +65,14 @@ namespace detail {
 
 template <typename T>
 constexpr bool kIsTensor = std::is_same_v<std::decay_t<T>, at::Tensor>;
+
+// Argument types that carry tensors without being one: a unit would keep them as constants
+// (no gradient to its inputs, wrong under a recompute). Pass their tensors as tensors.
+template <typename T>
+constexpr bool kHidesTensors = std::is_same_v<std::decay_t<T>, std::optional<at::Tensor>> ||
+                               std::is_same_v<std::decay_t<T>, c10::optional<at::Tensor>> ||
+                               std::is_same_v<std::decay_t<T>, std::vector<at::Tensor>> ||
+                               std::is_same_v<std::decay_t<T>, at::TensorList>;
 
 // Which elements of a tuple type are tensors (one extra false: never an empty array).
 template <typename Tuple, size_t... J>
@@ -138,6 +147,9 @@ std::vector<at::Tensor> invokeCaptured(const Call& call, const Tuple& captured, 
 // call(args...) as `module`'s unit forward (see unitForward).
 template <typename Result, typename Call, typename... Args>
 Result callAsUnit(torch::nn::Module& module, Call call, const Args&... args) {
+  static_assert(!(kHidesTensors<Args> || ...),
+                "a sharding::Unit's forward takes its tensors as at::Tensor arguments (not optional, vector or "
+                "TensorList): wrap the module in a forward of plain tensors, or call sharding::unitForward");
   std::vector<at::Tensor> inputs;
   auto collect = [&inputs](const auto& a) {
     if constexpr (kIsTensor<decltype(a)>) inputs.push_back(a);

@@ -11,9 +11,27 @@ FullyShardState* stateOf(const at::Tensor& param) {
   return allocator != nullptr ? allocator->owner() : nullptr;
 }
 
+namespace {
+
+// The first parameter under `module`, depth first as parameters() lists them, without
+// collecting all of them (this runs at every unit's forward). Returned by value: the
+// vectors parameters() and children() hand out are temporaries.
+at::Tensor firstParameter(const torch::nn::Module& module) {
+  for (const at::Tensor& p : module.parameters(/*recurse=*/false)) {
+    if (p.defined()) return p;
+  }
+  for (const auto& child : module.children()) {
+    at::Tensor p = firstParameter(*child);
+    if (p.defined()) return p;
+  }
+  return {};
+}
+
+}  // namespace
+
 FullyShardState* stateOf(const torch::nn::Module& module) {
-  for (const at::Tensor& p : module.parameters(/*recurse=*/true)) return stateOf(p);
-  return nullptr;
+  const at::Tensor p = firstParameter(module);
+  return p.defined() ? stateOf(p) : nullptr;
 }
 
 }  // namespace tessera::sharding

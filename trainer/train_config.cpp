@@ -67,8 +67,8 @@ void bindOptimKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m)
         "Parameter-name patterns ('*' wildcards, e.g. wte.*) without weight decay, besides every parameter of fewer "
         "than 2 dimensions (biases, norm weights), which never decays");
   s.add(p + "lr_scale", &o.lrScale,
-        "Learning-rate multipliers by parameter-name pattern, e.g. {wte.*: 0.1} (the first pattern that matches, in "
-        "alphabetical order)")
+        "Learning-rate multipliers by parameter-name pattern, e.g. {wte.*: 0.1} (the longest pattern that matches "
+        "wins)")
       .greaterThan(0.0);
   s.add(p + "momentum", &o.momentum, "SGD momentum").min(0.0).lessThan(1.0);
   s.add(p + "nesterov", &o.nesterov, "SGD Nesterov momentum (needs momentum > 0)");
