@@ -275,9 +275,12 @@ LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>&
   return r;
 }
 
-LoadResult load(const std::string& dir, const StateMap& states, const LoadOptions& options) {
-  LoadResult result = loadCheckpoint(dir, collectEntries(states), options);
-  afterLoad(states);
+LoadResult load(const std::string& dir, const StateMap& states, distributed::Communicator* comm,
+                const LoadOptions& options) {
+  LoadResult result;
+  distributed::runOnEveryRank(comm, "loading checkpoint " + dir,
+                              [&] { result = loadCheckpoint(dir, collectEntries(states), options); });
+  afterLoad(states);  // collective: outside the agreement above
   return result;
 }
 

@@ -112,8 +112,12 @@ LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>&
 
 // The Stateful forms (checkpoint/state.h): every component's entries ("<key>/<name>")
 // loaded in place, then each component's afterLoad() — the strategies publish the loaded
-// masters, so every rank calls these (collectively for zero1/zero2's gathers).
-LoadResult load(const std::string& dir, const StateMap& states, const LoadOptions& options = {});
+// masters, so every rank calls these (collectively for zero1/zero2's gathers). Each rank
+// reads its own rows; when one fails, every rank throws (naming the lowest failing rank)
+// before any afterLoad, so no rank waits in a gather the failed one never joins.
+// `comm` nullptr: a single process.
+LoadResult load(const std::string& dir, const StateMap& states, distributed::Communicator* comm,
+                const LoadOptions& options = {});
 
 struct CheckpointRef {
   int64_t step = 0;

@@ -8,12 +8,16 @@ namespace tessera::checkpoint {
 
 std::vector<StateEntry> collectEntries(const StateMap& states) {
   std::vector<StateEntry> entries;
+  std::map<std::string, std::string> ownerOf;  // final entry name -> the key that gave it
   for (const StateItem& item : states) {
     TESSERA_CHECK_AS(UsageError, !item.key.empty() && item.key.front() != '/' && item.key.back() != '/',
                      "checkpoint state key '", item.key, "' must be a name without a leading or trailing '/'");
     for (StateEntry& e : item.state->stateEntries()) {
       e.name = sharding::statePrefix(item.key) + e.name;
       if (!e.formerName.empty()) e.formerName = sharding::statePrefix(item.key) + e.formerName;
+      const auto [it, fresh] = ownerOf.emplace(e.name, item.key);
+      TESSERA_CHECK_AS(UsageError, fresh, "checkpoint entry '", e.name, "' is given by state key '", it->second,
+                       "' and again by '", item.key, "'; give the two components different keys or names");
       entries.push_back(std::move(e));
     }
   }

@@ -134,8 +134,19 @@ YAML::Node valueNode(const FieldTarget& target) {
       n.SetStyle(YAML::EmitterStyle::Flow);
       return n;
     }
+    // The shortest decimal that reads back to the same count (bucket_mb 0.1 -> 104858 bytes
+    // prints 0.1, not 0.100000381469727).
     YAML::Node operator()(const ScaledTarget& t) const {
-      return YAML::Node(formatDouble(static_cast<double>(*t.target) / t.unit));
+      const double exact = static_cast<double>(*t.target) / t.unit;
+      for (int digits = 1; digits <= 17; ++digits) {
+        std::ostringstream out;
+        out.precision(digits);
+        out << exact;
+        if (std::round(std::strtod(out.str().c_str(), nullptr) * t.unit) == static_cast<double>(*t.target)) {
+          return YAML::Node(formatDouble(std::strtod(out.str().c_str(), nullptr)));
+        }
+      }
+      return YAML::Node(formatDouble(exact));
     }
     YAML::Node operator()(std::map<std::string, double>* v) const {
       YAML::Node n(YAML::NodeType::Map);

@@ -159,6 +159,8 @@ void init(const LogOptions& options) {
   g_configured = true;
 }
 
+bool configured() { return g_configured.load(); }
+
 void adoptRank(int rank) {
   if (g_configured) return;
   std::lock_guard<std::mutex> lock(g_mutex);

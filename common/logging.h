@@ -45,6 +45,8 @@ void writeToFile(Level level, const std::string& message);
 // Library use (no init() call): prefix lines with `rank` from now on. Runtime::init calls
 // it; an application's own init() wins.
 void adoptRank(int rank);
+// Whether init() was called in this process.
+bool configured();
 // Flushes console and file sinks.
 void flush();
 

@@ -144,7 +144,7 @@ int main(int argc, char** argv) {
     // Fresh models loaded from the checkpoint (each rank reads only its shards), then the
     // second half again.
     Parts resumed(comm);
-    const auto loaded = checkpoint::load(dir + "/checkpoints/step_00000020", resumed.states());
+    const auto loaded = checkpoint::load(dir + "/checkpoints/step_00000020", resumed.states(), comm.get());
     double resumedLast = 0;
     for (int64_t step = loaded.step; step < kSteps; ++step) resumedLast = resumed.step(step, *comm);
 

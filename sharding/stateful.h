@@ -6,7 +6,7 @@
 //
 //   checkpointer.save(step, {{"model", *strategy}, {"optim", strategy->optimizer()},
 //                            {"ema", ema}, {"train", counters}});
-//   checkpoint::load(dir, {{"model", *strategy}, ...});   // the same map
+//   checkpoint::load(dir, {{"model", *strategy}, ...}, comm);   // the same map
 //
 // A component's entry "blocks.0.fc.weight" under key "model" is the checkpoint's tensor
 // "model/blocks.0.fc.weight". Keys may repeat (two EMAs under "ema") as long as the

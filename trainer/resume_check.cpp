@@ -44,20 +44,61 @@ bool steersThisInvocationOnly(const std::string& key) {
   return key == "run.dir" || key == "run.stop_after_steps" || key == "checkpoint.resume" || key.rfind("log.", 0) == 0;
 }
 
-// Keys whose change the saved state cannot follow: the shapes of the weights, which
-// optimizer and EMA tensors exist, and where the data is (step x global batch, in the
-// seed's order).
-bool stateCannotFollow(const std::string& key) {
-  static const char* const kModelKeys[] = {"arch", "vocab_size", "context", "embed_dim", "hidden", "layers",
-                                           "heads", "tie_head", "trainable", "optim.name", "ema.enabled",
-                                           "ema.decays", "ema.dtype", "ema.posthoc.stds"};
-  if (key == "data.global_batch" || key == "run.seed" || key == "run.recipe") return true;
-  const std::string inner = withinModel(key);
-  for (const char* k : kModelKeys) {
-    if (inner == k) return true;
-  }
-  return false;
+// The prefix of a models.<name>. key ("models.teacher."), "" for any other key.
+std::string modelPrefix(const std::string& key) {
+  if (!isModelsKey(key)) return "";
+  const size_t dot = key.find('.', 7);
+  return dot == std::string::npos ? "" : key.substr(0, dot + 1);
 }
+
+std::string valueOr(const std::map<std::string, std::string>& values, const std::string& key, const std::string& absent) {
+  auto it = values.find(key);
+  return it == values.end() ? absent : it->second;
+}
+
+// The two resolved configs, and what a change of one key means for the saved state.
+struct Sides {
+  const std::map<std::string, std::string>& saved;
+  const std::map<std::string, std::string>& now;
+
+  // A frozen model (trainable: false on both sides) has no optimizer or EMA state: its
+  // optim. and ema. keys steer nothing a checkpoint holds.
+  bool frozenOnBothSides(const std::string& key) const {
+    const std::string prefix = modelPrefix(key);
+    if (prefix.empty()) return false;
+    const std::string trainable = prefix + "trainable";
+    return valueOr(saved, trainable, "true") == "false" && valueOr(now, trainable, "true") == "false";
+  }
+
+  // Keys whose change the saved state cannot follow: the shapes of the weights, which
+  // optimizer and EMA tensors exist, and where the data is (step x global batch, in the
+  // seed's order). adam <-> adamw keep the same moments (a change); sgd's are others, and
+  // so are sgd with and without momentum.
+  bool cannotFollow(const std::string& key) const {
+    static const char* const kModelKeys[] = {"arch", "vocab_size", "context", "embed_dim", "hidden", "layers",
+                                             "heads", "tie_head", "trainable", "ema.enabled",
+                                             "ema.decays", "ema.dtype", "ema.posthoc.stds"};
+    if (key == "data.global_batch" || key == "run.seed" || key == "run.recipe") return true;
+    const std::string inner = withinModel(key);
+    const std::string optimPrefix = key.substr(0, key.size() - inner.size()) + "optim.";
+    if (inner == "optim.name") {
+      return valueOr(saved, key, "") == "sgd" || valueOr(now, key, "") == "sgd";
+    }
+    if (inner == "optim.momentum") {
+      const bool sgd = valueOr(saved, optimPrefix + "name", "") == "sgd" && valueOr(now, optimPrefix + "name", "") == "sgd";
+      return sgd && ((std::stod(valueOr(saved, key, "0")) == 0) != (std::stod(valueOr(now, key, "0")) == 0));
+    }
+    for (const char* k : kModelKeys) {
+      if (inner == k) return true;
+    }
+    return false;
+  }
+
+  bool steersNothingSaved(const std::string& key) const {
+    const std::string inner = withinModel(key);
+    return frozenOnBothSides(key) && (inner.rfind("optim.", 0) == 0 || inner.rfind("ema.", 0) == 0);
+  }
+};
 
 }  // namespace
 
@@ -75,9 +116,10 @@ ResumeCheck compareWithSaved(const std::string& savedYaml, const std::string& cu
   // defaults its entries inherit, and the entries' resolved values are compared instead.
   const bool severalModels = std::any_of(now.begin(), now.end(), [](const auto& kv) { return isModelsKey(kv.first); }) ||
                              std::any_of(saved.begin(), saved.end(), [](const auto& kv) { return isModelsKey(kv.first); });
+  const Sides sides{saved, now};
   std::set<std::string> entriesNoted;  // a model only one side has is one change, not one per key
   auto note = [&](const std::string& key, const std::string& before, const std::string& after) {
-    if (steersThisInvocationOnly(key) || (severalModels && isModelDefault(key))) return;
+    if (steersThisInvocationOnly(key) || (severalModels && isModelDefault(key)) || sides.steersNothingSaved(key)) return;
     if (isModelsKey(key) && (before.empty() || after.empty())) {
       const std::string entry = key.substr(0, key.find('.', 7));
       if (entriesNoted.insert(entry).second) {
@@ -85,7 +127,7 @@ ResumeCheck compareWithSaved(const std::string& savedYaml, const std::string& cu
       }
       return;
     }
-    (stateCannotFollow(key) ? check.refused : check.changed)
+    (sides.cannotFollow(key) ? check.refused : check.changed)
         .push_back({key, before.empty() ? "(absent)" : before, after.empty() ? "(absent)" : after});
   };
   for (const auto& [key, value] : now) {

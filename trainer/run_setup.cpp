@@ -231,11 +231,7 @@ bool resume(RunParts& run) {
       throw ConfigError(strCat("checkpoint.resume: no checkpoint directory at '", cfg.checkpoint.resume, "'",
                                relativePathNote(cfg.checkpoint.resume)));
     }
-    // Each rank reads its own rows: all leave together when one fails.
-    distributed::runOnEveryRank(run.comm.get(), "checkpoint.resume: " + cfg.checkpoint.resume + relativePathNote(cfg.checkpoint.resume), [&] {
-      loaded = checkpoint::loadCheckpoint(cfg.checkpoint.resume, checkpoint::collectEntries(states));
-    });
-    checkpoint::afterLoad(states);  // collective: outside the agreement above
+    loaded = checkpoint::load(cfg.checkpoint.resume, states, run.comm.get());
   }
   if (!loaded) return false;
   const TrainerCounters saved =

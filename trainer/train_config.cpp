@@ -434,6 +434,7 @@ void settleModels(TrainConfig& c) {
   c.singleModelForm = c.models.empty();
   if (c.singleModelForm) c.models.push_back(c.defaults);
   for (ModelEntry& m : c.models) {
+    if (!m.trainable) m.ema.enabled = false;  // a frozen model keeps none: its resolved config says so
     m.names = stateNames(m, c.singleModelForm);
     m.modelKeys = c.singleModelForm ? "model." : "models." + m.name + ".";
     m.sectionKeys = c.singleModelForm ? "" : m.modelKeys;

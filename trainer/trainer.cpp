@@ -55,6 +55,49 @@ extern "C" void onStopSignal(int signal) {
   }
 }
 
+// Exports `names` (checkpoint.export_what's) of step `done` to <run.dir>/export/<name>.safetensors:
+// consolidated, gathered one tensor at a time to rank 0 over the state group. Collective;
+// returns the files written (rank 0; empty elsewhere).
+std::vector<std::string> writeExports(RunParts& run, int64_t done, const std::vector<std::string>& names) {
+  const checkpoint::StateMap states = run.states();
+  sharding::ShardingStrategy& writer = *run.models.front().strategy;  // every model's state group (run_setup.h)
+  const int rank = run.comm->rank();
+  std::vector<std::string> written;
+  for (const auto& what : names) {
+    checkpoint::ExportOptions options;
+    options.what = what;
+    options.dtype = run.cfg.checkpoint.export_dtype;
+    options.metadata["tessera_step"] = std::to_string(done);
+    const std::string out = (run.runDir / "export" / (what + ".safetensors")).string();
+    if (rank == 0) fs::create_directories(run.runDir / "export");
+    if (writer.firstReplica()) {  // rank 0 of the state group (global rank 0) writes; logs what it wrote
+      checkpoint::exportOnline(states, &writer.stateComm(), out, options);
+    }
+    if (rank == 0) written.push_back(out);
+  }
+  return written;
+}
+
+// The exports of checkpoint.export_what that rank 0 does not find in <run.dir>/export (a
+// run stopped between its final checkpoint and its exports, or an export name added
+// since), agreed by every rank.
+std::vector<std::string> missingExports(RunParts& run) {
+  const std::vector<std::string>& names = run.cfg.checkpoint.export_what;
+  at::Tensor missing = at::zeros({static_cast<int64_t>(names.size()) + 1}, at::kLong);
+  if (run.comm->rank() == 0) {
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::error_code ec;
+      missing[static_cast<int64_t>(i)] = fs::exists(run.runDir / "export" / (names[i] + ".safetensors"), ec) ? 0 : 1;
+    }
+  }
+  run.comm->broadcast(missing, 0);
+  std::vector<std::string> out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (missing[static_cast<int64_t>(i)].item<int64_t>() != 0) out.push_back(names[i]);
+  }
+  return out;
+}
+
 // Installs the stop handlers for the train loop and restores the previous ones after it
 // (a second signal during the final save or the exports gets the default treatment).
 class StopSignals {
@@ -216,24 +259,8 @@ class TrainLoop {
     if (run_.checkpointer) run_.checkpointer->save(done, run_.states(), options);  // logs the training stall it caused
   }
 
-  // checkpoint.export_what: consolidated safetensors, gathered one tensor at a time to
-  // rank 0 over the state group.
   void exportWeights(int64_t done) {
-    const checkpoint::StateMap states = run_.states();
-    sharding::ShardingStrategy& writer = *run_.models.front().strategy;  // every model's state group (run_setup.h)
-    const int rank = run_.comm->rank();
-    for (const auto& what : cfg_.checkpoint.export_what) {
-      checkpoint::ExportOptions options;
-      options.what = what;
-      options.dtype = cfg_.checkpoint.export_dtype;
-      options.metadata["tessera_step"] = std::to_string(done);
-      const std::string out = (run_.runDir / "export" / (what + ".safetensors")).string();
-      if (rank == 0) fs::create_directories(run_.runDir / "export");
-      if (writer.firstReplica()) {  // rank 0 of the state group (global rank 0) writes; logs what it wrote
-        checkpoint::exportOnline(states, &writer.stateComm(), out, options);
-      }
-      if (rank == 0) summary_.exports.push_back(out);
-    }
+    for (std::string& file : writeExports(run_, done, cfg_.checkpoint.export_what)) summary_.exports.push_back(std::move(file));
   }
 
   RunParts& run_;
@@ -267,9 +294,12 @@ TrainSummary Trainer::run() {
     summary.steps = run->startStep;
     summary.runDir = run->runDir.string();
     summary.alreadyFinished = true;
+    const std::vector<std::string> missing = missingExports(*run);
     TLOG_WARN0("run.dir " << run->runDir.string() << " holds a finished run (step " << run->startStep << " of "
-                          << run->cfg.run.steps << "); nothing to do: another run.dir, or --resume none, starts afresh "
-                          << "(raise run.steps to train further)");
+                          << run->cfg.run.steps << "); nothing to train"
+                          << (missing.empty() ? "" : ", writing the exports it lacks from its final checkpoint")
+                          << ": another run.dir, or --resume none, starts afresh (raise run.steps to train further)");
+    summary.exports = writeExports(*run, run->startStep, missing);
     return summary;
   }
   TrainLoop loop(*run);

@@ -52,10 +52,15 @@ int main(int argc, char** argv) {
     TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s");
     tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, runtime->comm());
     const auto summary = trainer.run();
-    if (summary.alreadyFinished) return 0;  // said so, nothing trained
+    if (summary.alreadyFinished) {  // said so, nothing trained; the exports it lacked written
+      for (const auto& file : summary.exports) TLOG_INFO0("export: " << file);
+      return 0;
+    }
     TLOG_INFO0("done: " << summary.steps << " steps, loss " << summary.firstLoss << " -> " << summary.finalLoss
                         << ", held-out loss " << summary.evalLoss << " (EMA " << summary.evalLossEma << "), " << summary.samplesPerSec << " samples/s");
-    TLOG_INFO0("metrics: " << summary.metricsPath << "; loss curve: " << summary.lossCurvePath);
+    if (!summary.metricsPath.empty()) {  // rank 0 writes them; the line is in every rank's log file
+      TLOG_INFO0("metrics: " << summary.metricsPath << "; loss curve: " << summary.lossCurvePath);
+    }
     for (const auto& file : summary.exports) TLOG_INFO0("export: " << file);
     if (!summary.samplesPath.empty()) TLOG_INFO0("samples: " << summary.samplesPath);
     if (summary.preempted) TLOG_WARN0("stopped early after step " << summary.steps << " (checkpoint saved; resume to continue)");

@@ -1,6 +1,6 @@
 // What a new user meets on the first runs: a config error under the launcher exits 2; a
 // resume with changed settings warns with the list, and refuses, naming the keys, only what
-// the checkpoint cannot serve; a finished run.dir says so and does nothing; a shipped
+// the checkpoint cannot serve; a finished run.dir says so and only writes the exports it lacks; a shipped
 // config run from another directory names the key and the directory its path was resolved
 // against; every rank's log file holds its lines; the first Ctrl-C says what a second one
 // does; --print-config prints floats as written.
@@ -73,7 +73,7 @@ TEST(FirstUseTest, ResumeListsChangedSettingsAndRefusesOnlyWhatCannotWork) {
   EXPECT_FALSE(contains(r.output, "run.stop_after_steps")) << "one invocation's setting is no change: " << r.output;
 }
 
-TEST(FirstUseTest, FinishedRunDirSaysSoAndDoesNothing) {
+TEST(FirstUseTest, FinishedRunDirSaysSoAndOnlyWritesMissingExports) {
   const std::string dir = scratch("finished");
   CommandResult r = runCommand(kTrain + kSmall + " --set run.dir=" + dir);
   ASSERT_EQ(r.status, 0) << r.output;
@@ -83,10 +83,22 @@ TEST(FirstUseTest, FinishedRunDirSaysSoAndDoesNothing) {
   const std::string metrics = readFile(fs::path(dir) / "metrics.jsonl");
   r = runCommand(kTrain + kSmall + " --set run.dir=" + dir);
   EXPECT_EQ(r.status, 0) << r.output;
-  EXPECT_TRUE(contains(r.output, "holds a finished run (step 8 of 8); nothing to do")) << r.output;
+  EXPECT_TRUE(contains(r.output, "holds a finished run (step 8 of 8); nothing to train")) << r.output;
   EXPECT_FALSE(contains(r.output, "nan")) << r.output;
   EXPECT_FALSE(contains(r.output, "export:")) << r.output;
   EXPECT_EQ(fs::last_write_time(exported), exportedAt) << "re-exported";
+  EXPECT_EQ(readFile(fs::path(dir) / "metrics.jsonl"), metrics);
+
+  // A finished run whose export went missing (stopped between the final checkpoint and
+  // the export) gets it back from the final checkpoint, the same bytes, and nothing else.
+  const std::string before = readFile(exported);
+  fs::remove(exported);
+  r = runCommand(kTrain + kSmall + " --set run.dir=" + dir);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "writing the exports it lacks from its final checkpoint")) << r.output;
+  EXPECT_TRUE(contains(r.output, "export: " + exported.string())) << r.output;
+  ASSERT_TRUE(fs::exists(exported)) << r.output;
+  EXPECT_EQ(readFile(exported), before);
   EXPECT_EQ(readFile(fs::path(dir) / "metrics.jsonl"), metrics);
 }
 
@@ -191,13 +203,21 @@ TEST(FirstUseTest, FirstCtrlCSaysWhatASecondOneDoes) {
     EXPECT_TRUE(contains(out, "stopping at step")) << out;
   }
   {
-    // Two: the second ends it at once (the default action of SIGINT).
-    TrainProcess train(slow + " --resume none --set run.dir=" + dir + "_2", scratch("twice.txt"));
+    // Two: the second ends it at once (the default action of SIGINT), without the
+    // checkpoint the first one asked for. Steps of ~0.5 s and no periodic save, so the
+    // second signal lands inside the step and no checkpoint exists to be mistaken for one.
+    const std::string killed = dir + "_2";
+    TrainProcess train(slow + " --resume none --set model.hidden=[2048,2048] --set checkpoint.every_steps=100000"
+                              " --set run.dir=" + killed, scratch("twice.txt"));
     ASSERT_TRUE(train.waitFor("step 2/100000")) << train.output();
     train.signal(SIGINT);
     ASSERT_TRUE(train.waitFor("a second Ctrl-C")) << train.output();
     train.signal(SIGINT);
     EXPECT_EQ(train.wait(), 128 + SIGINT) << train.output();
+    std::error_code none;
+    for (const auto& entry : fs::directory_iterator(fs::path(killed) / "checkpoints", none)) {
+      ADD_FAILURE() << "the killed run left " << entry.path();
+    }
   }
 }
 

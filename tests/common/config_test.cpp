@@ -286,6 +286,10 @@ TEST(ConfigTargetsTest, ChoicePairScaledIntAndMapBind) {
   EXPECT_NE(yaml.find("kind: beta"), std::string::npos) << yaml;
   EXPECT_NE(yaml.find("betas: [0.5, 0.75]"), std::string::npos) << yaml;
   EXPECT_NE(yaml.find("bucket_mb: 0.5"), std::string::npos) << yaml;
+  schema.applyOverride("a.bucket_mb=0.1");  // 104857.6 bytes: rounds, and prints as written
+  EXPECT_EQ(bytes, 104858);
+  EXPECT_NE(schema.toYaml().find("bucket_mb: 0.1\n"), std::string::npos) << schema.toYaml();
+  schema.applyOverride("a.bucket_mb=0.5");
 
   schema.applyOverride("a.kind=alpha");
   EXPECT_EQ(kind, Kind::kAlpha);

@@ -155,6 +155,19 @@ TEST(ShardedOptimizerTest, ParameterGroupsMatchTorchOptimGroups) {
   expectParity(o, 1e-2);
 }
 
+// Overlapping lr_scale patterns: the most specific (longest) one wins, whatever the map's
+// order; a pattern that names no parameter is reported (and warned at the first step).
+TEST(ShardedOptimizerTest, MostSpecificLrScalePatternWinsAndUnmatchedOnesAreNamed) {
+  OptimizerOptions o;
+  o.lrScale = {{"blocks.*", 0.5}, {"blocks.0.*", 2.0}, {"head.*", 3.0}};
+  EXPECT_DOUBLE_EQ(lrScaleOf(o, "blocks.0.fc.weight"), 2.0);
+  EXPECT_DOUBLE_EQ(lrScaleOf(o, "blocks.1.fc.weight"), 0.5);
+  EXPECT_DOUBLE_EQ(lrScaleOf(o, "input.weight"), 1.0);
+  o.noDecay = {"*.bias", "embed.*"};
+  EXPECT_EQ(unmatchedPatterns(o, {"blocks.0.fc.weight", "blocks.0.fc.bias"}),
+            (std::vector<std::string>{"embed.*", "head.*"}));
+}
+
 TEST(ShardedOptimizerTest, StatesShareTheParamSpecAndSplitMemory) {
   OptimizerOptions o;
   const int world = 4;

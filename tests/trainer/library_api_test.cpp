@@ -16,6 +16,7 @@
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/state.h"
+#include "common/errors.h"
 #include "ema/ema_manager.h"
 #include "ema/strategy_ema.h"
 #include "sharding/fully_shard.h"
@@ -167,6 +168,80 @@ TEST(LibraryApiTest, TorchAdamWOverTwoGroupsUnderEveryStrategyEqualsOneProcess) 
   }
 }
 
+// A block as a diffusion transformer has them: two tensor inputs (the tokens and a
+// conditioning vector), a non-tensor argument, two tensor outputs.
+struct CondBlockImpl : torch::nn::Module {
+  explicit CondBlockImpl(int64_t width)
+      : fc(register_module("fc", torch::nn::Linear(width, width))),
+        mod(register_module("mod", torch::nn::Linear(width, width))) {}
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& cond, double gate) {
+    const at::Tensor shift = mod(cond);
+    return {x + gate * torch::tanh(fc(x) + shift), cond + 0.5 * shift};
+  }
+  torch::nn::Linear fc, mod;
+};
+TORCH_MODULE(CondBlock);
+
+struct CondNetImpl : torch::nn::Module {
+  CondNetImpl() : input(register_module("input", torch::nn::Linear(5, 7))), head(register_module("head", torch::nn::Linear(7, 3))) {
+    blocks = register_module("blocks", sharding::UnitList<CondBlock>());
+    for (int i = 0; i < 3; ++i) blocks->emplace_back(7);
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = input(x), cond = torch::sin(x.narrow(1, 0, 1)).expand({x.size(0), 7});
+    for (auto& block : *blocks) std::tie(h, cond) = block->forward(h, cond, 0.7);
+    return head(h + cond);
+  }
+  torch::nn::Linear input;
+  sharding::UnitList<CondBlock> blocks{nullptr};
+  torch::nn::Linear head;
+};
+TORCH_MODULE(CondNet);
+
+// Units with two tensor inputs, a double and a tuple result, gathered, freed and
+// recomputed in backward (activation checkpointing) under zero3 at 2 and 3 ranks, train
+// as the plain module does with torch AdamW in one process: gradients reach both inputs
+// through the recompute.
+TEST(LibraryApiTest, UnitWithTwoTensorInputsAndTupleOutputUnderCheckpointingEqualsOneProcess) {
+  auto makeCondNet = [] {
+    static std::mutex generator;
+    std::lock_guard<std::mutex> lock(generator);
+    seedCpu(0);
+    return sharding::Unit<CondNet>();
+  };
+  std::map<std::string, at::Tensor> want;
+  {
+    sharding::Unit<CondNet> net = makeCondNet();  // no strategy: a plain module
+    torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    for (int t = 0; t < kSteps; ++t) {
+      adamw.zero_grad();
+      torch::mse_loss(net->forward(data().x[t]), data().y[t]).backward();
+      adamw.step();
+    }
+    want = sharding::testing::paramValues(*net);
+  }
+  for (int world : {2, 3}) {
+    test::runOnRanks(world, [&](test::RankContext& ctx) {
+      sharding::testing::useOneThread();
+      sharding::Unit<CondNet> net = makeCondNet();
+      sharding::StrategyOptions options;
+      options.fullyShard.activationCheckpointing = true;
+      auto fsdp = sharding::fullyShard(*net, ctx.comm(), options);
+      ASSERT_EQ(fsdp->unitCount(), 4u);  // the root and three blocks
+      std::vector<at::Tensor> shards;
+      for (const auto& shard : fsdp->shardedParameters()) shards.push_back(shard.tensor);
+      torch::optim::AdamW adamw(shards, torch::optim::AdamWOptions(1e-2));
+      for (int t = 0; t < kSteps; ++t) {
+        fsdp->zeroGrad();
+        const at::Tensor x = rankSlice(data().x[t], ctx.rank, world), y = rankSlice(data().y[t], ctx.rank, world);
+        torch::mse_loss(net->forward(x), y).backward();
+        fsdp->step(adamw);
+      }
+      expectWeights(*fsdp, want, "world " + std::to_string(world));
+    });
+  }
+}
+
 // One run's components, built alike on every rank and in every run.
 struct Parts {
   sharding::Unit<Net> net{nullptr};
@@ -233,7 +308,7 @@ void expectResumeEqualsUninterrupted(int saveWorld, int loadWorld, bool saveTorc
   test::runOnRanks(loadWorld, [&](test::RankContext& ctx) {
     sharding::testing::useOneThread();
     Parts parts(ctx.comm(), loadTorch);
-    const auto loaded = checkpoint::load(dir + "/step_00000002", parts.states());
+    const auto loaded = checkpoint::load(dir + "/step_00000002", parts.states(), ctx.comm().get());
     EXPECT_EQ(parts.counters.at("step"), 2);
     EXPECT_EQ(parts.ema->updateCount(), 2);
     EXPECT_TRUE(loaded.missingOptional.empty());
@@ -260,11 +335,9 @@ TEST(LibraryApiTest, StatefulCheckpointOfFusedOptimizerResumesOnOtherWorldSizes)
 }
 
 // The fused AdamW and torch's keep the same state under the same names: a checkpoint of
-// one continues in the other (the update rules agree to float rounding).
+// one loads into the other and back unchanged — fused -> torch -> fused gives the fused
+// optimizer's moments and step counts bit for bit — and training goes on from it.
 TEST(LibraryApiTest, FusedAndTorchOptimizerCheckpointsAreInterchangeable) {
-  // The fused optimizer decays every weight alike; torch's two groups do not: compare a
-  // save of torch's state loaded into torch's with one saved by the fused optimizer only
-  // on what they share, the moments' names and shapes.
   const std::string dir = test::scratchPath("tessera_library_api", "fused");
   test::runOnRanks(2, [&](test::RankContext& ctx) {
     Parts parts(ctx.comm(), false);
@@ -274,19 +347,105 @@ TEST(LibraryApiTest, FusedAndTorchOptimizerCheckpointsAreInterchangeable) {
     checkpointer.finish();
   });
   test::runOnRanks(2, [&](test::RankContext& ctx) {
-    Parts parts(ctx.comm(), true);
-    checkpoint::load(dir + "/step_00000002", parts.states());
-    // The torch optimizer now holds the fused one's moments and step counts.
-    for (auto& group : parts.adamw->param_groups()) {
+    Parts viaTorch(ctx.comm(), true);
+    checkpoint::load(dir + "/step_00000002", viaTorch.states(), ctx.comm().get());
+    for (auto& group : viaTorch.adamw->param_groups()) {
       for (const auto& p : group.params()) {
         auto& s = static_cast<torch::optim::AdamWParamState&>(
-            *parts.adamw->state().at(sharding::testing::optimizerStateKey<std::decay_t<decltype(
-                                         parts.adamw->state())>::key_type>(p)));
+            *viaTorch.adamw->state().at(sharding::testing::optimizerStateKey<std::decay_t<decltype(
+                                            viaTorch.adamw->state())>::key_type>(p)));
         EXPECT_EQ(s.step(), 2);
-        EXPECT_GT(s.exp_avg_sq().abs().sum().item<double>(), 0.0);
       }
     }
-    parts.train(2, kSteps, ctx.rank, ctx.world);  // and it steps on from them
+    checkpoint::Checkpointer checkpointer(dir + "/via_torch", ctx.comm());
+    checkpointer.save(2, viaTorch.states());
+    checkpointer.finish();
+
+    Parts direct(ctx.comm(), false), roundTrip(ctx.comm(), false);
+    checkpoint::load(dir + "/step_00000002", direct.states(), ctx.comm().get());
+    checkpoint::load(dir + "/via_torch/step_00000002", roundTrip.states(), ctx.comm().get());
+    const std::vector<sharding::StateEntry> want = direct.fsdp->optimizer().stateEntries();
+    const std::vector<sharding::StateEntry> got = roundTrip.fsdp->optimizer().stateEntries();
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(got[i].name, want[i].name);
+      EXPECT_TRUE(torch::equal(got[i].local, want[i].local)) << "rank " << ctx.rank << ": " << want[i].name;
+      if (want[i].name.find("exp_avg_sq") != std::string::npos && want[i].local.numel() > 0) {
+        EXPECT_GT(want[i].local.abs().sum().item<double>(), 0.0) << want[i].name;  // a real moment, not zeros
+      }
+    }
+    viaTorch.train(2, kSteps, ctx.rank, ctx.world);  // and torch's steps on from the fused state
+  });
+}
+
+// An optimizer built over the module's own parameters (as FSDP2 users do, where the
+// parameters are the shards) would find no gradient under fullyShard: refused, naming
+// the fix, on every rank before any collective.
+TEST(LibraryApiTest, OptimizerOverModuleParametersIsRefused) {
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    Parts parts(ctx.comm(), false);
+    torch::optim::AdamW wrong(parts.net->parameters(), torch::optim::AdamWOptions(1e-2));
+    const at::Tensor x = rankSlice(data().x[0], ctx.rank, ctx.world), y = rankSlice(data().y[0], ctx.rank, ctx.world);
+    torch::mse_loss(parts.net->forward(x), y).backward();
+    try {
+      parts.fsdp->step(wrong);
+      ADD_FAILURE() << "step accepted an optimizer over model->parameters()";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("shardedParameters()"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// A root that is not a Unit would compute from freed storage (nothing gathers its own
+// parameters): fullyShard refuses it, saying how to declare it.
+TEST(LibraryApiTest, FullyShardRefusesARootThatIsNotAUnit) {
+  test::runOnRanks(1, [&](test::RankContext& ctx) {
+    Net plain;
+    try {
+      sharding::fullyShard(*plain, ctx.comm());
+      ADD_FAILURE() << "fullyShard accepted a plain root";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("sharding::Unit<YourModel>"), std::string::npos) << e.what();
+    }
+  });
+}
+
+// Two components whose entries end up with the same name would overwrite each other in
+// the checkpoint: refused, naming the entry and both keys.
+TEST(LibraryApiTest, TwoComponentsGivingTheSameEntryAreRefused) {
+  checkpoint::Counters a, b;
+  a["step"] = 1;
+  b["step"] = 2;
+  try {
+    checkpoint::collectEntries({{"train", a}, {"train", b}});
+    FAIL() << "duplicate entry accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("train/step"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(checkpoint::collectEntries({{"train", a}, {"other", b}}).size(), 2u);
+}
+
+// A load that fails on one rank (here: rank 1 is given a directory that is not there)
+// throws on every rank, naming the failing one, instead of leaving the others in
+// afterLoad's gathers.
+TEST(LibraryApiTest, LoadFailingOnOneRankThrowsOnEveryRank) {
+  const std::string dir = test::scratchPath("tessera_library_api", "one_rank_fails");
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    Parts parts(ctx.comm(), false);
+    parts.train(0, 1, ctx.rank, ctx.world);
+    checkpoint::Checkpointer checkpointer(dir, ctx.comm());
+    checkpointer.save(1, parts.states());
+    checkpointer.finish();
+  });
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    Parts parts(ctx.comm(), false);
+    const std::string where = ctx.rank == 1 ? dir + "/step_00000099" : dir + "/step_00000001";
+    try {
+      checkpoint::load(where, parts.states(), ctx.comm().get());
+      ADD_FAILURE() << "rank " << ctx.rank << " loaded";
+    } catch (const Error& e) {
+      if (ctx.rank == 0) EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+    }
   });
 }
 
