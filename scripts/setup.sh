@@ -13,6 +13,8 @@ PACKAGES=(
   libopenblas0-pthread
   # libraries
   libyaml-cpp-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libzstd-dev
+  # image files (PNG, JPEG) and the main job's data
+  libpng-dev libturbojpeg0-dev zlib1g-dev dataset-fashion-mnist
   # tests and benchmarks; clang and its runtimes for the libFuzzer targets (fuzz/)
   libgtest-dev libgmock-dev libbenchmark-dev clang libclang-rt-14-dev
   # golden references and the real torchrun (python3 -m torch.distributed.run)

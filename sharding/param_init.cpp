@@ -24,6 +24,7 @@ std::string ParamInit::str() const {
     case Kind::kUniform: s << "uniform(" << a << ", " << b << ")"; break;
     case Kind::kNormal: s << "normal(" << a << ", " << b << ")"; break;
     case Kind::kConstant: s << "constant(" << a << ")"; break;
+    case Kind::kSinCos2d: s << "sincos2d(" << a << ", " << b << ")"; break;
   }
   return s.str();
 }
@@ -42,6 +43,15 @@ double valueAt(const ParamInit& init, uint64_t key, uint64_t i) {
       const double u1 = uniform01(counterBits(key, 2 * i));
       const double u2 = uniform01(counterBits(key, 2 * i + 1));
       return init.a + init.b * std::sqrt(-2.0 * std::log1p(-u1)) * std::cos(2.0 * M_PI * u2);
+    }
+    case ParamInit::Kind::kSinCos2d: {
+      const auto grid = static_cast<uint64_t>(init.a), dim = static_cast<uint64_t>(init.b);
+      const uint64_t token = i / dim, k = i % dim, half = dim / 2, quarter = dim / 4;
+      const uint64_t position = k < half ? token % grid : token / grid;  // column, then row
+      const uint64_t j = k % half;
+      const double omega = 1.0 / std::pow(10000.0, static_cast<double>(j % quarter) / static_cast<double>(quarter));
+      const double angle = static_cast<double>(position) * omega;
+      return j < quarter ? std::sin(angle) : std::cos(angle);
     }
   }
   return 0.0;

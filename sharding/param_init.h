@@ -28,15 +28,22 @@ namespace tessera::sharding {
 
 // A parameter's initial distribution.
 struct ParamInit {
-  enum class Kind { kUniform, kNormal, kConstant };
+  // kSinCos2d: the fixed 2-D sin-cos position embedding of a DiT / MAE, a [grid * grid,
+  // dim] table (any leading 1s): token m = row * grid + column; its first dim / 2 values
+  // embed the column, the rest the row, each half [sin(p w_k), cos(p w_k)] with
+  // w_k = 10000^(-k / (dim / 4)), k < dim / 4.
+  enum class Kind { kUniform, kNormal, kConstant, kSinCos2d };
   Kind kind = Kind::kConstant;
-  double a = 0.0;  // uniform: low; normal: mean; constant: the value
-  double b = 0.0;  // uniform: high; normal: standard deviation
+  double a = 0.0;  // uniform: low; normal: mean; constant: the value; sincos2d: grid side
+  double b = 0.0;  // uniform: high; normal: standard deviation; sincos2d: dim (a multiple of 4)
 
   static ParamInit uniform(double low, double high) { return {Kind::kUniform, low, high}; }
   static ParamInit normal(double mean, double std) { return {Kind::kNormal, mean, std}; }
   static ParamInit constant(double value) { return {Kind::kConstant, value, 0.0}; }
-  std::string str() const;  // "uniform(-0.125, 0.125)", "normal(0, 0.02)", "constant(1)"
+  static ParamInit sinCos2d(int64_t grid, int64_t dim) {
+    return {Kind::kSinCos2d, static_cast<double>(grid), static_cast<double>(dim)};
+  }
+  std::string str() const;  // "uniform(-0.125, 0.125)", "normal(0, 0.02)", "constant(1)", "sincos2d(7, 64)"
 };
 
 // Fills `rows` — global rows [rowBegin, rowBegin + rows.size(0)) of a parameter whose

@@ -3,6 +3,7 @@
 
 #include "common/counter_rng.h"
 #include "common/errors.h"
+#include "trainer/image_dataset.h"
 #include "trainer/tensor_dataset.h"
 #include "trainer/text_dataset.h"
 #include "trainer/train_config.h"
@@ -20,6 +21,8 @@ DataSpec tokenWindowSpec(int64_t context, int64_t vocabSize, bool everyPosition)
 
 std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const ModelOptions& model, bool everyPosition) {
   if (data.kind == "tensors") return std::make_unique<TensorDataset>(data.path, data.eval_fraction);
+  if (data.kind == "idx") return makeIdxDataset(data);
+  if (data.kind == "image_folder") return makeImageFolderDataset(data);
   return std::make_unique<TextDataset>(data.path, model.context, data.eval_fraction,
                                        parseTokenFormat(data.kind, data.token_dtype), model.vocab_size, everyPosition);
 }

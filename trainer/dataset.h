@@ -54,7 +54,7 @@ class Dataset {
 // of each window, or with `everyPosition` of every position ([context]).
 DataSpec tokenWindowSpec(int64_t context, int64_t vocabSize, bool everyPosition);
 
-// The dataset data.kind names (text, tokens, tensors), read from data.path. `everyPosition`:
+// The dataset data.kind names (text, tokens, tensors, idx, image_folder), read from data.path. `everyPosition`:
 // token windows with a target per position (models that predict every position).
 std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const ModelOptions& model, bool everyPosition);
 

@@ -1,4 +1,5 @@
-// The diffusion denoiser, its loss and sampler (see diffusion.h).
+// The diffusion denoisers' shared loss, guidance and samplers, and the residual-MLP denoiser
+// (see diffusion.h).
 #include "trainer/diffusion.h"
 
 #include <ATen/ATen.h>
@@ -38,13 +39,23 @@ at::Tensor DenoiserBlock::forward(const at::Tensor& h, const at::Tensor& timeEmb
   return h + fc2_->forward(at::silu(fc1_->forward(y)));
 }
 
-DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, at::Device device)
+Denoiser::Denoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t classes)
     : options_(options),
       sampleShape_(std::move(sampleShape)),
       features_(c10::multiply_integers(sampleShape_)),
-      schedule_(options.timesteps, options.beta_start, options.beta_end) {
-  TESSERA_CHECK_AS(ConfigError, features_ >= 1, "diffusion: samples have no features (shape [",
+      schedule_(options.timesteps, options.beta_start, options.beta_end),
+      classes_(classes) {
+  TESSERA_CHECK_AS(ConfigError, features_ >= 1, options.arch, ": samples have no features (shape [",
                    sampleShape_.size(), " dims])");
+  TESSERA_CHECK_AS(ConfigError, classes >= 0, options.arch, ": ", classes, " classes");
+}
+
+at::Tensor Denoiser::noClassLabels(int64_t count, at::Device device) const {
+  return at::full({count}, classes_, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
+DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, at::Device device)
+    : Denoiser(options, std::move(sampleShape), /*classes=*/0) {
   const int64_t width = options.embed_dim;
   timeEmbed_ = register_module("time_embed",
                                torch::nn::Sequential(layers::Linear(width, width, /*bias=*/true, device), torch::nn::SiLU(),
@@ -80,15 +91,21 @@ at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor&
   return outputProj_->forward(outNorm_->forward(h)).view(noisy.sizes());
 }
 
-at::Tensor DiffusionDenoiser::losses(const Batch& batch) {
+at::Tensor Denoiser::losses(const Batch& batch) {
   const at::Tensor& clean = batch.inputs;
   const int64_t n = clean.size(0);
-  TESSERA_CHECK(static_cast<int64_t>(batch.noiseSeeds.size()) == n, "DiffusionDenoiser: ", batch.noiseSeeds.size(),
+  TESSERA_CHECK(static_cast<int64_t>(batch.noiseSeeds.size()) == n, options_.arch, ": ", batch.noiseSeeds.size(),
                 " noise seeds for ", n, " samples");
-  // Timestep and noise of each sample from its own generator (CPU: the same draws on any device).
+  const bool conditional = classes_ > 0;
+  TESSERA_CHECK(!conditional || (batch.targets.defined() && batch.targets.numel() == n), options_.arch,
+                ": a model conditioned on ", classes_, " classes needs a label per sample");
+  // Timestep, noise and label drop of each sample from its own generator (CPU: the same
+  // draws on any device), in that order.
   at::Tensor timesteps = at::empty({n}, at::kLong);
   at::Tensor noise = at::empty({n, features_}, at::kFloat);
   at::Tensor signal = at::empty({n, 1}, at::kFloat), spread = at::empty({n, 1}, at::kFloat);
+  at::Tensor labels =
+      conditional ? batch.targets.to(at::kCPU, at::kLong).reshape({n}).clone() : noClassLabels(n, at::kCPU);
   for (int64_t i = 0; i < n; ++i) {
     at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(batch.noiseSeeds[static_cast<size_t>(i)]);
     const at::Tensor t = at::randint(schedule_.timesteps, {1}, gen, at::kLong);
@@ -97,58 +114,95 @@ at::Tensor DiffusionDenoiser::losses(const Batch& batch) {
     timesteps[i] = step;
     signal[i] = std::sqrt(schedule_.alphaBars[static_cast<size_t>(step)]);
     spread[i] = std::sqrt(1.0 - schedule_.alphaBars[static_cast<size_t>(step)]);
+    if (conditional && options_.class_dropout > 0 &&
+        at::rand({1}, gen, at::kDouble).item<double>() < options_.class_dropout) {
+      labels[i] = classes_;
+    }
   }
   const at::Device device = clean.device();
   noise = noise.to(device);
   const at::Tensor noisy = signal.to(device) * clean.flatten(1).to(at::kFloat) + spread.to(device) * noise;
-  const at::Tensor predicted = forward(noisy.view(clean.sizes()), timesteps.to(device));
+  const at::Tensor predicted = predictNoise(noisy.view(clean.sizes()), timesteps.to(device), labels.to(device));
   return (predicted.flatten(1).to(at::kFloat) - noise).square().mean(1);
 }
 
-at::Tensor predictNoiseInUnits(DiffusionDenoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps) {
-  return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps},
+at::Tensor predictNoiseInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
+                               const at::Tensor& labels) {
+  const at::Tensor y = labels.defined() ? labels : model.noClassLabels(noisy.size(0), noisy.device());
+  return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps, y},
                                [&model](const std::vector<at::Tensor>& in) {
-                                 return std::vector<at::Tensor>{model.forward(in[0], in[1])};
+                                 return std::vector<at::Tensor>{model.predictNoise(in[0], in[1], in[2])};
                                })[0];
 }
 
-at::Tensor sampleDdpm(const NoiseSchedule& schedule, const std::vector<int64_t>& sampleShape, int64_t count,
-                      uint64_t seed, at::Device device,
-                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& predictNoise) {
-  TESSERA_CHECK(count >= 1, "sampleDdpm: count ", count);
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  std::vector<int64_t> shape{count};
-  shape.insert(shape.end(), sampleShape.begin(), sampleShape.end());
-  at::Tensor x = at::randn(shape, gen, at::kFloat).to(device);
+NoiseFunction guidedNoise(Denoiser& model, const at::Tensor& labels, double cfg) {
+  return [&model, labels, cfg](const at::Tensor& x, const at::Tensor& t) {
+    const at::Tensor conditional = predictNoiseInUnits(model, x, t, labels).to(at::kFloat);
+    if (cfg == 1.0 || model.classes() == 0 || !labels.defined()) return conditional;
+    const at::Tensor unconditional = predictNoiseInUnits(model, x, t).to(at::kFloat);
+    return unconditional + cfg * (conditional - unconditional);
+  };
+}
+
+at::Tensor sampleDdpm(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<uint64_t>& stepSeeds,
+                      const NoiseFunction& predictNoise) {
+  const int64_t n = noise.size(0);
+  TESSERA_CHECK(static_cast<int64_t>(stepSeeds.size()) == n, "sampleDdpm: ", stepSeeds.size(), " seeds for ", n,
+                " samples");
+  std::vector<at::Generator> gens;
+  for (uint64_t seed : stepSeeds) gens.push_back(at::make_generator<at::CPUGeneratorImpl>(seed));
+  const std::vector<int64_t> sampleShape(noise.sizes().begin() + 1, noise.sizes().end());
+  at::Tensor x = noise.to(at::kFloat);
   for (int64_t t = schedule.timesteps - 1; t >= 0; --t) {
     const double beta = schedule.betas[static_cast<size_t>(t)];
     const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
-    const at::Tensor eps = predictNoise(x, at::full({count}, t, at::TensorOptions().dtype(at::kLong).device(device)));
+    const at::Tensor eps = predictNoise(x, at::full({n}, t, at::TensorOptions().dtype(at::kLong).device(x.device())));
     x = (x - eps.to(at::kFloat) * (beta / std::sqrt(1.0 - alphaBar))) / std::sqrt(1.0 - beta);
-    if (t > 0) x = x + at::randn(shape, gen, at::kFloat).to(device) * std::sqrt(beta);
+    if (t == 0) break;
+    at::Tensor z = at::empty(x.sizes(), at::kFloat);
+    for (int64_t i = 0; i < n; ++i) z[i].copy_(at::randn(sampleShape, gens[static_cast<size_t>(i)], at::kFloat));
+    x = x + z.to(x.device()) * std::sqrt(beta);
   }
   return x;
 }
 
+std::vector<int64_t> ddimTimesteps(int64_t timesteps, int64_t steps) {
+  TESSERA_CHECK(steps >= 1 && steps <= timesteps, "DDIM: ", steps, " steps for ", timesteps, " timesteps");
+  if (steps == 1) return {timesteps - 1};
+  std::vector<int64_t> out;
+  const int64_t den = steps - 1;
+  for (int64_t k = 0; k < steps; ++k) {
+    const int64_t num = (timesteps - 1) * (steps - 1 - k);
+    int64_t q = num / den;
+    const int64_t twiceRest = 2 * (num % den);
+    if (twiceRest > den || (twiceRest == den && q % 2 == 1)) ++q;
+    out.push_back(q);
+  }
+  return out;
+}
+
 at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
-                      const std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>& predictNoise) {
-  const int64_t T = schedule.timesteps;
-  TESSERA_CHECK(steps >= 1 && steps <= T, "sampleDdim: ", steps, " steps for ", T, " timesteps");
+                      const NoiseFunction& predictNoise) {
+  const std::vector<int64_t> ts = ddimTimesteps(schedule.timesteps, steps);
   const int64_t n = noise.size(0);
   at::Tensor x = noise.to(at::kFloat);
-  for (int64_t k = 0; k < steps; ++k) {
-    // Timesteps T-1 = t_0 > t_1 > ... > t_{steps-1} = 0 (steps 1: just T-1, then x0).
-    const int64_t t = steps == 1 ? T - 1 : (T - 1) * (steps - 1 - k) / (steps - 1);
-    const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
+  for (size_t k = 0; k < ts.size(); ++k) {
+    const double alphaBar = schedule.alphaBars[static_cast<size_t>(ts[k])];
     const at::Tensor eps =
-        predictNoise(x, at::full({n}, t, at::TensorOptions().dtype(at::kLong).device(x.device()))).to(at::kFloat);
+        predictNoise(x, at::full({n}, ts[k], at::TensorOptions().dtype(at::kLong).device(x.device()))).to(at::kFloat);
     const at::Tensor x0 = (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
-    if (k + 1 == steps) return x0;
-    const int64_t next = (T - 1) * (steps - 2 - k) / (steps - 1);
-    const double nextBar = schedule.alphaBars[static_cast<size_t>(next)];
+    if (k + 1 == ts.size()) return x0;
+    const double nextBar = schedule.alphaBars[static_cast<size_t>(ts[k + 1])];
     x = std::sqrt(nextBar) * x0 + std::sqrt(1.0 - nextBar) * eps;
   }
   return x;
+}
+
+at::Tensor samplingNoise(const std::vector<int64_t>& sampleShape, int64_t count, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<int64_t> shape{count};
+  shape.insert(shape.end(), sampleShape.begin(), sampleShape.end());
+  return at::randn(shape, gen, at::kFloat);
 }
 
 }  // namespace tessera::trainer

@@ -61,8 +61,8 @@ at::Tensor normalPerSample(const std::vector<uint64_t>& seeds, const std::vector
   return out;
 }
 
-DiffusionDenoiser& denoiserOf(ModelPart& part) {
-  auto* model = dynamic_cast<DiffusionDenoiser*>(part.model.get());
+Denoiser& denoiserOf(ModelPart& part) {
+  auto* model = dynamic_cast<Denoiser*>(part.model.get());
   TESSERA_CHECK_AS(ConfigError, model != nullptr, "run.recipe dmd: ", part.cfg.modelKeys,
                    "arch must be diffusion (a denoiser)");
   return *model;
@@ -249,14 +249,14 @@ class DmdRecipe : public Recipe {
 
   RunParts& run_;
   ModelPart &generator_, &critic_, &teacher_;
-  DiffusionDenoiser &generatorNet_, &criticNet_, &teacherNet_;
+  Denoiser &generatorNet_, &criticNet_, &teacherNet_;
   int64_t minT_ = 0, maxT_ = 0;  // the generator's samples are noised at t in [minT_, maxT_]
   at::Tensor pairNoise_, pairSamples_;  // the regression loss's pairs (CPU)
 };
 
 }  // namespace
 
-at::Tensor generateOneStep(DiffusionDenoiser& model, const at::Tensor& noise) {
+at::Tensor generateOneStep(Denoiser& model, const at::Tensor& noise) {
   const NoiseSchedule& schedule = model.schedule();
   const int64_t last = schedule.timesteps - 1;
   const double alphaBar = schedule.alphaBars[static_cast<size_t>(last)];

@@ -23,12 +23,12 @@
 
 namespace tessera::trainer {
 
-class DiffusionDenoiser;
+class Denoiser;
 
 std::unique_ptr<Recipe> makeDmdRecipe(RunParts& run);
 
 // G(z) of a denoiser (see above): z [n, sample shape...] -> samples of the same shape.
 // Enters the model's root unit (zero3 gathers there).
-at::Tensor generateOneStep(DiffusionDenoiser& model, const at::Tensor& noise);
+at::Tensor generateOneStep(Denoiser& model, const at::Tensor& noise);
 
 }  // namespace tessera::trainer

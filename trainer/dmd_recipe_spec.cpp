@@ -28,9 +28,14 @@ void checkRoles(const config::ConfigSchema& schema, const TrainConfig& c) {
     }
     const config::ConfigSchema& entry = entrySchema(schema, static_cast<size_t>(m - c.models.begin()));
     const std::string p = strCat("models.", role, ".");
-    if (m->model.arch != "diffusion") {
-      throw ConfigError(entry.errorMessage(p + "arch", strCat("dmd's ", role, " is a denoiser: arch diffusion, not ",
+    if (!m->model.isDenoiser()) {
+      throw ConfigError(entry.errorMessage(p + "arch", strCat("dmd's ", role, " is a denoiser: arch diffusion or dit, not ",
                                                               m->model.arch)));
+    }
+    if (m->model.arch != c.models.front().model.arch) {
+      throw ConfigError(entry.errorMessage(p + "arch", strCat("dmd's models share one architecture: ", m->model.arch,
+                                                              " here, ", c.models.front().model.arch, " for ",
+                                                              c.models.front().name)));
     }
     const bool teacher = std::string(role) == "teacher";
     if (m->trainable == teacher) {

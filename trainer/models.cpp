@@ -11,6 +11,7 @@
 
 #include "common/errors.h"
 #include "trainer/diffusion.h"
+#include "trainer/dit.h"
 
 namespace tessera::trainer {
 namespace {
@@ -66,10 +67,12 @@ FeatureMlp::FeatureMlp(const ModelOptions& options, const DataSpec& data, at::De
   head_ = register_module("head", layers::Linear(width, out, /*bias=*/true, device));
 }
 
-at::Tensor FeatureMlp::forward(const at::Tensor& inputs) {
+at::Tensor FeatureMlp::features(const at::Tensor& inputs) {
   const auto dtype = head_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
-  return head_->forward(runHiddenLayers(layers_, inputs.flatten(1).to(dtype), options_.activation));
+  return runHiddenLayers(layers_, inputs.flatten(1).to(dtype), options_.activation);
 }
+
+at::Tensor FeatureMlp::forward(const at::Tensor& inputs) { return head_->forward(features(inputs)); }
 
 at::Tensor FeatureMlp::losses(const Batch& batch) {
   const at::Tensor out = forward(batch.inputs);
@@ -163,6 +166,13 @@ DataSpec tokenDataSpec(const ModelOptions& options) {
 
 bool predictsEveryPosition(const ModelOptions& options) { return options.arch == "gpt"; }
 
+int64_t conditioningClasses(const ModelOptions& options, const DataSpec& data) {
+  if (options.classes == 0) return data.classes;
+  TESSERA_CHECK_AS(ConfigError, options.classes >= data.classes, "model.classes ", options.classes,
+                   " is below the data's ", data.classes, " classes (labels up to ", data.classes - 1, ")");
+  return options.classes;
+}
+
 std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const DataSpec& data, at::Device device) {
   if (options.arch == "mlp") {
     if (data.tokens) return std::make_shared<ContextMlp>(options, device);
@@ -173,10 +183,15 @@ std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const DataSpe
     return std::make_shared<Gpt>(options, device);
   }
   if (options.arch == "diffusion") {
-    TESSERA_CHECK_AS(ConfigError, !data.tokens, "model.arch diffusion needs float tensors (data.kind tensors)");
+    TESSERA_CHECK_AS(ConfigError, !data.tokens, "model.arch diffusion needs float tensors or images");
     return std::make_shared<DiffusionDenoiser>(options, data.inputShape, device);
   }
-  throw ConfigError(strCat("model.arch: unknown architecture '", options.arch, "' (mlp, gpt, diffusion)"));
+  if (options.arch == "dit") {
+    TESSERA_CHECK_AS(ConfigError, !data.tokens && data.inputShape.size() == 3,
+                     "model.arch dit needs images (data.kind idx or image_folder)");
+    return std::make_shared<DiT>(options, data.inputShape, conditioningClasses(options, data), device);
+  }
+  throw ConfigError(strCat("model.arch: unknown architecture '", options.arch, "' (mlp, gpt, diffusion, dit)"));
 }
 
 void initializeModel(torch::nn::Module& model, uint64_t seed) {

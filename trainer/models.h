@@ -1,5 +1,5 @@
 // Built-in models: mlp (on token windows or tensors), gpt (a GPT-2-style decoder with
-// nanoGPT's names) and diffusion (the denoiser of diffusion.h). Parameter names follow the
+// nanoGPT's names), diffusion (the denoiser of diffusion.h) and dit (dit.h). Parameter names follow the
 // equivalent PyTorch modules, so exported weights load into a Python model of the same
 // structure; each model, its parameters and its initial distributions are listed in
 // docs/design.md, "Built-in models".
@@ -65,6 +65,9 @@ class FeatureMlp : public TrainModel {
  public:
   FeatureMlp(const ModelOptions& options, const DataSpec& data, at::Device device);
   at::Tensor forward(const at::Tensor& inputs);  // [batch, ...] -> [batch, classes or target size]
+  // The head's input [batch, last hidden width]: the learned features (a classifier's
+  // penultimate layer, what a Frechet distance compares).
+  at::Tensor features(const at::Tensor& inputs);
   at::Tensor losses(const Batch& batch) override;
 
  private:
@@ -110,6 +113,11 @@ DataSpec tokenDataSpec(const ModelOptions& options);
 // Whether model.arch trains on the next token of every position (gpt) rather than of the
 // window (the dataset's targets depend on it).
 bool predictsEveryPosition(const ModelOptions& options);
+
+// The labels a class-conditional model (dit) is conditioned on: model.classes, or the
+// data's when it is 0 (0 for unlabelled data: unconditional). ConfigError when
+// model.classes is below the data's.
+int64_t conditioningClasses(const ModelOptions& options, const DataSpec& data);
 
 // The model model.arch names, sized for `data`, its parameters deferred on `device`.
 // tessera::ConfigError for an unknown architecture or one that cannot train on the data

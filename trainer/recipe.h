@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "sharding/strategy.h"
 #include "trainer/dataset.h"
@@ -43,6 +44,10 @@ class Recipe {
   // At the end of a finished run, model.samples > 0: draws the samples, rank 0 writes
   // <run.dir>/samples.safetensors and returns its path ("" on other ranks). Collective.
   virtual std::string drawSamples() = 0;
+  // Image denoisers: PNG grids of samples from each EMA and the live weights after `step`
+  // steps, the same noise and classes every time (eval.*), in <run.dir>/samples/. Returns
+  // the files written (rank 0; empty elsewhere and for recipes without pictures). Collective.
+  virtual std::vector<std::string> writeSampleGrids(int64_t /*step*/) { return {}; }
 };
 
 // The recipe run.recipe names, over the parts of the run.

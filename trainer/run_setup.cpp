@@ -20,6 +20,7 @@
 #include "sharding/mixed_precision.h"
 #include "trainer/layers.h"
 #include "trainer/metrics.h"
+#include "trainer/model_metadata.h"
 #include "trainer/recipe_spec.h"
 #include "trainer/resume_check.h"
 
@@ -344,6 +345,14 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->counters.strategy = run->strategies();
   run->counters.worldSize = world;
   run->counters.resolvedConfig = run->resolvedYaml;
+  for (const ModelPart& part : run->models) {
+    const std::string metadata = modelMetadataJson(part.cfg.model, run->data->spec(), &cfg.data);
+    const ModelStateNames& names = part.cfg.names;
+    run->counters.modelMetadata[sharding::statePrefix(names.weights)] = metadata;
+    for (const std::string& ema : {names.ema, names.formerEma}) {
+      if (!ema.empty()) run->counters.modelMetadata[sharding::statePrefix(sharding::kEmaKey) + ema] = metadata;
+    }
+  }
   if (!resume(*run)) initializeFromFiles(*run);  // a resumed run keeps the checkpoint's weights
   TESSERA_CHECK_AS(ConfigError, run->startStep <= cfg.run.steps, "run.steps: ", cfg.run.steps,
                    " is below the step the run resumes from (", run->startStep, ")");

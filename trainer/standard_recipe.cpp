@@ -4,6 +4,8 @@
 // factory and the helpers the recipes share (recipe.h).
 #include <torch/utils.h>
 
+#include <cstdio>
+#include <filesystem>
 #include <numeric>
 
 #include "checkpoint/safetensors.h"
@@ -12,12 +14,17 @@
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
 #include "sharding/fully_shard.h"
+#include "trainer/batch_loader.h"
 #include "trainer/diffusion.h"
 #include "trainer/dmd_recipe.h"
+#include "trainer/models.h"
 #include "trainer/recipe.h"
 #include "trainer/run_setup.h"
+#include "trainer/sampling.h"
 
 namespace tessera::trainer {
+
+namespace fs = std::filesystem;
 
 at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device) {
   batch.inputs = batch.inputs.to(device);
@@ -91,54 +98,103 @@ namespace {
 
 class StandardRecipe : public Recipe {
  public:
-  explicit StandardRecipe(RunParts& run) : run_(run), part_(run.models.front()) {}
+  explicit StandardRecipe(RunParts& run)
+      : run_(run),
+        part_(run.models.front()),
+        loader_(*run.data, *run.sampler, run.comm->rank(), run.comm->worldSize(), run.cfg.run.seed, run.cfg.data.hflip) {}
 
   // The micro-batches' forward and backward, the strategy's step (gradient sync,
   // clipping, optimizer; the loss and the stop flags summed in its norm's all-reduce),
   // and the EMA update.
   StepOutcome step(int64_t step, bool stopRequested) override {
-    sharding::ShardingStrategy& strategy = *part_.strategy;
-    distributed::Communicator& comm = *run_.comm;
-    const TrainConfig& cfg = run_.cfg;
-    strategy.zeroGrad();
-    const std::vector<int64_t> indices = run_.sampler->indicesFor(step, comm.rank(), comm.worldSize());
+    part_.strategy->zeroGrad();
+    const StepBatch mine = loader_.take(step);  // prepared while the previous step ran
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
     forEachMicroBatch(run_, part_, [&](size_t begin, size_t end) {
-      std::vector<int64_t> slice(indices.begin() + static_cast<std::ptrdiff_t>(begin),
-                                 indices.begin() + static_cast<std::ptrdiff_t>(end));
-      Batch batch = run_.data->trainBatch(slice);
-      seedNoise(batch, cfg.run.seed, step, slice);
-      at::Tensor loss =
-          lossesOf(*part_.model, std::move(batch), run_.device).mean() / static_cast<double>(run_.microBatches);
+      at::Tensor loss = lossesOf(*part_.model, sliceBatch(mine.batch, static_cast<int64_t>(begin), static_cast<int64_t>(end)),
+                                 run_.device)
+                            .mean() /
+                        static_cast<double>(run_.microBatches);
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
     });
-    return stepMainModel(run_, part_, step, stepLoss, stopRequested);
+    StepOutcome out = stepMainModel(run_, part_, step, stepLoss, stopRequested);
+    out.extra["data_wait_ms"] = loader_.takeWaitSeconds() * 1000.0;
+    return out;
   }
 
   void evaluate(std::map<std::string, double>& out) override {
     if (run_.data->evalSamples() <= 0) return;
     out["eval_loss"] = heldOutLoss();
+    const bool classifier = dynamic_cast<FeatureMlp*>(part_.model.get()) != nullptr && run_.data->spec().classes > 0;
+    if (classifier) out["eval_accuracy"] = heldOutAccuracy();
     if (part_.ema) {
-      double emaLoss = 0;
-      ema::withEmaWeights(*part_.ema, *part_.strategy, 0, [&] { emaLoss = heldOutLoss(); });
+      double emaLoss = 0, emaAccuracy = 0;
+      ema::withEmaWeights(*part_.ema, *part_.strategy, 0, [&] {
+        emaLoss = heldOutLoss();
+        if (classifier) emaAccuracy = heldOutAccuracy();
+      });
       out["eval_loss_ema"] = emaLoss;
+      if (classifier) out["eval_accuracy_ema"] = emaAccuracy;
     }
   }
 
   // DDPM samples drawn with generator_ema (every rank runs the sampler with the same seed,
-  // as zero3 gathers collectively).
+  // as zero3 gathers collectively); a class-conditional model's cycle through the classes.
   std::string drawSamples() override {
-    auto* model = dynamic_cast<DiffusionDenoiser*>(part_.model.get());
-    TESSERA_CHECK(model != nullptr && part_.ema != nullptr, "model.samples needs the diffusion model and an EMA");
+    auto* model = dynamic_cast<Denoiser*>(part_.model.get());
+    TESSERA_CHECK(model != nullptr && part_.ema != nullptr, "model.samples needs a denoiser and an EMA");
     const TrainConfig& cfg = run_.cfg;
+    const int64_t count = cfg.defaults.model.samples;
+    const at::Tensor noise = samplingNoise(model->sampleShape(), count, noiseSeed(cfg.run.seed, -2, 0));
+    const at::Tensor labels = model->classes() > 0 ? at::arange(count, at::kLong).remainder(model->classes()) : at::Tensor();
     at::Tensor samples;
     ema::withEmaWeights(*part_.ema, *part_.strategy, 0, [&] {
-      samples = sampleDdpm(model->schedule(), model->sampleShape(), cfg.defaults.model.samples, noiseSeed(cfg.run.seed, -2, 0),
-                           run_.device,
-                           [model](const at::Tensor& x, const at::Tensor& t) { return predictNoiseInUnits(*model, x, t); });
+      SampleRequest request;
+      request.noise = noise;
+      request.labels = labels;
+      request.sampler = "ddpm";
+      request.seed = static_cast<int64_t>(noiseSeed(cfg.run.seed, -2, 1));
+      samples = trainer::drawSamples(*model, request, /*comm=*/nullptr, run_.device);
     });
     return writeSamples(run_, samples, part_.cfg.names.ema);
+  }
+
+  std::vector<std::string> writeSampleGrids(int64_t step) override {
+    auto* model = dynamic_cast<Denoiser*>(part_.model.get());
+    if (model == nullptr || model->sampleShape().size() != 3) return {};  // not an image denoiser
+    const EvalSection& e = run_.cfg.eval;
+    SampleRequest request;
+    // Every class in a row of eval.sample_per_class (unconditional: 8 rows), from noise
+    // fixed by run.seed: one grid after another shows the same samples getting better.
+    std::vector<int64_t> classes(static_cast<size_t>(model->classes()));
+    std::iota(classes.begin(), classes.end(), 0);
+    if (!classes.empty()) request.labels = classRows(classes, e.sample_per_class);
+    const int64_t count = classes.empty() ? 8 * e.sample_per_class : request.labels.size(0);
+    request.noise = samplingNoise(model->sampleShape(), count, noiseSeed(run_.cfg.run.seed, -5, 0));
+    request.steps = std::min(e.sample_steps, model->schedule().timesteps);
+    request.cfg = e.sample_cfg;
+    std::vector<std::string> written;
+    const auto draw = [&](const std::string& name) {
+      const at::Tensor samples = trainer::drawSamples(*model, request, run_.comm.get(), run_.device);
+      if (run_.comm->rank() != 0) return;
+      const fs::path dir = run_.runDir / "samples";
+      fs::create_directories(dir);
+      char stepName[32];
+      std::snprintf(stepName, sizeof(stepName), "step_%08lld", static_cast<long long>(step));
+      written.push_back((dir / strCat(stepName, "_", name, ".png")).string());
+      writeSampleGrid(written.back(), samples, e.sample_per_class);
+    };
+    if (part_.ema) {
+      for (size_t d = 0; d < part_.ema->numProfiles(); ++d) {
+        ema::withEmaWeights(*part_.ema, *part_.strategy, d, [&] { draw(part_.ema->stateName(d)); });
+      }
+    }
+    {
+      torch::NoGradGuard noGrad;
+      draw("live");
+    }
+    return written;
   }
 
  private:
@@ -154,8 +210,22 @@ class StandardRecipe : public Recipe {
     });
   }
 
+  // A classifier's accuracy over every held-out sample: the fraction whose largest logit
+  // is its class.
+  double heldOutAccuracy() {
+    torch::NoGradGuard noGrad;
+    auto& model = dynamic_cast<FeatureMlp&>(*part_.model);
+    return meanOverRanks(run_, run_.data->evalSamples(), [&](int64_t begin, int64_t end) {
+      const Batch batch = run_.data->evalBatch(begin, end - begin);
+      const at::Tensor logits = sharding::unitForward(model, batch.inputs.to(run_.device),
+                                                      [&model](const at::Tensor& x) { return model.forward(x); });
+      return logits.argmax(1).cpu().eq(batch.targets).to(at::kDouble);
+    });
+  }
+
   RunParts& run_;
   ModelPart& part_;
+  BatchLoader loader_;
 };
 
 }  // namespace

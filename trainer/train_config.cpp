@@ -28,15 +28,11 @@ constexpr double kMaxBucketMiB = 1 << 20;  // 1 TiB
 
 }  // namespace
 
-namespace {
-
-// The keys of a model, its sharding, its optimizer and its EMA, bound under prefixes: at
-// the top level ("model.", "sharding.", ...) and in every models: entry ("models.<name>.",
-// "models.<name>.sharding.", ...), with the same docs and constraints.
 void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& m) {
   s.add(p + "arch", &m.arch,
-        "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors)")
-      .oneOf({"mlp", "gpt", "diffusion"});
+        "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors), "
+        "dit (a class-conditional diffusion transformer over images)")
+      .oneOf({"mlp", "gpt", "diffusion", "dit"});
   s.add(p + "vocab_size", &m.vocab_size, "Vocabulary size (256 for byte-level text)").min(2).max(kMaxVocab);
   s.add(p + "context", &m.context, "Context length in tokens").min(1).max(kMaxWidth);
   s.add(p + "embed_dim", &m.embed_dim, "Token embedding width; diffusion: the denoiser's width").min(1).max(kMaxWidth);
@@ -50,10 +46,20 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
       .greaterThan(0.0).lessThan(1.0);
   s.add(p + "beta_end", &m.beta_end, "diffusion: last beta of the linear noise schedule")
       .greaterThan(0.0).lessThan(1.0);
+  s.add(p + "patch_size", &m.patch_size, "dit: patch side in pixels (divides the image size)").min(1).max(kMaxWidth);
+  s.add(p + "mlp_ratio", &m.mlp_ratio, "dit: width of each block's MLP over model.embed_dim").greaterThan(0.0).max(64.0);
+  s.add(p + "classes", &m.classes,
+        "dit: class labels the model is conditioned on (0: the data's classes; unconditional without labels)")
+      .min(0).max(1 << 20);
+  s.add(p + "class_dropout", &m.class_dropout,
+        "dit: probability a training label is replaced by the 'no class' label (classifier-free guidance)")
+      .min(0.0).lessThan(1.0);
   s.add(p + "init_from", &m.init_from,
         "Safetensors file or sharded export (*.index.json) to start the model from (fresh runs; each rank reads "
         "its rows)");
 }
+
+namespace {
 
 // optim.*: the library's optimizer options, its learning-rate schedule, gradient clipping.
 void bindOptimKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m) {
@@ -196,14 +202,23 @@ void bindTopLevelModelKeys(config::ConfigSchema& s, ModelOptions& model) {
 void bindDataKeys(config::ConfigSchema& s, DataOptions& data) {
   s.describeSection("data", "Training data");
   s.add("data.kind", &data.kind,
-        "Dataset kind: text (bytes), tokens (flat binary token ids) or tensors (safetensors 'inputs' and 'targets')")
-      .oneOf({"text", "tokens", "tensors"});
+        "Dataset kind: text (bytes), tokens (flat binary token ids), tensors (safetensors 'inputs' and 'targets'), "
+        "idx (MNIST-format images and labels, gzipped or not) or image_folder (<path>/<class>/<image>.png|jpg)")
+      .oneOf({"text", "tokens", "tensors", "idx", "image_folder"});
   s.add("data.path", &data.path,
         "Input file (text: any file, read as bytes; tokens: little-endian ids; tensors: a safetensors file with "
         "'inputs' [N, ...] and optional 'targets': integer class ids [N] for cross-entropy, floats for "
         "mean-squared error)")
       .required()
       .nonEmpty();
+  s.add("data.labels", &data.labels, "idx: the labels file (idx1) of data.path");
+  s.add("data.eval_path", &data.eval_path,
+        "idx, image_folder: held-out images (the test split) instead of data.eval_fraction of data.path");
+  s.add("data.eval_labels", &data.eval_labels, "idx: the labels file of data.eval_path");
+  s.add("data.image_size", &data.image_size, "idx, image_folder: resize images to this square size (0: as stored)")
+      .min(0).max(1 << 14);
+  s.add("data.channels", &data.channels, "image_folder: 1 (gray) or 3 (RGB); 0: the first image's").min(0).max(3);
+  s.add("data.hflip", &data.hflip, "images: flip each training sample horizontally with probability 1/2");
   s.add("data.token_dtype", &data.token_dtype, "tokens: width of each id in the file").oneOf({"uint16", "uint32"});
   s.add("data.global_batch", &data.global_batch, "Samples per optimizer step over all ranks").min(1).max(kMaxBatch);
   s.add("data.micro_batch", &data.micro_batch, "Samples per forward/backward on one rank").min(1).max(kMaxBatch);
@@ -274,10 +289,25 @@ void bindModelsSection(config::ConfigSchema& s, TrainConfig& c) {
 
 }  // namespace
 
+// eval.*: the sample grids an image denoiser's run draws.
+void bindEvalKeys(config::ConfigSchema& s, EvalSection& e) {
+  s.describeSection("eval", "Sample grids of image denoisers (diffusion, dit on image data)");
+  s.add("eval.sample_every", &e.sample_every,
+        "A PNG grid of samples from each EMA and the live model every N steps, in <run.dir>/samples/ (0: at the end "
+        "only)")
+      .min(0).max(kMaxSteps);
+  s.add("eval.sample_per_class", &e.sample_per_class, "Samples of each class in a grid (a row per class)").min(1).max(64);
+  s.add("eval.sample_steps", &e.sample_steps, "DDIM steps of the grids' samples (at most model.timesteps)")
+      .min(1).max(kMaxWidth);
+  s.add("eval.sample_cfg", &e.sample_cfg, "Classifier-free guidance scale of the grids' samples (1: none)")
+      .min(0.0).max(100.0);
+}
+
 // The sections in this order: the resolved config lists keys in registration order.
 void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   bindRunKeys(s, c.run);
   bindLogKeys(s, c.log);
+  bindEvalKeys(s, c.eval);
   bindTopLevelModelKeys(s, c.defaults.model);
   bindDataKeys(s, c.data);
   bindDefaultSections(s, c.defaults);
@@ -291,7 +321,7 @@ namespace {
 // The names a model's state and exports go by (see ModelStateNames).
 ModelStateNames stateNames(const ModelEntry& m, bool singleModelForm) {
   if (!singleModelForm) return {m.name, "optim/" + m.name, m.name + "_ema", ""};
-  if (m.model.arch == "diffusion") return {"model", "optim", ema::kDefaultEmaPrefix, ""};
+  if (m.model.isDenoiser()) return {"model", "optim", ema::kDefaultEmaPrefix, ""};
   return {"model", "optim", "model_ema", ema::kDefaultEmaPrefix};
 }
 
@@ -328,16 +358,23 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   if (m.sharding.strategy == sharding::StrategyKind::kHybrid && shardSize > 0 && worldSize % shardSize != 0) {
     k.fail("sharding.shard_size", strCat(shardSize, " does not divide the world size (", worldSize, ")"));
   }
-  if (m.model.arch == "gpt" && m.model.embed_dim % m.model.heads != 0) {
+  if ((m.model.arch == "gpt" || m.model.arch == "dit") && m.model.embed_dim % m.model.heads != 0) {
     k.fail("heads", strCat(m.model.heads, " does not divide ", m.modelKeys, "embed_dim (", m.model.embed_dim, ")"), true);
   }
   if (m.model.arch == "gpt" && c.data.kind == "tensors") {
     k.fail("arch", "gpt needs token data (data.kind text or tokens), not tensors", true);
   }
-  if (m.model.arch == "diffusion" && c.data.kind != "tensors") {
-    k.fail("arch", strCat("diffusion needs data.kind tensors, not ", c.data.kind), true);
+  const bool images = c.data.kind == "idx" || c.data.kind == "image_folder";
+  if (m.model.arch == "diffusion" && c.data.kind != "tensors" && !images) {
+    k.fail("arch", strCat("diffusion needs data.kind tensors, idx or image_folder, not ", c.data.kind), true);
   }
-  if (m.model.arch == "diffusion" && m.model.beta_start > m.model.beta_end) {
+  if (m.model.arch == "dit" && !images) {
+    k.fail("arch", strCat("dit needs images: data.kind idx or image_folder, not ", c.data.kind), true);
+  }
+  if (m.model.arch == "dit" && m.model.embed_dim % 4 != 0) {
+    k.fail("embed_dim", strCat(m.model.embed_dim, ": dit's 2-D sin-cos position embedding needs a multiple of 4"), true);
+  }
+  if (m.model.isDenoiser() && m.model.beta_start > m.model.beta_end) {
     k.fail("beta_start", strCat(m.model.beta_start, " is above ", m.modelKeys, "beta_end (", m.model.beta_end, ")"), true);
   }
 }
@@ -445,14 +482,39 @@ void settleModels(TrainConfig& c) {
 }
 
 // model.samples draws with the EMA of the model the recipe samples from.
+// The image keys against each other and the data kind.
+void checkImageData(const config::ConfigSchema& s, const DataOptions& d) {
+  const bool images = d.kind == "idx" || d.kind == "image_folder";
+  if (d.channels == 2) throw ConfigError(s.errorMessage("data.channels", "2: images have 1 (gray) or 3 (RGB) channels"));
+  if (d.channels != 0 && d.kind != "image_folder") {
+    throw ConfigError(s.errorMessage("data.channels", strCat("applies to data.kind image_folder, not ", d.kind)));
+  }
+  if (d.kind == "idx" && d.labels.empty()) {
+    throw ConfigError(s.errorMessage("data.labels", "data.kind idx needs the labels file (idx1) of data.path"));
+  }
+  if (!d.eval_path.empty() && !images) {
+    throw ConfigError(s.errorMessage("data.eval_path", strCat("applies to image data (idx, image_folder), not ", d.kind)));
+  }
+  if (d.kind == "idx" && !d.eval_path.empty() && d.eval_labels.empty()) {
+    throw ConfigError(s.errorMessage("data.eval_labels", "data.eval_path needs its labels file"));
+  }
+  for (const auto& [key, set] : {std::pair{"data.labels", !d.labels.empty()}, {"data.eval_labels", !d.eval_labels.empty()}}) {
+    if (set && d.kind != "idx") throw ConfigError(s.errorMessage(key, strCat("applies to data.kind idx, not ", d.kind)));
+  }
+  if ((d.image_size != 0 || d.hflip) && !images) {
+    throw ConfigError(s.errorMessage(d.hflip ? "data.hflip" : "data.image_size",
+                                     strCat("applies to image data (idx, image_folder), not ", d.kind)));
+  }
+}
+
 void checkSamples(const config::ConfigSchema& s, const TrainConfig& c) {
   if (c.defaults.model.samples <= 0) return;
   const bool dmd = c.run.recipe == "dmd";
   for (const ModelEntry& m : c.models) {
     if (dmd && m.name != "generator") continue;
-    if (!dmd && (m.model.arch != "diffusion" || !m.hasEma())) {
+    if (!dmd && (!m.model.isDenoiser() || !m.hasEma())) {
       throw ConfigError(s.errorMessage("model.samples", "draws samples with generator_ema: needs model.arch "
-                                                        "diffusion and ema.enabled"));
+                                                        "diffusion or dit and ema.enabled"));
     }
     if (dmd && !m.hasEma()) {
       throw ConfigError(s.errorMessage("model.samples", "draws one-step samples with generator_ema: needs the "
@@ -501,6 +563,15 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
   }
   checkExportNames(s, c);
   checkSamples(s, c);
+  checkImageData(s, c.data);
+  for (const ModelEntry& m : c.models) {
+    // The default (50) is cut to model.timesteps; a value set above it is a mistake.
+    const bool set = !s.locationOf("eval.sample_steps").source.empty();
+    if (set && m.model.isDenoiser() && c.eval.sample_steps > m.model.timesteps) {
+      throw ConfigError(s.errorMessage("eval.sample_steps", strCat(c.eval.sample_steps, " DDIM steps, more than the ",
+                                                                   m.model.timesteps, " of model.timesteps")));
+    }
+  }
   // Products of bounded keys, still checked: a world size comes from outside the config.
   const int64_t perStep = boundedProduct(c.data.micro_batch, worldSize, c.data.global_batch);
   if (perStep <= 0 || c.data.global_batch % perStep != 0) {

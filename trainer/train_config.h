@@ -31,13 +31,21 @@ struct RunOptions {
   std::string recipe = "standard";  // standard (the one `model`) | dmd (models generator, critic, teacher)
 };
 
+// Pictures during training (image denoisers: diffusion or dit on idx / image_folder data).
+struct EvalSection {
+  int64_t sample_every = 0;      // a sample grid every N steps (0: at the end only)
+  int64_t sample_per_class = 8;  // grid columns: samples of each class (unconditional: the whole grid / 10 rows)
+  int64_t sample_steps = 50;     // DDIM steps
+  double sample_cfg = 1.5;       // classifier-free guidance scale
+};
+
 struct LogSection {
   std::string level = "info";  // trace|debug|info|warn|error|off; TESSERA_LOG_LEVEL overrides when set
   bool per_rank_files = true;  // also write <run.dir>/logs/rank_N.log
 };
 
 struct ModelOptions {
-  std::string arch = "mlp";             // mlp | gpt | diffusion
+  std::string arch = "mlp";             // mlp | gpt | diffusion | dit
   int64_t vocab_size = 256;             // byte-level text: 256
   int64_t context = 16;                 // tokens of context the model sees
   int64_t embed_dim = 32;               // token embedding width
@@ -49,13 +57,26 @@ struct ModelOptions {
   int64_t timesteps = 1000;             // diffusion: noise levels T
   double beta_start = 1.0e-4;           // diffusion: linear beta schedule from beta_start ...
   double beta_end = 0.02;               // ... to beta_end
+  int64_t patch_size = 4;               // dit: patch side in pixels (divides the image size)
+  double mlp_ratio = 4.0;               // dit: MLP width / embed_dim
+  int64_t classes = 0;                  // dit: class labels (0: the data's; 0 with unlabelled data: unconditional)
+  double class_dropout = 0.1;           // dit: probability a training label is replaced by "no class" (CFG)
   int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
   std::optional<std::string> init_from; // safetensors file or *.index.json to start from (fresh runs)
+
+  // A diffusion denoiser (diffusion, dit): trained on noise prediction, sampled, distilled.
+  bool isDenoiser() const { return arch == "diffusion" || arch == "dit"; }
 };
 
 struct DataOptions {
-  std::string kind = "text";   // text (byte-level) | tokens (flat uint16/uint32 ids) | tensors (safetensors)
-  std::string path = "";       // input file; required
+  std::string kind = "text";   // text (byte-level) | tokens (flat uint16/uint32 ids) | tensors (safetensors) | idx | image_folder
+  std::string path = "";       // input file (image_folder: the folder); required
+  std::string labels = "";     // idx: the labels file of `path`
+  std::string eval_path = "";  // idx, image_folder: the held-out split's images (instead of eval_fraction)
+  std::string eval_labels = "";// idx: the labels file of eval_path
+  int64_t image_size = 0;      // idx, image_folder: resize to image_size x image_size (0: as stored)
+  int64_t channels = 0;        // image_folder: 1 or 3 (0: the first image's)
+  bool hflip = false;          // images: flip each training sample horizontally with probability 1/2
   std::string token_dtype = "uint16";  // tokens: uint16 | uint32
   int64_t global_batch = 32;   // samples per optimizer step over all ranks
   int64_t micro_batch = 16;    // samples per forward/backward on one rank
@@ -129,6 +150,7 @@ struct ModelEntry {
 struct TrainConfig {
   RunOptions run;
   LogSection log;
+  EvalSection eval;
   DataOptions data;
   CheckpointSection checkpoint;
   RecipeOptions recipe;
@@ -144,6 +166,11 @@ struct TrainConfig {
 
 // Registers every key of `config` with `schema` (the variables are bound by pointer).
 void bindTrainConfig(config::ConfigSchema& schema, TrainConfig& config);
+
+// The keys of a model (arch and its shape) under `prefix`: at the top level ("model."), in
+// every models: entry ("models.<name>.model."), and in an export's metadata ("", see
+// model_metadata.h), with the same docs and constraints.
+void bindModelKeys(config::ConfigSchema& schema, const std::string& prefix, ModelOptions& model);
 
 // What follows loading the file and the overrides: the required keys, the models:
 // entries inheriting what they do not set from the top-level sections (or the single-model

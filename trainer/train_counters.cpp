@@ -16,10 +16,29 @@ std::string countersToJson(const TrainerCounters& c) {
                       {"strategy", c.strategy},
                       {"world_size", c.worldSize},
                       {"resolved_config", c.resolvedConfig}};
+  if (!c.modelMetadata.empty()) {
+    nlohmann::json models = nlohmann::json::object();
+    for (const auto& [name, metadata] : c.modelMetadata) models[name] = nlohmann::json::parse(metadata);
+    j["model_metadata"] = models;
+  }
   return j.dump(2);
 }
 
-TrainerCounters countersFromJson(const std::string& text, const std::string& source) {
+namespace {
+
+std::map<std::string, std::string> modelMetadataIn(const nlohmann::json& j, const std::string& source) {
+  std::map<std::string, std::string> out;
+  if (!j.contains("model_metadata")) return out;
+  const nlohmann::json& models = j.at("model_metadata");
+  if (!models.is_object()) throw Error(strCat(source, ": 'model_metadata' must be an object, got ", models.type_name()));
+  for (const auto& [name, metadata] : models.items()) {
+    if (!metadata.is_object()) throw Error(strCat(source, ": 'model_metadata.", name, "' must be an object"));
+    out[name] = metadata.dump();
+  }
+  return out;
+}
+
+nlohmann::json parseObject(const std::string& text, const std::string& source) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
@@ -27,6 +46,17 @@ TrainerCounters countersFromJson(const std::string& text, const std::string& sou
     throw Error(strCat(source, ": not valid JSON: ", e.what()));
   }
   if (!j.is_object()) throw Error(strCat(source, ": expected a JSON object"));
+  return j;
+}
+
+}  // namespace
+
+std::map<std::string, std::string> modelMetadataFromJson(const std::string& text, const std::string& source) {
+  return modelMetadataIn(parseObject(text, source), source);
+}
+
+TrainerCounters countersFromJson(const std::string& text, const std::string& source) {
+  const nlohmann::json j = parseObject(text, source);
   auto get = [&](const char* key) -> const nlohmann::json& {
     if (!j.contains(key)) throw Error(strCat(source, ": missing key '", key, "'"));
     return j.at(key);
@@ -56,6 +86,7 @@ TrainerCounters countersFromJson(const std::string& text, const std::string& sou
   c.strategy = string("strategy");
   c.worldSize = static_cast<int>(integer("world_size", 1, kMaxWorldSize));
   c.resolvedConfig = string("resolved_config");
+  c.modelMetadata = modelMetadataIn(j, source);
   // Older checkpoints' EMA counts (train_counters.h).
   if (j.contains("ema_updates")) c.legacyEmaUpdates = integer("ema_updates", 0, c.step);
   if (j.contains("ema_updates_of")) {

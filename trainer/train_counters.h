@@ -19,6 +19,10 @@ struct TrainerCounters {
   std::string strategy;
   int worldSize = 1;
   std::string resolvedConfig;     // YAML text of the run that saved
+  // Each model's export metadata (model_metadata.h) by the state name its tensors go by:
+  // "model/", "generator/" (weights) and "ema/generator_ema" (its EMA profiles' names
+  // start so). Absent from checkpoints written before exports carried it.
+  std::map<std::string, std::string> modelMetadata;
   // Checkpoints written before each EMA saved its own update count held it here: the
   // single-model form's ("ema_updates"), a models: run's by EMA name ("ema_updates_of").
   // Read when present (and checked), never written.
@@ -31,5 +35,8 @@ std::string countersToJson(const TrainerCounters& c);
 // has the wrong type (a fraction where an integer belongs) or a value out of range (a
 // negative step, more EMA updates or skipped steps than steps, a world size of 0).
 TrainerCounters countersFromJson(const std::string& json, const std::string& source);
+// Only the models' export metadata of a trainer_state.json (empty when it has none, as a
+// checkpoint written by a library user's own loop): what an offline export needs.
+std::map<std::string, std::string> modelMetadataFromJson(const std::string& json, const std::string& source);
 
 }  // namespace tessera::trainer

@@ -22,6 +22,7 @@
 #include "sharding/mixed_precision.h"
 #include "trainer/checkpoint_schedule.h"
 #include "trainer/metrics.h"
+#include "trainer/model_metadata.h"
 #include "trainer/recipe.h"
 #include "trainer/run_setup.h"
 
@@ -68,6 +69,8 @@ std::vector<std::string> writeExports(RunParts& run, int64_t done, const std::ve
     options.what = what;
     options.dtype = run.cfg.checkpoint.export_dtype;
     options.metadata["tessera_step"] = std::to_string(done);
+    const std::string model = modelMetadataForPrefix(run.counters.modelMetadata, checkpoint::exportPrefix(what, checkpoint::collectExportNames(states)));
+    if (!model.empty()) options.metadata[kModelMetadataKey] = model;
     const std::string out = (run.runDir / "export" / (what + ".safetensors")).string();
     if (rank == 0) fs::create_directories(run.runDir / "export");
     if (writer.firstReplica()) {  // rank 0 of the state group (global rank 0) writes; logs what it wrote
@@ -161,6 +164,7 @@ class TrainLoop {
     const bool last = done == cfg_.run.steps;
     const bool evalNow = cfg_.run.eval_every > 0 && done % cfg_.run.eval_every == 0;
     if (done % cfg_.run.log_every == 0 || last || evalNow) logWindow(done, out, evalNow || last);
+    if (cfg_.eval.sample_every > 0 && done % cfg_.eval.sample_every == 0 && !last) writeSampleGrids(done);
     if (schedule_.periodicSaveDue(done)) saveCheckpoint(done);
     if (run_.posthocWriter && done % run_.models.front().cfg.ema.snapshotEvery == 0) savePosthocSnapshot(done);
   }
@@ -198,6 +202,7 @@ class TrainLoop {
     if (schedule_.finalSaveDue(done, stopped)) saveCheckpoint(done);
     if (run_.checkpointer) run_.checkpointer->finish();
     if (!stopped) exportWeights(done);
+    if (!stopped) writeSampleGrids(done);
     if (!stopped && cfg_.defaults.model.samples > 0) summary_.samplesPath = recipe_->drawSamples();
     if (run_.comm->rank() == 0) {
       summary_.metricsPath = (run_.runDir / "metrics.jsonl").string();
@@ -209,6 +214,12 @@ class TrainLoop {
   }
 
  private:
+  void writeSampleGrids(int64_t done) {
+    std::vector<std::string> grids = recipe_->writeSampleGrids(done);
+    for (const std::string& grid : grids) TLOG_INFO0("step " << done << ": sample grid " << grid);
+    if (!grids.empty()) summary_.sampleGrids = std::move(grids);
+  }
+
   void logWindow(int64_t done, const StepOutcome& out, bool evaluateNow) {
     distributed::Communicator& comm = *run_.comm;
     const double elapsed = nowSec() - windowStart_;

@@ -23,6 +23,8 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "ema/posthoc.h"
+#include "trainer/model_metadata.h"
+#include "trainer/train_counters.h"
 
 namespace ckpt = tessera::checkpoint;
 
@@ -112,10 +114,23 @@ std::string checkpointStepDir(const std::string& dir) {
   return all.back().dir;
 }
 
+// The model description the run recorded for what is exported (trainer_state.json), so
+// that the file says which model it holds, as the run's own exports do.
+void addModelMetadata(const std::string& stepDir, ckpt::ExportOptions& options) {
+  ckpt::CheckpointReader reader(stepDir);
+  const auto described = tessera::trainer::modelMetadataFromJson(
+      reader.trainerState(), (std::filesystem::path(stepDir) / "trainer_state.json").string());
+  const std::string model =
+      tessera::trainer::modelMetadataForPrefix(described, ckpt::resolveExportPrefix(reader.metadata(), options.what));
+  if (!model.empty()) options.metadata[tessera::trainer::kModelMetadataKey] = model;
+}
+
 // --what: exports that part of the checkpoint and lists the files written.
 int exportWhat(const ExportArgs& args) {
   const std::string stepDir = checkpointStepDir(args.dir);
-  const auto result = ckpt::exportCheckpoint(stepDir, args.out, args.options);
+  ckpt::ExportOptions options = args.options;
+  addModelMetadata(stepDir, options);
+  const auto result = ckpt::exportCheckpoint(stepDir, args.out, options);
   std::cout << "exported " << result.tensors << " tensors under '" << result.prefix << "' (" << result.totalBytes
             << " bytes) from " << stepDir << " in " << result.seconds << " s\n";
   for (const auto& f : result.files) std::cout << "  " << f << "\n";

@@ -17,6 +17,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "tests/support/run_command.h"
+#include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
 
 namespace {
@@ -43,12 +44,7 @@ std::string launch(int ranks) {
   return ranks == 1 ? kTrain : kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kTrain;
 }
 
-std::vector<nlohmann::json> readMetrics(const std::string& runDir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(fs::path(runDir) / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+using tessera::test::readMetrics;
 
 at::Tensor samplesOf(const std::string& runDir) {
   return tessera::checkpoint::loadSafetensors(runDir + "/samples.safetensors").at("samples");

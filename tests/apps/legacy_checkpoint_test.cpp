@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tests/support/run_command.h"
+#include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
 
 namespace {
@@ -39,12 +40,7 @@ std::string launch(int ranks) {
   return kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kBin + "/tessera-train";
 }
 
-std::vector<nlohmann::json> readMetrics(const std::string& runDir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(fs::path(runDir) / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+using tessera::test::readMetrics;
 
 // A run directory whose checkpoints are a copy of legacy checkpoint `name` (step 4).
 std::string runDirWithLegacy(const std::string& name) {
@@ -57,8 +53,9 @@ std::string runDirWithLegacy(const std::string& name) {
 }
 
 // The last record (step 8: the window of steps 5-8 and the evaluation) of a resumed and an
-// uninterrupted run agree.
-void expectSameEnd(const std::string& resumedDir, const std::string& referenceDir, const std::string& what) {
+// uninterrupted run agree, to `tolerance` relative.
+void expectSameEnd(const std::string& resumedDir, const std::string& referenceDir, const std::string& what,
+                   double tolerance) {
   const auto resumed = readMetrics(resumedDir), reference = readMetrics(referenceDir);
   ASSERT_FALSE(resumed.empty()) << what;
   ASSERT_FALSE(reference.empty()) << what;
@@ -70,14 +67,14 @@ void expectSameEnd(const std::string& resumedDir, const std::string& referenceDi
     if (!b.contains(key)) continue;
     ASSERT_TRUE(a.contains(key)) << what << ": " << key;
     const double x = a[key], y = b[key];
-    EXPECT_NEAR(x, y, 1e-5 * std::abs(y)) << what << ": " << key;
+    EXPECT_NEAR(x, y, tolerance * std::abs(y)) << what << ": " << key;
   }
 }
 
 // Legacy checkpoint `name` (written by 2 ranks at step 4), resumed by `args` on each of
 // `worlds`, ends where `args` run from scratch on 2 ranks ends; returns the last run dir.
 std::string expectResumesLikeUninterrupted(const std::string& name, const std::string& args,
-                                           std::initializer_list<int> worlds) {
+                                           std::initializer_list<int> worlds, double tolerance = 1e-5) {
   const std::string reference = tessera::test::scratchPath("tessera_legacy", name + "_reference");
   CommandResult r = runCommand(launch(2) + args + " --set run.dir=" + reference, 300);
   EXPECT_EQ(r.status, 0) << r.output;
@@ -87,7 +84,7 @@ std::string expectResumesLikeUninterrupted(const std::string& name, const std::s
     r = runCommand(launch(ranks) + args + " --set run.dir=" + dir, 300);
     EXPECT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("resumed from " + dir + "/checkpoints/step_00000004 (step 4"), std::string::npos) << r.output;
-    expectSameEnd(dir, reference, name + " resumed on " + std::to_string(ranks) + " ranks");
+    expectSameEnd(dir, reference, name + " resumed on " + std::to_string(ranks) + " ranks", tolerance);
   }
   return dir;
 }
@@ -109,7 +106,14 @@ TEST(LegacyCheckpointTest, RenamedEmaLoadsFromItsFormerName) {
   }
 }
 
-TEST(LegacyCheckpointTest, SeveralModelCheckpointResumes) { expectResumesLikeUninterrupted("distill", kDistill, {4}); }
+// Its first 4 steps regressed onto teacher samples at DDIM timesteps truncated, not rounded
+// as round(linspace(T - 1, 0, steps)) is since issue 32 (with T = 20 and 5 steps: 19, 14,
+// 9, 4, 0 against 19, 14, 10, 5, 0), so the uninterrupted reference's step-4 weights
+// differ slightly from the checkpoint's: the ends agree to 1e-3, not 1e-5 (a checkpoint
+// loaded wrongly is off by far more).
+TEST(LegacyCheckpointTest, SeveralModelCheckpointResumes) {
+  expectResumesLikeUninterrupted("distill", kDistill, {4}, 1e-3);
+}
 
 TEST(LegacyCheckpointTest, OfflineToolsReadIt) {
   for (const std::string name : {"diffusion", "distill", "mlp"}) {

@@ -20,6 +20,7 @@
 
 #include "common/filesystem.h"
 #include "tests/support/run_command.h"
+#include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
 
 namespace {
@@ -38,12 +39,7 @@ int run(const std::string& command, std::string* output = nullptr) {
   return r.status;
 }
 
-std::vector<nlohmann::json> readMetrics(const std::string& runDir) {
-  std::vector<nlohmann::json> out;
-  std::ifstream in(fs::path(runDir) / "metrics.jsonl");
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
-  return out;
-}
+using tessera::test::readMetrics;
 
 const std::string kArgs =
     " --config " + std::string(TESSERA_SOURCE_DIR) +

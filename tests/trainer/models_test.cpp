@@ -224,11 +224,17 @@ TEST(DiffusionTest, SamplerWithTheExactDenoiserDrawsTheDataDistribution) {
     const double abar = schedule.alphaBars[static_cast<size_t>(t[0].item<int64_t>())];
     return std::sqrt(1 - abar) * (x - std::sqrt(abar) * m) / (abar * sd * sd + 1 - abar);
   };
-  const at::Tensor samples = sampleDdpm(schedule, {1}, 4000, 9, at::kCPU, exact);
-  ASSERT_EQ(samples.sizes(), (c10::IntArrayRef{4000, 1}));
-  EXPECT_NEAR(samples.mean().item<double>(), m, 0.03);  // standard error 0.005
+  constexpr int64_t kSamples = 2000;
+  std::vector<uint64_t> seeds;
+  for (int64_t i = 0; i < kSamples; ++i) seeds.push_back(noiseSeed(9, -4, i));
+  const at::Tensor noise = samplingNoise({1}, kSamples, 9);
+  const at::Tensor samples = sampleDdpm(schedule, noise, seeds, exact);
+  ASSERT_EQ(samples.sizes(), (c10::IntArrayRef{kSamples, 1}));
+  EXPECT_NEAR(samples.mean().item<double>(), m, 0.03);  // standard error 0.007
   EXPECT_NEAR(samples.std().item<double>(), sd, 0.03);
-  EXPECT_TRUE(samples.equal(sampleDdpm(schedule, {1}, 4000, 9, at::kCPU, exact)));  // same seed, same samples
+  EXPECT_TRUE(samples.equal(sampleDdpm(schedule, noise, seeds, exact)));  // same seeds, same samples
+  // A sample is its own: drawn alone (another batch, another rank), it is the same.
+  EXPECT_TRUE(samples.slice(0, 7, 9).equal(sampleDdpm(schedule, noise.slice(0, 7, 9), {seeds[7], seeds[8]}, exact)));
 }
 
 // The exported names are those of the equivalent PyTorch module: the weights load into it

@@ -1,0 +1,228 @@
+// The DiT workload end to end: a class-conditional DiT on IDX images (written here: 8x8,
+// 4 classes) trains the same at 1 to 4 ranks under every strategy (flips and label drops
+// included), resumes on another world size as if uninterrupted, and its exports carry
+// their model: tessera-sample draws from an export or a checkpoint (the same samples,
+// split over ranks or not), offline exports describe the model as the run's own do, and
+// bad requests are refused naming what is wrong.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "checkpoint/safetensors.h"
+#include "tests/support/run_command.h"
+#include "tests/support/run_files.h"
+#include "tests/support/scratch_path.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tessera::test::readMetrics;
+
+const std::string kBin = TESSERA_BIN_DIR;
+
+std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_dit", tag); }
+
+std::string mustRun(const std::string& command) {
+  const auto r = tessera::test::runCommand(command, 600);
+  EXPECT_EQ(r.status, 0) << command << "\n" << r.output;
+  return r.output;
+}
+
+std::string launch(int ranks) {
+  return ranks == 1 ? kBin + "/tessera-train"
+                    : kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kBin +
+                          "/tessera-train";
+}
+
+void putBigEndian(std::ofstream& out, uint32_t v) {
+  const char bytes[4] = {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
+                         static_cast<char>(v)};
+  out.write(bytes, 4);
+}
+
+// 96 images of 8x8 in 4 classes, as IDX files (images, labels): class c is a bright bar at
+// row 2c over a noisy background, so that the classes differ.
+std::pair<std::string, std::string> writeIdx(const std::string& dir) {
+  fs::create_directories(dir);
+  const std::string images = dir + "/images-idx3-ubyte", labels = dir + "/labels-idx1-ubyte";
+  constexpr uint32_t kCount = 96, kSide = 8;
+  std::ofstream img(images, std::ios::binary), lab(labels, std::ios::binary);
+  putBigEndian(img, 0x803);
+  for (uint32_t d : {kCount, kSide, kSide}) putBigEndian(img, d);
+  putBigEndian(lab, 0x801);
+  putBigEndian(lab, kCount);
+  for (uint32_t i = 0; i < kCount; ++i) {
+    const uint32_t c = (i * 7) % 4;
+    lab.put(static_cast<char>(c));
+    for (uint32_t y = 0; y < kSide; ++y) {
+      for (uint32_t x = 0; x < kSide; ++x) {
+        const uint32_t background = (i * 37 + y * 11 + x * 5) % 64;
+        img.put(static_cast<char>(y == 2 * c ? 200 + (x * 7) % 50 : background));
+      }
+    }
+  }
+  return {images, labels};
+}
+
+// A small DiT run: width 20 and 2 heads (rows that do not divide over 3 or 4 ranks), flips,
+// label drops, an EMA exported; the constant learning rate lets a run be cut in two.
+std::string ditConfig(const std::string& dir) {
+  const auto [images, labels] = writeIdx(dir + "/data");
+  const std::string path = dir + "/dit.yaml";
+  std::ofstream(path) << "run: {name: dit, seed: 3, steps: 8, log_every: 4, eval_every: 8}\n"
+                         "log: {per_rank_files: false}\n"
+                         "model: {arch: dit, embed_dim: 20, layers: 2, heads: 2, patch_size: 4, mlp_ratio: 2.5,\n"
+                         "        timesteps: 100, class_dropout: 0.25}\n"
+                         "data: {kind: idx, path: " << images << ", labels: " << labels
+                      << ", global_batch: 24, micro_batch: 2,\n"
+                         "       eval_fraction: 0.25, hflip: true}\n"
+                         "optim: {name: adamw, lr: 0.002, weight_decay: 0.01, schedule: {kind: constant}}\n"
+                         "ema: {enabled: true, decays: [0.9]}\n"
+                         "checkpoint: {every_steps: 4, async: false, export: [generator_ema]}\n";
+  return " --config " + path;
+}
+
+void expectSameLosses(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
+  const auto a = readMetrics(referenceDir), b = readMetrics(otherDir);
+  ASSERT_EQ(a.size(), b.size()) << what;
+  ASSERT_FALSE(a.empty()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    for (const char* key : {"loss", "eval_loss", "eval_loss_ema"}) {
+      if (!a[i].contains(key)) continue;
+      ASSERT_TRUE(b[i].contains(key)) << what << " " << key;
+      const double x = a[i][key], y = b[i][key];
+      EXPECT_NEAR(x, y, 1e-5 * std::abs(x)) << what << ": " << key << " at step " << a[i]["step"];
+    }
+  }
+}
+
+std::map<std::string, at::Tensor> emaExport(const std::string& runDir) {
+  return tessera::checkpoint::loadSafetensors(runDir + "/export/generator_ema.safetensors");
+}
+
+void expectCloseExports(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
+  const auto a = emaExport(referenceDir), b = emaExport(otherDir);
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (const auto& [name, tensor] : a) {
+    ASSERT_TRUE(b.count(name)) << what << ": " << name;
+    EXPECT_TRUE(at::allclose(tensor, b.at(name), 1e-4, 1e-6)) << what << ": " << name;
+  }
+}
+
+TEST(DitE2ETest, ShardedMatchesOneProcessUnderEveryStrategyAtOneToFourRanks) {
+  const std::string dir = scratch("runs");
+  const std::string args = ditConfig(dir);
+  const std::string single = dir + "/single";
+  mustRun(launch(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
+  ASSERT_TRUE(readMetrics(single).back().contains("eval_loss_ema"));
+  const auto exported = emaExport(single);
+  // The reference's names: 2 blocks x 10, x_embedder 2, pos_embed, t_embedder 4, y_embedder 1, final_layer 4.
+  EXPECT_EQ(exported.size(), 32u);
+  EXPECT_EQ(exported.at("x_embedder.proj.weight").sizes(), (c10::IntArrayRef{20, 1, 4, 4}));
+  EXPECT_EQ(exported.at("pos_embed").sizes(), (c10::IntArrayRef{1, 4, 20}));
+  EXPECT_EQ(exported.at("y_embedder.embedding_table.weight").sizes(), (c10::IntArrayRef{5, 20}));  // 4 classes + none
+  EXPECT_EQ(exported.at("blocks.1.mlp.fc1.weight").sizes(), (c10::IntArrayRef{50, 20}));
+  EXPECT_EQ(exported.at("blocks.0.adaLN_modulation.1.weight").sizes(), (c10::IntArrayRef{120, 20}));
+  EXPECT_EQ(exported.at("final_layer.linear.weight").sizes(), (c10::IntArrayRef{16, 20}));
+  struct Case {
+    int ranks;
+    std::string strategy, extra;
+  };
+  for (const Case& c : {Case{2, "zero1", ""}, Case{2, "zero2", ""}, Case{3, "zero3", ""},
+                        Case{4, "hybrid", " --set sharding.shard_size=2 --set data.micro_batch=3"}}) {
+    const std::string what = c.strategy + " on " + std::to_string(c.ranks) + " ranks";
+    const std::string runDir = dir + "/" + c.strategy;
+    mustRun(launch(c.ranks) + args + " --set sharding.strategy=" + c.strategy + c.extra + " --set run.dir=" + runDir);
+    expectSameLosses(single, runDir, what);
+    expectCloseExports(single, runDir, what);
+  }
+}
+
+TEST(DitE2ETest, ResumeOnAnotherWorldSizeEqualsUninterrupted) {
+  const std::string dir = scratch("resume");
+  const std::string args = ditConfig(dir);
+  const std::string full = dir + "/full", cut = dir + "/cut";
+  mustRun(launch(2) + args + " --set sharding.strategy=zero3 --set run.dir=" + full);
+  mustRun(launch(2) + args + " --set sharding.strategy=zero3 --set run.stop_after_steps=4 --set run.dir=" + cut);
+  const std::string out = mustRun(launch(3) + args + " --set sharding.strategy=zero2 --set run.dir=" + cut);
+  EXPECT_NE(out.find("saved by 2 ranks with zero3; now 3 ranks with zero2"), std::string::npos) << out;
+  expectCloseExports(full, cut, "2 ranks zero3 -> 3 ranks zero2");
+}
+
+TEST(DitE2ETest, SamplesFromAnExportOrACheckpointSplitOverRanksOrNot) {
+  const std::string dir = scratch("sample");
+  const std::string runDir = dir + "/run";
+  mustRun(launch(2) + ditConfig(dir) + " --set sharding.strategy=zero3 --set run.dir=" + runDir);
+  const std::string weights = runDir + "/export/generator_ema.safetensors";
+  const std::string request = " --classes 0,3 --per-class 3 --steps 6 --cfg 2.5 --seed 5";
+  const std::string one = dir + "/one.safetensors", two = dir + "/two.safetensors", ckpt = dir + "/ckpt.safetensors";
+  const std::string grid = dir + "/grid.png";
+  const std::string out =
+      mustRun(kBin + "/tessera-sample --weights " + weights + request + " --out " + grid + " --out-tensors " + one);
+  EXPECT_NE(out.find("grid: " + fs::absolute(grid).string()), std::string::npos) << out;
+  EXPECT_TRUE(fs::file_size(grid) > 0);
+  mustRun(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-sample --weights " + weights +
+          request + " --out-tensors " + two);
+  mustRun(kBin + "/tessera-sample --checkpoint " + runDir + "/checkpoints --what generator_ema" + request +
+          " --out-tensors " + ckpt);
+  const auto a = tessera::checkpoint::loadSafetensors(one);
+  ASSERT_EQ(a.at("samples").sizes(), (c10::IntArrayRef{6, 1, 8, 8}));
+  EXPECT_TRUE(a.at("labels").equal(at::tensor({0, 0, 0, 3, 3, 3}, at::kLong)));
+  EXPECT_TRUE(a.at("samples").isfinite().all().item<bool>());
+  for (const std::string& other : {two, ckpt}) {
+    const auto b = tessera::checkpoint::loadSafetensors(other);
+    EXPECT_TRUE(at::allclose(a.at("samples"), b.at("samples"), 1e-5, 1e-5)) << other;
+  }
+  // The same seed and request with DDPM: reproducible, and not DDIM's.
+  const std::string ddpm1 = dir + "/ddpm1.safetensors", ddpm2 = dir + "/ddpm2.safetensors";
+  for (const std::string& file : {ddpm1, ddpm2}) {
+    mustRun(kBin + "/tessera-sample --weights " + weights + request + " --sampler ddpm --out-tensors " + file);
+  }
+  const at::Tensor d1 = tessera::checkpoint::loadSafetensors(ddpm1).at("samples");
+  EXPECT_TRUE(d1.equal(tessera::checkpoint::loadSafetensors(ddpm2).at("samples")));
+  EXPECT_FALSE(at::allclose(d1, a.at("samples")));
+
+  // An offline export of the checkpoint describes the model as the run's own export does.
+  const std::string offline = dir + "/offline.safetensors", fromOffline = dir + "/offline_samples.safetensors";
+  mustRun(kBin + "/tessera-export " + runDir + "/checkpoints --what generator_ema --out " + offline);
+  mustRun(kBin + "/tessera-sample --weights " + offline + request + " --out-tensors " + fromOffline);
+  EXPECT_TRUE(a.at("samples").equal(tessera::checkpoint::loadSafetensors(fromOffline).at("samples")));
+}
+
+TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {
+  const std::string dir = scratch("refused");
+  const std::string runDir = dir + "/run";
+  mustRun(launch(1) + ditConfig(dir) + " --set run.steps=2 --set run.dir=" + runDir);
+  const std::string weights = runDir + "/export/generator_ema.safetensors";
+  const std::string noLabels = dir + "/plain.safetensors";
+  tessera::checkpoint::saveSafetensors(noLabels, {{"x", at::zeros({2})}});  // no tessera.model metadata
+  const std::string sample = kBin + "/tessera-sample ";
+  struct Case {
+    std::string args, expected;
+  };
+  for (const Case& c : {
+           Case{"--weights " + weights + " --classes 0,7 --out " + dir + "/g.png", "'7' is not a class"},
+           Case{"--weights " + weights + " --classes x --out " + dir + "/g.png", "'x' is not a class"},
+           Case{"--weights " + weights + " --out " + weights, "must end in .png"},
+           Case{"--weights " + weights + " --out-tensors " + weights, "would be overwritten"},
+           Case{"--weights " + weights, "nothing to do"},
+           Case{"--weights " + weights + " --out " + dir + "/missing/g.png", "no directory"},
+           Case{"--weights " + noLabels + " --out " + dir + "/g.png", "no 'tessera.model' metadata"},
+           Case{"--weights " + dir + "/absent.safetensors --out " + dir + "/g.png", "absent.safetensors"},
+           Case{"--weights " + weights + " --noise " + noLabels + " --out " + dir + "/g.png", "no tensor 'noise'"},
+           Case{"--weights " + weights + " --steps 0 --out " + dir + "/g.png", "--steps"},
+           Case{"--weights " + weights + " --steps 101 --out " + dir + "/g.png", "101 steps for 100 timesteps"},
+           Case{"--checkpoint " + dir + " --out " + dir + "/g.png", "neither a complete checkpoint"},
+       }) {
+    const auto r = tessera::test::runCommand(sample + c.args, 120);
+    EXPECT_TRUE(r.refused()) << c.args << " -> status " << r.status << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
+  }
+  EXPECT_FALSE(fs::exists(dir + "/g.png"));
+}
+
+}  // namespace

@@ -1,0 +1,82 @@
+// Classifier accuracy and Frechet distance of samples (see judge.h).
+#include "trainer/judge.h"
+
+#include <c10/core/GradMode.h>
+
+#include "common/errors.h"
+#include "trainer/dataset.h"
+#include "trainer/models.h"
+
+namespace tessera::trainer {
+namespace {
+
+// The symmetric square root of a symmetric positive semi-definite matrix (negative
+// eigenvalues from rounding clamped to 0).
+at::Tensor sqrtSymmetric(const at::Tensor& m) {
+  const auto [values, vectors] = at::linalg_eigh(m);
+  return vectors.matmul(at::diag(values.clamp_min(0).sqrt())).matmul(vectors.t());
+}
+
+constexpr int64_t kBatch = 1000;
+
+}  // namespace
+
+double frechetDistance(const at::Tensor& a, const at::Tensor& b) {
+  TESSERA_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(0) >= 2 && b.size(0) >= 2,
+                "Frechet distance: needs features [n >= 2, d] of the same width, got ", a.sizes(), " and ", b.sizes());
+  const at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+  const at::Tensor muX = x.mean(0), muY = y.mean(0);
+  const at::Tensor covX = at::cov(x.t()), covY = at::cov(y.t());
+  const at::Tensor rootX = sqrtSymmetric(covX);
+  const at::Tensor cross = sqrtSymmetric(rootX.matmul(covY).matmul(rootX));
+  return ((muX - muY).square().sum() + covX.trace() + covY.trace() - 2 * cross.trace()).item<double>();
+}
+
+SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(loadExportedModel(classifierExport)) {
+  mlp_ = dynamic_cast<FeatureMlp*>(classifier_.model.get());
+  TESSERA_CHECK(mlp_ != nullptr && classifier_.description.data.classes > 0 && !classifier_.description.data.tokens,
+                classifierExport, ": not a classifier of images (model.arch mlp trained on idx or image_folder data)");
+  TESSERA_CHECK(classifier_.description.dataset.has_value(), classifierExport,
+                ": its metadata does not name the data it was trained on (the real images to compare with)");
+  const DataOptions& data = *classifier_.description.dataset;
+  std::unique_ptr<Dataset> dataset;
+  try {
+    dataset = makeDataset(data, classifier_.description.model, /*everyPosition=*/false);
+  } catch (const std::exception& e) {
+    throw Error(strCat(classifierExport, ": the data it was trained on cannot be read here: ", e.what()));
+  }
+  const int64_t n = dataset->evalSamples();
+  TESSERA_CHECK(n >= 2, classifierExport, ": its data (", dataset->describe(), ") holds out ", n, " images");
+  std::vector<at::Tensor> features;
+  for (int64_t begin = 0; begin < n; begin += kBatch) {
+    features.push_back(featuresOf(dataset->evalBatch(begin, std::min(kBatch, n - begin)).inputs));
+  }
+  realFeatures_ = at::cat(features);
+  realSource_ = strCat("the ", n, " held-out images of ", dataset->describe());
+}
+
+at::Tensor SampleJudge::featuresOf(const at::Tensor& images) const {
+  c10::NoGradGuard noGrad;
+  return mlp_->features(images.to(at::kFloat)).to(at::kDouble);
+}
+
+Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels) const {
+  const auto& shape = classifier_.description.data.inputShape;
+  TESSERA_CHECK(samples.dim() == 1 + static_cast<int64_t>(shape.size()) && samples.sizes().slice(1).equals(shape),
+                "judge: samples ", samples.sizes(), " are not the classifier's images [N, ", at::IntArrayRef(shape), "]");
+  TESSERA_CHECK(labels.defined() && labels.dim() == 1 && labels.size(0) == samples.size(0),
+                "judge: needs the class each sample was asked for (a class-conditional model)");
+  c10::NoGradGuard noGrad;
+  // Clamped to the pixel range, as the saved images a user would judge.
+  const at::Tensor images = samples.to(at::kFloat).clamp(-1.0, 1.0);
+  Judgement j;
+  j.samples = samples.size(0);
+  j.realImages = realFeatures_.size(0);
+  j.realSource = realSource_;
+  const at::Tensor predicted = mlp_->forward(images).argmax(1);
+  j.accuracy = predicted.eq(labels.to(at::kLong)).to(at::kDouble).mean().item<double>();
+  j.frechet = frechetDistance(featuresOf(images), realFeatures_);
+  return j;
+}
+
+}  // namespace tessera::trainer

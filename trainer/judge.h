@@ -1,0 +1,48 @@
+// Sample quality as a classifier trained on the same data sees it: the accuracy of its
+// prediction against the class each sample was asked for, and the Frechet distance
+// between its penultimate features of the samples and of held-out real images (FID's
+// formula with this classifier in place of Inception, which fits 28x28 gray images).
+// The classifier is an export of `model.arch: mlp` trained on the images (its metadata
+// names the data it was trained on, whose held-out split gives the real images).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <memory>
+#include <string>
+
+#include "trainer/model_metadata.h"
+
+namespace tessera::trainer {
+
+class FeatureMlp;
+
+struct Judgement {
+  double accuracy = 0;      // fraction of samples classified as their label
+  double frechet = 0;       // between sample and real-image features
+  int64_t samples = 0;
+  int64_t realImages = 0;
+  std::string realSource;   // where the real images came from
+};
+
+// ||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2) of features [n, d] (n >= 2
+// each), in double precision; the matrix square roots by symmetric eigendecomposition.
+double frechetDistance(const at::Tensor& a, const at::Tensor& b);
+
+class SampleJudge {
+ public:
+  // Loads the classifier export and the held-out images of the data its metadata names
+  // (tessera::Error naming the file or the data that cannot be read).
+  explicit SampleJudge(const std::string& classifierExport);
+  // Samples [n, C, H, W] in [-1, 1] (the images' scale) asked for classes `labels` [n].
+  Judgement judge(const at::Tensor& samples, const at::Tensor& labels) const;
+
+ private:
+  at::Tensor featuresOf(const at::Tensor& images) const;
+  LoadedModel classifier_;
+  FeatureMlp* mlp_ = nullptr;
+  at::Tensor realFeatures_;
+  std::string realSource_;
+};
+
+}  // namespace tessera::trainer

@@ -1,0 +1,243 @@
+// Exports' model metadata and loading a model from an export (see model_metadata.h).
+#include "trainer/model_metadata.h"
+
+#include <c10/core/GradMode.h>
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include <filesystem>
+#include <functional>
+
+#include "checkpoint/exporter.h"
+#include "checkpoint/reader.h"
+#include "checkpoint/safetensors.h"
+#include "common/config.h"
+#include "common/errors.h"
+#include "sharding/param_init.h"
+#include "trainer/train_counters.h"
+
+namespace tessera::trainer {
+namespace {
+
+using nlohmann::json;
+
+// Keys of the model section that describe the run rather than the model.
+bool isRunKey(const std::string& key) { return key == "init_from" || key == "samples"; }
+
+// An inline YAML value of the config schema ("64", "0.0001", "[256, 256]", "gelu",
+// "true") as JSON.
+json yamlToJson(const YAML::Node& node) {
+  if (node.IsSequence()) {
+    json out = json::array();
+    for (const auto& item : node) out.push_back(yamlToJson(item));
+    return out;
+  }
+  if (node.IsNull()) return nullptr;
+  const std::string text = node.Scalar();
+  int64_t i = 0;
+  double d = 0;
+  bool b = false;
+  if (node.Tag() != "!" && YAML::convert<int64_t>::decode(node, i)) return i;
+  if (node.Tag() != "!" && YAML::convert<double>::decode(node, d)) return d;
+  if (node.Tag() != "!" && YAML::convert<bool>::decode(node, b)) return b;
+  return text;
+}
+
+std::vector<int64_t> shapeOf(const json& j, const std::string& key, const std::string& source) {
+  TESSERA_CHECK(j.is_array(), source, ": metadata data.", key, " must be a list of sizes, got ", j.dump());
+  std::vector<int64_t> shape;
+  for (const json& d : j) {
+    TESSERA_CHECK(d.is_number_integer() && d.get<int64_t>() >= 1 && d.get<int64_t>() <= (int64_t{1} << 24), source,
+                  ": metadata data.", key, " holds ", d.dump(), ", not a size in [1, 2^24]");
+    shape.push_back(d.get<int64_t>());
+  }
+  TESSERA_CHECK(shape.size() <= 8, source, ": metadata data.", key, " has ", shape.size(), " dimensions");
+  return shape;
+}
+
+// The "dataset" object: each key of the right type.
+DataOptions parseDataset(const json& j, const std::string& source) {
+  TESSERA_CHECK(j.is_object(), source, ": metadata dataset must be an object");
+  DataOptions d;
+  const auto text = [&](const char* key, std::string& to) {
+    TESSERA_CHECK(j.contains(key) && j.at(key).is_string(), source, ": metadata dataset.", key, " must be a string");
+    to = j.at(key).get<std::string>();
+  };
+  const auto integer = [&](const char* key, int64_t& to) {
+    TESSERA_CHECK(j.contains(key) && j.at(key).is_number_integer() && j.at(key).get<int64_t>() >= 0 &&
+                      j.at(key).get<int64_t>() <= (1 << 14),
+                  source, ": metadata dataset.", key, " must be an integer in [0, 16384]");
+    to = j.at(key).get<int64_t>();
+  };
+  text("kind", d.kind);
+  text("path", d.path);
+  text("labels", d.labels);
+  text("eval_path", d.eval_path);
+  text("eval_labels", d.eval_labels);
+  text("token_dtype", d.token_dtype);
+  integer("image_size", d.image_size);
+  integer("channels", d.channels);
+  TESSERA_CHECK(j.contains("eval_fraction") && j.at("eval_fraction").is_number() &&
+                    j.at("eval_fraction").get<double>() >= 0 && j.at("eval_fraction").get<double>() < 1,
+                source, ": metadata dataset.eval_fraction must be a number in [0, 1)");
+  d.eval_fraction = j.at("eval_fraction").get<double>();
+  return d;
+}
+
+}  // namespace
+
+std::string modelMetadataJson(const ModelOptions& options, const DataSpec& data, const DataOptions* dataset) {
+  ModelOptions resolved = options;
+  if (resolved.arch == "dit") resolved.classes = conditioningClasses(options, data);
+  config::ConfigSchema schema;
+  bindModelKeys(schema, "", resolved);
+  json out = json::object();
+  for (const auto& [key, value] : schema.values()) {
+    if (!isRunKey(key)) out[key] = yamlToJson(YAML::Load(value));
+  }
+  out["data"] = {{"tokens", data.tokens},
+                 {"input_shape", data.inputShape},
+                 {"classes", data.classes},
+                 {"target_shape", data.targetShape}};
+  if (dataset != nullptr) {
+    const auto absolute = [](const std::string& path) {
+      return path.empty() ? path : std::filesystem::absolute(path).lexically_normal().string();
+    };
+    out["dataset"] = {{"kind", dataset->kind},
+                      {"path", absolute(dataset->path)},
+                      {"labels", absolute(dataset->labels)},
+                      {"eval_path", absolute(dataset->eval_path)},
+                      {"eval_labels", absolute(dataset->eval_labels)},
+                      {"eval_fraction", dataset->eval_fraction},
+                      {"image_size", dataset->image_size},
+                      {"channels", dataset->channels},
+                      {"token_dtype", dataset->token_dtype}};
+  }
+  return out.dump();
+}
+
+ModelDescription parseModelMetadata(const std::string& text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw Error(strCat(source, ": metadata '", kModelMetadataKey, "' is not valid JSON: ", e.what()));
+  }
+  TESSERA_CHECK(j.is_object() && j.contains("data") && j.at("data").is_object(), source, ": metadata '",
+                kModelMetadataKey, "' must be an object with a \"data\" object");
+  ModelDescription d;
+  const json data = j.at("data");
+  j.erase("data");
+  if (j.contains("dataset")) {
+    d.dataset = parseDataset(j.at("dataset"), source);
+    j.erase("dataset");
+  }
+  // The model keys through the config schema: types, ranges and unknown keys checked
+  // as in a run config (JSON is YAML).
+  config::ConfigSchema schema;
+  bindModelKeys(schema, "", d.model);
+  try {
+    schema.loadString(j.dump(), strCat(source, " metadata '", kModelMetadataKey, "'"));
+  } catch (const std::exception& e) {
+    throw Error(e.what());
+  }
+  for (const char* key : {"tokens", "input_shape", "classes", "target_shape"}) {
+    TESSERA_CHECK(data.contains(key), source, ": metadata data lacks '", key, "'");
+  }
+  TESSERA_CHECK(data.at("tokens").is_boolean(), source, ": metadata data.tokens must be true or false");
+  d.data.tokens = data.at("tokens").get<bool>();
+  d.data.inputShape = shapeOf(data.at("input_shape"), "input_shape", source);
+  d.data.targetShape = shapeOf(data.at("target_shape"), "target_shape", source);
+  const json& classes = data.at("classes");
+  TESSERA_CHECK(classes.is_number_integer() && classes.get<int64_t>() >= 0 && classes.get<int64_t>() <= (1 << 20),
+                source, ": metadata data.classes must be an integer in [0, 2^20], got ", classes.dump());
+  d.data.classes = classes.get<int64_t>();
+  d.data.hasTargets = d.data.classes > 0 || !d.data.targetShape.empty();
+  return d;
+}
+
+std::string modelMetadataForPrefix(const std::map<std::string, std::string>& byStateName, const std::string& prefix) {
+  // Weights under "<weights>/", EMA profiles under "ema/<ema name>[_<decay>]/": the
+  // longest state name the prefix starts with.
+  std::string best, found;
+  for (const auto& [name, metadata] : byStateName) {
+    if (prefix.rfind(name, 0) == 0 && name.size() > best.size()) {
+      best = name;
+      found = metadata;
+    }
+  }
+  return found;
+}
+
+namespace {
+
+// Builds the model `metadataJson` describes and fills its parameters with `read(name)`:
+// strict on names (`found`: what the source holds, by name) and shapes.
+LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& source,
+                         const std::map<std::string, std::vector<int64_t>>& found,
+                         const std::function<at::Tensor(const std::string&)>& read, at::Device device) {
+  LoadedModel out;
+  out.description = parseModelMetadata(metadataJson, source);
+  out.model = makeModel(out.description.model, out.description.data, device);
+  sharding::materializeAll(*out.model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
+  // Parameters and buffers: what a state_dict holds.
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& p : out.model->named_parameters()) tensors.emplace_back(p.key(), p.value());
+  for (const auto& b : out.model->named_buffers()) tensors.emplace_back(b.key(), b.value());
+  std::map<std::string, std::vector<int64_t>> expected;
+  for (const auto& [name, tensor] : tensors) expected[name] = tensor.sizes().vec();
+  const checkpoint::MatchReport report = checkpoint::matchTensors(found, expected);
+  TESSERA_CHECK(report.ok(/*strict=*/true), source, ": does not fit the ", out.description.model.arch,
+                " its metadata describes:\n", report.str());
+  c10::NoGradGuard noGrad;
+  for (const auto& [name, tensor] : tensors) {
+    const at::Tensor value = read(name);
+    TESSERA_CHECK(value.is_floating_point(), source, ": tensor '", name, "' is ", value.scalar_type(),
+                  ", not floating point");
+    TESSERA_CHECK(value.isfinite().all().item<bool>(), source, ": tensor '", name, "' holds NaN or Inf");
+    tensor.copy_(value);
+  }
+  for (auto& p : out.model->parameters()) p.set_requires_grad(false);
+  out.model->eval();
+  return out;
+}
+
+}  // namespace
+
+LoadedModel loadExportedModel(const std::string& path, at::Device device) {
+  const checkpoint::SafetensorsSet files(path);
+  TESSERA_CHECK(!files.byName().empty(), path, ": holds no tensors");
+  const auto& metadata = files.byName().begin()->second.reader->header().metadata;
+  const auto it = metadata.find(kModelMetadataKey);
+  TESSERA_CHECK(it != metadata.end(), path, ": no '", kModelMetadataKey,
+                "' metadata (an export written before Tessera recorded its model, or not Tessera's): "
+                "its model is unknown");
+  std::map<std::string, std::vector<int64_t>> found;
+  for (const auto& [name, located] : files.byName()) found[name] = located.entry->shape;
+  return buildAndLoad(it->second, path, found,
+                      [&](const std::string& name) { return files.byName().at(name).reader->read(name); }, device);
+}
+
+LoadedModel loadCheckpointModel(const std::string& dir, const std::string& what, at::Device device) {
+  std::string stepDir = dir;
+  if (!std::filesystem::exists(std::filesystem::path(dir) / checkpoint::kMetadataFile)) {
+    const auto all = checkpoint::listCheckpoints(dir);
+    TESSERA_CHECK(!all.empty(), dir, " is neither a complete checkpoint (no ", checkpoint::kMetadataFile,
+                  ") nor a directory holding one");
+    stepDir = all.back().dir;
+  }
+  checkpoint::CheckpointReader reader(stepDir);
+  const std::string prefix = checkpoint::resolveExportPrefix(reader.metadata(), what);
+  const std::string stateFile = (std::filesystem::path(stepDir) / "trainer_state.json").string();
+  const std::string metadata = modelMetadataForPrefix(modelMetadataFromJson(reader.trainerState(), stateFile), prefix);
+  TESSERA_CHECK(!metadata.empty(), stepDir, ": its trainer_state.json does not describe the model under '", prefix,
+                "' (a checkpoint written before Tessera recorded its models): export it and pass --weights");
+  std::map<std::string, std::vector<int64_t>> found;
+  for (const auto& t : reader.metadata().tensors) {
+    if (t.name.rfind(prefix, 0) == 0) found[t.name.substr(prefix.size())] = t.shape;
+  }
+  return buildAndLoad(metadata, strCat(stepDir, " (", what, ")"), found,
+                      [&](const std::string& name) { return reader.readFull(prefix + name); }, device);
+}
+
+}  // namespace tessera::trainer

@@ -1,0 +1,66 @@
+// What an export carries so that a reader needs no config: safetensors
+// __metadata__["tessera.model"] is a JSON object of the model's resolved keys (arch, sizes,
+// the noise schedule; dit's classes resolved from the data) plus "data": {"tokens",
+// "input_shape", "classes", "target_shape"} — the shapes the model was built for.
+// python/tessera_models.py builds the same model from it. The keys are the config's own
+// (bindModelKeys): one schema checks a run config and an export's metadata alike.
+//
+// A run records each model's description in trainer_state.json (by state name), so an
+// offline export of a checkpoint writes the same metadata as the run's own export.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "trainer/dataset.h"
+#include "trainer/models.h"
+#include "trainer/train_config.h"
+
+namespace tessera::trainer {
+
+constexpr const char* kModelMetadataKey = "tessera.model";
+
+struct ModelDescription {
+  ModelOptions model;
+  DataSpec data;
+  // The data it was trained on ("dataset": data.kind and its files, absolute paths): what
+  // a judge compares samples with. Absent in exports that do not record it.
+  std::optional<DataOptions> dataset;
+};
+
+// The metadata JSON of a model built from `options` for `data` (model.classes resolved
+// for a class-conditional model; model.init_from and model.samples left out: they are
+// the run's, not the model's), trained on `dataset` (nullptr: not recorded).
+std::string modelMetadataJson(const ModelOptions& options, const DataSpec& data, const DataOptions* dataset = nullptr);
+
+// Parses metadata JSON; tessera::Error naming `source` (the file) and the key for a value
+// that is missing, of the wrong type or out of range.
+ModelDescription parseModelMetadata(const std::string& json, const std::string& source);
+
+// The metadata of the export of tensor prefix `prefix` ("model/", "ema/generator_ema/",
+// "critic/") from a run's descriptions by state name (TrainerCounters::modelMetadata):
+// the model whose weights or EMA the prefix holds; "" when none does.
+std::string modelMetadataForPrefix(const std::map<std::string, std::string>& byStateName, const std::string& prefix);
+
+struct LoadedModel {
+  ModelDescription description;
+  std::shared_ptr<TrainModel> model;  // every parameter materialised, in eval mode, no gradients
+};
+
+// Builds the model an export's metadata describes and loads its weights, strictly: every
+// parameter present with its shape, nothing else in the file (tessera::Error listing what
+// does not fit). `path`: a safetensors file or a sharded export's *.index.json. A
+// reduced-precision export is loaded into fp32.
+LoadedModel loadExportedModel(const std::string& path, at::Device device = at::kCPU);
+
+// The same from a checkpoint: `what` (model, generator_ema, an alias; see
+// checkpoint::resolveExportPrefix) of checkpoint directory `dir` (a step directory, or a
+// run's checkpoints directory: its newest complete checkpoint), described by the
+// run's trainer_state.json.
+LoadedModel loadCheckpointModel(const std::string& dir, const std::string& what, at::Device device = at::kCPU);
+
+}  // namespace tessera::trainer
