@@ -78,11 +78,11 @@ int main(int argc, char** argv) {
     model.layers = 4;
     model.heads = 4;
     model.patch_size = 4;
-    DiT dit(model, dataset->spec().inputShape, dataset->spec().classes);
-    initializeModel(dit, 1);
+    const auto dit = std::make_shared<DiT>(model, dataset->spec().inputShape, dataset->spec().classes);
+    initializeModel(*dit, 1);
     const auto step = [&](const Batch& b) {
-      dit.zero_grad();
-      dit.losses(b).mean().backward();
+      dit->zero_grad();
+      dit->losses(b).mean().backward();
     };
 
     double prepare = 0, compute = 0;

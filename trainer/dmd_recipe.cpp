@@ -15,6 +15,7 @@
 #include "sharding/fully_shard.h"
 #include "trainer/diffusion.h"
 #include "trainer/run_setup.h"
+#include "trainer/sampling.h"
 
 namespace tessera::trainer {
 
@@ -26,6 +27,7 @@ constexpr uint64_t kGeneratorInput = 1;   // z of the generator's update
 constexpr uint64_t kGeneratorNoise = 2;   // t and eps that noise its samples
 constexpr uint64_t kCriticInput = 0x100;  // + update index: z of a critic update
 constexpr uint64_t kCriticNoise = 0x200;  // + update index: the critic's diffusion loss draws
+constexpr uint64_t kClass = 0x300;        // the class a sample is generated for
 
 // Seeds of stream `purpose` for samples whose seeds are `sampleSeeds`.
 std::vector<uint64_t> streamSeeds(const std::vector<uint64_t>& sampleSeeds, uint64_t purpose) {
@@ -60,6 +62,19 @@ at::Tensor normalPerSample(const std::vector<uint64_t>& seeds, const std::vector
   }
   return out;
 }
+
+// The class of each sample of `seeds` (uniform over the model's classes, from the
+// sample's own stream); undefined for an unconditional model.
+at::Tensor classesOf(const Denoiser& model, const std::vector<uint64_t>& seeds) {
+  if (model.classes() == 0) return {};
+  std::vector<int64_t> labels;
+  labels.reserve(seeds.size());
+  for (uint64_t seed : seeds) labels.push_back(static_cast<int64_t>(mix64(seed ^ mix64(kClass)) % model.classes()));
+  return at::tensor(labels, at::kLong);
+}
+
+// `labels` on `device`, or undefined.
+at::Tensor onDevice(const at::Tensor& labels, at::Device device) { return labels.defined() ? labels.to(device) : labels; }
 
 Denoiser& denoiserOf(ModelPart& part) {
   auto* model = dynamic_cast<Denoiser*>(part.model.get());
@@ -131,10 +146,36 @@ class DmdRecipe : public Recipe {
     std::vector<int64_t> all(static_cast<size_t>(run_.cfg.defaults.model.samples));
     std::iota(all.begin(), all.end(), 0);
     const at::Tensor noise = normalPerSample(sampleSeeds(run_.cfg.run.seed, -2, all), generatorNet_.sampleShape());
+    const at::Tensor labels = generatorNet_.classes() > 0
+                                  ? at::arange(static_cast<int64_t>(all.size()), at::kLong).remainder(generatorNet_.classes())
+                                  : at::Tensor();
     at::Tensor samples;
-    ema::withEmaWeights(*generator_.ema, *generator_.strategy, 0,
-                        [&] { samples = generateOneStep(generatorNet_, noise.to(run_.device)); });
+    ema::withEmaWeights(*generator_.ema, *generator_.strategy, 0, [&] {
+      samples = generateOneStep(generatorNet_, noise.to(run_.device), onDevice(labels, run_.device));
+    });
     return writeSamples(run_, samples, generator_.cfg.names.ema);
+  }
+
+  // One-step samples of each generator EMA and the live generator, a row per class (every
+  // rank generates them all: zero3 gathers collectively).
+  std::vector<std::string> writeSampleGrids(int64_t step) override {
+    if (generatorNet_.sampleShape().size() != 3) return {};  // not images
+    torch::NoGradGuard noGrad;
+    const int64_t perClass = run_.cfg.eval.sample_per_class;
+    const SampleRequest request = gridRequest(generatorNet_, perClass, run_.cfg.run.seed);
+    std::vector<std::string> written;
+    const auto draw = [&](const std::string& name) {
+      const at::Tensor samples =
+          generateOneStep(generatorNet_, request.noise.to(run_.device), onDevice(request.labels, run_.device));
+      if (run_.comm->rank() == 0) written.push_back(writeStepGrid(run_, step, name, samples.cpu(), perClass));
+    };
+    if (generator_.ema) {
+      for (size_t d = 0; d < generator_.ema->numProfiles(); ++d) {
+        ema::withEmaWeights(*generator_.ema, *generator_.strategy, d, [&] { draw(generator_.ema->stateName(d)); });
+      }
+    }
+    draw("generator");
+    return written;
   }
 
  private:
@@ -152,7 +193,8 @@ class DmdRecipe : public Recipe {
         torch::NoGradGuard noGrad;
         const at::Tensor z = normalPerSample(streamSeeds(micro, kCriticInput + static_cast<uint64_t>(k)),
                                              generatorNet_.sampleShape());
-        batch.inputs = generateOneStep(generatorNet_, z.to(run_.device));
+        batch.targets = classesOf(generatorNet_, micro);
+        batch.inputs = generateOneStep(generatorNet_, z.to(run_.device), onDevice(batch.targets, run_.device));
       }
       batch.noiseSeeds = streamSeeds(micro, kCriticNoise + static_cast<uint64_t>(k));
       const at::Tensor loss =
@@ -171,7 +213,8 @@ class DmdRecipe : public Recipe {
   at::Tensor generatorLoss(const std::vector<uint64_t>& micro) {
     const std::vector<int64_t>& shape = generatorNet_.sampleShape();
     const at::Tensor z = normalPerSample(streamSeeds(micro, kGeneratorInput), shape).to(run_.device);
-    const at::Tensor x = generateOneStep(generatorNet_, z);
+    const at::Tensor labels = onDevice(classesOf(generatorNet_, micro), run_.device);
+    const at::Tensor x = generateOneStep(generatorNet_, z, labels);
     // t in [minT, maxT] and eps per sample, from the sample's own stream.
     const auto n = static_cast<int64_t>(micro.size());
     const std::vector<uint64_t> noiseSeeds = streamSeeds(micro, kGeneratorNoise);
@@ -197,8 +240,10 @@ class DmdRecipe : public Recipe {
       torch::NoGradGuard noGrad;
       const at::Tensor noisy = (signal * flatX.detach() + spread * eps.to(device)).view(x.sizes());
       const at::Tensor t = timesteps.to(device);
-      const at::Tensor x0Teacher = (noisy.flatten(1) - spread * predictNoiseInUnits(teacherNet_, noisy, t).flatten(1).to(at::kFloat)) / signal;
-      const at::Tensor x0Critic = (noisy.flatten(1) - spread * predictNoiseInUnits(criticNet_, noisy, t).flatten(1).to(at::kFloat)) / signal;
+      const at::Tensor teacherEps = guidedNoise(teacherNet_, labels, run_.cfg.recipe.guidance)(noisy, t);
+      const at::Tensor criticEps = predictNoiseInUnits(criticNet_, noisy, t, labels).to(at::kFloat);
+      const at::Tensor x0Teacher = (noisy.flatten(1) - spread * teacherEps.flatten(1)) / signal;
+      const at::Tensor x0Critic = (noisy.flatten(1) - spread * criticEps.flatten(1)) / signal;
       const at::Tensor scale = (flatX.detach() - x0Teacher).abs().mean(1, /*keepdim=*/true).clamp_min(1e-6);
       direction = (x0Critic - x0Teacher) / scale;
     }
@@ -213,7 +258,8 @@ class DmdRecipe : public Recipe {
     pairs.reserve(indices.size());
     for (int64_t i : indices) pairs.push_back(i % pairNoise_.size(0));
     const at::Tensor which = at::tensor(pairs, at::kLong);
-    const at::Tensor x = generateOneStep(generatorNet_, pairNoise_.index_select(0, which).to(run_.device));
+    const at::Tensor labels = pairLabels_.defined() ? pairLabels_.index_select(0, which).to(run_.device) : at::Tensor();
+    const at::Tensor x = generateOneStep(generatorNet_, pairNoise_.index_select(0, which).to(run_.device), labels);
     return (x.flatten(1).to(at::kFloat) - pairSamples_.index_select(0, which).to(run_.device).flatten(1)).square().mean(1);
   }
 
@@ -224,9 +270,11 @@ class DmdRecipe : public Recipe {
     torch::NoGradGuard noGrad;
     std::vector<int64_t> all(static_cast<size_t>(run_.cfg.recipe.regression_pairs));
     std::iota(all.begin(), all.end(), 0);
-    pairNoise_ = normalPerSample(sampleSeeds(run_.cfg.run.seed, -3, all), generatorNet_.sampleShape());
+    const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, -3, all);
+    pairNoise_ = normalPerSample(seeds, generatorNet_.sampleShape());
+    pairLabels_ = classesOf(generatorNet_, seeds);
     pairSamples_ = sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), run_.cfg.recipe.pair_steps,
-                              [this](const at::Tensor& x, const at::Tensor& t) { return predictNoiseInUnits(teacherNet_, x, t); })
+                              guidedNoise(teacherNet_, onDevice(pairLabels_, run_.device), run_.cfg.recipe.guidance))
                        .cpu();
   }
 
@@ -240,8 +288,11 @@ class DmdRecipe : public Recipe {
       std::iota(mine.begin(), mine.end(), begin);
       const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, -1, mine);
       Batch batch;
-      batch.inputs = generateOneStep(generatorNet_, normalPerSample(streamSeeds(seeds, kGeneratorInput),
-                                                                    generatorNet_.sampleShape()).to(run_.device));
+      batch.targets = classesOf(generatorNet_, seeds);
+      batch.inputs = generateOneStep(generatorNet_,
+                                     normalPerSample(streamSeeds(seeds, kGeneratorInput), generatorNet_.sampleShape())
+                                         .to(run_.device),
+                                     onDevice(batch.targets, run_.device));
       batch.noiseSeeds = streamSeeds(seeds, kGeneratorNoise);
       return lossesOf(*teacher_.model, std::move(batch), run_.device);
     });
@@ -252,16 +303,17 @@ class DmdRecipe : public Recipe {
   Denoiser &generatorNet_, &criticNet_, &teacherNet_;
   int64_t minT_ = 0, maxT_ = 0;  // the generator's samples are noised at t in [minT_, maxT_]
   at::Tensor pairNoise_, pairSamples_;  // the regression loss's pairs (CPU)
+  at::Tensor pairLabels_;               // their classes (undefined: unconditional)
 };
 
 }  // namespace
 
-at::Tensor generateOneStep(Denoiser& model, const at::Tensor& noise) {
+at::Tensor generateOneStep(Denoiser& model, const at::Tensor& noise, const at::Tensor& labels) {
   const NoiseSchedule& schedule = model.schedule();
   const int64_t last = schedule.timesteps - 1;
   const double alphaBar = schedule.alphaBars[static_cast<size_t>(last)];
   const at::Tensor t = at::full({noise.size(0)}, last, at::TensorOptions().dtype(at::kLong).device(noise.device()));
-  const at::Tensor eps = predictNoiseInUnits(model, noise, t).to(at::kFloat);
+  const at::Tensor eps = predictNoiseInUnits(model, noise, t, labels).to(at::kFloat);
   return (noise - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
 }
 

@@ -10,7 +10,10 @@
 //   teacher    the denoiser of the data ("real score"), frozen.
 // The generator's update moves each sample x along the difference of the critic's and the
 // teacher's clean-sample estimates of a noised x, normalised per sample, through the
-// surrogate loss 0.5 |x - sg(x - g)|^2. Every draw is a function of (run.seed, step,
+// surrogate loss 0.5 |x - sg(x - g)|^2. Class-conditional denoisers (dit) distil per
+// class: each sample gets a class drawn from its seed, the generator and the critic are
+// asked for it, and the teacher's real score is classifier-free guided at
+// recipe.guidance (DMD's real-score CFG). Every draw is a function of (run.seed, step,
 // sample index, purpose): a sharded run draws what one process draws, a resumed run what
 // an uninterrupted one does. The recipe's config (roles, checks): dmd_recipe_spec.cpp.
 #pragma once
@@ -27,8 +30,9 @@ class Denoiser;
 
 std::unique_ptr<Recipe> makeDmdRecipe(RunParts& run);
 
-// G(z) of a denoiser (see above): z [n, sample shape...] -> samples of the same shape.
-// Enters the model's root unit (zero3 gathers there).
-at::Tensor generateOneStep(Denoiser& model, const at::Tensor& noise);
+// G(z, y) of a denoiser (see above): z [n, sample shape...] -> samples of the same shape,
+// of classes `labels` [n] (undefined: unconditional). Enters the model's root unit (zero3
+// gathers there).
+at::Tensor generateOneStep(Denoiser& model, const at::Tensor& noise, const at::Tensor& labels = {});
 
 }  // namespace tessera::trainer

@@ -339,7 +339,10 @@ std::unique_ptr<Dataset> makeIdxDataset(const DataOptions& data) {
   return std::make_unique<ImageDataset>(std::move(train), std::move(eval), data.eval_fraction, classes);
 }
 
-std::unique_ptr<Dataset> makeImageFolderDataset(const DataOptions& data) {
+namespace {
+
+// makeImageFolderDataset without the translation of filesystem errors.
+std::unique_ptr<Dataset> makeFolderDataset(const DataOptions& data) {
   auto train = std::make_unique<FolderSource>(data.path, std::vector<std::string>{}, data.image_size, data.channels);
   const std::vector<std::string> classes = train->classNames();
   std::unique_ptr<FolderSource> eval;
@@ -351,6 +354,16 @@ std::unique_ptr<Dataset> makeImageFolderDataset(const DataOptions& data) {
   }
   return std::make_unique<ImageDataset>(std::move(train), std::move(eval), data.eval_fraction,
                                         static_cast<int64_t>(classes.size()));
+}
+
+}  // namespace
+
+std::unique_ptr<Dataset> makeImageFolderDataset(const DataOptions& data) {
+  try {
+    return makeFolderDataset(data);
+  } catch (const fs::filesystem_error& e) {  // an unreadable folder while listing it
+    throw Error(strCat("image folder: ", e.what()));
+  }
 }
 
 }  // namespace tessera::trainer

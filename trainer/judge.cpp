@@ -48,11 +48,16 @@ SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(load
   const int64_t n = dataset->evalSamples();
   TESSERA_CHECK(n >= 2, classifierExport, ": its data (", dataset->describe(), ") holds out ", n, " images");
   std::vector<at::Tensor> features;
+  int64_t correct = 0;
   for (int64_t begin = 0; begin < n; begin += kBatch) {
-    features.push_back(featuresOf(dataset->evalBatch(begin, std::min(kBatch, n - begin)).inputs));
+    const Batch batch = dataset->evalBatch(begin, std::min(kBatch, n - begin));
+    features.push_back(featuresOf(batch.inputs));
+    c10::NoGradGuard noGrad;
+    correct += mlp_->forward(batch.inputs).argmax(1).eq(batch.targets).sum().item<int64_t>();
   }
   realFeatures_ = at::cat(features);
-  realSource_ = strCat("the ", n, " held-out images of ", dataset->describe());
+  realAccuracy_ = static_cast<double>(correct) / static_cast<double>(n);
+  realSource_ = strCat("the ", n, " held-out images of ", data.eval_path.empty() ? data.path : data.eval_path);
 }
 
 at::Tensor SampleJudge::featuresOf(const at::Tensor& images) const {
@@ -76,6 +81,11 @@ Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels
   const at::Tensor predicted = mlp_->forward(images).argmax(1);
   j.accuracy = predicted.eq(labels.to(at::kLong)).to(at::kDouble).mean().item<double>();
   j.frechet = frechetDistance(featuresOf(images), realFeatures_);
+  j.realAccuracy = realAccuracy_;
+  const int64_t n = samples.size(0);
+  if (n >= 2 && realFeatures_.size(0) - n >= 2) {
+    j.realFrechet = frechetDistance(realFeatures_.slice(0, 0, n), realFeatures_.slice(0, n));
+  }
   return j;
 }
 

@@ -23,6 +23,11 @@ struct Judgement {
   int64_t samples = 0;
   int64_t realImages = 0;
   std::string realSource;   // where the real images came from
+  // The scale to read them on: the classifier's accuracy on the real held-out images, and
+  // the distance of as many real images as there are samples to the rest of them (what
+  // perfect samples would score at this sample count; -1 when there are too few).
+  double realAccuracy = 0;
+  double realFrechet = -1;
 };
 
 // ||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2) of features [n, d] (n >= 2
@@ -42,6 +47,7 @@ class SampleJudge {
   LoadedModel classifier_;
   FeatureMlp* mlp_ = nullptr;
   at::Tensor realFeatures_;
+  double realAccuracy_ = 0;
   std::string realSource_;
 };
 

@@ -82,4 +82,9 @@ double meanOverRanks(const RunParts& run, int64_t n, const std::function<at::Ten
 // (the train data's when none is held out). Returns the file written.
 std::string writeSamples(RunParts& run, const at::Tensor& samples, const std::string& generator);
 
+// Rank 0 writes `samples` (images) as <run.dir>/samples/step_<step>_<name>.png, `perRow`
+// per row; returns the file.
+std::string writeStepGrid(RunParts& run, int64_t step, const std::string& name, const at::Tensor& samples,
+                          int64_t perRow);
+
 }  // namespace tessera::trainer

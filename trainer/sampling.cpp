@@ -3,6 +3,8 @@
 
 #include <c10/core/GradMode.h>
 
+#include <numeric>
+
 #include "common/errors.h"
 #include "distributed/communicator.h"
 #include "imaging/image_io.h"
@@ -15,6 +17,16 @@ at::Tensor classRows(const std::vector<int64_t>& classes, int64_t perClass) {
   std::vector<int64_t> labels;
   for (int64_t c : classes) labels.insert(labels.end(), static_cast<size_t>(perClass), c);
   return at::tensor(labels, at::kLong);
+}
+
+SampleRequest gridRequest(const Denoiser& model, int64_t perClass, int64_t runSeed) {
+  SampleRequest request;
+  std::vector<int64_t> classes(static_cast<size_t>(model.classes()));
+  std::iota(classes.begin(), classes.end(), 0);
+  if (!classes.empty()) request.labels = classRows(classes, perClass);
+  const int64_t count = classes.empty() ? 8 * perClass : request.labels.size(0);
+  request.noise = samplingNoise(model.sampleShape(), count, noiseSeed(runSeed, -5, 0));
+  return request;
 }
 
 at::Tensor drawSamples(Denoiser& model, const SampleRequest& request, distributed::Communicator* comm,

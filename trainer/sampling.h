@@ -30,6 +30,11 @@ struct SampleRequest {
 // `perClass` labels of each class in `classes`, class by class: a grid's rows.
 at::Tensor classRows(const std::vector<int64_t>& classes, int64_t perClass);
 
+// What a run's sample grids show: `perClass` samples of every class of `model` (an
+// unconditional model: 8 rows of them), class by class, from noise fixed by `runSeed`, so
+// that one grid after another shows the same samples getting better.
+SampleRequest gridRequest(const Denoiser& model, int64_t perClass, int64_t runSeed);
+
 // The request's samples, the final iterates before any clamping ([N, sampleShape...]
 // float32, CPU, on every rank). With a communicator of several ranks and N >= ranks, rank
 // r draws rows [r N / ranks, (r + 1) N / ranks) and the rows are gathered (a sample does

@@ -94,6 +94,17 @@ std::string writeSamples(RunParts& run, const at::Tensor& samples, const std::st
   return out;
 }
 
+std::string writeStepGrid(RunParts& run, int64_t step, const std::string& name, const at::Tensor& samples,
+                          int64_t perRow) {
+  const fs::path dir = run.runDir / "samples";
+  fs::create_directories(dir);
+  char stepName[32];
+  std::snprintf(stepName, sizeof(stepName), "step_%08lld", static_cast<long long>(step));
+  const std::string path = (dir / strCat(stepName, "_", name, ".png")).string();
+  writeSampleGrid(path, samples, perRow);
+  return path;
+}
+
 namespace {
 
 class StandardRecipe : public Recipe {
@@ -164,26 +175,13 @@ class StandardRecipe : public Recipe {
     auto* model = dynamic_cast<Denoiser*>(part_.model.get());
     if (model == nullptr || model->sampleShape().size() != 3) return {};  // not an image denoiser
     const EvalSection& e = run_.cfg.eval;
-    SampleRequest request;
-    // Every class in a row of eval.sample_per_class (unconditional: 8 rows), from noise
-    // fixed by run.seed: one grid after another shows the same samples getting better.
-    std::vector<int64_t> classes(static_cast<size_t>(model->classes()));
-    std::iota(classes.begin(), classes.end(), 0);
-    if (!classes.empty()) request.labels = classRows(classes, e.sample_per_class);
-    const int64_t count = classes.empty() ? 8 * e.sample_per_class : request.labels.size(0);
-    request.noise = samplingNoise(model->sampleShape(), count, noiseSeed(run_.cfg.run.seed, -5, 0));
+    SampleRequest request = gridRequest(*model, e.sample_per_class, run_.cfg.run.seed);
     request.steps = std::min(e.sample_steps, model->schedule().timesteps);
     request.cfg = e.sample_cfg;
     std::vector<std::string> written;
     const auto draw = [&](const std::string& name) {
       const at::Tensor samples = trainer::drawSamples(*model, request, run_.comm.get(), run_.device);
-      if (run_.comm->rank() != 0) return;
-      const fs::path dir = run_.runDir / "samples";
-      fs::create_directories(dir);
-      char stepName[32];
-      std::snprintf(stepName, sizeof(stepName), "step_%08lld", static_cast<long long>(step));
-      written.push_back((dir / strCat(stepName, "_", name, ".png")).string());
-      writeSampleGrid(written.back(), samples, e.sample_per_class);
+      if (run_.comm->rank() == 0) written.push_back(writeStepGrid(run_, step, name, samples, e.sample_per_class));
     };
     if (part_.ema) {
       for (size_t d = 0; d < part_.ema->numProfiles(); ++d) {

@@ -272,6 +272,10 @@ void bindRecipeKeys(config::ConfigSchema& s, RecipeOptions& recipe) {
       .min(1).max(1 << 20);
   s.add("recipe.pair_steps", &recipe.pair_steps, "DDIM steps the teacher takes for each pair (at most model.timesteps)")
       .min(1).max(kMaxWidth);
+  s.add("recipe.guidance", &recipe.guidance,
+        "Class-conditional models (dit): the teacher's classifier-free guidance scale, in the real score and the "
+        "regression pairs (DMD's real-score CFG; 1: none)")
+      .min(0.0).max(100.0);
 }
 
 // models: the named section whose entries become c.models, in order of appearance.

@@ -112,6 +112,7 @@ struct RecipeOptions {
   double regression_weight = 0.25;  // weight of DMD's regression loss to the teacher's samples (0: off)
   int64_t regression_pairs = 1024;  // noise -> teacher sample pairs it regresses on
   int64_t pair_steps = 50;          // DDIM steps the teacher takes for each pair
+  double guidance = 1.0;            // class-conditional models: the teacher's CFG scale (real score, pairs)
 };
 
 // Where a model's state lives in checkpoints (the keys of its components, sharding/

@@ -177,8 +177,11 @@ int main(int argc, char** argv) {
     }
     if (judge) {
       const auto j = judge->judge(samples, args.request.labels);
-      std::cout << "judge: accuracy " << j.accuracy << " (" << j.samples << " samples classified as the class asked for), "
-                << "Frechet distance " << j.frechet << " to " << j.realSource << "\n";
+      std::cout << "judge: accuracy " << j.accuracy << " (" << j.samples << " samples classified as the class asked for; "
+                << "on real images the classifier scores " << j.realAccuracy << ")\n"
+                << "judge: Frechet distance " << j.frechet << " to " << j.realSource;
+      if (j.realFrechet >= 0) std::cout << " (" << j.samples << " real images score " << j.realFrechet << ")";
+      std::cout << "\n";
     }
     return 0;
   });

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -191,6 +192,78 @@ TEST(DitE2ETest, SamplesFromAnExportOrACheckpointSplitOverRanksOrNot) {
   mustRun(kBin + "/tessera-export " + runDir + "/checkpoints --what generator_ema --out " + offline);
   mustRun(kBin + "/tessera-sample --weights " + offline + request + " --out-tensors " + fromOffline);
   EXPECT_TRUE(a.at("samples").equal(tessera::checkpoint::loadSafetensors(fromOffline).at("samples")));
+}
+
+// A classifier trained by Tessera on the same images judges the DiT's samples: the accuracy
+// of its predictions against the classes asked for, and the Frechet distance of its
+// features to the held-out images' (with the scale: its own accuracy on real images, and
+// what as many real images score). A DiT is no classifier: refused.
+TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
+  const std::string dir = scratch("judge");
+  const std::string config = ditConfig(dir);
+  const std::string ditRun = dir + "/dit", classifierRun = dir + "/classifier";
+  mustRun(launch(1) + config + " --set run.dir=" + ditRun);
+  mustRun(launch(2) + config + " --set run.dir=" + classifierRun +
+          " --set model.arch=mlp --set model.hidden=[32,16] --set run.steps=30 --set checkpoint.export=[model_ema]");
+  const std::string classifier = classifierRun + "/export/model_ema.safetensors";
+  const std::string out = mustRun(kBin + "/tessera-sample --weights " + ditRun +
+                                  "/export/generator_ema.safetensors --per-class 3 --steps 5 --judge " + classifier);
+  const auto accuracyAt = out.find("judge: accuracy ");
+  ASSERT_NE(accuracyAt, std::string::npos) << out;
+  const double accuracy = std::stod(out.substr(accuracyAt + 16));
+  EXPECT_GE(accuracy, 0.0);
+  EXPECT_LE(accuracy, 1.0);
+  EXPECT_NE(out.find("(12 samples classified as the class asked for; on real images the classifier scores "),
+            std::string::npos)
+      << out;
+  const auto frechetAt = out.find("judge: Frechet distance ");
+  ASSERT_NE(frechetAt, std::string::npos) << out;
+  EXPECT_GE(std::stod(out.substr(frechetAt + 24)), 0.0);
+  EXPECT_NE(out.find("to the 24 held-out images of " + dir + "/data/images-idx3-ubyte (12 real images score "),
+            std::string::npos)
+      << out;
+
+  const auto r = tessera::test::runCommand(kBin + "/tessera-sample --weights " + ditRun +
+                                               "/export/generator_ema.safetensors --judge " + ditRun +
+                                               "/export/generator_ema.safetensors",
+                                           120);
+  EXPECT_TRUE(r.refused()) << r.output;
+  EXPECT_NE(r.output.find("not a classifier of images"), std::string::npos) << r.output;
+}
+
+// run.recipe dmd over DiTs: a class-conditional one-step generator distilled from a DiT
+// teacher with guidance (the real score's CFG) trains the same on 2 ranks (generator
+// zero3, critic zero2, teacher zero3) as in one process, and draws a one-step grid per
+// class from its EMA and the live generator.
+TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
+  const std::string dir = scratch("dmd");
+  const std::string config = ditConfig(dir);
+  const std::string teacher = dir + "/teacher";
+  mustRun(launch(1) + config + " --set run.dir=" + teacher);
+  const std::string distill = dir + "/distill.yaml";
+  std::ofstream(distill) << "recipe: {critic_steps: 2, guidance: 2.0, regression_weight: 1.0, regression_pairs: 12,"
+                            " pair_steps: 4}\n"
+                            "models:\n"
+                            "  generator: {sharding: {strategy: zero3}, ema: {enabled: true, decays: [0.9]}}\n"
+                            "  critic: {sharding: {strategy: zero2}, ema: {enabled: false}}\n"
+                            "  teacher: {trainable: false, sharding: {strategy: zero3}}\n";
+  // The teacher's config, turned into a distillation: the models: section from a second file.
+  const std::string args = config + " --set run.recipe=dmd --set model.init_from=" + teacher +
+                           "/export/generator_ema.safetensors --set eval.sample_per_class=2"
+                           " --set checkpoint.export=[generator_ema] --set optim.lr=0.0002";
+  std::ifstream base(dir + "/dit.yaml");
+  std::stringstream merged;
+  merged << base.rdbuf() << std::ifstream(distill).rdbuf();
+  std::ofstream(dir + "/dmd.yaml") << merged.str();
+  const std::string dmdArgs = " --config " + dir + "/dmd.yaml" + args.substr(args.find(" --set run.recipe"));
+  const std::string single = dir + "/single", sharded = dir + "/sharded";
+  mustRun(launch(1) + dmdArgs + " --set run.dir=" + single);
+  const std::string out = mustRun(launch(2) + dmdArgs + " --set run.dir=" + sharded);
+  expectSameLosses(single, sharded, "dmd over DiTs on 2 ranks");
+  for (const char* grid : {"step_00000008_generator_ema.png", "step_00000008_generator.png"}) {
+    EXPECT_TRUE(fs::exists(fs::path(sharded) / "samples" / grid)) << grid << "\n" << out;
+  }
+  expectCloseExports(single, sharded, "dmd generator_ema");
 }
 
 TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {

@@ -1,0 +1,36 @@
+// The sample judge's Frechet distance against closed forms: identical feature sets score
+// 0, a shift by v scores |v|^2, isotropic spreads a and b in d dimensions score
+// d (a - b)^2; inputs it cannot judge are refused.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include "common/errors.h"
+#include "trainer/judge.h"
+
+namespace tessera::trainer {
+namespace {
+
+TEST(FrechetDistanceTest, IdenticalSetsScoreZeroAndAShiftScoresItsSquaredLength) {
+  const at::Tensor a = at::randn({400, 5}, at::kDouble);
+  EXPECT_NEAR(frechetDistance(a, a), 0.0, 1e-9);
+  const at::Tensor shift = at::tensor({1.0, -2.0, 0.5, 0.0, 3.0}, at::kDouble);
+  EXPECT_NEAR(frechetDistance(a, a + shift), 1 + 4 + 0.25 + 9, 1e-9);
+}
+
+TEST(FrechetDistanceTest, IsotropicSpreadsScoreTheDimensionTimesTheirSquaredDifference) {
+  // Whitened samples (covariance exactly I), then scaled: covariances a^2 I and b^2 I.
+  at::Tensor x = at::randn({1000, 4}, at::kDouble);
+  x = x - x.mean(0);
+  const at::Tensor whitening = at::linalg_cholesky(at::cov(x.t())).inverse().t();
+  x = x.matmul(whitening);
+  EXPECT_NEAR(frechetDistance(2.0 * x, 0.5 * x), 4 * (2.0 - 0.5) * (2.0 - 0.5), 1e-6);
+}
+
+TEST(FrechetDistanceTest, RefusesTooFewSamplesOrDifferentWidths) {
+  EXPECT_THROW(frechetDistance(at::randn({1, 3}), at::randn({5, 3})), Error);
+  EXPECT_THROW(frechetDistance(at::randn({5, 3}), at::randn({5, 4})), Error);
+}
+
+}  // namespace
+}  // namespace tessera::trainer
