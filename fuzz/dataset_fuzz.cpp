@@ -4,9 +4,6 @@
 // as an in-memory file (memfd) so that the readers open it by path as they do in a run.
 // Only tessera::Error may come out; an accepted dataset must hand out a batch of its
 // first and last train samples with the shapes its spec promises.
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -14,25 +11,13 @@
 #include <string>
 
 #include "common/errors.h"
+#include "fuzz/mem_file.h"
 #include "trainer/tensor_dataset.h"
 #include "trainer/text_dataset.h"
 
 namespace trainer = tessera::trainer;
 
 namespace {
-
-// An anonymous in-memory file holding `bytes`, reachable by path as /proc/self/fd/N.
-class MemFile {
- public:
-  MemFile(const uint8_t* data, size_t size) : fd_(::memfd_create("fuzz", MFD_CLOEXEC)) {
-    if (fd_ < 0 || ::write(fd_, data, size) != static_cast<ssize_t>(size)) std::abort();
-  }
-  ~MemFile() { ::close(fd_); }
-  std::string path() const { return "/proc/self/fd/" + std::to_string(fd_); }
-
- private:
-  int fd_;
-};
 
 std::unique_ptr<trainer::Dataset> open(uint8_t selector, const std::string& path) {
   const int64_t context = 1 + (selector >> 2) % 8;
@@ -52,7 +37,7 @@ std::unique_ptr<trainer::Dataset> open(uint8_t selector, const std::string& path
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
-  const MemFile file(data + 1, size - 1);
+  const tessera::fuzz::MemFile file(data + 1, size - 1);
   try {
     const auto dataset = open(data[0], file.path());
     const int64_t n = dataset->trainSamples();

@@ -3,33 +3,15 @@
 // gzipped), handed the bytes as an in-memory file (memfd) opened by path as in a run. The
 // first byte picks the reader. Only tessera::Error may come out; a decoded image must
 // have the shape the reader promises.
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
 #include "common/errors.h"
+#include "fuzz/mem_file.h"
 #include "imaging/image_io.h"
 #include "trainer/image_dataset.h"
-
-namespace {
-
-class MemFile {
- public:
-  MemFile(const uint8_t* data, size_t size) : fd_(::memfd_create("fuzz", MFD_CLOEXEC)) {
-    if (fd_ < 0 || ::write(fd_, data, size) != static_cast<ssize_t>(size)) std::abort();
-  }
-  ~MemFile() { ::close(fd_); }
-  std::string path() const { return "/proc/self/fd/" + std::to_string(fd_); }
-
- private:
-  int fd_;
-};
-
-}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
@@ -42,7 +24,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (image.dim() != 3 || image.scalar_type() != at::kByte) std::abort();
       if (channels != 0 && image.size(0) != channels) std::abort();
     } else {
-      const MemFile file(data + 1, size - 1);
+      const tessera::fuzz::MemFile file(data + 1, size - 1);
       if (selector % 4 == 2) {
         const at::Tensor images = tessera::trainer::readIdxImages(file.path());
         if (images.dim() != 4 || images.size(1) != 1) std::abort();

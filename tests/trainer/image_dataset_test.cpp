@@ -31,9 +31,13 @@
 #include "trainer/image_dataset.h"
 #include "trainer/train_config.h"
 #include "tests/support/scratch_path.h"
+#include "tests/support/error_capture.h"
 
 namespace tessera::trainer {
 namespace {
+
+using tessera::test::errorOf;
+using tessera::test::errorWithoutBlockingOn;
 
 namespace fs = std::filesystem;
 
@@ -117,31 +121,6 @@ std::vector<int64_t> firstIndices(int64_t n) {
   std::vector<int64_t> out;
   for (int64_t i = 0; i < n; ++i) out.push_back(i);
   return out;
-}
-
-// The message of the tessera::Error `f` throws ("" when it throws none).
-template <typename F>
-std::string errorOf(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-// errorOf(f) on another thread, failing the test (instead of hanging it) when `f` is still
-// blocked on the FIFO `fifo` after 30 s: a non-blocking writer is then opened and closed,
-// which lets an open() for reading return.
-template <typename F>
-std::string errorWithoutBlockingOn(const std::string& fifo, F f) {
-  auto pending = std::async(std::launch::async, [f] { return errorOf(f); });
-  if (pending.wait_for(std::chrono::seconds(30)) != std::future_status::ready) {
-    ADD_FAILURE() << "reading the FIFO '" << fifo << "' still blocks after 30 s";
-    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
-    if (fd >= 0) ::close(fd);
-  }
-  return pending.get();
 }
 
 // --- IDX --------------------------------------------------------------------------------

@@ -22,9 +22,12 @@
 #include "trainer/text_dataset.h"
 #include "trainer/train_config.h"
 #include "tests/support/scratch_path.h"
+#include "tests/support/error_capture.h"
 
 namespace tessera::trainer {
 namespace {
+
+using tessera::test::errorOf;
 
 namespace fs = std::filesystem;
 
@@ -32,17 +35,6 @@ std::string writeTensors(const std::string& name, const std::map<std::string, at
   const fs::path path = test::scratchPath("tessera_tds", name);
   checkpoint::saveSafetensors(path.string(), tensors);
   return path.string();
-}
-
-// The message of the tessera::Error `f` throws ("" when it throws none).
-template <typename F>
-std::string errorOf(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(TensorDatasetTest, RowsSplitsAndClassTargets) {
