@@ -48,6 +48,9 @@ class Recipe {
   // steps, the same noise and classes every time (eval.*), in <run.dir>/samples/. Returns
   // the files written (rank 0; empty elsewhere and for recipes without pictures). Collective.
   virtual std::vector<std::string> writeSampleGrids(int64_t /*step*/) { return {}; }
+  // eval.judge: generator_ema's samples judged by the classifier (judge.h), as a log line
+  // (rank 0; "" elsewhere and without a judge). Collective.
+  virtual std::string judgeSamples() { return ""; }
 };
 
 // The recipe run.recipe names, over the parts of the run.

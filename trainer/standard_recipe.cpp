@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
@@ -17,6 +18,7 @@
 #include "trainer/batch_loader.h"
 #include "trainer/diffusion.h"
 #include "trainer/dmd_recipe.h"
+#include "trainer/judge.h"
 #include "trainer/models.h"
 #include "trainer/recipe.h"
 #include "trainer/run_setup.h"
@@ -112,7 +114,17 @@ class StandardRecipe : public Recipe {
   explicit StandardRecipe(RunParts& run)
       : run_(run),
         part_(run.models.front()),
-        loader_(*run.data, *run.sampler, run.comm->rank(), run.comm->worldSize(), run.cfg.run.seed, run.cfg.data.hflip) {}
+        loader_(*run.data, *run.sampler, run.comm->rank(), run.comm->worldSize(), run.cfg.run.seed, run.cfg.data.hflip) {
+    // Loaded on every rank when the run starts: a classifier that cannot be used fails
+    // every rank now, not rank 0 after the training.
+    if (!run.cfg.eval.judge.empty()) {
+      try {
+        judge_.emplace(run.cfg.eval.judge);
+      } catch (const std::exception& e) {
+        throw ConfigError(strCat("eval.judge: ", e.what()));
+      }
+    }
+  }
 
   // The micro-batches' forward and backward, the strategy's step (gradient sync,
   // clipping, optimizer; the loss and the stop flags summed in its norm's all-reduce),
@@ -195,6 +207,23 @@ class StandardRecipe : public Recipe {
     return written;
   }
 
+  std::string judgeSamples() override {
+    if (!judge_) return "";
+    auto& model = dynamic_cast<Denoiser&>(*part_.model);
+    const EvalSection& e = run_.cfg.eval;
+    SampleRequest request = gridRequest(model, e.judge_per_class, run_.cfg.run.seed);
+    request.steps = std::min(e.sample_steps, model.schedule().timesteps);
+    request.cfg = e.sample_cfg;
+    at::Tensor samples;
+    ema::withEmaWeights(*part_.ema, *part_.strategy, 0,
+                        [&] { samples = trainer::drawSamples(model, request, run_.comm.get(), run_.device); });
+    if (run_.comm->rank() != 0) return "";
+    const Judgement j = judge_->judge(samples, request.labels);
+    return strCat("judge: ", j.samples, " samples of ", part_.cfg.names.ema, " (DDIM ", request.steps, " steps, guidance ",
+                  request.cfg, "): accuracy ", j.accuracy, " (real images: ", j.realAccuracy, "), Frechet distance ",
+                  j.frechet, " (", j.samples, " real images: ", j.realFrechet, ")");
+  }
+
  private:
   // The mean loss over the first (up to 4096) held-out samples' predictions.
   double heldOutLoss() {
@@ -224,6 +253,7 @@ class StandardRecipe : public Recipe {
   RunParts& run_;
   ModelPart& part_;
   BatchLoader loader_;
+  std::optional<SampleJudge> judge_;  // eval.judge
 };
 
 }  // namespace

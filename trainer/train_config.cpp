@@ -305,6 +305,10 @@ void bindEvalKeys(config::ConfigSchema& s, EvalSection& e) {
       .min(1).max(kMaxWidth);
   s.add("eval.sample_cfg", &e.sample_cfg, "Classifier-free guidance scale of the grids' samples (1: none)")
       .min(0.0).max(100.0);
+  s.add("eval.judge", &e.judge,
+        "A classifier export (model.arch mlp on the same images): at the end, its accuracy on generator_ema's samples "
+        "and the Frechet distance of its features to the held-out images' (\"\": none)");
+  s.add("eval.judge_per_class", &e.judge_per_class, "Samples of each class the judge sees").min(1).max(1 << 16);
 }
 
 // The sections in this order: the resolved config lists keys in registration order.
@@ -487,7 +491,8 @@ void settleModels(TrainConfig& c) {
 
 // model.samples draws with the EMA of the model the recipe samples from.
 // The image keys against each other and the data kind.
-void checkImageData(const config::ConfigSchema& s, const DataOptions& d) {
+void checkImageData(const config::ConfigSchema& s, const TrainConfig& c) {
+  const DataOptions& d = c.data;
   const bool images = d.kind == "idx" || d.kind == "image_folder";
   if (d.channels == 2) throw ConfigError(s.errorMessage("data.channels", "2: images have 1 (gray) or 3 (RGB) channels"));
   if (d.channels != 0 && d.kind != "image_folder") {
@@ -504,6 +509,12 @@ void checkImageData(const config::ConfigSchema& s, const DataOptions& d) {
   }
   for (const auto& [key, set] : {std::pair{"data.labels", !d.labels.empty()}, {"data.eval_labels", !d.eval_labels.empty()}}) {
     if (set && d.kind != "idx") throw ConfigError(s.errorMessage(key, strCat("applies to data.kind idx, not ", d.kind)));
+  }
+  if (!c.eval.judge.empty() && (!images || c.run.recipe != "standard" || !c.models.front().model.isDenoiser() ||
+                                 !c.models.front().hasEma())) {
+    throw ConfigError(s.errorMessage("eval.judge", "judges generator_ema's samples: needs a denoiser (diffusion, dit) "
+                                                   "with ema.enabled on image data (idx, image_folder), run.recipe "
+                                                   "standard"));
   }
   if ((d.image_size != 0 || d.hflip) && !images) {
     throw ConfigError(s.errorMessage(d.hflip ? "data.hflip" : "data.image_size",
@@ -567,7 +578,7 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
   }
   checkExportNames(s, c);
   checkSamples(s, c);
-  checkImageData(s, c.data);
+  checkImageData(s, c);
   for (const ModelEntry& m : c.models) {
     // The default (50) is cut to model.timesteps; a value set above it is a mistake.
     const bool set = !s.locationOf("eval.sample_steps").source.empty();

@@ -203,6 +203,7 @@ class TrainLoop {
     if (run_.checkpointer) run_.checkpointer->finish();
     if (!stopped) exportWeights(done);
     if (!stopped) writeSampleGrids(done);
+    if (!stopped) summary_.judgement = recipe_->judgeSamples();
     if (!stopped && cfg_.defaults.model.samples > 0) summary_.samplesPath = recipe_->drawSamples();
     if (run_.comm->rank() == 0) {
       summary_.metricsPath = (run_.runDir / "metrics.jsonl").string();

@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
     for (const auto& file : summary.exports) TLOG_INFO0("export: " << file);
     if (!summary.samplesPath.empty()) TLOG_INFO0("samples: " << summary.samplesPath);
     for (const auto& grid : summary.sampleGrids) TLOG_INFO0("sample grid: " << grid);
+    if (!summary.judgement.empty()) TLOG_INFO0(summary.judgement);
     if (summary.preempted) TLOG_WARN0("stopped early after step " << summary.steps << " (checkpoint saved; resume to continue)");
     return 0;
   });

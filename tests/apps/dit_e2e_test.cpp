@@ -229,6 +229,20 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
                                            120);
   EXPECT_TRUE(r.refused()) << r.output;
   EXPECT_NE(r.output.find("not a classifier of images"), std::string::npos) << r.output;
+
+  // eval.judge: the training run judges its generator_ema at the end; a classifier that
+  // cannot be used is a config error when the run starts.
+  const std::string judged = mustRun(launch(2) + config + " --set run.steps=2 --set run.dir=" + dir + "/judged" +
+                                     " --set eval.judge_per_class=3 --set eval.sample_steps=4 --set eval.judge=" +
+                                     classifier);
+  EXPECT_NE(judged.find("judge: 12 samples of generator_ema (DDIM 4 steps, guidance 1.5): accuracy "), std::string::npos)
+      << judged;
+  const auto bad = tessera::test::runCommand(launch(2) + config + " --set run.dir=" + dir + "/bad_judge" +
+                                                 " --set eval.judge=" + ditRun + "/export/generator_ema.safetensors",
+                                             120);
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_NE(bad.output.find("eval.judge: "), std::string::npos) << bad.output;
+  EXPECT_FALSE(fs::exists(dir + "/bad_judge/checkpoints/step_00000004")) << "trained before refusing";
 }
 
 // run.recipe dmd over DiTs: a class-conditional one-step generator distilled from a DiT
