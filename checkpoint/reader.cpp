@@ -317,6 +317,12 @@ std::vector<CheckpointRef> listCheckpoints(const std::string& checkpointsDir) {
   return out;
 }
 
+std::string checkpointOrNewestIn(const std::string& dir) {
+  if (pathExists((fs::path(dir) / kMetadataFile).string())) return dir;
+  const auto all = listCheckpoints(dir);
+  return all.empty() ? std::string() : all.back().dir;
+}
+
 std::string readLatest(const std::string& checkpointsDir) {
   const std::string path = (fs::path(checkpointsDir) / "latest").string();
   if (!pathExists(path)) return "";

@@ -128,6 +128,9 @@ struct CheckpointRef {
 // checkpoints directory, oldest first. *.tmp directories and directories without
 // metadata are skipped. A missing directory yields an empty list.
 std::vector<CheckpointRef> listCheckpoints(const std::string& checkpointsDir);
+// `dir` itself when it is a complete checkpoint (holds metadata.json), else the newest
+// complete checkpoint in it; "" when it is neither (callers say why in their own terms).
+std::string checkpointOrNewestIn(const std::string& dir);
 // The directory `latest` names (empty when there is no `latest` file).
 std::string readLatest(const std::string& checkpointsDir);
 

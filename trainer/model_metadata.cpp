@@ -219,13 +219,9 @@ LoadedModel loadExportedModel(const std::string& path, at::Device device) {
 }
 
 LoadedModel loadCheckpointModel(const std::string& dir, const std::string& what, at::Device device) {
-  std::string stepDir = dir;
-  if (!std::filesystem::exists(std::filesystem::path(dir) / checkpoint::kMetadataFile)) {
-    const auto all = checkpoint::listCheckpoints(dir);
-    TESSERA_CHECK(!all.empty(), dir, " is neither a complete checkpoint (no ", checkpoint::kMetadataFile,
-                  ") nor a directory holding one");
-    stepDir = all.back().dir;
-  }
+  const std::string stepDir = checkpoint::checkpointOrNewestIn(dir);
+  TESSERA_CHECK(!stepDir.empty(), dir, " is neither a complete checkpoint (no ", checkpoint::kMetadataFile,
+                ") nor a directory holding one");
   checkpoint::CheckpointReader reader(stepDir);
   const std::string prefix = checkpoint::resolveExportPrefix(reader.metadata(), what);
   const std::string stateFile = (std::filesystem::path(stepDir) / "trainer_state.json").string();

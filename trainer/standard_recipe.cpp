@@ -187,9 +187,7 @@ class StandardRecipe : public Recipe {
     auto* model = dynamic_cast<Denoiser*>(part_.model.get());
     if (model == nullptr || model->sampleShape().size() != 3) return {};  // not an image denoiser
     const EvalSection& e = run_.cfg.eval;
-    SampleRequest request = gridRequest(*model, e.sample_per_class, run_.cfg.run.seed);
-    request.steps = std::min(e.sample_steps, model->schedule().timesteps);
-    request.cfg = e.sample_cfg;
+    const SampleRequest request = evalRequest(*model, e.sample_per_class);
     std::vector<std::string> written;
     const auto draw = [&](const std::string& name) {
       const at::Tensor samples = trainer::drawSamples(*model, request, run_.comm.get(), run_.device);
@@ -210,10 +208,7 @@ class StandardRecipe : public Recipe {
   std::string judgeSamples() override {
     if (!judge_) return "";
     auto& model = dynamic_cast<Denoiser&>(*part_.model);
-    const EvalSection& e = run_.cfg.eval;
-    SampleRequest request = gridRequest(model, e.judge_per_class, run_.cfg.run.seed);
-    request.steps = std::min(e.sample_steps, model.schedule().timesteps);
-    request.cfg = e.sample_cfg;
+    const SampleRequest request = evalRequest(model, run_.cfg.eval.judge_per_class);
     at::Tensor samples;
     ema::withEmaWeights(*part_.ema, *part_.strategy, 0,
                         [&] { samples = trainer::drawSamples(model, request, run_.comm.get(), run_.device); });
@@ -225,6 +220,15 @@ class StandardRecipe : public Recipe {
   }
 
  private:
+  // The grids' and the judge's samples: `perClass` of each class, DDIM at eval.sample_steps
+  // (at most the model's timesteps) with guidance eval.sample_cfg.
+  SampleRequest evalRequest(const Denoiser& model, int64_t perClass) const {
+    SampleRequest request = gridRequest(model, perClass, run_.cfg.run.seed);
+    request.steps = std::min(run_.cfg.eval.sample_steps, model.schedule().timesteps);
+    request.cfg = run_.cfg.eval.sample_cfg;
+    return request;
+  }
+
   // The mean loss over the first (up to 4096) held-out samples' predictions.
   double heldOutLoss() {
     torch::NoGradGuard noGrad;

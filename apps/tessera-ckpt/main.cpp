@@ -40,13 +40,12 @@ std::string human(int64_t bytes) {
 }
 
 std::string resolveStepDir(const std::string& dir) {
-  if (ckpt::pathExists((std::filesystem::path(dir) / ckpt::kMetadataFile).string())) return dir;
-  const auto all = ckpt::listCheckpoints(dir);
-  if (all.empty()) {
+  const std::string stepDir = ckpt::checkpointOrNewestIn(dir);
+  if (stepDir.empty()) {
     // Not a UsageError: an incomplete step directory is exactly what verify must flag.
     throw ckpt::CheckpointError(tessera::strCat(dir, " is not a complete checkpoint (no metadata.json) and holds none"));
   }
-  return all.back().dir;
+  return stepDir;
 }
 
 // The models and EMAs a checkpoint holds, from its tensor names (the trainer's layout:

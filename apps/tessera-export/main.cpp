@@ -104,14 +104,13 @@ int reconstructPosthoc(const ExportArgs& args) {
 
 // CKPT_DIR itself if it is a complete checkpoint, else the newest complete one in it.
 std::string checkpointStepDir(const std::string& dir) {
-  if (ckpt::pathExists((std::filesystem::path(dir) / ckpt::kMetadataFile).string())) return dir;
-  const auto all = ckpt::listCheckpoints(dir);
-  if (all.empty()) {
+  const std::string stepDir = ckpt::checkpointOrNewestIn(dir);
+  if (stepDir.empty()) {
     throw tessera::UsageError(tessera::strCat(dir, " is neither a complete checkpoint (no metadata.json) nor a ",
                                               "directory holding one"));
   }
-  std::cerr << "tessera-export: using the newest complete checkpoint " << all.back().dir << "\n";
-  return all.back().dir;
+  if (stepDir != dir) std::cerr << "tessera-export: using the newest complete checkpoint " << stepDir << "\n";
+  return stepDir;
 }
 
 // The model description the run recorded for what is exported (trainer_state.json), so
