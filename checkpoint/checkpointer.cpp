@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <future>
 #include <set>
 #include <thread>
 
@@ -43,6 +44,8 @@ std::string mib(int64_t bytes) { return strCat(static_cast<double>(bytes) / (1 <
 
 // How much a writer writes before it asks the disk to start on it.
 constexpr int64_t kWritebackBytes = int64_t{8} << 20;
+// A save hands its file to the disk in segments of this size (writeRankPart's pipeline).
+constexpr int64_t kPipelineBytes = int64_t{16} << 20;
 
 }  // namespace
 
@@ -118,6 +121,30 @@ struct Checkpointer::Job {
     index.rankState = rankState;
     File f = File::openWrite((fs::path(tmpDir) / index.file.name).string());
     int64_t offset = 0, writebackFrom = 0;
+    // Pipelined (pipelinedChecksums()): the write of one segment (kPipelineBytes of whole
+    // blocks) runs on a thread of its own while this one checksums the next, so a save
+    // takes about the longer of hashing and writing, not their sum. Else inline, block by
+    // block, each hashed while it is in the cache. Writes stay sequential and in order (one
+    // in flight); every kWritebackBytes written, the disk is started on them, so the final
+    // fsync finds most of the file on its way.
+    const bool pipelined = pipelinedChecksums();
+    const int64_t segmentBytes = pipelined ? kPipelineBytes : options.blockBytes;
+    std::future<void> inFlight;
+    auto writeSegment = [&](const uint8_t* data, size_t n, int64_t end) {
+      auto write = [&f, &writebackFrom, data, n, end] {
+        f.writeAll(data, n);
+        if (end - writebackFrom >= kWritebackBytes) {
+          f.startWriteback(writebackFrom, end - writebackFrom);
+          writebackFrom = end;
+        }
+      };
+      if (inFlight.valid()) inFlight.get();  // rethrows the previous write's error
+      if (pipelined) {
+        inFlight = std::async(std::launch::async, write);
+      } else {
+        write();
+      }
+    };
     for (const auto& s : sources) {
       TensorInfo t = s.head;
       if (s.rowEnd > s.rowBegin) {
@@ -129,17 +156,13 @@ struct Checkpointer::Job {
         c.rowBegin = s.rowBegin;
         c.rowEnd = s.rowEnd;
         const auto* data = static_cast<const uint8_t*>(c.length > 0 ? s.rows.data_ptr() : nullptr);
-        // One block at a time: checksum it while it is in the cache, write it, and
-        // start the disk on what is written every kWritebackBytes, so the final fsync
-        // finds most of the file on its way.
+        int64_t segmentBegin = 0;
         for (int64_t b = 0; b < c.length; b += options.blockBytes) {
-          const auto n = static_cast<size_t>(std::min(options.blockBytes, c.length - b));
-          c.checksums.push_back(checksum(data + b, n));
-          f.writeAll(data + b, n);
-          const int64_t written = offset + b + static_cast<int64_t>(n);
-          if (written - writebackFrom >= kWritebackBytes) {
-            f.startWriteback(writebackFrom, written - writebackFrom);
-            writebackFrom = written;
+          const int64_t n = std::min(options.blockBytes, c.length - b);
+          c.checksums.push_back(checksum(data + b, static_cast<size_t>(n)));
+          if (b + n - segmentBegin >= segmentBytes || b + n == c.length) {
+            writeSegment(data + segmentBegin, static_cast<size_t>(b + n - segmentBegin), offset + b + n);
+            segmentBegin = b + n;
           }
         }
         offset += c.length;
@@ -147,6 +170,7 @@ struct Checkpointer::Job {
       }
       index.tensors.push_back(std::move(t));
     }
+    if (inFlight.valid()) inFlight.get();
     index.file.bytes = offset;
     f.sync();
     f.close();

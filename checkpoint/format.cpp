@@ -7,7 +7,10 @@
 #include <xxhash.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <string>
+#include <thread>
 
 namespace tessera::checkpoint {
 
@@ -47,6 +50,12 @@ bool isKnownDtypeName(const std::string& name) {
 int64_t dtypeBytes(at::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
 
 uint64_t checksum(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }
+
+bool pipelinedChecksums() {
+  const char* set = std::getenv("TESSERA_CHECKPOINT_PIPELINE");
+  if (set != nullptr && *set != '\0') return std::string(set) != "0";
+  return std::thread::hardware_concurrency() >= 8;
+}
 
 uint64_t checksum(std::initializer_list<std::pair<const void*, size_t>> pieces) {
   XXH3_state_t state;

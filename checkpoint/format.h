@@ -38,6 +38,11 @@ uint64_t checksum(const void* data, size_t bytes);
 // partly into scratch): the same value as checksum() of the pieces joined, in order.
 uint64_t checksum(std::initializer_list<std::pair<const void*, size_t>> pieces);
 std::string checksumHex(uint64_t value);  // 16 lowercase hex digits
+// Whether saves and verified loads checksum on a helper thread while the disk works on
+// the neighbouring segment, instead of inline: a win with cores to spare, a loss on a
+// 2-core machine (docs/benchmarks.md, Checkpoints). TESSERA_CHECKPOINT_PIPELINE=1 or 0
+// decides; unset, on with 8 or more hardware threads.
+bool pipelinedChecksums();
 // Parses 16 hex digits; throws CheckpointError naming `where` otherwise.
 uint64_t parseChecksumHex(const std::string& text, const std::string& where);
 constexpr const char* kChecksumAlgorithm = "xxh3_64";

@@ -85,9 +85,10 @@ void checkReduceOp(const char* method, const at::Tensor& t, ReduceOp op) {
 // world-of-one shortcuts), so a split into single ranks costs no store traffic or sockets.
 class SelfCommunicator final : public Communicator {
  public:
-  SelfCommunicator(std::string backend, CommOptions options)
-      : Communicator(0, 1, std::move(options)), backend_(std::move(backend)) {}
+  SelfCommunicator(std::string backend, c10::Device device, CommOptions options)
+      : Communicator(0, 1, std::move(options)), backend_(std::move(backend)), device_(device) {}
   std::string backendName() const override { return backend_; }
+  c10::Device tensorDevice() const override { return device_; }
 
  protected:
   std::shared_ptr<CommHandle> doAllGatherInto(const at::Tensor&, const at::Tensor&) override { return unreachable(); }
@@ -103,7 +104,7 @@ class SelfCommunicator final : public Communicator {
   std::shared_ptr<Communicator> doSplit(const std::vector<int>&, int, const std::string& name) override {
     CommOptions sub = options();
     sub.name = name;
-    return std::make_shared<SelfCommunicator>(backend_, sub);
+    return std::make_shared<SelfCommunicator>(backend_, device_, sub);
   }
 
  private:
@@ -112,6 +113,7 @@ class SelfCommunicator final : public Communicator {
                        ")"));
   }
   std::string backend_;
+  c10::Device device_;
 };
 
 // Copies src into dst unless they are the same memory.
@@ -351,12 +353,31 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks)
   TESSERA_CHECK_AS(UsageError, subRank >= 0, "Communicator::split: rank ", rank_, " is not in the subset [", members,
                    "]; only members call split()");
   const std::string name = strCat(options_.name, "/split[", members, "]");
+  std::shared_ptr<Communicator> sub;
   if (ranks.size() == 1) {
-    CommOptions sub = options_;
-    sub.name = name;
-    return std::make_shared<SelfCommunicator>(backendName(), sub);
+    CommOptions options = options_;
+    options.name = name;
+    sub = std::make_shared<SelfCommunicator>(backendName(), tensorDevice(), options);
+  } else {
+    sub = doSplit(ranks, subRank, name);
   }
-  return doSplit(ranks, subRank, name);
+  if (host_) sub->setHost(host_->split(ranks));
+  return sub;
+}
+
+std::shared_ptr<Communicator> Communicator::host() {
+  if (host_) return host_;
+  TESSERA_CHECK_AS(UsageError, tensorDevice().is_cpu() || local(), "Communicator::host: ", describe(),
+                   " takes ", tensorDevice(), " tensors and has no CPU twin attached (setHost)");
+  return shared_from_this();
+}
+
+void Communicator::setHost(std::shared_ptr<Communicator> host) {
+  TESSERA_CHECK_AS(UsageError, host != nullptr && host->tensorDevice().is_cpu() && host->rank() == rank_ &&
+                                   host->worldSize() == world_,
+                   "Communicator::setHost: the twin of ", describe(), " must be a CPU communicator of rank ", rank_,
+                   " of ", world_, ", got ", host ? host->describe() : std::string("none"));
+  host_ = std::move(host);
 }
 
 CommStats Communicator::stats() const {
@@ -407,6 +428,17 @@ std::shared_ptr<Communicator> makeCommunicator(const std::string& backend, std::
 #endif
   }
   throw ConfigError(strCat("makeCommunicator: unknown backend '", backend, "' (gloo | nccl)"));
+}
+
+void allReduceHostTensor(Communicator& comm, const at::Tensor& t, ReduceOp op) {
+  TESSERA_CHECK_AS(UsageError, t.device().is_cpu(), "allReduceHostTensor: needs a CPU tensor, got one on ", t.device());
+  if (comm.tensorDevice().is_cpu()) {
+    comm.allReduce(t, op);
+    return;
+  }
+  const at::Tensor there = t.to(comm.tensorDevice());
+  comm.allReduce(there, op);
+  t.copy_(there.cpu());
 }
 
 }  // namespace tessera::distributed

@@ -39,6 +39,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include <array>
 #include <atomic>
@@ -106,7 +107,7 @@ class CommHandle {
   virtual bool isCompleted() = 0;
 };
 
-class Communicator {
+class Communicator : public std::enable_shared_from_this<Communicator> {
  public:
   virtual ~Communicator();
   Communicator(const Communicator&) = delete;
@@ -118,6 +119,17 @@ class Communicator {
   const CommOptions& options() const { return options_; }
   // "gloo group 'world' rank 1 of 4" for messages.
   std::string describe() const;
+  // Where this backend's buffers live: the CPU (gloo), or its CUDA device (nccl).
+  virtual c10::Device tensorDevice() const { return c10::Device(c10::kCPU); }
+
+  // The group's host twin, for the CPU-side traffic of checkpoints, exports and agreement:
+  // this communicator itself when it takes CPU tensors (gloo), else the gloo communicator
+  // over the same ranks attached by setHost() (Runtime attaches the world's; split()
+  // splits both, so every subgroup has its twin). Throws UsageError naming the group when
+  // an nccl group has none.
+  std::shared_ptr<Communicator> host();
+  // `host` must be a CPU communicator of this group's rank and size.
+  void setHost(std::shared_ptr<Communicator> host);
 
   // All-gather. flat_out.numel() == N * local_in.numel(), same dtype; rank r's local_in
   // lands in elements [r*k, (r+1)*k) of flat_out (k = local_in.numel()). In place: local_in
@@ -193,6 +205,7 @@ class Communicator {
   int rank_;
   int world_;
   CommOptions options_;
+  std::shared_ptr<Communicator> host_;  // setHost(); null: this one (or none, for nccl)
   std::array<std::atomic<int64_t>, kNumCommOps> calls_{};
   std::array<std::atomic<int64_t>, kNumCommOps> bytes_{};
   std::shared_ptr<CommHealth> health_;
@@ -210,6 +223,9 @@ void markCommBroken(const std::shared_ptr<CommHealth>& health, const std::string
 
 // True when this build has the nccl backend.
 bool ncclAvailable();
+// All-reduces a CPU tensor in place over `comm`, whatever its backend: through the
+// backend's device (a copy there and back) when that is not the CPU.
+void allReduceHostTensor(Communicator& comm, const at::Tensor& t, ReduceOp op);
 
 // The store key namespace of a group called `name`, unique per creation: the k-th group
 // named `name` that a rank creates gets "tessera/comm/<name>#k" on every rank (one store

@@ -15,7 +15,9 @@
 #endif
 
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -284,6 +286,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
+    stopWatchdog();
     try {
       DeviceGuard guard(state_->device);
       std::lock_guard<std::mutex> lock(state_->mutex);
@@ -305,6 +308,9 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::string backendName() const override { return "nccl"; }
+  c10::Device tensorDevice() const override {
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(state_->device));
+  }
 
  protected:
   std::shared_ptr<CommHandle> doAllGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) override {
@@ -463,8 +469,70 @@ class NcclCommunicator final : public Communicator {
       }
       cudaCheck(cudaEventRecord(done, stream), context);
     }
-    return std::make_shared<NcclHandle>(state_, done, std::move(keepAlive), method, std::move(what), timeout,
-                                        forceBlocking || nccl_.blockingWait, health());
+    const bool blocking = forceBlocking || nccl_.blockingWait;
+    if (!blocking) watch(stream, context, timeout);  // outside state_->mutex: the watchdog takes it
+    return std::make_shared<NcclHandle>(state_, done, std::move(keepAlive), method, std::move(what), timeout, blocking,
+                                        health());
+  }
+
+  // The watchdog. Non-blocking waits leave the host free to run ahead of the GPU, so no
+  // wait() notices a collective that never finishes (a rank that stopped, a mismatched
+  // call); this thread does. It polls each operation's completion in issue order and, past
+  // the timeout, aborts the communicator (NCCL's kernels then return, so no stream stays
+  // blocked and a host synchronise returns) and marks it broken: the next call on it
+  // throws, naming the operation that timed out.
+  struct Watched {
+    cudaEvent_t done;
+    Clock::time_point deadline;
+    std::string what;
+  };
+
+  void watch(cudaStream_t stream, const std::string& context, std::chrono::milliseconds timeout) {
+    cudaEvent_t done = nullptr;
+    cudaCheck(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), context);
+    cudaCheck(cudaEventRecord(done, stream), context);
+    std::lock_guard<std::mutex> lock(watchMutex_);
+    if (!watchdog_.joinable()) watchdog_ = std::thread([this] { watchLoop(); });
+    watched_.push_back({done, Clock::now() + timeout, context});
+  }
+
+  void watchLoop() {
+    cudaSetDevice(state_->device);
+    std::unique_lock<std::mutex> lock(watchMutex_);
+    while (!stopWatching_) {
+      watchCv_.wait_for(lock, std::chrono::milliseconds(20));
+      while (!watched_.empty()) {
+        const Watched& w = watched_.front();
+        if (cudaEventQuery(w.done) == cudaErrorNotReady) {
+          if (Clock::now() < w.deadline) break;
+          const std::string why =
+              strCat(w.what, ": timed out after ", formatDuration(options().timeout), " (the watchdog aborted ",
+                     describe(), ")");
+          {
+            std::lock_guard<std::mutex> state(state_->mutex);
+            state_->abort();
+          }
+          markCommBroken(health(), why);
+          TLOG_ERROR(why);
+          for (const Watched& x : watched_) cudaEventDestroy(x.done);
+          watched_.clear();
+          break;
+        }
+        cudaEventDestroy(w.done);  // done (a CUDA error shows at the caller's next call)
+        watched_.pop_front();
+      }
+    }
+    for (const Watched& x : watched_) cudaEventDestroy(x.done);
+    watched_.clear();
+  }
+
+  void stopWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(watchMutex_);
+      stopWatching_ = true;
+    }
+    watchCv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
   }
 
   std::shared_ptr<Store> store_;
@@ -474,6 +542,11 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t reduceScatterStream_ = nullptr;
   cudaStream_t otherStream_ = nullptr;
   float* barrierBuffer_ = nullptr;
+  std::mutex watchMutex_;
+  std::condition_variable watchCv_;
+  std::deque<Watched> watched_;
+  bool stopWatching_ = false;
+  std::thread watchdog_;
 };
 
 }  // namespace

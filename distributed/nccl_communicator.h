@@ -13,10 +13,12 @@
 //   compute produced; CommHandle::wait() makes the current stream wait for the
 //   operation's completion event. The current stream is c10's current CUDA stream
 //   when LibTorch has CUDA (TESSERA_TORCH_HAS_CUDA), else the legacy default stream.
-// - With blockingWait (default) wait() also blocks the host until the operation is done,
-//   polling ncclCommGetAsyncError, and aborts the communicator after the timeout
-//   (TimeoutError naming operation, rank and bytes). Without it, wait() only orders
-//   streams and timeouts surface at the next blocking call.
+// - By default wait() only orders streams, so the host runs ahead of the GPU (a step has
+//   no device-wide synchronisation); a watchdog thread polls each operation's completion
+//   and, past the timeout, aborts the communicator (in-flight kernels return) and marks
+//   it broken, so the next call throws naming the operation. With blockingWait, wait()
+//   also blocks the host until the operation is done, polling ncclCommGetAsyncError, and
+//   throws TimeoutError (naming operation, rank and bytes) itself.
 // - gatherToRoot is a group (ncclGroupStart/End) of ncclSend/ncclRecv; broadcast,
 //   all-gather and gather move raw bytes (any dtype); reductions support float, double,
 //   half, bfloat16, int8, uint8, int32, int64 (AVG via ncclAvg).
@@ -32,7 +34,7 @@ namespace tessera::distributed {
 struct NcclOptions {
   CommOptions comm;
   int device = -1;          // CUDA device of this rank; -1 = the current device
-  bool blockingWait = true;  // see above
+  bool blockingWait = false;  // see above
 };
 
 // Every rank of the group calls it with the same name and world. Throws TimeoutError when

@@ -46,8 +46,11 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
     NcclOptions nccl;
     nccl.comm.timeout = options.commTimeout;
     nccl.comm.name = "world_nccl";
-    nccl.device = env.local_rank;
+    // This rank's GPU, as trainer::trainingDevice picks it: LOCAL_RANK modulo the GPUs.
+    const int gpus = static_cast<int>(at::getNumGPUs());
+    nccl.device = gpus > 0 ? env.local_rank % gpus : env.local_rank;
     runtime->comm_ = makeNcclCommunicator(runtime->store_, env.rank, env.world_size, nccl);
+    runtime->comm_->setHost(runtime->cpuComm_);
 #endif
   }
   runtime->startupSeconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -37,7 +37,8 @@ class Runtime {
   const std::shared_ptr<Store>& store() const { return store_; }
   // The backend's world communicator (options.backend).
   const std::shared_ptr<Communicator>& comm() const { return comm_; }
-  // A gloo world communicator (the same object as comm() when the backend is gloo).
+  // A gloo world communicator: the same object as comm() when the backend is gloo, else
+  // comm()'s host twin (comm()->host(); its subgroups have theirs).
   const std::shared_ptr<Communicator>& cpuComm() const { return cpuComm_; }
   // Seconds from init() to all ranks past rendezvous and connected.
   double startupSeconds() const { return startupSeconds_; }

@@ -444,7 +444,8 @@ class TimestepEmbedder(nn.Module):
         return embedding
 
     def forward(self, t):
-        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size))
+        # In the MLP's dtype, as Tessera: bf16 parameters (FSDP2's param_dtype) take bf16 in.
+        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size).to(self.mlp[0].weight.dtype))
 
 
 class LabelEmbedder(nn.Module):
@@ -461,8 +462,8 @@ class LabelEmbedder(nn.Module):
 
 
 class Attention(nn.Module):
-    """timm's Attention (qkv_bias=True, no q/k norm) computed as Tessera does, without a
-    fused kernel: softmax(q k^T / sqrt(head_dim)) v."""
+    """timm's Attention (qkv_bias=True, no q/k norm) computed as Tessera does:
+    softmax(q k^T / sqrt(head_dim)) v, through the fused kernel on PyTorch 2."""
 
     def __init__(self, dim, num_heads):
         super().__init__()
@@ -477,8 +478,11 @@ class Attention(nn.Module):
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
-        attn = ((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)).softmax(dim=-1)
-        x = (attn @ v).transpose(1, 2).reshape(B, N, C)
+        if hasattr(F, "scaled_dot_product_attention"):  # PyTorch 2: the fused kernel, as timm and Tessera there
+            x = F.scaled_dot_product_attention(q, k, v)
+        else:
+            x = ((q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)).softmax(dim=-1) @ v
+        x = x.transpose(1, 2).reshape(B, N, C)
         return self.proj(x)
 
 

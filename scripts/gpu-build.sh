@@ -2,7 +2,7 @@
 # Builds Tessera with CUDA and the nccl backend against the LibTorch inside an installed
 # PyTorch 2.x wheel, on a GPU machine that has PyTorch, CUDA and NCCL but no package
 # registry. The few Debian libraries Tessera needs besides (yaml-cpp, spdlog, fmt, CLI11,
-# nlohmann-json, xxhash, GoogleTest, gloo headers) travel as .deb files:
+# nlohmann-json, xxhash, GoogleTest, gloo headers, libpng, TurboJPEG, zlib) travel as .deb files:
 #
 #   on a Debian/Ubuntu machine with apt:   scripts/gpu-build.sh --fetch   (fills .gpu-debs/)
 #   copy the checkout to the GPU machine:  scripts/gpu-build.sh           (unpacks, builds)
@@ -21,6 +21,7 @@ PYTHON=${PYTHON:-python3}
 DEB_PACKAGES=(
   libyaml-cpp-dev libyaml-cpp0.7 libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
   libcli11-dev nlohmann-json3-dev libxxhash-dev libxxhash0 libgtest-dev libgmock-dev libgloo-dev
+  libpng-dev libpng16-16 libturbojpeg0-dev libturbojpeg0 zlib1g-dev zlib1g
 )
 
 if [ "${1:-}" = "--fetch" ]; then
@@ -43,6 +44,11 @@ if [ ! -f "$stamp" ] || [ -n "$(find "$DEBS_DIR" -name '*.deb' -newer "$stamp")"
     else  # a .deb is an ar archive holding data.tar.*
       tmp=$(mktemp -d) && (cd "$tmp" && ar x "$OLDPWD/$deb" && tar -xf data.tar.* -C "$DEPS_PREFIX") && rm -rf "$tmp"
     fi
+  done
+  # Absolute links (Debian's libz.so -> /lib/...) point into the prefix instead.
+  find "$DEPS_PREFIX" -type l | while read -r link; do
+    target=$(readlink "$link")
+    case "$target" in /*) [ -e "$DEPS_PREFIX$target" ] && ln -sfn "$DEPS_PREFIX$target" "$link" ;; esac
   done
   touch "$stamp"
 fi

@@ -279,7 +279,7 @@ StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepS
   const bool normOverWorld = shardComm_.get() == comm_.get();
   const GradNorm norm = clipGradNorm(params_, options_.gradClip, *shardComm_,
                                      normOverWorld && alongside ? sumAlongside : at::Tensor());
-  if (!normOverWorld && alongside) comm_->allReduce(sumAlongside, distributed::ReduceOp::kSum);
+  if (!normOverWorld && alongside) distributed::allReduceHostTensor(*comm_, sumAlongside, distributed::ReduceOp::kSum);
   result.gradNorm = norm.norm;
   result.clipCoef = norm.clipCoef;
   if (!norm.finite()) {

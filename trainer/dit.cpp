@@ -2,6 +2,7 @@
 #include "trainer/dit.h"
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include <cmath>
 
@@ -90,14 +91,20 @@ DiTBlock::DiTBlock(int64_t width, int64_t heads, int64_t mlpWidth, at::Device de
 at::Tensor DiTBlock::forward(const at::Tensor& x, const at::Tensor& c) {
   const auto mod = modulation_->forward(at::silu(c)).chunk(6, /*dim=*/1);
   const int64_t batch = x.size(0), tokens = x.size(1), width = x.size(2), headDim = width / heads_;
-  // timm's Attention without its fused kernel: softmax((q / sqrt(d)) k^T) v, heads split
-  // from qkv's [3, heads, d] feature order.
+  // timm's Attention: softmax((q / sqrt(d)) k^T) v, heads split from qkv's [3, heads, d]
+  // feature order; on PyTorch 2 through its fused kernel (timm's fused_attn), as
+  // python/tessera_models.py does there.
   const at::Tensor qkv = qkv_->forward(modulate(plainLayerNorm(x), mod[0], mod[1]))
                              .reshape({batch, tokens, 3, heads_, headDim})
                              .permute({2, 0, 3, 1, 4});
+#if TORCH_VERSION_MAJOR >= 2
+  const at::Tensor attended =
+      at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({batch, tokens, width});
+#else
   const at::Tensor q = qkv[0] * (1.0 / std::sqrt(static_cast<double>(headDim))), k = qkv[1], v = qkv[2];
   const at::Tensor attended =
       at::softmax(q.matmul(k.transpose(-2, -1)), -1).matmul(v).transpose(1, 2).reshape({batch, tokens, width});
+#endif
   const at::Tensor h = x + mod[2].unsqueeze(1) * proj_->forward(attended);
   const at::Tensor hidden = at::gelu(fc1_->forward(modulate(plainLayerNorm(h), mod[3], mod[4])), "tanh");
   return h + mod[5].unsqueeze(1) * fc2_->forward(hidden);

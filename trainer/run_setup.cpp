@@ -71,6 +71,30 @@ at::Device trainingDevice(const TrainConfig& cfg) {
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
+}  // namespace
+
+distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distributed::RankEnv& env) {
+  distributed::RuntimeOptions options;
+  const bool cuda = cfg.run.device == "cuda";
+  const int64_t gpus = cuda && torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
+  const bool gpuPerRank = gpus >= env.local_world_size;
+  if (cfg.run.backend == "nccl") {
+    TESSERA_CHECK_AS(ConfigError, cuda, "run.backend: nccl moves CUDA tensors; run.device is ", cfg.run.device);
+    TESSERA_CHECK_AS(ConfigError, distributed::ncclAvailable(),
+                     "run.backend: nccl, but this build has no nccl backend (build with scripts/gpu-build.sh)");
+    TESSERA_CHECK_AS(ConfigError, gpuPerRank, "run.backend: nccl needs a GPU per rank: ", env.local_world_size,
+                     " ranks on this node, ", gpus, " GPUs visible (NCCL refuses two ranks on one GPU; use gloo)");
+    options.backend = "nccl";
+  } else if (cfg.run.backend == "auto") {
+    options.backend = cuda && distributed::ncclAvailable() && gpuPerRank ? "nccl" : "gloo";
+  } else {
+    options.backend = "gloo";
+  }
+  return options;
+}
+
+namespace {
+
 // The seed a model's initial values are drawn with: run.seed for the single-model form
 // (as runs always had), mixed with the name for a models: entry, so that two models of
 // the same architecture do not start equal.
@@ -143,12 +167,12 @@ void setUpCheckpointer(RunParts& run) {
   checkpoint::CheckpointOptions options;
   options.keepLast = static_cast<int>(run.cfg.checkpoint.keep_last);
   options.async = run.cfg.checkpoint.async;
-  run.checkpointer.emplace((run.runDir / "checkpoints").string(), first.strategy->stateCommPtr(), options);
+  run.checkpointer.emplace((run.runDir / "checkpoints").string(), first.strategy->stateCommPtr()->host(), options);
   if (first.ema && !first.cfg.ema.options.powerStds.empty()) {
     // Post-hoc EMA snapshots (single-model form): every one kept (keep_last 0), written
     // synchronously (an async writer would keep a second staging copy of the profiles).
     checkpoint::CheckpointOptions posthoc;
-    run.posthocWriter.emplace((run.runDir / "posthoc").string(), first.strategy->stateCommPtr(), posthoc);
+    run.posthocWriter.emplace((run.runDir / "posthoc").string(), first.strategy->stateCommPtr()->host(), posthoc);
   }
 }
 
@@ -225,14 +249,14 @@ bool resume(RunParts& run) {
   const checkpoint::StateMap states = run.states();
   std::optional<checkpoint::LoadResult> loaded;
   if (cfg.checkpoint.resume == "auto") {
-    loaded = checkpoint::resumeLatest(checkpointsDir, states, run.comm.get());
+    loaded = checkpoint::resumeLatest(checkpointsDir, states, run.hostComm.get());
   } else {
     std::error_code missing;
     if (!fs::exists(cfg.checkpoint.resume, missing)) {
       throw ConfigError(strCat("checkpoint.resume: no checkpoint directory at '", cfg.checkpoint.resume, "'",
                                relativePathNote(cfg.checkpoint.resume)));
     }
-    loaded = checkpoint::load(cfg.checkpoint.resume, states, run.comm.get());
+    loaded = checkpoint::load(cfg.checkpoint.resume, states, run.hostComm.get());
   }
   if (!loaded) return false;
   const TrainerCounters saved =
@@ -261,7 +285,7 @@ void importInto(RunParts& run, const std::string& key, const std::string& file,
                 const std::vector<checkpoint::StateEntry>& entries, const std::string& stripPrefix) {
   checkpoint::ImportOptions options;
   options.stripPrefix = stripPrefix;
-  options.comm = run.comm.get();
+  options.comm = run.hostComm.get();
   try {
     checkpoint::importSafetensors(file, entries, options);
   } catch (const std::exception& e) {
@@ -303,6 +327,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->cfg = std::move(config);
   run->resolvedYaml = std::move(resolvedYaml);
   run->comm = std::move(comm);
+  run->hostComm = run->comm->host();
   const TrainConfig& cfg = run->cfg;
   const int rank = run->comm->rank();
   const int world = run->comm->worldSize();

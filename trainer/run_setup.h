@@ -16,6 +16,8 @@
 
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/state.h"
+#include "distributed/rank_env.h"
+#include "distributed/runtime.h"
 #include "ema/ema_manager.h"
 #include "sharding/lr_schedule.h"
 #include "sharding/strategy.h"
@@ -50,7 +52,9 @@ struct ModelPart {
 struct RunParts {
   TrainConfig cfg;
   std::string resolvedYaml;                         // saved as <run.dir>/config.resolved.yaml
-  std::shared_ptr<distributed::Communicator> comm;  // the world
+  std::shared_ptr<distributed::Communicator> comm;  // the world: parameters and gradients (gloo or nccl)
+  // comm's host twin (gloo): checkpoints, exports, metrics and every agreement on CPU tensors.
+  std::shared_ptr<distributed::Communicator> hostComm;
   std::filesystem::path runDir;
   at::Device device = at::kCPU;                     // run.device: the CPU or this rank's GPU
 
@@ -75,6 +79,11 @@ struct RunParts {
   // "generator:zero3 critic:zero2 teacher:zero3").
   std::string strategies() const;
 };
+
+// How this rank's Runtime starts for `cfg`: the backend of run.backend (auto: nccl when
+// run.device is cuda, the build has nccl and this node has a GPU per rank; else gloo).
+// ConfigError naming run.backend when nccl is asked for and cannot work here.
+distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distributed::RankEnv& env);
 
 // Builds every part and resumes (checkpoint.resume): every rank loads its own shards,
 // resharding as needed, and the counters continue where the checkpoint left off. A fresh

@@ -67,7 +67,7 @@ double meanOverRanks(const RunParts& run, int64_t n, const std::function<at::Ten
   const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
   const at::Tensor mine = losses(begin, end);
   at::Tensor sums = at::tensor({mine.to(at::kDouble).sum().item<double>(), static_cast<double>(mine.numel())}, at::kDouble);
-  run.comm->allReduce(sums, distributed::ReduceOp::kSum);
+  run.hostComm->allReduce(sums, distributed::ReduceOp::kSum);
   return sums[0].item<double>() / sums[1].item<double>();
 }
 
@@ -190,7 +190,7 @@ class StandardRecipe : public Recipe {
     const SampleRequest request = evalRequest(*model, e.sample_per_class);
     std::vector<std::string> written;
     const auto draw = [&](const std::string& name) {
-      const at::Tensor samples = trainer::drawSamples(*model, request, run_.comm.get(), run_.device);
+      const at::Tensor samples = trainer::drawSamples(*model, request, run_.hostComm.get(), run_.device);
       if (run_.comm->rank() == 0) written.push_back(writeStepGrid(run_, step, name, samples, e.sample_per_class));
     };
     if (part_.ema) {
@@ -211,7 +211,7 @@ class StandardRecipe : public Recipe {
     const SampleRequest request = evalRequest(model, run_.cfg.eval.judge_per_class);
     at::Tensor samples;
     ema::withEmaWeights(*part_.ema, *part_.strategy, 0,
-                        [&] { samples = trainer::drawSamples(model, request, run_.comm.get(), run_.device); });
+                        [&] { samples = trainer::drawSamples(model, request, run_.hostComm.get(), run_.device); });
     if (run_.comm->rank() != 0) return "";
     const Judgement j = judge_->judge(samples, request.labels);
     return strCat("judge: ", j.samples, " samples of ", part_.cfg.names.ema, " (DDIM ", request.steps, " steps, guidance ",

@@ -172,6 +172,10 @@ void bindRunKeys(config::ConfigSchema& s, RunOptions& run) {
       .min(0);
   s.add("run.device", &run.device, "Where the model trains: cpu, or cuda (each rank's GPU: LOCAL_RANK modulo the GPUs)")
       .oneOf({"cpu", "cuda"});
+  s.add("run.backend", &run.backend,
+        "How parameters and gradients travel: auto (nccl for cuda when each rank of a node has a GPU of its own, "
+        "else gloo), nccl (cuda only), or gloo; checkpoints and agreement always go over gloo")
+      .oneOf({"auto", "nccl", "gloo"});
   std::string recipes;
   std::vector<std::string> recipeNames;
   for (const RecipeSpec* spec : recipeSpecs()) {

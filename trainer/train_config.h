@@ -28,6 +28,7 @@ struct RunOptions {
   int64_t stop_after_steps = 0;   // stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end
   int64_t eval_every = 0;         // held-out loss (live and EMA weights) every N steps; 0 = at the end only
   std::string device = "cpu";     // cpu | cuda (this rank's GPU: LOCAL_RANK modulo the GPUs visible)
+  std::string backend = "auto";   // auto | nccl | gloo: how parameters and gradients travel (commBackend)
   std::string recipe = "standard";  // standard (the one `model`) | dmd (models generator, critic, teacher)
 };
 

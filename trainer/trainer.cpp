@@ -74,7 +74,7 @@ std::vector<std::string> writeExports(RunParts& run, int64_t done, const std::ve
     const std::string out = (run.runDir / "export" / (what + ".safetensors")).string();
     if (rank == 0) fs::create_directories(run.runDir / "export");
     if (writer.firstReplica()) {  // rank 0 of the state group (global rank 0) writes; logs what it wrote
-      checkpoint::exportOnline(states, &writer.stateComm(), out, options);
+      checkpoint::exportOnline(states, writer.stateCommPtr()->host().get(), out, options);
     }
     if (rank == 0) written.push_back(out);
   }
@@ -93,7 +93,7 @@ std::vector<std::string> missingExports(RunParts& run) {
       missing[static_cast<int64_t>(i)] = fs::exists(run.runDir / "export" / (names[i] + ".safetensors"), ec) ? 0 : 1;
     }
   }
-  run.comm->broadcast(missing, 0);
+  run.hostComm->broadcast(missing, 0);
   std::vector<std::string> out;
   for (size_t i = 0; i < names.size(); ++i) {
     if (missing[static_cast<int64_t>(i)].item<int64_t>() != 0) out.push_back(names[i]);
@@ -210,7 +210,7 @@ class TrainLoop {
       summary_.lossCurvePath = (run_.runDir / "loss.svg").string();
       metrics_->writeLossCurve(summary_.lossCurvePath, "training loss: " + cfg_.run.name);
     }
-    run_.comm->barrier();
+    run_.hostComm->barrier();
     return summary_;
   }
 
@@ -226,7 +226,7 @@ class TrainLoop {
     const double elapsed = nowSec() - windowStart_;
     const distributed::CommStats sent = comm.stats();  // the window's steps (and saves), not what follows
     at::Tensor rss = at::full({1}, peakRssMiB(), at::kDouble);
-    comm.allReduce(rss, distributed::ReduceOp::kMax);
+    run_.hostComm->allReduce(rss, distributed::ReduceOp::kMax);
     StepMetrics m;
     m.step = done;
     m.loss = windowLoss_ / static_cast<double>(windowSteps_);

@@ -14,6 +14,7 @@
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
 #include "sharding/host_allocator.h"
+#include "trainer/run_setup.h"
 #include "trainer/trainer.h"
 
 int main(int argc, char** argv) {
@@ -48,8 +49,9 @@ int main(int argc, char** argv) {
     }
     tessera::log::init(logOptions);
 
-    auto runtime = tessera::distributed::Runtime::init(env);
-    TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s");
+    auto runtime = tessera::distributed::Runtime::init(env, tessera::trainer::runtimeOptions(cfg, env));
+    TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s; "
+                                << runtime->comm()->backendName() << " moves parameters and gradients");
     tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, runtime->comm());
     const auto summary = trainer.run();
     if (summary.alreadyFinished) {  // said so, nothing trained; the exports it lacked written

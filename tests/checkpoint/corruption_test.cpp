@@ -6,11 +6,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
 #include "checkpoint/format.h"
 #include "checkpoint/metadata.h"
+#include "checkpoint/reader.h"
 #include "tests/checkpoint/checkpoint_test_util.h"
 
 namespace tessera::checkpoint {
@@ -267,6 +269,59 @@ TEST(EdgeBlockTest, DamageInTheRowsNotKeptOfAnEdgeBlockIsCaught) {
     EXPECT_HAS(readError(damaged == 20 ? 22 : 0, damaged == 20 ? 44 : 22), "checksum mismatch");
     EXPECT_EQ(readError(24, 64), "");
     flipByteOfRow(damaged);  // undone
+  }
+}
+
+// Sets TESSERA_CHECKPOINT_PIPELINE for the scope (checkpoint/format.h: pipelinedChecksums).
+class PipelineSetting {
+ public:
+  explicit PipelineSetting(bool on) { setenv("TESSERA_CHECKPOINT_PIPELINE", on ? "1" : "0", 1); }
+  ~PipelineSetting() { unsetenv("TESSERA_CHECKPOINT_PIPELINE"); }
+};
+
+// Checksums computed on a helper thread while the disk works (saves: hash || write;
+// verified loads: read || hash), over several 16 MiB segments: the same files as inline
+// hashing, the same values back, and damage in any segment caught, with the tensor named.
+TEST(PipelinedChecksumTest, SameFilesAndSameDamageCaughtAsInline) {
+  TempDir tmp;
+  std::vector<GlobalTensor> model = sampleModel();
+  // 36 MiB in one chunk: three segments, the last one partial.
+  model.push_back({"model/big", at::arange(int64_t{9} << 20, at::kFloat).sin().view({int64_t{9} << 10, 1024})});
+  CheckpointOptions options;  // 1 MiB blocks
+  for (const bool pipelined : {false, true}) {
+    PipelineSetting setting(pipelined);
+    EXPECT_EQ(pipelinedChecksums(), pipelined);
+    saveSingle(tmp / (pipelined ? "pipelined" : "inline"), model, 1, options);
+  }
+  const std::string inlineDir = tmp / "inline/step_00000001", pipelinedDir = tmp / "pipelined/step_00000001";
+  EXPECT_EQ(readText(inlineDir + "/rank_00000.bin"), readText(pipelinedDir + "/rank_00000.bin"));
+  EXPECT_EQ(readText(inlineDir + "/metadata.json"), readText(pipelinedDir + "/metadata.json"));
+
+  const TensorInfo big = *CheckpointReader(pipelinedDir).metadata().find("model/big");
+  ASSERT_EQ(big.chunks.size(), 1u);
+  for (const bool pipelined : {false, true}) {
+    PipelineSetting setting(pipelined);
+    auto entries = junkEntriesFor(model, 1, 0);
+    loadCheckpoint(pipelinedDir, entries);
+    for (size_t i = 0; i < model.size(); ++i) {  // one rank: local = the whole tensor (0-d held as [1])
+      EXPECT_TRUE(bitwiseEqual(entries[i].local.reshape({-1}), model[i].full.reshape({-1}))) << model[i].name;
+    }
+  }
+  // Damage in the first segment, then also in the last: caught either way.
+  for (const int64_t at : {int64_t{5}, (int64_t{35} << 20) + 7}) {
+    flipByte(pipelinedDir + "/rank_00000.bin", big.chunks[0].offset + at);
+    for (const bool pipelined : {false, true}) {
+      PipelineSetting setting(pipelined);
+      auto entries = junkEntriesFor(model, 1, 0);
+      try {
+        loadCheckpoint(pipelinedDir, entries);
+        ADD_FAILURE() << "damage at byte " << at << " not caught, pipelined " << pipelined;
+      } catch (const CheckpointError& e) {
+        EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("'model/big'"), std::string::npos) << e.what();
+      }
+    }
+    flipByte(pipelinedDir + "/rank_00000.bin", big.chunks[0].offset + at);  // undone
   }
 }
 

@@ -5,7 +5,8 @@
 //  - gloo with CUDA tensors (ranks sharing the GPU, staged through host copies);
 //  - no_shard / zero1 / zero2 training of a CUDA model on 1-3 ranks sharing the GPU, and
 //    zero3 on one rank, equal single-process CPU training (zero3 frees the CUDA parameter
-//    storage between uses and regrows it in place);
+//    storage between uses and regrows it in place); zero3 through the nccl communicator
+//    at one rank (fp32 and bf16 compute) equal it too;
 //  - the EMA's fused accelerator update equals a dense float64 reference;
 //  - an async checkpoint of CUDA-resident state stages it (pinned host memory) before the
 //    save returns, and loads back equal, also at another world size.
@@ -241,6 +242,86 @@ INSTANTIATE_TEST_SUITE_P(StrategiesAndWorlds, CudaStrategyTest,
 // (seen on the H100: an all-gather timed out). Multi-rank zero3 needs a process per GPU.
 INSTANTIATE_TEST_SUITE_P(Zero3OneRank, CudaStrategyTest, ::testing::Combine(::testing::Values("zero3"), ::testing::Values(1)),
                          paramName);
+
+// --- zero3 over the nccl communicator (the trainer's path with run.device: cuda) ---
+
+// zero3 at world size 1 through the real NCCL path (all-gathers and reduce-scatters on the
+// communicator's own streams, ordered by events), fp32 and with bf16 compute over fp32
+// masters: equal to single-process CPU training (bf16: to bf16 rounding), and the host
+// twin of the group carries CPU agreement.
+TEST(CudaNcclStrategyTest, Zero3MatchesSingleProcessCpuTraining) {
+  TESSERA_REQUIRE_CUDA();
+  if (!distributed::ncclAvailable()) GTEST_SKIP() << "built without the nccl backend";
+  using namespace sharding;
+  using namespace sharding::testing;
+  constexpr int kSteps = 10;
+  constexpr double kLr = 1e-2;
+  const Batches data = makeBatches(kSteps, 12, 5, 1, 11);
+  torch::manual_seed(5);
+  TinyMlp init;
+  const auto initial = paramValues(*init);
+  OptimizerOptions optim;
+  optim.kind = sharding::OptimizerKind::kAdamW;
+  optim.weightDecay = 0.1;
+
+  TinyMlp ref;
+  loadParamValues(*ref, initial);
+  auto refOpt = referenceOptimizer(optim, kLr, *ref);
+  std::vector<double> refLosses;
+  for (int t = 0; t < kSteps; ++t) {
+    refOpt->zero_grad();
+    const at::Tensor loss = torch::mse_loss(ref->forward(data.x[t]), data.y[t]);
+    refLosses.push_back(loss.item<double>());
+    loss.backward();
+    torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
+    refOpt->step();
+  }
+  const auto want = paramValues(*ref);
+
+  for (const at::ScalarType compute : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(compute == at::kFloat ? "fp32" : "bf16 compute");
+    auto comm = ncclWorldOfOne();
+    auto cpu = distributed::makeCommunicator("gloo", distributed::Store::createInProcess(), 0, 1);
+    comm->setHost(cpu);
+    EXPECT_EQ(comm->host().get(), cpu.get());
+    EXPECT_TRUE(comm->tensorDevice().is_cuda());
+
+    TinyMlp model;
+    loadParamValues(*model, initial);
+    model->to(at::kCUDA);
+    StrategyOptions o;
+    o.strategy = StrategyKind::kZero3;
+    o.optimizer = optim;
+    o.gradClip = 0.5;
+    o.paramDtype = compute;
+    auto engine = makeStrategy(*model, comm, o);
+    for (int t = 0; t < kSteps; ++t) {
+      engine->zeroGrad();
+      // The module computes in its parameters' dtype: inputs cast to it (FSDP2 casts them itself).
+      const at::Tensor x = data.x[t].to(at::kCUDA, compute), y = data.y[t].to(at::kCUDA);
+      at::Tensor out = sharding::unitForward(*model, x, [&](const at::Tensor& in) { return model->forward(in); });
+      const at::Tensor loss = torch::mse_loss(out.to(at::kFloat), y);
+      sharding::StepSums sums;
+      sums.add("loss", loss.item<double>());
+      loss.backward();
+      const StepResult result = engine->step(kLr, &sums);
+      EXPECT_FALSE(result.skipped);
+      // The loss rode along the gradient norm's all-reduce (on the GPU for nccl).
+      EXPECT_NEAR(sums["loss"], loss.item<double>(), 1e-12);
+      if (compute == at::kFloat) EXPECT_NEAR(sums["loss"], refLosses[static_cast<size_t>(t)], 1e-5);
+    }
+    EXPECT_GT(comm->stats().totalCalls(), 0) << "no collective went through NCCL";
+    dynamic_cast<FullyShardStrategy&>(*engine).gatherFullParameters();
+    for (const ShardedParam& record : engine->params()) {
+      EXPECT_TRUE(record.master.device().is_cuda()) << record.name;
+      const at::Tensor master = record.master.detach().cpu().reshape(-1).narrow(0, 0, want.at(record.name).numel());
+      // fp32: CPU and CUDA kernels sum in other orders; bf16: forward and backward in bf16.
+      const double tolerance = compute == at::kFloat ? 1e-4 : 3e-2;
+      EXPECT_LT(relativeError(master.view(want.at(record.name).sizes()), want.at(record.name)), tolerance)
+          << record.name;
+    }
+  }
+}
 
 // --- EMA ---
 

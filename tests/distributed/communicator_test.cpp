@@ -452,6 +452,45 @@ TEST(CommunicatorTest, SplitIntoSubgroups) {
   });
 }
 
+// An nccl group's CPU traffic (checkpoints, agreement) goes over its host twin; here a
+// second gloo group stands in for the twin (no GPU needed): host() answers it, every split
+// has the split of the twin as its own, and allReduceHostTensor works on either.
+TEST(CommunicatorTest, HostTwinFollowsSplits) {
+  runOnRanks(4, [](RankContext& ctx) {
+    auto world = ctx.comm();
+    EXPECT_EQ(world->host().get(), world.get()) << "a gloo group is its own host";
+    EXPECT_TRUE(world->tensorDevice().is_cpu());
+    auto twin = makeGlooCommunicator(ctx.store, ctx.rank, ctx.world, ctx.glooOptions("twin"));
+    world->setHost(twin);
+    EXPECT_EQ(world->host().get(), twin.get());
+
+    const std::vector<int> members = ctx.rank < 2 ? std::vector<int>{0, 1} : std::vector<int>{2, 3};
+    auto sub = world->split(members);
+    auto subHost = sub->host();
+    ASSERT_NE(subHost.get(), sub.get());
+    EXPECT_EQ(subHost->worldSize(), 2);
+    EXPECT_EQ(subHost->rank(), sub->rank());
+    EXPECT_NE(subHost->describe().find("twin/split[" + std::to_string(members[0]) + "," +
+                                       std::to_string(members[1]) + "]"),
+              std::string::npos)
+        << subHost->describe();
+    at::Tensor t = at::full({2}, static_cast<double>(ctx.rank), at::kDouble);
+    allReduceHostTensor(*sub, t, ReduceOp::kSum);
+    EXPECT_TRUE(t.equal(at::full({2}, static_cast<double>(members[0] + members[1]), at::kDouble)));
+    EXPECT_EQ(sub->stats()[CommOp::kAllReduce].calls, 1);
+    subHost->allReduce(t, ReduceOp::kMax);
+    EXPECT_EQ(subHost->stats()[CommOp::kAllReduce].calls, 1);
+    auto alone = world->split({ctx.rank});
+    EXPECT_EQ(alone->host()->worldSize(), 1);
+
+    // A twin must be of the same rank and size.
+    auto other = world->split(members);
+    EXPECT_THROW(other->setHost(twin), UsageError);
+    EXPECT_THROW(world->setHost(nullptr), UsageError);
+    world->barrier();
+  });
+}
+
 TEST(CommunicatorTest, FactoryErrors) {
   auto store = Store::createInProcess();
   EXPECT_THROW(makeCommunicator("mpi", store, 0, 1), ConfigError);

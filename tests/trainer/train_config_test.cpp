@@ -3,6 +3,7 @@
 // form is the one entry of TrainConfig::models, and each recipe's spec answers what the
 // recipe asks of the config.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <fstream>
 #include <string>
@@ -10,6 +11,7 @@
 #include "common/errors.h"
 #include "tests/support/scratch_path.h"
 #include "trainer/recipe_spec.h"
+#include "trainer/run_setup.h"
 #include "trainer/train_config.h"
 
 namespace tessera::trainer {
@@ -21,6 +23,31 @@ std::string writeConfig(const std::string& text) {
   const std::string path = test::scratchPath("tessera_train_config", "run.yaml");
   std::ofstream(path) << text;
   return path;
+}
+
+// run.backend: how parameters and gradients travel. auto picks nccl only for cuda with a
+// GPU per rank and a build that has it; nccl asked for where it cannot work is a config
+// error naming the key, before any rendezvous.
+TEST(TrainConfigTest, RunBackendPicksTheCommunicator) {
+  distributed::RankEnv env;
+  env.world_size = 2;
+  env.local_world_size = 2;
+  auto backendOf = [&](std::vector<std::string> overrides) {
+    return runtimeOptions(loadTrainConfig(kConfigs + "/default.yaml", overrides, 2).config, env).backend;
+  };
+  EXPECT_EQ(backendOf({}), "gloo");
+  EXPECT_EQ(backendOf({"run.backend=gloo"}), "gloo");
+  try {
+    backendOf({"run.backend=nccl"});
+    ADD_FAILURE() << "nccl for a CPU run";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("run.backend"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(loadTrainConfig(kConfigs + "/default.yaml", {"run.backend=mpi"}, 2), ConfigError);
+  if (!torch::cuda::is_available()) {
+    // cuda without a GPU fails when the run starts (trainingDevice); auto then says gloo.
+    EXPECT_EQ(backendOf({"run.device=cuda"}), "gloo");
+  }
 }
 
 TEST(TrainConfigTest, KeysLandInTheLibrarysOptionStructs) {
