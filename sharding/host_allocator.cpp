@@ -34,7 +34,10 @@ class CachingHostAllocator final : public c10::Allocator {
  public:
   CachingHostAllocator(c10::Allocator* previous, HostCacheOptions options) : previous_(previous), options_(options) {}
 
-  c10::DataPtr allocate(size_t bytes) const override {
+  // c10::Allocator::allocate is const in LibTorch 1.x and not in 2.x: the const one here
+  // overrides the first, the forwarder the second (no `override`, so both compile).
+  c10::DataPtr allocate(size_t bytes) { return static_cast<const CachingHostAllocator*>(this)->allocate(bytes); }
+  c10::DataPtr allocate(size_t bytes) const {
     if (bytes < options_.minBytes) return previous_->allocate(bytes);
     const size_t size = (bytes + kPage - 1) / kPage * kPage;
     std::lock_guard<std::mutex> lock(mutex_);

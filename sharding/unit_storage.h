@@ -23,7 +23,10 @@ class FullyShardState;
 class UnitStorageAllocator final : public c10::Allocator {
  public:
   UnitStorageAllocator(FullyShardState* owner, c10::Allocator* inner) : owner_(owner), inner_(inner) {}
-  c10::DataPtr allocate(size_t bytes) const override { return inner_->allocate(bytes); }
+  // c10::Allocator::allocate is const in LibTorch 1.x and not in 2.x: one of these
+  // overrides it (no `override`, so both compile).
+  c10::DataPtr allocate(size_t bytes) const { return inner_->allocate(bytes); }
+  c10::DataPtr allocate(size_t bytes) { return inner_->allocate(bytes); }
   c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
   void copy_data(void* dest, const void* src, std::size_t count) const override { inner_->copy_data(dest, src, count); }
