@@ -7,6 +7,7 @@
 
 #include <type_traits>
 #include <unordered_map>
+#include <sstream>
 
 #include "common/errors.h"
 #include "sharding/strategy.h"
@@ -20,7 +21,9 @@ template <typename Map>
 typename Map::key_type stateKey(const Map&, const at::Tensor& p) {
   using Key = typename Map::key_type;
   if constexpr (std::is_same_v<Key, std::string>) {
-    return c10::guts::to_string(p.unsafeGetTensorImpl());
+    std::ostringstream key;  // as c10::guts::to_string wrote it (gone from 2.x)
+    key << p.unsafeGetTensorImpl();
+    return key.str();
   } else {
     return reinterpret_cast<Key>(p.unsafeGetTensorImpl());
   }
