@@ -38,9 +38,10 @@ uint64_t checksum(const void* data, size_t bytes);
 // partly into scratch): the same value as checksum() of the pieces joined, in order.
 uint64_t checksum(std::initializer_list<std::pair<const void*, size_t>> pieces);
 std::string checksumHex(uint64_t value);  // 16 lowercase hex digits
-// Whether saves and verified loads checksum on a helper thread while the disk works on
-// the neighbouring segment, instead of inline: a win with cores to spare, a loss on a
-// 2-core machine (docs/benchmarks.md, Checkpoints). TESSERA_CHECKPOINT_PIPELINE=1 or 0
+// Whether a save writes each 16 MiB segment on a helper thread while it checksums the
+// next, instead of hashing and writing block by block: 1.11x vs 1.00x of raw disk speed
+// on the 16-core H200 machine (docs/benchmarks.md). Loads hash inline (a helper thread
+// lost there: 0.84x vs 1.01x, and on 2 cores). TESSERA_CHECKPOINT_PIPELINE=1 or 0
 // decides; unset, on with 8 or more hardware threads.
 bool pipelinedChecksums();
 // Parses 16 hex digits; throws CheckpointError naming `where` otherwise.

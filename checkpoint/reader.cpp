@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
-#include <future>
 #include <memory>
 
 #include "checkpoint/format.h"
@@ -99,9 +98,6 @@ namespace {
 // after reading all of it; measured against that, against hashing on a helper thread,
 // and against one read of the whole range in docs/benchmarks.md (Checkpoints).
 constexpr int64_t kReadBytes = 1 << 20;
-// Pipelined verified reads (pipelinedChecksums()): whole blocks read with one call, then
-// hashed on a helper thread while the next are read.
-constexpr int64_t kPipelineSegmentBytes = int64_t{16} << 20;
 
 }  // namespace
 
@@ -118,17 +114,9 @@ void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, i
     return;
   }
   const int64_t B = metadata_.blockBytes;
-  const bool pipelined = pipelinedChecksums();
-  const int64_t segmentBlocks = std::max<int64_t>(1, (pipelined ? kPipelineSegmentBytes : kReadBytes) / B);
+  const int64_t segmentBlocks = std::max<int64_t>(1, kReadBytes / B);
   int64_t block = begin / B;
   const int64_t lastBlock = (end - 1) / B;
-  // Pipelined (pipelinedChecksums()): one segment's checksums are computed on a thread of
-  // their own while the next segment is read (one in flight); a mismatch is thrown from
-  // the next wait. Else inline, each block right after its read.
-  std::future<void> hashing;
-  auto finishHashing = [&hashing] {
-    if (hashing.valid()) hashing.get();
-  };
   while (block <= lastBlock) {
     const int64_t kb = block * B;
     const int64_t ke = std::min(c.length, kb + B);
@@ -143,23 +131,14 @@ void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, i
       const int64_t se = std::min(c.length, (segEnd + 1) * B);
       uint8_t* out = dst + (kb - begin);
       f.readAt(out, static_cast<size_t>(se - kb), c.offset + kb, what);
-      auto verifySegment = [this, &t, &c, out, kb, B, first = block, last = segEnd] {
-        for (int64_t k = first; k <= last; ++k) {
-          const int64_t b0 = k * B - kb;
-          const int64_t b1 = std::min(c.length, (k + 1) * B) - kb;
-          const uint64_t got = checksum(out + b0, static_cast<size_t>(b1 - b0));
-          if (got != c.checksums[static_cast<size_t>(k)]) checksumMismatch(t, c, k, got);
-        }
-      };
-      finishHashing();
-      if (pipelined) {
-        hashing = std::async(std::launch::async, verifySegment);
-      } else {
-        verifySegment();
+      for (int64_t k = block; k <= segEnd; ++k) {
+        const int64_t b0 = k * B - kb;
+        const int64_t b1 = std::min(c.length, (k + 1) * B) - kb;
+        const uint64_t got = checksum(out + b0, static_cast<size_t>(b1 - b0));
+        if (got != c.checksums[static_cast<size_t>(k)]) checksumMismatch(t, c, k, got);
       }
       block = segEnd + 1;
     } else {
-      finishHashing();
       // Edge block: the part asked for is read straight into dst, the rest of the block
       // into scratch (sized for that rest only), and the pieces are hashed in order.
       const int64_t from = std::max(kb, begin), to = std::min(ke, end);
@@ -179,7 +158,6 @@ void CheckpointReader::readChunkRange(const TensorInfo& t, const ChunkInfo& c, i
       ++block;
     }
   }
-  finishHashing();
 }
 
 void CheckpointReader::readRows(const TensorInfo& t, int64_t rowBegin, int64_t rowEnd, void* dst, bool verify) {

@@ -60,7 +60,7 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/build.txt" 2>&1
       export TESSERA_BUILD_ARGS="$args -- -k 0"  # every error in one go
       bounded 400 /tmp/gpu-build.log scripts/gpu-build.sh -DCMAKE_CUDA_ARCHITECTURES=90
-      grep -E "error|Error|Kineto|TESSERA_HAS_KINETO|gpu-build" /tmp/gpu-build.log | head -60 >> "$OUT/build.txt"
+      grep -E "error:|Error|KINETO|gpu-build" /tmp/gpu-build.log | head -60 >> "$OUT/build.txt"
       tail -15 /tmp/gpu-build.log >> "$OUT/build.txt"
       ;;
     step)

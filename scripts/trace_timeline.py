@@ -14,6 +14,7 @@ the compute stream was busy too. --last-ms draws only the trace's last MS millis
 """
 import argparse
 import gzip
+import html
 import json
 import sys
 
@@ -105,7 +106,7 @@ def main(argv):
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'font-family="sans-serif" font-size="12">',
              f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<text x="10" y="20" font-size="14">{args.title or args.trace} — {span / 1e3:.1f} ms shown</text>']
+             f'<text x="10" y="20" font-size="14">{html.escape(args.title or args.trace)} — {span / 1e3:.1f} ms shown</text>']
     for k, s in enumerate(order):
         y = top + k * row
         label = f"compute (stream {s})" if s == compute else f"stream {s}"
@@ -117,7 +118,7 @@ def main(argv):
             nccl = "nccl" in name.lower() or (s != compute and cat != "kernel")
             color = "#e8871e" if s != compute or nccl else "#3a6fb0"
             parts.append(f'<rect x="{x:.2f}" y="{y + 4}" width="{w:.2f}" height="{row - 12}" fill="{color}">'
-                         f'<title>{name[:120]} ({(stop - start):.0f} us)</title></rect>')
+                         f'<title>{html.escape(name[:120])} ({(stop - start):.0f} us)</title></rect>')
     axis_y = top + row * len(order) + 15
     for tick in range(6):
         t = span * tick / 5

@@ -279,9 +279,10 @@ class PipelineSetting {
   ~PipelineSetting() { unsetenv("TESSERA_CHECKPOINT_PIPELINE"); }
 };
 
-// Checksums computed on a helper thread while the disk works (saves: hash || write;
-// verified loads: read || hash), over several 16 MiB segments: the same files as inline
-// hashing, the same values back, and damage in any segment caught, with the tensor named.
+// A save that writes each 16 MiB segment on a helper thread while it checksums the next
+// (pipelinedChecksums()), over several segments: the same files as inline hashing, and
+// loads (inline or not: the variable only changes saves) get the same values back and
+// catch damage in any segment, with the tensor named.
 TEST(PipelinedChecksumTest, SameFilesAndSameDamageCaughtAsInline) {
   TempDir tmp;
   std::vector<GlobalTensor> model = sampleModel();
