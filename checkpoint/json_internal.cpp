@@ -1,7 +1,32 @@
 // Strict JSON accessors for the checkpoint readers (see json_internal.h).
 #include "checkpoint/json_internal.h"
 
+#include <cstdio>
+#include <set>
+#include <string>
+#include <vector>
+
 namespace tessera::checkpoint::detail {
+namespace {
+
+// A key as messages show it: control bytes (a NUL included) escaped, so nothing cuts the
+// message short or moves the terminal, and at most 200 bytes.
+std::string printableKey(const std::string& key) {
+  std::string out;
+  for (char c : key.substr(0, 200)) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", u);
+      out += hex;
+    } else {
+      out += c;
+    }
+  }
+  return key.size() > 200 ? out + "..." : out;
+}
+
+}  // namespace
 
 Json parseJson(const std::string& text, const std::string& source, int maxDepth) {
   // Depth pre-scan outside strings: cheap, and keeps recursion bounded for the parser
@@ -27,8 +52,26 @@ Json parseJson(const std::string& text, const std::string& source, int maxDepth)
       --depth;
     }
   }
-  Json j = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  // Duplicate keys: nlohmann keeps the last one silently, so a file edited by appending a
+  // key would read as the edit. Each object's keys are collected while parsing.
+  std::vector<std::set<std::string>> open;
+  std::string duplicate;
+  const Json::parser_callback_t noDuplicates = [&](int, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::object_start) {
+      open.emplace_back();
+    } else if (event == Json::parse_event_t::object_end) {
+      if (!open.empty()) open.pop_back();
+    } else if (event == Json::parse_event_t::key && !open.empty() && duplicate.empty()) {
+      const std::string key = parsed.get<std::string>();
+      if (!open.back().insert(key).second) duplicate = key;
+    }
+    return true;
+  };
+  Json j = Json::parse(text, noDuplicates, /*allow_exceptions=*/false);
   if (j.is_discarded()) throw CheckpointError(strCat(source, ": not valid JSON"));
+  if (!duplicate.empty()) {
+    throw CheckpointError(strCat(source, ": key '", printableKey(duplicate), "' appears twice in one object"));
+  }
   return j;
 }
 

@@ -323,6 +323,60 @@ std::string checkpointOrNewestIn(const std::string& dir) {
   return all.empty() ? std::string() : all.back().dir;
 }
 
+namespace {
+
+// A checkpoint step directory or snapshot: named step_<digits> (step_N.tmp, .replaced.tmp,
+// .deleted.tmp included), or holding metadata.json.
+bool isStepDirectory(const fs::path& dir) {
+  const std::string name = dir.filename().string();
+  if (name.rfind("step_", 0) == 0) {
+    const std::string digits = name.substr(5, name.find('.') == std::string::npos ? std::string::npos : name.find('.') - 5);
+    if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string::npos) return true;
+  }
+  std::error_code ec;
+  return fs::is_regular_file(dir / kMetadataFile, ec);
+}
+
+// A directory of checkpoints: holding `latest` or a step directory.
+bool isCheckpointsDirectory(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::is_regular_file(dir / "latest", ec)) return true;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.is_directory(ec) && isStepDirectory(entry.path())) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void checkOutputOutsideState(const std::string& out, const std::string& option,
+                             const std::vector<std::string>& inputs) {
+  if (out.empty()) return;
+  std::error_code ec;
+  for (const std::string& input : inputs) {
+    if (!input.empty() && fs::equivalent(out, input, ec)) {
+      throw UsageError(strCat(option, " ", out, " is an input of this command (", input, "): it would be overwritten"));
+    }
+  }
+  // The directory the output goes into (or is), as it resolves: a link into a checkpoint
+  // counts as the checkpoint.
+  const fs::path target = fs::weakly_canonical(fs::absolute(out), ec);
+  if (ec) return;  // unresolvable: the write itself will say why
+  const bool outIsDirectory = fs::is_directory(target, ec);
+  for (fs::path dir = outIsDirectory ? target : target.parent_path(); !dir.empty(); dir = dir.parent_path()) {
+    if (fs::is_directory(dir, ec) && isStepDirectory(dir)) {
+      throw UsageError(strCat(option, " ", out, " is inside the checkpoint ", dir.string(),
+                              ": writing there would overwrite or pollute it; write elsewhere"));
+    }
+    if (dir == dir.parent_path()) break;
+  }
+  const fs::path parent = outIsDirectory ? target : target.parent_path();
+  if (fs::is_directory(parent, ec) && isCheckpointsDirectory(parent)) {
+    throw UsageError(strCat(option, " ", out, " is in the checkpoints directory ", parent.string(),
+                            ", next to its step directories: write elsewhere"));
+  }
+}
+
 std::string readLatest(const std::string& checkpointsDir) {
   const std::string path = (fs::path(checkpointsDir) / "latest").string();
   if (!pathExists(path)) return "";

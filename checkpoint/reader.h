@@ -131,6 +131,15 @@ std::vector<CheckpointRef> listCheckpoints(const std::string& checkpointsDir);
 // `dir` itself when it is a complete checkpoint (holds metadata.json), else the newest
 // complete checkpoint in it; "" when it is neither (callers say why in their own terms).
 std::string checkpointOrNewestIn(const std::string& dir);
+
+// Refuses an output a command is about to write when it would land in checkpoint state:
+// `out` (a file, or the directory of a sharded export) inside a checkpoint step directory
+// or post-hoc snapshot (a directory holding metadata.json, or named step_<digits> with or
+// without a suffix), or directly in a checkpoints directory (one holding `latest` or step
+// directories), links followed; or the same file as one of `inputs`. Throws UsageError
+// naming `option`, `out` and what it would have overwritten or polluted.
+void checkOutputOutsideState(const std::string& out, const std::string& option,
+                             const std::vector<std::string>& inputs = {});
 // The directory `latest` names (empty when there is no `latest` file).
 std::string readLatest(const std::string& checkpointsDir);
 

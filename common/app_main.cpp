@@ -30,6 +30,17 @@ void writeErrorFile(const std::string& message) {
   }
 }
 
+namespace {
+
+// LibTorch's errors carry their C++ backtrace after the message ("Exception raised from
+// ... frame #0 ..."): for a user, the message is the part that says what went wrong.
+std::string withoutBacktrace(const std::string& what) {
+  const size_t at = what.find("\nException raised from ");
+  return at == std::string::npos ? what : what.substr(0, at);
+}
+
+}  // namespace
+
 int runMain(const std::string& programName, const std::function<int()>& body) {
   auto report = [&](const char* kind, const std::string& what, int status) {
     const std::string message = strCat(programName, ": ", kind, what);
@@ -46,7 +57,7 @@ int runMain(const std::string& programName, const std::function<int()>& body) {
   } catch (const UsageError& e) {
     return report("usage error: ", e.what(), 2);
   } catch (const std::exception& e) {
-    return report("error: ", e.what(), 1);
+    return report("error: ", withoutBacktrace(e.what()), 1);
   } catch (...) {
     return report("error: ", "unknown exception", 1);
   }

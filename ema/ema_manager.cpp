@@ -123,7 +123,9 @@ void ShardedModelEMAManager::addParam(const std::string& name, const sharding::S
   // The EMA is always a padded local buffer; the live tensor may be padded too (a shard)
   // or just this rank's real rows (a slice of a replicated parameter).
   at::Tensor liveRows = live.numel() == spec.paddedNumel() ? spec.realRows(live) : live.view({spec.localRows(), spec.rowNumel()});
-  Entry e{spec, liveRows, {}};
+  // The layout of the parameter, the dtype of the EMA: what checkpoints and exports see.
+  const sharding::ShardSpec emaSpec(spec.globalShape(), options_.dtype, spec.worldSize(), spec.rank(), spec.placement());
+  Entry e{emaSpec, liveRows, {}};
   for (size_t i = 0; i < numProfiles(); ++i) {
     at::Tensor buffer = at::zeros({spec.paddedNumel()}, live.options().dtype(options_.dtype)).view(spec.localShape());
     spec.realRows(buffer).copy_(liveRows);

@@ -95,6 +95,25 @@ distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distrib
 
 namespace {
 
+// sharding.param_dtype against what this LibTorch computes on the run's device: LibTorch
+// 1.13 has no fp16 matrix product on the CPU, so an fp16 CPU run would fail at its first
+// forward with LibTorch's backtrace. Probed, not assumed: newer LibTorch builds have it.
+void checkComputeDtypes(const TrainConfig& cfg, at::Device device) {
+  for (const ModelEntry& m : cfg.models) {
+    const at::ScalarType dtype = m.sharding.paramDtype;
+    if (dtype == at::kFloat) continue;
+    try {
+      const at::Tensor a = at::ones({2, 2}, at::TensorOptions().dtype(dtype).device(device));
+      (void)at::mm(a, a);
+    } catch (const c10::Error&) {
+      throw ConfigError(strCat(m.sectionKeys, "sharding.param_dtype: ", enumName(sharding::kFloatDtypeNames, dtype),
+                               " compute is not "
+                               "available on ", device, " with this LibTorch (no matrix product in that dtype); use ",
+                               device.is_cpu() ? "bf16, or run.device: cuda" : "another dtype"));
+    }
+  }
+}
+
 // The seed a model's initial values are drawn with: run.seed for the single-model form
 // (as runs always had), mixed with the name for a models: entry, so that two models of
 // the same architecture do not start equal.
@@ -340,6 +359,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   // keyed by the seed and parameter names, so every rank agrees on them by construction.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   run->device = trainingDevice(cfg);
+  checkComputeDtypes(cfg, run->device);
   std::error_code missing;
   if (!fs::exists(cfg.data.path, missing)) {
     throw ConfigError(strCat("data.path: no file at '", cfg.data.path, "'", relativePathNote(cfg.data.path)));

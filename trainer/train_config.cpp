@@ -351,6 +351,12 @@ struct ModelKeys {
 void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   const ModelEntry& m = k.entry;
   const sharding::OptimizerOptions& o = m.sharding.optimizer;
+  if (!m.trainable && !m.model.init_from) {
+    // Never trained: without weights to start from it would be its random initial values.
+    k.fail("init_from", "a frozen model (trainable: false) must be loaded: give init_from (an export, or a sharded "
+                        "export's *.index.json)",
+           /*modelKey=*/true);
+  }
   if (o.nesterov && o.momentum <= 0) k.fail("optim.nesterov", "needs optim.momentum > 0");
   const bool decaysToEnd = m.schedule.kind == sharding::ScheduleKind::kCosine ||
                            m.schedule.kind == sharding::ScheduleKind::kLinear;

@@ -154,6 +154,7 @@ int main(int argc, char** argv) {
     args.options.verify = !args.noVerify;
     if (args.list) return listPosthoc(args.dir);
     if (args.out.empty()) throw tessera::UsageError("--out is required");
+    ckpt::checkOutputOutsideState(args.out, "--out", {args.dir});
     if (args.posthocSigma) return reconstructPosthoc(args);
     if (args.options.what.empty()) throw tessera::UsageError("give --what (or --posthoc-ema, or --list)");
     return exportWhat(args);

@@ -15,6 +15,7 @@
 #include <optional>
 #include <sstream>
 
+#include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
 #include "common/app_main.h"
 #include "common/command_line.h"
@@ -96,12 +97,8 @@ void checkOutputPath(const std::string& path, const std::string& option, const s
                      const std::vector<std::string>& inputs) {
   if (path.empty()) return;
   if (fs::path(path).extension() != suffix) throw UsageError(tessera::strCat(option, " ", path, ": must end in ", suffix));
+  tessera::checkpoint::checkOutputOutsideState(path, option, inputs);
   std::error_code ec;
-  for (const std::string& input : inputs) {
-    if (!input.empty() && fs::equivalent(path, input, ec)) {
-      throw UsageError(tessera::strCat(option, " ", path, " is an input of this command: it would be overwritten"));
-    }
-  }
   const fs::path parent = fs::absolute(path).parent_path();
   if (!fs::is_directory(parent, ec)) throw UsageError(tessera::strCat(option, " ", path, ": no directory ", parent.string()));
 }
@@ -138,7 +135,7 @@ int main(int argc, char** argv) {
     if (!args.out.empty() && !args.outTensors.empty() && fs::absolute(args.out) == fs::absolute(args.outTensors)) {
       throw UsageError("--out and --out-tensors name the same file");
     }
-    const std::vector<std::string> inputs{args.weights, args.noise, args.judge};
+    const std::vector<std::string> inputs{args.weights, args.noise, args.judge, args.checkpoint};
     checkOutputPath(args.out, "--out", ".png", inputs);
     checkOutputPath(args.outTensors, "--out-tensors", ".safetensors", inputs);
 

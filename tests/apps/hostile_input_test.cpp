@@ -299,6 +299,110 @@ TEST_F(HostileInputTest, PlantedLinksAreNeverWrittenThrough) {
   EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(out)));
 }
 
+// Issue 36: an output is never written over or into checkpoint state, nor over an input
+// of the command. The reported case: tessera-export --out naming the checkpoint's own
+// shard exited 0 and destroyed it.
+TEST_F(HostileInputTest, OutputsNeverLandInCheckpointState) {
+  const std::string run = trainedRun();
+  const std::string step = stepDir(run);
+  const std::string shard = step + "/rank_00000.bin";
+  const std::string before = readText(shard);
+  const std::string exportCmd = kBin + "/tessera-export " + step + " --what model";
+  expectRefused(exportCmd + " --out " + shard, {"--out", shard, "inside the checkpoint"}, 2);
+  EXPECT_EQ(readText(shard), before);
+  expectSuccess(kBin + "/tessera-ckpt verify " + step);
+
+  // Into the step directory (its metadata, a new file, a sub-directory), next to the step
+  // directories (over `latest`), through a link to the step, a sharded export's directory.
+  const std::string link = scratch("link_to_step");
+  fs::create_symlink(step, link);
+  for (const std::string& out : {step + "/metadata.json", step + "/extra.safetensors", step + "/sub/x.safetensors",
+                                 run + "/checkpoints/latest", run + "/checkpoints/x.safetensors",
+                                 link + "/x.safetensors"}) {
+    expectRefused(exportCmd + " --out " + out, {"--out", out}, 2);
+  }
+  expectRefused(exportCmd + " --max-shard-size 1KB --out " + step, {"--out", step}, 2);
+  expectRefused(exportCmd + " --max-shard-size 1KB --out " + step + "/shards", {"--out"}, 2);
+  EXPECT_FALSE(fs::exists(step + "/extra.safetensors"));
+  EXPECT_FALSE(fs::exists(step + "/sub"));
+  EXPECT_FALSE(fs::exists(step + "/shards"));
+  EXPECT_EQ(readText(shard), before);
+  expectSuccess(kBin + "/tessera-ckpt verify " + step);
+  EXPECT_NE(expectSuccess(kBin + "/tessera-ckpt list " + run + "/checkpoints").find("step_00000002"), std::string::npos);
+
+  // tessera-sample's outputs follow the same rule, before any model is loaded.
+  expectRefused(kBin + "/tessera-sample --checkpoint " + step + " --out " + step + "/grid.png", {"--out", step}, 2);
+  expectRefused(kBin + "/tessera-sample --checkpoint " + step + " --out-tensors " + shard + ".safetensors",
+                {"--out-tensors"}, 2);
+  EXPECT_FALSE(fs::exists(step + "/grid.png"));
+
+  // Elsewhere in the run is fine.
+  expectSuccess(exportCmd + " --out " + run + "/export/again.safetensors");
+}
+
+// Issue 36: every documented value of every dtype key goes through a save, a resume and an
+// export. The reported case: ema.dtype bf16 trained, then failed at its first save (its
+// checkpoint entries said Float); alone first, then every bf16 and every fp16 value
+// together.
+TEST_F(HostileInputTest, EveryDtypeValueSavesResumesAndExports) {
+  struct Case {
+    std::string sets, savedEma, exported;
+  };
+  const std::vector<Case> cases = {
+      {" --set ema.dtype=bf16", "\"BF16\"", "\"F32\""},
+      {" --set ema.dtype=bf16 --set sharding.param_dtype=bf16 --set sharding.reduce_dtype=bf16"
+       " --set checkpoint.export_dtype=bf16",
+       "\"BF16\"", "\"BF16\""},
+      {" --set sharding.reduce_dtype=fp16 --set checkpoint.export_dtype=fp16", "\"F32\"", "\"F16\""},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.sets);
+    const std::string run = trainedRun(c.sets);  // two steps, a checkpoint, the exports
+    const std::string step = stepDir(run);
+    const json md = readJson(step + "/metadata.json");
+    bool sawEma = false;
+    for (const auto& t : md["tensors"]) {
+      if (t["name"].get<std::string>().rfind("ema/", 0) != 0 || t["dtype"] == "I64") continue;
+      sawEma = true;
+      EXPECT_EQ("\"" + t["dtype"].get<std::string>() + "\"", c.savedEma) << t["name"];
+    }
+    EXPECT_TRUE(sawEma);
+    expectSuccess(kBin + "/tessera-ckpt verify " + step);
+    // Resumed to four steps: a second save and the exports again.
+    const std::string out =
+        expectSuccess(kTrain + " --config " + kConfig + kShortRun + c.sets + " --set run.steps=4 --set run.dir=" + run);
+    EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+    expectSuccess(kBin + "/tessera-ckpt verify " + run + "/checkpoints/step_00000004");
+    const std::string exported = readText(run + "/export/model_ema.safetensors");
+    EXPECT_NE(exported.substr(0, 4096).find(c.exported), std::string::npos) << "export dtype";
+    expectSuccess(kBin + "/tessera-export " + run + "/checkpoints/step_00000004 --what model_ema --out " + run +
+                  "/offline.safetensors");
+  }
+  // fp16 compute: LibTorch 1.13 has no fp16 matrix product on the CPU. Where it is missing
+  // the run is a config error naming the key (no LibTorch backtrace); where it exists the
+  // run trains and saves.
+  const std::string fp16 = scratch("fp16");
+  const CommandResult r = runCommand(
+      kTrain + " --config " + kConfig + kShortRun + " --set sharding.param_dtype=fp16 --set run.dir=" + fp16, 120);
+  if (r.status != 0) {
+    EXPECT_EQ(r.status, 2) << r.output;
+    EXPECT_NE(r.output.find("sharding.param_dtype"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+  } else {
+    expectSuccess(kBin + "/tessera-ckpt verify " + stepDir(fp16));
+  }
+}
+
+// Issue 36: a frozen model is never trained, so one with nothing to load would stand in at
+// its random initial weights: refused at config time, naming the key.
+TEST_F(HostileInputTest, FrozenModelWithoutWeightsIsAConfigError) {
+  const std::string distill = std::string(TESSERA_SOURCE_DIR) + "/configs/distill.yaml";
+  const std::string run = scratch("frozen");
+  expectRefused(kTrain + " --config " + distill + " --set run.dir=" + run + " --set models.teacher.init_from=null",
+                {"models.teacher.init_from", "frozen"}, 2);
+  EXPECT_FALSE(fs::exists(run + "/checkpoints"));
+}
+
 // Class 5: a checkpoint never reads outside its step directory: a rank file or a step
 // directory that is a link is refused (a link can point anywhere, e.g. at another run).
 TEST_F(HostileInputTest, CheckpointReadsStayInsideTheStepDirectory) {

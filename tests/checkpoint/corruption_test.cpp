@@ -146,6 +146,27 @@ TEST_F(CorruptionTest, GarbledMetadataIsNotACheckpoint) {
   EXPECT_HAS(e, "not valid JSON");
 }
 
+// A key written twice (an edit appended after the original) is refused, not read as its
+// last value: metadata.json at the top level and inside a tensor, the trainer state.
+TEST_F(CorruptionTest, DuplicateKeysAreRefusedNamingTheKey) {
+  const std::string original = readText(dir_ + "/metadata.json");
+  const size_t brace = original.find('{');
+  writeText(dir_ + "/metadata.json", original.substr(0, brace + 1) + "\"step\": 999, " + original.substr(brace + 1));
+  std::string e = loadError();
+  EXPECT_HAS(e, "metadata.json");
+  EXPECT_HAS(e, "'step' appears twice");
+  const size_t name = original.find("\"name\"");
+  ASSERT_NE(name, std::string::npos);
+  writeText(dir_ + "/metadata.json", original.substr(0, name) + "\"name\": \"model/x\", " + original.substr(name));
+  EXPECT_HAS(loadError(), "'name' appears twice");
+  // A NUL byte in the key does not cut the message short.
+  writeText(dir_ + "/metadata.json",
+            original.substr(0, brace + 1) + "\"a\\u0000b\": 1, \"a\\u0000b\": 2, " + original.substr(brace + 1));
+  EXPECT_HAS(loadError(), "'a\\x00b' appears twice");
+  writeText(dir_ + "/metadata.json", original);
+  EXPECT_EQ(loadError(), "");
+}
+
 TEST_F(CorruptionTest, TamperedTrainerState) {
   std::string ts = readText(dir_ + "/trainer_state.json");
   ts[ts.size() - 2] = ts[ts.size() - 2] == '1' ? '2' : '1';
