@@ -7,10 +7,7 @@
 #include <vector>
 
 namespace tessera::checkpoint::detail {
-namespace {
 
-// A key as messages show it: control bytes (a NUL included) escaped, so nothing cuts the
-// message short or moves the terminal, and at most 200 bytes.
 std::string printableKey(const std::string& key) {
   std::string out;
   for (char c : key.substr(0, 200)) {
@@ -25,8 +22,6 @@ std::string printableKey(const std::string& key) {
   }
   return key.size() > 200 ? out + "..." : out;
 }
-
-}  // namespace
 
 Json parseJson(const std::string& text, const std::string& source, int maxDepth) {
   // Depth pre-scan outside strings: cheap, and keeps recursion bounded for the parser

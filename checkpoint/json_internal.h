@@ -19,6 +19,10 @@ using Json = nlohmann::json;
 // the destructor recurse, so a hostile "[[[[..." could otherwise exhaust the stack).
 Json parseJson(const std::string& text, const std::string& source, int maxDepth = 32);
 
+// A key or name from a file as messages show it: control bytes (a NUL included) escaped as
+// \xNN, so nothing cuts the message short or moves the terminal; at most 200 bytes.
+std::string printableKey(const std::string& key);
+
 const Json& member(const Json& obj, const char* key, const std::string& where);
 bool hasMember(const Json& obj, const char* key);
 int64_t asInt(const Json& v, const std::string& where, int64_t min = INT64_MIN, int64_t max = INT64_MAX);

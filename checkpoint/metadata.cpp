@@ -26,7 +26,9 @@ constexpr int64_t kMaxDims = 64;
 void checkTensorName(const std::string& name, const std::string& where) {
   if (name.empty() || name.size() > 4096) throw CheckpointError(strCat(where, ": tensor name of length ", name.size()));
   for (unsigned char c : name) {
-    if (c < 0x20 || c == 0x7f) throw CheckpointError(strCat(where, ": tensor name '", name, "' has a control character"));
+    if (c < 0x20 || c == 0x7f) {
+      throw CheckpointError(strCat(where, ": tensor name '", detail::printableKey(name), "' has a control character"));
+    }
   }
 }
 
@@ -144,6 +146,17 @@ int64_t CheckpointMetadata::tensorBytes() const {
   return total;
 }
 
+namespace {
+
+// metadata_checksum of a metadata object without that key: XXH3 of its compact JSON
+// (nlohmann orders keys, so the text is canonical).
+std::string metadataChecksum(const Json& withoutChecksum) {
+  const std::string compact = withoutChecksum.dump();
+  return checksumHex(checksum(compact.data(), compact.size()));
+}
+
+}  // namespace
+
 std::string toJson(const CheckpointMetadata& m) {
   Json files = Json::array();
   for (const auto& f : m.files) files.push_back({{"name", f.name}, {"bytes", f.bytes}});
@@ -165,6 +178,15 @@ std::string toJson(const CheckpointMetadata& m) {
          {"aliases", m.aliases},
          {"files", files},
          {"tensors", tensors}};
+  if (m.version >= 2) j["metadata_checksum"] = metadataChecksum(j);
+  return j.dump(1) + "\n";
+}
+
+std::string resealMetadata(const std::string& text, const std::string& source) {
+  Json j = detail::parseJson(text, source);
+  asObject(j, source);
+  j.erase("metadata_checksum");
+  j["metadata_checksum"] = metadataChecksum(j);
   return j.dump(1) + "\n";
 }
 
@@ -175,8 +197,9 @@ void parseMetadataHead(const Json& j, const std::string& source, CheckpointMetad
   const std::string format = asString(member(j, "format", source), source + ".format", 64);
   if (format != kFormatName) throw CheckpointError(strCat(source, ": format '", format, "' is not ", kFormatName));
   m.version = static_cast<int>(asInt(member(j, "version", source), source + ".version", 1, 1000));
-  if (m.version != kFormatVersion) {
-    throw CheckpointError(strCat(source, ": format version ", m.version, "; this build reads version ", kFormatVersion));
+  if (m.version < kOldestFormatVersion || m.version > kFormatVersion) {
+    throw CheckpointError(strCat(source, ": format version ", m.version, "; this build reads versions ",
+                                 kOldestFormatVersion, " to ", kFormatVersion));
   }
   m.step = asInt(member(j, "step", source), source + ".step", 0);
   m.worldSize = static_cast<int>(asInt(member(j, "world_size", source), source + ".world_size", 1, kMaxWorldSize));
@@ -272,15 +295,59 @@ void parseMetadataTensors(const Json& j, const std::string& source, const std::m
 
 }  // namespace
 
+namespace {
+
+// Export aliases (name -> tensor prefix) are trusted by every export: each must be a
+// prefix ending in '/' that holds tensors, and a name that already names tensors of its
+// own ("critic" with critic/..., "generator_ema" with ema/generator_ema/...) may not point
+// elsewhere.
+void checkAliases(const CheckpointMetadata& m, const std::string& source) {
+  auto holds = [&m](const std::string& prefix) {
+    for (const auto& t : m.tensors) {
+      if (t.name.compare(0, prefix.size(), prefix) == 0) return true;
+    }
+    return false;
+  };
+  for (const auto& [alias, prefix] : m.aliases) {
+    const std::string where = strCat(source, ".aliases.", detail::printableKey(alias));
+    if (prefix.empty() || prefix.back() != '/') {
+      throw CheckpointError(strCat(where, ": '", detail::printableKey(prefix), "' is not a prefix ending in '/'"));
+    }
+    if (!holds(prefix)) {
+      throw CheckpointError(strCat(where, ": no tensor is under '", detail::printableKey(prefix), "'"));
+    }
+    for (const std::string& own : {alias + "/", "ema/" + alias + "/"}) {
+      if (own != prefix && holds(own)) {
+        throw CheckpointError(strCat(where, ": points to '", detail::printableKey(prefix), "', but '",
+                                     detail::printableKey(own), "' holds tensors of that name"));
+      }
+    }
+  }
+}
+
+}  // namespace
+
 CheckpointMetadata parseMetadata(const std::string& text, const std::string& source) {
   if (static_cast<int64_t>(text.size()) > kMaxJsonBytes) throw CheckpointError(strCat(source, ": too large"));
   const Json j = detail::parseJson(text, source);
   asObject(j, source);
   CheckpointMetadata m;
   parseMetadataHead(j, source, m);
+  if (m.version >= 2) {
+    // Checked before any other field is believed.
+    const uint64_t recorded = parseChecksumHex(
+        asString(member(j, "metadata_checksum", source), source + ".metadata_checksum", 64), source + ".metadata_checksum");
+    Json content = j;
+    content.erase("metadata_checksum");
+    if (parseChecksumHex(metadataChecksum(content), "") != recorded) {
+      throw CheckpointError(strCat(source, ": its content does not match its metadata_checksum (the file was damaged "
+                                           "or edited after the save)"));
+    }
+  }
   parseMetadataStates(j, source, m);
   const std::map<std::string, int64_t> fileBytes = parseMetadataFiles(j, source, m);
   parseMetadataTensors(j, source, fileBytes, m);
+  checkAliases(m, source);
   return m;
 }
 

@@ -6,7 +6,10 @@
 //                       file also holds the replicated tensors.
 //   trainer_state.json  the caller's trainer state (a JSON object).
 //   metadata.json       written last: format version, step, world size, strategy, every
-//                       tensor's dtype, global shape and placement, and its chunks.
+//                       tensor's dtype, global shape and placement, and its chunks; since
+//                       format version 2, metadata_checksum: XXH3 of the file's compact
+//                       JSON without that key, so a damaged or edited metadata.json (the
+//                       one file no block checksum covers) is named as such.
 // A chunk is one rank's rows [row_begin, row_end) of one tensor: (file, byte offset,
 // length, rows, checksums). Checksums are XXH3-64 of consecutive blocks of block_bytes
 // bytes of the chunk (the last block shorter), so a reader that needs part of a chunk
@@ -30,7 +33,8 @@
 
 namespace tessera::checkpoint {
 
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;        // written
+constexpr int kOldestFormatVersion = 1;  // still read (no metadata_checksum)
 constexpr const char* kFormatName = "tessera-checkpoint";
 constexpr const char* kMetadataFile = "metadata.json";
 constexpr const char* kTrainerStateFile = "trainer_state.json";
@@ -86,6 +90,10 @@ struct CheckpointMetadata {
 
 std::string toJson(const CheckpointMetadata& metadata);
 CheckpointMetadata parseMetadata(const std::string& text, const std::string& source);
+// `text` (a version 2 metadata.json) with its metadata_checksum recomputed for its
+// content: what the Checkpointer writes. For tools and tests that edit a checkpoint on
+// purpose; throws CheckpointError when `text` is not a JSON object.
+std::string resealMetadata(const std::string& text, const std::string& source = "metadata.json");
 
 // What one rank wrote, for rank 0 to merge into metadata.json (rank_0000R.json, deleted
 // after the merge). Each tensor has at most one chunk (none when the rank owns no rows

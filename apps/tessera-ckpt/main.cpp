@@ -127,6 +127,14 @@ int main(int argc, char** argv) {
       }
       const std::string latest = ckpt::readLatest(dir);
       for (const auto& c : ckpt::listCheckpoints(dir)) {
+        // Listed only when its metadata.json parses as complete (its checksum included):
+        // a damaged or edited one is named on stderr instead (verify reads the data too).
+        try {
+          ckpt::CheckpointReader reader(c.dir);
+        } catch (const std::exception& e) {
+          std::cerr << "tessera-ckpt: not listed: " << e.what() << "\n";
+          continue;
+        }
         const bool isLatest = std::filesystem::path(c.dir).filename() == latest;
         std::cout << c.dir << "  step " << c.step << (isLatest ? "  (latest)" : "") << "\n";
       }

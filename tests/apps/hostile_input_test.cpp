@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "checkpoint/format.h"
+#include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
 #include "tests/support/run_command.h"
 #include "tests/support/scratch_path.h"
@@ -57,6 +58,10 @@ void writeText(const fs::path& path, const std::string& text) {
 
 json readJson(const fs::path& path) { return json::parse(readText(path)); }
 void writeJson(const fs::path& path, const json& j) { writeText(path, j.dump(1)); }
+// An edited metadata.json, resealed as a forger would: its metadata_checksum holds.
+void writeMetadata(const fs::path& path, const json& j) {
+  writeText(path, tessera::checkpoint::resealMetadata(j.dump()));
+}
 
 void makeFifo(const fs::path& path) { ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << path; }
 
@@ -124,7 +129,7 @@ void forgeTrainerState(const std::string& step, const std::string& text) {
   md["trainer_state"]["bytes"] = text.size();
   md["trainer_state"]["checksum"] =
       tessera::checkpoint::checksumHex(tessera::checkpoint::checksum(text.data(), text.size()));
-  writeJson(step + "/metadata.json", md);
+  writeMetadata(step + "/metadata.json", md);
 }
 
 // Class 1: sizes whose products would wrap are refused with the key named.
@@ -190,7 +195,7 @@ TEST_F(HostileInputTest, NegativeOptimizerStepCountIsRefused) {
     break;
   }
   ASSERT_TRUE(forged) << "no optim/step/ tensor in " << step;
-  writeJson(step + "/metadata.json", md);
+  writeMetadata(step + "/metadata.json", md);
   expectSuccess(kBin + "/tessera-ckpt verify " + step);  // the forgery holds up to checksums
   expectRefused(kTrain + " --config " + kConfig + kShortRun + " --set run.steps=4 --set run.dir=" + run +
                     " --resume " + step,
@@ -393,6 +398,28 @@ TEST_F(HostileInputTest, EveryDtypeValueSavesResumesAndExports) {
   }
 }
 
+// Issue 36: a metadata.json edited after the save fails its own checksum, and verify,
+// list, resume and export all say so; resume falls back to the step before.
+TEST_F(HostileInputTest, EditedMetadataIsNamedByVerifyListResumeAndExport) {
+  const std::string run = trainedRun(" --set checkpoint.every_steps=1 --set checkpoint.keep_last=0");
+  const std::string step = stepDir(run);
+  json md = readJson(step + "/metadata.json");
+  md["strategy"] = md["strategy"].get<std::string>() + " (edited)";  // not resealed
+  writeJson(step + "/metadata.json", md);
+  expectRefused(kBin + "/tessera-ckpt verify " + step, {"metadata.json", "metadata_checksum"}, 1);
+  expectRefused(kBin + "/tessera-export " + step + " --what model --out " + scratch("x.safetensors"),
+                {"metadata_checksum"}, 1);
+  const CommandResult list = runCommand(kBin + "/tessera-ckpt list " + run + "/checkpoints", kTimeoutSeconds);
+  EXPECT_EQ(list.status, 0) << list.output;
+  EXPECT_NE(list.output.find("step_00000001  step 1"), std::string::npos) << list.output;
+  EXPECT_EQ(list.output.find("step_00000002  step 2"), std::string::npos) << list.output;
+  EXPECT_NE(list.output.find("not listed"), std::string::npos) << list.output;
+  const std::string out = expectSuccess(kTrain + " --config " + kConfig + kShortRun +
+                                        " --set checkpoint.every_steps=1 --set run.steps=3 --set run.dir=" + run);
+  EXPECT_NE(out.find("metadata_checksum"), std::string::npos) << out;
+  EXPECT_NE(out.find("resumed from " + run + "/checkpoints/step_00000001"), std::string::npos) << out;
+}
+
 // Issue 36: a frozen model is never trained, so one with nothing to load would stand in at
 // its random initial weights: refused at config time, naming the key.
 TEST_F(HostileInputTest, FrozenModelWithoutWeightsIsAConfigError) {
@@ -483,7 +510,7 @@ TEST_F(HostileInputTest, SizesFromFilesAreCheckedBeforeAllocating) {
 
   json md = good;
   md["checksum"]["block_bytes"] = int64_t{1} << 34;
-  writeJson(step + "/metadata.json", md);
+  writeMetadata(step + "/metadata.json", md);
   expectRefused(kBin + "/tessera-ckpt verify " + step, {step + "/metadata.json", "block_bytes"}, 1);
 
   // A tensor claiming 512 GiB in a file that claims as much: the file is checked first.
@@ -505,7 +532,7 @@ TEST_F(HostileInputTest, SizesFromFilesAreCheckedBeforeAllocating) {
   for (auto& f : md["files"]) {
     if (f["name"] == file) f["bytes"] = bytes;
   }
-  writeJson(step + "/metadata.json", md);
+  writeMetadata(step + "/metadata.json", md);
   const std::string limit = "ulimit -v 8000000; ";  // an attempt to allocate 512 GiB fails fast
   for (const std::string& command : {kBin + "/tessera-ckpt verify " + step,
                                     kBin + "/tessera-export " + step + " --what model --out " + scratch("big.safetensors")}) {

@@ -121,7 +121,7 @@ TEST_F(CorruptionTest, MetadataPointingOutsideAFile) {
   for (auto& t : j["tensors"]) {
     if (t["name"] == "model/layers.0.bias") t["chunks"][0]["offset"] = 1 << 20;
   }
-  writeText(dir_ + "/metadata.json", j.dump());
+  writeText(dir_ + "/metadata.json", resealMetadata(j.dump()));  // consistent: only the content is wrong
   const std::string e = loadError();
   EXPECT_HAS(e, "metadata.json");
   EXPECT_HAS(e, "'model/layers.0.bias'");
@@ -133,7 +133,7 @@ TEST_F(CorruptionTest, MetadataWithAGapInTheChunks) {
   for (auto& t : j["tensors"]) {
     if (t["name"] == "model/layers.0.weight") t["chunks"].erase(1);
   }
-  writeText(dir_ + "/metadata.json", j.dump());
+  writeText(dir_ + "/metadata.json", resealMetadata(j.dump()));  // consistent: only the content is wrong
   const std::string e = loadError();
   EXPECT_HAS(e, "'model/layers.0.weight'");
   EXPECT_HAS(e, "cover rows [0, 5) of 10");
@@ -165,6 +165,57 @@ TEST_F(CorruptionTest, DuplicateKeysAreRefusedNamingTheKey) {
   EXPECT_HAS(loadError(), "'a\\x00b' appears twice");
   writeText(dir_ + "/metadata.json", original);
   EXPECT_EQ(loadError(), "");
+}
+
+// metadata.json, the one file no block checksum covers, carries its own: a value edited
+// (or a byte flipped) without resealing is named as such, before any field is believed;
+// legacy version 1 files, which have none, still load.
+TEST_F(CorruptionTest, EditedMetadataFailsItsOwnChecksum) {
+  const std::string original = readText(dir_ + "/metadata.json");
+  ASSERT_NE(original.find("\"metadata_checksum\""), std::string::npos);
+  auto j = nlohmann::json::parse(original);
+  EXPECT_EQ(j["version"], kFormatVersion);
+  j["strategy"] = "no_shard";  // an innocent-looking edit
+  writeText(dir_ + "/metadata.json", j.dump(1));
+  std::string e = loadError();
+  EXPECT_HAS(e, "metadata.json");
+  EXPECT_HAS(e, "metadata_checksum");
+  EXPECT_HAS(verifyError(), "metadata_checksum");
+  j.erase("metadata_checksum");  // removed: refused as well
+  writeText(dir_ + "/metadata.json", j.dump(1));
+  EXPECT_HAS(loadError(), "missing key 'metadata_checksum'");
+  // Resealed, the edit is consistent (a deliberate one); as version 1, no checksum is asked.
+  writeText(dir_ + "/metadata.json", resealMetadata(j.dump()));
+  EXPECT_EQ(loadError(), "");
+  j["version"] = 1;
+  writeText(dir_ + "/metadata.json", j.dump(1));
+  EXPECT_EQ(loadError(), "");
+  j["version"] = kFormatVersion + 1;
+  writeText(dir_ + "/metadata.json", j.dump(1));
+  EXPECT_HAS(loadError(), "format version");
+  writeText(dir_ + "/metadata.json", original);
+  EXPECT_EQ(loadError(), "");
+}
+
+// Export aliases are trusted by every export, so metadata.json's are checked: a prefix
+// ending in '/' that holds tensors, and no name that names tensors of its own pointing
+// elsewhere (resealed each time: a consistent file, wrong content).
+TEST_F(CorruptionTest, BadExportAliasesAreRefusedNamingTheAlias) {
+  const std::string original = readText(dir_ + "/metadata.json");
+  auto withAliases = [&](const nlohmann::json& aliases) {
+    auto j = nlohmann::json::parse(original);
+    j["aliases"] = aliases;
+    writeText(dir_ + "/metadata.json", resealMetadata(j.dump()));
+    return loadError();
+  };
+  EXPECT_EQ(withAliases({{"weights", "model/"}, {"generator_ema", "ema/generator_ema/"}}), "");
+  EXPECT_HAS(withAliases({{"weights", ""}}), "aliases.weights");
+  EXPECT_HAS(withAliases({{"weights", "model"}}), "not a prefix ending in '/'");
+  EXPECT_HAS(withAliases({{"weights", "nothing/"}}), "no tensor is under 'nothing/'");
+  EXPECT_HAS(withAliases({{"model", "ema/generator_ema/"}}), "'model/' holds tensors of that name");
+  EXPECT_HAS(withAliases({{"generator_ema", "model/"}}), "'ema/generator_ema/' holds tensors of that name");
+  EXPECT_HAS(withAliases({{std::string("a\0b", 3), "model/"}}), "a\\x00b");
+  writeText(dir_ + "/metadata.json", original);
 }
 
 TEST_F(CorruptionTest, TamperedTrainerState) {
