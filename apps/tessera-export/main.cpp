@@ -117,6 +117,11 @@ std::string checkpointStepDir(const std::string& dir) {
 // that the file says which model it holds, as the run's own exports do.
 void addModelMetadata(const std::string& stepDir, ckpt::ExportOptions& options) {
   ckpt::CheckpointReader reader(stepDir);
+  try {
+    ckpt::resolveExportPrefix(reader.metadata(), options.what);
+  } catch (const ckpt::CheckpointError& e) {  // what the user asked for is not there: their mistake
+    throw tessera::UsageError(tessera::strCat("--what ", options.what, ": ", e.what()));
+  }
   const auto described = tessera::trainer::modelMetadataFromJson(
       reader.trainerState(), (std::filesystem::path(stepDir) / "trainer_state.json").string());
   const std::string model =

@@ -622,6 +622,9 @@ TEST_F(HostileInputTest, MessagesNameTheFileOrKey) {
   expectRefused(kBin + "/tessera-ckpt list " + missing, {missing, "not a directory"}, 2);
   const std::string run = trainedRun();
   expectRefused(kBin + "/tessera-export " + stepDir(run) + " --what model --out ''", {"--out"}, 2);
+  // An unknown --what is a usage error like the others (exit 2), naming what exists.
+  expectRefused(kBin + "/tessera-export " + stepDir(run) + " --what nothing_here --out " + scratch("n.safetensors"),
+                {"--what", "nothing_here", "model"}, 2);
 }
 
 }  // namespace
