@@ -155,6 +155,40 @@ TEST(CudaGlooTest, RanksSharingTheGpuCommunicateCudaTensors) {
 
 // --- sharded training of a CUDA model (ranks share the GPU, gloo staging) ---
 
+// What both strategy tests compare with: TinyMlp from seed 5 trained on the CPU in one
+// process, 10 AdamW steps (lr 1e-2, weight decay 0.1) clipped at norm 0.5 on fixed
+// batches. (LibTorch keeps TF32 off for cuBLAS matmuls by default: fp32 compares with
+// the CPU.)
+struct CpuReference {
+  static constexpr int kSteps = 10;
+  static constexpr double kLr = 1e-2;
+  sharding::testing::Batches data = sharding::testing::makeBatches(kSteps, 12, 5, 1, 11);
+  sharding::OptimizerOptions optim;
+  std::map<std::string, at::Tensor> initial, want;
+  std::vector<double> losses;  // before each step
+
+  CpuReference() {
+    using namespace sharding::testing;
+    optim.kind = sharding::OptimizerKind::kAdamW;
+    optim.weightDecay = 0.1;
+    torch::manual_seed(5);
+    TinyMlp init;
+    initial = paramValues(*init);
+    TinyMlp ref;
+    loadParamValues(*ref, initial);
+    auto refOpt = referenceOptimizer(optim, kLr, *ref);
+    for (int t = 0; t < kSteps; ++t) {
+      refOpt->zero_grad();
+      const at::Tensor loss = torch::mse_loss(ref->forward(data.x[t]), data.y[t]);
+      losses.push_back(loss.item<double>());
+      loss.backward();
+      torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
+      refOpt->step();
+    }
+    want = paramValues(*ref);
+  }
+};
+
 using StrategyParam = std::tuple<std::string, int>;
 class CudaStrategyTest : public ::testing::TestWithParam<StrategyParam> {};
 
@@ -163,28 +197,12 @@ TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
   using namespace sharding;
   using namespace sharding::testing;
   const auto& [strategy, world] = GetParam();
-  constexpr int kSteps = 10;
-  // (LibTorch keeps TF32 off for cuBLAS matmuls by default: fp32 compares with the CPU.)
-  const Batches data = makeBatches(kSteps, 12, 5, 1, 11);
-  torch::manual_seed(5);
-  TinyMlp init;
-  const auto initial = paramValues(*init);
-
-  OptimizerOptions optim;
-  optim.kind = sharding::OptimizerKind::kAdamW;
-  optim.weightDecay = 0.1;
-  constexpr double kLr = 1e-2;
-
-  TinyMlp ref;
-  loadParamValues(*ref, initial);
-  auto refOpt = referenceOptimizer(optim, kLr, *ref);
-  for (int t = 0; t < kSteps; ++t) {
-    refOpt->zero_grad();
-    torch::mse_loss(ref->forward(data.x[t]), data.y[t]).backward();
-    torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
-    refOpt->step();
-  }
-  const auto want = paramValues(*ref);
+  const CpuReference reference;
+  const Batches& data = reference.data;
+  const auto& initial = reference.initial;
+  const auto& want = reference.want;
+  constexpr int kSteps = CpuReference::kSteps;
+  constexpr double kLr = CpuReference::kLr;
 
   std::vector<std::map<std::string, at::Tensor>> got(static_cast<size_t>(world));
   test::runOnRanks(world, [&](test::RankContext& ctx) {
@@ -193,7 +211,7 @@ TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
     model->to(at::kCUDA);
     StrategyOptions o;
     o.strategy = sharding::parseStrategyKind(strategy);
-    o.optimizer = optim;
+    o.optimizer = reference.optim;
     o.gradClip = 0.5;
     // Several buckets, except where no_shard and zero2 reduce during backward on several
     // ranks: LibTorch runs every backward of one GPU on one autograd thread, so a rank
@@ -259,29 +277,12 @@ TEST(CudaNcclStrategyTest, Zero3MatchesSingleProcessCpuTraining) {
   if (!distributed::ncclAvailable()) GTEST_SKIP() << "built without the nccl backend";
   using namespace sharding;
   using namespace sharding::testing;
-  constexpr int kSteps = 10;
-  constexpr double kLr = 1e-2;
-  const Batches data = makeBatches(kSteps, 12, 5, 1, 11);
-  torch::manual_seed(5);
-  TinyMlp init;
-  const auto initial = paramValues(*init);
-  OptimizerOptions optim;
-  optim.kind = sharding::OptimizerKind::kAdamW;
-  optim.weightDecay = 0.1;
-
-  TinyMlp ref;
-  loadParamValues(*ref, initial);
-  auto refOpt = referenceOptimizer(optim, kLr, *ref);
-  std::vector<double> refLosses;
-  for (int t = 0; t < kSteps; ++t) {
-    refOpt->zero_grad();
-    const at::Tensor loss = torch::mse_loss(ref->forward(data.x[t]), data.y[t]);
-    refLosses.push_back(loss.item<double>());
-    loss.backward();
-    torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.5);
-    refOpt->step();
-  }
-  const auto want = paramValues(*ref);
+  const CpuReference reference;
+  const Batches& data = reference.data;
+  const auto& want = reference.want;
+  const std::vector<double>& refLosses = reference.losses;
+  constexpr int kSteps = CpuReference::kSteps;
+  constexpr double kLr = CpuReference::kLr;
 
   for (const at::ScalarType compute : {at::kFloat, at::kBFloat16}) {
     SCOPED_TRACE(compute == at::kFloat ? "fp32" : "bf16 compute");
@@ -292,11 +293,11 @@ TEST(CudaNcclStrategyTest, Zero3MatchesSingleProcessCpuTraining) {
     EXPECT_TRUE(comm->tensorDevice().is_cuda());
 
     TinyMlp model;
-    loadParamValues(*model, initial);
+    loadParamValues(*model, reference.initial);
     model->to(at::kCUDA);
     StrategyOptions o;
     o.strategy = StrategyKind::kZero3;
-    o.optimizer = optim;
+    o.optimizer = reference.optim;
     o.gradClip = 0.5;
     o.paramDtype = compute;
     auto engine = makeStrategy(*model, comm, o);
