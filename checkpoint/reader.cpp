@@ -279,7 +279,10 @@ LoadResult load(const std::string& dir, const StateMap& states, distributed::Com
                 const LoadOptions& options) {
   LoadResult result;
   distributed::runOnEveryRank(comm, "loading checkpoint " + dir,
-                              [&] { result = loadCheckpoint(dir, collectEntries(states), options); });
+                              [&] {
+                                result = loadCheckpoint(dir, collectEntries(states), options);
+                                if (options.check) options.check(result);
+                              });
   afterLoad(states);  // collective: outside the agreement above
   return result;
 }
@@ -420,6 +423,7 @@ std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const st
     std::string error;
     try {
       result = loadCheckpoint(dir, entries, options);
+      if (options.check) options.check(*result);
     } catch (const std::exception& e) {
       // Any failure (also a c10::Error from a tensor op) must reach the agreement below,
       // or the other ranks would wait for this one in the all-reduce.

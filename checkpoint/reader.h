@@ -83,12 +83,18 @@ class CheckpointReader {
   int64_t bytesRead_ = 0;
 };
 
+struct LoadResult;
+
 struct LoadOptions {
   // Verify the checksum of every block read (costs one XXH3 pass, ~10+ GB/s per core).
   bool verify = true;
   // Throw when the checkpoint holds tensors that no entry asked for (off: loading only
   // the model, or a subset, is normal).
   bool strict = false;
+  // The caller's own checks of a loaded checkpoint (its trainer state's counters, say),
+  // run after the tensors load; what they throw fails the checkpoint as damage does, so
+  // resumeLatest falls back to the one before. Same answer on every rank (same files).
+  std::function<void(const LoadResult&)> check;
 };
 
 struct LoadResult {

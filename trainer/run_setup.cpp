@@ -4,6 +4,7 @@
 #include <torch/cuda.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <limits>
 
@@ -256,6 +257,24 @@ void checkLoadedCounts(RunParts& run, const checkpoint::LoadResult& loaded, cons
   }
 }
 
+// A loaded checkpoint's trainer_state.json on its own terms: its counters parse and are in
+// range, and the EMA update counts it keeps by name (ema_updates_of, older checkpoints)
+// name EMAs the checkpoint holds. Throws Error naming the file and the key.
+void checkTrainerState(const checkpoint::LoadResult& loaded) {
+  const std::string file = loaded.dir + "/trainer_state.json";
+  const TrainerCounters saved = countersFromJson(loaded.trainerState, file);
+  if (saved.legacyEmaUpdatesOf.empty()) return;
+  const checkpoint::CheckpointReader reader(loaded.dir);
+  const checkpoint::CheckpointMetadata& md = reader.metadata();
+  for (const auto& [name, count] : saved.legacyEmaUpdatesOf) {
+    const std::string prefix = sharding::statePrefix(sharding::kEmaKey) + name + "/";
+    const bool held = std::any_of(md.tensors.begin(), md.tensors.end(),
+                                  [&](const checkpoint::TensorInfo& t) { return t.name.rfind(prefix, 0) == 0; });
+    TESSERA_CHECK(held, file, ": 'ema_updates_of.", name, "' counts updates of an EMA the checkpoint does not hold (no ",
+                  prefix, " tensors)");
+  }
+}
+
 // checkpoint.resume: loads the newest complete checkpoint ("auto", falling back to older
 // ones when one fails verification on any rank) or the one named, into the run's state
 // in place, and continues its counters. The data position is step x global batch, so the
@@ -266,16 +285,18 @@ bool resume(RunParts& run) {
   const std::string checkpointsDir = (run.runDir / "checkpoints").string();
   checkSettingsAgainst(run, cfg.checkpoint.resume == "auto" ? newestCheckpoint(checkpointsDir) : cfg.checkpoint.resume);
   const checkpoint::StateMap states = run.states();
+  checkpoint::LoadOptions options;
+  options.check = checkTrainerState;  // a step whose trainer state fails is passed over like a damaged one
   std::optional<checkpoint::LoadResult> loaded;
   if (cfg.checkpoint.resume == "auto") {
-    loaded = checkpoint::resumeLatest(checkpointsDir, states, run.hostComm.get());
+    loaded = checkpoint::resumeLatest(checkpointsDir, states, run.hostComm.get(), options);
   } else {
     std::error_code missing;
     if (!fs::exists(cfg.checkpoint.resume, missing)) {
       throw ConfigError(strCat("checkpoint.resume: no checkpoint directory at '", cfg.checkpoint.resume, "'",
                                relativePathNote(cfg.checkpoint.resume)));
     }
-    loaded = checkpoint::load(cfg.checkpoint.resume, states, run.hostComm.get());
+    loaded = checkpoint::load(cfg.checkpoint.resume, states, run.hostComm.get(), options);
   }
   if (!loaded) return false;
   const TrainerCounters saved =

@@ -173,6 +173,33 @@ TEST_F(HostileInputTest, TrainerStateIsCheckedWithFileAndKeyNamed) {
   expectRefused(resume, {step + "/trainer_state.json", "expected an object"}, 1);
 }
 
+// Issue 36, class 5: --resume auto passes over a step whose trainer state fails its checks
+// (a counter out of range, EMA update counts of an EMA the checkpoint does not hold), as it
+// does for a damaged tensor, saying why; a step named explicitly is refused.
+TEST_F(HostileInputTest, BadTrainerStateFallsBackToTheStepBefore) {
+  const std::string run = trainedRun(" --set checkpoint.every_steps=1 --set checkpoint.keep_last=0");
+  const std::string step = stepDir(run);
+  const json good = readJson(step + "/trainer_state.json");
+  const std::string resumeAuto = kTrain + " --config " + kConfig + kShortRun +
+                                 " --set checkpoint.every_steps=100 --set run.steps=3 --set run.dir=" + run;
+  for (const auto& [key, value, named] : std::initializer_list<std::tuple<std::string, json, std::string>>{
+           {"ema_updates_of", json{{"nobody_ema", 1}}, "'ema_updates_of.nobody_ema'"},
+           {"ema_updates_of", json{{"model_ema", 7}}, "'ema_updates_of.model_ema'"},
+           {"skipped_steps", -1, "'skipped_steps'"}}) {
+    SCOPED_TRACE(key + " = " + value.dump());
+    json forged = good;
+    forged[key] = value;
+    forgeTrainerState(step, forged.dump());
+    const std::string out = expectSuccess(resumeAuto);
+    EXPECT_NE(out.find(named), std::string::npos) << out;
+    EXPECT_NE(out.find("resumed from " + run + "/checkpoints/step_00000001"), std::string::npos) << out;
+    expectRefused(kTrain + " --config " + kConfig + kShortRun + " --set run.steps=3 --set run.dir=" + run +
+                      " --resume " + step,
+                  {step + "/trainer_state.json", named}, 1);
+    fs::remove_all(run + "/checkpoints/step_00000003");  // the next case resumes from step 2 again
+  }
+}
+
 // Class 2: optimizer step counts saved in the rank data (checksums re-signed by the
 // forger) are checked before AdamW divides by 1 - beta^t.
 TEST_F(HostileInputTest, NegativeOptimizerStepCountIsRefused) {
