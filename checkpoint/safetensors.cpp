@@ -128,12 +128,25 @@ SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64
   return h;
 }
 
+namespace {
+
+// metadata.total_size of an index: a non-negative integer when present.
+std::optional<int64_t> indexTotalSize(const Json& index, const std::string& source) {
+  if (!detail::hasMember(index, "metadata")) return std::nullopt;
+  const Json& metadata = detail::asObject(index["metadata"], source + ".metadata");
+  if (!detail::hasMember(metadata, "total_size")) return std::nullopt;
+  return detail::asInt(metadata["total_size"], source + ".metadata.total_size", 0);
+}
+
+}  // namespace
+
 std::map<std::string, std::string> parseSafetensorsIndex(const std::string& text, const std::string& source) {
   if (static_cast<int64_t>(text.size()) > kMaxIndexBytes) {
     throw CheckpointError(strCat(source, ": ", text.size(), " bytes, more than the ", kMaxIndexBytes, " an index may have"));
   }
   const Json j = detail::parseJson(text, source);
   asObject(j, source);
+  indexTotalSize(j, source);  // checked here, compared with the files by SafetensorsSet
   const Json& map = asObject(detail::member(j, "weight_map", source), source + ".weight_map");
   std::map<std::string, std::string> out;
   for (const auto& [name, f] : map.items()) {
@@ -154,8 +167,9 @@ SafetensorsSet::SafetensorsSet(const std::string& path) {
     open({path});
     return;
   }
-  const std::map<std::string, std::string> expectedFile =
-      parseSafetensorsIndex(readFileBounded(path, kMaxIndexBytes, LinkPolicy::kFollow), path);
+  const std::string text = readFileBounded(path, kMaxIndexBytes, LinkPolicy::kFollow);
+  const std::map<std::string, std::string> expectedFile = parseSafetensorsIndex(text, path);
+  const std::optional<int64_t> totalSize = indexTotalSize(detail::parseJson(text, path), path);
   std::vector<std::string> files;
   std::set<std::string> unique;
   for (const auto& [name, file] : expectedFile) {
@@ -167,6 +181,19 @@ SafetensorsSet::SafetensorsSet(const std::string& path) {
     if (it == byName_.end() || fs::path(it->second.reader->path()).filename() != file) {
       throw CheckpointError(strCat(path, ": weight_map puts '", name, "' in ", file, ", which does not hold it"));
     }
+  }
+  // The index describes its shards: nothing in a file it does not list, the total right.
+  int64_t bytes = 0;
+  for (const auto& [name, located] : byName_) {
+    if (!expectedFile.count(name)) {
+      throw CheckpointError(strCat(path, ": '", detail::printableKey(name), "' is in ",
+                                   fs::path(located.reader->path()).filename().string(), " but not in weight_map"));
+    }
+    bytes += located.entry->bytes();
+  }
+  if (totalSize && *totalSize != bytes) {
+    throw CheckpointError(strCat(path, ": metadata.total_size is ", *totalSize, ", the files' tensors hold ", bytes,
+                                 " bytes"));
   }
 }
 

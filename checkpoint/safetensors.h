@@ -64,9 +64,12 @@ SafetensorsHeader parseSafetensorsHeader(const uint8_t* data, size_t size, int64
 
 // A sharded export's index (model.safetensors.index.json, as Hugging Face writes it):
 // {"metadata": {...}, "weight_map": {tensor name: file name}}. Returns the weight map.
-// Throws CheckpointError naming `source` for invalid JSON, a missing or non-object
-// weight_map, a file that is not a plain name in the index's directory ("../x", "a/b",
-// "", "."), or an empty tensor name.
+// Throws CheckpointError naming `source` for invalid JSON (a name written twice
+// included), a missing or non-object weight_map, a file that is not a plain name in the
+// index's directory ("../x", "a/b", "", "."), an empty tensor name, or a
+// metadata.total_size that is not a non-negative integer. Opening the set (SafetensorsSet)
+// then checks the index against its files: every tensor of every file is in weight_map,
+// under that file, and total_size (when given) is the sum of the tensors' bytes.
 std::map<std::string, std::string> parseSafetensorsIndex(const std::string& text, const std::string& source);
 
 // Lays `tensors` out back to back in the given order (sets begin/end) and returns the

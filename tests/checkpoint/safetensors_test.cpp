@@ -274,6 +274,56 @@ TEST(SafetensorsTest, ImportFromAShardedExportOnEveryRank) {
   }
 }
 
+// Issue 36, class 4: an index must describe its shards: a tensor a file holds but
+// weight_map does not list, a name written twice, a total_size that is not a number or
+// not the sum of the tensors' bytes — each refused with the index and the name.
+TEST(SafetensorsTest, IndexThatDoesNotDescribeItsShardsIsRefused) {
+  TempDir tmp;
+  std::vector<StateEntry> full;
+  for (const auto& [name, w] : std::map<std::string, at::Tensor>{{"a", at::arange(28, at::kFloat).view({7, 4})},
+                                                                 {"b", at::arange(5, at::kFloat)},
+                                                                 {"c", at::full({}, 0.5f)}}) {
+    full.push_back({"model/" + name, sharding::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
+  }
+  ExportOptions ex;
+  ex.maxShardBytes = 64;  // a alone, then b and c
+  const ExportResult written = exportOnline(full, {}, nullptr, tmp / "out", ex);
+  const std::string index = written.indexFile;
+  const std::string original = readText(index);
+  EXPECT_NO_THROW(loadSafetensors(index));
+  auto refusedWith = [&](const std::string& text) {
+    writeText(index, text);
+    try {
+      loadSafetensors(index);
+    } catch (const CheckpointError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  auto j = nlohmann::json::parse(original);
+  ASSERT_EQ(j["metadata"]["total_size"], 28 * 4 + 5 * 4 + 4);
+  auto without = j;
+  without["weight_map"].erase("c");  // its file is still listed (for b)
+  std::string e = refusedWith(without.dump());
+  EXPECT_NE(e.find("'c' is in"), std::string::npos) << e;
+  EXPECT_NE(e.find("not in weight_map"), std::string::npos) << e;
+  auto wrongTotal = j;
+  wrongTotal["metadata"]["total_size"] = 1000;
+  e = refusedWith(wrongTotal.dump());
+  EXPECT_NE(e.find("total_size is 1000"), std::string::npos) << e;
+  wrongTotal["metadata"]["total_size"] = "132";
+  e = refusedWith(wrongTotal.dump());
+  EXPECT_NE(e.find("total_size"), std::string::npos) << e;
+  wrongTotal["metadata"]["total_size"] = -1;
+  EXPECT_NE(refusedWith(wrongTotal.dump()).find("total_size"), std::string::npos);
+  const size_t map = original.find("\"weight_map\"");
+  const size_t brace = original.find('{', map);
+  e = refusedWith(original.substr(0, brace + 1) + "\"a\": \"x.safetensors\", " + original.substr(brace + 1));
+  EXPECT_NE(e.find("'a' appears twice"), std::string::npos) << e;
+  writeText(index, original);
+  EXPECT_NO_THROW(loadSafetensors(index));
+}
+
 TEST(SafetensorsTest, IndependentPythonReaderSeesTheSameTensors) {
   TempDir tmp;
   // A checkpoint saved on 3 ranks, exported as bf16 (floats) with ints kept.
