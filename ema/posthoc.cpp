@@ -89,6 +89,10 @@ PosthocResult selectSnapshots(const std::string& dir, const PosthocOptions& opti
   const std::vector<PosthocSnapshot> all = listPosthocSnapshots(dir);
   PosthocResult result;
   result.step = options.atStep.value_or(all.back().step);
+  if (result.step > all.back().step) {
+    throw UsageError(strCat("--at-step ", result.step, ": past the last post-hoc snapshot (step ", all.back().step,
+                            ") of ", dir, ": nothing saved covers the steps after it"));
+  }
   for (const auto& s : all) {
     if (s.step <= result.step) result.used.push_back(s);
   }
@@ -196,6 +200,11 @@ void writeCombinedTensor(PosthocSources& src, size_t k, const std::vector<double
     }
     at::Tensor out = BlockBuffers::take(buffers.outBytes, numel, t.dtype);
     out.copy_(sum);
+    // A NaN export must not look like a result: non-finite snapshots, or weights the
+    // tensor's values overflow with (in its dtype).
+    TESSERA_CHECK(out.isfinite().all().item<bool>(), "post-hoc EMA: tensor '", t.name, "' rows [", rb, ", ", re,
+                  ") are not finite after combining ", src.stored.size(), " stored profiles (a snapshot holding NaN or "
+                  "Inf, or values the weights overflow in ", checkpoint::dtypeName(t.dtype), ")");
     writer.write(out.data_ptr(), out.numel() * static_cast<int64_t>(out.element_size()));
   }
 }
@@ -206,7 +215,11 @@ PosthocResult reconstructPosthocEma(const std::string& dir, const std::string& o
   const auto start = std::chrono::steady_clock::now();
   PosthocResult result = selectSnapshots(dir, options);
   PosthocSources src = openStoredProfiles(result.used);
-  result.weights = posthocEmaWeights(src.profiles, {result.step, powerEmaExponent(options.sigmaRel)});
+  try {
+    result.weights = posthocEmaWeights(src.profiles, {result.step, powerEmaExponent(options.sigmaRel)});
+  } catch (const Error& e) {  // what was asked for cannot be made from what was saved
+    throw UsageError(strCat("--posthoc-ema ", options.sigmaRel, " at step ", result.step, ": ", e.what()));
+  }
   findTensors(result.used, src);
 
   std::map<std::string, std::string> metadata{

@@ -83,7 +83,21 @@ std::vector<double> posthocEmaWeights(const std::vector<PowerProfile>& stored, c
   const auto x = solution.accessor<double, 2>();
   for (int64_t i = 0; i < n; ++i) sum += (w[static_cast<size_t>(i)] = x[i][0]);
   TESSERA_CHECK(std::isfinite(sum) && sum != 0, "post-hoc EMA: the weights do not normalise (sum ", sum, ")");
-  for (double& x : w) x /= sum;
+  // How well the stored profiles express the wanted one: the least-squares residual
+  // relative to the wanted profile's norm (0 when it is stored). Far outside the stored
+  // sigma_rel values the fit degrades and the weights grow large and alternate.
+  const double wanted2 = powerProfileInnerProduct(static_cast<double>(wanted.step), wanted.gamma,
+                                                  static_cast<double>(wanted.step), wanted.gamma);
+  const double residual2 = wanted2 - 2 * (solution.t().mm(rhs)).item<double>() +
+                           (solution.t().mm(gram).mm(solution)).item<double>();
+  const double fitError = std::sqrt(std::max(0.0, residual2) / wanted2);
+  TESSERA_CHECK(std::isfinite(fitError) && fitError <= kMaxPosthocFitError, "post-hoc EMA: the stored profiles express "
+                "the wanted one only to a relative error of ", fitError, " (more than ", kMaxPosthocFitError,
+                "): ask for a sigma_rel nearer to the stored ones, or store profiles nearer to it");
+  for (double& x : w) {
+    x /= sum;
+    TESSERA_CHECK(std::isfinite(x), "post-hoc EMA: a weight is not finite after normalising (sum ", sum, ")");
+  }
   return w;
 }
 

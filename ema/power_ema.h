@@ -15,6 +15,10 @@ namespace tessera::ema {
 
 // sigma_rel must lie in (0, kMaxPowerEmaStd): a larger one would need gamma <= 0.
 constexpr double kMaxPowerEmaStd = 0.28;
+// The largest relative error (in profile space) of a post-hoc reconstruction's fit that
+// posthocEmaWeights accepts: with two stored sigma_rel of 0.05 and 0.10 every 10 of 200
+// steps, sigma_rel 0.02 fits to 0.087 and 0.01 to 0.30 (refused).
+constexpr double kMaxPosthocFitError = 0.1;
 
 // gamma for sigma_rel (Algorithm 2): the largest real root of
 // gamma^3 + 7 gamma^2 + (16 - sigma^-2) gamma + (12 - sigma^-2). Throws ConfigError
@@ -39,7 +43,8 @@ struct PowerProfile {
 // Algorithm 3: the weights w (one per stored profile) such that sum_i w_i * profile_i is
 // the least-squares best approximation of the profile (step, gamma) — solve the Gram
 // system (at::linalg_solve), then normalise the weights to sum 1. Throws Error when the
-// stored profiles are linearly dependent (two identical), or none.
+// stored profiles are linearly dependent (two identical), or none, or express the wanted
+// one only to a relative error above kMaxPosthocFitError, or a weight is not finite.
 std::vector<double> posthocEmaWeights(const std::vector<PowerProfile>& stored, const PowerProfile& wanted);
 
 }  // namespace tessera::ema

@@ -138,14 +138,26 @@ TEST(PosthocEmaTest, ReconstructsTrackedProfilesExactlyAndIntermediateOnesClosel
   // The world size that wrote the snapshots does not matter.
   EXPECT_EQ(fileBytes(mid2), fileBytes(mid4));
 
-  // At an earlier step: only the snapshots up to it are used.
-  options.atStep = 150;
+  // At an earlier snapshot's step: only the snapshots up to it are used.
+  options.atStep = 140;
   const PosthocResult early = reconstructPosthocEma(dir4, dir4 + "/early.safetensors", options);
-  EXPECT_EQ(early.used.size(), 150u / kSnapshotEvery);
+  EXPECT_EQ(early.used.size(), 140u / kSnapshotEvery);
   EXPECT_EQ(early.used.back().step, 140);
+  // Between snapshots the profile wanted at 150 puts most of its weight on steps after
+  // 140, which no snapshot used covers: refused (it used to be extrapolated silently).
+  options.atStep = 150;
+  try {
+    reconstructPosthocEma(dir4, dir4 + "/between.safetensors", options);
+    ADD_FAILURE() << "--at-step 150 between snapshots accepted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("relative error"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir4 + "/between.safetensors"));
 
-  // Bad requests.
+  // Bad requests: before the first snapshot, past the last one.
   options.atStep = 5;
+  EXPECT_THROW(reconstructPosthocEma(dir2, dir2 + "/bad.safetensors", options), UsageError);
+  options.atStep = early.used.back().step + 100000;
   EXPECT_THROW(reconstructPosthocEma(dir2, dir2 + "/bad.safetensors", options), UsageError);
   options.atStep.reset();
   options.sigmaRel = 0.5;

@@ -94,6 +94,26 @@ TEST(PosthocEmaWeightsTest, AStoredProfileComesBackExactly) {
   EXPECT_THROW(posthocEmaWeights({{10, 5.0}, {10, 5.0}}, {10, 5.0}), Error);  // repeated snapshot
 }
 
+// Issue 36, class 1: a sigma_rel the stored profiles cannot express (the fit's relative
+// error above kMaxPosthocFitError) is refused rather than combined with huge alternating
+// weights; one they express well is not.
+TEST(PosthocEmaWeightsTest, ASigmaTheSnapshotsCannotExpressIsRefused) {
+  std::vector<PowerProfile> stored;
+  for (int64_t s = 10; s <= 200; s += 10) {
+    stored.push_back({s, powerEmaExponent(0.05)});
+    stored.push_back({s, powerEmaExponent(0.10)});
+  }
+  EXPECT_NO_THROW(posthocEmaWeights(stored, {200, powerEmaExponent(0.02)}));  // fits to 0.087
+  EXPECT_NO_THROW(posthocEmaWeights(stored, {200, powerEmaExponent(0.25)}));  // 0.059
+  try {
+    posthocEmaWeights(stored, {200, powerEmaExponent(0.01)});  // 0.30
+    ADD_FAILURE() << "sigma_rel 0.01 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("relative error"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(posthocEmaWeights(stored, {200, powerEmaExponent(0.27)}), Error);  // 0.118
+}
+
 // The tolerance the issue asks to measure: 20 snapshots (every 100 of 2000 steps) of
 // sigma_rel 0.05 and 0.10; sigma_rel 0.075 reconstructed at the last step against the
 // profile tracked directly: relative L2 error 4.8e-5 on this trajectory (printed), bound
