@@ -6,10 +6,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 
+#include "checkpoint/format.h"
 #include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
@@ -24,6 +28,18 @@ using checkpoint::CheckpointError;
 namespace {
 
 constexpr const char* kProfilesKey = "posthoc_profiles";
+constexpr const char* kRunKey = "run";
+
+// The sigma_rel a profile's name says ("generator_ema_phema0.05" -> 0.05), if it says one.
+std::optional<double> sigmaInName(const std::string& name) {
+  const size_t at = name.rfind("_phema");
+  if (at == std::string::npos) return std::nullopt;
+  const std::string digits = name.substr(at + 6);
+  char* end = nullptr;
+  const double value = std::strtod(digits.c_str(), &end);
+  if (digits.empty() || end != digits.c_str() + digits.size()) return std::nullopt;
+  return value;
+}
 // Rows combined at a time: about this many bytes of each snapshot's tensor.
 constexpr int64_t kBlockBytes = int64_t{4} << 20;
 
@@ -44,17 +60,27 @@ std::vector<sharding::StateEntry> posthocSnapshotEntries(ShardedModelEMAManager&
   return entries;
 }
 
-std::string posthocSnapshotState(const ShardedModelEMAManager& manager) {
+std::string posthocSnapshotState(const ShardedModelEMAManager& manager, const std::string& run) {
   nlohmann::json profiles = nlohmann::json::object();
   for (size_t i = 0; i < manager.numProfiles(); ++i) {
     if (manager.isPowerProfile(i)) profiles[manager.stateName(i)] = manager.powerStd(i);
   }
-  return nlohmann::json{{kProfilesKey, profiles}}.dump();
+  nlohmann::json identity = nlohmann::json::parse(run, nullptr, /*allow_exceptions=*/false);
+  TESSERA_CHECK(identity.is_object(), "posthocSnapshotState: the run's identity must be a JSON object, got ", run);
+  // The model, as the profiles hold it: every parameter's name and global shape.
+  std::string shapes;
+  for (const std::string& name : manager.paramNames()) {
+    shapes += strCat(name, at::IntArrayRef(manager.spec(name).globalShape()), ";");
+  }
+  identity["parameters"] = checkpoint::checksumHex(checkpoint::checksum(shapes.data(), shapes.size()));
+  return nlohmann::json{{kProfilesKey, profiles}, {kRunKey, identity}}.dump();
 }
 
 std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir) {
   const std::string root = snapshotsDir(dir);
   std::vector<PosthocSnapshot> out;
+  std::map<std::string, std::pair<double, std::string>> firstSigma;  // profile -> (sigma_rel, file)
+  std::string firstRun, firstWhere;
   for (const auto& ref : checkpoint::listCheckpoints(root)) {
     checkpoint::CheckpointReader reader(ref.dir);
     const std::string where = (fs::path(ref.dir) / "trainer_state.json").string();
@@ -71,7 +97,27 @@ std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir) {
         throw CheckpointError(strCat(where, ": profile '", name, "' has sigma_rel ", sigma.dump(), ", not a number in (0, ",
                                      kMaxPowerEmaStd, ")"));
       }
-      s.profiles.emplace_back(name, sigma.get<double>());
+      const double value = sigma.get<double>();
+      const std::optional<double> named = sigmaInName(name);
+      if (named && std::abs(*named - value) > 1e-5 * value) {
+        throw CheckpointError(strCat(where, ": profile '", name, "' has sigma_rel ", value, ", its name says ", *named));
+      }
+      // One value per profile over the run's snapshots.
+      auto first = firstSigma.emplace(name, std::make_pair(value, where)).first;
+      if (std::abs(first->second.first - value) > 1e-12 * value) {
+        throw CheckpointError(strCat(where, ": profile '", name, "' has sigma_rel ", value, ", but ",
+                                     first->second.second, " gives it ", first->second.first));
+      }
+      s.profiles.emplace_back(name, value);
+    }
+    // One run: a snapshot copied from another (another seed, model or config) is refused.
+    const std::string run = state.contains(kRunKey) ? state[kRunKey].dump() : std::string("(none recorded)");
+    if (out.empty()) {
+      firstRun = run;
+      firstWhere = where;
+    } else if (run != firstRun) {
+      throw CheckpointError(strCat(where, ": written by another run than ", firstWhere, " (run ", run, " vs ", firstRun,
+                                   "): snapshots of different runs cannot be combined"));
     }
     out.push_back(std::move(s));
   }

@@ -5,8 +5,9 @@
 // A snapshot is a checkpoint (checkpoint/checkpointer.h: per-rank shards, checksummed,
 // atomic) under <run.dir>/posthoc/step_N/ holding only the power-function profiles'
 // entries, "ema/<profile>/<param>", and in trainer_state.json which sigma_rel each
-// profile has: {"posthoc_profiles": {"generator_ema_phema0.05": 0.05, ...}}. It reshards
-// on read like any checkpoint, so the world size that wrote it does not matter.
+// profile has: {"posthoc_profiles": {"generator_ema_phema0.05": 0.05, ...}}, and which
+// run wrote it: {"run": {...}} (the trainer's seed and model description). It reshards on
+// read like any checkpoint, so the world size that wrote it does not matter.
 #pragma once
 
 #include <cstdint>
@@ -23,8 +24,9 @@ class ShardedModelEMAManager;
 
 // A snapshot's tensors: `manager`'s power-function profiles, "ema/<profile>/<param>".
 std::vector<sharding::StateEntry> posthocSnapshotEntries(ShardedModelEMAManager& manager);
-// The trainer_state.json of a snapshot of `manager`'s power-function profiles.
-std::string posthocSnapshotState(const ShardedModelEMAManager& manager);
+// The trainer_state.json of a snapshot of `manager`'s power-function profiles; `run`, a
+// JSON object, says which run wrote it (snapshots of different runs are never mixed).
+std::string posthocSnapshotState(const ShardedModelEMAManager& manager, const std::string& run = "{}");
 
 struct PosthocSnapshot {
   int64_t step = 0;
@@ -34,7 +36,9 @@ struct PosthocSnapshot {
 
 // The complete snapshots under `dir` — a run directory (its posthoc/) or the posthoc
 // directory itself — oldest first. Throws CheckpointError naming the snapshot whose
-// state is missing or malformed; UsageError when there is no snapshot.
+// state is missing or malformed, whose run differs from the first snapshot's (copied
+// from another run), or that gives a profile another sigma_rel than an earlier snapshot
+// or than its name says ("..._phema0.05"); UsageError when there is no snapshot.
 std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir);
 
 struct PosthocOptions {

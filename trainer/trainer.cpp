@@ -177,7 +177,8 @@ class TrainLoop {
     request.step = done;
     request.strategy = run_.strategies();
     request.entries = ema::posthocSnapshotEntries(ema);
-    request.trainerState = ema::posthocSnapshotState(ema);
+    // Which run wrote it: its seed (and the model, which the EMA records itself).
+    request.trainerState = ema::posthocSnapshotState(ema, strCat("{\"seed\": ", cfg_.run.seed, "}"));
     run_.posthocWriter->save(request);
   }
 

@@ -12,6 +12,7 @@
 //   - bad requests (sigma out of range, a step before every snapshot, no snapshots) fail
 //     with messages naming them.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -19,6 +20,8 @@
 #include <map>
 
 #include "checkpoint/checkpointer.h"
+#include "checkpoint/format.h"
+#include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "ema/ema_manager.h"
@@ -47,7 +50,8 @@ at::Tensor paramAt(const std::string& name, int64_t t) {
 // Trains the random walk on `world` ranks, tracking `stds` in a manager per rank, and
 // snapshots the profiles into dir (none when dir is empty). Returns rank 0's full
 // profiles at the end, gathered, by "<profile>/<param>".
-std::map<std::string, at::Tensor> track(int world, const std::vector<double>& stds, const std::string& dir) {
+std::map<std::string, at::Tensor> track(int world, const std::vector<double>& stds, const std::string& dir,
+                                         const std::string& run = "{}") {
   std::map<std::string, at::Tensor> out;
   test::runOnRanks(world, [&](test::RankContext& ctx) {
     EmaOptions options;
@@ -70,7 +74,7 @@ std::map<std::string, at::Tensor> track(int world, const std::vector<double>& st
         checkpoint::SaveRequest request;
         request.step = t;
         request.entries = posthocSnapshotEntries(manager);
-        request.trainerState = posthocSnapshotState(manager);
+        request.trainerState = posthocSnapshotState(manager, run);
         writer->save(request);
       }
     }
@@ -171,6 +175,66 @@ TEST(PosthocEmaTest, ReconstructsTrackedProfilesExactlyAndIntermediateOnesClosel
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find(empty), std::string::npos) << e.what();
   }
+}
+
+// Writes `state` as a snapshot's trainer_state.json with its size and checksum in
+// metadata.json, resealed: a consistent snapshot whose content is wrong.
+void forgeSnapshotState(const std::string& snapshot, const std::string& state) {
+  std::ofstream(snapshot + "/trainer_state.json") << state;
+  auto md = nlohmann::json::parse(fileBytes(snapshot + "/metadata.json"));
+  md["trainer_state"]["bytes"] = state.size();
+  md["trainer_state"]["checksum"] = checkpoint::checksumHex(checkpoint::checksum(state.data(), state.size()));
+  std::ofstream(snapshot + "/metadata.json") << checkpoint::resealMetadata(md.dump());
+}
+
+// Issue 36, class 3: snapshots record the run that wrote them (its seed, and a digest of
+// the model's parameter names and shapes) and each profile's sigma_rel; one copied from
+// another run, or giving a profile another value than its name or an earlier snapshot,
+// is refused, naming the file.
+TEST(PosthocEmaTest, SnapshotsOfAnotherRunOrWithInconsistentProfilesAreRefused) {
+  const std::string mine = test::scratchPath("posthoc", "mine");
+  const std::string other = test::scratchPath("posthoc", "other");
+  track(2, {0.05, 0.10}, mine, "{\"seed\": 1}");
+  track(2, {0.05, 0.10}, other, "{\"seed\": 2}");
+  EXPECT_NO_THROW(listPosthocSnapshots(mine));
+  const std::string last = mine + "/step_00000300";
+  const std::string kept = test::scratchPath("posthoc", "kept");
+  fs::rename(last, kept);
+  fs::copy(other + "/step_00000300", last, fs::copy_options::recursive);
+  try {
+    listPosthocSnapshots(mine);
+    ADD_FAILURE() << "a snapshot of another run accepted";
+  } catch (const checkpoint::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find(last), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("another run"), std::string::npos) << e.what();
+  }
+  fs::remove_all(last);
+  fs::rename(kept, last);
+  EXPECT_NO_THROW(listPosthocSnapshots(mine));
+
+  const std::string original = fileBytes(last + "/trainer_state.json");
+  auto state = nlohmann::json::parse(original);
+  const std::string profile = state["posthoc_profiles"].begin().key();  // "<prefix>_phema0.05"
+  state["posthoc_profiles"][profile] = 0.07;
+  forgeSnapshotState(last, state.dump());
+  try {
+    listPosthocSnapshots(mine);
+    ADD_FAILURE() << "a profile whose value its name contradicts accepted";
+  } catch (const checkpoint::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("its name says"), std::string::npos) << e.what();
+  }
+  // A value within what the name's digits say, but not the one the earlier snapshots give.
+  state = nlohmann::json::parse(original);
+  state["posthoc_profiles"][profile] = state["posthoc_profiles"][profile].get<double>() * (1 + 2e-6);
+  forgeSnapshotState(last, state.dump());
+  try {
+    listPosthocSnapshots(mine);
+    ADD_FAILURE() << "a profile with two values accepted";
+  } catch (const checkpoint::CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("gives it"), std::string::npos) << e.what();
+  }
+  forgeSnapshotState(last, original);
+  EXPECT_NO_THROW(listPosthocSnapshots(mine));
 }
 
 }  // namespace
