@@ -449,8 +449,11 @@ void checkEntriesAsWritten(const config::ConfigSchema& s, const TrainConfig& c) 
     const std::string& name = entries[i].first;
     const std::string p = "models." + name + ".";
     if (name == sharding::kModelKey || name == sharding::kOptimizerKey || name == sharding::kEmaKey) {
-      throw ConfigError(entry.errorMessage(p + "trainable", strCat("'", name, "' is reserved (the checkpoint's ", name,
-                                                                   "/ prefix): name the model otherwise")));
+      // Named at a key the user wrote (with its file and line), not at one they did not.
+      const std::vector<std::string> written = entry.changedKeys(p);
+      throw ConfigError(entry.errorMessage(written.empty() ? p + "trainable" : written.front(),
+                                           strCat("'", name, "' is reserved (the checkpoint's ", name,
+                                                  "/ prefix): name the model otherwise")));
     }
     if (c.models[i].trainable) continue;
     for (const char* section : {"optim", "ema"}) {

@@ -279,6 +279,9 @@ TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
   EXPECT_EQ(runCommand(kTrain + " --config " + resolved + " --print-config", 60).status, 0);
   // Reserved names, and names that collide with an EMA's.
   expectConfigError(" --config " + configWith("reserved", good + "  optim: {}\n"), {"models.optim", "reserved"});
+  // Named at the key that was written, with its line (not at models.ema.trainable).
+  expectConfigError(" --config " + configWith("reserved_ema", good + "  ema:\n    arch: diffusion\n"),
+                    {"models.ema.arch", "reserved"});
   expectConfigError(" --config " + configWith("extra", good + "  student: {}\n"),
                     {"models.student.trainable", "'student' would never be used"});
   expectConfigError(config + " --set models.teacher.timesteps=100",
