@@ -18,6 +18,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "ema/ema_manager.h"
+#include "ema/posthoc_state.h"
 #include "ema/power_ema.h"
 
 namespace tessera::ema {
@@ -29,17 +30,6 @@ namespace {
 
 constexpr const char* kProfilesKey = "posthoc_profiles";
 constexpr const char* kRunKey = "run";
-
-// The sigma_rel a profile's name says ("generator_ema_phema0.05" -> 0.05), if it says one.
-std::optional<double> sigmaInName(const std::string& name) {
-  const size_t at = name.rfind("_phema");
-  if (at == std::string::npos) return std::nullopt;
-  const std::string digits = name.substr(at + 6);
-  char* end = nullptr;
-  const double value = std::strtod(digits.c_str(), &end);
-  if (digits.empty() || end != digits.c_str() + digits.size()) return std::nullopt;
-  return value;
-}
 // Rows combined at a time: about this many bytes of each snapshot's tensor.
 constexpr int64_t kBlockBytes = int64_t{4} << 20;
 
@@ -87,21 +77,8 @@ std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir) {
     PosthocSnapshot s;
     s.step = reader.metadata().step;
     s.dir = ref.dir;
-    const nlohmann::json state = nlohmann::json::parse(reader.trainerState(), nullptr, /*allow_exceptions=*/false);
-    if (!state.is_object() || !state.contains(kProfilesKey) || !state[kProfilesKey].is_object() ||
-        state[kProfilesKey].empty()) {
-      throw CheckpointError(strCat(where, ": not a post-hoc EMA snapshot (no '", kProfilesKey, "' object)"));
-    }
-    for (const auto& [name, sigma] : state[kProfilesKey].items()) {
-      if (!sigma.is_number() || !(sigma.get<double>() > 0 && sigma.get<double>() < kMaxPowerEmaStd)) {
-        throw CheckpointError(strCat(where, ": profile '", name, "' has sigma_rel ", sigma.dump(), ", not a number in (0, ",
-                                     kMaxPowerEmaStd, ")"));
-      }
-      const double value = sigma.get<double>();
-      const std::optional<double> named = sigmaInName(name);
-      if (named && std::abs(*named - value) > 1e-5 * value) {
-        throw CheckpointError(strCat(where, ": profile '", name, "' has sigma_rel ", value, ", its name says ", *named));
-      }
+    const PosthocState state = parsePosthocState(reader.trainerState(), where);
+    for (const auto& [name, value] : state.profiles) {
       // One value per profile over the run's snapshots.
       auto first = firstSigma.emplace(name, std::make_pair(value, where)).first;
       if (std::abs(first->second.first - value) > 1e-12 * value) {
@@ -111,13 +88,12 @@ std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir) {
       s.profiles.emplace_back(name, value);
     }
     // One run: a snapshot copied from another (another seed, model or config) is refused.
-    const std::string run = state.contains(kRunKey) ? state[kRunKey].dump() : std::string("(none recorded)");
     if (out.empty()) {
-      firstRun = run;
+      firstRun = state.run;
       firstWhere = where;
-    } else if (run != firstRun) {
-      throw CheckpointError(strCat(where, ": written by another run than ", firstWhere, " (run ", run, " vs ", firstRun,
-                                   "): snapshots of different runs cannot be combined"));
+    } else if (state.run != firstRun) {
+      throw CheckpointError(strCat(where, ": written by another run than ", firstWhere, " (run ", state.run, " vs ",
+                                   firstRun, "): snapshots of different runs cannot be combined"));
     }
     out.push_back(std::move(s));
   }
