@@ -340,14 +340,11 @@ bool isStepDirectory(const fs::path& dir) {
   return fs::is_regular_file(dir / kMetadataFile, ec);
 }
 
-// A directory of checkpoints: holding `latest` or a step directory.
+// A directory of checkpoints: holding `latest`, or a checkpoint as resume and `list`
+// find them (listCheckpoints: step_<digits> directories with metadata.json, no links).
 bool isCheckpointsDirectory(const fs::path& dir) {
   std::error_code ec;
-  if (fs::is_regular_file(dir / "latest", ec)) return true;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (entry.is_directory(ec) && isStepDirectory(entry.path())) return true;
-  }
-  return false;
+  return fs::is_regular_file(dir / "latest", ec) || !listCheckpoints(dir.string()).empty();
 }
 
 }  // namespace

@@ -141,8 +141,8 @@ std::string checkpointOrNewestIn(const std::string& dir);
 // Refuses an output a command is about to write when it would land in checkpoint state:
 // `out` (a file, or the directory of a sharded export) inside a checkpoint step directory
 // or post-hoc snapshot (a directory holding metadata.json, or named step_<digits> with or
-// without a suffix), or directly in a checkpoints directory (one holding `latest` or step
-// directories), links followed; or the same file as one of `inputs`. Throws UsageError
+// without a suffix), or directly in a checkpoints directory (one holding `latest` or a
+// checkpoint listCheckpoints finds), links followed; or the same file as one of `inputs`. Throws UsageError
 // naming `option`, `out` and what it would have overwritten or polluted.
 void checkOutputOutsideState(const std::string& out, const std::string& option,
                              const std::vector<std::string>& inputs = {});
