@@ -381,8 +381,48 @@ SourceLocation ConfigSchema::locationOf(const std::string& path) const {
   return impl_->fields[it->second].location;
 }
 
+KeyOrigins ConfigSchema::origins() const {
+  KeyOrigins out;
+  for (const auto& f : impl_->fields) out.add(f.path, f.location);
+  for (const auto& [path, section] : impl_->namedSections) {
+    for (const auto& [name, entry] : section.entries) {
+      for (const auto& f : entry->impl_->fields) out.add(f.path, f.location);
+    }
+  }
+  return out;
+}
+
 std::string ConfigSchema::errorMessage(const std::string& path, const std::string& what) const {
-  return strCat(locationOf(path).str(), ": ", path, ": ", what);
+  return origins().errorMessage(path, what);
+}
+
+void KeyOrigins::add(const std::string& path, SourceLocation location) { byPath_[path] = std::move(location); }
+
+SourceLocation KeyOrigins::of(const std::string& path) const {
+  auto it = byPath_.find(path);
+  return it == byPath_.end() ? SourceLocation{} : it->second;
+}
+
+std::string KeyOrigins::errorMessage(const std::string& path, const std::string& what) const {
+  const SourceLocation at = of(path);
+  // A key is named in `what` when it appears as a whole dotted path, not as part of a longer one.
+  auto partOfPath = [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.'; };
+  auto names = [&](const std::string& key) {
+    for (size_t pos = what.find(key); pos != std::string::npos; pos = what.find(key, pos + 1)) {
+      const size_t end = pos + key.size();
+      const bool startOk = pos == 0 || !partOfPath(what[pos - 1]);
+      const bool endOk = end == what.size() || !partOfPath(what[end]) ||
+                         (what[end] == '.' && (end + 1 == what.size() || !partOfPath(what[end + 1])));
+      if (startOk && endOk) return true;
+    }
+    return false;
+  };
+  std::string others;
+  for (const auto& [key, location] : byPath_) {
+    if (key == path || location.isDefault() || !names(key)) continue;
+    others += strCat(others.empty() ? "" : "; ", key, ": ", location.str());
+  }
+  return strCat(at.str(), ": ", path, ": ", what, others.empty() ? "" : strCat(" (", others, ")"));
 }
 
 std::vector<FieldInfo> ConfigSchema::fields() const {

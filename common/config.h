@@ -27,16 +27,9 @@
 #include <vector>
 
 #include "common/enum_names.h"
+#include "common/key_origins.h"
 
 namespace tessera::config {
-
-// Where a value came from, for error messages: "file.yaml:12:7" or "--set a.b=c".
-struct SourceLocation {
-  std::string source;  // file name, "--set a.b=c", or "" when the default is in effect
-  int line = 0;        // 1-based; 0 = unknown
-  int column = 0;      // 1-based; 0 = unknown
-  std::string str() const;
-};
 
 // A key whose value is one of a closed set of names, bound to an enum variable: choiceOf
 // builds it from the enum's name table (common/enum_names.h).
@@ -167,7 +160,9 @@ class ConfigSchema {
 
   // Where the current value of `path` came from (empty source = default).
   SourceLocation locationOf(const std::string& path) const;
-  // Builds a ConfigError message for a cross-field check: "<location>: <path>: <what>".
+  // Where every key's value came from, named sections' entries included.
+  KeyOrigins origins() const;
+  // Builds a ConfigError message for a cross-field check: origins().errorMessage(path, what).
   std::string errorMessage(const std::string& path, const std::string& what) const;
 
   std::vector<FieldInfo> fields() const;

@@ -58,9 +58,9 @@ FullyShardStrategy::~FullyShardStrategy() = default;
 
 void FullyShardStrategy::setUpHybridGroups() {
   const int world = comm_->worldSize();
-  const int size = fsdp_.shardSize;
-  TESSERA_CHECK_AS(ConfigError, size > 0 && world % size == 0, "FullyShardStrategy: hybrid shard size ", size,
-                   " must be > 0 and divide the world size ", world);
+  const int size = fsdp_.shardSize == 0 ? world : fsdp_.shardSize;  // 0: one shard group of every rank
+  TESSERA_CHECK_AS(ConfigError, size > 0 && world % size == 0, "FullyShardStrategy: hybrid shard size ",
+                   fsdp_.shardSize, " must be >= 0 and divide the world size ", world);
   const auto mesh = distributed::DeviceMesh::twoD(comm_, world / size, size);
   shardComm_ = mesh.shardGroup();
   if (mesh.replicateSize() > 1) replicaComm_ = mesh.replicateGroup();

@@ -64,9 +64,11 @@ namespace {
 // so ranks of a node spread over its GPUs and share them when there are fewer).
 at::Device trainingDevice(const TrainConfig& cfg) {
   if (cfg.run.device == "cpu") return at::kCPU;
-  TESSERA_CHECK_AS(ConfigError, torch::cuda::is_available(),
-                   "run.device: cuda, but no CUDA device is usable here (a CPU-only LibTorch, or no GPU visible); "
-                   "build with scripts/gpu-build.sh on a GPU machine, or set run.device: cpu");
+  if (!torch::cuda::is_available()) {
+    throw ConfigError(cfg.origins.errorMessage(
+        "run.device", "cuda, but no CUDA device is usable here (a CPU-only LibTorch, or no GPU visible); "
+                      "build with scripts/gpu-build.sh on a GPU machine, or set run.device: cpu"));
+  }
   const char* localRank = std::getenv("LOCAL_RANK");
   const int64_t index = (localRank != nullptr ? std::atoll(localRank) : 0) % torch::cuda::device_count();
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
@@ -80,11 +82,13 @@ distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distrib
   const int64_t gpus = cuda && torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
   const bool gpuPerRank = gpus >= env.local_world_size;
   if (cfg.run.backend == "nccl") {
-    TESSERA_CHECK_AS(ConfigError, cuda, "run.backend: nccl moves CUDA tensors; run.device is ", cfg.run.device);
-    TESSERA_CHECK_AS(ConfigError, distributed::ncclAvailable(),
-                     "run.backend: nccl, but this build has no nccl backend (build with scripts/gpu-build.sh)");
-    TESSERA_CHECK_AS(ConfigError, gpuPerRank, "run.backend: nccl needs a GPU per rank: ", env.local_world_size,
-                     " ranks on this node, ", gpus, " GPUs visible (NCCL refuses two ranks on one GPU; use gloo)");
+    auto refuse = [&](const std::string& why) { throw ConfigError(cfg.origins.errorMessage("run.backend", why)); };
+    if (!cuda) refuse(strCat("nccl moves CUDA tensors; run.device is ", cfg.run.device));
+    if (!distributed::ncclAvailable()) refuse("nccl, but this build has no nccl backend (build with scripts/gpu-build.sh)");
+    if (!gpuPerRank) {
+      refuse(strCat("nccl needs a GPU per rank: ", env.local_world_size, " ranks on this node, ", gpus,
+                    " GPUs visible (NCCL refuses two ranks on one GPU; use gloo)"));
+    }
     options.backend = "nccl";
   } else if (cfg.run.backend == "auto") {
     options.backend = cuda && distributed::ncclAvailable() && gpuPerRank ? "nccl" : "gloo";
@@ -107,10 +111,11 @@ void checkComputeDtypes(const TrainConfig& cfg, at::Device device) {
       const at::Tensor a = at::ones({2, 2}, at::TensorOptions().dtype(dtype).device(device));
       (void)at::mm(a, a);
     } catch (const c10::Error&) {
-      throw ConfigError(strCat(m.sectionKeys, "sharding.param_dtype: ", enumName(sharding::kFloatDtypeNames, dtype),
-                               " compute is not "
-                               "available on ", device, " with this LibTorch (no matrix product in that dtype); use ",
-                               device.is_cpu() ? "bf16, or run.device: cuda" : "another dtype"));
+      throw ConfigError(cfg.origins.errorMessage(
+          m.sectionKeys + "sharding.param_dtype",
+          strCat(enumName(sharding::kFloatDtypeNames, dtype), " compute is not available on ", device,
+                 " with this LibTorch (no matrix product in that dtype); use ",
+                 device.is_cpu() ? "bf16, or run.device: cuda" : "another dtype")));
     }
   }
 }
@@ -293,8 +298,9 @@ bool resume(RunParts& run) {
   } else {
     std::error_code missing;
     if (!fs::exists(cfg.checkpoint.resume, missing)) {
-      throw ConfigError(strCat("checkpoint.resume: no checkpoint directory at '", cfg.checkpoint.resume, "'",
-                               relativePathNote(cfg.checkpoint.resume)));
+      throw ConfigError(cfg.origins.errorMessage(
+          "checkpoint.resume",
+          strCat("no checkpoint directory at '", cfg.checkpoint.resume, "'", relativePathNote(cfg.checkpoint.resume))));
     }
     loaded = checkpoint::load(cfg.checkpoint.resume, states, run.hostComm.get(), options);
   }
@@ -302,12 +308,14 @@ bool resume(RunParts& run) {
   const TrainerCounters saved =
       countersFromJson(loaded->trainerState, (std::filesystem::path(loaded->dir) / "trainer_state.json").string());
   if (saved.globalBatch != cfg.data.global_batch) {
-    throw ConfigError(strCat("data.global_batch: ", cfg.data.global_batch, " differs from the ", saved.globalBatch,
-                             " that checkpoint ", loaded->dir, " was trained with; the data position cannot be converted"));
+    throw ConfigError(cfg.origins.errorMessage(
+        "data.global_batch", strCat(cfg.data.global_batch, " differs from the ", saved.globalBatch, " that checkpoint ",
+                                    loaded->dir, " was trained with; the data position cannot be converted")));
   }
   if (saved.seed != cfg.run.seed) {
-    throw ConfigError(strCat("run.seed: ", cfg.run.seed, " differs from the ", saved.seed, " of checkpoint ",
-                             loaded->dir, "; the data order would change"));
+    throw ConfigError(cfg.origins.errorMessage("run.seed", strCat(cfg.run.seed, " differs from the ", saved.seed,
+                                                                  " of checkpoint ", loaded->dir,
+                                                                  "; the data order would change")));
   }
   checkLoadedCounts(run, *loaded, saved);
   run.startStep = saved.step;
@@ -329,7 +337,7 @@ void importInto(RunParts& run, const std::string& key, const std::string& file,
   try {
     checkpoint::importSafetensors(file, entries, options);
   } catch (const std::exception& e) {
-    throw ConfigError(strCat(key, ": ", e.what(), relativePathNote(file)));
+    throw ConfigError(run.cfg.origins.errorMessage(key, strCat(e.what(), relativePathNote(file))));
   }
 }
 
@@ -383,18 +391,21 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   checkComputeDtypes(cfg, run->device);
   std::error_code missing;
   if (!fs::exists(cfg.data.path, missing)) {
-    throw ConfigError(strCat("data.path: no file at '", cfg.data.path, "'", relativePathNote(cfg.data.path)));
+    throw ConfigError(
+        cfg.origins.errorMessage("data.path", strCat("no file at '", cfg.data.path, "'", relativePathNote(cfg.data.path))));
   }
   try {
     run->data = makeDataset(cfg.data, cfg.defaults.model, predictsEveryPosition(cfg.defaults.model));
   } catch (const ConfigError& e) {
-    throw ConfigError(strCat("data.path: ", e.what(), relativePathNote(cfg.data.path)));
+    throw ConfigError(cfg.origins.errorMessage("data.path", strCat(e.what(), relativePathNote(cfg.data.path))));
   } catch (const std::exception& e) {  // a file that is there but not usable: not the config's fault
-    throw Error(strCat("data.path: ", e.what(), relativePathNote(cfg.data.path)));
+    throw Error(cfg.origins.errorMessage("data.path", strCat(e.what(), relativePathNote(cfg.data.path))));
   }
   if (run->data->trainSamples() < cfg.data.global_batch) {
-    throw ConfigError(strCat("data.global_batch: ", cfg.data.global_batch, " is more than the ",
-                             run->data->trainSamples(), " training samples of data.path ", run->data->describe()));
+    throw ConfigError(cfg.origins.errorMessage("data.global_batch", strCat(cfg.data.global_batch, " is more than the ",
+                                                                           run->data->trainSamples(),
+                                                                           " training samples of data.path ",
+                                                                           run->data->describe())));
   }
   run->sampler = std::make_unique<DistributedSampler>(run->data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
                                                       cfg.data.shuffle);
@@ -420,8 +431,10 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
     }
   }
   if (!resume(*run)) initializeFromFiles(*run);  // a resumed run keeps the checkpoint's weights
-  TESSERA_CHECK_AS(ConfigError, run->startStep <= cfg.run.steps, "run.steps: ", cfg.run.steps,
-                   " is below the step the run resumes from (", run->startStep, ")");
+  if (run->startStep > cfg.run.steps) {
+    throw ConfigError(cfg.origins.errorMessage(
+        "run.steps", strCat(cfg.run.steps, " is below the step the run resumes from (", run->startStep, ")")));
+  }
   return run;
 }
 

@@ -600,6 +600,7 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
                                                                    m.model.timesteps, " of model.timesteps")));
     }
   }
+  c.origins = s.origins();
   // Products of bounded keys, still checked: a world size comes from outside the config.
   const int64_t perStep = boundedProduct(c.data.micro_batch, worldSize, c.data.global_batch);
   if (perStep <= 0 || c.data.global_batch % perStep != 0) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/key_origins.h"
 #include "ema/ema_manager.h"
 #include "sharding/lr_schedule.h"
 #include "sharding/strategy.h"
@@ -166,6 +167,9 @@ struct TrainConfig {
   // "model". A deque keeps the entries' key bindings valid.
   std::deque<ModelEntry> models;
   bool singleModelForm = true;  // the config has no models: section
+  // Where each key's value was written (file:line:column or --set), for the checks made
+  // once the run starts: a data file that is missing names the line or the --set.
+  config::KeyOrigins origins;
 };
 
 // Registers every key of `config` with `schema` (the variables are bound by pointer).

@@ -45,7 +45,17 @@ TEST(TrainCliTest, UnknownKeyWithSuggestion) {
 TEST(TrainCliTest, CudaDeviceWithoutAGpu) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is usable here";
   expectConfigError(kGood + "run:\n  device: cuda\n", "--set run.steps=2",
-                    "run.device: cuda, but no CUDA device is usable here");
+                    ".yaml:4:11: run.device: cuda, but no CUDA device is usable here");
+}
+
+// Checks made once the run starts (a data file that is not there) and checks across keys
+// name where each key involved was written: its line, or the --set that set it.
+TEST(TrainCliTest, LateAndCrossKeyChecksNameWhereEachKeyWasSet) {
+  expectConfigError(kGood, "--set data.path=/nonexistent/tokens.bin",
+                    "--set data.path=/nonexistent/tokens.bin: data.path: no file at '/nonexistent/tokens.bin'");
+  expectConfigError(kGood + "  global_batch: 64\n", "--set data.micro_batch=7",
+                    ".yaml:3:17: data.global_batch: 64 is not a multiple of data.micro_batch (7) x world size (1) "
+                    "(data.micro_batch: --set data.micro_batch=7)");
 }
 
 TEST(TrainCliTest, WrongType) {

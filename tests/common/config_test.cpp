@@ -459,5 +459,23 @@ TEST_F(NamedSectionTest, ABaseFileAndItsChildNameTheSameEntry) {
   EXPECT_DOUBLE_EQ(entries[0].lr, 3.0);
 }
 
+// A cross-field refusal names where the key it is about was set and, for each other key its
+// text names, where that one was set (a file or a --set); keys left at their default, and
+// longer keys that merely start with a named one, are not listed.
+TEST_F(ConfigSchemaTest, CrossFieldErrorsNameWhereEveryNamedKeyWasSet) {
+  schema.loadString("run:\n  steps: 5\ndata:\n  path: x.bin\n", "a.yaml");
+  schema.applyOverride("optim.lr=0.5");
+  const std::string message =
+      schema.errorMessage("run.steps", "5 steps at optim.lr (0.5), ema.decay, model.dims.x and data.path.");
+  EXPECT_EQ(message, "a.yaml:2:10: run.steps: 5 steps at optim.lr (0.5), ema.decay, model.dims.x and data.path. "
+                     "(data.path: a.yaml:4:9; optim.lr: --set optim.lr=0.5)");
+  // Kept once the schema is gone: the run's own checks use the same record.
+  KeyOrigins origins = schema.origins();
+  EXPECT_EQ(origins.of("optim.lr").str(), "--set optim.lr=0.5");
+  EXPECT_TRUE(origins.of("ema.decay").isDefault());
+  EXPECT_TRUE(origins.of("no.such.key").isDefault());
+  EXPECT_EQ(origins.errorMessage("ema.decay", "needs run.stepsX"), "<default>: ema.decay: needs run.stepsX");
+}
+
 }  // namespace
 }  // namespace tessera::config

@@ -553,7 +553,7 @@ TEST(FullyShardProcessTest, ForkedRanksMatchReference) {
 
 TEST(FullyShardHybridTest, TwoByTwoMatchesSingleProcess) {
   useOneThread();
-  for (int shardSize : {2, 1, 4}) {
+  for (int shardSize : {2, 1, 4, 0}) {  // 0: the documented "whole world" (one shard group)
     RunConfig c;
     c.world = 4;
     c.strategy = "hybrid";
