@@ -2,7 +2,8 @@
 # Builds Tessera with CUDA and the nccl backend against the LibTorch inside an installed
 # PyTorch 2.x wheel, on a GPU machine that has PyTorch, CUDA and NCCL but no package
 # registry. The few Debian libraries Tessera needs besides (yaml-cpp, spdlog, fmt, CLI11,
-# nlohmann-json, xxhash, GoogleTest, gloo headers, libpng, TurboJPEG, zlib) travel as .deb files:
+# nlohmann-json, xxhash, GoogleTest, gloo headers, libpng, TurboJPEG, zlib, protobuf, ISA-L) travel
+# as .deb files:
 #
 #   on a Debian/Ubuntu machine with apt:   scripts/gpu-build.sh --fetch   (fills .gpu-debs/)
 #   copy the checkout to the GPU machine:  scripts/gpu-build.sh           (unpacks, builds)
@@ -22,6 +23,7 @@ DEB_PACKAGES=(
   libyaml-cpp-dev libyaml-cpp0.7 libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
   libcli11-dev nlohmann-json3-dev libxxhash-dev libxxhash0 libgtest-dev libgmock-dev libgloo-dev
   libpng-dev libpng16-16 libturbojpeg0-dev libturbojpeg0 zlib1g-dev zlib1g
+  libprotobuf-dev libprotobuf32 protobuf-compiler libprotoc32 libisal-dev libisal2
 )
 
 if [ "${1:-}" = "--fetch" ]; then
@@ -80,9 +82,10 @@ cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" \
   -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE;$DEPS_PREFIX/usr" \
   -DCMAKE_BUILD_RPATH="$DEPS_LIB;$(dirname "$NCCL_LIB")" \
-  -DTESSERA_WITH_CUDA=ON \
+  -DTESSERA_WITH_CUDA=ON -DProtobuf_PROTOC_EXECUTABLE="$DEPS_PREFIX/usr/bin/protoc" \
   -DNCCL_INCLUDE_DIR="$NCCL_HOME/include" -DNCCL_LIBRARY="$NCCL_LIB" \
   -DTESSERA_PYTHON3="$(command -v "$PYTHON")" \
   "${GLOO_ARGS[@]}" "$@"
+export LD_LIBRARY_PATH="$DEPS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # protoc runs from the unpacked debs
 cmake --build "$BUILD_DIR" -j "${TESSERA_BUILD_JOBS:-$(nproc)}" ${TESSERA_BUILD_ARGS:-}
 echo "gpu-build: built into $BUILD_DIR/ (tests: ctest --test-dir $BUILD_DIR)"

@@ -15,6 +15,9 @@ PACKAGES=(
   libyaml-cpp-dev libspdlog-dev libfmt-dev libcli11-dev nlohmann-json3-dev libxxhash-dev libzstd-dev
   # image files (PNG, JPEG) and the main job's data
   libpng-dev libturbojpeg0-dev zlib1g-dev dataset-fashion-mnist
+  # TensorBoard event files: protobuf (C++ library and schema compiler), CRC-32C from Intel
+  # ISA-L; the independent reader the tests check them with (python3 protobuf and crc32c)
+  libprotobuf-dev protobuf-compiler libisal-dev python3-protobuf python3-crc32c
   # tests and benchmarks; clang and its runtimes for the libFuzzer targets (fuzz/)
   libgtest-dev libgmock-dev libbenchmark-dev clang libclang-rt-14-dev
   # golden references and the real torchrun (python3 -m torch.distributed.run)

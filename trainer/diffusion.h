@@ -94,6 +94,8 @@ class DiffusionDenoiser : public Denoiser {
   at::Tensor predictNoise(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) override {
     return forward(noisy, timesteps);
   }
+  // Every linear sees each sample once.
+  double forwardFlopsPerSample() const override { return layers::linearFlops(*this); }
 
  private:
   at::Tensor timeEmbedding(const at::Tensor& timesteps) const;

@@ -163,4 +163,25 @@ at::Tensor DiT::forward(const at::Tensor& noisy, const at::Tensor& timesteps, co
       .reshape({n, channels, grid_ * patch_, grid_ * patch_});
 }
 
+double DiTBlock::forwardFlops(int64_t tokens) const {
+  const double t = static_cast<double>(tokens), width = static_cast<double>(proj_->weight.size(0));
+  const double perToken = layers::matmulFlops(*qkv_) + layers::matmulFlops(*proj_) + layers::matmulFlops(*fc1_) +
+                          layers::matmulFlops(*fc2_);
+  return t * perToken + 2.0 * 2.0 * t * t * width + layers::matmulFlops(*modulation_);
+}
+
+double DiT::forwardFlopsPerSample() const {
+  const int64_t tokens = grid_ * grid_;
+  const double t = static_cast<double>(tokens);
+  // The patch embedding is a linear of C p p inputs per patch; the timestep MLP and the
+  // final modulation run once per sample, the final linear once per patch.
+  double total = t * 2.0 * static_cast<double>(xEmbedder_->weight.numel()) + layers::matmulFlops(*timeIn_) +
+                 layers::matmulFlops(*timeOut_) + layers::matmulFlops(*finalModulation_) +
+                 t * layers::matmulFlops(*finalLinear_);
+  for (const auto& module : modules(/*include_self=*/false)) {
+    if (const auto* block = dynamic_cast<const DiTBlock*>(module.get())) total += block->forwardFlops(tokens);
+  }
+  return total;
+}
+
 }  // namespace tessera::trainer

@@ -50,6 +50,9 @@ class DiTBlock : public torch::nn::Module {
   DiTBlock(int64_t width, int64_t heads, int64_t mlpWidth, at::Device device);
   // x [N, T, D], conditioning c [N, D] -> [N, T, D].
   at::Tensor forward(const at::Tensor& x, const at::Tensor& c);
+  // Forward FLOPs over `tokens` patches: qkv, proj, fc1, fc2 per token, attention's
+  // q k^T and weights x v (2 x 2 x tokens^2 x width), the adaLN modulation once.
+  double forwardFlops(int64_t tokens) const;
 
  private:
   int64_t heads_;
@@ -66,6 +69,7 @@ class DiT : public Denoiser {
   at::Tensor predictNoise(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) override {
     return forward(noisy, timesteps, labels);
   }
+  double forwardFlopsPerSample() const override;
 
  private:
   int64_t patch_, grid_;

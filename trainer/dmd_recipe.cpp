@@ -158,12 +158,12 @@ class DmdRecipe : public Recipe {
 
   // One-step samples of each generator EMA and the live generator, a row per class (every
   // rank generates them all: zero3 gathers collectively).
-  std::vector<std::string> writeSampleGrids(int64_t step) override {
+  std::vector<SampleGrid> writeSampleGrids(int64_t step) override {
     if (generatorNet_.sampleShape().size() != 3) return {};  // not images
     torch::NoGradGuard noGrad;
     const int64_t perClass = run_.cfg.eval.sample_per_class;
     const SampleRequest request = gridRequest(generatorNet_, perClass, run_.cfg.run.seed);
-    std::vector<std::string> written;
+    std::vector<SampleGrid> written;
     const auto draw = [&](const std::string& name) {
       const at::Tensor samples =
           generateOneStep(generatorNet_, request.noise.to(run_.device), onDevice(request.labels, run_.device));

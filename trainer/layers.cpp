@@ -67,4 +67,18 @@ sharding::ParamInitializer initializerOf(const torch::nn::Module& root, uint64_t
   };
 }
 
+double matmulFlops(const LinearImpl& linear) {
+  return 2.0 * static_cast<double>(linear.weight.size(0)) * static_cast<double>(linear.weight.size(1));
+}
+
+double linearFlops(const torch::nn::Module& module) {
+  // Not modules(include_self = true): a module made on the stack has no shared_ptr to itself.
+  const auto* self = dynamic_cast<const LinearImpl*>(&module);
+  double total = self != nullptr ? matmulFlops(*self) : 0.0;
+  for (const auto& child : module.modules(/*include_self=*/false)) {
+    if (const auto* linear = dynamic_cast<const LinearImpl*>(child.get())) total += matmulFlops(*linear);
+  }
+  return total;
+}
+
 }  // namespace tessera::trainer::layers

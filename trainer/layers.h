@@ -71,4 +71,11 @@ std::map<std::string, sharding::ParamInit> declaredInits(const torch::nn::Module
 // parameter's declared distribution).
 sharding::ParamInitializer initializerOf(const torch::nn::Module& root, uint64_t seed);
 
+// Forward FLOPs of `linear` for one input row: 2 per multiply-add (bias and everything
+// elementwise not counted), from the weight's full shape (a sharded weight keeps it).
+double matmulFlops(const LinearImpl& linear);
+// The sum of matmulFlops over every Linear in `module` and its submodules: the forward
+// FLOPs of one row through modules whose linears all see each row once (an MLP).
+double linearFlops(const torch::nn::Module& module);
+
 }  // namespace tessera::trainer::layers

@@ -55,13 +55,30 @@ MetricsLog::~MetricsLog() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+std::vector<std::pair<std::string, double>> StepMetrics::named() const {
+  std::vector<std::pair<std::string, double>> out = {
+      {"loss", loss},          {"lr", lr},         {"grad_norm", gradNorm},
+      {"samples_per_sec", samplesPerSec},          {"step_time_ms", stepTimeMs},
+      {"peak_rss_mib", peakRssMiB}, {"comm_mib", commMiB}, {"collectives_per_step", collectivesPerStep}};
+  for (const auto& [k, v] : extra) out.emplace_back(k, v);
+  return out;
+}
+
+std::string tensorBoardTag(const std::string& name) {
+  auto startsWith = [&](const char* prefix) { return name.rfind(prefix, 0) == 0; };
+  if (startsWith("eval_")) return "eval/" + name;
+  if (name == "samples_per_sec" || name == "step_time_ms" || name == "data_wait_ms" || startsWith("mfu") ||
+      startsWith("tokens_per_sec") || startsWith("images_per_sec") || startsWith("tflops")) {
+    return "perf/" + name;
+  }
+  if (startsWith("peak_") || startsWith("mem_")) return "memory/" + name;
+  if (startsWith("comm") || startsWith("collectives")) return "comm/" + name;
+  return "train/" + name;
+}
+
 void MetricsLog::record(const StepMetrics& m) {
-  nlohmann::json j = {{"step", m.step},          {"loss", m.loss},
-                      {"lr", m.lr},              {"grad_norm", m.gradNorm},
-                      {"samples_per_sec", m.samplesPerSec}, {"step_time_ms", m.stepTimeMs},
-                      {"peak_rss_mib", m.peakRssMiB},       {"comm_mib", m.commMiB},
-                      {"collectives_per_step", m.collectivesPerStep}};
-  for (const auto& [k, v] : m.extra) j[k] = v;
+  nlohmann::json j = {{"step", m.step}};
+  for (const auto& [k, v] : m.named()) j[k] = v;
   const std::string jsonLine = j.dump() + "\n";
   writeAllTo(fd_, jsonLine.data(), jsonLine.size(), jsonlPath_);
   losses_.emplace_back(m.step, m.loss);

@@ -22,7 +22,16 @@ struct StepMetrics {
   // step (checkpoint saves in the window included; hybrid's group collectives not).
   double collectivesPerStep = 0;
   std::map<std::string, double> extra;  // e.g. eval_loss, eval_loss_ema
+
+  // Every figure by its name in metrics.jsonl, in a fixed order (step excluded): the one
+  // list that metrics.jsonl and TensorBoard (under tensorBoardTag) both write.
+  std::vector<std::pair<std::string, double>> named() const;
 };
+
+// The TensorBoard tag of a metrics.jsonl name, grouped the way TensorBoard shows sections:
+// "eval/eval_loss", "perf/step_time_ms", "memory/peak_rss_mib", "comm/comm_mib",
+// "train/loss" (every other figure of training: lr, grad_norm, critic_loss, ...).
+std::string tensorBoardTag(const std::string& name);
 
 class MetricsLog {
  public:

@@ -72,6 +72,10 @@ at::Tensor FeatureMlp::features(const at::Tensor& inputs) {
   return runHiddenLayers(layers_, inputs.flatten(1).to(dtype), options_.activation);
 }
 
+double ContextMlp::forwardFlopsPerSample() const { return layers::linearFlops(*this); }
+
+double FeatureMlp::forwardFlopsPerSample() const { return layers::linearFlops(*this); }
+
 at::Tensor FeatureMlp::forward(const at::Tensor& inputs) { return head_->forward(features(inputs)); }
 
 at::Tensor FeatureMlp::losses(const Batch& batch) {
@@ -156,6 +160,22 @@ at::Tensor Gpt::forward(const at::Tensor& tokens) {
   for (auto& block : *blocks_) x = block->forward(x);
   x = lnF_->forward(x);
   return options_.tie_head ? x.matmul(wte_->weight.t()) : lmHead_->forward(x);
+}
+
+double GptBlock::forwardFlops(int64_t time) const {
+  const double t = static_cast<double>(time), width = static_cast<double>(attnOut_->weight.size(0));
+  return t * layers::linearFlops(*this) + 2.0 * 2.0 * t * t * width;
+}
+
+double Gpt::forwardFlopsPerSample() const {
+  // Every position of the window: the blocks, then the head (the tied one is a product with
+  // wte's transpose, the same count).
+  double total = 0;
+  for (const auto& module : modules(/*include_self=*/false)) {
+    if (const auto* block = dynamic_cast<const GptBlock*>(module.get())) total += block->forwardFlops(options_.context);
+  }
+  return total + static_cast<double>(options_.context) * 2.0 * static_cast<double>(options_.embed_dim) *
+                     static_cast<double>(options_.vocab_size);
 }
 
 at::Tensor Gpt::nextTokenLogits(const at::Tensor& tokens) { return forward(tokens).select(1, tokens.size(1) - 1); }

@@ -33,6 +33,15 @@ class TrainModel : public torch::nn::Module {
   // The loss of each prediction in `batch` (float32, one per prediction: per window or
   // position for next-token models, per sample otherwise), on the batch's device.
   virtual at::Tensor losses(const Batch& batch) = 0;
+  // Forward FLOPs of one sample, counted from the model's shapes: 2 per multiply-add of
+  // its matrix products (linears, patch embedding, attention's scores and weighted sum,
+  // counted in full where a causal mask skips half, as PaLM's MFU does); elementwise work,
+  // norms and softmax not counted. Training counts 3x (the backward pass costs twice the
+  // forward): docs/observability.md. 0 = unknown (no MFU is reported).
+  virtual double forwardFlopsPerSample() const { return 0; }
+  // Tokens one sample stands for in tokens/s (text models): the positions it predicts.
+  // 0 for models that are not over tokens (images/s or samples/s are reported).
+  virtual int64_t tokensPerSample() const { return 0; }
 };
 
 // Token windows [batch, context] -> next-token logits; loss: cross-entropy.
@@ -52,6 +61,8 @@ class ContextMlp : public NextTokenModel {
  public:
   ContextMlp(const ModelOptions& options, at::Device device);
   at::Tensor nextTokenLogits(const at::Tensor& tokens) override;
+  double forwardFlopsPerSample() const override;
+  int64_t tokensPerSample() const override { return 1; }
 
  private:
   ModelOptions options_;
@@ -69,6 +80,7 @@ class FeatureMlp : public TrainModel {
   // penultimate layer, what a Frechet distance compares).
   at::Tensor features(const at::Tensor& inputs);
   at::Tensor losses(const Batch& batch) override;
+  double forwardFlopsPerSample() const override;
 
  private:
   ModelOptions options_;
@@ -82,6 +94,9 @@ class GptBlock : public torch::nn::Module {
   // `layers`: the model's depth, which scales the residual projections' initial std.
   GptBlock(int64_t width, int64_t heads, int64_t layers, at::Device device);
   at::Tensor forward(const at::Tensor& x);  // [batch, time, width] -> same
+  // Forward FLOPs over a window of `time` tokens: the linears per token, attention's
+  // q k^T and weights x v (2 x 2 x time^2 x width).
+  double forwardFlops(int64_t time) const;
 
  private:
   int64_t heads_;
@@ -98,6 +113,8 @@ class Gpt : public NextTokenModel {
   at::Tensor nextTokenLogits(const at::Tensor& tokens) override;
   bool predictsEveryPosition() const override { return true; }
   at::Tensor trainingLogits(const at::Tensor& tokens) override { return forward(tokens); }
+  double forwardFlopsPerSample() const override;
+  int64_t tokensPerSample() const override { return options_.context; }
 
  private:
   ModelOptions options_;

@@ -32,6 +32,13 @@ struct StepOutcome {
   std::map<std::string, double> extra;  // further figures for metrics.jsonl (e.g. critic_loss)
 };
 
+// A PNG grid of samples in <run.dir>/samples/: the weights that drew it ("generator_ema",
+// "model", ...) and the file.
+struct SampleGrid {
+  std::string name;
+  std::string path;
+};
+
 class Recipe {
  public:
   virtual ~Recipe() = default;
@@ -46,8 +53,13 @@ class Recipe {
   virtual std::string drawSamples() = 0;
   // Image denoisers: PNG grids of samples from each EMA and the live weights after `step`
   // steps, the same noise and classes every time (eval.*), in <run.dir>/samples/. Returns
-  // the files written (rank 0; empty elsewhere and for recipes without pictures). Collective.
-  virtual std::vector<std::string> writeSampleGrids(int64_t /*step*/) { return {}; }
+  // the grids written (rank 0; empty elsewhere and for recipes without pictures). Collective.
+  virtual std::vector<SampleGrid> writeSampleGrids(int64_t /*step*/) { return {}; }
+  // The model FLOPs a step spends on one sample of the global batch (forward and backward
+  // of what it trains: TrainModel::forwardFlopsPerSample), for MFU; 0 = not counted.
+  virtual double trainFlopsPerSample() const { return 0; }
+  // Tokens one sample stands for (text models), for tokens/s; 0 otherwise.
+  virtual int64_t tokensPerSample() const { return 0; }
   // eval.judge: generator_ema's samples judged by the classifier (judge.h), as a log line
   // (rank 0; "" elsewhere and without a judge). Collective.
   virtual std::string judgeSamples() { return ""; }
@@ -86,8 +98,8 @@ double meanOverRanks(const RunParts& run, int64_t n, const std::function<at::Ten
 std::string writeSamples(RunParts& run, const at::Tensor& samples, const std::string& generator);
 
 // Rank 0 writes `samples` (images) as <run.dir>/samples/step_<step>_<name>.png, `perRow`
-// per row; returns the file.
-std::string writeStepGrid(RunParts& run, int64_t step, const std::string& name, const at::Tensor& samples,
+// per row; returns the grid.
+SampleGrid writeStepGrid(RunParts& run, int64_t step, const std::string& name, const at::Tensor& samples,
                           int64_t perRow);
 
 }  // namespace tessera::trainer

@@ -96,15 +96,15 @@ std::string writeSamples(RunParts& run, const at::Tensor& samples, const std::st
   return out;
 }
 
-std::string writeStepGrid(RunParts& run, int64_t step, const std::string& name, const at::Tensor& samples,
-                          int64_t perRow) {
+SampleGrid writeStepGrid(RunParts& run, int64_t step, const std::string& name, const at::Tensor& samples,
+                         int64_t perRow) {
   const fs::path dir = run.runDir / "samples";
   fs::create_directories(dir);
   char stepName[32];
   std::snprintf(stepName, sizeof(stepName), "step_%08lld", static_cast<long long>(step));
   const std::string path = (dir / strCat(stepName, "_", name, ".png")).string();
   writeSampleGrid(path, samples, perRow);
-  return path;
+  return {name, path};
 }
 
 namespace {
@@ -183,12 +183,16 @@ class StandardRecipe : public Recipe {
     return writeSamples(run_, samples, part_.cfg.names.ema);
   }
 
-  std::vector<std::string> writeSampleGrids(int64_t step) override {
+  // One forward and one backward (twice the forward's FLOPs) per sample.
+  double trainFlopsPerSample() const override { return 3.0 * part_.model->forwardFlopsPerSample(); }
+  int64_t tokensPerSample() const override { return part_.model->tokensPerSample(); }
+
+  std::vector<SampleGrid> writeSampleGrids(int64_t step) override {
     auto* model = dynamic_cast<Denoiser*>(part_.model.get());
     if (model == nullptr || model->sampleShape().size() != 3) return {};  // not an image denoiser
     const EvalSection& e = run_.cfg.eval;
     const SampleRequest request = evalRequest(*model, e.sample_per_class);
-    std::vector<std::string> written;
+    std::vector<SampleGrid> written;
     const auto draw = [&](const std::string& name) {
       const at::Tensor samples = trainer::drawSamples(*model, request, run_.hostComm.get(), run_.device);
       if (run_.comm->rank() == 0) written.push_back(writeStepGrid(run_, step, name, samples, e.sample_per_class));

@@ -183,14 +183,20 @@ void bindRunKeys(config::ConfigSchema& s, RunOptions& run) {
     recipeNames.push_back(spec->name);
   }
   s.add("run.recipe", &run.recipe, "What a step trains: " + recipes).oneOf(recipeNames);
+  s.add("run.peak_flops", &run.peak_flops,
+        "A rank's peak FLOP/s that MFU is reported against (e.g. 989e12 for an H100's dense bf16); 0 = measured at "
+        "start by a matrix-product probe on the run's device and compute dtype")
+      .min(0.0);
 }
 
-// log.*: level and per-rank files.
+// log.*: level, per-rank files, TensorBoard.
 void bindLogKeys(config::ConfigSchema& s, LogSection& log) {
   s.describeSection("log", "Logging");
   s.add("log.level", &log.level, "Log level; the TESSERA_LOG_LEVEL environment variable overrides it")
       .oneOf({"trace", "debug", "info", "warn", "error", "off"});
   s.add("log.per_rank_files", &log.per_rank_files, "Also write <run.dir>/logs/rank_N.log per rank");
+  s.add("log.tensorboard", &log.tensorboard,
+        "Write every metrics.jsonl figure and every sample grid as TensorBoard events in <run.dir>/tb/");
 }
 
 // model.*: the single model (or every models: entry's defaults), and its samples.

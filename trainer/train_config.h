@@ -31,6 +31,7 @@ struct RunOptions {
   std::string device = "cpu";     // cpu | cuda (this rank's GPU: LOCAL_RANK modulo the GPUs visible)
   std::string backend = "auto";   // auto | nccl | gloo: how parameters and gradients travel (commBackend)
   std::string recipe = "standard";  // standard (the one `model`) | dmd (models generator, critic, teacher)
+  double peak_flops = 0;          // a rank's peak FLOP/s for MFU; 0 = measured at start by a matrix-product probe
 };
 
 // Pictures during training (image denoisers: diffusion or dit on idx / image_folder data).
@@ -46,6 +47,7 @@ struct EvalSection {
 struct LogSection {
   std::string level = "info";  // trace|debug|info|warn|error|off; TESSERA_LOG_LEVEL overrides when set
   bool per_rank_files = true;  // also write <run.dir>/logs/rank_N.log
+  bool tensorboard = true;     // TensorBoard event files in <run.dir>/tb/ (rank 0)
 };
 
 struct ModelOptions {

@@ -16,15 +16,19 @@
 
 #include "checkpoint/exporter.h"
 #include "common/errors.h"
+#include "common/file_open.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
 #include "ema/posthoc.h"
+#include "imaging/image_io.h"
+#include "observe/tensorboard_writer.h"
 #include "sharding/mixed_precision.h"
 #include "trainer/checkpoint_schedule.h"
 #include "trainer/metrics.h"
 #include "trainer/model_metadata.h"
 #include "trainer/recipe.h"
 #include "trainer/run_setup.h"
+#include "trainer/throughput.h"
 
 namespace tessera::trainer {
 namespace fs = std::filesystem;
@@ -137,8 +141,17 @@ class TrainLoop {
                   run.cfg.checkpoint.at_end) {
     if (run.comm->rank() == 0) {
       metrics_ = std::make_unique<MetricsLog>((run.runDir / "metrics.jsonl").string(), cfg_.run.steps);
+      if (cfg_.log.tensorboard) tensorboard_ = std::make_unique<observe::TensorBoardWriter>((run.runDir / "tb").string());
     }
     summary_.runDir = run.runDir.string();
+    trainFlopsPerSample_ = recipe_->trainFlopsPerSample();
+    if (trainFlopsPerSample_ > 0) {
+      // Every rank probes at once, so the figure carries the contention of the run itself
+      // (ranks sharing a CPU's cores); rank 0 reports against its own.
+      peak_ = peakFlops(cfg_.run.peak_flops, run.device, run.models.front().cfg.sharding.paramDtype);
+      TLOG_INFO0("MFU: " << trainFlopsPerSample_ / 1e9 << " GFLOP per sample (forward and backward), against a peak of "
+                         << peak_.flopsPerSec / 1e12 << " TFLOP/s per rank " << peak_.source);
+    }
     windowStart_ = runStart_ = nowSec();
     run.comm->resetStats();
   }
@@ -217,9 +230,23 @@ class TrainLoop {
 
  private:
   void writeSampleGrids(int64_t done) {
-    std::vector<std::string> grids = recipe_->writeSampleGrids(done);
-    for (const std::string& grid : grids) TLOG_INFO0("step " << done << ": sample grid " << grid);
-    if (!grids.empty()) summary_.sampleGrids = std::move(grids);
+    const std::vector<SampleGrid> grids = recipe_->writeSampleGrids(done);
+    for (const SampleGrid& grid : grids) {
+      TLOG_INFO0("step " << done << ": sample grid " << grid.path);
+      if (tensorboard_) {
+        observe::EncodedImage image;
+        image.png = readRegularFile(grid.path, int64_t{1} << 30, LinkPolicy::kRefuse);
+        const at::Tensor pixels = imaging::decodeImage(image.png, grid.path);  // [C, H, W]
+        image.channels = static_cast<int>(pixels.size(0));
+        image.height = static_cast<int>(pixels.size(1));
+        image.width = static_cast<int>(pixels.size(2));
+        tensorboard_->addImage(done, "samples/" + grid.name, image);
+      }
+    }
+    if (!grids.empty()) {
+      summary_.sampleGrids.clear();
+      for (const SampleGrid& grid : grids) summary_.sampleGrids.push_back(grid.path);
+    }
   }
 
   void logWindow(int64_t done, const StepOutcome& out, bool evaluateNow) {
@@ -239,10 +266,20 @@ class TrainLoop {
     m.commMiB = static_cast<double>(sent.totalBytes()) / (1024.0 * 1024.0);
     m.collectivesPerStep = static_cast<double>(sent.totalCalls()) / static_cast<double>(windowSteps_);
     for (const auto& [key, sum] : windowExtra_) m.extra[key] = sum / static_cast<double>(windowSteps_);
+    const bool images = cfg_.data.kind == "idx" || cfg_.data.kind == "image_folder";
+    for (const auto& [key, value] : throughputFigures(m.samplesPerSec, comm.worldSize(), trainFlopsPerSample_,
+                                                      recipe_->tokensPerSample(), images, peak_.flopsPerSec)) {
+      m.extra[key] = value;
+    }
     if (skippedInRun_ > 0) m.extra["skipped_steps"] = static_cast<double>(skippedInRun_);
     if (evaluateNow) evaluate(m.extra);
     if (metrics_) {
       metrics_->record(m);
+      if (tensorboard_) {
+        std::vector<std::pair<std::string, double>> scalars;
+        for (const auto& [name, value] : m.named()) scalars.emplace_back(tensorBoardTag(name), value);
+        tensorboard_->addScalars(m.step, scalars);
+      }
     } else {
       TLOG_INFO0(formatStepLine(m, cfg_.run.steps));  // into this rank's own log file
     }
@@ -281,6 +318,9 @@ class TrainLoop {
   std::unique_ptr<Recipe> recipe_;
   CheckpointSchedule schedule_;
   std::unique_ptr<MetricsLog> metrics_;  // rank 0
+  std::unique_ptr<observe::TensorBoardWriter> tensorboard_;  // rank 0, log.tensorboard
+  double trainFlopsPerSample_ = 0;  // 0: the recipe does not count them (no MFU)
+  PeakFlops peak_;
   TrainSummary summary_;
   double windowLoss_ = 0, windowStart_ = 0, runStart_ = 0;
   std::map<std::string, double> windowExtra_;  // the recipe's further figures, summed over the window

@@ -278,6 +278,20 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
     EXPECT_TRUE(fs::exists(fs::path(sharded) / "samples" / grid)) << grid << "\n" << out;
   }
   expectCloseExports(single, sharded, "dmd generator_ema");
+  // TensorBoard: the generator's and the critic's losses, the evaluation, and each grid as
+  // an image of its size, every record accepted by the independent reader.
+  const auto tb = tessera::test::readTensorBoard(sharded + "/tb");
+  ASSERT_TRUE(tb.ok) << tb.output;
+  for (const char* tag : {"train/loss", "train/critic_loss", "train/lr", "train/grad_norm", "perf/images_per_sec",
+                          "eval/eval_loss", "samples/generator_ema", "samples/generator"}) {
+    EXPECT_TRUE(tb.tags().count(tag)) << tag << "\n" << tb.output;
+  }
+  for (const auto& v : tb.values) {
+    if (!v.contains("image")) continue;
+    EXPECT_EQ(v["step"], 8);
+    EXPECT_GT(v["image"]["height"].get<int>(), 0);
+    EXPECT_GT(v["image"]["png_bytes"].get<int>(), 0);
+  }
 }
 
 TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {

@@ -22,6 +22,7 @@
 #include "tests/support/run_command.h"
 #include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
+#include "trainer/metrics.h"
 
 namespace {
 
@@ -188,6 +189,32 @@ TEST(TrainE2ETest, GptUnderZero3MatchesOneProcess) {
   expectSameLosses(readMetrics(single), readMetrics(sharded), "gpt zero3");
   const auto exported = exportOf(sharded);
   EXPECT_TRUE(exported.count("h.1.attn.c_attn.weight") && exported.count("wte.weight") && !exported.count("lm_head.weight"));
+
+  // TensorBoard: the independent reader accepts every record, and every figure of every
+  // metrics.jsonl line is there under its tag at its step, with its value (as a float).
+  const auto tb = tessera::test::readTensorBoard(sharded + "/tb");
+  ASSERT_TRUE(tb.ok) << tb.output;
+  for (const char* tag : {"train/loss", "train/lr", "train/grad_norm", "perf/step_time_ms", "perf/samples_per_sec",
+                          "perf/tokens_per_sec", "perf/tokens_per_sec_per_rank", "perf/tflops_per_rank", "perf/mfu",
+                          "memory/peak_rss_mib", "comm/comm_mib", "comm/collectives_per_step", "eval/eval_loss"}) {
+    EXPECT_TRUE(tb.tags().count(tag)) << tag << "\n" << tb.output;
+  }
+  size_t figures = 0;
+  for (const auto& line : readMetrics(sharded)) {
+    for (const auto& [name, value] : line.items()) {
+      if (name == "step") continue;
+      ++figures;
+      const std::string tag = tessera::trainer::tensorBoardTag(name);
+      bool found = false;
+      for (const auto& v : tb.values) {
+        if (v["tag"] != tag || v["step"] != line["step"] || !v.contains("value")) continue;
+        found = true;
+        EXPECT_FLOAT_EQ(v["value"].get<float>(), static_cast<float>(value.get<double>())) << tag;
+      }
+      EXPECT_TRUE(found) << tag << " at step " << line["step"];
+    }
+  }
+  EXPECT_EQ(tb.values.size(), figures);
 }
 
 

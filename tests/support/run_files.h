@@ -3,6 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -10,5 +11,16 @@ namespace tessera::test {
 
 // <runDir>/metrics.jsonl, one JSON object per line (empty when the file is missing).
 std::vector<nlohmann::json> readMetrics(const std::string& runDir);
+
+// The TensorBoard event files at `path` (a file, or a directory's events.out.tfevents.*)
+// as python/read_tensorboard.py reads them: an independent reader (python3-protobuf from
+// the same schema, CRC-32C by the crc32c module) that checks every record.
+struct TensorBoardValues {
+  bool ok = false;     // the reader accepted every record of every file
+  std::string output;  // what it printed (its refusal, when not ok)
+  std::vector<nlohmann::json> values;  // {"step", "tag", "value" | "image": {...}} each
+  std::set<std::string> tags() const;
+};
+TensorBoardValues readTensorBoard(const std::string& path);
 
 }  // namespace tessera::test

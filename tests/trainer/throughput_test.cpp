@@ -1,0 +1,86 @@
+// Model FLOPs counted from the models' shapes, checked against hand counts and against the
+// DiT paper's figure; throughput figures and MFU from a window's samples/s.
+#include <gtest/gtest.h>
+
+#include "trainer/dit.h"
+#include "trainer/models.h"
+#include "trainer/throughput.h"
+
+namespace tessera::trainer {
+namespace {
+
+// A GPT of width 32, 2 layers, context 16, vocabulary 256, untied head, counted by hand:
+// per token, per block: c_attn 2*32*96 = 6144, attn c_proj 2*32*32 = 2048, c_fc 2*32*128 =
+// 8192, mlp c_proj 2*128*32 = 8192 -> 24576; two blocks 49152; lm_head 2*32*256 = 16384;
+// 65536 per token, 16 tokens: 1048576. Attention per block: q k^T 2*16*16*32 = 16384 and
+// weights x v the same, 32768; two blocks 65536. Total 1114112.
+TEST(ThroughputTest, GptForwardFlopsMatchAHandCount) {
+  ModelOptions o;
+  o.arch = "gpt";
+  o.vocab_size = 256;
+  o.context = 16;
+  o.embed_dim = 32;
+  o.layers = 2;
+  o.heads = 4;
+  o.tie_head = false;
+  const auto model = makeModel(o);
+  EXPECT_DOUBLE_EQ(model->forwardFlopsPerSample(), 1114112.0);
+  EXPECT_EQ(model->tokensPerSample(), 16);
+  o.tie_head = true;  // the tied head is the same product with wte's transpose
+  EXPECT_DOUBLE_EQ(makeModel(o)->forwardFlopsPerSample(), 1114112.0);
+}
+
+// The DiT paper (Peebles & Xie, Table 4) gives DiT-XL/2 on 32x32x4 latents 118.6 GFLOPs,
+// counted as fvcore does (one per multiply-add, attention included); ours counts two.
+TEST(ThroughputTest, DitXl2ForwardFlopsMatchTheDitPaper) {
+  ModelOptions o;
+  o.arch = "dit";
+  o.patch_size = 2;
+  o.embed_dim = 1152;
+  o.layers = 28;
+  o.heads = 16;
+  o.mlp_ratio = 4.0;
+  DiT model(o, {4, 32, 32}, /*classes=*/1000);  // deferred parameters: nothing allocated
+  const double gflops = model.forwardFlopsPerSample() / 2.0 / 1e9;
+  EXPECT_NEAR(gflops, 118.6, 118.6 * 0.01) << gflops;
+}
+
+// The MLP families: every linear once per sample.
+TEST(ThroughputTest, MlpForwardFlopsAreTheirLinears) {
+  ModelOptions o;
+  o.arch = "mlp";
+  o.vocab_size = 256;
+  o.context = 16;
+  o.embed_dim = 8;
+  o.hidden = {64, 32};
+  // 16*8 -> 64 -> 32 -> 256: 2 * (128*64 + 64*32 + 32*256)
+  const auto model = makeModel(o);
+  EXPECT_DOUBLE_EQ(model->forwardFlopsPerSample(), 2.0 * (128 * 64 + 64 * 32 + 32 * 256));
+  EXPECT_EQ(model->tokensPerSample(), 1);
+}
+
+TEST(ThroughputTest, FiguresOfAWindow) {
+  // 1000 samples/s over 4 ranks of 3 MFLOP each against a peak of 1.5 GFLOP/s per rank.
+  auto f = throughputFigures(1000, 4, 3e6, 16, false, 1.5e9);
+  EXPECT_DOUBLE_EQ(f.at("tokens_per_sec"), 16000);
+  EXPECT_DOUBLE_EQ(f.at("tokens_per_sec_per_rank"), 4000);
+  EXPECT_DOUBLE_EQ(f.at("tflops_per_rank"), 250 * 3e6 / 1e12);
+  EXPECT_DOUBLE_EQ(f.at("mfu"), 0.5);
+  f = throughputFigures(1000, 4, 0, 0, true, 1.5e9);  // images, FLOPs not counted: no MFU
+  EXPECT_DOUBLE_EQ(f.at("images_per_sec"), 1000);
+  EXPECT_DOUBLE_EQ(f.at("images_per_sec_per_rank"), 250);
+  EXPECT_FALSE(f.count("mfu"));
+}
+
+// The probe measures something plausible: a CPU does more than 100 MFLOP/s and less than
+// a GPU's peak.
+TEST(ThroughputTest, MatmulProbeMeasuresARate) {
+  const PeakFlops peak = peakFlops(0, at::kCPU, at::kFloat);
+  EXPECT_GT(peak.flopsPerSec, 1e8);
+  EXPECT_LT(peak.flopsPerSec, 1e15);
+  EXPECT_NE(peak.source.find("1024x1024 fp32 matrix products on cpu"), std::string::npos) << peak.source;
+  EXPECT_DOUBLE_EQ(peakFlops(7e12, at::kCPU, at::kFloat).flopsPerSec, 7e12);
+}
+
+}  // namespace
+}  // namespace tessera::trainer

@@ -1,0 +1,77 @@
+// Throughput, MFU and the matrix-product probe (see throughput.h).
+#include "trainer/throughput.h"
+
+#include <ATen/ATen.h>
+#include <torch/cuda.h>
+
+#include <chrono>
+
+#include "common/errors.h"
+#include "sharding/mixed_precision.h"
+
+namespace tessera::trainer {
+namespace {
+
+double nowSec() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void synchronize(at::Device device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+}  // namespace
+
+double measureMatmulFlops(at::Device device, at::ScalarType dtype, int64_t size, double seconds) {
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  const at::Tensor a = at::randn({size, size}, options.dtype(at::kFloat)).to(dtype);
+  const at::Tensor b = at::randn({size, size}, options.dtype(at::kFloat)).to(dtype);
+  at::Tensor c = at::mm(a, b);  // warm-up: kernels chosen, memory allocated
+  synchronize(device);
+  int64_t reps = 0;
+  const double start = nowSec();
+  double elapsed = 0;
+  while (reps < 2 || elapsed < seconds) {
+    at::mm_out(c, a, b);
+    ++reps;
+    if (device.is_cuda() && reps % 8 != 0) continue;  // launches are asynchronous: time batches
+    synchronize(device);
+    elapsed = nowSec() - start;
+  }
+  synchronize(device);
+  elapsed = nowSec() - start;
+  const double n = static_cast<double>(size);
+  return 2.0 * n * n * n * static_cast<double>(reps) / elapsed;
+}
+
+PeakFlops peakFlops(double configured, at::Device device, at::ScalarType dtype) {
+  if (configured > 0) return {configured, "run.peak_flops"};
+  const int64_t size = device.is_cuda() ? 8192 : 1024;
+  const double seconds = device.is_cuda() ? 0.2 : 0.1;
+  PeakFlops peak;
+  peak.flopsPerSec = measureMatmulFlops(device, dtype, size, seconds);
+  peak.source = strCat("measured by ", size, "x", size, " ", enumName(sharding::kFloatDtypeNames, dtype),
+                       " matrix products on ", device, " (set run.peak_flops for the hardware's datasheet figure)");
+  return peak;
+}
+
+std::map<std::string, double> throughputFigures(double samplesPerSec, int worldSize, double trainFlopsPerSample,
+                                                int64_t tokensPerSample, bool images, double peakFlopsPerSec) {
+  std::map<std::string, double> out;
+  const double perRank = samplesPerSec / static_cast<double>(worldSize);
+  if (tokensPerSample > 0) {
+    out["tokens_per_sec"] = samplesPerSec * static_cast<double>(tokensPerSample);
+    out["tokens_per_sec_per_rank"] = perRank * static_cast<double>(tokensPerSample);
+  } else if (images) {
+    out["images_per_sec"] = samplesPerSec;
+    out["images_per_sec_per_rank"] = perRank;
+  }
+  if (trainFlopsPerSample > 0) {
+    const double achieved = trainFlopsPerSample * perRank;
+    out["tflops_per_rank"] = achieved / 1e12;
+    if (peakFlopsPerSec > 0) out["mfu"] = achieved / peakFlopsPerSec;
+  }
+  return out;
+}
+
+}  // namespace tessera::trainer

@@ -1,0 +1,32 @@
+// Throughput and MFU: the model FLOPs a rank computes per second against the peak it could
+// compute at, which is run.peak_flops or, when unset, measured at start by a probe.
+#pragma once
+
+#include <ATen/core/TensorBody.h>
+
+#include <map>
+#include <string>
+
+namespace tessera::trainer {
+
+// A rank's peak FLOP/s and where the figure comes from (for the log).
+struct PeakFlops {
+  double flopsPerSec = 0;
+  std::string source;
+};
+
+// FLOP/s of square `size` x `size` matrix products in `dtype` on `device` (CPU or CUDA),
+// timed for about `seconds` after a warm-up product.
+double measureMatmulFlops(at::Device device, at::ScalarType dtype, int64_t size, double seconds);
+
+// `configured` (run.peak_flops) when > 0; else the probe on the run's device and compute
+// dtype: 1024-square products on a CPU (the rank's own threads), 8192-square on a GPU.
+PeakFlops peakFlops(double configured, at::Device device, at::ScalarType dtype);
+
+// The throughput figures of a logged window: samples/s over all ranks -> per rank, tokens/s
+// or images/s (whole run and per rank), TFLOP/s per rank and MFU (when the FLOPs of a
+// sample are counted). Keys as metrics.jsonl names them.
+std::map<std::string, double> throughputFigures(double samplesPerSec, int worldSize, double trainFlopsPerSample,
+                                                int64_t tokensPerSample, bool images, double peakFlopsPerSec);
+
+}  // namespace tessera::trainer
