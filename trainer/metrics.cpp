@@ -40,7 +40,10 @@ MetricsLog::MetricsLog(const std::string& jsonlPath, int64_t totalSteps)
     for (std::string line; std::getline(previous, line);) {
       try {
         const auto j = nlohmann::json::parse(line);
-        losses_.emplace_back(j.at("step").get<int64_t>(), j.at("loss").get<double>());
+        const int64_t step = j.at("step").get<int64_t>();
+        for (const auto& [name, value] : j.items()) {
+          if (isLossCurve(name) && value.is_number()) curves_[name].emplace_back(step, value.get<double>());
+        }
       } catch (const nlohmann::json::exception&) {
         // A line cut short by a crash is skipped, not fatal.
       }
@@ -81,7 +84,9 @@ void MetricsLog::record(const StepMetrics& m) {
   for (const auto& [k, v] : m.named()) j[k] = v;
   const std::string jsonLine = j.dump() + "\n";
   writeAllTo(fd_, jsonLine.data(), jsonLine.size(), jsonlPath_);
-  losses_.emplace_back(m.step, m.loss);
+  for (const auto& [name, value] : m.named()) {
+    if (isLossCurve(name)) curves_[name].emplace_back(m.step, value);
+  }
 
   const double elapsed = nowSec() - startSec_;
   const double eta = m.step > 0 ? elapsed / static_cast<double>(m.step) * static_cast<double>(totalSteps_ - m.step) : 0;
@@ -108,8 +113,20 @@ std::string formatStepLine(const StepMetrics& m, int64_t totalSteps) {
   return line.str();
 }
 
-void MetricsLog::writeLossCurve(const std::string& svgPath, const std::string& title) const {
-  replaceFile(svgPath, renderLineChartSvg(losses_, title, "step", "loss"));
+bool isLossCurve(const std::string& name) {
+  const std::string suffix = "_loss";
+  return name == "loss" || name.find("_loss_") != std::string::npos ||
+         (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0);
+}
+
+void MetricsLog::writeLossCurve(const std::string& svgPath, const std::string& title, bool logScale) const {
+  std::vector<ChartSeries> series;
+  auto train = curves_.find("loss");
+  if (train != curves_.end()) series.push_back({"train loss", train->second});
+  for (const auto& [name, points] : curves_) {
+    if (name != "loss") series.push_back({name, points});
+  }
+  replaceFile(svgPath, renderLineChartSvg(series, title, "step", logScale ? "loss (log scale)" : "loss", logScale));
 }
 
 namespace {
@@ -131,27 +148,45 @@ std::string xmlText(const std::string& text) {
 
 }  // namespace
 
-std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& points, const std::string& title,
-                               const std::string& xLabel, const std::string& yLabel) {
-  const double W = 640, H = 400, left = 70, right = 20, top = 40, bottom = 50;
+std::string renderLineChartSvg(const std::vector<ChartSeries>& series, const std::string& title,
+                               const std::string& xLabel, const std::string& yLabel, bool logScale) {
+  const double W = 720, H = 420, left = 70, right = 190, top = 40, bottom = 50;
+  // What is drawn: on a log axis, the positive finite points; on a linear one, the finite.
+  std::vector<ChartSeries> shown;
+  for (const ChartSeries& s : series) {
+    ChartSeries kept{s.name, {}};
+    for (const auto& [x, y] : s.points) {
+      if (std::isfinite(y) && (!logScale || y > 0)) kept.points.emplace_back(x, logScale ? std::log10(y) : y);
+    }
+    shown.push_back(std::move(kept));
+  }
   double xMin = 0, xMax = 1, yMin = 0, yMax = 1;
-  if (!points.empty()) {
-    xMin = static_cast<double>(points.front().first);
-    xMax = static_cast<double>(points.back().first);
-    yMin = yMax = points.front().second;
-    for (const auto& [x, y] : points) {
-      yMin = std::min(yMin, y);
-      yMax = std::max(yMax, y);
+  bool any = false;
+  for (const ChartSeries& s : shown) {
+    for (const auto& [x, y] : s.points) {
+      const double fx = static_cast<double>(x);
+      xMin = any ? std::min(xMin, fx) : fx;
+      xMax = any ? std::max(xMax, fx) : fx;
+      yMin = any ? std::min(yMin, y) : y;
+      yMax = any ? std::max(yMax, y) : y;
+      any = true;
     }
   }
   if (xMax <= xMin) xMax = xMin + 1;
-  if (yMax <= yMin) yMax = yMin + 1;
+  if (yMax <= yMin) yMax = yMin + (logScale ? 0.1 : 1.0);
   auto px = [&](double x) { return left + (x - xMin) / (xMax - xMin) * (W - left - right); };
   auto py = [&](double y) { return top + (yMax - y) / (yMax - yMin) * (H - top - bottom); };
+  // A tick's label: the value itself on a log axis (10^y), with the digits its spread needs.
+  auto yTick = [&](double y) {
+    const double value = logScale ? std::pow(10.0, y) : y;
+    const double spread = logScale ? value : yMax - yMin;
+    return fixed(value, spread >= 100 ? 0 : spread >= 1 ? 2 : 4);
+  };
   std::ostringstream s;
   s << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H << "\" font-family=\"sans-serif\">\n"
     << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"16\">" << xmlText(title) << "</text>\n"
+    << "<text x=\"" << (W - right + left) / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"16\">" << xmlText(title)
+    << "</text>\n"
     << "<line x1=\"" << left << "\" y1=\"" << H - bottom << "\" x2=\"" << W - right << "\" y2=\"" << H - bottom
     << "\" stroke=\"black\"/>\n"
     << "<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left << "\" y2=\"" << H - bottom
@@ -159,19 +194,39 @@ std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& po
   for (int i = 0; i <= 4; ++i) {
     const double y = yMin + (yMax - yMin) * i / 4.0;
     const double x = xMin + (xMax - xMin) * i / 4.0;
-    s << "<text x=\"" << left - 6 << "\" y=\"" << py(y) + 4 << "\" text-anchor=\"end\" font-size=\"11\">" << fixed(y, 3)
+    s << "<line x1=\"" << left << "\" y1=\"" << py(y) << "\" x2=\"" << W - right << "\" y2=\"" << py(y)
+      << "\" stroke=\"#e0e0e0\"/>\n"
+      << "<text x=\"" << left - 6 << "\" y=\"" << py(y) + 4 << "\" text-anchor=\"end\" font-size=\"11\">" << yTick(y)
       << "</text>\n"
       << "<text x=\"" << px(x) << "\" y=\"" << H - bottom + 16 << "\" text-anchor=\"middle\" font-size=\"11\">"
       << fixed(x, 0) << "</text>\n";
   }
-  s << "<text x=\"" << W / 2 << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\" font-size=\"12\">" << xmlText(xLabel)
-    << "</text>\n"
+  s << "<text x=\"" << (W - right + left) / 2 << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\" font-size=\"12\">"
+    << xmlText(xLabel) << "</text>\n"
     << "<text x=\"16\" y=\"" << H / 2 << "\" text-anchor=\"middle\" font-size=\"12\" transform=\"rotate(-90 16 " << H / 2
     << ")\">" << xmlText(yLabel) << "</text>\n";
-  if (!points.empty()) {
-    s << "<polyline fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"";
-    for (const auto& [x, y] : points) s << fixed(px(static_cast<double>(x)), 1) << "," << fixed(py(y), 1) << " ";
-    s << "\"/>\n";
+  static const char* kColors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+                                  "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"};
+  for (size_t i = 0; i < shown.size(); ++i) {
+    const ChartSeries& line = shown[i];
+    const char* color = kColors[i % (sizeof(kColors) / sizeof(kColors[0]))];
+    if (line.points.size() > 1) {
+      s << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\" points=\"";
+      for (const auto& [x, y] : line.points) s << fixed(px(static_cast<double>(x)), 1) << "," << fixed(py(y), 1) << " ";
+      s << "\"/>\n";
+    }
+    // Sparse series (evaluations) get their points marked: one evaluation is one dot.
+    if (line.points.size() <= 30) {
+      for (const auto& [x, y] : line.points) {
+        s << "<circle cx=\"" << fixed(px(static_cast<double>(x)), 1) << "\" cy=\"" << fixed(py(y), 1)
+          << "\" r=\"3\" fill=\"" << color << "\"/>\n";
+      }
+    }
+    const double ly = top + 10 + 18.0 * static_cast<double>(i);
+    s << "<line x1=\"" << W - right + 12 << "\" y1=\"" << ly << "\" x2=\"" << W - right + 36 << "\" y2=\"" << ly
+      << "\" stroke=\"" << color << "\" stroke-width=\"3\"/>\n"
+      << "<text x=\"" << W - right + 42 << "\" y=\"" << ly + 4 << "\" font-size=\"12\">" << xmlText(line.name)
+      << (line.points.empty() ? " (nothing to draw)" : "") << "</text>\n";
   }
   s << "</svg>\n";
   return s.str();

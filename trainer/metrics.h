@@ -43,10 +43,10 @@ class MetricsLog {
 
   // Writes one JSON line and a console line.
   void record(const StepMetrics& m);
-  // Writes the loss curve of everything recorded to `svgPath`, headed `title`.
-  void writeLossCurve(const std::string& svgPath, const std::string& title) const;
-
-  const std::vector<std::pair<int64_t, double>>& lossHistory() const { return losses_; }
+  // Writes every loss curve recorded (training, critic, held-out with the live weights and
+  // each EMA: the figures named loss or *_loss*) to `svgPath` with a legend, headed `title`,
+  // on a log-scale y axis when `logScale`.
+  void writeLossCurve(const std::string& svgPath, const std::string& title, bool logScale) const;
 
  private:
   std::string jsonlPath_;
@@ -54,16 +54,26 @@ class MetricsLog {
   int64_t totalSteps_;
   bool terminal_;
   double startSec_;
-  std::vector<std::pair<int64_t, double>> losses_;
+  std::map<std::string, std::vector<std::pair<int64_t, double>>> curves_;  // by metrics.jsonl name
+};
+
+// Whether a metrics.jsonl figure is a loss the run's picture draws.
+bool isLossCurve(const std::string& name);
+
+// One line of a chart, named in its legend.
+struct ChartSeries {
+  std::string name;
+  std::vector<std::pair<int64_t, double>> points;
 };
 
 // "step 100/300 loss 2.1234 lr 0.003 gnorm ..." : the line a metrics record is logged as.
 std::string formatStepLine(const StepMetrics& m, int64_t totalSteps);
 
-// Renders (x, y) series as a standalone SVG line chart (hand-written: a few dozen lines
-// of SVG need no plotting library, and none is packaged for C++ in Debian).
-std::string renderLineChartSvg(const std::vector<std::pair<int64_t, double>>& points, const std::string& title,
-                               const std::string& xLabel, const std::string& yLabel);
+// Renders series of (x, y) points as a standalone SVG line chart with a legend, the y
+// axis linear or logarithmic (points <= 0 are left out of a log chart). Hand-written: a
+// few dozen lines of SVG need no plotting library, and none is packaged for C++ in Debian.
+std::string renderLineChartSvg(const std::vector<ChartSeries>& series, const std::string& title,
+                               const std::string& xLabel, const std::string& yLabel, bool logScale = false);
 
 // Peak resident set size of this process in MiB (VmHWM from /proc/self/status).
 double peakRssMiB();

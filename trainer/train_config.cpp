@@ -197,6 +197,8 @@ void bindLogKeys(config::ConfigSchema& s, LogSection& log) {
   s.add("log.per_rank_files", &log.per_rank_files, "Also write <run.dir>/logs/rank_N.log per rank");
   s.add("log.tensorboard", &log.tensorboard,
         "Write every metrics.jsonl figure and every sample grid as TensorBoard events in <run.dir>/tb/");
+  s.add("log.loss_scale", &log.loss_scale, "The y axis of <run.dir>/loss.svg (every loss of the run): linear or log")
+      .oneOf({"linear", "log"});
 }
 
 // model.*: the single model (or every models: entry's defaults), and its samples.

@@ -48,6 +48,7 @@ struct LogSection {
   std::string level = "info";  // trace|debug|info|warn|error|off; TESSERA_LOG_LEVEL overrides when set
   bool per_rank_files = true;  // also write <run.dir>/logs/rank_N.log
   bool tensorboard = true;     // TensorBoard event files in <run.dir>/tb/ (rank 0)
+  std::string loss_scale = "linear";  // loss.svg's y axis: linear | log
 };
 
 struct ModelOptions {

@@ -222,7 +222,7 @@ class TrainLoop {
     if (run_.comm->rank() == 0) {
       summary_.metricsPath = (run_.runDir / "metrics.jsonl").string();
       summary_.lossCurvePath = (run_.runDir / "loss.svg").string();
-      metrics_->writeLossCurve(summary_.lossCurvePath, "training loss: " + cfg_.run.name);
+      metrics_->writeLossCurve(summary_.lossCurvePath, "losses: " + cfg_.run.name, cfg_.log.loss_scale == "log");
     }
     run_.hostComm->barrier();
     return summary_;
