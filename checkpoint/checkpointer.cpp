@@ -13,6 +13,7 @@
 #include "checkpoint/metadata.h"
 #include "checkpoint/reader.h"
 #include "common/errors.h"
+#include "common/trace.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
 #include "common/filesystem.h"
@@ -496,6 +497,7 @@ int64_t Checkpointer::agreeAndStage(const SaveRequest& request, Job& job, int64_
   int64_t bytes = 0;
   std::string stagingError;
   try {
+    const trace::Span span("checkpoint", strCat("stage checkpoint step ", request.step));
     bytes = stage(request, job);
   } catch (const std::exception& e) {
     stagingError = e.what();
@@ -533,8 +535,10 @@ void Checkpointer::startWriter(const std::shared_ptr<Job>& job) {
     return;
   }
   writer_ = std::thread([job] {
+    trace::nameThisThread("checkpoint writer");
     try {
       if (job->copiesDone) job->copiesDone->wait();
+      const trace::Span span("checkpoint", strCat("write checkpoint step ", job->step));
       job->run();
     } catch (const std::exception& e) {
       job->error = e.what();

@@ -11,6 +11,7 @@
 #include <set>
 
 #include "common/errors.h"
+#include "common/trace.h"
 #include "distributed/gloo_communicator.h"
 #include "distributed/store.h"
 #if defined(TESSERA_WITH_NCCL)
@@ -241,9 +242,44 @@ void Communicator::ensureUsable(const char* method) const {
   }
 }
 
-void Communicator::count(CommOp op, int64_t bytes) {
+namespace {
+
+// A handle whose operation is on the timeline (trace.h): on the group's collectives track
+// from issue until this rank learnt it complete (the end of its wait: gloo's point-to-point
+// works only learn it there), and, when the wait blocked, a wait span on the waiting
+// thread's track.
+class TracedHandle final : public CommHandle {
+ public:
+  TracedHandle(std::shared_ptr<CommHandle> inner, std::string name, std::string track)
+      : inner_(std::move(inner)), name_(std::move(name)), track_(std::move(track)), issuedNs_(trace::nowNs()) {}
+  void wait() override {
+    const int64_t begin = trace::nowNs();
+    inner_->wait();
+    if (recorded_) return;
+    recorded_ = true;
+    const int64_t end = trace::nowNs();
+    trace::record({name_, "comm", track_, issuedNs_, end});
+    if (end - begin > 1000) trace::record({"wait " + name_, "wait", trace::thisThreadName(), begin, end});
+  }
+  bool isCompleted() override { return inner_->isCompleted(); }
+
+ private:
+  std::shared_ptr<CommHandle> inner_;
+  std::string name_, track_;
+  int64_t issuedNs_;
+  bool recorded_ = false;
+};
+
+}  // namespace
+
+std::shared_ptr<CommHandle> Communicator::account(CommOp op, int64_t bytes, std::shared_ptr<CommHandle> handle) {
   calls_[static_cast<size_t>(op)].fetch_add(1, std::memory_order_relaxed);
   bytes_[static_cast<size_t>(op)].fetch_add(bytes, std::memory_order_relaxed);
+  if (!trace::active()) return handle;
+  const std::string& tag = trace::currentTag();
+  std::string name = strCat(commOpName(op), tag.empty() ? "" : " " + tag, " (", formatBytes(bytes), ")");
+  return std::make_shared<TracedHandle>(std::move(handle), std::move(name),
+                                        strCat("collectives: ", backendName(), " '", options_.name, "'"));
 }
 
 std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& flat_out, const at::Tensor& local_in) {
@@ -256,8 +292,7 @@ std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& f
   } else {
     handle = doAllGatherInto(flat_out, local_in);
   }
-  count(CommOp::kAllGather, (world_ - 1) * tensorBytes(local_in));
-  return handle;
+  return account(CommOp::kAllGather, (world_ - 1) * tensorBytes(local_in), std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& local_out, const at::Tensor& flat_in,
@@ -272,8 +307,7 @@ std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& l
   } else {
     handle = doReduceScatter(local_out, flat_in, op);
   }
-  count(CommOp::kReduceScatter, (world_ - 1) * tensorBytes(local_out));
-  return handle;
+  return account(CommOp::kReduceScatter, (world_ - 1) * tensorBytes(local_out), std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::allReduceAsync(const at::Tensor& t, ReduceOp op) {
@@ -281,8 +315,7 @@ std::shared_ptr<CommHandle> Communicator::allReduceAsync(const at::Tensor& t, Re
   checkTensor("allReduce", "t", t);
   checkReduceOp("allReduce", t, op);
   std::shared_ptr<CommHandle> handle = local() || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doAllReduce(t, op);
-  count(CommOp::kAllReduce, 2 * (world_ - 1) * tensorBytes(t) / world_);
-  return handle;
+  return account(CommOp::kAllReduce, 2 * (world_ - 1) * tensorBytes(t) / world_, std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, int root) {
@@ -291,8 +324,7 @@ std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, in
   TESSERA_CHECK_AS(UsageError, root >= 0 && root < world_, "Communicator::broadcast: root ", root,
                    " is out of range for world size ", world_);
   std::shared_ptr<CommHandle> handle = local() || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doBroadcast(t, root);
-  count(CommOp::kBroadcast, rank_ == root && world_ > 1 ? tensorBytes(t) : 0);
-  return handle;
+  return account(CommOp::kBroadcast, rank_ == root && world_ > 1 ? tensorBytes(t) : 0, std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& out, const at::Tensor& local_in,
@@ -312,15 +344,13 @@ std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& ou
   } else {
     handle = doGatherToRoot(rank_ == root ? out : at::Tensor(), local_in, root);
   }
-  count(CommOp::kGather, rank_ == root ? 0 : tensorBytes(local_in));
-  return handle;
+  return account(CommOp::kGather, rank_ == root ? 0 : tensorBytes(local_in), std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::barrierAsync() {
   ensureUsable("barrier");
   std::shared_ptr<CommHandle> handle = local() ? std::make_shared<CompletedHandle>() : doBarrier();
-  count(CommOp::kBarrier, 0);
-  return handle;
+  return account(CommOp::kBarrier, 0, std::move(handle));
 }
 
 void Communicator::allGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) {

@@ -200,7 +200,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // True when operations are answered without the backend (one rank, shortcut on).
   bool local() const { return world_ == 1 && options_.singleRankShortcut; }
   void ensureUsable(const char* method) const;
-  void count(CommOp op, int64_t bytes);
+  // Counts the operation in stats() and returns its handle (traced in a profile window).
+  std::shared_ptr<CommHandle> account(CommOp op, int64_t bytes, std::shared_ptr<CommHandle> handle);
 
   int rank_;
   int world_;

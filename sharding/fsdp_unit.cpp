@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include "common/errors.h"
+#include "common/trace.h"
 #include "distributed/communicator.h"
 #include "sharding/param_init.h"
 
@@ -65,6 +66,7 @@ void FsdpUnit::unshard() {
   flat_ = at::empty({layout_->flatNumel()}, masterChunk_.options().dtype(ctx_.paramDtype));
   at::Tensor chunk = layout_->chunk(flat_, ctx_.shardComm->rank());
   chunk.copy_(masterChunk_);  // cast to the compute dtype before gathering: half the bytes in bf16
+  const trace::Tag tag(traceName());
   gather_ = ctx_.shardComm->allGatherIntoAsync(flat_, chunk);
   sharded_ = ShardedState::kUnsharding;
   ctx_.sample();
@@ -101,10 +103,12 @@ void FsdpUnit::reshard() {
 void FsdpUnit::preForward() {
   training_ = TrainingState::kForward;
   waitForUnshard();
+  spanBeginNs_ = trace::active() ? trace::nowNs() : -1;  // compute only: the wait is a span of its own
 }
 
 void FsdpUnit::postForward(bool reshardNow) {
   training_ = TrainingState::kIdle;
+  endSpan("forward ");
   if (reshardNow) reshard();
 }
 
@@ -112,7 +116,14 @@ bool FsdpUnit::preBackward() {
   waitForUnshard();
   if (training_ == TrainingState::kPreBackward || training_ == TrainingState::kPostBackward) return false;
   training_ = TrainingState::kPreBackward;
+  spanBeginNs_ = trace::active() ? trace::nowNs() : -1;
   return true;
+}
+
+void FsdpUnit::endSpan(const char* phase) {
+  if (spanBeginNs_ < 0) return;
+  trace::record({phase + traceName(), "compute", trace::thisThreadName(), spanBeginNs_, trace::nowNs()});
+  spanBeginNs_ = -1;
 }
 
 bool FsdpUnit::gradReady(size_t j) {
@@ -123,6 +134,7 @@ bool FsdpUnit::gradReady(size_t j) {
 
 void FsdpUnit::postBackward() {
   training_ = TrainingState::kPostBackward;
+  endSpan("backward ");
   if (!hasFrozenParams()) reshard();
 }
 
@@ -139,6 +151,7 @@ ReduceJob FsdpUnit::startReduce() {
     }
   }
   job.local = at::empty({gradLayout_->chunkNumel()}, options);
+  const trace::Tag tag(traceName());
   job.handle = ctx_.shardComm->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
   reduced_ = true;
   return job;

@@ -142,6 +142,11 @@ class FsdpUnit {
   TrainingState training_ = TrainingState::kIdle;
   at::Tensor flat_;                     // the gather buffer while kUnsharding
   std::shared_ptr<distributed::CommHandle> gather_;
+  // The timeline (common/trace.h): when this unit's forward or backward compute began
+  // (-1: none open), recorded as a span when it ends.
+  int64_t spanBeginNs_ = -1;
+  void endSpan(const char* phase);
+  std::string traceName() const { return name_.empty() ? "(root)" : name_; }
   std::vector<bool> ready_;             // per trainable member, in this backward
   size_t readyCount_ = 0;
   bool reduced_ = false;

@@ -12,6 +12,7 @@
 #include <unordered_set>
 
 #include "common/errors.h"
+#include "common/trace.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
 #include "sharding/data_parallel.h"
@@ -273,10 +274,15 @@ StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepS
   const at::Tensor sumAlongside =
       sums != nullptr && !sums->values_.empty() ? at::tensor(sums->values_, at::kDouble) : at::Tensor();
   const bool alongside = sumAlongside.defined();
-  synchronizeGradients();
+  {
+    const trace::Span span("optimizer", "gradient sync");
+    synchronizeGradients();
+  }
   StepResult result;
   // The norm's all-reduce spans the world unless hybrid's is over its shard group only.
   const bool normOverWorld = shardComm_.get() == comm_.get();
+  const trace::Span normSpan("optimizer", "gradient norm and clipping");
+  const trace::Tag normTag("gradient norm");
   const GradNorm norm = clipGradNorm(params_, options_.gradClip, *shardComm_,
                                      normOverWorld && alongside ? sumAlongside : at::Tensor());
   if (!normOverWorld && alongside) distributed::allReduceHostTensor(*comm_, sumAlongside, distributed::ReduceOp::kSum);
@@ -292,10 +298,14 @@ StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepS
     if (sums != nullptr) sums->takeSums(sumAlongside);
     return result;
   }
-  update();
+  {
+    const trace::Span span("optimizer", "optimizer update");
+    update();
+  }
   // The records' gradients live for one step; transient gradient shards (zero1) are freed
   // here, what zero2/zero3 keep until zeroGrad() is in heldGradShards_.
   for (ShardedParam& p : params_) p.grad.reset();
+  const trace::Span span("optimizer", "publish parameters");
   publishParameters();
   synchronizeBuffers();
   ++stepsApplied_;

@@ -5,6 +5,7 @@
 
 #include "common/counter_rng.h"
 #include "common/errors.h"
+#include "common/trace.h"
 #include "trainer/text_dataset.h"
 
 namespace tessera::trainer {
@@ -56,10 +57,15 @@ StepBatch BatchLoader::prepare(int64_t step) const {
 
 void BatchLoader::startPrefetch(int64_t step) {
   pendingStep_ = step;
-  pending_ = std::async(std::launch::async, [this, step] { return prepare(step); });
+  pending_ = std::async(std::launch::async, [this, step] {
+    trace::nameThisThread("data loader");
+    const trace::Span span("data", strCat("prepare the batch of step ", step + 1));
+    return prepare(step);
+  });
 }
 
 StepBatch BatchLoader::take(int64_t step) {
+  const trace::Span span("data", "data wait");
   const auto start = std::chrono::steady_clock::now();
   StepBatch out;
   if (pending_.valid() && pendingStep_ == step) {

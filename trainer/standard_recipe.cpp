@@ -12,6 +12,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "common/logging.h"
+#include "common/trace.h"
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
 #include "sharding/fully_shard.h"
@@ -54,7 +55,10 @@ StepOutcome stepMainModel(const RunParts& run, ModelPart& part, int64_t step, co
   sums.add("loss", stepLoss.item<double>());
   sums.add("stop requests", stopRequested ? 1.0 : 0.0);
   out.result = part.strategy->step(out.lr, &sums);
-  if (part.ema) part.ema->update(step + 1, !out.result.skipped);
+  if (part.ema) {
+    const trace::Span span("ema", "EMA update");
+    part.ema->update(step + 1, !out.result.skipped);
+  }
   out.loss = sums["loss"] / static_cast<double>(run.comm->worldSize());
   out.stopSignalled = sums["stop requests"] > 0;
   return out;
@@ -134,10 +138,15 @@ class StandardRecipe : public Recipe {
     const StepBatch mine = loader_.take(step);  // prepared while the previous step ran
     at::Tensor stepLoss = at::zeros({1}, at::kDouble);
     forEachMicroBatch(run_, part_, [&](size_t begin, size_t end) {
-      at::Tensor loss = lossesOf(*part_.model, sliceBatch(mine.batch, static_cast<int64_t>(begin), static_cast<int64_t>(end)),
-                                 run_.device)
-                            .mean() /
-                        static_cast<double>(run_.microBatches);
+      at::Tensor loss;
+      {
+        const trace::Span span("compute", "forward (micro-batch)");
+        loss = lossesOf(*part_.model, sliceBatch(mine.batch, static_cast<int64_t>(begin), static_cast<int64_t>(end)),
+                        run_.device)
+                   .mean() /
+               static_cast<double>(run_.microBatches);
+      }
+      const trace::Span span("compute", "backward (micro-batch)");
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
     });

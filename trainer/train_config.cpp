@@ -323,10 +323,21 @@ void bindEvalKeys(config::ConfigSchema& s, EvalSection& e) {
   s.add("eval.judge_per_class", &e.judge_per_class, "Samples of each class the judge sees").min(1).max(1 << 16);
 }
 
+// profile.*: the timeline of a few steps.
+void bindProfileKeys(config::ConfigSchema& s, ProfileSection& p) {
+  s.describeSection("profile", "A timeline of a few steps");
+  s.add("profile.start_step", &p.start_step,
+        "The first step traced into <run.dir>/profile/trace.json (every rank's threads and collectives; Perfetto or "
+        "chrome://tracing); 0 = none")
+      .min(0);
+  s.add("profile.steps", &p.steps, "How many steps are traced").min(1).max(1000);
+}
+
 // The sections in this order: the resolved config lists keys in registration order.
 void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   bindRunKeys(s, c.run);
   bindLogKeys(s, c.log);
+  bindProfileKeys(s, c.profile);
   bindEvalKeys(s, c.eval);
   bindTopLevelModelKeys(s, c.defaults.model);
   bindDataKeys(s, c.data);
@@ -607,6 +618,11 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
       throw ConfigError(s.errorMessage("eval.sample_steps", strCat(c.eval.sample_steps, " DDIM steps, more than the ",
                                                                    m.model.timesteps, " of model.timesteps")));
     }
+  }
+  if (c.profile.start_step > 0 && c.profile.start_step > c.run.steps - (c.profile.steps - 1)) {
+    throw ConfigError(s.errorMessage("profile.start_step",
+                                     strCat(c.profile.start_step, " + profile.steps (", c.profile.steps,
+                                            ") - 1 is past run.steps (", c.run.steps, ")")));
   }
   c.origins = s.origins();
   // Products of bounded keys, still checked: a world size comes from outside the config.

@@ -51,6 +51,12 @@ struct LogSection {
   std::string loss_scale = "linear";  // loss.svg's y axis: linear | log
 };
 
+// A timeline of a few steps (docs/observability.md): steps start_step .. start_step + steps - 1.
+struct ProfileSection {
+  int64_t start_step = 0;  // the first step traced (as the log counts them, from 1); 0 = no profile
+  int64_t steps = 2;       // how many
+};
+
 struct ModelOptions {
   std::string arch = "mlp";             // mlp | gpt | diffusion | dit
   int64_t vocab_size = 256;             // byte-level text: 256
@@ -158,6 +164,7 @@ struct ModelEntry {
 struct TrainConfig {
   RunOptions run;
   LogSection log;
+  ProfileSection profile;
   EvalSection eval;
   DataOptions data;
   CheckpointSection checkpoint;

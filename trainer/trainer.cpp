@@ -27,6 +27,7 @@
 #include "trainer/metrics.h"
 #include "trainer/model_metadata.h"
 #include "trainer/recipe.h"
+#include "trainer/profiler.h"
 #include "trainer/run_setup.h"
 #include "trainer/throughput.h"
 
@@ -138,7 +139,9 @@ class TrainLoop {
         cfg_(run.cfg),
         recipe_(makeRecipe(run)),
         schedule_(run.cfg.run.steps, run.startStep, run.cfg.checkpoint.every_steps, run.cfg.run.stop_after_steps,
-                  run.cfg.checkpoint.at_end) {
+                  run.cfg.checkpoint.at_end),
+        profile_(run.cfg.profile, *run.hostComm, run.runDir) {
+    trace::nameThisThread("main");
     if (run.comm->rank() == 0) {
       metrics_ = std::make_unique<MetricsLog>((run.runDir / "metrics.jsonl").string(), cfg_.run.steps);
       if (cfg_.log.tensorboard) tensorboard_ = std::make_unique<observe::TensorBoardWriter>((run.runDir / "tb").string());
@@ -158,6 +161,8 @@ class TrainLoop {
 
   // One optimizer step of every model the recipe trains.
   StepOutcome trainStep(int64_t step) {
+    profile_.beforeStep(step);
+    const trace::Span span("step", strCat("step ", step + 1));
     StepOutcome out = recipe_->step(step, g_stopRequested);
     if (out.result.skipped) {
       ++run_.counters.skippedSteps;
@@ -170,6 +175,8 @@ class TrainLoop {
   // the last step), the held-out loss every run.eval_every steps and at the end, and the
   // periodic checkpoint.
   void periodicActions(int64_t done, const StepOutcome& out) {
+    const std::string trace = profile_.afterStep(done);
+    if (!trace.empty()) summary_.tracePath = trace;
     windowLoss_ += out.loss;
     for (const auto& [key, value] : out.extra) windowExtra_[key] += value;
     ++windowSteps_;
@@ -317,6 +324,7 @@ class TrainLoop {
   const TrainConfig& cfg_;
   std::unique_ptr<Recipe> recipe_;
   CheckpointSchedule schedule_;
+  ProfileWindow profile_;
   std::unique_ptr<MetricsLog> metrics_;  // rank 0
   std::unique_ptr<observe::TensorBoardWriter> tensorboard_;  // rank 0, log.tensorboard
   double trainFlopsPerSample_ = 0;  // 0: the recipe does not count them (no MFU)

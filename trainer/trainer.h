@@ -32,6 +32,7 @@ struct TrainSummary {
   std::string samplesPath;           // diffusion samples (model.samples > 0; rank 0)
   std::vector<std::string> sampleGrids;  // the last sample grids (image denoisers; rank 0)
   std::string judgement;                 // eval.judge's line (rank 0)
+  std::string tracePath;                 // profile: the merged timeline (rank 0)
   bool preempted = false;            // stopped early (SIGTERM or run.stop_after_steps), after a checkpoint
   // run.dir held a run already finished (its checkpoint is at run.steps): nothing was
   // trained, saved or exported.
