@@ -11,6 +11,7 @@
 // Usage (from the repository root):
 //   bench_train_throughput_bench [--config configs/default.yaml] [--steps 200] [--reps 3]
 //                                [--nproc 2] [--threads 2] [--set key=value ...]
+//   bench_train_throughput_bench --logging-overhead ...   (issue 33: what logging costs)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
@@ -93,17 +94,30 @@ double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps
 struct TesseraRun {
   double steadySamplesPerSec = 0;  // metrics.jsonl, windows after the first
   double wallSamplesPerSec = 0;    // steps x global batch / wall time of the whole command
+  double loopSamplesPerSec = 0;    // the "done:" line: the train loop with its logging, set-up excluded
 };
 
+// The samples/s of tessera-train's "done: ... N samples/s" line in `log` (0 if none).
+double loopRate(const std::string& log) {
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);) {
+    const size_t done = line.find("] done: "), unit = line.rfind(" samples/s");
+    if (done == std::string::npos || unit == std::string::npos) continue;
+    const size_t start = line.rfind(' ', unit - 1);
+    return std::atof(line.substr(start + 1, unit - start - 1).c_str());
+  }
+  return 0;
+}
+
 TesseraRun tesseraSamplesPerSec(const std::string& binDir, const std::string& config, const std::vector<std::string>& sets,
-                                const TrainConfig& cfg, int nproc, int64_t steps) {
+                                const TrainConfig& cfg, int nproc, int64_t steps, int64_t logEvery = 0) {
   const fs::path runDir = fs::temp_directory_path() / ("tessera_throughput_" + std::to_string(::getpid()));
   tessera::removeTree(runDir);
   std::string command = binDir + "/tessera-run --standalone --nproc-per-node " + std::to_string(nproc) + " " + binDir +
                         "/tessera-train --config " + config;
   for (const auto& s : sets) command += " --set " + s;
   command += " --set run.steps=" + std::to_string(steps + steps / 4) + " --set run.log_every=" +
-             std::to_string(steps / 4) + " --set run.eval_every=0 --set checkpoint.every_steps=0" +
+             std::to_string(logEvery > 0 ? logEvery : steps / 4) + " --set run.eval_every=0 --set checkpoint.every_steps=0" +
              " --set checkpoint.at_end=false --set checkpoint.export=[] --set log.per_rank_files=false" +
              " --set run.dir=" + runDir.string() + " > " + runDir.string() + ".log 2>&1";
   const double start = nowSec();
@@ -124,12 +138,14 @@ TesseraRun tesseraSamplesPerSec(const std::string& binDir, const std::string& co
       continue;
     }
     const double sps = j.at("samples_per_sec").get<double>();
-    const double windowSamples = static_cast<double>(cfg.data.global_batch) * static_cast<double>(steps / 4);
+    const double windowSamples =
+        static_cast<double>(cfg.data.global_batch) * static_cast<double>(logEvery > 0 ? logEvery : steps / 4);
     samples += windowSamples;
     seconds += windowSamples / sps;
   }
   r.steadySamplesPerSec = seconds > 0 ? samples / seconds : 0;
   r.wallSamplesPerSec = static_cast<double>(cfg.data.global_batch * (steps + steps / 4)) / wall;
+  r.loopSamplesPerSec = loopRate(runDir.string() + ".log");
   tessera::removeTree(runDir);
   fs::remove(runDir.string() + ".log");
   return r;
@@ -149,6 +165,10 @@ int main(int argc, char** argv) {
   app.add_option("--nproc", nproc, "Ranks of the tessera-train run")->check(CLI::Range(1, 64));
   app.add_option("--threads", threads, "Intra-op threads of the second baseline")->check(CLI::Range(1, 256));
   app.add_option("--set", sets, "Config override for both (key=value), repeatable");
+  bool loggingOverhead = false;
+  app.add_flag("--logging-overhead", loggingOverhead,
+               "Instead: tessera-train with everything logged every step (metrics.jsonl, TensorBoard, MFU) against "
+               "TensorBoard off and one metrics line per run, interleaved; the train loop's samples/s of each");
   CLI11_PARSE(app, argc, argv);
   steps = steps / 4 * 4;
   // The baseline loop runs under the host allocator tessera-train uses for itself.
@@ -161,6 +181,24 @@ int main(int argc, char** argv) {
                 config.c_str(), cfg.models.front().model.arch.c_str(), static_cast<long long>(cfg.data.global_batch),
                 static_cast<long long>(cfg.data.micro_batch), strategyName(cfg), nproc,
                 static_cast<long long>(steps));
+    if (loggingOverhead) {
+      std::vector<double> on, off;
+      for (int rep = 0; rep < reps; ++rep) {
+        std::vector<std::string> withLogs = sets, without = sets;
+        withLogs.push_back("log.tensorboard=true");
+        without.push_back("log.tensorboard=false");
+        on.push_back(tesseraSamplesPerSec(binDir, config, withLogs, cfg, nproc, steps, 1).loopSamplesPerSec);
+        off.push_back(tesseraSamplesPerSec(binDir, config, without, cfg, nproc, steps, steps + steps / 4)
+                          .loopSamplesPerSec);
+        std::printf("rep %d: train loop samples/s, logging every step %.0f, logging once %.0f\n", rep, on.back(),
+                    off.back());
+      }
+      const double a = median(on), b = median(off);
+      std::printf("\nmedian train loop samples/s: everything logged every step %.0f, once per run %.0f: logging "
+                  "costs %.2f%% of step time\n",
+                  a, b, 100.0 * (b / a - 1.0));
+      return 0;
+    }
     std::vector<double> plain1, plainN, steady, wall;
     for (int rep = 0; rep < reps; ++rep) {
       plain1.push_back(plainLoopSamplesPerSec(cfg, 1, steps));

@@ -244,20 +244,27 @@ void Communicator::ensureUsable(const char* method) const {
 
 namespace {
 
-// A handle whose operation is on the timeline (trace.h): on the group's collectives track
-// from issue until this rank learnt it complete (the end of its wait: gloo's point-to-point
-// works only learn it there), and, when the wait blocked, a wait span on the waiting
-// thread's track.
-class TracedHandle final : public CommHandle {
+// Every operation's handle: the time its wait blocks goes to its group's stats; in a
+// profile window (trace.h) the operation is on the group's collectives track from issue
+// until this rank learnt it complete (the end of its wait: gloo's point-to-point works only
+// learn it there), and a wait that blocked is a span on the waiting thread's track.
+class AccountedHandle final : public CommHandle {
  public:
-  TracedHandle(std::shared_ptr<CommHandle> inner, std::string name, std::string track)
-      : inner_(std::move(inner)), name_(std::move(name)), track_(std::move(track)), issuedNs_(trace::nowNs()) {}
+  AccountedHandle(std::shared_ptr<CommHandle> inner, std::shared_ptr<std::atomic<int64_t>> waitNs, std::string name,
+                  std::string track)
+      : inner_(std::move(inner)), waitNs_(std::move(waitNs)), name_(std::move(name)), track_(std::move(track)),
+        issuedNs_(trace::nowNs()) {}
   void wait() override {
+    if (waited_) {
+      inner_->wait();  // rethrows a failure on every call
+      return;
+    }
     const int64_t begin = trace::nowNs();
     inner_->wait();
-    if (recorded_) return;
-    recorded_ = true;
+    waited_ = true;
     const int64_t end = trace::nowNs();
+    waitNs_->fetch_add(end - begin, std::memory_order_relaxed);
+    if (name_.empty()) return;  // issued outside a profile window
     trace::record({name_, "comm", track_, issuedNs_, end});
     if (end - begin > 1000) trace::record({"wait " + name_, "wait", trace::thisThreadName(), begin, end});
   }
@@ -265,9 +272,10 @@ class TracedHandle final : public CommHandle {
 
  private:
   std::shared_ptr<CommHandle> inner_;
-  std::string name_, track_;
+  std::shared_ptr<std::atomic<int64_t>> waitNs_;
+  std::string name_, track_;  // empty: not traced
   int64_t issuedNs_;
-  bool recorded_ = false;
+  bool waited_ = false;
 };
 
 }  // namespace
@@ -275,11 +283,11 @@ class TracedHandle final : public CommHandle {
 std::shared_ptr<CommHandle> Communicator::account(CommOp op, int64_t bytes, std::shared_ptr<CommHandle> handle) {
   calls_[static_cast<size_t>(op)].fetch_add(1, std::memory_order_relaxed);
   bytes_[static_cast<size_t>(op)].fetch_add(bytes, std::memory_order_relaxed);
-  if (!trace::active()) return handle;
+  if (!trace::active()) return std::make_shared<AccountedHandle>(std::move(handle), waitNs_, "", "");
   const std::string& tag = trace::currentTag();
   std::string name = strCat(commOpName(op), tag.empty() ? "" : " " + tag, " (", formatBytes(bytes), ")");
-  return std::make_shared<TracedHandle>(std::move(handle), std::move(name),
-                                        strCat("collectives: ", backendName(), " '", options_.name, "'"));
+  return std::make_shared<AccountedHandle>(std::move(handle), waitNs_, std::move(name),
+                                           strCat("collectives: ", backendName(), " '", options_.name, "'"));
 }
 
 std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& flat_out, const at::Tensor& local_in) {
@@ -416,6 +424,7 @@ CommStats Communicator::stats() const {
     s.ops[static_cast<size_t>(i)].calls = calls_[static_cast<size_t>(i)].load(std::memory_order_relaxed);
     s.ops[static_cast<size_t>(i)].bytes = bytes_[static_cast<size_t>(i)].load(std::memory_order_relaxed);
   }
+  s.waitNs = waitNs_->load(std::memory_order_relaxed);
   return s;
 }
 
@@ -424,6 +433,7 @@ void Communicator::resetStats() {
     calls_[static_cast<size_t>(i)].store(0, std::memory_order_relaxed);
     bytes_[static_cast<size_t>(i)].store(0, std::memory_order_relaxed);
   }
+  waitNs_->store(0, std::memory_order_relaxed);
 }
 
 std::string groupKeyPrefix(Store& store, const std::string& name, int rank) {

@@ -84,6 +84,9 @@ struct CommOpStats {
 
 struct CommStats {
   std::array<CommOpStats, kNumCommOps> ops{};
+  // Time threads spent blocked in wait() on this group's operations (the host's view: an
+  // nccl wait only orders streams and returns at once).
+  int64_t waitNs = 0;
 
   const CommOpStats& operator[](CommOp op) const { return ops[static_cast<size_t>(op)]; }
   int64_t totalBytes() const;
@@ -200,7 +203,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // True when operations are answered without the backend (one rank, shortcut on).
   bool local() const { return world_ == 1 && options_.singleRankShortcut; }
   void ensureUsable(const char* method) const;
-  // Counts the operation in stats() and returns its handle (traced in a profile window).
+  // Counts the operation in stats() and returns its handle, which adds the time its wait
+  // blocks to stats().waitNs (and puts it on the timeline in a profile window).
   std::shared_ptr<CommHandle> account(CommOp op, int64_t bytes, std::shared_ptr<CommHandle> handle);
 
   int rank_;
@@ -209,6 +213,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<Communicator> host_;  // setHost(); null: this one (or none, for nccl)
   std::array<std::atomic<int64_t>, kNumCommOps> calls_{};
   std::array<std::atomic<int64_t>, kNumCommOps> bytes_{};
+  std::shared_ptr<std::atomic<int64_t>> waitNs_ = std::make_shared<std::atomic<int64_t>>(0);  // shared with handles
   std::shared_ptr<CommHealth> health_;
 };
 

@@ -77,6 +77,7 @@ class CachingHostAllocator final : public c10::Allocator {
       ptr = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       TORCH_CHECK(ptr != MAP_FAILED, "CachingHostAllocator: cannot map ", size, " bytes: ", std::strerror(errno));
       mapped_ += size;
+      peakMapped_ = std::max(peakMapped_, mapped_);
       ++mappings_;
       largestBlock_ = std::max(largestBlock_, size);
     }
@@ -95,7 +96,8 @@ class CachingHostAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> lock(mutex_);
     return {static_cast<int64_t>(cached_),       static_cast<int64_t>(mapped_),
             static_cast<int64_t>(inUse_),        static_cast<int64_t>(peakInUse_),
-            static_cast<int64_t>(largestBlock_), static_cast<int64_t>(mappings_)};
+            static_cast<int64_t>(largestBlock_), static_cast<int64_t>(mappings_),
+            static_cast<int64_t>(peakMapped_)};
   }
 
  private:
@@ -141,6 +143,7 @@ class CachingHostAllocator final : public c10::Allocator {
   mutable size_t mapped_ = 0;
   mutable size_t largestBlock_ = 0;  // the largest request so far: the slack above the peak
   mutable size_t mappings_ = 0;
+  mutable size_t peakMapped_ = 0;
 };
 
 // Blocks below minBytes stay with glibc's malloc, told to keep freed memory for reuse

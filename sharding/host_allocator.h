@@ -42,6 +42,7 @@ struct HostCacheStats {
   int64_t peakInUseBytes = 0;  // the most ever in use at once
   int64_t largestBlockBytes = 0;  // the largest block ever mapped: the slack above the peak
   int64_t mappings = 0;           // blocks mapped so far (each one's pages fault in anew)
+  int64_t peakMappedBytes = 0;    // the most ever mapped at once
 };
 HostCacheStats hostCacheStats();
 

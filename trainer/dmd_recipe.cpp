@@ -126,6 +126,7 @@ class DmdRecipe : public Recipe {
     });
     StepOutcome out = stepMainModel(run_, generator_, step, stepLoss, stopRequested);
     out.extra["critic_loss"] = criticLoss / static_cast<double>(run_.cfg.recipe.critic_steps);
+    out.extra["critic_lr"] = critic_.schedule->lrAt(step);  // "lr" is the generator's
     return out;
   }
 

@@ -109,7 +109,10 @@ std::string formatStepLine(const StepMetrics& m, int64_t totalSteps) {
   line << "step " << m.step << "/" << totalSteps << " loss " << fixed(m.loss, 4) << " lr " << m.lr << " gnorm "
        << fixed(m.gradNorm, 3) << " " << fixed(m.samplesPerSec, 1) << " samples/s " << fixed(m.stepTimeMs, 1)
        << " ms/step rss " << fixed(m.peakRssMiB, 0) << " MiB comm " << fixed(m.commMiB, 2) << " MiB";
-  for (const auto& [k, v] : m.extra) line << " " << k << " " << fixed(v, 4);
+  for (const auto& [k, v] : m.extra) {
+    if (k.rfind("mem_", 0) == 0) continue;  // the breakdown: metrics.jsonl, TensorBoard and the run's last line
+    line << " " << k << " " << fixed(v, 4);
+  }
   return line.str();
 }
 

@@ -24,6 +24,7 @@
 #include "observe/tensorboard_writer.h"
 #include "sharding/mixed_precision.h"
 #include "trainer/checkpoint_schedule.h"
+#include "trainer/memory_breakdown.h"
 #include "trainer/metrics.h"
 #include "trainer/model_metadata.h"
 #include "trainer/recipe.h"
@@ -155,6 +156,7 @@ class TrainLoop {
       TLOG_INFO0("MFU: " << trainFlopsPerSample_ / 1e9 << " GFLOP per sample (forward and backward), against a peak of "
                          << peak_.flopsPerSec / 1e12 << " TFLOP/s per rank " << peak_.source);
     }
+    runtimeBytes_ = runtimeBytes();
     windowStart_ = runStart_ = nowSec();
     run.comm->resetStats();
   }
@@ -226,6 +228,7 @@ class TrainLoop {
     if (!stopped) writeSampleGrids(done);
     if (!stopped) summary_.judgement = recipe_->judgeSamples();
     if (!stopped && cfg_.defaults.model.samples > 0) summary_.samplesPath = recipe_->drawSamples();
+    if (run_.device.is_cpu()) TLOG_INFO("memory at the peak: " << measureMemory(run_, runtimeBytes_).str());
     if (run_.comm->rank() == 0) {
       summary_.metricsPath = (run_.runDir / "metrics.jsonl").string();
       summary_.lossCurvePath = (run_.runDir / "loss.svg").string();
@@ -272,7 +275,11 @@ class TrainLoop {
     m.peakRssMiB = rss.item<double>();
     m.commMiB = static_cast<double>(sent.totalBytes()) / (1024.0 * 1024.0);
     m.collectivesPerStep = static_cast<double>(sent.totalCalls()) / static_cast<double>(windowSteps_);
+    m.extra["comm_wait_ms"] = static_cast<double>(sent.waitNs) / 1e6 / static_cast<double>(windowSteps_);
     for (const auto& [key, sum] : windowExtra_) m.extra[key] = sum / static_cast<double>(windowSteps_);
+    if (run_.device.is_cpu()) {
+      for (const auto& [key, value] : measureMemory(run_, runtimeBytes_).metrics()) m.extra[key] = value;
+    }
     const bool images = cfg_.data.kind == "idx" || cfg_.data.kind == "image_folder";
     for (const auto& [key, value] : throughputFigures(m.samplesPerSec, comm.worldSize(), trainFlopsPerSample_,
                                                       recipe_->tokensPerSample(), images, peak_.flopsPerSec)) {
@@ -328,6 +335,7 @@ class TrainLoop {
   std::unique_ptr<MetricsLog> metrics_;  // rank 0
   std::unique_ptr<observe::TensorBoardWriter> tensorboard_;  // rank 0, log.tensorboard
   double trainFlopsPerSample_ = 0;  // 0: the recipe does not count them (no MFU)
+  int64_t runtimeBytes_ = 0;        // held besides the host allocator and malloc before the first step
   PeakFlops peak_;
   TrainSummary summary_;
   double windowLoss_ = 0, windowStart_ = 0, runStart_ = 0;

@@ -282,7 +282,8 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
   // an image of its size, every record accepted by the independent reader.
   const auto tb = tessera::test::readTensorBoard(sharded + "/tb");
   ASSERT_TRUE(tb.ok) << tb.output;
-  for (const char* tag : {"train/loss", "train/critic_loss", "train/lr", "train/grad_norm", "perf/images_per_sec",
+  for (const char* tag : {"train/loss", "train/critic_loss", "train/lr", "train/critic_lr", "train/grad_norm",
+                          "perf/images_per_sec", "comm/comm_wait_ms", "memory/mem_total_mib",
                           "eval/eval_loss", "samples/generator_ema", "samples/generator"}) {
     EXPECT_TRUE(tb.tags().count(tag)) << tag << "\n" << tb.output;
   }

@@ -196,7 +196,8 @@ TEST(TrainE2ETest, GptUnderZero3MatchesOneProcess) {
   ASSERT_TRUE(tb.ok) << tb.output;
   for (const char* tag : {"train/loss", "train/lr", "train/grad_norm", "perf/step_time_ms", "perf/samples_per_sec",
                           "perf/tokens_per_sec", "perf/tokens_per_sec_per_rank", "perf/tflops_per_rank", "perf/mfu",
-                          "memory/peak_rss_mib", "comm/comm_mib", "comm/collectives_per_step", "eval/eval_loss"}) {
+                          "memory/peak_rss_mib", "comm/comm_mib", "comm/collectives_per_step", "comm/comm_wait_ms",
+                          "memory/mem_total_mib", "memory/mem_optimizer_mib", "eval/eval_loss"}) {
     EXPECT_TRUE(tb.tags().count(tag)) << tag << "\n" << tb.output;
   }
   size_t figures = 0;
