@@ -78,12 +78,14 @@ class CachingHostAllocator final : public c10::Allocator {
       TORCH_CHECK(ptr != MAP_FAILED, "CachingHostAllocator: cannot map ", size, " bytes: ", std::strerror(errno));
       mapped_ += size;
       peakMapped_ = std::max(peakMapped_, mapped_);
+      windowPeakMapped_ = std::max(windowPeakMapped_, mapped_);
       ++mappings_;
       largestBlock_ = std::max(largestBlock_, size);
     }
     blocks_[ptr] = blockSize;
     inUse_ += blockSize;
     peakInUse_ = std::max(peakInUse_, inUse_);
+    windowPeakInUse_ = std::max(windowPeakInUse_, inUse_);
     return c10::DataPtr(ptr, ptr, &CachingHostAllocator::release, c10::Device(c10::kCPU));
   }
 
@@ -97,7 +99,14 @@ class CachingHostAllocator final : public c10::Allocator {
     return {static_cast<int64_t>(cached_),       static_cast<int64_t>(mapped_),
             static_cast<int64_t>(inUse_),        static_cast<int64_t>(peakInUse_),
             static_cast<int64_t>(largestBlock_), static_cast<int64_t>(mappings_),
-            static_cast<int64_t>(peakMapped_)};
+            static_cast<int64_t>(peakMapped_),   static_cast<int64_t>(windowPeakInUse_),
+            static_cast<int64_t>(windowPeakMapped_)};
+  }
+
+  void resetWindow() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    windowPeakInUse_ = inUse_;
+    windowPeakMapped_ = mapped_;
   }
 
  private:
@@ -144,6 +153,7 @@ class CachingHostAllocator final : public c10::Allocator {
   mutable size_t largestBlock_ = 0;  // the largest request so far: the slack above the peak
   mutable size_t mappings_ = 0;
   mutable size_t peakMapped_ = 0;
+  mutable size_t windowPeakInUse_ = 0, windowPeakMapped_ = 0;
 };
 
 // Blocks below minBytes stay with glibc's malloc, told to keep freed memory for reuse
@@ -175,5 +185,9 @@ void useCachingHostAllocator(const HostCacheOptions& options) {
 }
 
 HostCacheStats hostCacheStats() { return gAllocator != nullptr ? gAllocator->stats() : HostCacheStats{}; }
+
+void resetHostCacheWindow() {
+  if (gAllocator != nullptr) gAllocator->resetWindow();
+}
 
 }  // namespace tessera::sharding

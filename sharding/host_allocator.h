@@ -43,7 +43,13 @@ struct HostCacheStats {
   int64_t largestBlockBytes = 0;  // the largest block ever mapped: the slack above the peak
   int64_t mappings = 0;           // blocks mapped so far (each one's pages fault in anew)
   int64_t peakMappedBytes = 0;    // the most ever mapped at once
+  // The most in use and mapped at once since resetHostCacheWindow() (or the start).
+  int64_t windowPeakInUseBytes = 0;
+  int64_t windowPeakMappedBytes = 0;
 };
 HostCacheStats hostCacheStats();
+// Starts a new window for the window peaks (a metrics window's breakdown): they restart
+// from what is in use and mapped now. The allocator's own policy keeps the run's peaks.
+void resetHostCacheWindow();
 
 }  // namespace tessera::sharding

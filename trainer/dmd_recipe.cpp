@@ -132,10 +132,10 @@ class DmdRecipe : public Recipe {
 
   void evaluate(std::map<std::string, double>& out) override {
     out["eval_loss"] = teacherLossOfSamples();
-    if (generator_.ema) {
+    for (size_t d = 0; generator_.ema && d < generator_.ema->numProfiles(); ++d) {
       double emaLoss = 0;
-      ema::withEmaWeights(*generator_.ema, *generator_.strategy, 0, [&] { emaLoss = teacherLossOfSamples(); });
-      out["eval_loss_ema"] = emaLoss;
+      ema::withEmaWeights(*generator_.ema, *generator_.strategy, d, [&] { emaLoss = teacherLossOfSamples(); });
+      out["eval_loss_" + (d == 0 ? std::string("ema") : generator_.ema->stateName(d))] = emaLoss;
     }
   }
 

@@ -80,10 +80,23 @@ MemoryBreakdown measureMemory(const RunParts& run, int64_t runtimeBytes) {
   }
   const sharding::HostCacheStats cache = sharding::hostCacheStats();
   const int64_t state = out.params + out.grads + out.optimizer + out.buffers + out.ema + out.gathered;
-  out.activations = std::max<int64_t>(0, cache.peakInUseBytes - state);
-  out.slack = std::max<int64_t>(0, cache.peakMappedBytes - std::max(cache.peakInUseBytes, state));
+  out.activations = std::max<int64_t>(0, cache.windowPeakInUseBytes - state);
+  out.slack = std::max<int64_t>(0, cache.windowPeakMappedBytes - std::max(cache.windowPeakInUseBytes, state));
   out.peakRss = statusBytes("VmHWM");
   return out;
+}
+
+void startMemoryWindow(const RunParts& run) {
+  // "5" resets the peak resident set size to the current one (proc(5), clear_refs); a
+  // kernel without it leaves VmHWM the run's peak, which the breakdown then undercounts.
+  if (FILE* f = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", f);
+    std::fclose(f);
+  }
+  sharding::resetHostCacheWindow();
+  for (const ModelPart& part : run.models) {
+    if (auto* fsdp = dynamic_cast<sharding::FullyShardStrategy*>(part.strategy.get())) fsdp->resetPeak();
+  }
 }
 
 }  // namespace tessera::trainer

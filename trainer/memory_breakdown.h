@@ -1,4 +1,5 @@
-// Where a rank's host memory goes, at its peak so far: each model's state (parameters,
+// Where a rank's host memory goes, at its peak in a window (a metrics window; startMemoryWindow
+// begins the next): each model's state (parameters,
 // gradients, optimizer state, buffers, EMA: their storages, measured), zero3's gathered
 // units at their peak, the rest of the host allocator's peak in use (activations and
 // temporaries, the data), the allocator's cached slack above that peak, malloc's heap
@@ -37,7 +38,11 @@ struct MemoryBreakdown {
 // size minus both): the runtime part of a breakdown, taken before the first step.
 int64_t runtimeBytes();
 
-// This rank's breakdown now (host memory: a CPU run's; a CUDA run's state is on the GPU).
+// This rank's breakdown of the window so far (host memory: a CPU run's; a CUDA run's state
+// is on the GPU).
 MemoryBreakdown measureMemory(const RunParts& run, int64_t runtimeBytes);
+// Starts the next window: the kernel's peak RSS (VmHWM, through /proc/self/clear_refs), the
+// host allocator's window peaks and zero3's gathered peak restart from now.
+void startMemoryWindow(const RunParts& run);
 
 }  // namespace tessera::trainer

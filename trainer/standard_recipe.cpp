@@ -160,14 +160,17 @@ class StandardRecipe : public Recipe {
     out["eval_loss"] = heldOutLoss();
     const bool classifier = dynamic_cast<FeatureMlp*>(part_.model.get()) != nullptr && run_.data->spec().classes > 0;
     if (classifier) out["eval_accuracy"] = heldOutAccuracy();
-    if (part_.ema) {
+    // Each EMA profile: the first as eval_loss_ema, the others by name
+    // (eval_loss_model_ema_0.999).
+    for (size_t d = 0; part_.ema && d < part_.ema->numProfiles(); ++d) {
       double emaLoss = 0, emaAccuracy = 0;
-      ema::withEmaWeights(*part_.ema, *part_.strategy, 0, [&] {
+      ema::withEmaWeights(*part_.ema, *part_.strategy, d, [&] {
         emaLoss = heldOutLoss();
         if (classifier) emaAccuracy = heldOutAccuracy();
       });
-      out["eval_loss_ema"] = emaLoss;
-      if (classifier) out["eval_accuracy_ema"] = emaAccuracy;
+      const std::string suffix = d == 0 ? "ema" : part_.ema->stateName(d);
+      out["eval_loss_" + suffix] = emaLoss;
+      if (classifier) out["eval_accuracy_" + suffix] = emaAccuracy;
     }
   }
 

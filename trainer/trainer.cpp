@@ -157,6 +157,7 @@ class TrainLoop {
                          << peak_.flopsPerSec / 1e12 << " TFLOP/s per rank " << peak_.source);
     }
     runtimeBytes_ = runtimeBytes();
+    memoryWindowFirst_ = run.startStep + 1;
     windowStart_ = runStart_ = nowSec();
     run.comm->resetStats();
   }
@@ -228,7 +229,10 @@ class TrainLoop {
     if (!stopped) writeSampleGrids(done);
     if (!stopped) summary_.judgement = recipe_->judgeSamples();
     if (!stopped && cfg_.defaults.model.samples > 0) summary_.samplesPath = recipe_->drawSamples();
-    if (run_.device.is_cpu()) TLOG_INFO("memory at the peak: " << measureMemory(run_, runtimeBytes_).str());
+    if (run_.device.is_cpu()) {
+      keepIfPeak(measureMemory(run_, runtimeBytes_), "the run's end: evaluation, checkpoint, exports, samples");
+      TLOG_INFO("memory at the run's peak (" << peakMemoryWhen_ << "): " << peakMemory_.str());
+    }
     if (run_.comm->rank() == 0) {
       summary_.metricsPath = (run_.runDir / "metrics.jsonl").string();
       summary_.lossCurvePath = (run_.runDir / "loss.svg").string();
@@ -263,7 +267,9 @@ class TrainLoop {
     distributed::Communicator& comm = *run_.comm;
     const double elapsed = nowSec() - windowStart_;
     const distributed::CommStats sent = comm.stats();  // the window's steps (and saves), not what follows
-    at::Tensor rss = at::full({1}, peakRssMiB(), at::kDouble);
+    // The run's peak: each window's (VmHWM restarts with each memory window) and those before.
+    runPeakRssMiB_ = std::max(runPeakRssMiB_, peakRssMiB());
+    at::Tensor rss = at::full({1}, runPeakRssMiB_, at::kDouble);
     run_.hostComm->allReduce(rss, distributed::ReduceOp::kMax);
     StepMetrics m;
     m.step = done;
@@ -278,7 +284,11 @@ class TrainLoop {
     m.extra["comm_wait_ms"] = static_cast<double>(sent.waitNs) / 1e6 / static_cast<double>(windowSteps_);
     for (const auto& [key, sum] : windowExtra_) m.extra[key] = sum / static_cast<double>(windowSteps_);
     if (run_.device.is_cpu()) {
-      for (const auto& [key, value] : measureMemory(run_, runtimeBytes_).metrics()) m.extra[key] = value;
+      const MemoryBreakdown memory = measureMemory(run_, runtimeBytes_);
+      for (const auto& [key, value] : memory.metrics()) m.extra[key] = value;
+      keepIfPeak(memory, strCat("steps ", memoryWindowFirst_, "-", done));
+      memoryWindowFirst_ = done + 1;
+      startMemoryWindow(run_);
     }
     const bool images = cfg_.data.kind == "idx" || cfg_.data.kind == "image_folder";
     for (const auto& [key, value] : throughputFigures(m.samplesPerSec, comm.worldSize(), trainFlopsPerSample_,
@@ -310,6 +320,13 @@ class TrainLoop {
     comm.resetStats();
   }
 
+  // The breakdown of the window with the highest peak RSS so far, for the run's last line.
+  void keepIfPeak(const MemoryBreakdown& memory, std::string when) {
+    if (memory.peakRss < peakMemory_.peakRss) return;
+    peakMemory_ = memory;
+    peakMemoryWhen_ = std::move(when);
+  }
+
   // The recipe's held-out figures (eval_loss, eval_loss_ema).
   void evaluate(std::map<std::string, double>& out) { recipe_->evaluate(out); }
 
@@ -336,6 +353,10 @@ class TrainLoop {
   std::unique_ptr<observe::TensorBoardWriter> tensorboard_;  // rank 0, log.tensorboard
   double trainFlopsPerSample_ = 0;  // 0: the recipe does not count them (no MFU)
   int64_t runtimeBytes_ = 0;        // held besides the host allocator and malloc before the first step
+  double runPeakRssMiB_ = 0;
+  MemoryBreakdown peakMemory_;      // the window of the highest peak RSS (CPU runs)
+  std::string peakMemoryWhen_;      // which window that was
+  int64_t memoryWindowFirst_ = 0;   // the first step of the current memory window
   PeakFlops peak_;
   TrainSummary summary_;
   double windowLoss_ = 0, windowStart_ = 0, runStart_ = 0;
