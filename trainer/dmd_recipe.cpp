@@ -211,6 +211,20 @@ class DmdRecipe : public Recipe {
   }
 
   // The generator's per-sample surrogate loss 0.5 mean(x - sg(x - g))^2 (dmd_recipe.h).
+  // Per sample of the global batch: each critic update generates (a generator forward) and
+  // trains the critic (its forward and backward); the generator's update runs it forward
+  // and backward, the teacher once (twice with guidance: conditional and unconditional)
+  // and the critic once, and the regression pairs add a generator forward and backward.
+  double trainFlopsPerSample() const override {
+    const double g = generatorNet_.forwardFlopsPerSample(), c = criticNet_.forwardFlopsPerSample(),
+                 t = teacherNet_.forwardFlopsPerSample();
+    if (g <= 0 || c <= 0 || t <= 0) return 0;
+    const RecipeOptions& r = run_.cfg.recipe;
+    const double teacherPasses = r.guidance == 1.0 || teacherNet_.classes() == 0 ? 1.0 : 2.0;
+    return static_cast<double>(r.critic_steps) * (g + 3.0 * c) + 3.0 * g + teacherPasses * t + c +
+           (r.regression_weight > 0 ? 3.0 * g : 0.0);
+  }
+
   at::Tensor generatorLoss(const std::vector<uint64_t>& micro) {
     const std::vector<int64_t>& shape = generatorNet_.sampleShape();
     const at::Tensor z = normalPerSample(streamSeeds(micro, kGeneratorInput), shape).to(run_.device);

@@ -283,7 +283,8 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
   const auto tb = tessera::test::readTensorBoard(sharded + "/tb");
   ASSERT_TRUE(tb.ok) << tb.output;
   for (const char* tag : {"train/loss", "train/critic_loss", "train/lr", "train/critic_lr", "train/grad_norm",
-                          "perf/images_per_sec", "comm/comm_wait_ms", "memory/mem_total_mib",
+                          "perf/images_per_sec", "perf/mfu", "perf/tflops_per_rank", "comm/comm_wait_ms",
+                          "memory/mem_total_mib",
                           "eval/eval_loss", "samples/generator_ema", "samples/generator"}) {
     EXPECT_TRUE(tb.tags().count(tag)) << tag << "\n" << tb.output;
   }
