@@ -72,7 +72,7 @@ def intersection(a, b):
 
 
 TESSERA_COLORS = {"compute": "#3a6fb0", "comm": "#e8871e", "wait": "#c0392b", "optimizer": "#2e8b57",
-                  "ema": "#8e44ad", "data": "#888888", "checkpoint": "#a0522d", "step": "#dddddd"}
+                  "ema": "#8e44ad", "data": "#888888", "checkpoint": "#a0522d", "log": "#f1c40f", "step": "#dddddd"}
 
 
 def tessera_main(trace, args):

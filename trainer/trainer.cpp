@@ -264,6 +264,7 @@ class TrainLoop {
   }
 
   void logWindow(int64_t done, const StepOutcome& out, bool evaluateNow) {
+    const trace::Span span("log", "metrics window");
     distributed::Communicator& comm = *run_.comm;
     const double elapsed = nowSec() - windowStart_;
     const distributed::CommStats sent = comm.stats();  // the window's steps (and saves), not what follows
