@@ -355,9 +355,14 @@ bool ConfigSchema::hasKey(const std::string& path) const { return impl_->byPath.
 std::string ConfigSchema::closestKey(const std::string& path) const {
   std::string best;
   size_t bestDistance = std::string::npos, bestPrefix = 0;
+  // Beyond a third of the key's length a suggestion is noise; a candidate whose length
+  // differs by more is that far away already, and is not measured.
+  const size_t noise = std::max<size_t>(2, path.size() / 3);
   // Ties go to the candidate sharing the longest prefix with `path` ("optim.lrate"
   // suggests "optim.lr", not "optim.name").
   auto consider = [&](const std::string& candidate) {
+    const size_t lengthGap = candidate.size() > path.size() ? candidate.size() - path.size() : path.size() - candidate.size();
+    if (lengthGap > noise) return;
     const size_t d = editDistance(path, candidate);
     size_t prefix = 0;
     while (prefix < path.size() && prefix < candidate.size() && path[prefix] == candidate[prefix]) ++prefix;
@@ -370,8 +375,7 @@ std::string ConfigSchema::closestKey(const std::string& path) const {
   for (const auto& f : impl_->fields) consider(f.path);
   for (const auto& s : impl_->sectionPaths) consider(s);
   for (const auto& [s, section] : impl_->namedSections) consider(s);
-  // Beyond a third of the key's length a suggestion is noise.
-  if (bestDistance == std::string::npos || bestDistance > std::max<size_t>(2, path.size() / 3)) return "";
+  if (bestDistance == std::string::npos || bestDistance > noise) return "";
   return best;
 }
 
