@@ -75,7 +75,8 @@ fi
 if command -v nvcc >/dev/null 2>&1; then export CUDACXX=${CUDACXX:-$(command -v nvcc)}; fi
 echo "gpu-build: torch $("$PYTHON" -c 'import torch; print(torch.__version__)') (CUDA $TORCH_CUDA), NCCL $NCCL_LIB"
 
-# 3. Configure and build.
+# 3. Configure and build. protoc runs from the unpacked debs (configure checks its version).
+export LD_LIBRARY_PATH="$DEPS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 GENERATOR=()
 command -v ninja >/dev/null 2>&1 && GENERATOR=(-G Ninja)
 cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" \
@@ -86,6 +87,5 @@ cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" \
   -DNCCL_INCLUDE_DIR="$NCCL_HOME/include" -DNCCL_LIBRARY="$NCCL_LIB" \
   -DTESSERA_PYTHON3="$(command -v "$PYTHON")" \
   "${GLOO_ARGS[@]}" "$@"
-export LD_LIBRARY_PATH="$DEPS_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # protoc runs from the unpacked debs
 cmake --build "$BUILD_DIR" -j "${TESSERA_BUILD_JOBS:-$(nproc)}" ${TESSERA_BUILD_ARGS:-}
 echo "gpu-build: built into $BUILD_DIR/ (tests: ctest --test-dir $BUILD_DIR)"
