@@ -12,10 +12,8 @@
 #include "trainer/run_setup.h"
 
 namespace tessera::trainer {
-namespace {
 
-// A field of /proc/self/status in bytes ("VmRSS", "VmHWM"); 0 if absent.
-int64_t statusBytes(const char* field) {
+int64_t procStatusBytes(const char* field) {
   FILE* f = std::fopen("/proc/self/status", "r");
   if (f == nullptr) return 0;
   char line[256];
@@ -27,6 +25,8 @@ int64_t statusBytes(const char* field) {
   std::fclose(f);
   return static_cast<int64_t>(kib) * 1024;
 }
+
+namespace {
 
 double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
 
@@ -60,7 +60,7 @@ std::string MemoryBreakdown::str() const {
 }
 
 int64_t runtimeBytes() {
-  return std::max<int64_t>(0, statusBytes("VmRSS") - sharding::hostCacheStats().mappedBytes - mallocHeapBytes());
+  return std::max<int64_t>(0, procStatusBytes("VmRSS") - sharding::hostCacheStats().mappedBytes - mallocHeapBytes());
 }
 
 MemoryBreakdown measureMemory(const RunParts& run, int64_t runtimeBytes) {
@@ -82,7 +82,7 @@ MemoryBreakdown measureMemory(const RunParts& run, int64_t runtimeBytes) {
   const int64_t state = out.params + out.grads + out.optimizer + out.buffers + out.ema + out.gathered;
   out.activations = std::max<int64_t>(0, cache.windowPeakInUseBytes - state);
   out.slack = std::max<int64_t>(0, cache.windowPeakMappedBytes - std::max(cache.windowPeakInUseBytes, state));
-  out.peakRss = statusBytes("VmHWM");
+  out.peakRss = procStatusBytes("VmHWM");
   return out;
 }
 

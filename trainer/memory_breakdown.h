@@ -38,6 +38,9 @@ struct MemoryBreakdown {
 // size minus both): the runtime part of a breakdown, taken before the first step.
 int64_t runtimeBytes();
 
+// A field of /proc/self/status in bytes ("VmRSS", "VmHWM"); 0 where it cannot be read.
+int64_t procStatusBytes(const char* field);
+
 // This rank's breakdown of the window so far (host memory: a CPU run's; a CUDA run's state
 // is on the GPU).
 MemoryBreakdown measureMemory(const RunParts& run, int64_t runtimeBytes);

@@ -14,6 +14,7 @@
 #include "common/errors.h"
 #include "common/file_open.h"
 #include "common/logging.h"
+#include "trainer/memory_breakdown.h"
 
 namespace tessera::trainer {
 namespace {
@@ -235,16 +236,6 @@ std::string renderLineChartSvg(const std::vector<ChartSeries>& series, const std
   return s.str();
 }
 
-double peakRssMiB() {
-  FILE* f = std::fopen("/proc/self/status", "r");
-  if (!f) return 0;
-  char line[256];
-  double kib = 0;
-  while (std::fgets(line, sizeof(line), f)) {
-    if (std::sscanf(line, "VmHWM: %lf kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return kib / 1024.0;
-}
+double peakRssMiB() { return static_cast<double>(procStatusBytes("VmHWM")) / (1024.0 * 1024.0); }
 
 }  // namespace tessera::trainer

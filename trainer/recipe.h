@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "observe/tensorboard_writer.h"
 #include "sharding/strategy.h"
 #include "trainer/dataset.h"
 
@@ -37,6 +38,7 @@ struct StepOutcome {
 struct SampleGrid {
   std::string name;
   std::string path;
+  observe::EncodedImage image;  // the file's bytes and size (TensorBoard shows them)
 };
 
 class Recipe {

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "common/errors.h"
+#include "common/file_open.h"
 #include "distributed/communicator.h"
 #include "imaging/image_io.h"
 #include "imaging/image_ops.h"
@@ -68,12 +69,19 @@ at::Tensor drawSamples(Denoiser& model, const SampleRequest& request, distribute
   return all;
 }
 
-void writeSampleGrid(const std::string& path, const at::Tensor& samples, int64_t perRow) {
+observe::EncodedImage writeSampleGrid(const std::string& path, const at::Tensor& samples, int64_t perRow) {
   TESSERA_CHECK(samples.dim() == 4 && (samples.size(1) == 1 || samples.size(1) == 3), "sample grid '", path,
                 "': needs images [N, 1 or 3, H, W], got samples ", samples.sizes());
   const int64_t side = std::max(samples.size(2), samples.size(3));
   const int64_t scale = side >= 64 ? 1 : (64 + side - 1) / side;  // small images enlarged to ~64 px
-  imaging::writePng(path, imaging::imageGrid(samples.to(at::kFloat), perRow, /*padding=*/2, scale));
+  const at::Tensor grid = imaging::imageGrid(samples.to(at::kFloat), perRow, /*padding=*/2, scale);  // [C, H, W]
+  observe::EncodedImage image;
+  image.png = imaging::encodePng(grid);
+  image.channels = static_cast<int>(grid.size(0));
+  image.height = static_cast<int>(grid.size(1));
+  image.width = static_cast<int>(grid.size(2));
+  replaceFile(path, image.png);
+  return image;
 }
 
 }  // namespace tessera::trainer

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "observe/tensorboard_writer.h"
 #include "trainer/diffusion.h"
 
 namespace tessera::distributed {
@@ -44,7 +45,7 @@ at::Tensor drawSamples(Denoiser& model, const SampleRequest& request, distribute
                        at::Device device);
 
 // Writes `samples` [N, C, H, W] (pixels in [-1, 1]) as a PNG grid of `perRow` per row,
-// enlarged so that a small image stays visible.
-void writeSampleGrid(const std::string& path, const at::Tensor& samples, int64_t perRow);
+// enlarged so that a small image stays visible. Returns the PNG written and its size.
+observe::EncodedImage writeSampleGrid(const std::string& path, const at::Tensor& samples, int64_t perRow);
 
 }  // namespace tessera::trainer

@@ -107,8 +107,7 @@ SampleGrid writeStepGrid(RunParts& run, int64_t step, const std::string& name, c
   char stepName[32];
   std::snprintf(stepName, sizeof(stepName), "step_%08lld", static_cast<long long>(step));
   const std::string path = (dir / strCat(stepName, "_", name, ".png")).string();
-  writeSampleGrid(path, samples, perRow);
-  return {name, path};
+  return {name, path, writeSampleGrid(path, samples, perRow)};
 }
 
 namespace {

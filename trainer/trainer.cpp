@@ -16,11 +16,9 @@
 
 #include "checkpoint/exporter.h"
 #include "common/errors.h"
-#include "common/file_open.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
 #include "ema/posthoc.h"
-#include "imaging/image_io.h"
 #include "observe/tensorboard_writer.h"
 #include "sharding/mixed_precision.h"
 #include "trainer/checkpoint_schedule.h"
@@ -247,15 +245,7 @@ class TrainLoop {
     const std::vector<SampleGrid> grids = recipe_->writeSampleGrids(done);
     for (const SampleGrid& grid : grids) {
       TLOG_INFO0("step " << done << ": sample grid " << grid.path);
-      if (tensorboard_) {
-        observe::EncodedImage image;
-        image.png = readRegularFile(grid.path, int64_t{1} << 30, LinkPolicy::kRefuse);
-        const at::Tensor pixels = imaging::decodeImage(image.png, grid.path);  // [C, H, W]
-        image.channels = static_cast<int>(pixels.size(0));
-        image.height = static_cast<int>(pixels.size(1));
-        image.width = static_cast<int>(pixels.size(2));
-        tensorboard_->addImage(done, "samples/" + grid.name, image);
-      }
+      if (tensorboard_) tensorboard_->addImage(done, "samples/" + grid.name, grid.image);
     }
     if (!grids.empty()) {
       summary_.sampleGrids.clear();
