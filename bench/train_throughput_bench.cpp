@@ -12,6 +12,7 @@
 //   bench_train_throughput_bench [--config configs/default.yaml] [--steps 200] [--reps 3]
 //                                [--nproc 2] [--threads 2] [--set key=value ...]
 //   bench_train_throughput_bench --logging-overhead ...   (issue 33: what logging costs)
+//   bench_train_throughput_bench --flight-overhead ...    (issue 34: what the flight recorder costs)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
@@ -173,6 +174,10 @@ int main(int argc, char** argv) {
                "loop's samples/s of each");
   app.add_option("--log-every", logEvery, "With --logging-overhead: run.log_every of the logging run")
       ->check(CLI::Range(int64_t{1}, int64_t{100000}));
+  bool flightOverhead = false;
+  app.add_flag("--flight-overhead", flightOverhead,
+               "Instead: tessera-train with the flight recorder on (diagnostics.flight_entries 2000, the default) "
+               "against off (0), interleaved; the train loop's samples/s of each");
   CLI11_PARSE(app, argc, argv);
   steps = steps / 4 * 4;
   // The baseline loop runs under the host allocator tessera-train uses for itself.
@@ -185,6 +190,24 @@ int main(int argc, char** argv) {
                 config.c_str(), cfg.models.front().model.arch.c_str(), static_cast<long long>(cfg.data.global_batch),
                 static_cast<long long>(cfg.data.micro_batch), strategyName(cfg), nproc,
                 static_cast<long long>(steps));
+    if (flightOverhead) {
+      std::vector<double> on, off;
+      for (int rep = 0; rep < reps; ++rep) {
+        std::vector<std::string> recorded = sets, unrecorded = sets;
+        recorded.push_back("diagnostics.flight_entries=2000");
+        unrecorded.push_back("diagnostics.flight_entries=0");
+        // Alternating which goes first: the machine's drift does not favour one side.
+        if (rep % 2 == 0) on.push_back(tesseraSamplesPerSec(binDir, config, recorded, cfg, nproc, steps).loopSamplesPerSec);
+        off.push_back(tesseraSamplesPerSec(binDir, config, unrecorded, cfg, nproc, steps).loopSamplesPerSec);
+        if (rep % 2 == 1) on.push_back(tesseraSamplesPerSec(binDir, config, recorded, cfg, nproc, steps).loopSamplesPerSec);
+        std::printf("rep %d: train loop samples/s, flight recorder on %.0f, off %.0f\n", rep, on.back(), off.back());
+      }
+      const double a = median(on), b = median(off);
+      std::printf("\nmedian train loop samples/s: flight recorder on %.0f, off %.0f: the recorder costs %.2f%% of step "
+                  "time\n",
+                  a, b, 100.0 * (b / a - 1.0));
+      return 0;
+    }
     if (loggingOverhead) {
       std::vector<double> on, off;
       for (int rep = 0; rep < reps; ++rep) {

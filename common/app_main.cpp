@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <exception>
 #include <iostream>
+#include <mutex>
+#include <vector>
 
 #include "common/errors.h"
 #include "common/file_open.h"
@@ -32,6 +34,24 @@ void writeErrorFile(const std::string& message) {
 
 namespace {
 
+std::mutex g_hooksMutex;
+std::vector<std::function<void(const std::string&)>> g_failureHooks;
+
+void runFailureHooks(const std::string& message) {
+  std::vector<std::function<void(const std::string&)>> hooks;
+  {
+    std::lock_guard<std::mutex> lock(g_hooksMutex);
+    hooks = g_failureHooks;
+  }
+  for (const auto& hook : hooks) {
+    try {
+      hook(message);
+    } catch (...) {
+      // A hook's failure must not hide the failure being reported.
+    }
+  }
+}
+
 // LibTorch's errors carry their C++ backtrace after the message ("Exception raised from
 // ... frame #0 ..."): for a user, the message is the part that says what went wrong.
 std::string withoutBacktrace(const std::string& what) {
@@ -41,11 +61,17 @@ std::string withoutBacktrace(const std::string& what) {
 
 }  // namespace
 
+void addFailureHook(std::function<void(const std::string& message)> hook) {
+  std::lock_guard<std::mutex> lock(g_hooksMutex);
+  g_failureHooks.push_back(std::move(hook));
+}
+
 int runMain(const std::string& programName, const std::function<int()>& body) {
   auto report = [&](const char* kind, const std::string& what, int status) {
     const std::string message = strCat(programName, ": ", kind, what);
     std::cerr << message << std::endl;
     if (log::rank() >= 0) TLOG_DEBUG(message);
+    runFailureHooks(message);
     writeErrorFile(message);
     log::flush();
     return status;

@@ -13,6 +13,10 @@ namespace tessera {
 // Runs `body` and maps exceptions to exit statuses as above.
 int runMain(const std::string& programName, const std::function<int()>& body);
 
+// Called by runMain with the failure's message when `body` throws, before the error file
+// is written (the flight recorder registers its dump here). Hooks must not throw.
+void addFailureHook(std::function<void(const std::string& message)> hook);
+
 // Writes {"message": {"message": ..., "extraInfo": {...}}} to $TORCHELASTIC_ERROR_FILE
 // (no-op when the variable is unset; never throws).
 void writeErrorFile(const std::string& message);

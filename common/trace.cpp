@@ -1,8 +1,11 @@
 // The process's timeline recorder (see trace.h).
 #include "common/trace.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <exception>
+#include <memory>
 #include <mutex>
 
 namespace tessera::trace {
@@ -15,8 +18,63 @@ std::atomic<int> g_threads{0};
 
 thread_local std::string t_name;
 thread_local std::string t_tag;
+std::atomic<int64_t> g_step{0};
+
+// One thread's stack of open spans, readable by other threads (the flight recorder's dump).
+struct SpanStack {
+  std::mutex mutex;
+  std::string thread;
+  std::vector<std::pair<std::string, int64_t>> spans;  // name, begin
+  std::vector<std::string> unwound;                    // ThreadActivity::unwound
+};
+
+// Every live thread's stack. Threads register at their first span and leave at exit (the
+// batch loader's threads come and go), so the list holds live threads only.
+std::mutex g_stacksMutex;
+std::vector<std::shared_ptr<SpanStack>> g_stacks;
+
+struct StackRegistration {
+  std::shared_ptr<SpanStack> stack = std::make_shared<SpanStack>();
+  StackRegistration() {
+    std::lock_guard<std::mutex> lock(g_stacksMutex);
+    g_stacks.push_back(stack);
+  }
+  ~StackRegistration() {
+    std::lock_guard<std::mutex> lock(g_stacksMutex);
+    g_stacks.erase(std::remove(g_stacks.begin(), g_stacks.end(), stack), g_stacks.end());
+  }
+};
+
+SpanStack& thisThreadStack() {
+  thread_local StackRegistration registration;
+  return *registration.stack;
+}
 
 }  // namespace
+
+std::vector<ThreadActivity> currentActivities() {
+  std::vector<std::shared_ptr<SpanStack>> stacks;
+  {
+    std::lock_guard<std::mutex> lock(g_stacksMutex);
+    stacks = g_stacks;
+  }
+  std::vector<ThreadActivity> out;
+  for (const auto& stack : stacks) {
+    std::lock_guard<std::mutex> lock(stack->mutex);
+    ThreadActivity a;
+    a.thread = stack->thread;
+    for (const auto& [name, begin] : stack->spans) {
+      a.spans.push_back(name);
+      a.sinceNs = begin;
+    }
+    a.unwound = stack->unwound;
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+void setCurrentStep(int64_t step) { g_step.store(step, std::memory_order_relaxed); }
+int64_t currentStep() { return g_step.load(std::memory_order_relaxed); }
 
 bool active() { return g_active.load(std::memory_order_relaxed); }
 
@@ -45,7 +103,12 @@ void record(Event event) {
   if (g_active.load(std::memory_order_relaxed)) g_events.push_back(std::move(event));
 }
 
-void nameThisThread(const std::string& name) { t_name = name; }
+void nameThisThread(const std::string& name) {
+  t_name = name;
+  SpanStack& stack = thisThreadStack();
+  std::lock_guard<std::mutex> lock(stack.mutex);
+  stack.thread = name;
+}
 
 const std::string& thisThreadName() {
   if (t_name.empty()) {
@@ -55,11 +118,28 @@ const std::string& thisThreadName() {
   return t_name;
 }
 
-Span::Span(const char* category, std::string name) : category_(category), name_(std::move(name)) {
-  if (active()) beginNs_ = nowNs();
+Span::Span(const char* category, std::string name)
+    : category_(category), name_(std::move(name)), uncaught_(std::uncaught_exceptions()) {
+  SpanStack& stack = thisThreadStack();
+  const int64_t now = nowNs();
+  {
+    std::lock_guard<std::mutex> lock(stack.mutex);
+    if (stack.thread.empty()) stack.thread = thisThreadName();
+    if (stack.spans.empty()) stack.unwound.clear();
+    stack.spans.emplace_back(name_, now);
+  }
+  if (active()) beginNs_ = now;
 }
 
 Span::~Span() {
+  SpanStack& stack = thisThreadStack();
+  {
+    std::lock_guard<std::mutex> lock(stack.mutex);
+    if (std::uncaught_exceptions() > uncaught_ && stack.unwound.empty()) {
+      for (const auto& span : stack.spans) stack.unwound.push_back(span.first);  // the innermost unwinds first
+    }
+    if (!stack.spans.empty()) stack.spans.pop_back();
+  }
   if (beginNs_ < 0 || !active()) return;
   record({std::move(name_), category_, thisThreadName(), beginNs_, nowNs()});
 }

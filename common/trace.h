@@ -2,7 +2,9 @@
 // window is open (the trainer's `profile:` keys): spans of compute, communication, waits,
 // the optimizer, the EMA, checkpoints and data loading, each on a named track (a thread,
 // or a communicator's collectives). Closed windows become Chrome-trace JSON (trainer's
-// profiler). Outside a window every call costs one relaxed atomic load.
+// profiler). Outside a window a Span costs one uncontended lock: every thread's stack of
+// open spans is kept at all times, so a flight-recorder dump (diagnostics/) can say what
+// each thread is doing now, also when it hangs in compute.
 #pragma once
 
 #include <cstdint>
@@ -36,8 +38,24 @@ void record(Event event);
 void nameThisThread(const std::string& name);
 const std::string& thisThreadName();
 
+// What one thread is doing now: its open Spans, outermost first, and the step.
+struct ThreadActivity {
+  std::string thread;
+  std::vector<std::string> spans;  // "step 5", "forward (micro-batch)"
+  int64_t sinceNs = 0;             // when the innermost span began (nowNs() clock)
+  // The spans an exception last unwound on this thread (empty: none since its outermost
+  // span began): what a rank was doing when it failed, after its stack is gone.
+  std::vector<std::string> unwound;
+};
+// Every live thread that has opened a span (a snapshot; any thread may call it).
+std::vector<ThreadActivity> currentActivities();
+
+// The training step in progress (as the log counts them, from 1; 0 before the first).
+void setCurrentStep(int64_t step);
+int64_t currentStep();
+
 // A span on this thread's track from construction to destruction (recorded if a window
-// was open when it began).
+// was open when it began), and on this thread's stack of open spans meanwhile.
 class Span {
  public:
   Span(const char* category, std::string name);
@@ -49,6 +67,7 @@ class Span {
   const char* category_;
   std::string name_;
   int64_t beginNs_ = -1;  // -1: no window was open
+  int uncaught_;          // std::uncaught_exceptions() at construction
 };
 
 // What this thread's collectives are for while a Tag lives ("layers.1", "grad norm"):

@@ -12,6 +12,7 @@
 
 #include "common/errors.h"
 #include "common/trace.h"
+#include "diagnostics/flight_recorder.h"
 #include "distributed/gloo_communicator.h"
 #include "distributed/store.h"
 #if defined(TESSERA_WITH_NCCL)
@@ -207,6 +208,7 @@ std::string CommStats::toString() const {
 
 Communicator::Communicator(int rank, int world, CommOptions options)
     : rank_(rank), world_(world), options_(std::move(options)), health_(std::make_shared<CommHealth>()) {
+  for (int r = 0; r < world; ++r) members_.push_back(r);
   TESSERA_CHECK_AS(UsageError, world >= 1 && rank >= 0 && rank < world, "Communicator: rank ", rank,
                    " is out of range for world size ", world);
   TESSERA_CHECK_AS(UsageError, options_.timeout.count() > 0, "Communicator: timeout must be positive, got ",
@@ -244,23 +246,38 @@ void Communicator::ensureUsable(const char* method) const {
 
 namespace {
 
-// Every operation's handle: the time its wait blocks goes to its group's stats; in a
-// profile window (trace.h) the operation is on the group's collectives track from issue
-// until this rank learnt it complete (the end of its wait: gloo's point-to-point works only
-// learn it there), and a wait that blocked is a span on the waiting thread's track.
+thread_local std::chrono::milliseconds t_timeoutOverride{0};  // 0: none (TimeoutScope)
+
+// Every operation's handle: the time its wait blocks goes to its group's stats; the flight
+// recorder's entry of the operation learns when this rank began waiting and how it ended
+// (a timeout also writes the dump: the rank may not get further); in a profile window
+// (trace.h) the operation is on the group's collectives track from issue until this rank
+// learnt it complete (the end of its wait: gloo's point-to-point works only learn it
+// there), and a wait that blocked is a span on the waiting thread's track.
 class AccountedHandle final : public CommHandle {
  public:
   AccountedHandle(std::shared_ptr<CommHandle> inner, std::shared_ptr<std::atomic<int64_t>> waitNs, std::string name,
-                  std::string track)
+                  std::string track, std::shared_ptr<diagnostics::FlightRing> ring, int64_t seq)
       : inner_(std::move(inner)), waitNs_(std::move(waitNs)), name_(std::move(name)), track_(std::move(track)),
-        issuedNs_(trace::nowNs()) {}
+        issuedNs_(trace::nowNs()), ring_(std::move(ring)), seq_(seq) {}
   void wait() override {
     if (waited_) {
       inner_->wait();  // rethrows a failure on every call
       return;
     }
     const int64_t begin = trace::nowNs();
-    inner_->wait();
+    if (ring_) ring_->waiting(seq_);
+    try {
+      inner_->wait();
+    } catch (const TimeoutError& e) {
+      if (ring_) ring_->finish(seq_, e.what());
+      diagnostics::flight::dump(strCat("collective #", seq_, " timed out: ", e.what()));
+      throw;
+    } catch (const std::exception& e) {
+      if (ring_) ring_->finish(seq_, e.what());
+      throw;
+    }
+    if (ring_) ring_->finish(seq_, "");
     waited_ = true;
     const int64_t end = trace::nowNs();
     waitNs_->fetch_add(end - begin, std::memory_order_relaxed);
@@ -275,19 +292,43 @@ class AccountedHandle final : public CommHandle {
   std::shared_ptr<std::atomic<int64_t>> waitNs_;
   std::string name_, track_;  // empty: not traced
   int64_t issuedNs_;
+  std::shared_ptr<diagnostics::FlightRing> ring_;  // null: not recorded
+  int64_t seq_;
   bool waited_ = false;
 };
 
 }  // namespace
 
-std::shared_ptr<CommHandle> Communicator::account(CommOp op, int64_t bytes, std::shared_ptr<CommHandle> handle) {
+TimeoutScope::TimeoutScope(std::chrono::milliseconds timeout) : previous_(t_timeoutOverride) {
+  TESSERA_CHECK_AS(UsageError, timeout.count() > 0, "TimeoutScope: timeout must be positive, got ", timeout.count(),
+                   " ms");
+  t_timeoutOverride = timeout;
+}
+TimeoutScope::~TimeoutScope() { t_timeoutOverride = previous_; }
+
+std::chrono::milliseconds Communicator::opTimeout() const {
+  return t_timeoutOverride.count() > 0 ? t_timeoutOverride : options_.timeout;
+}
+
+const std::shared_ptr<diagnostics::FlightRing>& Communicator::flightRing() {
+  // Opened at the first operation: split() sets the members after construction.
+  std::call_once(flightOnce_, [this] { flight_ = diagnostics::flight::openRing(options_.name, backendName(), rank_, members_); });
+  return flight_;
+}
+
+std::shared_ptr<CommHandle> Communicator::account(CommOp op, int64_t bytes, const at::Tensor& t,
+                                                  std::shared_ptr<CommHandle> handle) {
   calls_[static_cast<size_t>(op)].fetch_add(1, std::memory_order_relaxed);
   bytes_[static_cast<size_t>(op)].fetch_add(bytes, std::memory_order_relaxed);
-  if (!trace::active()) return std::make_shared<AccountedHandle>(std::move(handle), waitNs_, "", "");
+  const std::shared_ptr<diagnostics::FlightRing>& ring = flightRing();
   const std::string& tag = trace::currentTag();
+  const int64_t seq = ring ? ring->issue(commOpName(op), t.defined() ? c10::toString(t.scalar_type()) : "none",
+                                         t.defined() ? t.numel() : 0, bytes, tag)
+                           : 0;
+  if (!trace::active()) return std::make_shared<AccountedHandle>(std::move(handle), waitNs_, "", "", ring, seq);
   std::string name = strCat(commOpName(op), tag.empty() ? "" : " " + tag, " (", formatBytes(bytes), ")");
   return std::make_shared<AccountedHandle>(std::move(handle), waitNs_, std::move(name),
-                                           strCat("collectives: ", backendName(), " '", options_.name, "'"));
+                                           strCat("collectives: ", backendName(), " '", options_.name, "'"), ring, seq);
 }
 
 std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& flat_out, const at::Tensor& local_in) {
@@ -300,7 +341,7 @@ std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& f
   } else {
     handle = doAllGatherInto(flat_out, local_in);
   }
-  return account(CommOp::kAllGather, (world_ - 1) * tensorBytes(local_in), std::move(handle));
+  return account(CommOp::kAllGather, (world_ - 1) * tensorBytes(local_in), local_in, std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& local_out, const at::Tensor& flat_in,
@@ -315,7 +356,7 @@ std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& l
   } else {
     handle = doReduceScatter(local_out, flat_in, op);
   }
-  return account(CommOp::kReduceScatter, (world_ - 1) * tensorBytes(local_out), std::move(handle));
+  return account(CommOp::kReduceScatter, (world_ - 1) * tensorBytes(local_out), local_out, std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::allReduceAsync(const at::Tensor& t, ReduceOp op) {
@@ -323,7 +364,7 @@ std::shared_ptr<CommHandle> Communicator::allReduceAsync(const at::Tensor& t, Re
   checkTensor("allReduce", "t", t);
   checkReduceOp("allReduce", t, op);
   std::shared_ptr<CommHandle> handle = local() || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doAllReduce(t, op);
-  return account(CommOp::kAllReduce, 2 * (world_ - 1) * tensorBytes(t) / world_, std::move(handle));
+  return account(CommOp::kAllReduce, 2 * (world_ - 1) * tensorBytes(t) / world_, t, std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, int root) {
@@ -332,7 +373,7 @@ std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, in
   TESSERA_CHECK_AS(UsageError, root >= 0 && root < world_, "Communicator::broadcast: root ", root,
                    " is out of range for world size ", world_);
   std::shared_ptr<CommHandle> handle = local() || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doBroadcast(t, root);
-  return account(CommOp::kBroadcast, rank_ == root && world_ > 1 ? tensorBytes(t) : 0, std::move(handle));
+  return account(CommOp::kBroadcast, rank_ == root && world_ > 1 ? tensorBytes(t) : 0, t, std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& out, const at::Tensor& local_in,
@@ -352,13 +393,13 @@ std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& ou
   } else {
     handle = doGatherToRoot(rank_ == root ? out : at::Tensor(), local_in, root);
   }
-  return account(CommOp::kGather, rank_ == root ? 0 : tensorBytes(local_in), std::move(handle));
+  return account(CommOp::kGather, rank_ == root ? 0 : tensorBytes(local_in), local_in, std::move(handle));
 }
 
 std::shared_ptr<CommHandle> Communicator::barrierAsync() {
   ensureUsable("barrier");
   std::shared_ptr<CommHandle> handle = local() ? std::make_shared<CompletedHandle>() : doBarrier();
-  return account(CommOp::kBarrier, 0, std::move(handle));
+  return account(CommOp::kBarrier, 0, at::Tensor(), std::move(handle));
 }
 
 void Communicator::allGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) {
@@ -399,6 +440,8 @@ std::shared_ptr<Communicator> Communicator::split(const std::vector<int>& ranks)
   } else {
     sub = doSplit(ranks, subRank, name);
   }
+  sub->members_.clear();
+  for (const int r : ranks) sub->members_.push_back(members_[static_cast<size_t>(r)]);
   if (host_) sub->setHost(host_->split(ranks));
   return sub;
 }

@@ -47,8 +47,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
+
+namespace tessera::diagnostics {
+class FlightRing;
+}
 
 namespace tessera::distributed {
 
@@ -95,6 +100,20 @@ struct CommStats {
   std::string toString() const;
 };
 
+// Collectives this thread issues while a scope lives time out after `timeout` instead of
+// their communicator's CommOptions::timeout (the trainer's checkpoint saves, loads and
+// exports: diagnostics.checkpoint_timeout_s). Nested scopes: the innermost.
+class TimeoutScope {
+ public:
+  explicit TimeoutScope(std::chrono::milliseconds timeout);
+  ~TimeoutScope();
+  TimeoutScope(const TimeoutScope&) = delete;
+  TimeoutScope& operator=(const TimeoutScope&) = delete;
+
+ private:
+  std::chrono::milliseconds previous_;
+};
+
 // Wait handle of one asynchronous operation.
 class CommHandle {
  public:
@@ -122,6 +141,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   const CommOptions& options() const { return options_; }
   // "gloo group 'world' rank 1 of 4" for messages.
   std::string describe() const;
+  // The group's ranks as ranks of the world it was split from (member i is this group's
+  // rank i): 0..N-1 for a world, the parent's members of `ranks` for a split.
+  const std::vector<int>& members() const { return members_; }
   // Where this backend's buffers live: the CPU (gloo), or its CUDA device (nccl).
   virtual c10::Device tensorDevice() const { return c10::Device(c10::kCPU); }
 
@@ -196,6 +218,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // Shared with the backend's handles, which mark it broken (markCommBroken).
   const std::shared_ptr<CommHealth>& health() const { return health_; }
+  // The timeout of an operation issued now on this thread: a TimeoutScope's, else
+  // CommOptions::timeout. Backends give it to each operation they start.
+  std::chrono::milliseconds opTimeout() const;
   // "allReduce(sum) of 1.0 KiB (float[256]) on gloo group 'world' rank 1 of 4".
   std::string describeOp(const char* method, const at::Tensor& t, const char* detail = nullptr) const;
 
@@ -203,9 +228,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // True when operations are answered without the backend (one rank, shortcut on).
   bool local() const { return world_ == 1 && options_.singleRankShortcut; }
   void ensureUsable(const char* method) const;
-  // Counts the operation in stats() and returns its handle, which adds the time its wait
-  // blocks to stats().waitNs (and puts it on the timeline in a profile window).
-  std::shared_ptr<CommHandle> account(CommOp op, int64_t bytes, std::shared_ptr<CommHandle> handle);
+  // Counts the operation in stats(), records it in the flight recorder (diagnostics/) and
+  // returns its handle, which adds the time its wait blocks to stats().waitNs (and puts it
+  // on the timeline in a profile window). `t`: the tensor whose dtype and element count
+  // every rank must agree on (undefined for a barrier).
+  std::shared_ptr<CommHandle> account(CommOp op, int64_t bytes, const at::Tensor& t, std::shared_ptr<CommHandle> handle);
+  const std::shared_ptr<diagnostics::FlightRing>& flightRing();
 
   int rank_;
   int world_;
@@ -215,6 +243,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::array<std::atomic<int64_t>, kNumCommOps> bytes_{};
   std::shared_ptr<std::atomic<int64_t>> waitNs_ = std::make_shared<std::atomic<int64_t>>(0);  // shared with handles
   std::shared_ptr<CommHealth> health_;
+  std::vector<int> members_;
+  std::once_flag flightOnce_;
+  std::shared_ptr<diagnostics::FlightRing> flight_;  // null when the recorder is off
 };
 
 // Creates a communicator over `store` ("gloo" or "nccl"); every rank of the group calls it

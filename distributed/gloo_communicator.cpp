@@ -447,7 +447,7 @@ class GlooCommunicator final : public Communicator {
   c10::intrusive_ptr<c10d::Work> allToAllEqual(at::Tensor received, at::Tensor send) {
     std::vector<int64_t> equalSplits;
     c10d::AllToAllOptions opts;
-    opts.timeout = options().timeout;
+    opts.timeout = opTimeout();
     return pg_->alltoall_base(received, send, equalSplits, equalSplits, opts);
   }
 
@@ -470,7 +470,7 @@ class GlooCommunicator final : public Communicator {
     }
     // Large: point to point into flat_out itself (c10d's allgather would stage it).
     return std::make_shared<PairwiseAllGather>(*pg_, flat_out, local_in, rank(), worldSize(), nextPointToPointTag(),
-                                               describeOp("allGatherInto", local_in), options().timeout, health());
+                                               describeOp("allGatherInto", local_in), opTimeout(), health());
   }
 
   std::shared_ptr<CommHandle> doReduceScatter(const at::Tensor& local_out, const at::Tensor& flat_in,
@@ -485,7 +485,7 @@ class GlooCommunicator final : public Communicator {
       return std::make_shared<PairwiseReduceScatter>(*pg_, flat_in.contiguous(), local_out, op, rank(), world,
                                                      nextPointToPointTag(),
                                                      describeOp("reduceScatter", flat_in, reduceOpName(op)),
-                                                     options().timeout, health());
+                                                     opTimeout(), health());
     }
     // All-to-all with equal splits: chunk r of every rank's flat_in lands on rank r, in
     // rank order; then rank r reduces its N received chunks locally.
@@ -530,7 +530,7 @@ class GlooCommunicator final : public Communicator {
       const int scatterTag = nextPointToPointTag();
       const int gatherTag = nextPointToPointTag();
       return std::make_shared<SplitAllReduce>(*pg_, t, op, rank(), worldSize(), std::make_pair(scatterTag, gatherTag),
-                                              what, options().timeout, health());
+                                              what, opTimeout(), health());
     }
     at::Tensor buffer = t;
     bool copyBack = false;  // the reduction ran in a wider temporary
@@ -547,7 +547,7 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> tensors{buffer};
     c10d::AllreduceOptions opts;
     opts.reduceOp = toC10d(op);
-    opts.timeout = options().timeout;
+    opts.timeout = opTimeout();
     auto work = pg_->allreduce(tensors, opts);
     std::function<void()> finish;
     const int world = worldSize();
@@ -569,7 +569,7 @@ class GlooCommunicator final : public Communicator {
     c10d::BroadcastOptions opts;
     opts.rootRank = root;
     opts.rootTensor = 0;
-    opts.timeout = options().timeout;
+    opts.timeout = opTimeout();
     return handle("broadcast", describeOp("broadcast", t, strCat("root ", root).c_str()), pg_->broadcast(tensors, opts));
   }
 
@@ -587,14 +587,14 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> inputs{in};
     c10d::GatherOptions opts;
     opts.rootRank = root;
-    opts.timeout = options().timeout;
+    opts.timeout = opTimeout();
     return handle("gatherToRoot", describeOp("gatherToRoot", local_in, strCat("root ", root).c_str()),
                   pg_->gather(outputs, inputs, opts));
   }
 
   std::shared_ptr<CommHandle> doBarrier() override {
     c10d::BarrierOptions opts;
-    opts.timeout = options().timeout;
+    opts.timeout = opTimeout();
     return handle("barrier", describeOp("barrier", at::Tensor()), pg_->barrier(opts));
   }
 
@@ -608,7 +608,7 @@ class GlooCommunicator final : public Communicator {
   std::shared_ptr<CommHandle> handle(const char* method, std::string what, c10::intrusive_ptr<c10d::Work> work,
                                      std::function<void()> finish = nullptr) {
     return std::make_shared<GlooHandle>(std::move(work), std::move(finish), method, std::move(what),
-                                        options().timeout, health());
+                                        opTimeout(), health());
   }
 
   std::shared_ptr<Store> store_;

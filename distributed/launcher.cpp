@@ -33,6 +33,7 @@
 #include "common/filesystem.h"
 #include "common/logging.h"
 #include "common/limits.h"
+#include "diagnostics/flight_verdict.h"
 
 extern char** environ;
 
@@ -144,6 +145,20 @@ std::string describeStatus(int waitStatus) {
   return strCat("exit code ", WEXITSTATUS(waitStatus));
 }
 
+// Whether process `pid` is stopped (state T or t in /proc/<pid>/stat; false where there is no /proc).
+bool isStopped(pid_t pid) {
+  // procfs files report size 0: read until EOF rather than by size.
+  const int fd = ::open(strCat("/proc/", pid, "/stat").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buffer[1024];
+  const ssize_t n = ::read(fd, buffer, sizeof buffer);
+  ::close(fd);
+  if (n <= 0) return false;
+  const std::string stat(buffer, static_cast<size_t>(n));
+  const size_t paren = stat.rfind(')');  // "pid (comm) S ...": comm may hold spaces and parentheses
+  return paren != std::string::npos && paren + 2 < stat.size() && (stat[paren + 2] == 'T' || stat[paren + 2] == 't');
+}
+
 bool isFailure(int waitStatus) { return !WIFEXITED(waitStatus) || WEXITSTATUS(waitStatus) != 0; }
 
 // What Tessera's programs exit with on bad configuration or arguments (common/app_main.h).
@@ -154,9 +169,11 @@ constexpr int kBadInputStatus = 2;
 // variables (rankEnvironment) replacing any of the same name. Neither copied nor moved,
 // so the pointers stay valid.
 struct ChildCommand {
-  ChildCommand(const LaunchOptions& options, int localRank, int restartCount, const std::string& errorFile) {
-    const auto overrides =
-        rankEnvironment(options, localRank, restartCount, errorFile, std::getenv("OMP_NUM_THREADS"));
+  ChildCommand(const LaunchOptions& options, int localRank, int restartCount, const std::string& errorFile,
+               const std::string& flightDir) {
+    auto overrides = rankEnvironment(options, localRank, restartCount, errorFile, std::getenv("OMP_NUM_THREADS"));
+    // Where Tessera's programs also write their flight-recorder dump, for the verdict.
+    overrides["TESSERA_FLIGHT_DIR"] = flightDir;
     for (char** entry = environ; *entry; ++entry) {
       const std::string kv = *entry;
       if (overrides.count(kv.substr(0, kv.find('='))) == 0) envStrings.push_back(kv);
@@ -203,6 +220,8 @@ class Launcher {
     OutputStream err;
     int logFd = -1;
     std::string errorFile;
+    bool killed = false;   // the launcher sent SIGKILL: it outlived SIGTERM's grace period
+    bool stopped = false;  // found stopped (SIGSTOP, a debugger) when the launcher tore the run down
   };
   struct Failure {
     int globalRank = 0;
@@ -234,6 +253,8 @@ class Launcher {
   void drainOutput();
   void killEverythingNow();
   void reportFailure(double stoppedInS);
+  // The flight recorder's verdict from the ranks' dumps, logged line by line.
+  void reportVerdict();
   // The launcher's exit status for a failed rank: the rank's own exit status (2: bad
   // input), or 1 when it was killed by a signal or could not start.
   static int failureExitStatus(const Failure& f);
@@ -242,6 +263,7 @@ class Launcher {
   bool console_ = true;
   std::vector<Rank> ranks_;
   std::string tempDir_;      // holds the error files when there is no --log-dir
+  std::string flightDir_;    // the ranks' flight-recorder dumps (TESSERA_FLIGHT_DIR)
   int devNull_ = -1;         // the ranks' stdin
   int signalsReceived_ = 0;
   int firstSignal_ = 0;
@@ -275,6 +297,7 @@ Launcher::Launcher(LaunchOptions options) : options_(std::move(options)), start_
     if (ec) throw Error(strCat("--log-dir '", options_.logDir, "': cannot create directory: ", ec.message()));
   }
 
+  flightDir_ = strCat(options_.logDir.empty() ? tempDir_ : options_.logDir, "/flight");
   const int nproc = options_.nprocPerNode;
   ranks_.resize(static_cast<size_t>(nproc));
   for (int local = 0; local < nproc; ++local) {
@@ -391,6 +414,8 @@ Launcher::Outcome Launcher::runAttempt(int restartCount) {
   attemptStart_ = Clock::now();
   for (Rank& rank : ranks_) {
     std::remove(rank.errorFile.c_str());  // a stale message must not be blamed on this attempt
+    std::remove(strCat(flightDir_, "/rank_", rank.globalRank, ".json").c_str());  // nor a stale dump
+    rank.killed = false;
     if (rank.logFd >= 0 && restartCount > 0) {
       writeAll(rank.logFd, strCat("tessera-run: restart ", restartCount, " of ", options_.maxRestarts,
                                   " (TORCHELASTIC_RESTART_COUNT=", restartCount, ")\n"));
@@ -440,7 +465,7 @@ Launcher::Outcome Launcher::runAttempt(int restartCount) {
 void Launcher::spawn(Rank& rank, int restartCount) {
   // Everything the child needs is built before fork(): the child only calls
   // async-signal-safe functions.
-  ChildCommand child(options_, rank.localRank, restartCount, rank.errorFile);
+  ChildCommand child(options_, rank.localRank, restartCount, rank.errorFile, flightDir_);
   int outPipe[2], errPipe[2], execPipe[2];
   makePipe(outPipe);
   makePipe(errPipe);
@@ -622,7 +647,14 @@ double Launcher::stopRanks(int signal) {
   const auto start = Clock::now();
   stopping_ = true;
   const int signalsBefore = signalsReceived_;
+  // Checked before the signal: a rank's own handler must not be mistaken for a stop.
+  if (signal == SIGTERM) {
+    for (Rank& rank : ranks_) rank.stopped = rank.running && isStopped(rank.pid);
+  }
   signalGroups(signal);
+  // A stopped rank (SIGSTOP, a debugger) is left stopped: it gets SIGKILL after the grace
+  // period. Woken up instead, it would run into its peers' closed sockets before it could
+  // say where it stood; the verdict names it from its state and the others' dumps.
   // Wait out the grace period, unless another signal to the launcher asks to hurry.
   while (anyProcessLeft() && secondsSince(start) < options_.gracePeriodS && signalsReceived_ == signalsBefore) {
     pump(std::min(kPollPeriodS, options_.gracePeriodS - secondsSince(start)));
@@ -630,6 +662,7 @@ double Launcher::stopRanks(int signal) {
   if (anyProcessLeft()) {
     TLOG_WARN("tessera-run: ranks still running " << formatSeconds(secondsSince(start)) << " s after "
               << signalName(signal) << "; sending SIGKILL");
+    for (Rank& rank : ranks_) rank.killed = rank.running;
     signalGroups(SIGKILL);
     const auto killStart = Clock::now();
     while (anyProcessLeft() && secondsSince(killStart) < kKillWaitS) pump(kPollPeriodS);
@@ -675,6 +708,39 @@ void Launcher::reportFailure(double stoppedInS) {
   const Rank& rank = ranks_[static_cast<size_t>(f.globalRank - options_.nodeRank * options_.nprocPerNode)];
   if (const auto message = readErrorFile(rank.errorFile)) {
     TLOG_ERROR("tessera-run: rank " << f.globalRank << " error: " << *message);
+  }
+  if (failureExitStatus(f) != kBadInputStatus) reportVerdict();  // a refused config says all there is
+}
+
+void Launcher::reportVerdict() {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(flightDir_, ec)) return;  // no rank wrote a dump (not a Tessera program)
+  diagnostics::VerdictInput input;
+  input.dir = flightDir_;
+  input.worldSize = options_.nnodes * options_.nprocPerNode;
+  for (const Rank& rank : ranks_) {
+    std::string fate = describeStatus(rank.waitStatus);
+    if (!rank.execError.empty()) fate = rank.execError;
+    if (rank.killed) fate = strCat("killed by the launcher: it was still running ", formatSeconds(options_.gracePeriodS, 1),
+                                   " s after SIGTERM");
+    if (failure_ && failure_->globalRank == rank.globalRank) {
+      fate = strCat(fate, " after ", formatSeconds(failure_->afterS), " s, the first rank to fail");
+    }
+    if (rank.globalRank == 0) {
+      fate += strCat(" (it hosted the ranks' store at ", options_.masterAddr, ":", options_.masterPort, ")");
+    }
+    if (rank.stopped) {
+      input.stopped.insert(rank.globalRank);
+      fate += " (it was stopped when the run was torn down: SIGSTOP or a debugger)";
+    }
+    input.fates[rank.globalRank] = fate;
+  }
+  try {
+    const auto lines = diagnostics::flightVerdict(input);
+    TLOG_ERROR("tessera-run: verdict from the flight recorder (dumps in " << flightDir_ << "):");
+    for (const auto& line : lines) TLOG_ERROR("tessera-run:   " << line);
+  } catch (const std::exception& e) {
+    TLOG_WARN("tessera-run: no verdict: " << e.what());
   }
 }
 

@@ -440,7 +440,7 @@ class NcclCommunicator final : public Communicator {
                                      std::vector<at::Tensor> keepAlive,
                                      const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& enqueue,
                                      bool forceBlocking = false) {
-    const auto timeout = options().timeout;
+    const auto timeout = opTimeout();
     const std::string context = strCat("NcclCommunicator::", method, ": ", what);
     DeviceGuard guard(state_->device);
     cudaEvent_t ready = nullptr;

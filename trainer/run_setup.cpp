@@ -5,6 +5,7 @@
 #include <torch/utils.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 
@@ -16,6 +17,7 @@
 #include "common/file_open.h"
 #include "common/limits.h"
 #include "common/logging.h"
+#include "diagnostics/flight_recorder.h"
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
 #include "sharding/mixed_precision.h"
@@ -76,8 +78,21 @@ at::Device trainingDevice(const TrainConfig& cfg) {
 
 }  // namespace
 
+std::chrono::milliseconds secondsToMs(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000.0)));
+}
+
+void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env) {
+  diagnostics::flight::setCapacity(static_cast<int>(cfg.diagnostics.flight_entries));
+  if (cfg.diagnostics.flight_entries == 0) return;
+  diagnostics::flight::setDumpFiles(diagnostics::flight::dumpFilesFor(cfg.run.dir, env.rank), env.rank, env.world_size);
+  diagnostics::flight::installSignalHandlers();
+}
+
 distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distributed::RankEnv& env) {
   distributed::RuntimeOptions options;
+  options.rendezvousTimeout = secondsToMs(cfg.diagnostics.startup_timeout_s);
+  options.commTimeout = secondsToMs(cfg.diagnostics.collective_timeout_s);
   const bool cuda = cfg.run.device == "cuda";
   const int64_t gpus = cuda && torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
   const bool gpuPerRank = gpus >= env.local_world_size;
@@ -192,11 +207,13 @@ void setUpCheckpointer(RunParts& run) {
   checkpoint::CheckpointOptions options;
   options.keepLast = static_cast<int>(run.cfg.checkpoint.keep_last);
   options.async = run.cfg.checkpoint.async;
+  options.commitTimeout = secondsToMs(run.cfg.diagnostics.checkpoint_timeout_s);
   run.checkpointer.emplace((run.runDir / "checkpoints").string(), first.strategy->stateCommPtr()->host(), options);
   if (first.ema && !first.cfg.ema.options.powerStds.empty()) {
     // Post-hoc EMA snapshots (single-model form): every one kept (keep_last 0), written
     // synchronously (an async writer would keep a second staging copy of the profiles).
     checkpoint::CheckpointOptions posthoc;
+    posthoc.commitTimeout = options.commitTimeout;
     run.posthocWriter.emplace((run.runDir / "posthoc").string(), first.strategy->stateCommPtr()->host(), posthoc);
   }
 }
@@ -290,6 +307,7 @@ bool resume(RunParts& run) {
   const std::string checkpointsDir = (run.runDir / "checkpoints").string();
   checkSettingsAgainst(run, cfg.checkpoint.resume == "auto" ? newestCheckpoint(checkpointsDir) : cfg.checkpoint.resume);
   const checkpoint::StateMap states = run.states();
+  const distributed::TimeoutScope timeout(secondsToMs(cfg.diagnostics.checkpoint_timeout_s));
   checkpoint::LoadOptions options;
   options.check = checkTrainerState;  // a step whose trainer state fails is passed over like a damaged one
   std::optional<checkpoint::LoadResult> loaded;

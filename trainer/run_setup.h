@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -84,6 +85,14 @@ struct RunParts {
 // run.device is cuda, the build has nccl and this node has a GPU per rank; else gloo).
 // ConfigError naming run.backend when nccl is asked for and cannot work here.
 distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distributed::RankEnv& env);
+
+// The flight recorder as diagnostics.* says: its size, its dump files
+// (<run.dir>/flight/rank_<r>.json, and the launcher's copy), its SIGUSR1/SIGTERM dumps and
+// the dump on an uncaught error. Call once, before the runtime starts.
+void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env);
+
+// Seconds of a config key as a timeout.
+std::chrono::milliseconds secondsToMs(double seconds);
 
 // Builds every part and resumes (checkpoint.resume): every rank loads its own shards,
 // resharding as needed, and the counters continue where the checkpoint left off. A fresh

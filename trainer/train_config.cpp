@@ -333,11 +333,34 @@ void bindProfileKeys(config::ConfigSchema& s, ProfileSection& p) {
   s.add("profile.steps", &p.steps, "How many steps are traced").min(1).max(1000);
 }
 
+// diagnostics.*: the flight recorder and the timeouts.
+void bindDiagnosticsKeys(config::ConfigSchema& s, DiagnosticsSection& d) {
+  s.describeSection("diagnostics", "When a run goes wrong: the flight recorder and the timeouts");
+  s.add("diagnostics.flight_entries", &d.flight_entries,
+        "Collectives each communicator remembers for <run.dir>/flight/rank_N.json, written on a timeout, an error, "
+        "SIGTERM or SIGUSR1 (tessera-flight reads them); 0 = off")
+      .min(0)
+      .max(1000000);
+  s.add("diagnostics.startup_timeout_s", &d.startup_timeout_s,
+        "Seconds every rank waits at start for the others (rendezvous, communicator set-up)")
+      .min(1.0)
+      .max(86400.0);
+  s.add("diagnostics.collective_timeout_s", &d.collective_timeout_s,
+        "Seconds a collective of a step may take before the rank gives up, dumps its flight record and exits")
+      .min(1.0)
+      .max(86400.0);
+  s.add("diagnostics.checkpoint_timeout_s", &d.checkpoint_timeout_s,
+        "Seconds a collective of a checkpoint save or load or of an export may take (they wait for file writes)")
+      .min(1.0)
+      .max(86400.0);
+}
+
 // The sections in this order: the resolved config lists keys in registration order.
 void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   bindRunKeys(s, c.run);
   bindLogKeys(s, c.log);
   bindProfileKeys(s, c.profile);
+  bindDiagnosticsKeys(s, c.diagnostics);
   bindEvalKeys(s, c.eval);
   bindTopLevelModelKeys(s, c.defaults.model);
   bindDataKeys(s, c.data);

@@ -57,6 +57,14 @@ struct ProfileSection {
   int64_t steps = 2;       // how many
 };
 
+// When a run goes wrong (docs/troubleshooting.md): the flight recorder and the timeouts.
+struct DiagnosticsSection {
+  int64_t flight_entries = 2000;      // collectives each communicator remembers for a dump; 0 = off
+  double startup_timeout_s = 300;     // rendezvous and set-up: every rank arrived
+  double collective_timeout_s = 100;  // one collective of a step (and every other one not below)
+  double checkpoint_timeout_s = 600;  // a collective of a checkpoint save or load, or of an export
+};
+
 struct ModelOptions {
   std::string arch = "mlp";             // mlp | gpt | diffusion | dit
   int64_t vocab_size = 256;             // byte-level text: 256
@@ -165,6 +173,7 @@ struct TrainConfig {
   RunOptions run;
   LogSection log;
   ProfileSection profile;
+  DiagnosticsSection diagnostics;
   EvalSection eval;
   DataOptions data;
   CheckpointSection checkpoint;

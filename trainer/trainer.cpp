@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "checkpoint/exporter.h"
+#include "diagnostics/flight_recorder.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
@@ -46,6 +47,7 @@ namespace {
 // process at once (the default action), as the first one's message says.
 std::atomic<bool> g_stopRequested{false};
 extern "C" void onStopSignal(int signal) {
+  if (signal == SIGTERM) diagnostics::flight::onTerminateSignal();  // the dump says where this rank was
   if (g_stopRequested.exchange(true)) {
     std::signal(signal, SIG_DFL);
     std::raise(signal);
@@ -65,6 +67,7 @@ extern "C" void onStopSignal(int signal) {
 // returns the files written (rank 0; empty elsewhere).
 std::vector<std::string> writeExports(RunParts& run, int64_t done, const std::vector<std::string>& names) {
   const checkpoint::StateMap states = run.states();
+  const distributed::TimeoutScope timeout(secondsToMs(run.cfg.diagnostics.checkpoint_timeout_s));
   sharding::ShardingStrategy& writer = *run.models.front().strategy;  // every model's state group (run_setup.h)
   const int rank = run.comm->rank();
   std::vector<std::string> written;
@@ -163,6 +166,7 @@ class TrainLoop {
   // One optimizer step of every model the recipe trains.
   StepOutcome trainStep(int64_t step) {
     profile_.beforeStep(step);
+    trace::setCurrentStep(step + 1);
     const trace::Span span("step", strCat("step ", step + 1));
     StepOutcome out = recipe_->step(step, g_stopRequested);
     if (out.result.skipped) {
@@ -200,6 +204,7 @@ class TrainLoop {
     request.entries = ema::posthocSnapshotEntries(ema);
     // Which run wrote it: its seed (and the model, which the EMA records itself).
     request.trainerState = ema::posthocSnapshotState(ema, strCat("{\"seed\": ", cfg_.run.seed, "}"));
+    const distributed::TimeoutScope timeout(secondsToMs(cfg_.diagnostics.checkpoint_timeout_s));
     run_.posthocWriter->save(request);
   }
 
@@ -222,7 +227,10 @@ class TrainLoop {
     summary_.samplesPerSec = static_cast<double>(cfg_.data.global_batch * (done - run_.startStep)) /
                              std::max(1e-9, nowSec() - runStart_);
     if (schedule_.finalSaveDue(done, stopped)) saveCheckpoint(done);
-    if (run_.checkpointer) run_.checkpointer->finish();
+    if (run_.checkpointer) {
+      const distributed::TimeoutScope timeout(secondsToMs(cfg_.diagnostics.checkpoint_timeout_s));
+      run_.checkpointer->finish();
+    }
     if (!stopped) exportWeights(done);
     if (!stopped) writeSampleGrids(done);
     if (!stopped) summary_.judgement = recipe_->judgeSamples();
@@ -328,6 +336,7 @@ class TrainLoop {
     checkpoint::SaveOptions options;
     options.strategy = run_.strategies();
     options.trainerState = countersToJson(run_.counters);
+    const distributed::TimeoutScope timeout(secondsToMs(cfg_.diagnostics.checkpoint_timeout_s));
     if (run_.checkpointer) run_.checkpointer->save(done, run_.states(), options);  // logs the training stall it caused
   }
 

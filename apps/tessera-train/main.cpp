@@ -48,6 +48,7 @@ int main(int argc, char** argv) {
       logOptions.file = (std::filesystem::path(cfg.run.dir) / "logs" / ("rank_" + std::to_string(env.rank) + ".log")).string();
     }
     tessera::log::init(logOptions);
+    tessera::trainer::startFlightRecorder(cfg, env);
 
     auto runtime = tessera::distributed::Runtime::init(env, tessera::trainer::runtimeOptions(cfg, env));
     TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s; "

@@ -399,6 +399,45 @@ void skippedCollectiveTimesOut(HarnessMode mode, int world) {
 TEST(CommunicatorTest, SkippedCollectiveTimesOutThreads) { skippedCollectiveTimesOut(HarnessMode::kThreads, 2); }
 TEST(CommunicatorTest, SkippedCollectiveTimesOutProcesses) { skippedCollectiveTimesOut(HarnessMode::kProcesses, 3); }
 
+// A TimeoutScope gives the collectives its thread issues its own timeout (the trainer's
+// checkpoint collectives), shorter or longer than the communicator's.
+TEST(CommunicatorTest, TimeoutScopeOverridesTheGroupsTimeout) {
+  HarnessOptions options;
+  options.commTimeout = std::chrono::seconds(20);
+  options.timeout = std::chrono::seconds(40);
+  runOnRanks(2, [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    if (ctx.rank == 1) {
+      ctx.store->wait({"rank0_done"}, std::chrono::seconds(30));
+      return;
+    }
+    at::Tensor t = at::ones({8});
+    const auto start = std::chrono::steady_clock::now();
+    {
+      const distributed::TimeoutScope scope(std::chrono::milliseconds(500));
+      EXPECT_THROW(comm.allReduce(t), TimeoutError);
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, 5.0) << "the scope's 0.5 s, not the group's 20 s";
+    ctx.store->set("rank0_done", "1");
+  }, options);
+  EXPECT_THROW(distributed::TimeoutScope(std::chrono::milliseconds(0)), UsageError);
+}
+
+// A subgroup knows its members as world ranks (the flight recorder labels its entries so).
+TEST(CommunicatorTest, SplitRecordsItsMembersAsWorldRanks) {
+  runOnRanks(4, [](RankContext& ctx) {
+    auto world = ctx.comm();
+    EXPECT_EQ(world->members(), (std::vector<int>{0, 1, 2, 3}));
+    if (ctx.rank == 0) return;
+    auto sub = world->split({3, 1, 2});  // world ranks 3, 1, 2
+    if (ctx.rank == 2) return;
+    auto inner = sub->split({1, 0});     // sub ranks 1, 0 = world ranks 1, 3
+    EXPECT_EQ(inner->members(), (std::vector<int>{1, 3}));
+    EXPECT_EQ(inner->members()[static_cast<size_t>(inner->rank())], ctx.rank);
+  });
+}
+
 TEST(CommunicatorTest, MissingRankTimesOutAtCreation) {
   HarnessOptions options;
   options.commTimeout = std::chrono::seconds(1);

@@ -1,0 +1,305 @@
+// Reading the dumps of every rank and finding who is behind, who disagrees, who died
+// (see flight_verdict.h).
+#include "diagnostics/flight_verdict.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <regex>
+#include <set>
+
+#include "common/errors.h"
+#include "common/file_open.h"
+
+namespace tessera::diagnostics {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr int64_t kMaxDumpBytes = int64_t{256} << 20;
+
+struct Entry {
+  int64_t seq = 0;
+  std::string op, dtype, tag, state, error;
+  int64_t numel = 0, step = 0;
+  double issuedAgo = 0, waitAgo = -1;
+
+  bool completed() const { return state == "completed"; }
+  // What must agree on every rank.
+  std::string signature() const { return strCat(op, " ", dtype, " x", numel); }
+};
+
+struct RankRing {
+  int64_t nextSeq = 0;
+  std::map<int64_t, Entry> entries;
+};
+
+struct Group {
+  std::string name, backend;
+  std::vector<int> members;  // global ranks
+  std::map<int, RankRing> rings;  // global rank -> its ring
+};
+
+struct Dump {
+  int rank = -1;
+  std::string reason;
+  int64_t step = 0;
+  std::vector<std::string> doing;  // per thread: "main: step 5 > forward (micro-batch) for 12.0 s"
+};
+
+std::string fixed(double v, int digits = 1) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+std::string rankList(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+std::string describe(const Entry& e) {
+  std::string out = strCat("#", e.seq, " ", e.op, " ", e.dtype, " x", e.numel);
+  if (!e.tag.empty()) out += strCat(" '", e.tag, "'");
+  if (e.step > 0) out += strCat(" at step ", e.step);
+  return out;
+}
+
+Entry parseEntry(const json& j) {
+  Entry e;
+  e.seq = j.at("seq").get<int64_t>();
+  e.op = j.at("op").get<std::string>();
+  e.dtype = j.at("dtype").get<std::string>();
+  e.numel = j.at("numel").get<int64_t>();
+  e.tag = j.value("tag", "");
+  e.step = j.value("step", int64_t{0});
+  e.state = j.at("state").get<std::string>();
+  e.error = j.value("error", "");
+  e.issuedAgo = j.value("issued_s_ago", 0.0);
+  e.waitAgo = j.value("wait_s_ago", -1.0);
+  return e;
+}
+
+// Reads one dump into `dumps` and `groups`; throws on anything malformed.
+void readDump(const std::string& path, std::map<int, Dump>& dumps, std::map<std::string, Group>& groups) {
+  const json j = json::parse(readRegularFile(path, kMaxDumpBytes, LinkPolicy::kRefuse));
+  TESSERA_CHECK(j.is_object() && j.value("format", "") == "tessera.flight/1", "not a tessera.flight/1 dump");
+  Dump d;
+  d.rank = j.at("rank").get<int>();
+  d.reason = j.value("reason", "");
+  d.step = j.value("step", int64_t{0});
+  auto spanPath = [](const std::vector<std::string>& spans) {
+    std::string out;
+    for (size_t i = 0; i < spans.size(); ++i) out += (i ? " > " : "") + spans[i];
+    return out;
+  };
+  for (const json& t : j.at("threads")) {
+    const auto doing = t.at("doing").get<std::vector<std::string>>();
+    const auto failedIn = t.value("failed_in", std::vector<std::string>{});
+    if (doing.empty() && failedIn.empty()) continue;
+    std::string line = strCat(t.at("thread").get<std::string>(), ": ");
+    if (!doing.empty()) line += spanPath(doing);
+    if (t.contains("for_s")) line += strCat(" (for ", fixed(t.at("for_s").get<double>()), " s)");
+    if (!failedIn.empty()) line += strCat(doing.empty() ? "" : ", ", "failed in ", spanPath(failedIn));
+    d.doing.push_back(line);
+  }
+  for (const json& g : j.at("groups")) {
+    const auto members = g.at("members").get<std::vector<int>>();
+    const int groupRank = g.at("rank").get<int>();
+    TESSERA_CHECK(groupRank >= 0 && groupRank < static_cast<int>(members.size()), "group rank ", groupRank,
+                  " outside its ", members.size(), " members");
+    std::string key = g.at("group").get<std::string>() + "|";
+    for (int m : members) key += std::to_string(m) + ",";
+    Group& group = groups[key];
+    group.name = g.at("group").get<std::string>();
+    group.backend = g.value("backend", "");
+    group.members = members;
+    RankRing& ring = group.rings[members[static_cast<size_t>(groupRank)]];
+    ring.nextSeq = g.at("next_seq").get<int64_t>();
+    for (const json& e : g.at("entries")) {
+      Entry entry = parseEntry(e);
+      ring.entries[entry.seq] = std::move(entry);
+    }
+  }
+  TESSERA_CHECK(dumps.count(d.rank) == 0, "a second dump of rank ", d.rank);
+  dumps[d.rank] = std::move(d);
+}
+
+std::string groupName(const Group& g) { return strCat("group '", g.name, "' (", g.backend, ")"); }
+
+// The first collective the ranks of `g` disagree on, as a line; nullopt when none.
+std::optional<std::string> mismatch(const Group& g) {
+  std::set<int64_t> seqs;
+  for (const auto& [rank, ring] : g.rings) {
+    for (const auto& [seq, e] : ring.entries) seqs.insert(seq);
+  }
+  for (const int64_t seq : seqs) {
+    std::map<std::string, std::vector<int>> bySignature;
+    std::map<std::string, const Entry*> example;
+    for (const auto& [rank, ring] : g.rings) {
+      const auto it = ring.entries.find(seq);
+      if (it == ring.entries.end()) continue;
+      bySignature[it->second.signature()].push_back(rank);
+      example[it->second.signature()] = &it->second;
+    }
+    if (bySignature.size() < 2) continue;
+    std::string line = strCat("ranks disagree on collective #", seq, " of ", groupName(g), ":");
+    for (const auto& [signature, ranks] : bySignature) {
+      line += strCat(" ", rankList(ranks), " issued ", describe(*example[signature]), ";");
+    }
+    line.back() = '.';
+    return line + " Every rank must issue the same collectives in the same order with the same sizes.";
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::vector<std::string> flightVerdict(const VerdictInput& input) {
+  std::error_code ec;
+  TESSERA_CHECK(fs::is_directory(input.dir, ec), "flight dumps: '", input.dir, "' is not a directory");
+  std::map<int, Dump> dumps;
+  std::map<std::string, Group> groups;
+  std::vector<std::string> problems;
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(input.dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (std::regex_match(name, std::regex("rank_[0-9]+\\.json"))) files.push_back(entry.path());
+  }
+  TESSERA_CHECK(!ec, "flight dumps: cannot list '", input.dir, "': ", ec.message());
+  std::sort(files.begin(), files.end());
+  for (const auto& file : files) {
+    try {
+      readDump(file.string(), dumps, groups);
+    } catch (const std::exception& e) {
+      problems.push_back(strCat("unreadable dump ", file.string(), ": ", e.what()));
+    }
+  }
+
+  int world = input.worldSize;
+  for (const auto& [key, g] : groups) {
+    for (int m : g.members) world = std::max(world, m + 1);
+  }
+  for (const auto& [rank, fate] : input.fates) world = std::max(world, rank + 1);
+
+  auto doingOf = [&](int rank) {
+    const auto it = dumps.find(rank);
+    if (it == dumps.end() || it->second.doing.empty()) return std::string();
+    std::string out;
+    for (const auto& d : it->second.doing) out += (out.empty() ? "" : "; ") + d;
+    return out;
+  };
+  auto fateOf = [&](int rank) {
+    const auto it = input.fates.find(rank);
+    return it == input.fates.end() ? std::string("unknown") : it->second;
+  };
+
+  std::vector<std::string> verdict;
+  std::set<int> described;  // ranks without a dump whose fate a line already gave
+  // 0. A rank that was stopped: everything else follows from it.
+  for (const int r : input.stopped) {
+    std::string line = strCat("rank ", r, " stopped answering: its process was stopped (SIGSTOP or a debugger) when "
+                              "the run was torn down");
+    for (const auto& [key, g] : groups) {
+      const auto it = g.rings.find(r);
+      if (it == g.rings.end() || it->second.entries.empty()) continue;
+      const Entry& last = it->second.entries.rbegin()->second;
+      line += strCat("; its last collective in ", groupName(g), " was ", describe(last), " (", last.state, " when it dumped)");
+    }
+    const std::string doing = doingOf(r);
+    verdict.push_back(doing.empty() ? line + "." : strCat(line, "; it was doing: ", doing, "."));
+  }
+  // 1. Disagreement: the root cause when present; what follows it is its consequence.
+  bool disagreement = false;
+  for (const auto& [key, g] : groups) {
+    if (const auto line = mismatch(g)) {
+      verdict.push_back(*line);
+      disagreement = true;
+    }
+  }
+  // 2. Where each group is stuck: its lowest collective some rank has not completed.
+  if (!disagreement) {
+    for (const auto& [key, g] : groups) {
+      if (g.members.size() < 2) continue;
+      std::optional<int64_t> stuck;
+      for (const auto& [rank, ring] : g.rings) {
+        for (const auto& [seq, e] : ring.entries) {
+          if (!e.completed() && (!stuck || seq < *stuck)) stuck = seq;
+        }
+      }
+      if (!stuck) continue;
+      std::vector<int> waiting, behind, silent;
+      const Entry* example = nullptr;
+      double waitedS = 0;
+      for (const int m : g.members) {
+        const auto it = g.rings.find(m);
+        if (it == g.rings.end()) {
+          silent.push_back(m);
+          continue;
+        }
+        const RankRing& ring = it->second;
+        const auto e = ring.entries.find(*stuck);
+        if (ring.nextSeq <= *stuck) {
+          behind.push_back(m);
+        } else if (e != ring.entries.end() && !e->second.completed()) {
+          waiting.push_back(m);
+          example = &e->second;
+          waitedS = std::max(waitedS, e->second.waitAgo >= 0 ? e->second.waitAgo : e->second.issuedAgo);
+        }
+      }
+      if (example == nullptr) continue;
+      const std::string waitLine = strCat(rankList(waiting), " waited in collective ", describe(*example), " of ",
+                                          groupName(g), " for ", fixed(waitedS), " s");
+      for (const int r : behind) {
+        const RankRing& ring = g.rings.at(r);
+        std::string line = strCat("rank ", r, " is behind: ", waitLine, ", which rank ", r, " never issued");
+        if (const auto last = ring.entries.find(*stuck - 1); last != ring.entries.end()) {
+          line += strCat(" (its last was ", describe(last->second), ", ", last->second.state, ")");
+        }
+        const std::string doing = doingOf(r);
+        line += doing.empty() ? "." : strCat("; it was doing: ", doing, ".");
+        verdict.push_back(line);
+      }
+      if (!silent.empty()) {
+        std::string line = strCat(rankList(silent), " left no flight record; ", waitLine, ".");
+        for (const int r : silent) {
+          line += strCat(" Rank ", r, ": ", fateOf(r), ".");
+          described.insert(r);
+        }
+        verdict.push_back(line);
+      }
+      if (behind.empty() && silent.empty()) {
+        std::string line = strCat("every rank of ", groupName(g), " issued collective ", describe(*example),
+                                  " and it did not complete on ", rankList(waiting));
+        if (!example->error.empty()) line += strCat(": ", example->error);
+        verdict.push_back(line + ".");
+      }
+    }
+  }
+  // 3. Ranks the launcher saw die, and what every dump gave as its reason.
+  for (const auto& [rank, fate] : input.fates) {
+    if (dumps.count(rank) == 0 && described.count(rank) == 0) {
+      verdict.push_back(strCat("rank ", rank, " wrote no dump: ", fate, "."));
+    }
+  }
+  if (verdict.empty()) verdict.push_back("no collective was pending on any rank and every rank agreed on all of them");
+  for (const auto& [rank, d] : dumps) {
+    std::string line = strCat("rank ", rank, " dumped on ", d.reason.empty() ? "(no reason)" : d.reason);
+    if (d.step > 0) line += strCat(" at step ", d.step);
+    const std::string doing = doingOf(rank);
+    verdict.push_back(doing.empty() ? line : strCat(line, "; doing: ", doing));
+  }
+  if (dumps.empty()) verdict.push_back(strCat("no flight dumps in ", input.dir));
+  for (int r = 0; r < world; ++r) {
+    if (dumps.count(r) == 0 && input.fates.count(r) == 0) verdict.push_back(strCat("rank ", r, ": no dump here"));
+  }
+  verdict.insert(verdict.end(), problems.begin(), problems.end());
+  return verdict;
+}
+
+}  // namespace tessera::diagnostics

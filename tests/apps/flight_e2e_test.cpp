@@ -1,0 +1,81 @@
+// The flight recorder in tessera-train, end to end: SIGUSR1 writes a rank's dump and the
+// run goes on; SIGTERM (a preemption) writes every rank's dump and still stops with a
+// checkpoint; diagnostics.flight_entries 0 writes none. The fault cases themselves are in
+// tests/distributed/fault_test.cpp.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "tests/support/run_command.h"
+#include "tests/support/scratch_path.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tessera::test::shellQuote;
+
+const std::string kBin = TESSERA_BIN_DIR;
+
+// Starts a 2-rank run and waits for its first metrics line; with `usr1`, sends SIGUSR1 to
+// one rank (saving the dump it wrote) and checks the rank still runs; then SIGTERMs the
+// launcher.
+std::string runThenTerm(const std::string& dir, const std::string& extra, bool usr1) {
+  const std::string d = shellQuote(dir);
+  std::string script = "set -u; " + kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin +
+                       "/tessera-train --config " + TESSERA_SOURCE_DIR + "/configs/default.yaml --set run.dir=" + d +
+                       " --set run.steps=1000000 --set checkpoint.every_steps=0 --set run.log_every=5 " + extra +
+                       " & L=$!; for i in $(seq 300); do [ -s " + d + "/metrics.jsonl ] && break; sleep 0.1; done; ";
+  if (usr1) {
+    script += "R=$(pgrep -P $L | tail -1); kill -USR1 $R; "
+              "for i in $(seq 100); do ls " + d + "/flight/rank_*.json >/dev/null 2>&1 && break; sleep 0.1; done; "
+              "sleep 0.5; mkdir -p " + d + "/usr1 && cp " + d + "/flight/rank_*.json " + d + "/usr1/ 2>/dev/null; "
+              "kill -0 $R && echo 'rank still running after SIGUSR1'; ";
+  }
+  return script + "kill -TERM $L; wait $L; echo \"launcher exit $?\"";
+}
+
+TEST(FlightE2ETest, Usr1DumpsWithoutStoppingAndSigtermDumpsEveryRank) {
+  const std::string dir = tessera::test::scratchPath("tessera_flight", "usr1");
+  const auto r = tessera::test::runCommand(runThenTerm(dir, "", true), 300);
+  EXPECT_NE(r.output.find("rank still running after SIGUSR1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("flight recorder: SIGUSR1: wrote " + dir + "/flight/rank_"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("launcher exit 143"), std::string::npos) << r.output;  // 128 + SIGTERM, after a checkpoint
+  EXPECT_NE(r.output.find("stopping at step"), std::string::npos) << r.output;
+
+  // The SIGUSR1 dump: one rank's, in the middle of the run, with its collectives.
+  std::vector<fs::path> usr1;
+  for (const auto& e : fs::directory_iterator(dir + "/usr1")) usr1.push_back(e.path());
+  ASSERT_EQ(usr1.size(), 1u) << r.output;
+  const auto dump = nlohmann::json::parse(std::ifstream(usr1[0]));
+  EXPECT_EQ(dump.at("reason"), "SIGUSR1 (a look at a running rank)");
+  EXPECT_EQ(dump.at("world_size"), 2);
+  EXPECT_GT(dump.at("step").get<int64_t>(), 0);
+  ASSERT_FALSE(dump.at("groups").empty());
+  const auto& group = dump.at("groups")[0];
+  EXPECT_EQ(group.at("members"), nlohmann::json::array({0, 1}));
+  ASSERT_FALSE(group.at("entries").empty());
+  bool gather = false;
+  for (const auto& e : group.at("entries")) gather = gather || e.at("op") == "all_gather";
+  EXPECT_TRUE(gather) << "zero3 gathers its units";
+
+  // SIGTERM: both ranks dumped, and tessera-flight reads them.
+  for (int rank = 0; rank < 2; ++rank) {
+    const auto term = nlohmann::json::parse(std::ifstream(dir + "/flight/rank_" + std::to_string(rank) + ".json"));
+    EXPECT_EQ(term.at("reason"), "SIGTERM") << rank;
+  }
+  const auto offline = tessera::test::runCommand(kBin + "/tessera-flight " + shellQuote(dir));
+  EXPECT_EQ(offline.status, 0) << offline.output;
+  EXPECT_NE(offline.output.find("rank 1 dumped on SIGTERM"), std::string::npos) << offline.output;
+}
+
+TEST(FlightE2ETest, ZeroEntriesTurnsTheRecorderOff) {
+  const std::string dir = tessera::test::scratchPath("tessera_flight", "off");
+  const auto r = tessera::test::runCommand(runThenTerm(dir, "--set diagnostics.flight_entries=0", false), 300);
+  EXPECT_NE(r.output.find("launcher exit 143"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir + "/flight")) << r.output;
+}
+
+}  // namespace
