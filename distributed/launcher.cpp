@@ -34,6 +34,7 @@
 #include "common/logging.h"
 #include "common/limits.h"
 #include "diagnostics/flight_verdict.h"
+#include "distributed/elastic_rendezvous.h"
 
 extern char** environ;
 
@@ -229,11 +230,16 @@ class Launcher {
     std::string execError;
     double afterS = 0;     // since the attempt started
   };
-  enum class Outcome { kSucceeded, kFailed, kInterrupted };
+  // kRejoin: another node restarted, left or waits to join; this node's ranks were stopped
+  // for the next rendezvous round (not a failure of this node).
+  enum class Outcome { kSucceeded, kFailed, kInterrupted, kRejoin };
 
   void installSignalHandlers();
   void restoreSignalHandlers();
   Outcome runAttempt(int restartCount);
+  int runElastic();
+  // Takes the round's node rank, node count and master as this attempt's.
+  void applyRound(const ElasticRound& round);
   void spawn(Rank& rank, int restartCount);
   // Forks the rank's process, which runs execChild; returns its pid (throws if fork() fails).
   pid_t forkRank(const Rank& rank, const int outPipe[2], const int errPipe[2], int execPipe, char** argv, char** envp);
@@ -272,6 +278,8 @@ class Launcher {
   Clock::time_point start_;
   Clock::time_point attemptStart_;
   std::vector<std::pair<int, struct sigaction>> savedActions_;
+  std::unique_ptr<ElasticRendezvous> rendezvous_;  // elastic runs only
+  int64_t round_ = 0;                               // the elastic round the ranks run in
 };
 
 Launcher::Launcher(LaunchOptions options) : options_(std::move(options)), start_(Clock::now()) {
@@ -307,9 +315,11 @@ Launcher::Launcher(LaunchOptions options) : options_(std::move(options)), start_
     rank.out.consoleFd = STDOUT_FILENO;
     rank.err.consoleFd = STDERR_FILENO;
     const std::string dir = options_.logDir.empty() ? tempDir_ : options_.logDir;
-    rank.errorFile = strCat(dir, "/rank_", rank.globalRank, ".error.json");
+    // Elastic: a rank's global rank may change from round to round; its files keep the local one.
+    const std::string name = options_.elastic() ? strCat("local_rank_", local) : strCat("rank_", rank.globalRank);
+    rank.errorFile = strCat(dir, "/", name, ".error.json");
     if (!options_.logDir.empty()) {
-      const std::string logFile = strCat(options_.logDir, "/rank_", rank.globalRank, ".log");
+      const std::string logFile = strCat(options_.logDir, "/", name, ".log");
       try {
         rank.logFd = createFreshFile(logFile);  // never through a link planted at the name
       } catch (const Error& e) {
@@ -372,6 +382,7 @@ void Launcher::restoreSignalHandlers() {
 }
 
 int Launcher::run() {
+  if (options_.elastic()) return runElastic();
   const int nproc = options_.nprocPerNode;
   if (nproc > 1) {
     const char* omp = std::getenv("OMP_NUM_THREADS");
@@ -432,8 +443,18 @@ Launcher::Outcome Launcher::runAttempt(int restartCount) {
             << formatSeconds(secondsSince(attemptStart_) * 1000.0, 1) << " ms ("
             << formatSeconds(secondsSince(start_) * 1000.0, 1) << " ms after launcher start)");
 
+  auto lastPoll = Clock::now();
   while (true) {
     pump(kPollPeriodS * 10);
+    if (rendezvous_ && !failure_ && firstSignal_ == 0 && secondsSince(lastPoll) >= 1.0) {
+      lastPoll = Clock::now();
+      if (rendezvous_->restartWanted(round_)) {
+        TLOG_WARN("tessera-run: another node restarted, left or waits to join: stopping the local ranks for the "
+                  "next rendezvous round");
+        stopRanks(SIGTERM);
+        return Outcome::kRejoin;
+      }
+    }
     if (firstSignal_ != 0) {
       TLOG_WARN("tessera-run: got " << signalName(firstSignal_) << "; forwarding it to the ranks (Tessera's trainer "
                 << "stops after its current step with a checkpoint). Waiting up to " << options_.gracePeriodS
@@ -459,6 +480,71 @@ Launcher::Outcome Launcher::runAttempt(int restartCount) {
       }
       return Outcome::kSucceeded;
     }
+  }
+}
+
+void Launcher::applyRound(const ElasticRound& round) {
+  const int before = options_.nnodes * options_.nprocPerNode;
+  round_ = round.round;
+  options_.nnodes = static_cast<int>(round.nodes.size());
+  options_.nodeRank = round.nodeRank;
+  options_.masterAddr = round.master().host;
+  options_.masterPort = round.master().storePort;
+  for (Rank& rank : ranks_) rank.globalRank = options_.nodeRank * options_.nprocPerNode + rank.localRank;
+  const int world = round.worldSize();
+  std::string change;
+  if (round.round > 1 && before != world) change = strCat(": world ", before, " -> ", world, " ranks");
+  const std::string nodes = strCat(round.nodes.size(), " node", round.nodes.size() == 1 ? "" : "s", " of ",
+                                   options_.minNodes, ":", options_.maxNodes);
+  if (round.round == 1) {
+    TLOG_INFO("tessera-run: rendezvous round 1: " << nodes << ", this one node rank " << round.nodeRank << ", world "
+              << world << " ranks");
+  } else {
+    TLOG_WARN("tessera-run: rendezvous round " << round.round << ": " << nodes << ", this one node rank "
+              << round.nodeRank << (change.empty() ? strCat(", world ", world, " ranks") : change));
+  }
+}
+
+int Launcher::runElastic() {
+  rendezvous_ = std::make_unique<ElasticRendezvous>(
+      ElasticOptions{options_.runId, options_.rdzvEndpoint.substr(0, options_.rdzvEndpoint.rfind(':')),
+                     std::stoi(options_.rdzvEndpoint.substr(options_.rdzvEndpoint.rfind(':') + 1)), options_.minNodes,
+                     options_.maxNodes, options_.rdzvTimeoutS, options_.rdzvLastCallS},
+      options_.nprocPerNode);
+  int failures = 0;
+  while (true) {
+    try {
+      applyRound(rendezvous_->join([this] {
+        pump(0);  // reads the signal pipe
+        return firstSignal_ != 0;
+      }));
+    } catch (const Error& e) {
+      if (firstSignal_ != 0) return 128 + firstSignal_;
+      TLOG_ERROR("tessera-run: " << e.what());
+      return 1;
+    }
+    // Every node's ranks must see the same TORCHELASTIC_RESTART_COUNT (it names the ranks'
+    // rendezvous keys): the round's, not this launcher's own count of attempts.
+    const Outcome outcome = runAttempt(static_cast<int>(round_ - 1));
+    if (outcome == Outcome::kSucceeded) {
+      TLOG_INFO("tessera-run: all " << options_.nprocPerNode << " local ranks of node " << options_.nodeRank
+                << " exited 0 in " << formatSeconds(secondsSince(start_)) << " s (round " << round_ << ")");
+      rendezvous_->finished(round_, 60);
+      return 0;
+    }
+    if (outcome == Outcome::kInterrupted) return 128 + firstSignal_;
+    if (outcome == Outcome::kRejoin) continue;  // not this node's failure
+    const int status = failureExitStatus(*failure_);
+    if (status == kBadInputStatus) return status;
+    if (++failures > options_.maxRestarts) {
+      if (options_.maxRestarts > 0) {
+        TLOG_ERROR("tessera-run: giving up after " << options_.maxRestarts << " restart"
+                   << (options_.maxRestarts > 1 ? "s" : "") << " (--max-restarts " << options_.maxRestarts << ")");
+      }
+      return status;
+    }
+    TLOG_WARN("tessera-run: restart " << failures << " of " << options_.maxRestarts
+              << ": joining the next rendezvous round");
   }
 }
 
@@ -758,6 +844,37 @@ void validateLaunchOptions(const LaunchOptions& o) {
                             " processes one tessera-run starts"));
   }
   if (o.nnodes < 1) throw UsageError(strCat("--nnodes must be at least 1, got ", o.nnodes));
+  if (o.elastic()) {
+    if (o.rdzvBackend != "c10d") {
+      throw UsageError(strCat("--rdzv-backend '", o.rdzvBackend, "': tessera-run's elastic rendezvous is c10d-like; "
+                              "give c10d (or leave it out)"));
+    }
+    const size_t colon = o.rdzvEndpoint.rfind(':');
+    int port = 0;
+    try {
+      size_t used = 0;
+      port = colon == std::string::npos ? 0 : std::stoi(o.rdzvEndpoint.substr(colon + 1), &used);
+      if (colon != std::string::npos && used != o.rdzvEndpoint.size() - colon - 1) port = 0;
+    } catch (const std::exception&) {
+      port = 0;
+    }
+    if (colon == std::string::npos || colon == 0 || port < 1 || port > 65535) {
+      throw UsageError(strCat("--rdzv-endpoint '", o.rdzvEndpoint, "' must be HOST:PORT (port 1..65535)"));
+    }
+    if (o.standalone) throw UsageError("--standalone runs a single node without a rendezvous; drop --rdzv-endpoint");
+    if (!std::isfinite(o.rdzvTimeoutS) || o.rdzvTimeoutS <= 0 || !std::isfinite(o.rdzvLastCallS) ||
+        o.rdzvLastCallS < 0) {
+      throw UsageError(strCat("--rdzv-timeout (", o.rdzvTimeoutS, ") must be positive and last_call_timeout (",
+                              o.rdzvLastCallS, ") not negative"));
+    }
+    if (boundedProduct(o.maxNodes, o.nprocPerNode, kMaxWorldSize) < 0) {
+      throw UsageError(strCat("--nnodes max ", o.maxNodes, " x --nproc-per-node ", o.nprocPerNode,
+                              " is more than the ", kMaxWorldSize, " ranks a run may have"));
+    }
+  } else if (o.minNodes != o.maxNodes) {
+    throw UsageError(strCat("--nnodes ", o.minNodes, ":", o.maxNodes,
+                            " is elastic: it needs --rdzv-endpoint HOST:PORT where the launchers meet"));
+  }
   // Checked before any rank number is computed: nnodes x nproc-per-node in int wraps.
   if (boundedProduct(o.nnodes, o.nprocPerNode, kMaxWorldSize) < 0) {
     throw UsageError(strCat("--nnodes ", o.nnodes, " x --nproc-per-node ", o.nprocPerNode, " is more than the ",
@@ -782,6 +899,59 @@ void validateLaunchOptions(const LaunchOptions& o) {
     throw UsageError(program.find('/') != std::string::npos
                          ? strCat("PROGRAM '", program, "' is not an executable file")
                          : strCat("PROGRAM '", program, "' not found in PATH"));
+  }
+}
+
+void parseNnodes(const std::string& text, LaunchOptions& options) {
+  auto number = [&](const std::string& part) {
+    size_t used = 0;
+    int value = 0;
+    try {
+      value = std::stoi(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != part.size() || value < 1) {
+      throw UsageError(strCat("--nnodes '", text, "' must be N or MIN:MAX (whole numbers, at least 1)"));
+    }
+    return value;
+  };
+  const size_t colon = text.find(':');
+  options.minNodes = number(text.substr(0, colon));
+  options.maxNodes = colon == std::string::npos ? options.minNodes : number(text.substr(colon + 1));
+  if (options.maxNodes < options.minNodes) {
+    throw UsageError(strCat("--nnodes '", text, "': MAX (", options.maxNodes, ") is below MIN (", options.minNodes, ")"));
+  }
+  options.nnodes = options.minNodes;
+}
+
+void parseRdzvConf(const std::string& text, LaunchOptions& options) {
+  size_t begin = 0;
+  while (begin < text.size()) {
+    size_t end = text.find(',', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(begin, end - begin);
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq);
+    double value = -1;
+    try {
+      size_t used = 0;
+      value = eq == std::string::npos ? -1 : std::stod(item.substr(eq + 1), &used);
+      if (eq != std::string::npos && used != item.size() - eq - 1) value = -1;
+    } catch (const std::exception&) {
+      value = -1;
+    }
+    if (!std::isfinite(value) || value < 0) {
+      throw UsageError(strCat("--rdzv-conf '", item, "': expected key=seconds"));
+    }
+    if (key == "join_timeout") {
+      options.rdzvTimeoutS = value;
+    } else if (key == "last_call_timeout") {
+      options.rdzvLastCallS = value;
+    } else {
+      throw UsageError(strCat("--rdzv-conf: unknown key '", key, "' (join_timeout, last_call_timeout)"));
+    }
+    begin = end + 1;
   }
 }
 

@@ -3,10 +3,14 @@
 // tears the whole group down (SIGTERM, grace period, SIGKILL, whole process groups)
 // when one rank fails, restarting all ranks up to --max-restarts times.
 //
-// Pure POSIX + C++17 (no LibTorch), so the launcher builds and starts fast. The launcher
-// itself does no rendezvous: ranks meet at the c10d TCPStore that global rank 0 hosts at
-// MASTER_ADDR:MASTER_PORT, so one launcher per node (--nnodes M --node-rank R) forms one
-// world, like torchrun with a static rendezvous.
+// Pure POSIX + C++17 (no LibTorch), so the launcher builds and starts fast. Ranks meet at
+// the c10d TCPStore that global rank 0 hosts at MASTER_ADDR:MASTER_PORT. Static: one
+// launcher per node (--nnodes M --node-rank R) forms one world, like torchrun with a
+// static rendezvous. Elastic (--rdzv-endpoint HOST:PORT, --nnodes MIN:MAX): the launchers
+// meet at the endpoint (elastic_rendezvous.h), which assigns node ranks and the master for
+// each round; after a failure the launchers that remain rendezvous again (a lost node
+// does not come) and restart their ranks on the world that is left, and a node that joins
+// later is admitted at a restart the others make for it.
 //
 // Output (console and --log-dir):
 //   - Every line a rank writes to stdout (stderr) goes to the launcher's stdout (stderr)
@@ -43,9 +47,24 @@ struct LaunchOptions {
   bool tee = false;           // with logDir: also print rank output on the console
   bool standalone = false;    // single node: pick a free port on 127.0.0.1
   double gracePeriodS = 5.0;  // SIGTERM -> SIGKILL delay when stopping ranks
-  std::string runId = "none"; // TORCHELASTIC_RUN_ID
+  std::string runId = "none"; // TORCHELASTIC_RUN_ID, and the elastic rendezvous's run id
   std::vector<std::string> command;  // PROGRAM [ARGS...], PROGRAM looked up in PATH
+  // Elastic (rdzvEndpoint set): between minNodes and maxNodes nodes (nnodes is the count of
+  // the current round); node ranks and the master come from the rendezvous.
+  std::string rdzvEndpoint;   // HOST:PORT
+  std::string rdzvBackend = "c10d";
+  int minNodes = 1;
+  int maxNodes = 1;
+  double rdzvTimeoutS = 900;  // MIN nodes must join a round within this
+  double rdzvLastCallS = 30;  // a round with MIN nodes waits this long for more
+  bool elastic() const { return !rdzvEndpoint.empty(); }
 };
+
+// "N" or "MIN:MAX" (--nnodes) into options.minNodes/maxNodes (and nnodes = MIN); throws
+// UsageError naming the option.
+void parseNnodes(const std::string& text, LaunchOptions& options);
+// torchrun's --rdzv-conf "key=value,...": join_timeout and last_call_timeout (seconds).
+void parseRdzvConf(const std::string& text, LaunchOptions& options);
 
 // Checks the options (ranges, combinations, PROGRAM present and found in PATH);
 // throws tessera::UsageError naming the option that is wrong.

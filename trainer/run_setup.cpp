@@ -338,6 +338,10 @@ bool resume(RunParts& run) {
   checkLoadedCounts(run, *loaded, saved);
   run.startStep = saved.step;
   run.counters.skippedSteps = saved.skippedSteps;
+  if (saved.worldSize != run.comm->worldSize()) {
+    TLOG_WARN0("world " << saved.worldSize << " -> " << run.comm->worldSize() << " ranks, resumed from step " << saved.step
+                        << " with the same global batch (" << cfg.data.global_batch << ")");
+  }
   TLOG_INFO0("resumed from " << loaded->dir << " (step " << saved.step << ", saved by " << saved.worldSize
                              << " ranks with " << saved.strategy << "; now " << run.comm->worldSize()
                              << " ranks with " << run.strategies() << "), read " << loaded->bytesRead << " bytes in "
@@ -428,6 +432,11 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->sampler = std::make_unique<DistributedSampler>(run->data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
                                                       cfg.data.shuffle);
   run->microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
+  if (cfg.data.micro_batch_asked > 0) {
+    TLOG_WARN0("data.micro_batch " << cfg.data.micro_batch_asked << " does not divide the " << cfg.data.global_batch / world
+               << " samples each of " << world << " ranks gets per step (data.global_batch " << cfg.data.global_batch
+               << "): micro-batches of " << cfg.data.micro_batch << " instead, the largest that does");
+  }
   TLOG_INFO0("data " << run->data->describe() << "; " << run->sampler->stepsPerEpoch() << " steps per epoch; "
                      << run->microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
 

@@ -648,13 +648,21 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
                                             ") - 1 is past run.steps (", c.run.steps, ")")));
   }
   c.origins = s.origins();
-  // Products of bounded keys, still checked: a world size comes from outside the config.
-  const int64_t perStep = boundedProduct(c.data.micro_batch, worldSize, c.data.global_batch);
-  if (perStep <= 0 || c.data.global_batch % perStep != 0) {
-    throw ConfigError(s.errorMessage(
-        "data.global_batch",
-        strCat(c.data.global_batch, " is not a multiple of data.micro_batch (", c.data.micro_batch,
-               ") x world size (", worldSize, ")")));
+  // The global batch splits over the ranks; each rank's share into micro-batches of the
+  // largest size up to data.micro_batch that divides it (gradient accumulation chosen
+  // automatically, so a run resumed on another world size keeps its global batch).
+  if (worldSize <= 0 || c.data.global_batch % worldSize != 0) {
+    throw ConfigError(s.errorMessage("data.global_batch", strCat(c.data.global_batch,
+                                                                 " samples per step do not split evenly over world "
+                                                                 "size ",
+                                                                 worldSize, " ranks")));
+  }
+  const int64_t perRank = c.data.global_batch / worldSize;
+  if (perRank % c.data.micro_batch != 0) {
+    c.data.micro_batch_asked = c.data.micro_batch;
+    int64_t micro = std::min(c.data.micro_batch, perRank);
+    while (perRank % micro != 0) --micro;
+    c.data.micro_batch = micro;
   }
 }
 

@@ -100,7 +100,11 @@ struct DataOptions {
   bool hflip = false;          // images: flip each training sample horizontally with probability 1/2
   std::string token_dtype = "uint16";  // tokens: uint16 | uint32
   int64_t global_batch = 32;   // samples per optimizer step over all ranks
-  int64_t micro_batch = 16;    // samples per forward/backward on one rank
+  int64_t micro_batch = 16;    // samples per forward/backward on one rank (finishTrainConfig may lower it)
+  // The micro_batch the config asked for, when it does not divide the samples a rank gets
+  // per step (global_batch / world size) on this world size: micro_batch is then the
+  // largest that does, and the run says so. 0: as asked.
+  int64_t micro_batch_asked = 0;
   bool shuffle = true;         // seeded shuffle per epoch; false reads in file order
   double eval_fraction = 0.05; // tail of the file held out for evaluation
 };

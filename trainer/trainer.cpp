@@ -211,7 +211,11 @@ class TrainLoop {
   // Whether the run stops after `done` steps (a stop signal, run.stop_after_steps).
   bool stopsAfter(int64_t done, const StepOutcome& out) {
     if (!schedule_.stopsAfter(done, out.stopSignalled)) return false;
-    if (out.stopSignalled) {
+    if (out.stopSignalled && !g_stopRequested) {
+      summary_.stoppedForAPeer = true;
+      TLOG_WARN("another rank got SIGTERM/SIGINT, this one none: stopping at step " << done
+                << " with a checkpoint; exit status 75 asks the launcher to restart this rank and resume");
+    } else if (out.stopSignalled) {
       TLOG_WARN0("SIGTERM/SIGINT: stopping at step " << done << " with a checkpoint");
     } else {
       TLOG_INFO0("run.stop_after_steps: stopping at step " << done << " with a checkpoint; resume to continue");

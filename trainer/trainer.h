@@ -34,6 +34,10 @@ struct TrainSummary {
   std::string judgement;                 // eval.judge's line (rank 0)
   std::string tracePath;                 // profile: the merged timeline (rank 0)
   bool preempted = false;            // stopped early (SIGTERM or run.stop_after_steps), after a checkpoint
+  // Stopped early because another rank had a stop signal and this one had none (its node
+  // lost, say): tessera-train then exits kStoppedForAPeerStatus, so that a launcher
+  // restarts it (and the run resumes) instead of taking the stop for the end of the run.
+  bool stoppedForAPeer = false;
   // run.dir held a run already finished (its checkpoint is at run.steps): nothing was
   // trained, saved or exported.
   bool alreadyFinished = false;

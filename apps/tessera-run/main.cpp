@@ -2,6 +2,9 @@
 //   tessera-run [--nproc-per-node N] [--nnodes M] [--node-rank R] [--master-addr A]
 //               [--master-port P] [--max-restarts K] [--log-dir D] [--tee] [--standalone]
 //               [--grace-period-s S] [--run-id ID] PROGRAM [ARGS...]
+//   elastic:    tessera-run --nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID
+//               [--rdzv-backend c10d] [--rdzv-timeout S] [--rdzv-conf last_call_timeout=S]
+//               [--max-restarts K] ... PROGRAM [ARGS...]
 // Everything from PROGRAM on is passed to the ranks untouched. Exit status: 0 all ranks
 // exited 0; a failed rank's own status (2: it refused its config; 1: killed by a signal);
 // 2 bad arguments; 128+N stopped by signal N.
@@ -24,8 +27,21 @@ int main(int argc, char** argv) {
     app.prefix_command();  // PROGRAM and everything after it (even --options) go to the ranks
     app.add_option("--nproc-per-node,--nproc_per_node", o.nprocPerNode, "Ranks to start on this node")
         ->capture_default_str();
-    app.add_option("--nnodes", o.nnodes, "Number of nodes (one tessera-run per node)")->capture_default_str();
-    app.add_option("--node-rank,--node_rank", o.nodeRank, "This node's index, 0..nnodes-1")->capture_default_str();
+    std::string nnodes = "1";
+    app.add_option("--nnodes", nnodes,
+                   "Number of nodes (one tessera-run per node), or MIN:MAX for an elastic run (with --rdzv-endpoint)")
+        ->capture_default_str();
+    auto* nodeRank = app.add_option("--node-rank,--node_rank", o.nodeRank, "This node's index, 0..nnodes-1")
+                         ->capture_default_str();
+    app.add_option("--rdzv-endpoint,--rdzv_endpoint", o.rdzvEndpoint,
+                   "HOST:PORT where the launchers of an elastic run meet (the one that can bind it hosts it)");
+    app.add_option("--rdzv-backend,--rdzv_backend", o.rdzvBackend, "c10d (the only one)")->capture_default_str();
+    app.add_option("--rdzv-timeout,--rdzv_timeout", o.rdzvTimeoutS,
+                   "Seconds a rendezvous round waits for MIN nodes")
+        ->capture_default_str();
+    std::string rdzvConf;
+    app.add_option("--rdzv-conf,--rdzv_conf", rdzvConf,
+                   "join_timeout=S,last_call_timeout=S (a round with MIN nodes waits S for more; default 30)");
     auto* addr = app.add_option("--master-addr,--master_addr", o.masterAddr,
                                 "Host of global rank 0, which hosts the TCPStore")
                      ->capture_default_str();
@@ -47,6 +63,11 @@ int main(int argc, char** argv) {
         "a failed rank's own exit status (2 when it refused its configuration: not restarted; 1 when killed by a "
         "signal); 2 bad arguments; 128+N stopped by signal N (forwarded to the ranks; a second one kills them).");
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
+    tessera::distributed::parseNnodes(nnodes, o);
+    if (!rdzvConf.empty()) tessera::distributed::parseRdzvConf(rdzvConf, o);
+    if (!o.rdzvEndpoint.empty() && nodeRank->count() > 0) {
+      throw tessera::UsageError("--node-rank: an elastic run (--rdzv-endpoint) assigns node ranks at the rendezvous");
+    }
     if (o.standalone && (addr->count() > 0 || port->count() > 0)) {
       throw tessera::UsageError("--standalone picks its own address and port; drop --master-addr/--master-port");
     }

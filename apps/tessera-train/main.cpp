@@ -2,7 +2,8 @@
 //   tessera-train --config FILE [--set key=value ...] [--resume auto|none|DIR] [--print-config]
 // Started once per rank by tessera-run or torchrun (reads their environment); with no
 // launcher it runs as a single process. Exit status: 0 ok, 2 bad config/arguments,
-// 1 run-time failure (message also in $TORCHELASTIC_ERROR_FILE when set).
+// 1 run-time failure (message also in $TORCHELASTIC_ERROR_FILE when set), 75 stopped
+// with a checkpoint because another rank was stopped (restart to resume).
 
 #include <filesystem>
 #include <iostream>
@@ -69,6 +70,12 @@ int main(int argc, char** argv) {
     for (const auto& grid : summary.sampleGrids) TLOG_INFO0("sample grid: " << grid);
     if (!summary.judgement.empty()) TLOG_INFO0(summary.judgement);
     if (summary.preempted) TLOG_WARN0("stopped early after step " << summary.steps << " (checkpoint saved; resume to continue)");
+    if (summary.stoppedForAPeer) {
+      tessera::writeErrorFile(tessera::strCat("stopped at step ", summary.steps,
+                                              " with a checkpoint because another rank was asked to stop; restart to "
+                                              "resume"));
+      return tessera::kResumableStopStatus;
+    }
     return 0;
   });
 }

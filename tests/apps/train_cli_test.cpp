@@ -53,9 +53,11 @@ TEST(TrainCliTest, CudaDeviceWithoutAGpu) {
 TEST(TrainCliTest, LateAndCrossKeyChecksNameWhereEachKeyWasSet) {
   expectConfigError(kGood, "--set data.path=/nonexistent/tokens.bin",
                     "--set data.path=/nonexistent/tokens.bin: data.path: no file at '/nonexistent/tokens.bin'");
-  expectConfigError(kGood + "  global_batch: 64\n", "--set data.micro_batch=7",
-                    ".yaml:3:17: data.global_batch: 64 is not a multiple of data.micro_batch (7) x world size (1) "
-                    "(data.micro_batch: --set data.micro_batch=7)");
+  expectConfigError(kGood + "profile:\n  steps: 3\n", "--set run.steps=5 --set profile.start_step=4",
+                    "--set profile.start_step=4: profile.start_step: 4 + profile.steps (3) - 1 is past run.steps (5) "
+                    "(profile.steps: ");
+  expectConfigError(kGood + "profile:\n  steps: 3\n", "--set run.steps=5 --set profile.start_step=4",
+                    ".yaml:4:10; run.steps: --set run.steps=5)");
 }
 
 TEST(TrainCliTest, WrongType) {

@@ -44,19 +44,30 @@ TEST(ConfigDocsTest, ShippedConfigsLoad) {
   EXPECT_GE(count, 1);
 }
 
-TEST(TrainConfigTest, GlobalBatchMustSplitIntoMicroBatches) {
+// The global batch must split over the ranks; each rank's share is split into the largest
+// micro-batches up to data.micro_batch that divide it (a resumed run on another world size
+// keeps its global batch).
+TEST(TrainConfigTest, GlobalBatchSplitsOverRanksAndMicroBatchesFollow) {
   const std::filesystem::path file = test::scratchPath("tessera_config", "batch.yaml");
   std::ofstream(file) << "data:\n  path: /etc/hostname\n  global_batch: 30\n  micro_batch: 4\n";
   try {
-    loadTrainConfig(file.string(), {}, 2);
+    loadTrainConfig(file.string(), {}, 4);
     FAIL() << "expected ConfigError";
   } catch (const ConfigError& e) {
     const std::string msg = e.what();
-    EXPECT_NE(msg.find(file.string() + ":3:17: data.global_batch: 30 is not a multiple of data.micro_batch (4) x world size (2)"),
+    EXPECT_NE(msg.find(file.string() + ":3:17: data.global_batch: 30 samples per step do not split evenly over world "
+                                       "size 4 ranks"),
               std::string::npos)
         << msg;
   }
-  EXPECT_NO_THROW(loadTrainConfig(file.string(), {"data.global_batch=32"}, 2));
+  const TrainConfig two = loadTrainConfig(file.string(), {}, 2).config;  // 15 per rank: micro-batches of 3
+  EXPECT_EQ(two.data.micro_batch, 3);
+  EXPECT_EQ(two.data.micro_batch_asked, 4);
+  const TrainConfig one = loadTrainConfig(file.string(), {"data.global_batch=32"}, 2).config;  // 16 per rank: as asked
+  EXPECT_EQ(one.data.micro_batch, 4);
+  EXPECT_EQ(one.data.micro_batch_asked, 0);
+  const TrainConfig big = loadTrainConfig(file.string(), {"data.global_batch=4", "data.micro_batch=64"}, 2).config;
+  EXPECT_EQ(big.data.micro_batch, 2);  // never more than a rank's share
 }
 
 }  // namespace

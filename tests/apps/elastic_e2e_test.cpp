@@ -1,0 +1,192 @@
+// Elastic runs, end to end on loopback: two launchers of 2 ranks meet with --nnodes 1:2;
+// one is SIGKILLed mid-run; the other rendezvouses again without it, resumes the 4-rank
+// checkpoint on 2 ranks with the same global batch, finishes, and its final export equals
+// an uninterrupted 4-rank run's (within float tolerance: the sums of another world size).
+// The same under the real torchrun (--nnodes 1:2 --rdzv_backend c10d), when python3-torch
+// is installed. Also the launcher's refusals of elastic options.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <regex>
+
+#include "checkpoint/safetensors.h"
+#include "common/errors.h"
+#include "tests/support/run_command.h"
+#include "tests/support/scratch_path.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using tessera::strCat;
+using tessera::test::CommandResult;
+using tessera::test::runCommand;
+using tessera::test::shellQuote;
+
+const std::string kBin = TESSERA_BIN_DIR;
+// 4 ranks: 2 micro-batches of 4 each; 2 ranks: 4. A checkpoint every 20 steps.
+const std::string kTrainArgs = strCat(" --config ", TESSERA_SOURCE_DIR,
+                                      "/configs/default.yaml --set run.steps=300 --set model.hidden=[48]"
+                                      " --set data.global_batch=32 --set data.micro_batch=4 --set checkpoint.every_steps=20"
+                                      " --set log.per_rank_files=false --set run.log_every=20");
+
+std::map<std::string, at::Tensor> exportOf(const std::string& runDir) {
+  return tessera::checkpoint::loadSafetensors((fs::path(runDir) / "export" / "model_ema.safetensors").string());
+}
+
+int freePort() { return 20000 + static_cast<int>(::getpid() % 20000); }
+
+// Starts node A, then node B (each `launch` + the trainer), waits for the checkpoint of
+// step 40, SIGKILLs what `killB` names, and waits for A. A's output goes to a.log.
+CommandResult loseANode(const std::string& dir, const std::string& launchA, const std::string& launchB,
+                        const std::string& killB) {
+  const std::string d = shellQuote(dir);
+  const std::string train = kBin + "/tessera-train" + kTrainArgs + " --set run.dir=" + d + "/run";
+  const std::string script =
+      "mkdir -p " + d + "; " + launchA + " " + train + " > " + d + "/a.log 2>&1 & A=$!; sleep 0.5; " + launchB + " " +
+      train + " > " + d + "/b.log 2>&1 & B=$!; " + "for i in $(seq 1200); do [ -d " + d +
+      "/run/checkpoints/step_00000040 ] && break; sleep 0.1; done; " + killB + "; wait $A; echo \"node A exit $?\"; "
+      "cat " + d + "/a.log";
+  return runCommand(script, 280);
+}
+
+void expectSameExportAsUninterrupted(const std::string& dir) {
+  const std::string full = dir + "/full";
+  const CommandResult r = runCommand(kBin + "/tessera-run --standalone --nproc-per-node 4 " + kBin + "/tessera-train" +
+                                     kTrainArgs + " --set run.dir=" + shellQuote(full));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto reference = exportOf(full);
+  const auto elastic = exportOf(dir + "/run");
+  ASSERT_EQ(reference.size(), elastic.size());
+  for (const auto& [name, tensor] : reference) {
+    ASSERT_TRUE(elastic.count(name)) << name;
+    EXPECT_TRUE(at::allclose(tensor, elastic.at(name), 1e-5, 1e-6))
+        << name << ": max difference " << (tensor - elastic.at(name)).abs().max().item<double>();
+  }
+}
+
+TEST(ElasticE2ETest, TesseraRunGoesOnWithoutALostNode) {
+  const std::string dir = tessera::test::scratchPath("tessera_elastic", "tessera_run");
+  const std::string launch = strCat(kBin, "/tessera-run --nnodes 1:2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:",
+                                    freePort(), " --rdzv-id elastic_test --rdzv-conf last_call_timeout=2 --max-restarts 3");
+  const CommandResult r = loseANode(dir, launch, launch, "kill -s KILL $B");
+  EXPECT_NE(r.output.find("node A exit 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rendezvous round 1: 2 nodes of 1:2, this one node rank 0, world 4 ranks"),
+            std::string::npos)
+      << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("rendezvous round [0-9]+: 1 node of 1:2, this one node rank 0: "
+                                                     "world 4 -> 2 ranks")))
+      << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("world 4 -> 2 ranks, resumed from step [0-9]+ with the same "
+                                                     "global batch \\(32\\)")))
+      << r.output;
+  EXPECT_NE(r.output.find("done: 300 steps"), std::string::npos) << r.output;
+  expectSameExportAsUninterrupted(dir);
+}
+
+// A node that comes later: node A trains alone (round 1: 2 ranks); node B arrives and
+// waits; A sees it waiting, stops its ranks (they save a checkpoint) and both start round
+// 2 on 4 ranks, resumed from that checkpoint. A global batch of 24 and micro-batches of at
+// most 8: 12 samples per rank on 2 ranks (micro-batches of 6, chosen automatically), 6 on 4.
+TEST(ElasticE2ETest, ANodeThatComesLaterJoinsAtARestart) {
+  const std::string dir = tessera::test::scratchPath("tessera_elastic", "joins");
+  const std::string d = shellQuote(dir);
+  const std::string launch = strCat(kBin, "/tessera-run --nnodes 1:2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:",
+                                    freePort() + 3, " --rdzv-id joins --rdzv-conf last_call_timeout=1 --max-restarts 1");
+  const std::string args = " --set data.global_batch=24 --set data.micro_batch=8";
+  const std::string train = kBin + "/tessera-train" + kTrainArgs + args + " --set run.dir=" + d + "/run";
+  const CommandResult r = runCommand(
+      "mkdir -p " + d + "; " + launch + " " + train + " > " + d + "/a.log 2>&1 & A=$!; " + "for i in $(seq 1200); do [ -d " +
+          d + "/run/checkpoints/step_00000040 ] && break; sleep 0.1; done; " + launch + " " + train + " > " + d +
+          "/b.log 2>&1 & B=$!; wait $A; echo \"node A exit $?\"; wait $B; echo \"node B exit $?\"; cat " + d +
+          "/a.log " + d + "/b.log",
+      280);
+  EXPECT_NE(r.output.find("node A exit 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("node B exit 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rendezvous round 1: 1 node of 1:2, this one node rank 0, world 2 ranks"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("another node restarted, left or waits to join"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rendezvous round 2: 2 nodes of 1:2, this one node rank 1: world 2 -> 4 ranks"),
+            std::string::npos)
+      << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("world 2 -> 4 ranks, resumed from step [0-9]+")))
+      << r.output;
+  EXPECT_NE(r.output.find("data.micro_batch 8 does not divide the 12 samples each of 2 ranks gets per step "
+                          "(data.global_batch 24): micro-batches of 6 instead"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("done: 300 steps"), std::string::npos) << r.output;
+
+  const std::string full = dir + "/full";
+  const CommandResult uninterrupted = runCommand(kBin + "/tessera-run --standalone --nproc-per-node 4 " + kBin +
+                                                 "/tessera-train" + kTrainArgs + args + " --set run.dir=" +
+                                                 shellQuote(full));
+  ASSERT_EQ(uninterrupted.status, 0) << uninterrupted.output;
+  const auto reference = exportOf(full);
+  const auto joined = exportOf(dir + "/run");
+  for (const auto& [name, tensor] : reference) {
+    ASSERT_TRUE(joined.count(name)) << name;
+    EXPECT_TRUE(at::allclose(tensor, joined.at(name), 1e-5, 1e-6)) << name;
+  }
+}
+
+// A python3 that can run torchrun ("" when none).
+std::string torchrunPython() {
+  for (const std::string candidate : {"/usr/bin/python3", "python3"}) {
+    if (runCommand(candidate + " -c 'import torch.distributed.run' >/dev/null 2>&1").status == 0) return candidate;
+  }
+  return "";
+}
+
+TEST(ElasticE2ETest, TorchrunGoesOnWithoutALostNode) {
+  const std::string python = torchrunPython();
+  if (python.empty()) GTEST_SKIP() << "no python3 with torch (apt install python3-torch)";
+  const std::string dir = tessera::test::scratchPath("tessera_elastic", "torchrun");
+  // Each agent in a session of its own: losing the node kills the agent and its workers.
+  // Debian's torchrun 1.13 on Python 3.11 needs --redirects/--tee given.
+  const std::string launch = strCat("setsid ", python, " -m torch.distributed.run --nnodes 1:2 --nproc_per_node 2",
+                                    " --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:", freePort() + 1,
+                                    " --rdzv_id elastic_test --rdzv_conf last_call_timeout=2 --max_restarts 3",
+                                    " --monitor_interval 0.5 --redirects 1 --tee 1 --no_python");
+  const CommandResult r = loseANode(dir, launch, launch, "kill -s KILL -- -$B");
+  EXPECT_NE(r.output.find("node A exit 0"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("world 4 -> 2 ranks, resumed from step [0-9]+")))
+      << r.output;
+  EXPECT_NE(r.output.find("done: 300 steps"), std::string::npos) << r.output;
+  expectSameExportAsUninterrupted(dir);
+}
+
+TEST(ElasticE2ETest, ElasticOptionsAreChecked) {
+  const std::string run = kBin + "/tessera-run ";
+  const auto refused = [&](const std::string& args, const std::string& message) {
+    const CommandResult r = runCommand(run + args + " true");
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
+  };
+  refused("--nnodes 1:2", "--nnodes 1:2 is elastic: it needs --rdzv-endpoint HOST:PORT");
+  refused("--nnodes 2:1 --rdzv-endpoint h:1", "--nnodes '2:1': MAX (1) is below MIN (2)");
+  refused("--nnodes 1:x --rdzv-endpoint h:1", "--nnodes '1:x' must be N or MIN:MAX");
+  refused("--nnodes 0 --rdzv-endpoint h:1", "--nnodes '0' must be N or MIN:MAX");
+  refused("--nnodes 1:2 --rdzv-endpoint localhost", "--rdzv-endpoint 'localhost' must be HOST:PORT");
+  refused("--nnodes 1:2 --rdzv-endpoint h:70000", "--rdzv-endpoint 'h:70000' must be HOST:PORT");
+  refused("--nnodes 1:2 --rdzv-endpoint h:1 --rdzv-backend etcd", "--rdzv-backend 'etcd'");
+  refused("--nnodes 1:2 --rdzv-endpoint h:1 --node-rank 1", "--node-rank: an elastic run");
+  refused("--nnodes 1:2 --rdzv-endpoint h:1 --rdzv-conf last_call_timeout=x", "--rdzv-conf 'last_call_timeout=x'");
+  refused("--nnodes 1:2 --rdzv-endpoint h:1 --rdzv-conf wait=1", "--rdzv-conf: unknown key 'wait'");
+  refused("--nnodes 1:2 --rdzv-endpoint h:1 --standalone", "--standalone");
+}
+
+// Two launchers of different runs at one endpoint: the second is refused by run id.
+TEST(ElasticE2ETest, AnotherRunIdIsRefused) {
+  const int port = freePort() + 2;
+  const std::string base = strCat(kBin, "/tessera-run --nnodes 2 --nproc-per-node 1 --rdzv-endpoint 127.0.0.1:", port,
+                                  " --rdzv-timeout 10 --rdzv-conf last_call_timeout=1");
+  const CommandResult r = runCommand(base + " --rdzv-id first sleep 30 > /dev/null 2>&1 & A=$!; sleep 0.5; " + base +
+                                         " --rdzv-id second true; echo \"second exit $?\"; kill $A; wait $A",
+                                     60);
+  EXPECT_NE(r.output.find("this rendezvous belongs to run id 'first', not 'second' (--rdzv-id)"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("second exit 1"), std::string::npos) << r.output;
+}
+
+}  // namespace
