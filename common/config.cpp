@@ -94,6 +94,7 @@ std::string typeName(const FieldTarget& target) {
     std::string operator()(const ChoiceTarget&) const { return "string"; }
     std::string operator()(const PairTarget&) const { return "list[float]"; }
     std::string operator()(const ScaledTarget&) const { return "float"; }
+    std::string operator()(const IntOrWordTarget& t) const { return "int|" + t.word; }
     std::string operator()(std::map<std::string, double>*) const { return "map[string, float]"; }
     std::string operator()(std::string*) const { return "string"; }
     std::string operator()(std::optional<std::string>*) const { return "string|null"; }
@@ -148,6 +149,9 @@ YAML::Node valueNode(const FieldTarget& target) {
       }
       return YAML::Node(formatDouble(exact));
     }
+    YAML::Node operator()(const IntOrWordTarget& t) const {
+      return *t.target == t.wordValue ? YAML::Node(t.word) : YAML::Node(*t.target);
+    }
     YAML::Node operator()(std::map<std::string, double>* v) const {
       YAML::Node n(YAML::NodeType::Map);
       for (const auto& [k, x] : *v) n[k] = formatDouble(x);
@@ -189,6 +193,7 @@ struct CopyValue {
     *p.second = *std::get<PairTarget>(from).second;
   }
   void operator()(const ScaledTarget& t) const { *t.target = *std::get<ScaledTarget>(from).target; }
+  void operator()(const IntOrWordTarget& t) const { *t.target = *std::get<IntOrWordTarget>(from).target; }
   template <typename T>
   void operator()(T* to) const {
     *to = *std::get<T*>(from);
@@ -554,6 +559,18 @@ struct AssignValue {
     const double scaled = std::round(x * t.unit);
     if (!(std::fabs(scaled) < 9.2e18)) fail(loc, path, strCat("value ", node.Scalar(), " is too large"));
     *t.target = static_cast<int64_t>(scaled);
+  }
+  void operator()(const IntOrWordTarget& t) const {
+    if (node.IsScalar() && node.Scalar() == t.word) {
+      *t.target = t.wordValue;
+      return;
+    }
+    if (node.IsScalar() && !node.Scalar().empty() && std::isalpha(static_cast<unsigned char>(node.Scalar()[0]))) {
+      fail(loc, path, strCat("expected an integer or '", t.word, "', got '", node.Scalar(), "'"));
+    }
+    const int64_t x = toInt(node, loc, path);
+    checks.number(static_cast<double>(x), std::to_string(x), path, loc);
+    *t.target = x;
   }
   void operator()(std::map<std::string, double>* v) const {
     if (!node.IsMap()) fail(loc, path, strCat("expected a mapping of names to numbers, got ", describe(node)));

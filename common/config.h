@@ -65,10 +65,19 @@ struct ScaledTarget {
   double unit;
 };
 
+// An integer that may also be written as one word (data.micro_batch: auto), held in the
+// integer as `wordValue` (outside the range the constraints allow numbers).
+struct IntOrWordTarget {
+  int64_t* target;
+  std::string word;
+  int64_t wordValue;
+};
+
 // The C++ variables a key can be bound to.
 using FieldTarget = std::variant<bool*, int64_t*, int*, double*, std::string*, std::optional<std::string>*,
                                  std::vector<int64_t>*, std::vector<double>*, std::vector<std::string>*,
-                                 std::map<std::string, double>*, ChoiceTarget, PairTarget, ScaledTarget>;
+                                 std::map<std::string, double>*, ChoiceTarget, PairTarget, ScaledTarget,
+                                 IntOrWordTarget>;
 
 class ConfigSchema;
 

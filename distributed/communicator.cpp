@@ -250,7 +250,7 @@ thread_local std::chrono::milliseconds t_timeoutOverride{0};  // 0: none (Timeou
 
 // Every operation's handle: the time its wait blocks goes to its group's stats; the flight
 // recorder's entry of the operation learns when this rank began waiting and how it ended
-// (a timeout also writes the dump: the rank may not get further); in a profile window
+// (a timeout or failure also writes the dump: the rank may not get further); in a profile window
 // (trace.h) the operation is on the group's collectives track from issue until this rank
 // learnt it complete (the end of its wait: gloo's point-to-point works only learn it
 // there), and a wait that blocked is a span on the waiting thread's track.
@@ -275,6 +275,9 @@ class AccountedHandle final : public CommHandle {
       throw;
     } catch (const std::exception& e) {
       if (ring_) ring_->finish(seq_, e.what());
+      // A peer gone (a closed connection) breaks the group: say where every group stood
+      // now, while the communicators still exist.
+      diagnostics::flight::dump(strCat("collective #", seq_, " failed: ", e.what()));
       throw;
     }
     if (ring_) ring_->finish(seq_, "");

@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <map>
 #include <random>
 #include <set>
 
@@ -32,7 +33,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-constexpr size_t kMaxLineBytes = 1 << 20;
+// Requests carry flight-recorder dumps (about 100 bytes per collective remembered).
+constexpr size_t kMaxLineBytes = size_t{64} << 20;
+constexpr size_t kMaxDumpBytesPerRound = size_t{256} << 20;
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -159,6 +162,14 @@ class ElasticRendezvous::Server {
       join(n);
     } else if (op == "finished") {
       if (request.at("round").get<int64_t>() == round_) finished_.insert(node);
+    } else if (op == "put_dumps") {
+      putDumps(request.at("round").get<int64_t>(), node, request.at("files"));
+    } else if (op == "get_dumps") {
+      json answer = state(node);
+      const auto it = dumps_.find(request.at("round").get<int64_t>());
+      answer["dumps"] = it == dumps_.end() ? json::object() : it->second;
+      answer["dump_nodes"] = it == dumps_.end() ? 0 : dumpNodes_[it->first].size();
+      return answer;
     } else if (op != "poll") {
       return {{"error", strCat("unknown request '", op, "'")}};
     }
@@ -190,6 +201,24 @@ class ElasticRendezvous::Server {
       openRound({n});
     } else if (std::none_of(waiting_.begin(), waiting_.end(), [&](const ElasticNode& w) { return w.id == n.id; })) {
       waiting_.push_back(n);
+    }
+  }
+
+  // A node's flight-recorder dumps of `round` (file name -> text), kept for the others'
+  // verdicts; only the latest rounds', within a bound.
+  void putDumps(int64_t round, const std::string& node, const json& files) {
+    json& all = dumps_[round];
+    for (const auto& [name, text] : files.items()) {
+      const size_t bytes = text.get<std::string>().size();
+      if (dumpBytes_ + bytes > kMaxDumpBytesPerRound) break;
+      dumpBytes_ += bytes;
+      all[name] = text;
+    }
+    dumpNodes_[round].insert(node);
+    while (dumps_.size() > 2) {  // the rounds before are long over
+      dumpBytes_ = 0;
+      dumpNodes_.erase(dumps_.begin()->first);
+      dumps_.erase(dumps_.begin());
     }
   }
 
@@ -282,6 +311,9 @@ class ElasticRendezvous::Server {
   std::vector<ElasticNode> members_;
   std::vector<ElasticNode> waiting_;
   std::set<std::string> finished_;
+  std::map<int64_t, json> dumps_;                       // round -> {file name: text}
+  std::map<int64_t, std::set<std::string>> dumpNodes_;  // round -> nodes that sent theirs
+  size_t dumpBytes_ = 0;
   Clock::time_point openedAt_, minReachedAt_;
   bool minReached_ = false;
 };
@@ -386,6 +418,33 @@ bool ElasticRendezvous::restartWanted(int64_t round) {
     }
     return false;
   }
+}
+
+std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t round,
+                                                                   const std::map<std::string, std::string>& mine,
+                                                                   double timeoutS) {
+  std::map<std::string, std::string> all;
+  try {
+    json files = json::object();
+    for (const auto& [name, text] : mine) files[name] = text;
+    request(json({{"op", "put_dumps"}, {"run_id", options_.runId}, {"node", nodeId_}, {"round", round},
+                  {"files", files}})
+                .dump(),
+            10);
+    const json getRequest = {{"op", "get_dumps"}, {"run_id", options_.runId}, {"node", nodeId_}, {"round", round}};
+    const auto start = Clock::now();
+    json state = json::parse(request(getRequest.dump(), 10));
+    // The other nodes fail at about the same time; a lost node never sends: wait a little.
+    while (state.at("round").get<int64_t>() == round && state.at("dump_nodes").get<size_t>() < state.at("nodes").size() &&
+           secondsSince(start) < timeoutS) {
+      ::usleep(200 * 1000);
+      state = json::parse(request(getRequest.dump(), 10));
+    }
+    for (const auto& [name, text] : state.at("dumps").items()) all[name] = text.get<std::string>();
+  } catch (const std::exception& e) {
+    TLOG_WARN("tessera-run: the other nodes' flight dumps: " << e.what());
+  }
+  return all;
 }
 
 void ElasticRendezvous::finished(int64_t round, double timeoutS) {

@@ -22,6 +22,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -75,6 +76,11 @@ class ElasticRendezvous {
   // again (a newer round is open, or a node waits and the round has room). Cheap (one
   // request); an unreachable server answers false and is logged once.
   bool restartWanted(int64_t round);
+  // After a failure in round `round`: sends this node's flight-recorder dumps (file name ->
+  // text) and returns every node's that reached the server within `timeoutS` (a node that
+  // is gone sends none), this node's included. Never throws (a warning instead).
+  std::map<std::string, std::string> exchangeDumps(int64_t round, const std::map<std::string, std::string>& mine,
+                                                   double timeoutS);
   // This node's workers finished round `round`. The server's host then waits (up to
   // `timeoutS`) until every node of the round has said so, so that none loses the server
   // before it has heard the round is over.

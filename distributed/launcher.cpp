@@ -423,9 +423,12 @@ int Launcher::run() {
 Launcher::Outcome Launcher::runAttempt(int restartCount) {
   failure_.reset();
   attemptStart_ = Clock::now();
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(flightDir_, ec)) {
+    std::filesystem::remove(entry.path(), ec);  // a stale dump (of any rank, any node) must not either
+  }
   for (Rank& rank : ranks_) {
     std::remove(rank.errorFile.c_str());  // a stale message must not be blamed on this attempt
-    std::remove(strCat(flightDir_, "/rank_", rank.globalRank, ".json").c_str());  // nor a stale dump
     rank.killed = false;
     if (rank.logFd >= 0 && restartCount > 0) {
       writeAll(rank.logFd, strCat("tessera-run: restart ", restartCount, " of ", options_.maxRestarts,
@@ -800,6 +803,27 @@ void Launcher::reportFailure(double stoppedInS) {
 
 void Launcher::reportVerdict() {
   std::error_code ec;
+  if (rendezvous_) {
+    // The other nodes' dumps, through the rendezvous: the verdict sees every rank.
+    std::map<std::string, std::string> mine;
+    for (const auto& entry : std::filesystem::directory_iterator(flightDir_, ec)) {
+      try {
+        mine[entry.path().filename().string()] = readRegularFile(entry.path().string(), int64_t{64} << 20,
+                                                                 LinkPolicy::kRefuse);
+      } catch (const Error&) {
+        // Not a dump (or not readable): the verdict reports what it cannot read.
+      }
+    }
+    for (const auto& [name, text] : rendezvous_->exchangeDumps(round_, mine, 5.0)) {
+      if (mine.count(name) != 0 || name.find('/') != std::string::npos || name.rfind("rank_", 0) != 0) continue;
+      try {
+        std::filesystem::create_directories(flightDir_);
+        replaceFile(strCat(flightDir_, "/", name), text);
+      } catch (const Error& e) {
+        TLOG_WARN("tessera-run: " << e.what());
+      }
+    }
+  }
   if (!std::filesystem::is_directory(flightDir_, ec)) return;  // no rank wrote a dump (not a Tessera program)
   diagnostics::VerdictInput input;
   input.dir = flightDir_;

@@ -233,7 +233,11 @@ void bindDataKeys(config::ConfigSchema& s, DataOptions& data) {
   s.add("data.hflip", &data.hflip, "images: flip each training sample horizontally with probability 1/2");
   s.add("data.token_dtype", &data.token_dtype, "tokens: width of each id in the file").oneOf({"uint16", "uint32"});
   s.add("data.global_batch", &data.global_batch, "Samples per optimizer step over all ranks").min(1).max(kMaxBatch);
-  s.add("data.micro_batch", &data.micro_batch, "Samples per forward/backward on one rank").min(1).max(kMaxBatch);
+  s.add("data.micro_batch", config::IntOrWordTarget{&data.micro_batch, "auto", kAutoMicroBatch},
+        "Samples per forward/backward on one rank, at most (the largest that divides a rank's share of "
+        "data.global_batch is used); auto: a rank's whole share, no gradient accumulation")
+      .min(1)
+      .max(kMaxBatch);
   s.add("data.shuffle", &data.shuffle, "Seeded shuffle per epoch; false reads samples in file order");
   s.add("data.eval_fraction", &data.eval_fraction, "Fraction at the end of the file held out for evaluation")
       .min(0.0).lessThan(1.0);
@@ -658,7 +662,9 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
                                                                  worldSize, " ranks")));
   }
   const int64_t perRank = c.data.global_batch / worldSize;
-  if (perRank % c.data.micro_batch != 0) {
+  if (c.data.micro_batch == kAutoMicroBatch) {
+    c.data.micro_batch = perRank;
+  } else if (perRank % c.data.micro_batch != 0) {
     c.data.micro_batch_asked = c.data.micro_batch;
     int64_t micro = std::min(c.data.micro_batch, perRank);
     while (perRank % micro != 0) --micro;

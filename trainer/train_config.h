@@ -89,6 +89,9 @@ struct ModelOptions {
   bool isDenoiser() const { return arch == "diffusion" || arch == "dit"; }
 };
 
+// data.micro_batch: auto, as held until finishTrainConfig resolves it for the world size.
+constexpr int64_t kAutoMicroBatch = 0;
+
 struct DataOptions {
   std::string kind = "text";   // text (byte-level) | tokens (flat uint16/uint32 ids) | tensors (safetensors) | idx | image_folder
   std::string path = "";       // input file (image_folder: the folder); required
@@ -100,7 +103,8 @@ struct DataOptions {
   bool hflip = false;          // images: flip each training sample horizontally with probability 1/2
   std::string token_dtype = "uint16";  // tokens: uint16 | uint32
   int64_t global_batch = 32;   // samples per optimizer step over all ranks
-  int64_t micro_batch = 16;    // samples per forward/backward on one rank (finishTrainConfig may lower it)
+  int64_t micro_batch = 16;    // samples per forward/backward on one rank (finishTrainConfig may lower it;
+                               // auto, kAutoMicroBatch: a rank's whole share)
   // The micro_batch the config asked for, when it does not divide the samples a rank gets
   // per step (global_batch / world size) on this world size: micro_batch is then the
   // largest that does, and the run says so. 0: as asked.

@@ -176,6 +176,28 @@ TEST(ElasticE2ETest, ElasticOptionsAreChecked) {
   refused("--nnodes 1:2 --rdzv-endpoint h:1 --standalone", "--standalone");
 }
 
+// The verdict of a two-node run sees both nodes' dumps (sent through the rendezvous): rank
+// 3, on node B, hangs in compute; node A's launcher names it and says what it was doing.
+TEST(ElasticE2ETest, VerdictGathersTheOtherNodesDumps) {
+  const std::string dir = tessera::test::scratchPath("tessera_elastic", "verdict");
+  const std::string launch = strCat(kBin, "/tessera-run --nnodes 2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:",
+                                    freePort() + 4, " --rdzv-id verdict --grace-period-s 2 ", kBin,
+                                    "/tessera-fault-worker --dir ", shellQuote(dir), " --fault sleep --fault-rank 3",
+                                    " --fault-step 3 --timeout-s 3");
+  const CommandResult r = runCommand(launch + " > " + shellQuote(dir + ".a") + " 2>&1 & A=$!; sleep 0.3; " + launch +
+                                         " > " + shellQuote(dir + ".b") + " 2>&1; wait $A; echo \"node A exit $?\"; cat " +
+                                         shellQuote(dir + ".a"),
+                                     120);
+  EXPECT_NE(r.output.find("node A exit 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 3 is behind: ranks 0, 1, 2 waited in collective #2 all_reduce Float x256 'layers.1' "
+                          "at step 3"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("it was doing: main: step 3 > forward layers.1"), std::string::npos) << r.output;
+  fs::remove(dir + ".a");
+  fs::remove(dir + ".b");
+}
+
 // Two launchers of different runs at one endpoint: the second is refused by run id.
 TEST(ElasticE2ETest, AnotherRunIdIsRefused) {
   const int port = freePort() + 2;

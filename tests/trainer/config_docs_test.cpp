@@ -70,5 +70,26 @@ TEST(TrainConfigTest, GlobalBatchSplitsOverRanksAndMicroBatchesFollow) {
   EXPECT_EQ(big.data.micro_batch, 2);  // never more than a rank's share
 }
 
+// data.micro_batch: auto is a rank's whole share on the run's world size (the resolved
+// config shows the size it resolved to); any other word is refused naming the key.
+TEST(TrainConfigTest, MicroBatchAuto) {
+  const std::filesystem::path file = test::scratchPath("tessera_config", "auto.yaml");
+  std::ofstream(file) << "data:\n  path: /etc/hostname\n  global_batch: 48\n  micro_batch: auto\n";
+  const LoadedConfig two = loadTrainConfig(file.string(), {}, 2);
+  EXPECT_EQ(two.config.data.micro_batch, 24);
+  EXPECT_EQ(two.config.data.micro_batch_asked, 0);
+  EXPECT_NE(two.resolvedYaml.find("micro_batch: 24"), std::string::npos) << two.resolvedYaml;
+  EXPECT_EQ(loadTrainConfig(file.string(), {}, 3).config.data.micro_batch, 16);
+  EXPECT_EQ(loadTrainConfig(file.string(), {"data.micro_batch=5"}, 3).config.data.micro_batch, 4);
+  try {
+    loadTrainConfig(file.string(), {"data.micro_batch=big"}, 2);
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("data.micro_batch: expected an integer or 'auto', got 'big'"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(loadTrainConfig(file.string(), {"data.micro_batch=0"}, 2), ConfigError);  // numbers stay >= 1
+}
+
 }  // namespace
 }  // namespace tessera::trainer
