@@ -26,6 +26,8 @@ struct SpanStack {
   std::string thread;
   std::vector<std::pair<std::string, int64_t>> spans;  // name, begin
   std::vector<std::string> unwound;                    // ThreadActivity::unwound
+  std::string detail;                                  // setThreadDetail
+  int64_t detailNs = 0;
 };
 
 // Every live thread's stack. Threads register at their first span and leave at exit (the
@@ -67,10 +69,23 @@ std::vector<ThreadActivity> currentActivities() {
       a.spans.push_back(name);
       a.sinceNs = begin;
     }
+    if (!stack->detail.empty()) {
+      a.spans.push_back(stack->detail);
+      a.sinceNs = stack->detailNs;
+    }
     a.unwound = stack->unwound;
     out.push_back(std::move(a));
   }
   return out;
+}
+
+void setThreadDetail(const std::string& detail) {
+  SpanStack& stack = thisThreadStack();
+  const int64_t now = nowNs();
+  std::lock_guard<std::mutex> lock(stack.mutex);
+  if (stack.thread.empty()) stack.thread = thisThreadName();
+  stack.detail = detail;
+  stack.detailNs = now;
 }
 
 void setCurrentStep(int64_t step) { g_step.store(step, std::memory_order_relaxed); }
@@ -137,7 +152,9 @@ Span::~Span() {
     std::lock_guard<std::mutex> lock(stack.mutex);
     if (std::uncaught_exceptions() > uncaught_ && stack.unwound.empty()) {
       for (const auto& span : stack.spans) stack.unwound.push_back(span.first);  // the innermost unwinds first
+      if (!stack.detail.empty()) stack.unwound.push_back(stack.detail);
     }
+    if (stack.spans.size() == 1) stack.detail.clear();  // the outermost span ends: so does any detail
     if (!stack.spans.empty()) stack.spans.pop_back();
   }
   if (beginNs_ < 0 || !active()) return;

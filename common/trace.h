@@ -50,6 +50,11 @@ struct ThreadActivity {
 // Every live thread that has opened a span (a snapshot; any thread may call it).
 std::vector<ThreadActivity> currentActivities();
 
+// What this thread does below its innermost Span when that is begun and ended by hooks
+// rather than a scope (an FSDP unit's forward or backward: "forward layers.2"); shown as
+// the last entry of the thread's activity. "" clears it.
+void setThreadDetail(const std::string& detail);
+
 // The training step in progress (as the log counts them, from 1; 0 before the first).
 void setCurrentStep(int64_t step);
 int64_t currentStep();

@@ -287,7 +287,9 @@ std::vector<std::string> flightVerdict(const VerdictInput& input) {
       verdict.push_back(strCat("rank ", rank, " wrote no dump: ", fate, "."));
     }
   }
-  if (verdict.empty()) verdict.push_back("no collective was pending on any rank and every rank agreed on all of them");
+  if (verdict.empty() && !dumps.empty()) {
+    verdict.push_back("no collective was pending on any rank and every rank agreed on all of them");
+  }
   for (const auto& [rank, d] : dumps) {
     std::string line = strCat("rank ", rank, " dumped on ", d.reason.empty() ? "(no reason)" : d.reason);
     if (d.step > 0) line += strCat(" at step ", d.step);

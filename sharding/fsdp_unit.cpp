@@ -103,6 +103,7 @@ void FsdpUnit::reshard() {
 void FsdpUnit::preForward() {
   training_ = TrainingState::kForward;
   waitForUnshard();
+  trace::setThreadDetail("forward " + traceName());  // what a flight-recorder dump says this thread does
   spanBeginNs_ = trace::active() ? trace::nowNs() : -1;  // compute only: the wait is a span of its own
 }
 
@@ -116,11 +117,13 @@ bool FsdpUnit::preBackward() {
   waitForUnshard();
   if (training_ == TrainingState::kPreBackward || training_ == TrainingState::kPostBackward) return false;
   training_ = TrainingState::kPreBackward;
+  trace::setThreadDetail("backward " + traceName());
   spanBeginNs_ = trace::active() ? trace::nowNs() : -1;
   return true;
 }
 
 void FsdpUnit::endSpan(const char* phase) {
+  trace::setThreadDetail("");
   if (spanBeginNs_ < 0) return;
   trace::record({phase + traceName(), "compute", trace::thisThreadName(), spanBeginNs_, trace::nowNs()});
   spanBeginNs_ = -1;

@@ -80,7 +80,9 @@ TEST(FlightRecorderTest, DumpSaysWhatEachThreadDoesAndKeepsGoneRings) {
   {
     const trace::Span step("step", "step 7");
     const trace::Span forward("compute", "forward (micro-batch)");
+    trace::setThreadDetail("forward layers.3");  // what an FSDP unit's hooks say
     const auto written = flight::dump("a test");
+    trace::setThreadDetail("");
     ASSERT_EQ(written.size(), 2u);
     const json j = json::parse(std::ifstream(dir + "/b/rank_3.json"));
     EXPECT_EQ(j.at("format"), "tessera.flight/1");
@@ -90,7 +92,7 @@ TEST(FlightRecorderTest, DumpSaysWhatEachThreadDoesAndKeepsGoneRings) {
     EXPECT_EQ(j.at("step"), 7);
     bool found = false;
     for (const json& t : j.at("threads")) {
-      if (t.at("doing") == json::array({"step 7", "forward (micro-batch)"})) found = true;
+      if (t.at("doing") == json::array({"step 7", "forward (micro-batch)", "forward layers.3"})) found = true;
     }
     EXPECT_TRUE(found) << j.dump(1);
     ASSERT_EQ(j.at("groups").size(), 1u);
