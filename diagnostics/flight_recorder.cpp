@@ -115,6 +115,10 @@ namespace {
 
 std::atomic<int> g_capacity{2000};
 
+// One dump at a time: a failing collective's thread and the SIGTERM watcher may dump at
+// once, and both write the same files (through the same temporary names).
+std::mutex g_dumpMutex;
+
 std::mutex g_mutex;  // guards what follows
 std::vector<std::weak_ptr<FlightRing>> g_rings;
 std::vector<std::string> g_files;
@@ -242,6 +246,7 @@ std::string dumpJson(const std::string& reason) {
 std::vector<std::string> dump(const std::string& reason) noexcept {
   std::vector<std::string> written;
   try {
+    std::lock_guard<std::mutex> serial(g_dumpMutex);
     std::vector<std::string> files;
     {
       std::lock_guard<std::mutex> lock(g_mutex);
