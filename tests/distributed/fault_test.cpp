@@ -48,6 +48,12 @@ std::string verdictOf(const std::string& output) {
   return at == std::string::npos ? std::string() : output.substr(at);
 }
 
+// `part` is in the verdict the launcher printed.
+void expectVerdictSays(const FaultRun& run, const std::string& part) {
+  EXPECT_NE(verdictOf(run.result.output).find(part), std::string::npos) << "expected '" << part << "' in:\n"
+                                                                         << run.result.output;
+}
+
 void expectEndedInTime(const FaultRun& run) {
   EXPECT_NE(run.result.status, 0) << run.result.output;
   EXPECT_NE(run.result.status, 124) << "the launcher hung:\n" << run.result.output;
@@ -71,15 +77,10 @@ TEST(FaultTest, HealthyRunLeavesNoVerdict) {
 TEST(FaultTest, RankSleepingInComputeIsBehind) {
   const FaultRun run = runFault("sleep", 1);
   expectEndedInTime(run);
-  const std::string verdict = verdictOf(run.result.output);
-  EXPECT_NE(verdict.find("rank 1 is behind: ranks 0, 2 waited in collective #2 all_reduce Float x256 'layers.1' at "
-                         "step 3"),
-            std::string::npos)
-      << run.result.output;
-  EXPECT_NE(verdict.find("which rank 1 never issued (its last was #1 all_reduce Float x256 'layers.1' at step 2, "
-                         "completed); it was doing: main: step 3 > forward layers.1"),
-            std::string::npos)
-      << run.result.output;
+  expectVerdictSays(run, "rank 1 is behind: ranks 0, 2 waited in collective #2 all_reduce Float x256 'layers.1' at "
+                         "step 3");
+  expectVerdictSays(run, "which rank 1 never issued (its last was #1 all_reduce Float x256 'layers.1' at step 2, "
+                         "completed); it was doing: main: step 3 > forward layers.1");
   expectOfflineVerdictContains(run, "rank 1 is behind");
 }
 
@@ -100,32 +101,22 @@ TEST(FaultTest, RankIssuingAnotherSizeDisagrees) {
 TEST(FaultTest, RankKilledInsideACollectiveLeftNoRecord) {
   const FaultRun run = runFault("kill", 1);
   expectEndedInTime(run);
-  const std::string verdict = verdictOf(run.result.output);
   EXPECT_NE(run.result.output.find("rank 1 failed (killed by signal SIGKILL)"), std::string::npos)
       << run.result.output;
-  EXPECT_NE(verdict.find("rank 1 left no flight record; ranks 0, 2 waited in collective #2 all_reduce Float x256 "
-                         "'layers.1' at step 3"),
-            std::string::npos)
-      << run.result.output;
-  EXPECT_NE(verdict.find("Rank 1: killed by signal SIGKILL after"), std::string::npos) << run.result.output;
+  expectVerdictSays(run, "rank 1 left no flight record; ranks 0, 2 waited in collective #2 all_reduce Float x256 "
+                         "'layers.1' at step 3");
+  expectVerdictSays(run, "Rank 1: killed by signal SIGKILL after");
 }
 
 TEST(FaultTest, RankStoppedStopsAnswering) {
   const FaultRun run = runFault("stop", 1);
   expectEndedInTime(run);
-  const std::string verdict = verdictOf(run.result.output);
-  EXPECT_NE(verdict.find("rank 1 stopped answering: its process was stopped (SIGSTOP or a debugger) when the run was "
-                         "torn down."),
-            std::string::npos)
-      << run.result.output;
+  expectVerdictSays(run, "rank 1 stopped answering: its process was stopped (SIGSTOP or a debugger) when the run was "
+                         "torn down.");
   // A stopped process writes nothing; the others' dumps say where they waited for it.
-  EXPECT_NE(verdict.find("rank 1 left no flight record; ranks 0, 2 waited in collective #2 all_reduce Float x256 "
-                         "'layers.1' at step 3"),
-            std::string::npos)
-      << run.result.output;
-  EXPECT_NE(verdict.find("Rank 1: killed by the launcher: it was still running 2.0 s after SIGTERM (it was stopped"),
-            std::string::npos)
-      << run.result.output;
+  expectVerdictSays(run, "rank 1 left no flight record; ranks 0, 2 waited in collective #2 all_reduce Float x256 "
+                         "'layers.1' at step 3");
+  expectVerdictSays(run, "Rank 1: killed by the launcher: it was still running 2.0 s after SIGTERM (it was stopped");
 }
 
 TEST(FaultTest, StoreHostGone) {
@@ -137,7 +128,7 @@ TEST(FaultTest, StoreHostGone) {
                                                     "127\\.0\\.0\\.1:[0-9]+\\)")))
       << run.result.output;
   // The others say what they waited for.
-  EXPECT_NE(verdict.find("step 3 > wait for a key rank 0 never sets"), std::string::npos) << run.result.output;
+  expectVerdictSays(run, "step 3 > wait for a key rank 0 never sets");
 }
 
 }  // namespace
