@@ -334,9 +334,54 @@ std::shared_ptr<CommHandle> Communicator::account(CommOp op, int64_t bytes, cons
                                            strCat("collectives: ", backendName(), " '", options_.name, "'"), ring, seq);
 }
 
+void Communicator::checkAgreement(CommOp op, const at::Tensor& t, int root) {
+  if (!options_.checkCollectives || local()) return;
+  const int64_t seq = checked_++;
+  const int64_t mine[4] = {static_cast<int64_t>(op), t.defined() ? static_cast<int64_t>(t.scalar_type()) : -1,
+                           t.defined() ? t.numel() : 0, root};
+  const at::Tensor local = at::tensor(at::ArrayRef<int64_t>(mine, 4), at::kLong).to(tensorDevice());
+  const at::Tensor all = at::empty({4 * world_}, local.options());
+  doAllGatherInto(all, local)->wait();
+  const at::Tensor every = all.cpu().view({world_, 4});
+  auto describeRank = [&](int r) {
+    const auto f = every[r];
+    const int64_t dtype = f[1].item<int64_t>();
+    std::string text = strCat(commOpName(static_cast<CommOp>(f[0].item<int64_t>())), " ",
+                              dtype < 0 ? "none" : c10::toString(static_cast<at::ScalarType>(dtype)), " x",
+                              f[2].item<int64_t>());
+    if (f[3].item<int64_t>() >= 0) text += strCat(" root ", f[3].item<int64_t>());
+    return text;
+  };
+  // The calls issued, each with its ranks, in the order of their lowest rank.
+  std::vector<std::pair<std::string, std::vector<int>>> bySignature;
+  for (int r = 0; r < world_; ++r) {
+    const std::string signature = describeRank(r);
+    auto it = std::find_if(bySignature.begin(), bySignature.end(), [&](const auto& s) { return s.first == signature; });
+    if (it == bySignature.end()) {
+      bySignature.push_back({signature, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  if (bySignature.size() == 1) return;
+  std::string ranks;
+  for (const auto& [signature, who] : bySignature) {
+    std::string list;
+    for (const int r : who) list += (list.empty() ? "" : ", ") + std::to_string(r);
+    ranks += strCat(ranks.empty() ? "" : "; ", who.size() == 1 ? "rank " : "ranks ", list, " ", signature);
+  }
+  const std::string why = strCat("ranks disagree on operation #", seq, " of ", describe(), ": ", ranks,
+                                 " (found by diagnostics.check_collectives: every rank must issue the same "
+                                 "collectives in the same order with the same sizes)");
+  markCommBroken(health_, why);
+  diagnostics::flight::dump(why);
+  throw Error(why);
+}
+
 std::shared_ptr<CommHandle> Communicator::allGatherIntoAsync(const at::Tensor& flat_out, const at::Tensor& local_in) {
   ensureUsable("allGatherInto");
   checkPair("allGatherInto", "flat_out", flat_out, "local_in", local_in, world_);
+  checkAgreement(CommOp::kAllGather, local_in, -1);
   std::shared_ptr<CommHandle> handle;
   if (local() || local_in.numel() == 0) {
     if (local_in.numel() > 0) copyUnlessSame(flat_out, local_in);
@@ -352,6 +397,7 @@ std::shared_ptr<CommHandle> Communicator::reduceScatterAsync(const at::Tensor& l
   ensureUsable("reduceScatter");
   checkPair("reduceScatter", "flat_in", flat_in, "local_out", local_out, world_);
   checkReduceOp("reduceScatter", flat_in, op);
+  checkAgreement(CommOp::kReduceScatter, local_out, -1);
   std::shared_ptr<CommHandle> handle;
   if (local() || local_out.numel() == 0) {
     if (local_out.numel() > 0) copyUnlessSame(local_out, flat_in);
@@ -366,6 +412,7 @@ std::shared_ptr<CommHandle> Communicator::allReduceAsync(const at::Tensor& t, Re
   ensureUsable("allReduce");
   checkTensor("allReduce", "t", t);
   checkReduceOp("allReduce", t, op);
+  checkAgreement(CommOp::kAllReduce, t, -1);
   std::shared_ptr<CommHandle> handle = local() || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doAllReduce(t, op);
   return account(CommOp::kAllReduce, 2 * (world_ - 1) * tensorBytes(t) / world_, t, std::move(handle));
 }
@@ -375,6 +422,7 @@ std::shared_ptr<CommHandle> Communicator::broadcastAsync(const at::Tensor& t, in
   checkTensor("broadcast", "t", t);
   TESSERA_CHECK_AS(UsageError, root >= 0 && root < world_, "Communicator::broadcast: root ", root,
                    " is out of range for world size ", world_);
+  checkAgreement(CommOp::kBroadcast, t, root);
   std::shared_ptr<CommHandle> handle = local() || t.numel() == 0 ? std::make_shared<CompletedHandle>() : doBroadcast(t, root);
   return account(CommOp::kBroadcast, rank_ == root && world_ > 1 ? tensorBytes(t) : 0, t, std::move(handle));
 }
@@ -389,6 +437,7 @@ std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& ou
   } else {
     checkTensor("gatherToRoot", "local_in", local_in);
   }
+  checkAgreement(CommOp::kGather, local_in, root);
   std::shared_ptr<CommHandle> handle;
   if (local() || local_in.numel() == 0) {
     if (rank_ == root && local_in.numel() > 0) copyUnlessSame(out, local_in);
@@ -401,6 +450,7 @@ std::shared_ptr<CommHandle> Communicator::gatherToRootAsync(const at::Tensor& ou
 
 std::shared_ptr<CommHandle> Communicator::barrierAsync() {
   ensureUsable("barrier");
+  checkAgreement(CommOp::kBarrier, at::Tensor(), -1);
   std::shared_ptr<CommHandle> handle = local() ? std::make_shared<CompletedHandle>() : doBarrier();
   return account(CommOp::kBarrier, 0, at::Tensor(), std::move(handle));
 }

@@ -80,6 +80,12 @@ struct CommOptions {
   // A group of one rank answers every operation locally (a copy or nothing) without the
   // backend. Off: the backend runs it anyway (tests of the nccl backend on one GPU).
   bool singleRankShortcut = true;
+  // Before every operation, the ranks all-gather what each is about to issue (op, dtype,
+  // element count, root) and every rank throws Error naming the ranks that disagree, instead
+  // of handing the backend mismatched calls (gloo aborts a process on them). One more small
+  // collective per operation: for debugging (diagnostics.check_collectives; PyTorch's
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL).
+  bool checkCollectives = false;
 };
 
 struct CommOpStats {
@@ -233,6 +239,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   // on the timeline in a profile window). `t`: the tensor whose dtype and element count
   // every rank must agree on (undefined for a barrier).
   std::shared_ptr<CommHandle> account(CommOp op, int64_t bytes, const at::Tensor& t, std::shared_ptr<CommHandle> handle);
+  // CommOptions::checkCollectives: agrees on what every rank issues next; throws on a mismatch.
+  void checkAgreement(CommOp op, const at::Tensor& t, int root);
   const std::shared_ptr<diagnostics::FlightRing>& flightRing();
 
   int rank_;
@@ -244,6 +252,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<std::atomic<int64_t>> waitNs_ = std::make_shared<std::atomic<int64_t>>(0);  // shared with handles
   std::shared_ptr<CommHealth> health_;
   std::vector<int> members_;
+  int64_t checked_ = 0;  // operations checked by checkAgreement (its #n)
   std::once_flag flightOnce_;
   std::shared_ptr<diagnostics::FlightRing> flight_;  // null when the recorder is off
 };

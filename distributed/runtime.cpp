@@ -34,6 +34,7 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
 
   GlooOptions gloo;
   gloo.comm.timeout = options.commTimeout;
+  gloo.comm.checkCollectives = options.checkCollectives;
   gloo.comm.name = "world_cpu";
   // Loopback is always right on one machine; across machines c10d's default device (the
   // host name's address, or $GLOO_SOCKET_IFNAME) is.
@@ -45,6 +46,7 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
 #if defined(TESSERA_WITH_NCCL)
     NcclOptions nccl;
     nccl.comm.timeout = options.commTimeout;
+    nccl.comm.checkCollectives = options.checkCollectives;
     nccl.comm.name = "world_nccl";
     // This rank's GPU, as trainer::trainingDevice picks it: LOCAL_RANK modulo the GPUs.
     const int gpus = static_cast<int>(at::getNumGPUs());

@@ -25,6 +25,8 @@ struct RuntimeOptions {
   std::chrono::milliseconds rendezvousTimeout = std::chrono::seconds(300);
   // Every collective.
   std::chrono::milliseconds commTimeout = std::chrono::seconds(300);
+  // CommOptions::checkCollectives of every communicator.
+  bool checkCollectives = false;
 };
 
 class Runtime {

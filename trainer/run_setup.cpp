@@ -93,6 +93,7 @@ distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distrib
   distributed::RuntimeOptions options;
   options.rendezvousTimeout = secondsToMs(cfg.diagnostics.startup_timeout_s);
   options.commTimeout = secondsToMs(cfg.diagnostics.collective_timeout_s);
+  options.checkCollectives = cfg.diagnostics.check_collectives;
   const bool cuda = cfg.run.device == "cuda";
   const int64_t gpus = cuda && torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
   const bool gpuPerRank = gpus >= env.local_world_size;

@@ -353,6 +353,9 @@ void bindDiagnosticsKeys(config::ConfigSchema& s, DiagnosticsSection& d) {
         "Seconds a collective of a step may take before the rank gives up, dumps its flight record and exits")
       .min(1.0)
       .max(86400.0);
+  s.add("diagnostics.check_collectives", &d.check_collectives,
+        "Before every collective the ranks compare what each issues (op, dtype, size) and stop with an error naming "
+        "the ranks that disagree; one more small collective each (debugging)");
   s.add("diagnostics.checkpoint_timeout_s", &d.checkpoint_timeout_s,
         "Seconds a collective of a checkpoint save or load or of an export may take (they wait for file writes)")
       .min(1.0)

@@ -63,6 +63,7 @@ struct DiagnosticsSection {
   double startup_timeout_s = 300;     // rendezvous and set-up: every rank arrived
   double collective_timeout_s = 100;  // one collective of a step (and every other one not below)
   double checkpoint_timeout_s = 600;  // a collective of a checkpoint save or load, or of an export
+  bool check_collectives = false;     // agree on every collective before it runs (debugging)
 };
 
 struct ModelOptions {

@@ -65,6 +65,12 @@ int main(int argc, char** argv) {
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
     tessera::distributed::parseNnodes(nnodes, o);
     if (!rdzvConf.empty()) tessera::distributed::parseRdzvConf(rdzvConf, o);
+    if (o.minNodes != o.maxNodes && o.rdzvEndpoint.empty()) {
+      // As torchrun: an elastic run without an endpoint meets on this machine.
+      o.rdzvEndpoint = "127.0.0.1:29400";
+      TLOG_INFO("tessera-run: --nnodes " << nnodes << " without --rdzv-endpoint: the launchers meet at "
+                << o.rdzvEndpoint << " (this machine; give --rdzv-endpoint HOST:PORT for several)");
+    }
     if (!o.rdzvEndpoint.empty() && nodeRank->count() > 0) {
       throw tessera::UsageError("--node-rank: an elastic run (--rdzv-endpoint) assigns node ranks at the rendezvous");
     }

@@ -163,7 +163,6 @@ TEST(ElasticE2ETest, ElasticOptionsAreChecked) {
     EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(message), std::string::npos) << args << "\n" << r.output;
   };
-  refused("--nnodes 1:2", "--nnodes 1:2 is elastic: it needs --rdzv-endpoint HOST:PORT");
   refused("--nnodes 2:1 --rdzv-endpoint h:1", "--nnodes '2:1': MAX (1) is below MIN (2)");
   refused("--nnodes 1:x --rdzv-endpoint h:1", "--nnodes '1:x' must be N or MIN:MAX");
   refused("--nnodes 0 --rdzv-endpoint h:1", "--nnodes '0' must be N or MIN:MAX");
@@ -196,6 +195,16 @@ TEST(ElasticE2ETest, VerdictGathersTheOtherNodesDumps) {
   EXPECT_NE(r.output.find("it was doing: main: step 3 > forward layers.1"), std::string::npos) << r.output;
   fs::remove(dir + ".a");
   fs::remove(dir + ".b");
+}
+
+// --nnodes MIN:MAX alone, as with torchrun: the launchers meet on this machine (port 29400).
+TEST(ElasticE2ETest, NnodesRangeAloneMeetsOnThisMachine) {
+  const CommandResult r = runCommand(kBin + "/tessera-run --nnodes 1:2 --rdzv-conf last_call_timeout=0.2 true", 60);
+  EXPECT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("without --rdzv-endpoint: the launchers meet at 127.0.0.1:29400"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("rendezvous round 1: 1 node of 1:2, this one node rank 0, world 1 ranks"), std::string::npos)
+      << r.output;
 }
 
 // Two launchers of different runs at one endpoint: the second is refused by run id.

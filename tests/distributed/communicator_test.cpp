@@ -424,6 +424,33 @@ TEST(CommunicatorTest, TimeoutScopeOverridesTheGroupsTimeout) {
   EXPECT_THROW(distributed::TimeoutScope(std::chrono::milliseconds(0)), UsageError);
 }
 
+// CommOptions::checkCollectives: agreeing calls run as usual; a disagreement (size, op,
+// root) is an Error on every rank naming who issued what, and the group is then unusable.
+TEST(CommunicatorTest, CheckedCollectivesNameTheDisagreement) {
+  runOnRanks(3, [](RankContext& ctx) {
+    GlooOptions options = ctx.glooOptions("checked");
+    options.comm.checkCollectives = true;
+    auto comm = makeGlooCommunicator(ctx.store, ctx.rank, ctx.world, options);
+    at::Tensor t = at::ones({5});
+    comm->allReduce(t);
+    EXPECT_TRUE(at::equal(t, at::full({5}, 3.0f)));
+    at::Tensor b = at::full({2}, static_cast<float>(ctx.rank));
+    comm->broadcast(b, 1);
+    EXPECT_TRUE(at::equal(b, at::full({2}, 1.0f)));
+    try {
+      comm->broadcast(b, ctx.rank == 2 ? 0 : 1);  // rank 2 names another root
+      ADD_FAILURE() << "a disagreeing broadcast ran";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ranks disagree on operation #2 of gloo group 'checked' rank " +
+                                           std::to_string(ctx.rank) +
+                                           " of 3: ranks 0, 1 broadcast Float x2 root 1; rank 2 broadcast Float x2 root 0"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_THROW(comm->barrier(), Error);  // unusable afterwards
+  });
+}
+
 // A subgroup knows its members as world ranks (the flight recorder labels its entries so).
 TEST(CommunicatorTest, SplitRecordsItsMembersAsWorldRanks) {
   runOnRanks(4, [](RankContext& ctx) {

@@ -31,13 +31,13 @@ struct FaultRun {
   std::string runDir;
 };
 
-FaultRun runFault(const std::string& fault, int faultRank) {
+FaultRun runFault(const std::string& fault, int faultRank, const std::string& extra = "") {
   FaultRun run;
   run.runDir = tessera::test::scratchPath("fault", fault);
   const std::string command =
       strCat(shellQuote(kBin + "/tessera-run"), " --standalone --nproc-per-node 3 --grace-period-s 2 ",
              shellQuote(kBin + "/tessera-fault-worker"), " --dir ", shellQuote(run.runDir), " --fault ", fault,
-             " --fault-rank ", faultRank, " --fault-step 3 --timeout-s ", kTimeoutS);
+             " --fault-rank ", faultRank, " --fault-step 3 --timeout-s ", kTimeoutS, " ", extra);
   run.result = runCommand(command, 120);
   return run;
 }
@@ -96,6 +96,23 @@ TEST(FaultTest, RankIssuingAnotherSizeDisagrees) {
                                                     "step 3\\.")))
       << run.result.output;
   expectOfflineVerdictContains(run, "ranks disagree on collective #2");
+}
+
+// With diagnostics.check_collectives the ranks compare each collective first: every rank
+// stops with an error naming the disagreement, and gloo never sees the mismatched call.
+TEST(FaultTest, CheckedCollectivesRefuseAnotherSizeCleanly) {
+  const FaultRun run = runFault("size", 2, "--check-collectives");
+  expectEndedInTime(run);
+  EXPECT_EQ(run.result.status, 1) << run.result.output;
+  EXPECT_EQ(run.result.output.find("SIGABRT"), std::string::npos) << run.result.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(run.result.output.find(strCat("[rank ", rank, "]: tessera-fault-worker: error: ranks disagree on "
+                                            "operation #2 of gloo group 'world_cpu' rank ", rank,
+                                            " of 3: ranks 0, 1 all_reduce Float x256; rank 2 all_reduce Float x300 "
+                                            "(found by diagnostics.check_collectives")),
+              std::string::npos)
+        << run.result.output;
+  }
 }
 
 TEST(FaultTest, RankKilledInsideACollectiveLeftNoRecord) {

@@ -4,6 +4,7 @@
 // (tests/distributed/fault_test.cpp). Run under tessera-run:
 //   tessera-fault-worker --dir RUN_DIR --fault sleep|size|kill|stop|store|none
 //                        [--fault-rank R] [--fault-step K] [--steps N] [--timeout-s T]
+//                        [--check-collectives]
 // Each step: "forward layers.1" (compute, a short sleep) then an all-reduce of 256 floats
 // tagged "layers.1". Faults at step K on rank R:
 //   sleep  sleeps in compute (forward layers.1) for an hour, before the step's collective
@@ -38,6 +39,8 @@ int main(int argc, char** argv) {
     app.add_option("--fault-step", faultStep, "The step at which it does");
     app.add_option("--steps", steps, "Steps");
     app.add_option("--timeout-s", timeoutS, "Collective timeout");
+    bool checkCollectives = false;
+    app.add_flag("--check-collectives", checkCollectives, "CommOptions::checkCollectives");
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
 
     namespace dist = tessera::distributed;
@@ -52,6 +55,7 @@ int main(int argc, char** argv) {
     dist::RuntimeOptions options;
     options.rendezvousTimeout = std::chrono::seconds(60);
     options.commTimeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000));
+    options.checkCollectives = checkCollectives;
     const auto runtime = dist::Runtime::init(env, options);
     dist::Communicator& comm = *runtime->comm();
     const bool me = env.rank == faultRank;
