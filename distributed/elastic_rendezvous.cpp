@@ -24,6 +24,7 @@
 
 #include "common/errors.h"
 #include "common/file_open.h"
+#include "common/limits.h"
 #include "common/logging.h"
 #include "distributed/launcher.h"
 
@@ -154,6 +155,12 @@ class ElasticRendezvous::Server {
       n.host = peerHost;
       n.storePort = request.at("store_port").get<int>();
       n.nproc = request.at("nproc").get<int>();
+      // Whatever reaches the port is checked: a bad join must not become a member.
+      if (node.empty() || node.size() > 256 || n.storePort < 1 || n.storePort > 65535 || n.nproc < 1 ||
+          n.nproc > kMaxLocalRanks) {
+        return {{"error", strCat("a join needs a node id (1 to 256 characters), a store port in 1..65535 and 1 to ",
+                                 kMaxLocalRanks, " ranks")}};
+      }
       if (nproc_ == 0) nproc_ = n.nproc;
       if (n.nproc != nproc_) {
         return {{"error", strCat("this node starts ", n.nproc, " ranks but the others ", nproc_,

@@ -207,6 +207,33 @@ TEST(ElasticE2ETest, NnodesRangeAloneMeetsOnThisMachine) {
       << r.output;
 }
 
+// Whatever reaches the rendezvous port gets an error answer, and the launcher that hosts it
+// goes on: junk, JSON of the wrong shape or types, a join with no id or a bad port or rank
+// count, 100 kB of random bytes.
+TEST(ElasticE2ETest, RendezvousAnswersBadRequestsWithErrors) {
+  const int port = freePort() + 5;
+  const std::string send = strCat("exec 3<>/dev/tcp/127.0.0.1/", port, "; printf '%s\\n' \"$1\" >&3; timeout 6 head -c 300 <&3; echo; exec 3>&-");
+  std::string script = strCat(kBin, "/tessera-run --nnodes 2 --rdzv-endpoint 127.0.0.1:", port,
+                              " --rdzv-timeout 30 true > /dev/null 2>&1 & L=$!; sleep 0.5; ");
+  for (const std::string msg :
+       {"garbage", "[1,2]", "{\"op\":\"join\"}", "{\"op\":\"join\",\"run_id\":\"none\",\"node\":\"x\",\"store_port\":\"p\",\"nproc\":1}",
+        "{\"op\":\"join\",\"run_id\":\"none\",\"node\":\"\",\"store_port\":1,\"nproc\":1}",
+        "{\"op\":\"join\",\"run_id\":\"none\",\"node\":\"x\",\"store_port\":1,\"nproc\":-5}",
+        "{\"op\":\"fly\",\"run_id\":\"none\",\"node\":\"x\"}"}) {
+    script += strCat("bash -c ", shellQuote(send), " _ ", shellQuote(msg), "; ");
+  }
+  script += strCat("head -c 100000 /dev/urandom | tr -d '\\n' > /dev/tcp/127.0.0.1/", port,
+                   " 2>/dev/null; sleep 0.3; kill -0 $L && echo 'launcher alive'; kill $L; wait $L");
+  const CommandResult r = runCommand("bash -c " + shellQuote(script), 60);
+  for (const std::string answer :
+       {"{\"error\":\"bad request: [json.exception.parse_error.101]", "cannot use at() with array",
+        "this rendezvous belongs to run id 'none', not ''", "type must be number, but is string",
+        "a join needs a node id (1 to 256 characters), a store port in 1..65535 and 1 to 1024 ranks",
+        "unknown request 'fly'", "launcher alive"}) {
+    EXPECT_NE(r.output.find(answer), std::string::npos) << answer << "\n" << r.output;
+  }
+}
+
 // Two launchers of different runs at one endpoint: the second is refused by run id.
 TEST(ElasticE2ETest, AnotherRunIdIsRefused) {
   const int port = freePort() + 2;
