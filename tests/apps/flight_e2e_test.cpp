@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 
 #include "tests/support/run_command.h"
@@ -69,6 +70,29 @@ TEST(FlightE2ETest, Usr1DumpsWithoutStoppingAndSigtermDumpsEveryRank) {
   const auto offline = tessera::test::runCommand(kBin + "/tessera-flight " + shellQuote(dir));
   EXPECT_EQ(offline.status, 0) << offline.output;
   EXPECT_NE(offline.output.find("rank 1 dumped on SIGTERM"), std::string::npos) << offline.output;
+}
+
+// diagnostics.collective_timeout_s reaches tessera-train's collectives: a stopped rank
+// (SIGSTOP) ends the run within that timeout + the grace period + 10 s, with the verdict.
+TEST(FlightE2ETest, StoppedRankEndsTheRunWithinTheCollectiveTimeout) {
+  const std::string dir = tessera::test::scratchPath("tessera_flight", "stopped");
+  const std::string d = shellQuote(dir);
+  const std::string script =
+      kBin + "/tessera-run --standalone --nproc-per-node 2 --grace-period-s 2 " + kBin + "/tessera-train --config " +
+      TESSERA_SOURCE_DIR + "/configs/default.yaml --set run.dir=" + d +
+      " --set run.steps=1000000 --set checkpoint.every_steps=0 --set run.log_every=5"
+      " --set diagnostics.collective_timeout_s=2 & L=$!; for i in $(seq 300); do [ -s " + d +
+      "/metrics.jsonl ] && break; sleep 0.1; done; R=$(pgrep -P $L | tail -1); start=$(date +%s); kill -STOP $R; "
+      "wait $L; echo \"launcher exit $? after $(( $(date +%s) - start )) s\"";
+  const auto r = tessera::test::runCommand(script, 120);
+  EXPECT_NE(r.output.find("launcher exit 1 after"), std::string::npos) << r.output;
+  const size_t after = r.output.find("launcher exit 1 after ");
+  ASSERT_NE(after, std::string::npos) << r.output;
+  EXPECT_LE(std::stoi(r.output.substr(after + 22)), 2 + 2 + 10) << r.output;
+  EXPECT_NE(r.output.find("timed out after 2 s"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("rank [01] stopped answering: its process was stopped \\(SIGSTOP "
+                                                     "or a debugger\\)")))
+      << r.output;
 }
 
 TEST(FlightE2ETest, ZeroEntriesTurnsTheRecorderOff) {
