@@ -339,7 +339,7 @@ ElasticRendezvous::ElasticRendezvous(ElasticOptions options, int nproc) : option
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
   if (::bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0 && ::listen(fd, 64) == 0) {
     server_ = std::make_unique<Server>(fd, options_);
-    TLOG_INFO("tessera-run: hosting the rendezvous of run '" << options_.runId << "' at " << options_.host << ":"
+    if (!options_.quiet) TLOG_INFO("tessera-run: hosting the rendezvous of run '" << options_.runId << "' at " << options_.host << ":"
               << options_.port << " (" << options_.minNodes << " to " << options_.maxNodes << " nodes)");
   } else {
     ::close(fd);
@@ -429,7 +429,7 @@ bool ElasticRendezvous::restartWanted(int64_t round) {
 
 std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t round,
                                                                    const std::map<std::string, std::string>& mine,
-                                                                   double timeoutS) {
+                                                                   double timeoutS, int expectedNodes) {
   std::map<std::string, std::string> all;
   try {
     json files = json::object();
@@ -442,12 +442,15 @@ std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t roun
     const auto start = Clock::now();
     json state = json::parse(request(getRequest.dump(), 10));
     // The other nodes fail at about the same time; a lost node never sends: wait a little.
-    while (state.at("round").get<int64_t>() == round && state.at("dump_nodes").get<size_t>() < state.at("nodes").size() &&
+    const size_t expected = expectedNodes > 0 ? static_cast<size_t>(expectedNodes) : state.at("nodes").size();
+    while (state.at("round").get<int64_t>() == round && state.at("dump_nodes").get<size_t>() < expected &&
            secondsSince(start) < timeoutS) {
       ::usleep(200 * 1000);
       state = json::parse(request(getRequest.dump(), 10));
     }
     for (const auto& [name, text] : state.at("dumps").items()) all[name] = text.get<std::string>();
+    // The server goes when this launcher exits: give the others a moment to read.
+    if (hostsServer()) ::usleep(500 * 1000);
   } catch (const std::exception& e) {
     TLOG_WARN("tessera-run: the other nodes' flight dumps: " << e.what());
   }

@@ -38,6 +38,7 @@ struct ElasticOptions {
   int maxNodes = 1;
   double joinTimeoutS = 900;   // --rdzv-timeout, --rdzv-conf join_timeout: MIN nodes must arrive in time
   double lastCallS = 30;       // --rdzv-conf last_call_timeout: how long a round with MIN nodes waits for more
+  bool quiet = false;          // no log line when this launcher hosts it (a static run's dump exchange)
 };
 
 struct ElasticNode {
@@ -78,9 +79,11 @@ class ElasticRendezvous {
   bool restartWanted(int64_t round);
   // After a failure in round `round`: sends this node's flight-recorder dumps (file name ->
   // text) and returns every node's that reached the server within `timeoutS` (a node that
-  // is gone sends none), this node's included. Never throws (a warning instead).
+  // is gone sends none), this node's included; it waits for `expectedNodes` senders (0:
+  // the round's nodes). Never throws (a warning instead). Static multi-node runs use it
+  // too, on a server of their own (round 0, no joins).
   std::map<std::string, std::string> exchangeDumps(int64_t round, const std::map<std::string, std::string>& mine,
-                                                   double timeoutS);
+                                                   double timeoutS, int expectedNodes = 0);
   // This node's workers finished round `round`. The server's host then waits (up to
   // `timeoutS`) until every node of the round has said so, so that none loses the server
   // before it has heard the round is over.

@@ -803,18 +803,36 @@ void Launcher::reportFailure(double stoppedInS) {
 
 void Launcher::reportVerdict() {
   std::error_code ec;
-  if (rendezvous_) {
-    // The other nodes' dumps, through the rendezvous: the verdict sees every rank.
-    std::map<std::string, std::string> mine;
-    for (const auto& entry : std::filesystem::directory_iterator(flightDir_, ec)) {
-      try {
-        mine[entry.path().filename().string()] = readRegularFile(entry.path().string(), int64_t{64} << 20,
-                                                                 LinkPolicy::kRefuse);
-      } catch (const Error&) {
-        // Not a dump (or not readable): the verdict reports what it cannot read.
-      }
+  // The other nodes' dumps: through the elastic rendezvous, or, in a static multi-node run,
+  // through a server at MASTER_PORT + 1 that the first launcher to fail hosts for the others.
+  std::map<std::string, std::string> mine;
+  for (const auto& entry : std::filesystem::directory_iterator(flightDir_, ec)) {
+    try {
+      mine[entry.path().filename().string()] = readRegularFile(entry.path().string(), int64_t{64} << 20,
+                                                               LinkPolicy::kRefuse);
+    } catch (const Error&) {
+      // Not a dump (or not readable): the verdict reports what it cannot read.
     }
-    for (const auto& [name, text] : rendezvous_->exchangeDumps(round_, mine, 5.0)) {
+  }
+  std::unique_ptr<ElasticRendezvous> staticExchange;
+  ElasticRendezvous* exchange = rendezvous_.get();
+  if (exchange == nullptr && options_.nnodes > 1 && !mine.empty()) {  // no dumps: not a Tessera program
+    try {
+      ElasticOptions o;
+      o.runId = options_.runId;
+      o.host = options_.masterAddr;
+      o.port = options_.masterPort < 65535 ? options_.masterPort + 1 : options_.masterPort - 1;
+      o.minNodes = o.maxNodes = options_.nnodes;
+      o.quiet = true;
+      staticExchange = std::make_unique<ElasticRendezvous>(o, options_.nprocPerNode);
+      exchange = staticExchange.get();
+    } catch (const std::exception& e) {
+      TLOG_WARN("tessera-run: the other nodes' flight dumps: " << e.what());
+    }
+  }
+  if (exchange != nullptr) {
+    const int expected = rendezvous_ ? 0 : options_.nnodes;
+    for (const auto& [name, text] : exchange->exchangeDumps(round_, mine, 5.0, expected)) {
       if (mine.count(name) != 0 || name.find('/') != std::string::npos || name.rfind("rank_", 0) != 0) continue;
       try {
         std::filesystem::create_directories(flightDir_);

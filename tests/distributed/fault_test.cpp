@@ -5,6 +5,8 @@
 // the run directory, where tessera-flight gives the same verdict offline.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <regex>
 
@@ -134,6 +136,29 @@ TEST(FaultTest, RankStoppedStopsAnswering) {
   expectVerdictSays(run, "rank 1 left no flight record; ranks 0, 2 waited in collective #2 all_reduce Float x256 "
                          "'layers.1' at step 3");
   expectVerdictSays(run, "Rank 1: killed by the launcher: it was still running 2.0 s after SIGTERM (it was stopped");
+}
+
+// A static two-node run (--nnodes 2 --node-rank R): the launchers exchange their ranks'
+// dumps when the run fails, so node 0's verdict names rank 3, on node 1, and what it did.
+TEST(FaultTest, StaticNodesShareTheirDumps) {
+  const std::string dir = tessera::test::scratchPath("fault", "static_nodes");
+  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  auto node = [&](int rank) {
+    return strCat(shellQuote(kBin + "/tessera-run"), " --nnodes 2 --node-rank ", rank,
+                  " --nproc-per-node 2 --grace-period-s 2 --master-port ", port, " ",
+                  shellQuote(kBin + "/tessera-fault-worker"), " --dir ", shellQuote(dir),
+                  " --fault sleep --fault-rank 3 --fault-step 3 --timeout-s ", kTimeoutS);
+  };
+  const CommandResult r = runCommand(node(1) + " > " + shellQuote(dir + ".node1") + " 2>&1 & B=$!; " + node(0) +
+                                         "; echo \"node 0 exit $?\"; wait $B",
+                                     120);
+  fs::remove(dir + ".node1");
+  EXPECT_NE(r.output.find("node 0 exit 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("rank 3 is behind: ranks 0, 1, 2 waited in collective #2 all_reduce Float x256 'layers.1' "
+                          "at step 3"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("it was doing: main: step 3 > forward layers.1"), std::string::npos) << r.output;
 }
 
 TEST(FaultTest, StoreHostGone) {
