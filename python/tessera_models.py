@@ -664,15 +664,21 @@ def _labels_or_unconditional(model, batch, labels):
 
 
 @torch.no_grad()
-def sample_ddim(model, schedule, noise, labels=None, steps=50, cfg=1.0):
+def sample_ddim(model, schedule, noise, labels=None, steps=50, cfg=1.0, timesteps=None):
     """Deterministic DDIM (eta = 0) from `noise` [N, ...] in `steps` steps over
-    ddim_timesteps(): x0 = (x - sqrt(1 - abar_t) eps) / sqrt(abar_t), then the next
-    x = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps; after t = 0, x0 (no clipping). float32
-    tensors times double scalars, as Tessera computes it. labels [N] in [0, classes]
-    (None: "no class")."""
+    ddim_timesteps(), or over `timesteps` (decreasing: a distilled generator's
+    sample_timesteps, see sample_timesteps()): x0 = (x - sqrt(1 - abar_t) eps) / sqrt(abar_t),
+    then the next x = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps; after the last, x0 (no
+    clipping). float32 tensors times double scalars, as Tessera computes it. labels [N] in
+    [0, classes] (None: "no class")."""
     x = noise.float()
     labels = _labels_or_unconditional(model, noise, labels)
-    ts = ddim_timesteps(schedule.timesteps, steps)
+    if timesteps is None:
+        ts = ddim_timesteps(schedule.timesteps, steps)
+    else:
+        ts = list(timesteps)
+        if not ts or any(not 0 <= t < schedule.timesteps for t in ts) or any(b >= a for a, b in zip(ts, ts[1:])):
+            raise ValueError(f"DDIM timesteps {ts}: need a decreasing list within [0, {schedule.timesteps - 1}]")
     for k, t in enumerate(ts):
         abar = schedule.alpha_bars[t]
         eps = guided_noise(model, x, torch.full((x.size(0),), t, dtype=torch.int64, device=x.device), labels, cfg)
@@ -730,6 +736,14 @@ def noise_schedule(metadata):
                              _field(metadata, "beta_end", float))
     except ValueError as e:
         raise ExportError(f"{METADATA_KEY}: {e}") from e
+
+
+def sample_timesteps(metadata):
+    """The timesteps a denoiser's export says it samples at (a distilled few-step
+    generator's model.sample_timesteps), or None: DDIM's evenly spaced steps."""
+    if "sample_timesteps" not in metadata:
+        return None
+    return _field(metadata, "sample_timesteps", "ints") or None
 
 
 def _build(metadata):
@@ -851,13 +865,24 @@ def _check_forward(args):
     return 0 if all(results) else 1
 
 
+def _int_list(text):
+    """argparse type: "999,749,499" -> [999, 749, 499]."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers") from None
+
+
 def _check_samples(args):
     model, metadata = load_export(args.weights)
     if metadata["arch"] not in ("diffusion", "dit"):
         raise ExportError(f"{args.weights}: check-samples needs a denoiser (diffusion, dit), not {metadata['arch']}")
     schedule = noise_schedule(metadata)
-    if not 1 <= args.steps <= schedule.timesteps:
+    if args.steps is not None and not 1 <= args.steps <= schedule.timesteps:
         raise ExportError(f"--steps {args.steps}: 1 to the model's {schedule.timesteps} timesteps")
+    # As tessera-sample: the export's own timesteps (a distilled generator) unless told the steps.
+    timesteps = args.timesteps if args.timesteps is not None else None if args.steps is not None else \
+        sample_timesteps(metadata)
     noise_file = read_safetensors(args.noise)
     noise = _tensor(noise_file, "noise", args.noise).float()
     sample_shape = metadata["data"]["input_shape"]
@@ -872,7 +897,10 @@ def _check_samples(args):
         if classes is not None and labels.numel() and not 0 <= labels.min().item() <= labels.max().item() <= classes:
             raise ExportError(f"{args.noise}: labels must be in [0, {classes}] ({classes}: no class), got "
                               f"[{labels.min().item()}, {labels.max().item()}]")
-    ours = sample_ddim(model, schedule, noise, labels, args.steps, args.cfg)
+    try:
+        ours = sample_ddim(model, schedule, noise, labels, args.steps or 50, args.cfg, timesteps)
+    except ValueError as e:
+        raise ExportError(f"{args.weights}: {e}") from e
     return 0 if _compare("samples", ours, _tensor(read_safetensors(args.samples), "samples", args.samples).float(),
                          args.rtol) else 1
 
@@ -910,7 +938,10 @@ def main(argv=None):
     samples.add_argument("--weights", required=True, help="export: .safetensors or a sharded export's .index.json")
     samples.add_argument("--noise", required=True, help="safetensors: 'noise' [N, ...], optional 'labels' [N]")
     samples.add_argument("--samples", required=True, help="safetensors: Tessera's 'samples' [N, ...]")
-    samples.add_argument("--steps", type=int, required=True, help="DDIM steps")
+    which = samples.add_mutually_exclusive_group()
+    which.add_argument("--steps", type=int, help="DDIM steps, evenly spaced (default: the export's "
+                       "sample_timesteps, or 50)")
+    which.add_argument("--timesteps", type=_int_list, help="DDIM at these timesteps, e.g. 999,749,499,249")
     samples.add_argument("--cfg", type=float, required=True, help="classifier-free guidance scale (1: none)")
     samples.add_argument("--rtol", type=float, default=1e-4, help="largest relative difference accepted")
     samples.set_defaults(run=_check_samples)

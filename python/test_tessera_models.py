@@ -38,7 +38,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tessera_model
 MODEL_DEFAULTS = {
     "arch": "mlp", "vocab_size": 256, "context": 16, "embed_dim": 32, "hidden": [256, 256], "activation": "gelu",
     "layers": 2, "heads": 4, "tie_head": False, "timesteps": 1000, "beta_start": 1.0e-4, "beta_end": 0.02,
-    "patch_size": 4, "mlp_ratio": 4.0, "classes": 0, "class_dropout": 0.1,
+    "patch_size": 4, "mlp_ratio": 4.0, "classes": 0, "class_dropout": 0.1, "sample_timesteps": [],
 }
 
 
@@ -387,6 +387,25 @@ class SamplerTest(unittest.TestCase):
             out = tm.sample_ddim(Oracle(), schedule, torch.randn(4, 2, 3), None, steps, 1.0)
             self.assertLess((out - x0).abs().max().item(), 1e-5, f"{steps} steps")
 
+    def test_ddim_at_given_timesteps(self):
+        schedule = tm.NoiseSchedule(1000, 1e-4, 0.02)
+        noise = torch.randn(3, 2, generator=torch.Generator().manual_seed(5))
+        model = CountingModel()
+        evenly = tm.sample_ddim(model, schedule, noise, None, 5, 1.0)
+        given = tm.sample_ddim(model, schedule, noise, None, 5, 1.0, timesteps=tm.ddim_timesteps(1000, 5))
+        self.assertTrue(torch.equal(evenly, given))
+        model = CountingModel()
+        tm.sample_ddim(model, schedule, noise, None, 50, 1.0, timesteps=[999, 749, 499, 249])
+        self.assertEqual(len(model.calls), 4)  # the given timesteps, not --steps
+        for bad in ([], [500, 500], [249, 499], [1000], [-1]):
+            with self.assertRaises(ValueError, msg=str(bad)):
+                tm.sample_ddim(model, schedule, noise, None, 5, 1.0, timesteps=bad)
+        self.assertEqual(tm.sample_timesteps(metadata_of({}, sample_timesteps=[999, 499])), [999, 499])
+        self.assertIsNone(tm.sample_timesteps(metadata_of({}, sample_timesteps=[])))
+        self.assertIsNone(tm.sample_timesteps(metadata_of({})))
+        with self.assertRaises(tm.ExportError):
+            tm.sample_timesteps(metadata_of({}, sample_timesteps="999"))
+
     def test_guidance_calls_the_model_once_or_twice_per_step(self):
         schedule = tm.NoiseSchedule(100, 1e-4, 0.02)
         labels = torch.tensor([0, 2, 3])
@@ -580,6 +599,11 @@ def _end_to_end_cases(work_dir):
         ("dit", {"arch": "dit", "patch_size": 4, "embed_dim": 32, "layers": 2, "heads": 4, "timesteps": 50},
          dict(kind="idx", path=images, labels=labels, **batch),
          {"noise": torch.randn(6, 1, 16, 16, generator=g), "labels": torch.tensor([0, 1, 2, 3, 4, 1])}),
+        # A few-step generator's export: both samplers take its own timesteps from the metadata.
+        ("dit_sample_timesteps", {"arch": "dit", "patch_size": 4, "embed_dim": 32, "layers": 2, "heads": 4,
+                                  "timesteps": 50, "sample_timesteps": [49, 30, 11]},
+         dict(kind="idx", path=images, labels=labels, **batch),
+         {"noise": torch.randn(6, 1, 16, 16, generator=g), "labels": torch.tensor([0, 1, 2, 3, 4, 1])}),
     ]
 
 
@@ -606,10 +630,11 @@ def _end_to_end_one(bin_dir, case_dir, name, model, data, noise):
         noise_file = os.path.join(case_dir, "noise.safetensors")
         samples = os.path.join(case_dir, "samples.safetensors")
         tm.save_safetensors(noise_file, noise)
-        _run([os.path.join(bin_dir, "tessera-sample"), "--weights", export, "--noise", noise_file, "--steps", "5",
+        steps = [] if "sample_timesteps" in model else ["--steps", "5"]  # the export's own timesteps
+        _run([os.path.join(bin_dir, "tessera-sample"), "--weights", export, "--noise", noise_file, *steps,
               "--cfg", "2", "--sampler", "ddim", "--out-tensors", samples], case_dir)
         report += _run([sys.executable, SCRIPT, "check-samples", "--weights", export, "--noise", noise_file,
-                        "--samples", samples, "--steps", "5", "--cfg", "2"], case_dir)
+                        "--samples", samples, *steps, "--cfg", "2"], case_dir)
     return report
 
 

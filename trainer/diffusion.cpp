@@ -183,19 +183,40 @@ std::vector<int64_t> ddimTimesteps(int64_t timesteps, int64_t steps) {
 
 at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
                       const NoiseFunction& predictNoise) {
-  const std::vector<int64_t> ts = ddimTimesteps(schedule.timesteps, steps);
+  return sampleDdim(schedule, noise, ddimTimesteps(schedule.timesteps, steps), predictNoise);
+}
+
+void checkTimesteps(const NoiseSchedule& schedule, const std::vector<int64_t>& timesteps, const std::string& what) {
+  TESSERA_CHECK_AS(UsageError, !timesteps.empty(), what, ": no timesteps");
+  for (size_t k = 0; k < timesteps.size(); ++k) {
+    TESSERA_CHECK_AS(UsageError, timesteps[k] >= 0 && timesteps[k] < schedule.timesteps, what, ": timestep ",
+                     timesteps[k], " is outside the schedule's [0, ", schedule.timesteps - 1, "]");
+    TESSERA_CHECK_AS(UsageError, k == 0 || timesteps[k] < timesteps[k - 1], what, ": timesteps must decrease (",
+                     timesteps[k - 1], " then ", timesteps[k], ")");
+  }
+}
+
+at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<int64_t>& ts,
+                      const NoiseFunction& predictNoise) {
+  checkTimesteps(schedule, ts, "DDIM");
   const int64_t n = noise.size(0);
   at::Tensor x = noise.to(at::kFloat);
   for (size_t k = 0; k < ts.size(); ++k) {
     const double alphaBar = schedule.alphaBars[static_cast<size_t>(ts[k])];
     const at::Tensor eps =
         predictNoise(x, at::full({n}, ts[k], at::TensorOptions().dtype(at::kLong).device(x.device()))).to(at::kFloat);
-    const at::Tensor x0 = (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
-    if (k + 1 == ts.size()) return x0;
-    const double nextBar = schedule.alphaBars[static_cast<size_t>(ts[k + 1])];
-    x = std::sqrt(nextBar) * x0 + std::sqrt(1.0 - nextBar) * eps;
+    if (k + 1 == ts.size()) return (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
+    x = sampleDdimStep(schedule, x, ts[k], ts[k + 1], eps);
   }
   return x;
+}
+
+at::Tensor sampleDdimStep(const NoiseSchedule& schedule, const at::Tensor& x, int64_t t, int64_t s,
+                          const at::Tensor& eps) {
+  const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
+  const double nextBar = schedule.alphaBars[static_cast<size_t>(s)];
+  const at::Tensor x0 = (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
+  return std::sqrt(nextBar) * x0 + std::sqrt(1.0 - nextBar) * eps;
 }
 
 at::Tensor samplingNoise(const std::vector<int64_t>& sampleShape, int64_t count, uint64_t seed) {

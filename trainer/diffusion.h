@@ -138,6 +138,19 @@ std::vector<int64_t> ddimTimesteps(int64_t timesteps, int64_t steps);
 // sample pairs of DMD's regression loss.
 at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
                       const NoiseFunction& predictNoise);
+// The same over the given timesteps (strictly decreasing, each in [0, T)): a distilled
+// few-step generator's own (recipe.generator_timesteps).
+at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<int64_t>& timesteps,
+                      const NoiseFunction& predictNoise);
+
+// One of its steps: x at timestep t, with predicted noise eps, to timestep s < t
+// (sqrt(abar_s) x0 + sqrt(1 - abar_s) eps).
+at::Tensor sampleDdimStep(const NoiseSchedule& schedule, const at::Tensor& x, int64_t t, int64_t s,
+                          const at::Tensor& eps);
+
+// Throws naming `what` unless `timesteps` is non-empty, strictly decreasing and within
+// [0, schedule.timesteps).
+void checkTimesteps(const NoiseSchedule& schedule, const std::vector<int64_t>& timesteps, const std::string& what);
 
 // The standard normal noise of `count` samples of `sampleShape` from `seed` (CPU
 // generator, float32): the same on every machine and rank.

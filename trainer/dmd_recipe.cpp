@@ -28,6 +28,8 @@ constexpr uint64_t kGeneratorNoise = 2;   // t and eps that noise its samples
 constexpr uint64_t kCriticInput = 0x100;  // + update index: z of a critic update
 constexpr uint64_t kCriticNoise = 0x200;  // + update index: the critic's diffusion loss draws
 constexpr uint64_t kClass = 0x300;        // the class a sample is generated for
+constexpr uint64_t kGeneratorStep = 3;     // the step of the generator's chain its update trains
+constexpr uint64_t kCriticStep = 0x400;   // + update index: the chain step whose samples the critic sees
 
 // Seeds of stream `purpose` for samples whose seeds are `sampleSeeds`.
 std::vector<uint64_t> streamSeeds(const std::vector<uint64_t>& sampleSeeds, uint64_t purpose) {
@@ -73,6 +75,15 @@ at::Tensor classesOf(const Denoiser& model, const std::vector<uint64_t>& seeds) 
   return at::tensor(labels, at::kLong);
 }
 
+// The step of a K-step generator's chain each sample of `seeds` is trained at (DMD2's
+// backward simulation): uniform over 0 .. K-1, from the sample's own stream.
+std::vector<int64_t> chainStepsOf(const std::vector<uint64_t>& seeds, uint64_t purpose, size_t steps) {
+  std::vector<int64_t> out;
+  out.reserve(seeds.size());
+  for (uint64_t seed : seeds) out.push_back(static_cast<int64_t>(mix64(seed ^ mix64(purpose)) % steps));
+  return out;
+}
+
 // `labels` on `device`, or undefined.
 at::Tensor onDevice(const at::Tensor& labels, at::Device device) { return labels.defined() ? labels.to(device) : labels; }
 
@@ -92,7 +103,9 @@ class DmdRecipe : public Recipe {
         teacher_(run.model("teacher")),
         generatorNet_(denoiserOf(generator_)),
         criticNet_(denoiserOf(critic_)),
-        teacherNet_(denoiserOf(teacher_)) {
+        teacherNet_(denoiserOf(teacher_)),
+        chain_(generator_.cfg.model.sample_timesteps) {
+    checkTimesteps(generatorNet_.schedule(), chain_, generator_.cfg.modelKeys + "sample_timesteps");
     // One noise schedule for the three (finishTrainConfig checked their keys).
     const int64_t T = generatorNet_.schedule().timesteps;
     minT_ = std::min<int64_t>(T - 1, static_cast<int64_t>(std::floor(run.cfg.recipe.min_t * static_cast<double>(T))));
@@ -118,7 +131,7 @@ class DmdRecipe : public Recipe {
       const std::vector<int64_t> microIndices = slice(indices, begin, end);
       at::Tensor perSample = generatorLoss(micro);
       if (run_.cfg.recipe.regression_weight > 0) {
-        perSample = perSample + run_.cfg.recipe.regression_weight * regressionLoss(microIndices);
+        perSample = perSample + run_.cfg.recipe.regression_weight * regressionLoss(microIndices, micro);
       }
       const at::Tensor loss = perSample.mean() / static_cast<double>(run_.microBatches);
       loss.backward();
@@ -139,7 +152,7 @@ class DmdRecipe : public Recipe {
     }
   }
 
-  // One-step samples of generator_ema (every rank draws all of them: zero3 gathers
+  // Samples of generator_ema over its timesteps (every rank draws all of them: zero3 gathers
   // collectively).
   std::string drawSamples() override {
     TESSERA_CHECK(generator_.ema != nullptr, "model.samples needs the generator's EMA");
@@ -152,12 +165,12 @@ class DmdRecipe : public Recipe {
                                   : at::Tensor();
     at::Tensor samples;
     ema::withEmaWeights(*generator_.ema, *generator_.strategy, 0, [&] {
-      samples = generateOneStep(generatorNet_, noise.to(run_.device), onDevice(labels, run_.device));
+      samples = generate(generatorNet_, chain_, noise.to(run_.device), onDevice(labels, run_.device));
     });
     return writeSamples(run_, samples, generator_.cfg.names.ema);
   }
 
-  // One-step samples of each generator EMA and the live generator, a row per class (every
+  // Samples of each generator EMA and the live generator, a row per class (every
   // rank generates them all: zero3 gathers collectively).
   std::vector<SampleGrid> writeSampleGrids(int64_t step) override {
     if (generatorNet_.sampleShape().size() != 3) return {};  // not images
@@ -167,7 +180,7 @@ class DmdRecipe : public Recipe {
     std::vector<SampleGrid> written;
     const auto draw = [&](const std::string& name) {
       const at::Tensor samples =
-          generateOneStep(generatorNet_, request.noise.to(run_.device), onDevice(request.labels, run_.device));
+          generate(generatorNet_, chain_, request.noise.to(run_.device), onDevice(request.labels, run_.device));
       if (run_.comm->rank() == 0) written.push_back(writeStepGrid(run_, step, name, samples.cpu(), perClass));
     };
     if (generator_.ema) {
@@ -195,7 +208,8 @@ class DmdRecipe : public Recipe {
         const at::Tensor z = normalPerSample(streamSeeds(micro, kCriticInput + static_cast<uint64_t>(k)),
                                              generatorNet_.sampleShape());
         batch.targets = classesOf(generatorNet_, micro);
-        batch.inputs = generateOneStep(generatorNet_, z.to(run_.device), onDevice(batch.targets, run_.device));
+        batch.inputs = generateAtSteps(z.to(run_.device), onDevice(batch.targets, run_.device),
+                                       chainStepsOf(micro, kCriticStep + static_cast<uint64_t>(k), chain_.size()));
       }
       batch.noiseSeeds = streamSeeds(micro, kCriticNoise + static_cast<uint64_t>(k));
       const at::Tensor loss =
@@ -211,7 +225,8 @@ class DmdRecipe : public Recipe {
   }
 
   // The generator's per-sample surrogate loss 0.5 mean(x - sg(x - g))^2 (dmd_recipe.h).
-  // Per sample of the global batch: each critic update generates (a generator forward) and
+  // Per sample of the global batch (a K-step generator: K - 1 forwards without gradients
+  // before each of its steps below): each critic update generates (a generator forward) and
   // trains the critic (its forward and backward); the generator's update runs it forward
   // and backward, the teacher once (twice with guidance: conditional and unconditional)
   // and the critic once, and the regression pairs add a generator forward and backward.
@@ -221,15 +236,16 @@ class DmdRecipe : public Recipe {
     if (g <= 0 || c <= 0 || t <= 0) return 0;
     const RecipeOptions& r = run_.cfg.recipe;
     const double teacherPasses = r.guidance == 1.0 || teacherNet_.classes() == 0 ? 1.0 : 2.0;
-    return static_cast<double>(r.critic_steps) * (g + 3.0 * c) + 3.0 * g + teacherPasses * t + c +
-           (r.regression_weight > 0 ? 3.0 * g : 0.0);
+    const double before = static_cast<double>(chain_.size() - 1) * g;  // the chain's steps run without gradients
+    return static_cast<double>(r.critic_steps) * (before + g + 3.0 * c) + before + 3.0 * g + teacherPasses * t + c +
+           (r.regression_weight > 0 ? before + 3.0 * g : 0.0);
   }
 
   at::Tensor generatorLoss(const std::vector<uint64_t>& micro) {
     const std::vector<int64_t>& shape = generatorNet_.sampleShape();
     const at::Tensor z = normalPerSample(streamSeeds(micro, kGeneratorInput), shape).to(run_.device);
     const at::Tensor labels = onDevice(classesOf(generatorNet_, micro), run_.device);
-    const at::Tensor x = generateOneStep(generatorNet_, z, labels);
+    const at::Tensor x = generateAtSteps(z, labels, chainStepsOf(micro, kGeneratorStep, chain_.size()));
     // t in [minT, maxT] and eps per sample, from the sample's own stream.
     const auto n = static_cast<int64_t>(micro.size());
     const std::vector<uint64_t> noiseSeeds = streamSeeds(micro, kGeneratorNoise);
@@ -266,15 +282,62 @@ class DmdRecipe : public Recipe {
     return 0.5 * (flatX - target).square().mean(1);
   }
 
-  // DMD's regression loss of the samples `indices` (global): pair index mod the number of
-  // pairs, mean squared distance of G(z) to the teacher's DDIM sample of the same z.
-  at::Tensor regressionLoss(const std::vector<int64_t>& indices) {
+  // DMD2's backward simulation: the generator's clean-sample estimate for sample i at step
+  // steps[i] of its chain, from the chain's own iterate there (the steps before it run
+  // without gradients, from `noise`). Every rank runs every step of the chain, whichever
+  // steps its samples ask for: under zero3 each forward is collective.
+  at::Tensor generateAtSteps(const at::Tensor& noise, const at::Tensor& labels, const std::vector<int64_t>& steps) {
+    const std::vector<double>& alphaBars = generatorNet_.schedule().alphaBars;
+    const auto n = static_cast<int64_t>(steps.size());
+    at::Tensor input = noise, timesteps = at::full({n}, chain_[0], at::kLong);
+    if (chain_.size() > 1) {
+      torch::NoGradGuard noGrad;
+      std::vector<int64_t> earlier(chain_.begin(), chain_.end() - 1);
+      std::vector<at::Tensor> iterates{noise};
+      at::Tensor x = noise;
+      for (size_t k = 0; k + 1 < chain_.size(); ++k) {
+        x = sampleDdimStep(generatorNet_.schedule(), x, chain_[k], chain_[k + 1],
+                           predictNoiseInUnits(generatorNet_, x, at::full({n}, chain_[k], at::TensorOptions()
+                                                                                             .dtype(at::kLong)
+                                                                                             .device(x.device())),
+                                               labels)
+                               .to(at::kFloat));
+        iterates.push_back(x);
+      }
+      input = at::empty_like(noise);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t k = steps[static_cast<size_t>(i)];
+        input[i].copy_(iterates[static_cast<size_t>(k)][i]);
+        timesteps[i] = chain_[static_cast<size_t>(k)];
+      }
+    }
+    at::Tensor signal = at::empty({n}, at::kFloat), spread = at::empty({n}, at::kFloat);
+    for (int64_t i = 0; i < n; ++i) {
+      const double alphaBar = alphaBars[static_cast<size_t>(chain_[static_cast<size_t>(steps[static_cast<size_t>(i)])])];
+      signal[i] = std::sqrt(alphaBar);
+      spread[i] = std::sqrt(1.0 - alphaBar);
+    }
+    std::vector<int64_t> perSample(static_cast<size_t>(noise.dim()), 1);
+    perSample[0] = n;
+    signal = signal.view(perSample).to(noise.device());
+    spread = spread.view(perSample).to(noise.device());
+    const at::Tensor eps =
+        predictNoiseInUnits(generatorNet_, input, timesteps.to(noise.device()), labels).to(at::kFloat);
+    return (input - spread * eps) / signal;
+  }
+
+  // DMD's regression loss of the samples `indices` (global; `micro` their seeds): pair
+  // index mod the number of pairs, mean squared distance of the generator's clean-sample
+  // estimate at the sample's chain step (from the pair's noise) to the teacher's DDIM
+  // sample of the same noise.
+  at::Tensor regressionLoss(const std::vector<int64_t>& indices, const std::vector<uint64_t>& micro) {
     std::vector<int64_t> pairs;
     pairs.reserve(indices.size());
     for (int64_t i : indices) pairs.push_back(i % pairNoise_.size(0));
     const at::Tensor which = at::tensor(pairs, at::kLong);
     const at::Tensor labels = pairLabels_.defined() ? pairLabels_.index_select(0, which).to(run_.device) : at::Tensor();
-    const at::Tensor x = generateOneStep(generatorNet_, pairNoise_.index_select(0, which).to(run_.device), labels);
+    const at::Tensor x = generateAtSteps(pairNoise_.index_select(0, which).to(run_.device), labels,
+                                         chainStepsOf(micro, kGeneratorStep, chain_.size()));
     return (x.flatten(1).to(at::kFloat) - pairSamples_.index_select(0, which).to(run_.device).flatten(1)).square().mean(1);
   }
 
@@ -293,7 +356,7 @@ class DmdRecipe : public Recipe {
                        .cpu();
   }
 
-  // The teacher's noise-prediction loss on 1024 one-step samples of the generator as it
+  // The teacher's noise-prediction loss on 1024 samples of the generator as it
   // is now (fixed noise: comparable from one evaluation to the next), split over the ranks.
   double teacherLossOfSamples() {
     torch::NoGradGuard noGrad;
@@ -304,10 +367,10 @@ class DmdRecipe : public Recipe {
       const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, -1, mine);
       Batch batch;
       batch.targets = classesOf(generatorNet_, seeds);
-      batch.inputs = generateOneStep(generatorNet_,
-                                     normalPerSample(streamSeeds(seeds, kGeneratorInput), generatorNet_.sampleShape())
-                                         .to(run_.device),
-                                     onDevice(batch.targets, run_.device));
+      batch.inputs = generate(generatorNet_, chain_,
+                              normalPerSample(streamSeeds(seeds, kGeneratorInput), generatorNet_.sampleShape())
+                                  .to(run_.device),
+                              onDevice(batch.targets, run_.device));
       batch.noiseSeeds = streamSeeds(seeds, kGeneratorNoise);
       return lossesOf(*teacher_.model, std::move(batch), run_.device);
     });
@@ -316,6 +379,7 @@ class DmdRecipe : public Recipe {
   RunParts& run_;
   ModelPart &generator_, &critic_, &teacher_;
   Denoiser &generatorNet_, &criticNet_, &teacherNet_;
+  const std::vector<int64_t> chain_;  // the generator's timesteps (its model.sample_timesteps)
   int64_t minT_ = 0, maxT_ = 0;  // the generator's samples are noised at t in [minT_, maxT_]
   at::Tensor pairNoise_, pairSamples_;  // the regression loss's pairs (CPU)
   at::Tensor pairLabels_;               // their classes (undefined: unconditional)
@@ -323,13 +387,9 @@ class DmdRecipe : public Recipe {
 
 }  // namespace
 
-at::Tensor generateOneStep(Denoiser& model, const at::Tensor& noise, const at::Tensor& labels) {
-  const NoiseSchedule& schedule = model.schedule();
-  const int64_t last = schedule.timesteps - 1;
-  const double alphaBar = schedule.alphaBars[static_cast<size_t>(last)];
-  const at::Tensor t = at::full({noise.size(0)}, last, at::TensorOptions().dtype(at::kLong).device(noise.device()));
-  const at::Tensor eps = predictNoiseInUnits(model, noise, t, labels).to(at::kFloat);
-  return (noise - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
+at::Tensor generate(Denoiser& model, const std::vector<int64_t>& timesteps, const at::Tensor& noise,
+                    const at::Tensor& labels) {
+  return sampleDdim(model.schedule(), noise, timesteps, guidedNoise(model, labels, /*cfg=*/1.0));
 }
 
 std::unique_ptr<Recipe> makeDmdRecipe(RunParts& run) { return std::make_unique<DmdRecipe>(run); }

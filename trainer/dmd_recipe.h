@@ -1,10 +1,13 @@
 // Distribution-matching distillation (run.recipe dmd; docs/distill.md): a frozen teacher
-// denoiser is distilled into a generator that maps noise to a sample in one step (DMD, Yin
-// et al., CVPR 2024; the critic updated several times per generator update as in DMD2).
+// denoiser is distilled into a generator that maps noise to a sample in one step or a few
+// (DMD, Yin et al., CVPR 2024; DMD2, Yin et al., NeurIPS 2024: the critic updated several
+// times per generator update, the few-step generator trained by backward simulation).
 // Three models of the run (models: generator, critic, teacher), diffusion denoisers of one
 // architecture, each sharded by its own strategy:
-//   generator  G(z): the denoiser's estimate of the clean sample from pure noise z at the
-//              last timestep. Started from the teacher's weights (init_from).
+//   generator  G(z): deterministic DDIM over its model.sample_timesteps (default: the last
+//              timestep alone: the clean-sample estimate from pure noise z). Each update
+//              trains one step of that chain per sample, from the chain's own iterate
+//              there (backward simulation). Started from the teacher's weights (init_from).
 //   critic     a denoiser of the generator's samples ("fake score"), trained with the
 //              diffusion loss on G(z), detached, recipe.critic_steps times per step.
 //   teacher    the denoiser of the data ("real score"), frozen.
@@ -30,9 +33,10 @@ class Denoiser;
 
 std::unique_ptr<Recipe> makeDmdRecipe(RunParts& run);
 
-// G(z, y) of a denoiser (see above): z [n, sample shape...] -> samples of the same shape,
-// of classes `labels` [n] (undefined: unconditional). Enters the model's root unit (zero3
-// gathers there).
-at::Tensor generateOneStep(Denoiser& model, const at::Tensor& noise, const at::Tensor& labels = {});
+// G(z, y) of a generator denoiser: deterministic DDIM over its `timesteps` (one step:
+// the clean-sample estimate from pure noise), z [n, sample shape...] -> samples of the
+// same shape, of classes `labels` [n] (undefined: unconditional). Collective under zero3.
+at::Tensor generate(Denoiser& model, const std::vector<int64_t>& timesteps, const at::Tensor& noise,
+                    const at::Tensor& labels = {});
 
 }  // namespace tessera::trainer

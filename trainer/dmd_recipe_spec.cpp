@@ -53,10 +53,13 @@ void checkRoles(const config::ConfigSchema& schema, const TrainConfig& c) {
   }
 }
 
-void validateDmd(const config::ConfigSchema& schema, const TrainConfig& c) {
+void finishDmd(const config::ConfigSchema& schema, TrainConfig& c) {
   checkRoles(schema, c);
-  const ModelEntry& generator =
+  ModelEntry& generator =
       *std::find_if(c.models.begin(), c.models.end(), [](const ModelEntry& e) { return e.name == "generator"; });
+  // The generator's steps (DMD2's few-step generator): one step from pure noise unless the
+  // config says otherwise. Its exports carry them, so tessera-sample samples as it trained.
+  if (generator.model.sample_timesteps.empty()) generator.model.sample_timesteps = {generator.model.timesteps - 1};
   // One noise schedule: the critic's and the teacher's estimates are compared at the
   // generator's timesteps.
   for (size_t i = 0; i < c.models.size(); ++i) {
@@ -87,7 +90,7 @@ int64_t maxUpdates(const std::string& model) { return model == "critic" ? Recipe
 
 const RecipeSpec& dmdRecipeSpec() {
   static const RecipeSpec spec{"dmd", "distribution-matching distillation of the models generator, critic and teacher",
-                               validateDmd, maxUpdates};
+                               finishDmd, maxUpdates};
   return spec;
 }
 

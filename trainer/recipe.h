@@ -1,5 +1,5 @@
 // What a train step does, by run.recipe: the standard recipe trains the one model on the
-// data (standard_recipe.cpp); dmd distils a teacher into a one-step generator with a
+// data (standard_recipe.cpp); dmd distils a teacher into a one- or few-step generator with a
 // critic (dmd_recipe.h). The train loop (trainer.cpp) around a recipe is the same: logs,
 // evaluations, checkpoints of every model, exports, stop signals.
 #pragma once

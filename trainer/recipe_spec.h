@@ -21,8 +21,9 @@ struct RecipeSpec {
   const char* name;         // run.recipe
   const char* description;  // for the key's doc
   // ConfigError naming the key when the models (config.models, names set) or the recipe's
-  // keys do not fit the recipe.
-  void (*validate)(const config::ConfigSchema& schema, const TrainConfig& config);
+  // keys do not fit the recipe; then fills in the defaults that depend on the recipe (dmd:
+  // the generator's sample_timesteps), so that exports record them.
+  void (*finish)(const config::ConfigSchema& schema, TrainConfig& config);
   // The most optimizer updates `model` takes per run step in any run of the recipe: a
   // resumed checkpoint's step counts are checked against it.
   int64_t (*maxUpdatesPerRunStep)(const std::string& model);

@@ -45,6 +45,9 @@ at::Tensor drawSamples(Denoiser& model, const SampleRequest& request, distribute
   }
   TESSERA_CHECK(request.sampler == "ddim" || request.sampler == "ddpm", "samples: unknown sampler '", request.sampler,
                 "' (ddim, ddpm)");
+  TESSERA_CHECK_AS(UsageError, request.timesteps.empty() || request.sampler == "ddim",
+                   "samples: explicit timesteps are DDIM's; the ddpm sampler takes every timestep");
+  if (!request.timesteps.empty()) checkTimesteps(model.schedule(), request.timesteps, "samples");
   const int ranks = comm != nullptr ? comm->worldSize() : 1, rank = comm != nullptr ? comm->rank() : 0;
   const bool split = ranks > 1 && n >= ranks;
   const int64_t begin = split ? n * rank / ranks : 0, end = split ? n * (rank + 1) / ranks : n;
@@ -55,7 +58,8 @@ at::Tensor drawSamples(Denoiser& model, const SampleRequest& request, distribute
   const at::Tensor start = noise.slice(0, begin, end).to(device);
   at::Tensor mine;
   if (request.sampler == "ddim") {
-    mine = sampleDdim(model.schedule(), start, request.steps, predict);
+    mine = request.timesteps.empty() ? sampleDdim(model.schedule(), start, request.steps, predict)
+                                     : sampleDdim(model.schedule(), start, request.timesteps, predict);
   } else {
     std::vector<uint64_t> seeds;
     for (int64_t i = begin; i < end; ++i) seeds.push_back(noiseSeed(request.seed, -4, i));

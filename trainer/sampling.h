@@ -23,7 +23,8 @@ struct SampleRequest {
   at::Tensor noise;             // [N, sampleShape...] float32: where each sample starts
   at::Tensor labels;            // [N] int64 classes (= classes: "no class"), or undefined: unconditional
   std::string sampler = "ddim"; // ddim (deterministic) | ddpm
-  int64_t steps = 50;           // ddim: denoising steps
+  int64_t steps = 50;           // ddim: denoising steps, evenly spaced (ddimTimesteps) ...
+  std::vector<int64_t> timesteps; // ... or these (decreasing; a few-step generator's own)
   double cfg = 1.0;             // classifier-free guidance scale (1: the conditional model alone)
   int64_t seed = 0;             // ddpm: sample i's step noise comes from noiseSeed(seed, -4, i)
 };

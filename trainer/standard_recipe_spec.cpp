@@ -7,7 +7,7 @@
 namespace tessera::trainer {
 namespace {
 
-void validateStandard(const config::ConfigSchema& schema, const TrainConfig& config) {
+void finishStandard(const config::ConfigSchema& schema, TrainConfig& config) {
   if (!config.singleModelForm) {
     throw ConfigError(schema.errorMessage("run.recipe", "standard trains the single model: section; a models: map "
                                                         "needs a recipe that trains several (dmd)"));
@@ -19,7 +19,7 @@ int64_t oneUpdate(const std::string&) { return 1; }
 }  // namespace
 
 const RecipeSpec& standardRecipeSpec() {
-  static const RecipeSpec spec{"standard", "the model on the data", validateStandard, oneUpdate};
+  static const RecipeSpec spec{"standard", "the model on the data", finishStandard, oneUpdate};
   return spec;
 }
 

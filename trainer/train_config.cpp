@@ -54,6 +54,10 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
   s.add(p + "class_dropout", &m.class_dropout,
         "dit: probability a training label is replaced by the 'no class' label (classifier-free guidance)")
       .min(0.0).lessThan(1.0);
+  s.add(p + "sample_timesteps", &m.sample_timesteps,
+        "diffusion, dit: the timesteps DDIM samples at when not told the steps (decreasing, each below "
+        "model.timesteps; empty: 50 evenly spaced); in run.recipe dmd, the generator's own steps")
+      .min(0).max(kMaxWidth);
   s.add(p + "init_from", &m.init_from,
         "Safetensors file or sharded export (*.index.json) to start the model from (fresh runs; each rank reads "
         "its rows)");
@@ -441,6 +445,16 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   if (m.model.arch == "dit" && m.model.embed_dim % 4 != 0) {
     k.fail("embed_dim", strCat(m.model.embed_dim, ": dit's 2-D sin-cos position embedding needs a multiple of 4"), true);
   }
+  const std::vector<int64_t>& ts = m.model.sample_timesteps;
+  if (!ts.empty() && !m.model.isDenoiser()) k.fail("sample_timesteps", "is a denoiser's (diffusion, dit)", true);
+  for (size_t i = 0; i < ts.size(); ++i) {
+    if (ts[i] >= m.model.timesteps) {
+      k.fail("sample_timesteps", strCat(ts[i], " is not a timestep of the schedule (0 to ", m.model.timesteps - 1, ")"), true);
+    }
+    if (i > 0 && ts[i] >= ts[i - 1]) {
+      k.fail("sample_timesteps", strCat("must decrease (", ts[i - 1], " then ", ts[i], ")"), true);
+    }
+  }
   if (m.model.isDenoiser() && m.model.beta_start > m.model.beta_end) {
     k.fail("beta_start", strCat(m.model.beta_start, " is above ", m.modelKeys, "beta_end (", m.model.beta_end, ")"), true);
   }
@@ -594,7 +608,7 @@ void checkSamples(const config::ConfigSchema& s, const TrainConfig& c) {
                                                         "diffusion or dit and ema.enabled"));
     }
     if (dmd && !m.hasEma()) {
-      throw ConfigError(s.errorMessage("model.samples", "draws one-step samples with generator_ema: needs the "
+      throw ConfigError(s.errorMessage("model.samples", "draws samples with generator_ema: needs the "
                                                         "generator's ema.enabled"));
     }
   }
@@ -621,7 +635,7 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
                                                          " samples a run can count")));
   }
   settleModels(c);
-  recipeSpec(c.run.recipe).validate(s, c);
+  recipeSpec(c.run.recipe).finish(s, c);
   const auto entries = c.singleModelForm ? std::vector<std::pair<std::string, config::ConfigSchema*>>{}
                                          : s.entries("models");
   for (size_t i = 0; i < c.models.size(); ++i) {

@@ -83,6 +83,8 @@ struct ModelOptions {
   double mlp_ratio = 4.0;               // dit: MLP width / embed_dim
   int64_t classes = 0;                  // dit: class labels (0: the data's; 0 with unlabelled data: unconditional)
   double class_dropout = 0.1;           // dit: probability a training label is replaced by "no class" (CFG)
+  std::vector<int64_t> sample_timesteps; // denoisers: DDIM's timesteps when a sampler is not told the steps
+                                        // (a distilled few-step generator's own); empty: 50 evenly spaced
   int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
   std::optional<std::string> init_from; // safetensors file or *.index.json to start from (fresh runs)
 

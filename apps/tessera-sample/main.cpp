@@ -1,10 +1,13 @@
 // tessera-sample: draws samples from a trained denoiser (diffusion, dit) and writes them as
 // a PNG grid (one row per class) and/or a safetensors file.
 //   tessera-sample --weights EXPORT | --checkpoint DIR --what NAME
-//                  [--classes 0,3,7|all] [--per-class N] [--sampler ddim|ddpm] [--steps K]
+//                  [--classes 0,3,7|all] [--per-class N] [--sampler ddim|ddpm]
+//                  [--steps K | --timesteps T0,T1,...]
 //                  [--cfg SCALE] [--seed S] [--noise FILE] [--out GRID.png] [--out-tensors FILE]
 //                  [--judge CLASSIFIER]
-// The export's metadata says which model it is (no config needed). --noise gives the
+// The export's metadata says which model it is (no config needed) and, for a distilled
+// few-step generator, the timesteps it samples at (model.sample_timesteps: the default
+// when neither --steps nor --timesteps is given). --noise gives the
 // exact starting noise (`noise` [N, ...] float32, optional `labels` [N] int64), so that a
 // sample can be reproduced elsewhere (python/tessera_models.py). Under tessera-run the
 // samples are split over the ranks and gathered; rank 0 writes. Exit status: 0 ok,
@@ -117,7 +120,12 @@ int main(int argc, char** argv) {
     auto* classes = app.add_option("--classes", args.classes, "Class ids, e.g. 0,3,7, or all (one grid row each)");
     app.add_option("--per-class", args.perClass, "Samples per class (unconditional: samples)")->check(CLI::Range(1, 4096));
     app.add_option("--sampler", args.request.sampler, "ddim (deterministic) or ddpm")->check(CLI::IsMember({"ddim", "ddpm"}));
-    app.add_option("--steps", args.request.steps, "DDIM steps")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+    auto* steps = app.add_option("--steps", args.request.steps, "DDIM steps, evenly spaced (default 50, or the model's "
+                                 "sample_timesteps)")->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+    auto* timesteps = app.add_option("--timesteps", args.request.timesteps,
+                                     "DDIM at these timesteps, decreasing, comma-separated (e.g. 999,749,499,249)")
+                          ->delimiter(',')
+                          ->excludes(steps);
     app.add_option("--cfg", args.request.cfg, "Classifier-free guidance scale (1: none)")->check(CLI::Range(0.0, 100.0));
     app.add_option("--seed", args.request.seed, "Seed of the starting noise (and DDPM's step noise)");
     auto* noise = app.add_option("--noise", args.noise, "Start from this noise: safetensors 'noise' [N, ...], 'labels' [N]");
@@ -154,6 +162,13 @@ int main(int argc, char** argv) {
                                        ", not a denoiser (diffusion, dit): nothing to sample"));
     }
     startingPoint(args, *model, args.request);
+    // A distilled generator samples at its own timesteps unless told otherwise.
+    const std::vector<int64_t>& own = loaded.description.model.sample_timesteps;
+    if (steps->count() == 0 && timesteps->count() == 0 && args.request.sampler == "ddim" && !own.empty()) {
+      tessera::trainer::checkTimesteps(model->schedule(), own,
+                                       (args.weights.empty() ? args.checkpoint : args.weights) + ": model.sample_timesteps");
+      args.request.timesteps = own;
+    }
     // The judge loads (and reads its real images) before sampling: a bad classifier fails fast.
     std::optional<tessera::trainer::SampleJudge> judge;
     if (!args.judge.empty() && env.rank == 0) judge.emplace(args.judge);

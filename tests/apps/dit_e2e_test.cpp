@@ -245,10 +245,11 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
   EXPECT_FALSE(fs::exists(dir + "/bad_judge/checkpoints/step_00000004")) << "trained before refusing";
 }
 
-// run.recipe dmd over DiTs: a class-conditional one-step generator distilled from a DiT
-// teacher with guidance (the real score's CFG) trains the same on 2 ranks (generator
-// zero3, critic zero2, teacher zero3) as in one process, and draws a one-step grid per
-// class from its EMA and the live generator.
+// run.recipe dmd over DiTs: a class-conditional few-step generator (DMD2's backward
+// simulation over 3 timesteps) distilled from a DiT teacher with guidance (the real
+// score's CFG) trains the same on 2 ranks (generator zero3, critic zero2, teacher zero3)
+// as in one process, draws a grid per class from its EMA and the live generator, and its
+// export samples at its own timesteps.
 TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
   const std::string dir = scratch("dmd");
   const std::string config = ditConfig(dir);
@@ -258,7 +259,8 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
   std::ofstream(distill) << "recipe: {critic_steps: 2, guidance: 2.0, regression_weight: 1.0, regression_pairs: 12,"
                             " pair_steps: 4}\n"
                             "models:\n"
-                            "  generator: {sharding: {strategy: zero3}, ema: {enabled: true, decays: [0.9]}}\n"
+                            "  generator: {sample_timesteps: [99, 60, 25], sharding: {strategy: zero3},\n"
+                            "              ema: {enabled: true, decays: [0.9]}}\n"
                             "  critic: {sharding: {strategy: zero2}, ema: {enabled: false}}\n"
                             "  teacher: {trainable: false, sharding: {strategy: zero3}}\n";
   // The teacher's config, turned into a distillation: the models: section from a second file.
@@ -278,6 +280,17 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
     EXPECT_TRUE(fs::exists(fs::path(sharded) / "samples" / grid)) << grid << "\n" << out;
   }
   expectCloseExports(single, sharded, "dmd generator_ema");
+  // The export says its timesteps: tessera-sample takes them unless told the steps.
+  const std::string exported = sharded + "/export/generator_ema.safetensors";
+  int drawn = 0;
+  const auto sample = [&](const std::string& how) {
+    const std::string out = dir + "/samples" + std::to_string(++drawn) + ".safetensors";
+    mustRun(kBin + "/tessera-sample --weights " + exported + " --per-class 1 --seed 4 --out-tensors " + out + how);
+    return tessera::checkpoint::loadSafetensors(out).at("samples");
+  };
+  const at::Tensor own = sample(""), given = sample(" --timesteps 99,60,25"), evenly = sample(" --steps 3");
+  EXPECT_TRUE(own.equal(given));
+  EXPECT_FALSE(own.equal(evenly));  // 99, 50, 0
   // TensorBoard: the generator's and the critic's losses, the evaluation, and each grid as
   // an image of its size, every record accepted by the independent reader.
   const auto tb = tessera::test::readTensorBoard(sharded + "/tb");
@@ -320,6 +333,11 @@ TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {
            Case{"--weights " + weights + " --steps 0 --out " + dir + "/g.png", "--steps"},
            Case{"--weights " + weights + " --steps 101 --out " + dir + "/g.png", "101 steps for 100 timesteps"},
            Case{"--checkpoint " + dir + " --out " + dir + "/g.png", "neither a complete checkpoint"},
+           Case{"--weights " + weights + " --timesteps 100 --out " + dir + "/g.png", "timestep 100 is outside"},
+           Case{"--weights " + weights + " --timesteps 10,20 --out " + dir + "/g.png", "must decrease (10 then 20)"},
+           Case{"--weights " + weights + " --timesteps 50,x --out " + dir + "/g.png", "--timesteps"},
+           Case{"--weights " + weights + " --timesteps 50 --steps 4 --out " + dir + "/g.png", "excludes"},
+           Case{"--weights " + weights + " --timesteps 50 --sampler ddpm --out " + dir + "/g.png", "are DDIM's"},
        }) {
     const auto r = tessera::test::runCommand(sample + c.args, 120);
     EXPECT_TRUE(r.refused()) << c.args << " -> status " << r.status << "\n" << r.output;

@@ -130,5 +130,31 @@ TEST(TrainConfigTest, RecipesOwnTheirSpecs) {
   }
 }
 
+// model.sample_timesteps: a denoiser's own DDIM timesteps; dmd's generator gets its one
+// step from pure noise unless the config names its steps, and only the generator does.
+TEST(TrainConfigTest, SampleTimestepsAreCheckedAndDmdGivesTheGeneratorItsSteps) {
+  const TrainConfig distill = loadTrainConfig(kConfigs + "/distill.yaml", {}, 1).config;
+  EXPECT_EQ(distill.models[0].name, "generator");
+  EXPECT_EQ(distill.models[0].model.sample_timesteps, std::vector<int64_t>{distill.models[0].model.timesteps - 1});
+  EXPECT_TRUE(distill.models[1].model.sample_timesteps.empty());  // critic
+  EXPECT_TRUE(distill.models[2].model.sample_timesteps.empty());  // teacher
+  const TrainConfig fewStep =
+      loadTrainConfig(kConfigs + "/distill.yaml", {"models.generator.sample_timesteps=[199, 120, 50]"}, 1).config;
+  EXPECT_EQ(fewStep.models[0].model.sample_timesteps, (std::vector<int64_t>{199, 120, 50}));
+  const auto refused = [](const std::string& config, const std::string& set, const std::string& expected) {
+    try {
+      loadTrainConfig(kConfigs + config, {set}, 1);
+      ADD_FAILURE() << set << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << set << ": " << e.what();
+    }
+  };
+  refused("/distill.yaml", "models.generator.sample_timesteps=[200]", "200 is not a timestep of the schedule (0 to 199)");
+  refused("/distill.yaml", "models.generator.sample_timesteps=[50, 120]", "must decrease (50 then 120)");
+  refused("/distill.yaml", "models.generator.sample_timesteps=[-1]", "models.generator.sample_timesteps");
+  refused("/diffusion.yaml", "model.sample_timesteps=[99, 99]", "must decrease (99 then 99)");
+  refused("/default.yaml", "model.sample_timesteps=[5]", "is a denoiser's");
+}
+
 }  // namespace
 }  // namespace tessera::trainer
