@@ -28,7 +28,7 @@ constexpr uint64_t kGeneratorNoise = 2;   // t and eps that noise its samples
 constexpr uint64_t kCriticInput = 0x100;  // + update index: z of a critic update
 constexpr uint64_t kCriticNoise = 0x200;  // + update index: the critic's diffusion loss draws
 constexpr uint64_t kClass = 0x300;        // the class a sample is generated for
-constexpr uint64_t kGeneratorStep = 3;     // the step of the generator's chain its update trains
+constexpr uint64_t kGeneratorStep = 3;    // the step of the generator's chain its update trains
 constexpr uint64_t kCriticStep = 0x400;   // + update index: the chain step whose samples the critic sees
 
 // Seeds of stream `purpose` for samples whose seeds are `sampleSeeds`.
@@ -292,16 +292,12 @@ class DmdRecipe : public Recipe {
     at::Tensor input = noise, timesteps = at::full({n}, chain_[0], at::kLong);
     if (chain_.size() > 1) {
       torch::NoGradGuard noGrad;
-      std::vector<int64_t> earlier(chain_.begin(), chain_.end() - 1);
       std::vector<at::Tensor> iterates{noise};
       at::Tensor x = noise;
       for (size_t k = 0; k + 1 < chain_.size(); ++k) {
-        x = sampleDdimStep(generatorNet_.schedule(), x, chain_[k], chain_[k + 1],
-                           predictNoiseInUnits(generatorNet_, x, at::full({n}, chain_[k], at::TensorOptions()
-                                                                                             .dtype(at::kLong)
-                                                                                             .device(x.device())),
-                                               labels)
-                               .to(at::kFloat));
+        const at::Tensor t = at::full({n}, chain_[k], at::TensorOptions().dtype(at::kLong).device(x.device()));
+        const at::Tensor eps = predictNoiseInUnits(generatorNet_, x, t, labels).to(at::kFloat);
+        x = sampleDdimStep(generatorNet_.schedule(), x, chain_[k], chain_[k + 1], eps);
         iterates.push_back(x);
       }
       input = at::empty_like(noise);

@@ -175,17 +175,19 @@ TEST(DistillE2ETest, ShardedRunsEqualOneProcess) {
   }
 }
 
-// Stopped at step 3 on 4 ranks (generator zero3, critic zero2, teacher zero3: the
-// config's), resumed on 3 ranks with every model under another strategy: the same figures
+// A 3-step generator stopped at step 3 on 4 ranks (generator zero3, critic zero2, teacher
+// zero3: the config's), resumed on 3 ranks with every model under another strategy: the same figures
 // and exports as the uninterrupted 4-rank run. The one checkpoint holds all three models,
 // the optimizers and the EMA; tessera-export and tessera-ckpt read it offline.
 TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) {
   const std::string teacher = smallTeacher();
   const std::string whole = scratch("whole"), resumed = scratch("resumed");
   // The critic with an EMA of its own too, updated once per run step however many critic
-  // updates a step makes.
+  // updates a step makes; the generator a few-step one (backward simulation draws its
+  // chain steps from the sample seeds, so a resumed run draws the same).
   const std::string criticEma = " --set models.critic.ema.enabled=true --set recipe.critic_steps=3"
-                                " --set checkpoint.export=[generator_ema,generator,critic,critic_ema]";
+                                " --set checkpoint.export=[generator_ema,generator,critic,critic_ema]"
+                                " --set models.generator.sample_timesteps=[199,120,40]";
   mustRun(launch(4) + smallDistill(teacher, whole) + criticEma);
   mustRun(launch(4) + smallDistill(teacher, resumed) + criticEma + " --set run.stop_after_steps=3");
   const std::string out =
