@@ -188,12 +188,8 @@ at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, in
 
 void checkTimesteps(const NoiseSchedule& schedule, const std::vector<int64_t>& timesteps, const std::string& what) {
   TESSERA_CHECK_AS(UsageError, !timesteps.empty(), what, ": no timesteps");
-  for (size_t k = 0; k < timesteps.size(); ++k) {
-    TESSERA_CHECK_AS(UsageError, timesteps[k] >= 0 && timesteps[k] < schedule.timesteps, what, ": timestep ",
-                     timesteps[k], " is outside the schedule's [0, ", schedule.timesteps - 1, "]");
-    TESSERA_CHECK_AS(UsageError, k == 0 || timesteps[k] < timesteps[k - 1], what, ": timesteps must decrease (",
-                     timesteps[k - 1], " then ", timesteps[k], ")");
-  }
+  const std::string problem = timestepsProblem(timesteps, schedule.timesteps);
+  TESSERA_CHECK_AS(UsageError, problem.empty(), what, ": ", problem);
 }
 
 at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<int64_t>& ts,

@@ -148,8 +148,8 @@ at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, co
 at::Tensor sampleDdimStep(const NoiseSchedule& schedule, const at::Tensor& x, int64_t t, int64_t s,
                           const at::Tensor& eps);
 
-// Throws naming `what` unless `timesteps` is non-empty, strictly decreasing and within
-// [0, schedule.timesteps).
+// Throws naming `what` unless `timesteps` is non-empty and fits the schedule
+// (timestepsProblem).
 void checkTimesteps(const NoiseSchedule& schedule, const std::vector<int64_t>& timesteps, const std::string& what);
 
 // The standard normal noise of `count` samples of `sampleShape` from `seed` (CPU

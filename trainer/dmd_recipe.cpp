@@ -104,8 +104,7 @@ class DmdRecipe : public Recipe {
         generatorNet_(denoiserOf(generator_)),
         criticNet_(denoiserOf(critic_)),
         teacherNet_(denoiserOf(teacher_)),
-        chain_(generator_.cfg.model.sample_timesteps) {
-    checkTimesteps(generatorNet_.schedule(), chain_, generator_.cfg.modelKeys + "sample_timesteps");
+        chain_(generator_.cfg.model.sample_timesteps) {  // checked and defaulted by finishTrainConfig
     // One noise schedule for the three (finishTrainConfig checked their keys).
     const int64_t T = generatorNet_.schedule().timesteps;
     minT_ = std::min<int64_t>(T - 1, static_cast<int64_t>(std::floor(run.cfg.recipe.min_t * static_cast<double>(T))));

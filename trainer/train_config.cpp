@@ -28,6 +28,18 @@ constexpr double kMaxBucketMiB = 1 << 20;  // 1 TiB
 
 }  // namespace
 
+std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t scheduleSteps) {
+  for (size_t k = 0; k < timesteps.size(); ++k) {
+    if (timesteps[k] < 0 || timesteps[k] >= scheduleSteps) {
+      return strCat("timestep ", timesteps[k], " is outside the schedule's [0, ", scheduleSteps - 1, "]");
+    }
+    if (k > 0 && timesteps[k] >= timesteps[k - 1]) {
+      return strCat("timesteps must decrease (", timesteps[k - 1], " then ", timesteps[k], ")");
+    }
+  }
+  return "";
+}
+
 void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& m) {
   s.add(p + "arch", &m.arch,
         "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors), "
@@ -445,16 +457,11 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   if (m.model.arch == "dit" && m.model.embed_dim % 4 != 0) {
     k.fail("embed_dim", strCat(m.model.embed_dim, ": dit's 2-D sin-cos position embedding needs a multiple of 4"), true);
   }
-  const std::vector<int64_t>& ts = m.model.sample_timesteps;
-  if (!ts.empty() && !m.model.isDenoiser()) k.fail("sample_timesteps", "is a denoiser's (diffusion, dit)", true);
-  for (size_t i = 0; i < ts.size(); ++i) {
-    if (ts[i] >= m.model.timesteps) {
-      k.fail("sample_timesteps", strCat(ts[i], " is not a timestep of the schedule (0 to ", m.model.timesteps - 1, ")"), true);
-    }
-    if (i > 0 && ts[i] >= ts[i - 1]) {
-      k.fail("sample_timesteps", strCat("must decrease (", ts[i - 1], " then ", ts[i], ")"), true);
-    }
+  if (!m.model.sample_timesteps.empty() && !m.model.isDenoiser()) {
+    k.fail("sample_timesteps", "is a denoiser's (diffusion, dit)", true);
   }
+  const std::string timesteps = timestepsProblem(m.model.sample_timesteps, m.model.timesteps);
+  if (!timesteps.empty()) k.fail("sample_timesteps", timesteps, true);
   if (m.model.isDenoiser() && m.model.beta_start > m.model.beta_end) {
     k.fail("beta_start", strCat(m.model.beta_start, " is above ", m.modelKeys, "beta_end (", m.model.beta_end, ")"), true);
   }

@@ -92,6 +92,11 @@ struct ModelOptions {
   bool isDenoiser() const { return arch == "diffusion" || arch == "dit"; }
 };
 
+// What is wrong with `timesteps` as DDIM's timesteps over a schedule of `scheduleSteps`
+// noise levels (each in [0, scheduleSteps), strictly decreasing), or "" when nothing is:
+// the one rule for model.sample_timesteps and the samplers' explicit timesteps.
+std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t scheduleSteps);
+
 // data.micro_batch: auto, as held until finishTrainConfig resolves it for the world size.
 constexpr int64_t kAutoMicroBatch = 0;
 

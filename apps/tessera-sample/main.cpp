@@ -162,9 +162,12 @@ int main(int argc, char** argv) {
                                        ", not a denoiser (diffusion, dit): nothing to sample"));
     }
     startingPoint(args, *model, args.request);
-    // A distilled generator samples at its own timesteps unless told otherwise.
+    // A distilled generator samples at its own timesteps unless told otherwise. Either
+    // list is checked here, where the error can name where it came from.
     const std::vector<int64_t>& own = loaded.description.model.sample_timesteps;
-    if (steps->count() == 0 && timesteps->count() == 0 && args.request.sampler == "ddim" && !own.empty()) {
+    if (timesteps->count() > 0) {
+      tessera::trainer::checkTimesteps(model->schedule(), args.request.timesteps, "--timesteps");
+    } else if (steps->count() == 0 && args.request.sampler == "ddim" && !own.empty()) {
       tessera::trainer::checkTimesteps(model->schedule(), own,
                                        (args.weights.empty() ? args.checkpoint : args.weights) + ": model.sample_timesteps");
       args.request.timesteps = own;

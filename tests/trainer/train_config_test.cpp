@@ -149,7 +149,7 @@ TEST(TrainConfigTest, SampleTimestepsAreCheckedAndDmdGivesTheGeneratorItsSteps) 
       EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << set << ": " << e.what();
     }
   };
-  refused("/distill.yaml", "models.generator.sample_timesteps=[200]", "200 is not a timestep of the schedule (0 to 199)");
+  refused("/distill.yaml", "models.generator.sample_timesteps=[200]", "timestep 200 is outside the schedule's [0, 199]");
   refused("/distill.yaml", "models.generator.sample_timesteps=[50, 120]", "must decrease (50 then 120)");
   refused("/distill.yaml", "models.generator.sample_timesteps=[-1]", "models.generator.sample_timesteps");
   refused("/diffusion.yaml", "model.sample_timesteps=[99, 99]", "must decrease (99 then 99)");
