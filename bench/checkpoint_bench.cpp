@@ -47,7 +47,7 @@
 
 namespace fs = std::filesystem;
 namespace ckpt = tessera::checkpoint;
-using tessera::sharding::ShardSpec;
+using tessera::dtensor::ShardSpec;
 
 namespace {
 
@@ -191,15 +191,242 @@ long childPeakRssKiB(const std::vector<std::string>& argv) {
 
 }  // namespace
 
+// Disks on shared machines are noisy: every figure is the median of --reps runs, the
+// sharded and raw runs interleaved.
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// What the four benchmarks share: the model, every rank's entries and, for the raw
+// baselines, their real rows in host memory.
+struct Bench {
+  int world = 4;
+  int reps = 3;
+  std::string dir, rawDir, root;  // scratch; raw baseline files; checkpoints
+  Model model;
+  std::vector<std::vector<ckpt::StateEntry>> entries;  // per rank
+  std::vector<std::vector<at::Tensor>> hostRows;       // per rank: the real rows, on the host
+  double gib = 0;                                      // the model's size
+};
+
+// Sharded sync save vs raw sequential write + fsync of the same rows. Returns the save's
+// median seconds.
+double benchSave(const Bench& b) {
+  auto comms = makeComms(b.world, "bench_save");
+  std::vector<double> rawWrites, saves;
+  for (int rep = 0; rep < b.reps; ++rep) {
+    // --- raw sequential write baseline: each rank's real rows, one file per rank, fsync.
+    tessera::removeTree(b.rawDir);
+    fs::create_directories(b.rawDir);
+    rawWrites.push_back(onThreads(b.world, [&](int r) {
+      ckpt::File f = ckpt::File::openWrite(b.rawDir + "/rank_" + std::to_string(r) + ".bin");
+      for (const auto& rows : b.hostRows[static_cast<size_t>(r)]) {
+        rawWrite(f, static_cast<const uint8_t*>(rows.data_ptr()), rows.numel() * 4);
+      }
+      f.sync();
+      f.close();
+      if (r == 0) ckpt::syncDirectory(b.rawDir);
+    }));
+    // --- sharded sync save. The previous rep's checkpoint is deleted outside the timing
+    // (keep_last would delete it inside the save, which the raw baseline does not do).
+    for (const auto& old : ckpt::listCheckpoints(b.root)) tessera::removeTree(old.dir);
+    saves.push_back(onThreads(b.world, [&](int r) {
+      ckpt::Checkpointer c(b.root, comms[static_cast<size_t>(r)]);
+      ckpt::SaveRequest req;
+      req.step = 1 + rep;
+      req.entries = b.entries[static_cast<size_t>(r)];
+      c.save(req);
+    }));
+  }
+  const double rawWrite = median(rawWrites), save = median(saves);
+  std::printf("save   sharded %.3f s (%.2f GiB/s)  raw write+fsync %.3f s (%.2f GiB/s)  ratio %.2fx  (median of %d)\n",
+              save, b.gib / save, rawWrite, b.gib / rawWrite, rawWrite / save, b.reps);
+  return save;
+}
+
+// Load at the same world size and resharded to world - 1 ranks (verified) vs raw reads;
+// caches dropped before each; all read into fresh, untouched buffers allocated outside
+// the timing.
+void benchLoad(const Bench& b) {
+  const std::string stepDir = b.root + "/" + ckpt::stepDirName(b.reps);
+  std::vector<double> rawReads, rawReadsByOther, loads, reshards;
+  // The raw files' sizes; a raw read by `other` readers splits their concatenation evenly.
+  std::vector<int64_t> rawSizes;
+  for (int r = 0; r < b.world; ++r) {
+    rawSizes.push_back(static_cast<int64_t>(fs::file_size(b.rawDir + "/rank_" + std::to_string(r) + ".bin")));
+  }
+  const int64_t rawTotal = std::accumulate(rawSizes.begin(), rawSizes.end(), int64_t{0});
+  int64_t reshardBytes = 0;  // read by all ranks of a resharded load (edge blocks included)
+  const int other = std::max(1, b.world - 1);
+  bool same = true;
+  std::vector<std::vector<ckpt::StateEntry>> dest;
+  for (int rep = 0; rep < b.reps; ++rep) {
+    std::vector<at::Tensor> rawBuffers;
+    for (int r = 0; r < b.world; ++r) rawBuffers.push_back(at::empty({rawSizes[static_cast<size_t>(r)]}, at::kByte));
+    dropCacheOf(b.rawDir);
+    rawReads.push_back(onThreads(b.world, [&](int r) {
+      ckpt::File f = ckpt::File::openRead(b.rawDir + "/rank_" + std::to_string(r) + ".bin");
+      rawRead(f, static_cast<uint8_t*>(rawBuffers[static_cast<size_t>(r)].data_ptr()), 0, f.size());
+    }));
+    rawBuffers.clear();
+    // The same bytes read by as many readers as the resharded load has: reader r reads
+    // [total * r / other, total * (r + 1) / other) of the files' concatenation.
+    at::Tensor all = at::empty({rawTotal}, at::kByte);
+    dropCacheOf(b.rawDir);
+    rawReadsByOther.push_back(onThreads(other, [&](int r) {
+      const int64_t begin = rawTotal * r / other, end = rawTotal * (r + 1) / other;
+      int64_t base = 0;
+      for (int f = 0; f < b.world; ++f) {
+        const int64_t size = rawSizes[static_cast<size_t>(f)];
+        const int64_t fb = std::max(begin, base), fe = std::min(end, base + size);
+        if (fe > fb) {
+          ckpt::File file = ckpt::File::openRead(b.rawDir + "/rank_" + std::to_string(f) + ".bin");
+          rawRead(file, static_cast<uint8_t*>(all.data_ptr()) + fb, fb - base, fe - fb);
+        }
+        base += size;
+      }
+    }));
+    all = at::Tensor();
+    dest.clear();
+    for (int r = 0; r < b.world; ++r) dest.push_back(entriesOf(b.model, b.world, r, false));
+    dropCacheOf(stepDir);
+    loads.push_back(onThreads(b.world, [&](int r) { ckpt::loadCheckpoint(stepDir, dest[static_cast<size_t>(r)]); }));
+    for (int r = 0; r < b.world; ++r) {
+      for (size_t i = 0; i < dest[static_cast<size_t>(r)].size(); ++i) {
+        same = same && dest[static_cast<size_t>(r)][i].local.equal(b.entries[static_cast<size_t>(r)][i].local);
+      }
+    }
+    // Resharded to b.world - 1 ranks.
+    dest.clear();
+    for (int r = 0; r < other; ++r) dest.push_back(entriesOf(b.model, other, r, false));
+    dropCacheOf(stepDir);
+    std::vector<int64_t> bytesRead(static_cast<size_t>(other));
+    reshards.push_back(onThreads(other, [&](int r) {
+      bytesRead[static_cast<size_t>(r)] = ckpt::loadCheckpoint(stepDir, dest[static_cast<size_t>(r)]).bytesRead;
+    }));
+    reshardBytes = std::accumulate(bytesRead.begin(), bytesRead.end(), int64_t{0});
+  }
+  const double rawRead = median(rawReads), load = median(loads);
+  std::printf("load   sharded %.3f s (%.2f GiB/s, verified, %s)  raw read %.3f s (%.2f GiB/s)  ratio %.2fx\n", load,
+              b.gib / load, same ? "identical" : "MISMATCH", rawRead, b.gib / rawRead, rawRead / load);
+  const double reshard = median(reshards), rawReadByOther = median(rawReadsByOther);
+  std::printf("load   resharded %d -> %d ranks %.3f s (%.2f GiB/s)  ratio to raw read %.2fx; raw read by %d readers "
+              "%.3f s, ratio %.2fx  (read %.2fx the checkpoint's bytes: whole checksum blocks at the edges)\n",
+              b.world, other, reshard, b.gib / reshard, rawRead / reshard, other, rawReadByOther, rawReadByOther / reshard,
+              reshardBytes / static_cast<double>(b.model.bytes));
+  dest.clear();
+}
+
+// Async save: the training stall vs the bare copy of the same rows into buffers
+// allocated beforehand (what a stall can at best be), both timed per rank from a barrier
+// (the slowest rank counts), and vs a copy into fresh buffers (clone, the staging before
+// issue 20). One Checkpointer per rank for the whole section, as in a run: its first save
+// allocates the staging buffers (a warm-up save, reported apart), the --reps timed saves
+// reuse them. Medians, interleaved. `save`: the sync save's seconds.
+void benchAsync(const Bench& b, double save) {
+  auto asyncComms = makeComms(b.world, "bench_async");
+  std::vector<std::vector<at::Tensor>> bareBuffers(static_cast<size_t>(b.world));
+  for (int r = 0; r < b.world; ++r) {
+    for (const auto& e : b.entries[static_cast<size_t>(r)]) {
+      const at::Tensor rows = e.spec.realRows(e.local);
+      bareBuffers[static_cast<size_t>(r)].push_back(
+          at::zeros(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(rows.is_cuda())));
+    }
+  }
+  std::vector<std::unique_ptr<ckpt::Checkpointer>> cps(static_cast<size_t>(b.world));
+  ckpt::CheckpointOptions asyncOptions;
+  asyncOptions.async = true;
+  for (int r = 0; r < b.world; ++r) {
+    cps[static_cast<size_t>(r)] = std::make_unique<ckpt::Checkpointer>(b.root, asyncComms[static_cast<size_t>(r)], asyncOptions);
+  }
+  // One async save on every rank; returns {max stall, max staging, seconds until all
+  // committed}.
+  auto asyncSave = [&](int64_t step) {
+    for (const auto& old : ckpt::listCheckpoints(b.root)) tessera::removeTree(old.dir);
+    std::vector<double> stall(static_cast<size_t>(b.world)), staging(static_cast<size_t>(b.world));
+    const double start = nowSec();
+    onThreads(b.world, [&](int r) {
+      ckpt::SaveRequest req;
+      req.step = step;
+      req.entries = b.entries[static_cast<size_t>(r)];
+      // The ranks leave a training step together (its last collective): start together.
+      asyncComms[static_cast<size_t>(r)]->barrier();
+      const auto st = cps[static_cast<size_t>(r)]->save(req);
+      stall[static_cast<size_t>(r)] = st.stallSeconds;
+      staging[static_cast<size_t>(r)] = st.stagingSeconds;
+    });
+    onThreads(b.world, [&](int r) { cps[static_cast<size_t>(r)]->finish(); });
+    return std::array<double, 3>{*std::max_element(stall.begin(), stall.end()),
+                                 *std::max_element(staging.begin(), staging.end()), nowSec() - start};
+  };
+  const auto firstSave = asyncSave(999);
+  std::vector<double> bareCopies, clones, stalls, stagings, asyncTotals;
+  for (int rep = 0; rep < b.reps; ++rep) {
+    // Timed like the stall: per rank from a common start, the slowest rank counts.
+    std::vector<double> copySeconds(static_cast<size_t>(b.world));
+    onThreads(b.world, [&](int r) {
+      asyncComms[static_cast<size_t>(r)]->barrier();
+      const double start = nowSec();
+      const auto& mine = b.entries[static_cast<size_t>(r)];
+      for (size_t i = 0; i < mine.size(); ++i) {
+        bareBuffers[static_cast<size_t>(r)][i].copy_(mine[i].spec.realRows(mine[i].local));
+      }
+      copySeconds[static_cast<size_t>(r)] = nowSec() - start;
+    });
+    bareCopies.push_back(*std::max_element(copySeconds.begin(), copySeconds.end()));
+    clones.push_back(onThreads(b.world, [&](int r) {
+      for (const auto& e : b.entries[static_cast<size_t>(r)]) {
+        const at::Tensor rows = e.spec.realRows(e.local);
+        at::Tensor copy = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(rows.is_cuda()));
+        copy.copy_(rows);
+      }
+    }));
+    const auto timed = asyncSave(1000 + rep);
+    stalls.push_back(timed[0]);
+    stagings.push_back(timed[1]);
+    asyncTotals.push_back(timed[2]);
+  }
+  cps.clear();
+  const double bareCopy = median(bareCopies), clone = median(clones), maxStall = median(stalls);
+  std::printf("async  stall %.3f s (max over ranks; staging inside save %.3f s)  bare copy into allocated buffers "
+              "%.3f s  ratio %.2fx; stall / sync save %.2fx; copy into fresh buffers (clone) %.3f s; first save "
+              "(allocates the staging buffers) stall %.3f s; whole save done in the background after %.3f s\n",
+              maxStall, median(stagings), bareCopy, maxStall / bareCopy, maxStall / save, clone, firstSave[0],
+              median(asyncTotals));
+}
+
+// tessera-export's peak RSS vs the largest tensor, on the last async save's checkpoint.
+void benchExportRss(const Bench& b) {
+  const std::string binDir = fs::canonical("/proc/self/exe").parent_path().string();
+  const std::string exporter = binDir + "/tessera-export";
+  const std::string info = binDir + "/tessera-ckpt";
+  const auto remaining = ckpt::listCheckpoints(b.root);  // the last async save's checkpoint
+  if (fs::exists(exporter) && fs::exists(info) && !remaining.empty()) {
+    const std::string exportDir = remaining.back().dir;
+    const long baseline = childPeakRssKiB({info, "info", exportDir});
+    const long exportRss =
+        childPeakRssKiB({exporter, exportDir, "--what", "model", "--out", b.dir + "/export/b.model.safetensors"});
+    const long exportBf16 = childPeakRssKiB(
+        {exporter, exportDir, "--what", "model", "--dtype", "bf16", "--out", b.dir + "/export/model_bf16.safetensors"});
+    std::printf("export peak RSS %.1f MiB (bf16 cast: %.1f MiB); process baseline (tessera-ckpt info) %.1f MiB; "
+                "largest tensor %.1f MiB; model %.1f MiB; export above baseline %.1f MiB = %.2fx the largest tensor\n",
+                exportRss / 1024.0, exportBf16 / 1024.0, baseline / 1024.0, b.model.largest / 1048576.0,
+                b.model.bytes / 1048576.0, (exportRss - baseline) / 1024.0,
+                (exportRss - baseline) * 1024.0 / static_cast<double>(b.model.largest));
+  } else {
+    std::printf("export: build tessera-export and tessera-ckpt next to this program to measure peak RSS\n");
+  }
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"Checkpoint save/load/async/export benchmark"};
   int64_t mib = 256;
-  int world = 4;
+  Bench b;
   std::string dir = (fs::temp_directory_path() / "tessera_ckpt_bench").string();
   app.add_option("--mib", mib, "Checkpoint size in MiB");
-  app.add_option("--world", world, "Ranks (threads)");
-  int reps = 3;
-  app.add_option("--reps", reps, "Repetitions (medians are printed)");
+  app.add_option("--world", b.world, "Ranks (threads)");
+  app.add_option("--reps", b.reps, "Repetitions (medians are printed)");
   app.add_option("--dir", dir, "Scratch directory (removed at the end)");
   std::string deviceName = "cpu";
   app.add_option("--device", deviceName, "Where the state lives")->check(CLI::IsMember({"cpu", "cuda"}));
@@ -218,225 +445,25 @@ int main(int argc, char** argv) {
   tessera::removeTree(dir);
   fs::create_directories(dir);
 
-  const Model model = makeModel(mib);
-  std::vector<std::vector<ckpt::StateEntry>> entries;
-  for (int r = 0; r < world; ++r) entries.push_back(entriesOf(model, world, r, true));
+  b.dir = dir;
+  b.rawDir = dir + "/raw";
+  b.root = dir + "/checkpoints";
+  b.model = makeModel(mib);
+  b.gib = b.model.bytes / double(1 << 30);
+  for (int r = 0; r < b.world; ++r) b.entries.push_back(entriesOf(b.model, b.world, r, true));
   std::printf("checkpoint bench: %.1f MiB in %zu tensors (largest %.1f MiB) over %d ranks (threads), state on %s, dir %s\n",
-              model.bytes / 1048576.0, model.names.size(), model.largest / 1048576.0, world, deviceName.c_str(), dir.c_str());
-  // The raw baseline writes host memory: the real rows, copied off the device beforehand.
-  std::vector<std::vector<at::Tensor>> hostRows(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    for (const auto& e : entries[static_cast<size_t>(r)]) {
-      hostRows[static_cast<size_t>(r)].push_back(e.spec.realRows(e.local).cpu().contiguous());
+              b.model.bytes / 1048576.0, b.model.names.size(), b.model.largest / 1048576.0, b.world, deviceName.c_str(),
+              dir.c_str());
+  b.hostRows.resize(static_cast<size_t>(b.world));
+  for (int r = 0; r < b.world; ++r) {
+    for (const auto& e : b.entries[static_cast<size_t>(r)]) {
+      b.hostRows[static_cast<size_t>(r)].push_back(e.spec.realRows(e.local).cpu().contiguous());
     }
   }
-
-  // Disks on shared machines are noisy: every figure is the median of --reps runs, the
-  // sharded and raw runs interleaved.
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  const std::string rawDir = dir + "/raw";
-  const std::string root = dir + "/checkpoints";
-  auto comms = makeComms(world, "bench_save");
-  std::vector<double> rawWrites, saves;
-  for (int rep = 0; rep < reps; ++rep) {
-    // --- raw sequential write baseline: each rank's real rows, one file per rank, fsync.
-    tessera::removeTree(rawDir);
-    fs::create_directories(rawDir);
-    rawWrites.push_back(onThreads(world, [&](int r) {
-      ckpt::File f = ckpt::File::openWrite(rawDir + "/rank_" + std::to_string(r) + ".bin");
-      for (const auto& rows : hostRows[static_cast<size_t>(r)]) {
-        rawWrite(f, static_cast<const uint8_t*>(rows.data_ptr()), rows.numel() * 4);
-      }
-      f.sync();
-      f.close();
-      if (r == 0) ckpt::syncDirectory(rawDir);
-    }));
-    // --- sharded sync save. The previous rep's checkpoint is deleted outside the timing
-    // (keep_last would delete it inside the save, which the raw baseline does not do).
-    for (const auto& old : ckpt::listCheckpoints(root)) tessera::removeTree(old.dir);
-    saves.push_back(onThreads(world, [&](int r) {
-      ckpt::Checkpointer c(root, comms[static_cast<size_t>(r)]);
-      ckpt::SaveRequest req;
-      req.step = 1 + rep;
-      req.entries = entries[static_cast<size_t>(r)];
-      c.save(req);
-    }));
-  }
-  const double rawWrite = median(rawWrites), save = median(saves);
-  const double gib = model.bytes / double(1 << 30);
-  std::printf("save   sharded %.3f s (%.2f GiB/s)  raw write+fsync %.3f s (%.2f GiB/s)  ratio %.2fx  (median of %d)\n",
-              save, gib / save, rawWrite, gib / rawWrite, rawWrite / save, reps);
-
-  // --- load (same world size, and resharded to world - 1 ranks; verified) vs raw read;
-  // caches dropped before each; all read into fresh, untouched buffers allocated outside
-  // the timing.
-  const std::string stepDir = root + "/" + ckpt::stepDirName(reps);
-  std::vector<double> rawReads, rawReadsByOther, loads, reshards;
-  // The raw files' sizes; a raw read by `other` readers splits their concatenation evenly.
-  std::vector<int64_t> rawSizes;
-  for (int r = 0; r < world; ++r) {
-    rawSizes.push_back(static_cast<int64_t>(fs::file_size(rawDir + "/rank_" + std::to_string(r) + ".bin")));
-  }
-  const int64_t rawTotal = std::accumulate(rawSizes.begin(), rawSizes.end(), int64_t{0});
-  int64_t reshardBytes = 0;  // read by all ranks of a resharded load (edge blocks included)
-  const int other = std::max(1, world - 1);
-  bool same = true;
-  std::vector<std::vector<ckpt::StateEntry>> dest;
-  for (int rep = 0; rep < reps; ++rep) {
-    std::vector<at::Tensor> rawBuffers;
-    for (int r = 0; r < world; ++r) rawBuffers.push_back(at::empty({rawSizes[static_cast<size_t>(r)]}, at::kByte));
-    dropCacheOf(rawDir);
-    rawReads.push_back(onThreads(world, [&](int r) {
-      ckpt::File f = ckpt::File::openRead(rawDir + "/rank_" + std::to_string(r) + ".bin");
-      rawRead(f, static_cast<uint8_t*>(rawBuffers[static_cast<size_t>(r)].data_ptr()), 0, f.size());
-    }));
-    rawBuffers.clear();
-    // The same bytes read by as many readers as the resharded load has: reader r reads
-    // [total * r / other, total * (r + 1) / other) of the files' concatenation.
-    at::Tensor all = at::empty({rawTotal}, at::kByte);
-    dropCacheOf(rawDir);
-    rawReadsByOther.push_back(onThreads(other, [&](int r) {
-      const int64_t b = rawTotal * r / other, e = rawTotal * (r + 1) / other;
-      int64_t base = 0;
-      for (int f = 0; f < world; ++f) {
-        const int64_t size = rawSizes[static_cast<size_t>(f)];
-        const int64_t fb = std::max(b, base), fe = std::min(e, base + size);
-        if (fe > fb) {
-          ckpt::File file = ckpt::File::openRead(rawDir + "/rank_" + std::to_string(f) + ".bin");
-          rawRead(file, static_cast<uint8_t*>(all.data_ptr()) + fb, fb - base, fe - fb);
-        }
-        base += size;
-      }
-    }));
-    all = at::Tensor();
-    dest.clear();
-    for (int r = 0; r < world; ++r) dest.push_back(entriesOf(model, world, r, false));
-    dropCacheOf(stepDir);
-    loads.push_back(onThreads(world, [&](int r) { ckpt::loadCheckpoint(stepDir, dest[static_cast<size_t>(r)]); }));
-    for (int r = 0; r < world; ++r) {
-      for (size_t i = 0; i < dest[static_cast<size_t>(r)].size(); ++i) {
-        same = same && dest[static_cast<size_t>(r)][i].local.equal(entries[static_cast<size_t>(r)][i].local);
-      }
-    }
-    // Resharded to world - 1 ranks.
-    dest.clear();
-    for (int r = 0; r < other; ++r) dest.push_back(entriesOf(model, other, r, false));
-    dropCacheOf(stepDir);
-    std::vector<int64_t> bytesRead(static_cast<size_t>(other));
-    reshards.push_back(onThreads(other, [&](int r) {
-      bytesRead[static_cast<size_t>(r)] = ckpt::loadCheckpoint(stepDir, dest[static_cast<size_t>(r)]).bytesRead;
-    }));
-    reshardBytes = std::accumulate(bytesRead.begin(), bytesRead.end(), int64_t{0});
-  }
-  const double rawRead = median(rawReads), load = median(loads);
-  std::printf("load   sharded %.3f s (%.2f GiB/s, verified, %s)  raw read %.3f s (%.2f GiB/s)  ratio %.2fx\n", load,
-              gib / load, same ? "identical" : "MISMATCH", rawRead, gib / rawRead, rawRead / load);
-  const double reshard = median(reshards), rawReadByOther = median(rawReadsByOther);
-  std::printf("load   resharded %d -> %d ranks %.3f s (%.2f GiB/s)  ratio to raw read %.2fx; raw read by %d readers "
-              "%.3f s, ratio %.2fx  (read %.2fx the checkpoint's bytes: whole checksum blocks at the edges)\n",
-              world, other, reshard, gib / reshard, rawRead / reshard, other, rawReadByOther, rawReadByOther / reshard,
-              reshardBytes / static_cast<double>(model.bytes));
-  dest.clear();
-
-  // --- async: the training stall of a save vs the bare copy of the same rows into
-  // buffers allocated beforehand (what a stall can at best be), both timed per rank from
-  // a barrier (the slowest rank counts), and vs a copy into fresh buffers (clone, the
-  // staging before issue 20). One Checkpointer per rank for the whole
-  // section, as in a run: its first save allocates the staging buffers (a warm-up save,
-  // reported apart), the --reps timed saves reuse them. Medians, interleaved.
-  auto asyncComms = makeComms(world, "bench_async");
-  std::vector<std::vector<at::Tensor>> bareBuffers(static_cast<size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    for (const auto& e : entries[static_cast<size_t>(r)]) {
-      const at::Tensor rows = e.spec.realRows(e.local);
-      bareBuffers[static_cast<size_t>(r)].push_back(
-          at::zeros(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(rows.is_cuda())));
-    }
-  }
-  std::vector<std::unique_ptr<ckpt::Checkpointer>> cps(static_cast<size_t>(world));
-  ckpt::CheckpointOptions asyncOptions;
-  asyncOptions.async = true;
-  for (int r = 0; r < world; ++r) {
-    cps[static_cast<size_t>(r)] = std::make_unique<ckpt::Checkpointer>(root, asyncComms[static_cast<size_t>(r)], asyncOptions);
-  }
-  // One async save on every rank; returns {max stall, max staging, seconds until all
-  // committed}.
-  auto asyncSave = [&](int64_t step) {
-    for (const auto& old : ckpt::listCheckpoints(root)) tessera::removeTree(old.dir);
-    std::vector<double> stall(static_cast<size_t>(world)), staging(static_cast<size_t>(world));
-    const double start = nowSec();
-    onThreads(world, [&](int r) {
-      ckpt::SaveRequest req;
-      req.step = step;
-      req.entries = entries[static_cast<size_t>(r)];
-      // The ranks leave a training step together (its last collective): start together.
-      asyncComms[static_cast<size_t>(r)]->barrier();
-      const auto st = cps[static_cast<size_t>(r)]->save(req);
-      stall[static_cast<size_t>(r)] = st.stallSeconds;
-      staging[static_cast<size_t>(r)] = st.stagingSeconds;
-    });
-    onThreads(world, [&](int r) { cps[static_cast<size_t>(r)]->finish(); });
-    return std::array<double, 3>{*std::max_element(stall.begin(), stall.end()),
-                                 *std::max_element(staging.begin(), staging.end()), nowSec() - start};
-  };
-  const auto firstSave = asyncSave(999);
-  std::vector<double> bareCopies, clones, stalls, stagings, asyncTotals;
-  for (int rep = 0; rep < reps; ++rep) {
-    // Timed like the stall: per rank from a common start, the slowest rank counts.
-    std::vector<double> copySeconds(static_cast<size_t>(world));
-    onThreads(world, [&](int r) {
-      asyncComms[static_cast<size_t>(r)]->barrier();
-      const double start = nowSec();
-      const auto& mine = entries[static_cast<size_t>(r)];
-      for (size_t i = 0; i < mine.size(); ++i) {
-        bareBuffers[static_cast<size_t>(r)][i].copy_(mine[i].spec.realRows(mine[i].local));
-      }
-      copySeconds[static_cast<size_t>(r)] = nowSec() - start;
-    });
-    bareCopies.push_back(*std::max_element(copySeconds.begin(), copySeconds.end()));
-    clones.push_back(onThreads(world, [&](int r) {
-      for (const auto& e : entries[static_cast<size_t>(r)]) {
-        const at::Tensor rows = e.spec.realRows(e.local);
-        at::Tensor copy = at::empty(rows.sizes(), rows.options().device(at::kCPU).pinned_memory(rows.is_cuda()));
-        copy.copy_(rows);
-      }
-    }));
-    const auto timed = asyncSave(1000 + rep);
-    stalls.push_back(timed[0]);
-    stagings.push_back(timed[1]);
-    asyncTotals.push_back(timed[2]);
-  }
-  cps.clear();
-  const double bareCopy = median(bareCopies), clone = median(clones), maxStall = median(stalls);
-  std::printf("async  stall %.3f s (max over ranks; staging inside save %.3f s)  bare copy into allocated buffers "
-              "%.3f s  ratio %.2fx; stall / sync save %.2fx; copy into fresh buffers (clone) %.3f s; first save "
-              "(allocates the staging buffers) stall %.3f s; whole save done in the background after %.3f s\n",
-              maxStall, median(stagings), bareCopy, maxStall / bareCopy, maxStall / save, clone, firstSave[0],
-              median(asyncTotals));
-
-  // --- export peak RSS vs the largest tensor.
-  const std::string binDir = fs::canonical("/proc/self/exe").parent_path().string();
-  const std::string exporter = binDir + "/tessera-export";
-  const std::string info = binDir + "/tessera-ckpt";
-  const auto remaining = ckpt::listCheckpoints(root);  // the last async save's checkpoint
-  if (fs::exists(exporter) && fs::exists(info) && !remaining.empty()) {
-    const std::string exportDir = remaining.back().dir;
-    const long baseline = childPeakRssKiB({info, "info", exportDir});
-    const long exportRss =
-        childPeakRssKiB({exporter, exportDir, "--what", "model", "--out", dir + "/export/model.safetensors"});
-    const long exportBf16 = childPeakRssKiB(
-        {exporter, exportDir, "--what", "model", "--dtype", "bf16", "--out", dir + "/export/model_bf16.safetensors"});
-    std::printf("export peak RSS %.1f MiB (bf16 cast: %.1f MiB); process baseline (tessera-ckpt info) %.1f MiB; "
-                "largest tensor %.1f MiB; model %.1f MiB; export above baseline %.1f MiB = %.2fx the largest tensor\n",
-                exportRss / 1024.0, exportBf16 / 1024.0, baseline / 1024.0, model.largest / 1048576.0,
-                model.bytes / 1048576.0, (exportRss - baseline) / 1024.0,
-                (exportRss - baseline) * 1024.0 / static_cast<double>(model.largest));
-  } else {
-    std::printf("export: build tessera-export and tessera-ckpt next to this program to measure peak RSS\n");
-  }
+  const double save = benchSave(b);
+  benchLoad(b);
+  benchAsync(b, save);
+  benchExportRss(b);
   tessera::removeTree(dir);
   return 0;
 }

@@ -18,15 +18,17 @@
 
 #include "common/app_main.h"
 #include "imaging/image_io.h"
-#include "trainer/batch_loader.h"
-#include "trainer/dit.h"
-#include "trainer/image_dataset.h"
-#include "trainer/models.h"
-#include "trainer/text_dataset.h"
+#include "datasets/batch_loader.h"
+#include "models/dit.h"
+#include "datasets/image_dataset.h"
+#include "models/models.h"
+#include "datasets/text_dataset.h"
 #include "trainer/train_config.h"
 
 namespace fs = std::filesystem;
 using namespace tessera::trainer;
+using namespace tessera::datasets;
+using namespace tessera::models;
 
 namespace {
 

@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   std::vector<at::Tensor> live;
   int64_t localElems = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
-    tessera::sharding::ShardSpec spec(shapes[i], at::kFloat, world, 0);
+    tessera::dtensor::ShardSpec spec(shapes[i], at::kFloat, world, 0);
     live.push_back(at::randn(spec.localShape(), device));
     ema.addParam("p" + std::to_string(i), spec, live.back());
     localElems += spec.paddedNumel();

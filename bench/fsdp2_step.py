@@ -2,9 +2,9 @@
 """PyTorch FSDP2 baseline for bench/step_bench.cpp (issue 35).
 
 The same models as Tessera's built-in ones: `--model gpt`, the GPT-2-style decoder of
-trainer/models.h (nanoGPT names, learned positions, pre-norm blocks with causal
+models/models.h (nanoGPT names, learned positions, pre-norm blocks with causal
 self-attention through scaled_dot_product_attention and an exact-GELU MLP, untied lm_head
-without bias), or `--model dit`, the DiT of python/tessera_models.py (Tessera's trainer/dit.h,
+without bias), or `--model dit`, the DiT of python/tessera_models.py (Tessera's models/dit.h,
 facebookresearch/DiT names). Under FSDP2's `fully_shard` (each block, then the root) with
 MixedPrecisionPolicy(param_dtype bf16, reduce_dtype fp32) and torch.optim.AdamW(lr 1e-4,
 weight_decay 0.1) on the fp32 parameters; one step = zero_grad, forward, the loss in fp32

@@ -10,8 +10,8 @@
 // bench/fsdp2_step.py runs the same model (same names, sizes, batch, dtypes, optimizer)
 // under PyTorch FSDP2's fully_shard + MixedPrecisionPolicy(bf16, fp32).
 //
-// Models: --model gpt (trainer/models.h, nanoGPT names: tokens [batch, context], loss the
-// cross-entropy at every position) or --model dit (trainer/dit.h: images [batch, C, H, H],
+// Models: --model gpt (models/models.h, nanoGPT names: tokens [batch, context], loss the
+// cross-entropy at every position) or --model dit (models/dit.h: images [batch, C, H, H],
 // random timesteps and labels, loss the MSE against the noise). Per variant: the median
 // step time of --steps steps after --warmup (each timed to a device synchronise), tokens/s
 // or images/s, model FLOPs per step (formula below), MFU against the peak (--peak-tflops,
@@ -51,8 +51,8 @@
 #include "distributed/store.h"
 #include "sharding/fully_shard.h"
 #include "sharding/strategy.h"
-#include "trainer/dit.h"
-#include "trainer/models.h"
+#include "models/dit.h"
+#include "models/models.h"
 
 namespace {
 
@@ -150,8 +150,8 @@ at::Tensor crossEntropy(const at::Tensor& logits, const at::Tensor& targets) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}));
 }
 
-Workload gptWorkload(const tessera::trainer::ModelOptions& m, int64_t batch, const at::Device& dev) {
-  using tessera::trainer::Gpt;
+Workload gptWorkload(const tessera::models::ModelOptions& m, int64_t batch, const at::Device& dev) {
+  using tessera::models::Gpt;
   Workload w;
   w.build = [m, dev] { return std::make_shared<Gpt>(m, dev); };
   auto sharded = w.build();
@@ -174,9 +174,9 @@ Workload gptWorkload(const tessera::trainer::ModelOptions& m, int64_t batch, con
   return w;
 }
 
-Workload ditWorkload(const tessera::trainer::ModelOptions& m, int64_t image, int64_t channels, int64_t batch,
+Workload ditWorkload(const tessera::models::ModelOptions& m, int64_t image, int64_t channels, int64_t batch,
                      const at::Device& dev) {
-  using tessera::trainer::DiT;
+  using tessera::models::DiT;
   Workload w;
   const std::vector<int64_t> shape{channels, image, image};
   w.build = [m, shape, dev] { return std::make_shared<DiT>(m, shape, m.classes, dev); };
@@ -232,7 +232,7 @@ void writeTrace(const std::string& path, int steps, const std::function<void()>&
 
 int main(int argc, char** argv) {
   std::string modelName = "gpt", device = "cpu", dtype = "bf16", reduceDtype = "fp32", trace;
-  tessera::trainer::ModelOptions model;
+  tessera::models::ModelOptions model;
   model.embed_dim = 768;
   model.layers = 12;
   model.heads = 12;
@@ -296,7 +296,7 @@ int main(int argc, char** argv) {
       options.reduceDtype = reduceDtype == "bf16" ? at::kBFloat16 : at::kFloat;
       options.optimizer.weightDecay = 0.1;
       options.wrap = {w.unitPattern};
-      options.initializer = tessera::trainer::layers::initializerOf(*sharded, 0);
+      options.initializer = tessera::models::layers::initializerOf(*sharded, 0);
       auto strategy = tessera::sharding::makeStrategy(*sharded, comm, options);
       auto step = [&] {
         strategy->zeroGrad();
@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
     // plain: a compute-dtype model, fp32 masters, torch::optim::AdamW.
     auto runPlain = [&] {
       std::shared_ptr<torch::nn::Module> plain = w.build();
-      tessera::trainer::initializeModel(*plain, 0);  // the values the strategy's shards start from
+      tessera::models::initializeModel(*plain, 0);  // the values the strategy's shards start from
       std::vector<at::Tensor> masters;
       for (auto& p : plain->parameters()) masters.push_back(p.detach().clone().set_requires_grad(true));
       if (compute != at::kFloat) plain->to(compute);

@@ -98,7 +98,7 @@ int main(int argc, char** argv) {
     sharding::StrategyOptions options;
     options.strategy = sharding::parseStrategyKind(strategyName);
     options.wrap = {"layers.*"};
-    options.optimizer.kind = sharding::OptimizerKind::kAdamW;
+    options.optimizer.kind = optim::OptimizerKind::kAdamW;
     auto strategy = sharding::makeStrategy(*model, comm, options);
 
     // The same global batch every step (the reference draws it the same way: randn with

@@ -35,9 +35,10 @@
 #include "common/app_main.h"
 #include "common/filesystem.h"
 #include "sharding/host_allocator.h"
-#include "trainer/dataset.h"
-#include "trainer/models.h"
-#include "trainer/text_dataset.h"
+#include "datasets/dataset.h"
+#include "models/models.h"
+#include "datasets/text_dataset.h"
+#include "recipes/recipes.h"
 #include "trainer/train_config.h"
 
 namespace {
@@ -63,15 +64,15 @@ double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps
   at::set_num_threads(threads);
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   const tessera::trainer::ModelEntry& m = cfg.models.front();
-  auto data = tessera::trainer::makeDataset(cfg.data, m.model, tessera::trainer::predictsEveryPosition(m.model));
-  auto model = tessera::trainer::makeModel(m.model, data->spec());
-  tessera::trainer::initializeModel(*model, static_cast<uint64_t>(cfg.run.seed));
-  const tessera::sharding::OptimizerOptions& o = m.sharding.optimizer;
+  auto data = tessera::datasets::makeDataset(cfg.data, tessera::models::tokenWindows(m.model));
+  auto model = tessera::models::makeModel(m.model, data->spec());
+  tessera::models::initializeModel(*model, static_cast<uint64_t>(cfg.run.seed));
+  const tessera::optim::OptimizerOptions& o = m.sharding.optimizer;
   torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(m.schedule.baseLr)
                                                          .betas({o.beta1, o.beta2})
                                                          .eps(o.eps)
                                                          .weight_decay(o.weightDecay));
-  tessera::trainer::DistributedSampler sampler(data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
+  tessera::datasets::DistributedSampler sampler(data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
                                                cfg.data.shuffle);
   const int64_t micro = cfg.data.micro_batch, accumulation = cfg.data.global_batch / micro;
   auto step = [&](int64_t s) {
@@ -79,8 +80,8 @@ double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps
     const std::vector<int64_t> indices = sampler.indicesFor(s, 0, 1);
     for (int64_t m = 0; m < accumulation; ++m) {
       const std::vector<int64_t> slice(indices.begin() + m * micro, indices.begin() + (m + 1) * micro);
-      tessera::trainer::Batch batch = data->trainBatch(slice);
-      tessera::trainer::seedNoise(batch, cfg.run.seed, s, slice);
+      tessera::datasets::Batch batch = data->trainBatch(slice);
+      tessera::datasets::seedNoise(batch, cfg.run.seed, s, slice);
       (model->losses(batch).mean() / static_cast<double>(accumulation)).backward();
     }
     if (m.sharding.gradClip > 0) torch::nn::utils::clip_grad_norm_(model->parameters(), m.sharding.gradClip);
@@ -184,6 +185,7 @@ int main(int argc, char** argv) {
   tessera::sharding::useCachingHostAllocator();
 
   try {
+    tessera::recipes::addBuiltinRecipes();
     const TrainConfig cfg = tessera::trainer::loadTrainConfig(config, sets, nproc).config;
     const std::string binDir = fs::absolute(fs::path(argv[0])).parent_path().string();
     std::printf("config %s: model %s, global batch %lld (micro-batches of %lld), strategy %s on %d ranks, %lld steps\n",

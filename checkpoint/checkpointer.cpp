@@ -394,7 +394,7 @@ int64_t Checkpointer::stage(const SaveRequest& request, Job& job) {
     s.head.dtype = e.spec.dtype();
     s.head.shape = e.spec.globalShape();
     s.head.placement = e.spec.placement();
-    const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+    const bool replicated = e.spec.placement() == dtensor::Placement::kReplicate;
     if (!replicated || rank_ == 0) {
       std::tie(s.rowBegin, s.rowEnd) = e.spec.localRowRange();
       if (s.rowEnd > s.rowBegin) {
@@ -427,7 +427,7 @@ int64_t Checkpointer::checkRequest(const SaveRequest& request) const {
     TESSERA_CHECK(names.insert(e.name).second, "Checkpointer::save: entry '", e.name, "' appears twice");
     // A replicated tensor is whole on every rank (rank 0 writes it): its spec's group does
     // not matter. A sharded one must be laid out over this checkpointer's group.
-    const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+    const bool replicated = e.spec.placement() == dtensor::Placement::kReplicate;
     TESSERA_CHECK(replicated || (e.spec.worldSize() == world_ && e.spec.rank() == rank_), "Checkpointer::save: entry '",
                   e.name, "' has spec ", e.spec.str(), " but this is rank ", rank_, " of ", world_);
     stateBytes += e.spec.globalNumel() * dtypeBytes(e.spec.dtype());  // throws for dtypes the format cannot hold

@@ -129,8 +129,8 @@ std::string exportPrefix(const std::string& what, const std::map<std::string, st
   if (!what.empty() && what.back() == '/') return what;
   auto alias = aliases.find(what);
   if (alias != aliases.end()) return alias->second;
-  if (what == sharding::kModelKey) return sharding::statePrefix(sharding::kModelKey);
-  return sharding::statePrefix(sharding::kEmaKey) + what + "/";
+  if (what == dtensor::kModelKey) return dtensor::statePrefix(dtensor::kModelKey);
+  return dtensor::statePrefix(dtensor::kEmaKey) + what + "/";
 }
 
 std::string resolveExportPrefix(const CheckpointMetadata& md, const std::string& what) {
@@ -237,7 +237,7 @@ Selection selectEntries(const std::vector<StateEntry>& entries, const std::strin
 // Entry `e` whole on rank 0 (undefined elsewhere): gathered to it when sharded.
 // Collective over `comm` for a sharded entry.
 at::Tensor fullOnRankZero(const StateEntry& e, const Item& it, distributed::Communicator* comm, int rank, int world) {
-  if (e.spec.placement() == sharding::Placement::kReplicate) {
+  if (e.spec.placement() == dtensor::Placement::kReplicate) {
     return rank == 0 ? e.local.cpu().contiguous().view(it.shape) : at::Tensor();
   }
   at::Tensor local = e.local.cpu().contiguous().view({-1});

@@ -43,11 +43,11 @@ void checkFileName(const std::string& name, const std::string& where) {
   if (!ok) throw CheckpointError(strCat(where, ": file name '", name, "' is not a plain file name"));
 }
 
-const char* placementName(sharding::Placement p) { return p == sharding::Placement::kShard0 ? "shard0" : "replicate"; }
+const char* placementName(dtensor::Placement p) { return p == dtensor::Placement::kShard0 ? "shard0" : "replicate"; }
 
-sharding::Placement parsePlacement(const std::string& s, const std::string& where) {
-  if (s == "shard0") return sharding::Placement::kShard0;
-  if (s == "replicate") return sharding::Placement::kReplicate;
+dtensor::Placement parsePlacement(const std::string& s, const std::string& where) {
+  if (s == "shard0") return dtensor::Placement::kShard0;
+  if (s == "replicate") return dtensor::Placement::kReplicate;
   throw CheckpointError(strCat(where, ": unknown placement '", s, "' (shard0 | replicate)"));
 }
 

@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "sharding/shard_spec.h"
+#include "dtensor/shard_spec.h"
 
 namespace tessera::checkpoint {
 
@@ -56,7 +56,7 @@ struct TensorInfo {
   std::string name;
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> shape;  // global shape ([] for a 0-d tensor)
-  sharding::Placement placement = sharding::Placement::kShard0;
+  dtensor::Placement placement = dtensor::Placement::kShard0;
   std::vector<ChunkInfo> chunks;
 
   int64_t rows() const { return shape.empty() ? 1 : shape[0]; }  // a 0-d tensor is one row

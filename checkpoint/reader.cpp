@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <set>
 
 #include "checkpoint/format.h"
 #include "common/errors.h"
@@ -19,7 +20,7 @@ namespace fs = std::filesystem;
 void checkEntry(const StateEntry& e, const char* where) {
   TESSERA_CHECK(!e.name.empty(), where, ": a state entry has an empty name");
   TESSERA_CHECK(e.local.defined(), where, ": entry '", e.name, "' has an undefined tensor");
-  const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+  const bool replicated = e.spec.placement() == dtensor::Placement::kReplicate;
   const int64_t need = replicated ? e.spec.globalNumel() : e.spec.paddedNumel();
   TESSERA_CHECK(e.local.numel() == need, where, ": entry '", e.name, "' holds ", e.local.numel(),
                 " elements, its spec ", e.spec.str(), " needs ", need);
@@ -220,31 +221,86 @@ void CheckpointReader::verifyAll() {
   trainerState(true);
 }
 
+std::vector<PlanMismatch> planLoad(const CheckpointMetadata& md, const std::vector<StateEntry>& entries, bool strict) {
+  std::vector<PlanMismatch> out;
+  std::set<std::string> used;
+  for (const auto& e : entries) {
+    const TensorInfo* t = md.find(e.name);
+    if (t == nullptr && !e.formerName.empty()) t = md.find(e.formerName);
+    if (t == nullptr) {
+      if (!e.optional) out.push_back({e.name, "not in the checkpoint"});
+      continue;
+    }
+    used.insert(t->name);
+    if (t->dtype != e.spec.dtype()) {
+      out.push_back({e.name, strCat("saved as ", dtypeName(t->dtype), ", this program has ", dtypeName(e.spec.dtype()))});
+    } else if (t->shape != e.spec.globalShape()) {
+      out.push_back({e.name, strCat("saved with shape ", at::IntArrayRef(t->shape), ", this program has ",
+                                    at::IntArrayRef(e.spec.globalShape()))});
+    }
+  }
+  if (strict) {
+    for (const auto& t : md.tensors) {
+      if (!used.count(t.name)) out.push_back({t.name, "in the checkpoint, not in this program"});
+    }
+  }
+  return out;
+}
+
+std::string describeMismatches(const std::vector<PlanMismatch>& mismatches, size_t limit) {
+  std::string out;
+  for (size_t i = 0; i < mismatches.size() && i < limit; ++i) {
+    out += strCat(i == 0 ? "" : "; ", "'", mismatches[i].tensor, "' ", mismatches[i].problem);
+  }
+  if (mismatches.size() > limit) out += strCat("; and ", mismatches.size() - limit, " more");
+  return out;
+}
+
+namespace {
+
+LoadPlanError planError(const std::string& dir, std::vector<PlanMismatch> mismatches) {
+  const std::string message =
+      strCat("checkpoint ", dir, " holds another layout of this state: ", describeMismatches(mismatches));
+  return LoadPlanError(dir, std::move(mismatches), message);
+}
+
+// planLoad on every rank before anything is read: when any rank's plan fails, every rank
+// throws LoadPlanError (the others naming the lowest failing rank). A checkpoint whose
+// metadata cannot be read is left to the load, which reports the damage.
+void planOnEveryRank(const std::string& dir, const std::vector<StateEntry>& entries, bool strict,
+                     distributed::Communicator* comm) {
+  std::vector<PlanMismatch> mismatches;
+  try {
+    mismatches = planLoad(CheckpointReader(dir).metadata(), entries, strict);
+  } catch (const std::exception&) {
+    mismatches.clear();
+  }
+  const int failedRank = distributed::lowestFailingRank(comm, !mismatches.empty());
+  if (failedRank < 0) return;
+  if (!mismatches.empty()) throw planError(dir, std::move(mismatches));
+  throw LoadPlanError(dir, {}, strCat("checkpoint ", dir, " holds another layout of the state rank ", failedRank,
+                                      " loads (see its log)"));
+}
+
+}  // namespace
+
 LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>& entries, const LoadOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   CheckpointReader reader(dir);
   const auto& md = reader.metadata();
-  std::map<std::string, bool> used;
+  for (const auto& e : entries) checkEntry(e, "loadCheckpoint");
+  std::vector<PlanMismatch> mismatches = planLoad(md, entries, options.strict);
+  if (!mismatches.empty()) throw planError(dir, std::move(mismatches));
   std::vector<std::string> missingOptional;
   for (const auto& e : entries) {
-    checkEntry(e, "loadCheckpoint");
     const bool former = md.find(e.name) == nullptr && !e.formerName.empty() && md.find(e.formerName) != nullptr;
     if (e.optional && md.find(e.name) == nullptr && !former) {
       missingOptional.push_back(e.name);
       continue;
     }
-    const TensorInfo& t = reader.tensor(former ? e.formerName : e.name);
-    used[t.name] = true;
-    if (t.dtype != e.spec.dtype()) {
-      throw CheckpointError(strCat("checkpoint ", dir, ": tensor '", e.name, "' was saved as ", dtypeName(t.dtype),
-                                   ", the model expects ", dtypeName(e.spec.dtype())));
-    }
-    if (t.shape != e.spec.globalShape()) {
-      throw CheckpointError(strCat("checkpoint ", dir, ": tensor '", e.name, "' was saved with shape ",
-                                   at::IntArrayRef(t.shape), ", the model expects ", at::IntArrayRef(e.spec.globalShape())));
-    }
+    const TensorInfo& t = reader.tensor(former ? e.formerName : e.name);  // planned: name, dtype, shape fit
     auto [rb, re] = e.spec.localRowRange();
-    const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+    const bool replicated = e.spec.placement() == dtensor::Placement::kReplicate;
     const int64_t bufferRows = replicated ? t.rows() : e.spec.chunkRows();
     const int64_t rowElems = t.rowElements();
     // Read straight into the destination when it is plain CPU memory.
@@ -254,13 +310,6 @@ LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>&
     if (re > rb) reader.readRows(t, rb, re, buf.data_ptr(), options.verify);
     if (bufferRows > re - rb) buf.narrow(0, re - rb, bufferRows - (re - rb)).zero_();
     if (!direct) e.local.copy_(buf.view(e.local.sizes()));
-  }
-  if (options.strict) {
-    std::string unused;
-    for (const auto& t : md.tensors) {
-      if (!used.count(t.name)) unused += (unused.empty() ? "" : ", ") + t.name;
-    }
-    if (!unused.empty()) throw CheckpointError(strCat("checkpoint ", dir, ": tensors no entry asked for: ", unused));
   }
   LoadResult r;
   r.dir = dir;
@@ -278,6 +327,7 @@ LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>&
 LoadResult load(const std::string& dir, const StateMap& states, distributed::Communicator* comm,
                 const LoadOptions& options) {
   LoadResult result;
+  planOnEveryRank(dir, collectEntries(states), options.strict, comm);
   distributed::runOnEveryRank(comm, "loading checkpoint " + dir,
                               [&] {
                                 result = loadCheckpoint(dir, collectEntries(states), options);
@@ -418,6 +468,9 @@ std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const st
     const std::string dir = (fs::path(checkpointsDir) / stepDirName(steps[i])).string();
     std::optional<LoadResult> result;
     std::string error;
+    // A sound checkpoint of another layout is this run's mismatch, not damage: an older
+    // checkpoint of the same run would have the same layout, so there is no falling back.
+    planOnEveryRank(dir, entries, options.strict, comm);
     try {
       result = loadCheckpoint(dir, entries, options);
       if (options.check) options.check(*result);

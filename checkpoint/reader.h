@@ -83,13 +83,48 @@ class CheckpointReader {
   int64_t bytesRead_ = 0;
 };
 
+// One difference between the state a program loads and a checkpoint's metadata: the
+// entry's name and what differs ("saved with shape [64, 4], this program has [64, 16]").
+struct PlanMismatch {
+  std::string tensor;
+  std::string problem;
+};
+
+// Plans a load before any byte is read, as DCP plans one from the destination's tensors
+// and the checkpoint's metadata: each entry against `metadata` — absent (unless optional,
+// or present under its formerName), saved as another dtype, or with another global shape —
+// and with `strict`, the checkpoint's tensors that no entry asks for. Empty: the load fits.
+// Metadata is checksummed, so a difference is a mismatch of layouts (another model shape,
+// optimizer or EMA set), not damage: loads refuse it instead of falling back.
+std::vector<PlanMismatch> planLoad(const CheckpointMetadata& metadata, const std::vector<StateEntry>& entries,
+                                   bool strict);
+
+// "'a' saved with shape [2], this program has [3]; 'b' not in the checkpoint" for
+// messages, the first `limit` of them and a count of the rest.
+std::string describeMismatches(const std::vector<PlanMismatch>& mismatches, size_t limit = 6);
+
+// A load whose plan failed (planLoad): the checkpoint is sound, the state it was asked to
+// fill has another layout. Not a CheckpointError: resume-auto does not fall back on it.
+class LoadPlanError : public Error {
+ public:
+  LoadPlanError(std::string dir, std::vector<PlanMismatch> mismatches, const std::string& message)
+      : Error(message), dir_(std::move(dir)), mismatches_(std::move(mismatches)) {}
+  const std::string& dir() const { return dir_; }
+  // This rank's differences (empty on a rank that learnt of another's failure).
+  const std::vector<PlanMismatch>& mismatches() const { return mismatches_; }
+
+ private:
+  std::string dir_;
+  std::vector<PlanMismatch> mismatches_;
+};
+
 struct LoadResult;
 
 struct LoadOptions {
   // Verify the checksum of every block read (costs one XXH3 pass, ~10+ GB/s per core).
   bool verify = true;
-  // Throw when the checkpoint holds tensors that no entry asked for (off: loading only
-  // the model, or a subset, is normal).
+  // Refuse (LoadPlanError) a checkpoint that holds tensors no entry asks for (off:
+  // loading only the model, or a subset, is normal; a resume turns it on).
   bool strict = false;
   // The caller's own checks of a loaded checkpoint (its trainer state's counters, say),
   // run after the tensors load; what they throw fails the checkpoint as damage does, so

@@ -75,7 +75,7 @@ void importOnThisRank(const std::string& path, const std::vector<StateEntry>& en
   for (size_t i = 0; i < entries.size(); ++i) {
     const auto& e = entries[i];
     const auto& [reader, se] = set.byName().at(fileNames[i]);
-    const bool replicated = e.spec.placement() == sharding::Placement::kReplicate;
+    const bool replicated = e.spec.placement() == dtensor::Placement::kReplicate;
     auto [rb, re] = e.spec.localRowRange();
     const int64_t bufferRows = replicated ? e.spec.globalRows() : e.spec.chunkRows();
     at::Tensor rows = at::empty({re - rb, e.spec.rowNumel()}, at::TensorOptions().dtype(se->dtype));

@@ -13,8 +13,8 @@ std::vector<StateEntry> collectEntries(const StateMap& states) {
     TESSERA_CHECK_AS(UsageError, !item.key.empty() && item.key.front() != '/' && item.key.back() != '/',
                      "checkpoint state key '", item.key, "' must be a name without a leading or trailing '/'");
     for (StateEntry& e : item.state->stateEntries()) {
-      e.name = sharding::statePrefix(item.key) + e.name;
-      if (!e.formerName.empty()) e.formerName = sharding::statePrefix(item.key) + e.formerName;
+      e.name = dtensor::statePrefix(item.key) + e.name;
+      if (!e.formerName.empty()) e.formerName = dtensor::statePrefix(item.key) + e.formerName;
       const auto [it, fresh] = ownerOf.emplace(e.name, item.key);
       TESSERA_CHECK_AS(UsageError, fresh, "checkpoint entry '", e.name, "' is given by state key '", it->second,
                        "' and again by '", item.key, "'; give the two components different keys or names");
@@ -28,7 +28,7 @@ std::map<std::string, std::string> collectExportNames(const StateMap& states) {
   std::map<std::string, std::string> names;
   for (const StateItem& item : states) {
     for (const auto& [name, prefix] : item.state->exportNames()) {
-      names[name.empty() ? item.key : name] = sharding::statePrefix(item.key) + prefix;
+      names[name.empty() ? item.key : name] = dtensor::statePrefix(item.key) + prefix;
     }
   }
   return names;
@@ -64,7 +64,7 @@ std::vector<StateEntry> Counters::stateEntries() {
     at::Tensor& t = tensors_[name] = at::full({}, value, at::kLong);
     // Replicated: rank 0 writes it, every rank reads it; the group size does not matter
     // for a whole tensor, so a one-rank spec serves any run.
-    entries.push_back({name, sharding::ShardSpec({}, at::kLong, 1, 0, sharding::Placement::kReplicate), t});
+    entries.push_back({name, dtensor::ShardSpec({}, at::kLong, 1, 0, dtensor::Placement::kReplicate), t});
   }
   return entries;
 }

@@ -1,6 +1,6 @@
 // The unit of sharded state the checkpointer saves and loads: sharding::StateEntry, a
 // named local buffer and the ShardSpec that places it (docs/design.md, "One layout"), and
-// the map of Stateful components a checkpoint is made of (sharding/stateful.h): each
+// the map of Stateful components a checkpoint is made of (dtensor/stateful.h): each
 // component's entries are saved as "<key>/<name>", so exports select a prefix and strip
 // it back to the module's own names.
 #pragma once
@@ -9,15 +9,15 @@
 #include <string>
 #include <vector>
 
-#include "sharding/sharded_param.h"
-#include "sharding/stateful.h"
+#include "dtensor/sharded_param.h"
+#include "dtensor/stateful.h"
 
 namespace tessera::checkpoint {
 
-using sharding::StateEntry;
-using sharding::StateItem;
-using sharding::StateMap;
-using sharding::Stateful;
+using dtensor::StateEntry;
+using dtensor::StateItem;
+using dtensor::StateMap;
+using dtensor::Stateful;
 
 // Throws tessera::Error naming the entry when local does not fit spec (element count,
 // dtype) or the name is empty; `where` prefixes the message.

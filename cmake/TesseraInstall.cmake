@@ -7,7 +7,8 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 set(TESSERA_LIBRARY_TARGETS
-    tessera_common tessera_diagnostics tessera_distributed tessera_sharding tessera_ema tessera_checkpoint tessera_imaging tessera_observe tessera_trainer)
+    tessera_common tessera_diagnostics tessera_distributed tessera_dtensor tessera_optim tessera_sharding tessera_ema
+    tessera_checkpoint tessera_imaging tessera_observe tessera_datasets tessera_models tessera_trainer tessera_recipes)
 add_library(tessera INTERFACE)
 add_library(tessera::tessera ALIAS tessera)
 target_link_libraries(tessera INTERFACE ${TESSERA_LIBRARY_TARGETS})
@@ -22,7 +23,8 @@ install(TARGETS tessera ${TESSERA_LIBRARY_TARGETS} EXPORT TesseraTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS ${TESSERA_APPS} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-foreach(folder common diagnostics distributed sharding ema checkpoint imaging observe trainer)
+foreach(folder common diagnostics distributed dtensor optim sharding ema checkpoint imaging observe datasets models trainer
+               recipes)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${folder} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
           FILES_MATCHING PATTERN "*.h")
 endforeach()

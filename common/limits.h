@@ -20,6 +20,17 @@ constexpr int64_t kMaxLocalRanks = 1024;
 // JSON readers elsewhere hold numbers).
 constexpr int64_t kMaxCounter = int64_t{1} << 53;
 
+// Upper bounds of the sizes a config may ask for (model.*, data.*, run.steps). Far above
+// any run this code can do, and low enough that the products the trainer forms from two
+// of them (context x embed_dim, micro_batch x world size, bucket bytes) stay far from
+// int64 overflow: a product that wrapped would pass a divisibility check, divide by zero
+// or allocate a negative size.
+constexpr double kMaxSteps = double(int64_t{1} << 40);
+constexpr double kMaxVocab = double(int64_t{1} << 31);
+constexpr double kMaxWidth = double(int64_t{1} << 24);
+constexpr double kMaxLayers = 1 << 16;
+constexpr double kMaxBatch = double(int64_t{1} << 31);
+
 // Product of two non-negative counts, or -1 when it exceeds `limit` (or int64).
 // For cross-field checks of sizes that came from outside: a product that wrapped would
 // pass a divisibility check or divide by zero.

@@ -160,12 +160,20 @@ std::optional<std::string> mismatch(const Group& g) {
 
 }  // namespace
 
-std::vector<std::string> flightVerdict(const VerdictInput& input) {
-  std::error_code ec;
-  TESSERA_CHECK(fs::is_directory(input.dir, ec), "flight dumps: '", input.dir, "' is not a directory");
+namespace {
+
+// What the dumps in a directory say: every rank's dump, the communicators' rings by group,
+// the files that could not be read, and the world they cover.
+struct Evidence {
   std::map<int, Dump> dumps;
   std::map<std::string, Group> groups;
-  std::vector<std::string> problems;
+  std::vector<std::string> problems;  // unreadable dumps, reported last
+  int world = 0;
+};
+
+Evidence readEvidence(const VerdictInput& input) {
+  std::error_code ec;
+  TESSERA_CHECK(fs::is_directory(input.dir, ec), "flight dumps: '", input.dir, "' is not a directory");
   std::vector<fs::path> files;
   for (const auto& entry : fs::directory_iterator(input.dir, ec)) {
     const std::string name = entry.path().filename().string();
@@ -173,135 +181,180 @@ std::vector<std::string> flightVerdict(const VerdictInput& input) {
   }
   TESSERA_CHECK(!ec, "flight dumps: cannot list '", input.dir, "': ", ec.message());
   std::sort(files.begin(), files.end());
+  Evidence ev;
   for (const auto& file : files) {
     try {
-      readDump(file.string(), dumps, groups);
+      readDump(file.string(), ev.dumps, ev.groups);
     } catch (const std::exception& e) {
-      problems.push_back(strCat("unreadable dump ", file.string(), ": ", e.what()));
+      ev.problems.push_back(strCat("unreadable dump ", file.string(), ": ", e.what()));
+    }
+  }
+  ev.world = input.worldSize;
+  for (const auto& [key, g] : ev.groups) {
+    for (int m : g.members) ev.world = std::max(ev.world, m + 1);
+  }
+  for (const auto& [rank, fate] : input.fates) ev.world = std::max(ev.world, rank + 1);
+  return ev;
+}
+
+// The verdict's lines, most telling first: stopped ranks, then a disagreement (the root
+// cause when there is one) or else where each group is stuck, then the ranks that left no
+// dump, what every dump gave as its reason, and the ranks no one heard of.
+class VerdictLines {
+ public:
+  VerdictLines(const VerdictInput& input, const Evidence& ev) : input_(input), ev_(ev) {}
+
+  // A rank that was stopped: everything else follows from it.
+  void stoppedRanks() {
+    for (const int r : input_.stopped) {
+      std::string line = strCat("rank ", r, " stopped answering: its process was stopped (SIGSTOP or a debugger) when "
+                                "the run was torn down");
+      for (const auto& [key, g] : ev_.groups) {
+        const auto it = g.rings.find(r);
+        if (it == g.rings.end() || it->second.entries.empty()) continue;
+        const Entry& last = it->second.entries.rbegin()->second;
+        line += strCat("; its last collective in ", groupName(g), " was ", describe(last), " (", last.state,
+                       " when it dumped)");
+      }
+      lines_.push_back(withDoing(line, r, "; it was doing: ", "."));
     }
   }
 
-  int world = input.worldSize;
-  for (const auto& [key, g] : groups) {
-    for (int m : g.members) world = std::max(world, m + 1);
+  // Ranks that disagree on a collective; whether there were any.
+  bool disagreements() {
+    bool found = false;
+    for (const auto& [key, g] : ev_.groups) {
+      if (const auto line = mismatch(g)) {
+        lines_.push_back(*line);
+        found = true;
+      }
+    }
+    return found;
   }
-  for (const auto& [rank, fate] : input.fates) world = std::max(world, rank + 1);
 
-  auto doingOf = [&](int rank) {
-    const auto it = dumps.find(rank);
-    if (it == dumps.end() || it->second.doing.empty()) return std::string();
+  // Where each group is stuck: its lowest collective some rank has not completed.
+  void stuckCollectives() {
+    for (const auto& [key, g] : ev_.groups) {
+      if (g.members.size() >= 2) stuckCollective(g);
+    }
+  }
+
+  // Ranks the launcher saw end without a dump (and no line named them yet).
+  void ranksWithoutDumps() {
+    for (const auto& [rank, fate] : input_.fates) {
+      if (ev_.dumps.count(rank) == 0 && described_.count(rank) == 0) {
+        lines_.push_back(strCat("rank ", rank, " wrote no dump: ", fate, "."));
+      }
+    }
+  }
+
+  // What every dump gave as its reason, then the ranks of the world nothing is known of,
+  // then the dumps that could not be read.
+  std::vector<std::string> finish() {
+    if (lines_.empty() && !ev_.dumps.empty()) {
+      lines_.push_back("no collective was pending on any rank and every rank agreed on all of them");
+    }
+    for (const auto& [rank, d] : ev_.dumps) {
+      std::string line = strCat("rank ", rank, " dumped on ", d.reason.empty() ? "(no reason)" : d.reason);
+      if (d.step > 0) line += strCat(" at step ", d.step);
+      lines_.push_back(withDoing(line, rank, "; doing: ", ""));
+    }
+    if (ev_.dumps.empty()) lines_.push_back(strCat("no flight dumps in ", input_.dir));
+    for (int r = 0; r < ev_.world; ++r) {
+      if (ev_.dumps.count(r) == 0 && input_.fates.count(r) == 0) lines_.push_back(strCat("rank ", r, ": no dump here"));
+    }
+    lines_.insert(lines_.end(), ev_.problems.begin(), ev_.problems.end());
+    return std::move(lines_);
+  }
+
+ private:
+  // What `rank`'s threads were doing when it dumped, "a; b", or "".
+  std::string doingOf(int rank) const {
+    const auto it = ev_.dumps.find(rank);
+    if (it == ev_.dumps.end() || it->second.doing.empty()) return std::string();
     std::string out;
     for (const auto& d : it->second.doing) out += (out.empty() ? "" : "; ") + d;
     return out;
-  };
-  auto fateOf = [&](int rank) {
-    const auto it = input.fates.find(rank);
-    return it == input.fates.end() ? std::string("unknown") : it->second;
-  };
-
-  std::vector<std::string> verdict;
-  std::set<int> described;  // ranks without a dump whose fate a line already gave
-  // 0. A rank that was stopped: everything else follows from it.
-  for (const int r : input.stopped) {
-    std::string line = strCat("rank ", r, " stopped answering: its process was stopped (SIGSTOP or a debugger) when "
-                              "the run was torn down");
-    for (const auto& [key, g] : groups) {
-      const auto it = g.rings.find(r);
-      if (it == g.rings.end() || it->second.entries.empty()) continue;
-      const Entry& last = it->second.entries.rbegin()->second;
-      line += strCat("; its last collective in ", groupName(g), " was ", describe(last), " (", last.state, " when it dumped)");
-    }
-    const std::string doing = doingOf(r);
-    verdict.push_back(doing.empty() ? line + "." : strCat(line, "; it was doing: ", doing, "."));
   }
-  // 1. Disagreement: the root cause when present; what follows it is its consequence.
-  bool disagreement = false;
-  for (const auto& [key, g] : groups) {
-    if (const auto line = mismatch(g)) {
-      verdict.push_back(*line);
-      disagreement = true;
-    }
+  std::string fateOf(int rank) const {
+    const auto it = input_.fates.find(rank);
+    return it == input_.fates.end() ? std::string("unknown") : it->second;
   }
-  // 2. Where each group is stuck: its lowest collective some rank has not completed.
-  if (!disagreement) {
-    for (const auto& [key, g] : groups) {
-      if (g.members.size() < 2) continue;
-      std::optional<int64_t> stuck;
-      for (const auto& [rank, ring] : g.rings) {
-        for (const auto& [seq, e] : ring.entries) {
-          if (!e.completed() && (!stuck || seq < *stuck)) stuck = seq;
-        }
-      }
-      if (!stuck) continue;
-      std::vector<int> waiting, behind, silent;
-      const Entry* example = nullptr;
-      double waitedS = 0;
-      for (const int m : g.members) {
-        const auto it = g.rings.find(m);
-        if (it == g.rings.end()) {
-          silent.push_back(m);
-          continue;
-        }
-        const RankRing& ring = it->second;
-        const auto e = ring.entries.find(*stuck);
-        if (ring.nextSeq <= *stuck) {
-          behind.push_back(m);
-        } else if (e != ring.entries.end() && !e->second.completed()) {
-          waiting.push_back(m);
-          example = &e->second;
-          waitedS = std::max(waitedS, e->second.waitAgo >= 0 ? e->second.waitAgo : e->second.issuedAgo);
-        }
-      }
-      if (example == nullptr) continue;
-      const std::string waitLine = strCat(rankList(waiting), " waited in collective ", describe(*example), " of ",
-                                          groupName(g), " for ", fixed(waitedS), " s");
-      for (const int r : behind) {
-        const RankRing& ring = g.rings.at(r);
-        std::string line = strCat("rank ", r, " is behind: ", waitLine, ", which rank ", r, " never issued");
-        if (const auto last = ring.entries.find(*stuck - 1); last != ring.entries.end()) {
-          line += strCat(" (its last was ", describe(last->second), ", ", last->second.state, ")");
-        }
-        const std::string doing = doingOf(r);
-        line += doing.empty() ? "." : strCat("; it was doing: ", doing, ".");
-        verdict.push_back(line);
-      }
-      if (!silent.empty()) {
-        std::string line = strCat(rankList(silent), " left no flight record; ", waitLine, ".");
-        for (const int r : silent) {
-          line += strCat(" Rank ", r, ": ", fateOf(r), ".");
-          described.insert(r);
-        }
-        verdict.push_back(line);
-      }
-      if (behind.empty() && silent.empty()) {
-        std::string line = strCat("every rank of ", groupName(g), " issued collective ", describe(*example),
-                                  " and it did not complete on ", rankList(waiting));
-        if (!example->error.empty()) line += strCat(": ", example->error);
-        verdict.push_back(line + ".");
-      }
-    }
-  }
-  // 3. Ranks the launcher saw die, and what every dump gave as its reason.
-  for (const auto& [rank, fate] : input.fates) {
-    if (dumps.count(rank) == 0 && described.count(rank) == 0) {
-      verdict.push_back(strCat("rank ", rank, " wrote no dump: ", fate, "."));
-    }
-  }
-  if (verdict.empty() && !dumps.empty()) {
-    verdict.push_back("no collective was pending on any rank and every rank agreed on all of them");
-  }
-  for (const auto& [rank, d] : dumps) {
-    std::string line = strCat("rank ", rank, " dumped on ", d.reason.empty() ? "(no reason)" : d.reason);
-    if (d.step > 0) line += strCat(" at step ", d.step);
+  // `line` + (what `rank` was doing, after `lead`) + `end`; `line` + `end` without one.
+  std::string withDoing(const std::string& line, int rank, const char* lead, const char* end) const {
     const std::string doing = doingOf(rank);
-    verdict.push_back(doing.empty() ? line : strCat(line, "; doing: ", doing));
+    return doing.empty() ? line + end : strCat(line, lead, doing, end);
   }
-  if (dumps.empty()) verdict.push_back(strCat("no flight dumps in ", input.dir));
-  for (int r = 0; r < world; ++r) {
-    if (dumps.count(r) == 0 && input.fates.count(r) == 0) verdict.push_back(strCat("rank ", r, ": no dump here"));
+
+  void stuckCollective(const Group& g) {
+    std::optional<int64_t> stuck;
+    for (const auto& [rank, ring] : g.rings) {
+      for (const auto& [seq, e] : ring.entries) {
+        if (!e.completed() && (!stuck || seq < *stuck)) stuck = seq;
+      }
+    }
+    if (!stuck) return;
+    std::vector<int> waiting, behind, silent;
+    const Entry* example = nullptr;
+    double waitedS = 0;
+    for (const int m : g.members) {
+      const auto it = g.rings.find(m);
+      if (it == g.rings.end()) {
+        silent.push_back(m);
+        continue;
+      }
+      const RankRing& ring = it->second;
+      const auto e = ring.entries.find(*stuck);
+      if (ring.nextSeq <= *stuck) {
+        behind.push_back(m);
+      } else if (e != ring.entries.end() && !e->second.completed()) {
+        waiting.push_back(m);
+        example = &e->second;
+        waitedS = std::max(waitedS, e->second.waitAgo >= 0 ? e->second.waitAgo : e->second.issuedAgo);
+      }
+    }
+    if (example == nullptr) return;
+    const std::string waitLine = strCat(rankList(waiting), " waited in collective ", describe(*example), " of ",
+                                        groupName(g), " for ", fixed(waitedS), " s");
+    for (const int r : behind) {
+      const RankRing& ring = g.rings.at(r);
+      std::string line = strCat("rank ", r, " is behind: ", waitLine, ", which rank ", r, " never issued");
+      if (const auto last = ring.entries.find(*stuck - 1); last != ring.entries.end()) {
+        line += strCat(" (its last was ", describe(last->second), ", ", last->second.state, ")");
+      }
+      lines_.push_back(withDoing(line, r, "; it was doing: ", "."));
+    }
+    if (!silent.empty()) {
+      std::string line = strCat(rankList(silent), " left no flight record; ", waitLine, ".");
+      for (const int r : silent) {
+        line += strCat(" Rank ", r, ": ", fateOf(r), ".");
+        described_.insert(r);
+      }
+      lines_.push_back(line);
+    }
+    if (behind.empty() && silent.empty()) {
+      std::string line = strCat("every rank of ", groupName(g), " issued collective ", describe(*example),
+                                " and it did not complete on ", rankList(waiting));
+      if (!example->error.empty()) line += strCat(": ", example->error);
+      lines_.push_back(line + ".");
+    }
   }
-  verdict.insert(verdict.end(), problems.begin(), problems.end());
-  return verdict;
+
+  const VerdictInput& input_;
+  const Evidence& ev_;
+  std::vector<std::string> lines_;
+  std::set<int> described_;  // ranks without a dump whose fate a line already gave
+};
+
+}  // namespace
+
+std::vector<std::string> flightVerdict(const VerdictInput& input) {
+  const Evidence evidence = readEvidence(input);
+  VerdictLines verdict(input, evidence);
+  verdict.stoppedRanks();
+  if (!verdict.disagreements()) verdict.stuckCollectives();
+  verdict.ranksWithoutDumps();
+  return verdict.finish();
 }
 
 }  // namespace tessera::diagnostics

@@ -111,7 +111,7 @@ ShardedModelEMAManager::ShardedModelEMAManager(EmaOptions o) : options_(std::mov
   }
 }
 
-void ShardedModelEMAManager::addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live) {
+void ShardedModelEMAManager::addParam(const std::string& name, const dtensor::ShardSpec& spec, const at::Tensor& live) {
   TESSERA_CHECK(!params_.count(name) && !buffers_.count(name), "ShardedModelEMAManager::addParam: '", name,
                 "' registered twice");
   TESSERA_CHECK(live.defined() && live.is_contiguous(), "ShardedModelEMAManager::addParam: '", name,
@@ -124,7 +124,7 @@ void ShardedModelEMAManager::addParam(const std::string& name, const sharding::S
   // or just this rank's real rows (a slice of a replicated parameter).
   at::Tensor liveRows = live.numel() == spec.paddedNumel() ? spec.realRows(live) : live.view({spec.localRows(), spec.rowNumel()});
   // The layout of the parameter, the dtype of the EMA: what checkpoints and exports see.
-  const sharding::ShardSpec emaSpec(spec.globalShape(), options_.dtype, spec.worldSize(), spec.rank(), spec.placement());
+  const dtensor::ShardSpec emaSpec(spec.globalShape(), options_.dtype, spec.worldSize(), spec.rank(), spec.placement());
   Entry e{emaSpec, liveRows, {}};
   for (size_t i = 0; i < numProfiles(); ++i) {
     at::Tensor buffer = at::zeros({spec.paddedNumel()}, live.options().dtype(options_.dtype)).view(spec.localShape());
@@ -135,11 +135,11 @@ void ShardedModelEMAManager::addParam(const std::string& name, const sharding::S
   paramNames_.push_back(name);
 }
 
-void ShardedModelEMAManager::addBuffer(const std::string& name, const sharding::ShardSpec& spec,
+void ShardedModelEMAManager::addBuffer(const std::string& name, const dtensor::ShardSpec& spec,
                                        const at::Tensor& live) {
   TESSERA_CHECK(!params_.count(name) && !buffers_.count(name), "ShardedModelEMAManager::addBuffer: '", name,
                 "' registered twice");
-  TESSERA_CHECK(live.defined() && spec.placement() == sharding::Placement::kReplicate &&
+  TESSERA_CHECK(live.defined() && spec.placement() == dtensor::Placement::kReplicate &&
                     live.sizes().vec() == spec.globalShape() && live.scalar_type() == spec.dtype(),
                 "ShardedModelEMAManager::addBuffer: '", name, "' must be a defined tensor replicated as ", spec.str());
   BufferEntry e{spec, live, {}};
@@ -260,20 +260,20 @@ size_t ShardedModelEMAManager::decayIndexOf(const std::string& name) const {
                      numProfiles() > 1 ? ", ..." : "", ")"));
 }
 
-std::vector<sharding::StateEntry> ShardedModelEMAManager::stateEntries(const std::string& prefix) {
-  std::vector<sharding::StateEntry> entries;
+std::vector<dtensor::StateEntry> ShardedModelEMAManager::stateEntries(const std::string& prefix) {
+  std::vector<dtensor::StateEntry> entries;
   for (size_t d = 0; d < numProfiles(); ++d) {
     for (auto& e : profileEntries(d, prefix)) entries.push_back(std::move(e));
   }
   return entries;
 }
 
-std::vector<sharding::StateEntry> ShardedModelEMAManager::profileEntries(size_t profile, const std::string& prefix) {
+std::vector<dtensor::StateEntry> ShardedModelEMAManager::profileEntries(size_t profile, const std::string& prefix) {
   const std::string base = prefix + stateName(profile) + "/";
   const std::string formerBase = formerNames_.empty() ? "" : prefix + formerNames_.at(profile).state + "/";
-  std::vector<sharding::StateEntry> entries;
-  auto add = [&](const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& ema) {
-    sharding::StateEntry entry{base + name, spec, ema};
+  std::vector<dtensor::StateEntry> entries;
+  auto add = [&](const std::string& name, const dtensor::ShardSpec& spec, const at::Tensor& ema) {
+    dtensor::StateEntry entry{base + name, spec, ema};
     if (!formerBase.empty()) entry.formerName = formerBase + name;
     entries.push_back(std::move(entry));
   };
@@ -288,14 +288,14 @@ std::map<std::string, std::string> ShardedModelEMAManager::exportAliases(const s
   return aliases;
 }
 
-std::vector<sharding::StateEntry> ShardedModelEMAManager::stateEntries() {
-  std::vector<sharding::StateEntry> entries = stateEntries("");
+std::vector<dtensor::StateEntry> ShardedModelEMAManager::stateEntries() {
+  std::vector<dtensor::StateEntry> entries = stateEntries("");
   updateCount_.fill_(updates_);
   // Replicated over the group the shards are laid out over (every rank holds the count).
-  const sharding::ShardSpec* any = params_.empty() ? nullptr : &params_.begin()->second.spec;
-  sharding::StateEntry count{updateCountName(),
-                             sharding::ShardSpec({}, at::kLong, any ? any->worldSize() : 1, any ? any->rank() : 0,
-                                                 sharding::Placement::kReplicate),
+  const dtensor::ShardSpec* any = params_.empty() ? nullptr : &params_.begin()->second.spec;
+  dtensor::StateEntry count{updateCountName(),
+                             dtensor::ShardSpec({}, at::kLong, any ? any->worldSize() : 1, any ? any->rank() : 0,
+                                                 dtensor::Placement::kReplicate),
                              updateCount_};
   count.optional = true;
   if (!formerNames_.empty()) count.formerName = formerNames_[0].state + ".updates";
@@ -327,7 +327,7 @@ ShardedModelEMAManager::Entry& ShardedModelEMAManager::entry(const std::string& 
   return it->second;
 }
 
-const sharding::ShardSpec& ShardedModelEMAManager::spec(const std::string& name) const {
+const dtensor::ShardSpec& ShardedModelEMAManager::spec(const std::string& name) const {
   auto it = params_.find(name);
   TESSERA_CHECK(it != params_.end(), "ShardedModelEMAManager: no parameter named '", name, "'");
   return it->second.spec;

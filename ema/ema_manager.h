@@ -22,8 +22,8 @@
 
 #include "common/enum_names.h"
 #include "ema/profile_names.h"
-#include "sharding/sharded_param.h"
-#include "sharding/stateful.h"
+#include "dtensor/sharded_param.h"
+#include "dtensor/stateful.h"
 #ifdef TESSERA_EMA_CUDA_KERNEL
 #include "ema/ema_blend_cuda.h"
 #endif
@@ -54,7 +54,7 @@ struct EmaOptions {
   std::vector<double> powerStds;
 };
 
-class ShardedModelEMAManager : public sharding::Stateful {
+class ShardedModelEMAManager : public dtensor::Stateful {
  public:
   // Throws tessera::ConfigError for decays outside [0, 1), updateEvery < 1, an empty
   // decay list.
@@ -65,11 +65,11 @@ class ShardedModelEMAManager : public sharding::Stateful {
   // either the padded local buffer of `spec`, or only its real rows (e.g. this rank's
   // rows of a replicated parameter, a contiguous view). The EMA is a padded buffer of
   // `spec` in the EMA dtype, starting as a copy of `live`.
-  void addParam(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live);
+  void addParam(const std::string& name, const dtensor::ShardSpec& spec, const at::Tensor& live);
   // Registers a buffer (e.g. BatchNorm running_mean; `spec` Replicate, the buffer's shape
   // and dtype): copied or averaged according to options.buffers. Integer buffers
   // (num_batches_tracked) are always copied.
-  void addBuffer(const std::string& name, const sharding::ShardSpec& spec, const at::Tensor& live);
+  void addBuffer(const std::string& name, const dtensor::ShardSpec& spec, const at::Tensor& live);
 
   // Re-initialises every EMA from the live tensors (the default start).
   void resetFromLive();
@@ -102,7 +102,7 @@ class ShardedModelEMAManager : public sharding::Stateful {
   const std::vector<std::string>& paramNames() const { return paramNames_; }
   bool follows(const std::string& name) const { return params_.count(name) > 0; }
   const std::vector<std::string>& bufferNames() const { return bufferNames_; }
-  const sharding::ShardSpec& spec(const std::string& name) const;
+  const dtensor::ShardSpec& spec(const std::string& name) const;
   at::Tensor& emaShard(size_t decayIndex, const std::string& name);
   at::Tensor& emaBuffer(size_t decayIndex, const std::string& name);
   // The model's buffer a registered buffer follows.
@@ -111,18 +111,18 @@ class ShardedModelEMAManager : public sharding::Stateful {
   // Every EMA tensor as a checkpoint entry that saves and loads in place:
   // <prefix><stateName(d)>/<name> for each decay d, parameters (their spec) and buffers
   // (replicated).
-  std::vector<sharding::StateEntry> stateEntries(const std::string& prefix);
+  std::vector<dtensor::StateEntry> stateEntries(const std::string& prefix);
   // The entries of one profile only (<prefix><stateName(profile)>/<name>).
-  std::vector<sharding::StateEntry> profileEntries(size_t profile, const std::string& prefix);
+  std::vector<dtensor::StateEntry> profileEntries(size_t profile, const std::string& prefix);
   // Export names -> checkpoint prefixes: decayName(d) -> "<prefix><stateName(d)>/" for
   // every decay (stateName itself resolves without an alias).
   std::map<std::string, std::string> exportAliases(const std::string& prefix) const;
 
-  // Stateful (sharding/stateful.h): every profile's tensors (stateEntries("")) and the
+  // Stateful (dtensor/stateful.h): every profile's tensors (stateEntries("")) and the
   // update count as an int64 scalar, "<stateName(0)>.updates" (optional: checkpoints older
   // than it keep the count in trainer_state.json); a load restores the count; exported
   // under every profile's names.
-  std::vector<sharding::StateEntry> stateEntries() override;
+  std::vector<dtensor::StateEntry> stateEntries() override;
   void afterLoad() override;
   std::map<std::string, std::string> exportNames() const override;
   // The count entry's name ("generator_ema.updates").
@@ -133,12 +133,12 @@ class ShardedModelEMAManager : public sharding::Stateful {
 
  private:
   struct Entry {
-    sharding::ShardSpec spec;
+    dtensor::ShardSpec spec;
     at::Tensor live;              // the live real rows, [localRows, rowNumel]
     std::vector<at::Tensor> ema;  // one padded buffer per profile
   };
   struct BufferEntry {
-    sharding::ShardSpec spec;
+    dtensor::ShardSpec spec;
     at::Tensor live;
     std::vector<at::Tensor> ema;
   };

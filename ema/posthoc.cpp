@@ -41,11 +41,11 @@ std::string snapshotsDir(const std::string& dir) {
 
 }  // namespace
 
-std::vector<sharding::StateEntry> posthocSnapshotEntries(ShardedModelEMAManager& manager) {
-  std::vector<sharding::StateEntry> entries;
+std::vector<dtensor::StateEntry> posthocSnapshotEntries(ShardedModelEMAManager& manager) {
+  std::vector<dtensor::StateEntry> entries;
   for (size_t i = 0; i < manager.numProfiles(); ++i) {
     if (!manager.isPowerProfile(i)) continue;
-    for (auto& e : manager.profileEntries(i, sharding::statePrefix(sharding::kEmaKey))) entries.push_back(std::move(e));
+    for (auto& e : manager.profileEntries(i, dtensor::statePrefix(dtensor::kEmaKey))) entries.push_back(std::move(e));
   }
   return entries;
 }
@@ -147,7 +147,7 @@ PosthocSources openStoredProfiles(const std::vector<PosthocSnapshot>& used) {
   for (size_t i = 0; i < used.size(); ++i) {
     src.readers.push_back(std::make_unique<checkpoint::CheckpointReader>(used[i].dir));
     for (const auto& [name, sigma] : used[i].profiles) {
-      src.stored.push_back({i, sharding::statePrefix(sharding::kEmaKey) + name + "/"});
+      src.stored.push_back({i, dtensor::statePrefix(dtensor::kEmaKey) + name + "/"});
       src.profiles.push_back({used[i].step, powerEmaExponent(sigma)});
     }
   }

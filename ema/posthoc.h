@@ -16,14 +16,14 @@
 #include <utility>
 #include <vector>
 
-#include "sharding/sharded_param.h"
+#include "dtensor/sharded_param.h"
 
 namespace tessera::ema {
 
 class ShardedModelEMAManager;
 
 // A snapshot's tensors: `manager`'s power-function profiles, "ema/<profile>/<param>".
-std::vector<sharding::StateEntry> posthocSnapshotEntries(ShardedModelEMAManager& manager);
+std::vector<dtensor::StateEntry> posthocSnapshotEntries(ShardedModelEMAManager& manager);
 // The trainer_state.json of a snapshot of `manager`'s power-function profiles; `run`, a
 // JSON object, says which run wrote it (snapshots of different runs are never mixed).
 std::string posthocSnapshotState(const ShardedModelEMAManager& manager, const std::string& run = "{}");

@@ -9,7 +9,7 @@
 namespace tessera::ema {
 
 void followStrategy(ShardedModelEMAManager& manager, const sharding::ShardingStrategy& strategy) {
-  for (const sharding::ShardedParam& p : strategy.params()) {
+  for (const dtensor::ShardedParam& p : strategy.params()) {
     if (p.trainable) manager.addParam(p.name, p.ownedSpec(), p.ownedMaster());  // a frozen one never changes
   }
   for (const auto& b : strategy.buffers()) manager.addBuffer(b.name, strategy.bufferSpec(b.tensor), b.tensor);
@@ -24,7 +24,7 @@ void withEmaWeights(ShardedModelEMAManager& manager, sharding::ShardingStrategy&
       buffers, [&](size_t i) { return manager.emaBuffer(decayIndex, manager.bufferNames()[i]); }, [] {},
       [&] {
         strategy.withSwappedParameters(
-            [&](const sharding::ShardedParam& p) {
+            [&](const dtensor::ShardedParam& p) {
               return manager.follows(p.name) ? manager.emaShard(decayIndex, p.name) : at::Tensor();
             },
             fn);

@@ -13,11 +13,20 @@
 
 #include "common/config.h"
 #include "common/errors.h"
+#include "recipes/recipes.h"
+#include "trainer/recipe_spec.h"
 #include "trainer/train_config.h"
 
 namespace {
 
 std::string resolve(const std::string& yaml, const std::vector<std::string>& overrides, int world) {
+  // The recipes' configuration parts alone: this build has no training code.
+  static const bool recipesAdded = [] {
+    tessera::trainer::addRecipe(tessera::recipes::standardRecipeSpec());
+    tessera::trainer::addRecipe(tessera::recipes::dmdRecipeSpec());
+    return true;
+  }();
+  (void)recipesAdded;
   tessera::trainer::TrainConfig config;
   tessera::config::ConfigSchema schema;
   tessera::trainer::bindTrainConfig(schema, config);

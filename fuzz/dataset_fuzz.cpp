@@ -12,24 +12,24 @@
 
 #include "common/errors.h"
 #include "fuzz/mem_file.h"
-#include "trainer/tensor_dataset.h"
-#include "trainer/text_dataset.h"
+#include "datasets/tensor_dataset.h"
+#include "datasets/text_dataset.h"
 
-namespace trainer = tessera::trainer;
+namespace datasets = tessera::datasets;
 
 namespace {
 
-std::unique_ptr<trainer::Dataset> open(uint8_t selector, const std::string& path) {
+std::unique_ptr<datasets::Dataset> open(uint8_t selector, const std::string& path) {
   const int64_t context = 1 + (selector >> 2) % 8;
   switch (selector % 4) {
     case 0:
-      return std::make_unique<trainer::TextDataset>(path, context, 0.25, trainer::TokenFormat::kBytes, 256);
+      return std::make_unique<datasets::TextDataset>(path, context, 0.25, datasets::TokenFormat::kBytes, 256);
     case 1:
-      return std::make_unique<trainer::TextDataset>(path, context, 0.25, trainer::TokenFormat::kUint16, 1000, true);
+      return std::make_unique<datasets::TextDataset>(path, context, 0.25, datasets::TokenFormat::kUint16, 1000, true);
     case 2:
-      return std::make_unique<trainer::TextDataset>(path, context, 0.25, trainer::TokenFormat::kUint32, 70000);
+      return std::make_unique<datasets::TextDataset>(path, context, 0.25, datasets::TokenFormat::kUint32, 70000);
     default:
-      return std::make_unique<trainer::TensorDataset>(path, 0.25);
+      return std::make_unique<datasets::TensorDataset>(path, 0.25);
   }
 }
 
@@ -42,8 +42,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const auto dataset = open(data[0], file.path());
     const int64_t n = dataset->trainSamples();
     if (n < 1 || dataset->evalSamples() < 1) std::abort();  // the readers promise both splits
-    const trainer::Batch batch = dataset->trainBatch({0, n - 1});
-    const trainer::DataSpec spec = dataset->spec();
+    const datasets::Batch batch = dataset->trainBatch({0, n - 1});
+    const datasets::DataSpec spec = dataset->spec();
     if (batch.size() != 2 || batch.inputs.dim() != 1 + static_cast<int64_t>(spec.inputShape.size())) std::abort();
     dataset->evalBatch(0, 1);
   } catch (const tessera::Error&) {

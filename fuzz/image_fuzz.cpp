@@ -11,7 +11,7 @@
 #include "common/errors.h"
 #include "fuzz/mem_file.h"
 #include "imaging/image_io.h"
-#include "trainer/image_dataset.h"
+#include "datasets/image_dataset.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
@@ -26,10 +26,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     } else {
       const tessera::fuzz::MemFile file(data + 1, size - 1);
       if (selector % 4 == 2) {
-        const at::Tensor images = tessera::trainer::readIdxImages(file.path());
+        const at::Tensor images = tessera::datasets::readIdxImages(file.path());
         if (images.dim() != 4 || images.size(1) != 1) std::abort();
       } else {
-        const at::Tensor labels = tessera::trainer::readIdxLabels(file.path());
+        const at::Tensor labels = tessera::datasets::readIdxLabels(file.path());
         if (labels.dim() != 1) std::abort();
       }
     }

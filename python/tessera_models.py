@@ -14,9 +14,9 @@ No Tessera import and no dependency beyond torch (numpy is not needed). Models:
   arch dit                 DiT                 (x [N,C,H,W], t [N], y [N]) -> noise
                                                (Peebles & Xie's DiT, learn_sigma=False)
 
-The C++ sources they transcribe: trainer/models.cpp (ContextMlp, FeatureMlp, Gpt),
-trainer/diffusion.cpp (DiffusionDenoiser, NoiseSchedule, sampleDdpm, sampleDdim),
-trainer/layers.cpp (Linear, Embedding, LayerNorm eps 1e-5 = torch.nn's).
+The C++ sources they transcribe: models/models.cpp (ContextMlp, FeatureMlp, Gpt),
+models/diffusion.cpp (DiffusionDenoiser, NoiseSchedule, sampleDdpm, sampleDdim),
+models/layers.cpp (Linear, Embedding, LayerNorm eps 1e-5 = torch.nn's).
 
 An export's __metadata__["tessera.model"] is a JSON object: the run's resolved model
 section plus "data" ({"tokens", "input_shape", "classes", "target_shape"}). load_export()
@@ -202,11 +202,11 @@ def _read_export_files(path):
 
 
 # ---------------------------------------------------------------------------------------
-# Models (trainer/models.cpp, trainer/diffusion.cpp)
+# Models (models/models.cpp, models/diffusion.cpp)
 # ---------------------------------------------------------------------------------------
 
 def _activation(name):
-    # trainer/models.cpp runHiddenLayers: relu for "relu", otherwise gelu (exact, erf).
+    # models/models.cpp runHiddenLayers: relu for "relu", otherwise gelu (exact, erf).
     return F.relu if name == "relu" else F.gelu
 
 
@@ -338,7 +338,7 @@ class DenoiserBlock(nn.Module):
 
 
 class DiffusionDenoiser(nn.Module):
-    """Tessera's MLP denoiser (trainer/diffusion.h): time_embed Sequential(Linear, SiLU,
+    """Tessera's MLP denoiser (models/diffusion.h): time_embed Sequential(Linear, SiLU,
     Linear) of a sinusoidal embedding of t, input_proj of the flattened x_t, residual
     blocks.<i> (norm, time_proj, fc1, fc2), out_norm, output_proj. Unconditional: the
     forward takes labels `y` for the samplers' sake and ignores them."""
@@ -601,7 +601,7 @@ class DiT(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------
-# Noise schedule and samplers (trainer/diffusion.cpp)
+# Noise schedule and samplers (models/diffusion.cpp)
 # ---------------------------------------------------------------------------------------
 
 class NoiseSchedule:

@@ -185,7 +185,7 @@ class AttentionTest(unittest.TestCase):
 
 
 class TesseraNamesTest(unittest.TestCase):
-    """The names of trainer/models.cpp and trainer/diffusion.cpp."""
+    """The names of models/models.cpp and models/diffusion.cpp."""
 
     def names(self, model):
         return {name: list(t.shape) for name, t in model.state_dict().items()}

@@ -7,7 +7,7 @@ int64 [4096] (the ring of each point). configs/diffusion.yaml trains the diffusi
 generator on the points; the ring ids make it a classification set too.
 
 Deterministic: the same bytes on every run (seeded random.Random), so the committed file
-can be checked against this script (tests/trainer/tensor_dataset_test.cpp does).
+can be checked against this script (tests/datasets/tensor_dataset_test.cpp does).
 Usage: scripts/make_toy_data.py [OUTPUT_DIR]   (default: data/ next to this script's parent)
 """
 import json

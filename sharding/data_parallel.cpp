@@ -65,7 +65,7 @@ at::Tensor replicatedMaster(const at::Tensor& p, const std::vector<int64_t>& sha
 
 // This rank's Shard(0) fp32 master of a trainable parameter under zero1/zero2 (see
 // spec); the parameter is re-pointed at its new storage (fp32) or its cast copy.
-at::Tensor shardedMaster(const at::Tensor& p, const ShardSpec& spec, const std::vector<int64_t>& shape,
+at::Tensor shardedMaster(const at::Tensor& p, const dtensor::ShardSpec& spec, const std::vector<int64_t>& shape,
                          const at::TensorOptions& fp32, int world, int rank, bool mastersAreParams,
                          at::ScalarType paramDtype) {
   at::Tensor master;
@@ -85,29 +85,29 @@ at::Tensor shardedMaster(const at::Tensor& p, const ShardSpec& spec, const std::
 
 // The gradient buckets: each one's members and flat layout, sized by their flat reduce
 // buffer (padding included).
-std::vector<std::pair<std::vector<ShardedParam*>, FlatLayout>> planGradientBuckets(std::vector<ShardedParam>& params,
+std::vector<std::pair<std::vector<dtensor::ShardedParam*>, dtensor::FlatLayout>> planGradientBuckets(std::vector<dtensor::ShardedParam>& params,
                                                                                    bool sharded, int world,
                                                                                    const StrategyOptions& options) {
   const int64_t elementBytes = static_cast<int64_t>(c10::elementSize(options.reduceDtype));
   // Reverse registration order: the order backward produces the gradients. Frozen
   // parameters are in no bucket.
-  std::vector<ShardedParam*> trainable;
+  std::vector<dtensor::ShardedParam*> trainable;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     if (it->trainable) trainable.push_back(&*it);
   }
   std::vector<int64_t> bytes;
-  for (const ShardedParam* p : trainable) {
+  for (const dtensor::ShardedParam* p : trainable) {
     bytes.push_back((sharded ? p->spec.paddedNumel() * world : p->spec.globalNumel()) * elementBytes);
   }
-  std::vector<std::pair<std::vector<ShardedParam*>, FlatLayout>> buckets;
-  for (const auto& indices : planBuckets(bytes, options.bucketBytes)) {
-    std::vector<ShardedParam*> members;
-    std::vector<ShardSpec> specs;
+  std::vector<std::pair<std::vector<dtensor::ShardedParam*>, dtensor::FlatLayout>> buckets;
+  for (const auto& indices : dtensor::planBuckets(bytes, options.bucketBytes)) {
+    std::vector<dtensor::ShardedParam*> members;
+    std::vector<dtensor::ShardSpec> specs;
     for (size_t i : indices) {
       members.push_back(trainable[i]);
       specs.push_back(trainable[i]->spec);
     }
-    buckets.emplace_back(std::move(members), FlatLayout(std::move(specs)));
+    buckets.emplace_back(std::move(members), dtensor::FlatLayout(std::move(specs)));
   }
   return buckets;
 }
@@ -135,14 +135,14 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
     const auto fp32 = at::TensorOptions().dtype(at::kFloat).device(p.device());
     // Every rank holds the whole parameter: a deferred one is materialised in full here,
     // one tensor at a time.
-    if (hasNoStorage(p)) p.set_data(fullInitialValue(np));
+    if (dtensor::hasNoStorage(p)) p.set_data(fullInitialValue(np));
     if (!sharded_ || !p.requires_grad()) {
-      ShardSpec spec(shape, at::kFloat, world, rank, Placement::kReplicate);
+      dtensor::ShardSpec spec(shape, at::kFloat, world, rank, dtensor::Placement::kReplicate);
       at::Tensor master = replicatedMaster(p, shape, fp32, mastersAreParams_, options_.paramDtype);
       registerParam(np.name, p, std::move(spec), std::move(master));
       continue;
     }
-    ShardSpec spec(shape, at::kFloat, world, rank);
+    dtensor::ShardSpec spec(shape, at::kFloat, world, rank);
     at::Tensor master = shardedMaster(p, spec, shape, fp32, world, rank, mastersAreParams_, options_.paramDtype);
     registerParam(np.name, p, std::move(spec), std::move(master));
   }
@@ -258,7 +258,7 @@ void DataParallelStrategy::synchronizeGradients() {
   heldGradShards_.clear();
   for (Bucket& bucket : buckets_) {
     for (size_t k = 0; k < bucket.members.size(); ++k) {
-      ShardedParam& p = *bucket.members[k];
+      dtensor::ShardedParam& p = *bucket.members[k];
       if (sharded_) {
         p.grad = bucket.layout.slot(bucket.shard, k);
       } else {
@@ -287,8 +287,8 @@ void DataParallelStrategy::publishParameters() {
   // Replicated masters (no_shard; frozen parameters): the module's parameters themselves
   // in fp32 compute, else copied (cast) from them.
   if (!mastersAreParams_) {
-    for (const ShardedParam& p : params()) {
-      if (p.spec.placement() == Placement::kReplicate) p.moduleParam.detach().copy_(p.master);
+    for (const dtensor::ShardedParam& p : params()) {
+      if (p.spec.placement() == dtensor::Placement::kReplicate) p.moduleParam.detach().copy_(p.master);
     }
   }
   if (!sharded_) return;

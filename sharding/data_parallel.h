@@ -15,7 +15,7 @@
 #include <memory>
 #include <vector>
 
-#include "sharding/flat_layout.h"
+#include "dtensor/flat_layout.h"
 #include "sharding/strategy.h"
 
 namespace tessera::sharding {
@@ -48,10 +48,10 @@ class DataParallelStrategy final : public ShardingStrategy {
 
  private:
   struct Bucket {
-    Bucket(std::vector<ShardedParam*> params, FlatLayout flat)
+    Bucket(std::vector<dtensor::ShardedParam*> params, dtensor::FlatLayout flat)
         : members(std::move(params)), layout(std::move(flat)), ready(members.size(), false) {}
-    std::vector<ShardedParam*> members;
-    FlatLayout layout;
+    std::vector<dtensor::ShardedParam*> members;
+    dtensor::FlatLayout layout;
     // This step's reduction state.
     std::vector<bool> ready;  // member's gradient in, in this backward
     size_t readyCount = 0;

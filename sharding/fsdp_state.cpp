@@ -48,7 +48,7 @@ FullyShardState::~FullyShardState() {
   // The storages outlive the state (the module keeps them): back to their own allocator.
   if (storageAllocator_) {
     for (const auto& u : units_) {
-      for (const ShardedParam* p : u->params()) {
+      for (const dtensor::ShardedParam* p : u->params()) {
         p->moduleParam.storage().unsafeGetStorageImpl()->set_allocator(storageAllocator_->inner());
       }
     }
@@ -77,7 +77,7 @@ void FullyShardState::finishUnits() {
 
 void FullyShardState::claimStorages() {
   for (const auto& u : units_) {
-    for (const ShardedParam* p : u->params()) {
+    for (const dtensor::ShardedParam* p : u->params()) {
       c10::StorageImpl* storage = p->moduleParam.storage().unsafeGetStorageImpl();
       if (!storageAllocator_) storageAllocator_ = std::make_unique<UnitStorageAllocator>(this, storage->allocator());
       storage->set_allocator(storageAllocator_.get());

@@ -6,7 +6,7 @@
 #include "common/errors.h"
 #include "common/trace.h"
 #include "distributed/communicator.h"
-#include "sharding/param_init.h"
+#include "dtensor/param_init.h"
 
 namespace tessera::sharding {
 namespace {
@@ -27,15 +27,15 @@ FsdpUnit::~FsdpUnit() {
   }
 }
 
-void FsdpUnit::setLayout(std::vector<ShardSpec> specs, const std::vector<bool>& trainable, at::Device device) {
-  std::vector<ShardSpec> gradSpecs;
+void FsdpUnit::setLayout(std::vector<dtensor::ShardSpec> specs, const std::vector<bool>& trainable, at::Device device) {
+  std::vector<dtensor::ShardSpec> gradSpecs;
   for (size_t k = 0; k < specs.size(); ++k) {
     if (!trainable[k]) continue;
     trainable_.push_back(k);
     gradSpecs.push_back(specs[k]);
   }
-  layout_ = std::make_unique<FlatLayout>(std::move(specs));
-  gradLayout_ = std::make_unique<FlatLayout>(std::move(gradSpecs));
+  layout_ = std::make_unique<dtensor::FlatLayout>(std::move(specs));
+  gradLayout_ = std::make_unique<dtensor::FlatLayout>(std::move(gradSpecs));
   masterChunk_ = at::zeros({layout_->chunkNumel()}, at::TensorOptions().dtype(at::kFloat).device(device));
   gatherBytes_ = layout_->flatNumel() * static_cast<int64_t>(c10::elementSize(ctx_.paramDtype));
   ready_.assign(trainable_.size(), false);
@@ -43,14 +43,14 @@ void FsdpUnit::setLayout(std::vector<ShardSpec> specs, const std::vector<bool>& 
 
 at::Tensor FsdpUnit::masterSlot(size_t k) const { return layout_->slot(masterChunk_, k); }
 
-void FsdpUnit::adoptRecords(std::vector<ShardedParam*> records) {
+void FsdpUnit::adoptRecords(std::vector<dtensor::ShardedParam*> records) {
   TESSERA_CHECK(records.size() == layout_->size(), "FsdpUnit '", name_, "': ", records.size(), " records for ",
                 layout_->size(), " slots");
   params_ = std::move(records);
   c10::NoGradGuard noGrad;
-  for (ShardedParam* p : params_) {
+  for (dtensor::ShardedParam* p : params_) {
     const at::Tensor& param = p->moduleParam;
-    param.set_data(deferredTensor(param.sizes().vec(), masterChunk_.options().dtype(ctx_.paramDtype)));
+    param.set_data(dtensor::deferredTensor(param.sizes().vec(), masterChunk_.options().dtype(ctx_.paramDtype)));
     paramBytes_ += static_cast<int64_t>(fullBytes(param));
   }
 }
@@ -79,7 +79,7 @@ void FsdpUnit::waitForUnshard() {
   gather_.reset();
   for (size_t k = 0; k < params_.size(); ++k) {
     const at::Tensor& p = params_[k]->moduleParam;
-    setStorageBytes(p, fullBytes(p));
+    dtensor::setStorageBytes(p, fullBytes(p));
     // variable_data(): a new version counter, so autograd's saved references to p do not
     // see a modification.
     layout_->unpackFull(flat_, k, p.variable_data());
@@ -95,7 +95,7 @@ void FsdpUnit::reshard() {
     gather_.reset();
     flat_ = at::Tensor();
   } else if (sharded_ == ShardedState::kUnsharded) {
-    for (const ShardedParam* p : params_) setStorageBytes(p->moduleParam, 0);
+    for (const dtensor::ShardedParam* p : params_) dtensor::setStorageBytes(p->moduleParam, 0);
   }
   sharded_ = ShardedState::kSharded;
 }
@@ -199,7 +199,7 @@ int64_t FsdpUnit::reduceBytes() const {
 
 int64_t FsdpUnit::unshardedBytes() const {
   int64_t bytes = 0;
-  for (const ShardedParam* p : params_) bytes += static_cast<int64_t>(p->moduleParam.storage().nbytes());
+  for (const dtensor::ShardedParam* p : params_) bytes += static_cast<int64_t>(p->moduleParam.storage().nbytes());
   if (flat_.defined()) bytes += static_cast<int64_t>(flat_.storage().nbytes());
   return bytes;
 }

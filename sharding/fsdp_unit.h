@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "sharding/flat_layout.h"
-#include "sharding/sharded_param.h"
+#include "dtensor/flat_layout.h"
+#include "dtensor/sharded_param.h"
 
 namespace torch::nn {
 class Module;
@@ -65,12 +65,12 @@ class FsdpUnit {
   // ---- construction (FullyShardStrategy, in this order) ------------------------------
   // The layout of the unit's members (their specs over the shard group, frozen ones
   // included; `trainable[k]` for member k) and an fp32 master chunk of zeros on `device`.
-  void setLayout(std::vector<ShardSpec> specs, const std::vector<bool>& trainable, at::Device device);
+  void setLayout(std::vector<dtensor::ShardSpec> specs, const std::vector<bool>& trainable, at::Device device);
   // Member k's slot of the master chunk (spec(k).localShape()), for its initial values.
   at::Tensor masterSlot(size_t k) const;
   // The members' records, in layout order; their module parameters then get fresh empty
   // storage in the compute dtype (allocated only while the unit is gathered).
-  void adoptRecords(std::vector<ShardedParam*> records);
+  void adoptRecords(std::vector<dtensor::ShardedParam*> records);
 
   // ---- lifecycle ---------------------------------------------------------------------
   // Issues the all-gather of the masters, cast to the compute dtype (kSharded ->
@@ -108,7 +108,7 @@ class FsdpUnit {
   bool isRoot() const { return isRoot_; }
   ShardedState shardedState() const { return sharded_; }
   TrainingState trainingState() const { return training_; }
-  const std::vector<ShardedParam*>& params() const { return params_; }
+  const std::vector<dtensor::ShardedParam*>& params() const { return params_; }
   size_t trainableCount() const { return trainable_.size(); }
   bool hasFrozenParams() const { return trainable_.size() < params_.size(); }
   const at::Tensor& trainableParam(size_t j) const { return params_[trainable_[j]]->moduleParam; }
@@ -130,11 +130,11 @@ class FsdpUnit {
   std::string name_;  // qualified module name; "" for the root
   const torch::nn::Module* module_;
   bool isRoot_;
-  std::vector<ShardedParam*> params_;  // slot k of layout_ is params_[k]
-  std::unique_ptr<FlatLayout> layout_;  // gathered: every member, frozen ones too
+  std::vector<dtensor::ShardedParam*> params_;  // slot k of layout_ is params_[k]
+  std::unique_ptr<dtensor::FlatLayout> layout_;  // gathered: every member, frozen ones too
   at::Tensor masterChunk_;              // fp32: every member's master, in layout_'s slots
   std::vector<size_t> trainable_;       // slot j of gradLayout_ is params_[trainable_[j]]
-  std::unique_ptr<FlatLayout> gradLayout_;
+  std::unique_ptr<dtensor::FlatLayout> gradLayout_;
   at::Tensor gradShard_;                // fp32 reduced gradients, accumulating
   int64_t paramBytes_ = 0, gatherBytes_ = 0;
 

@@ -12,7 +12,7 @@
 #include "distributed/device_mesh.h"
 #include "sharding/fsdp_state.h"
 #include "sharding/fsdp_unit.h"
-#include "sharding/param_init.h"
+#include "dtensor/param_init.h"
 #include "sharding/unit_discovery.h"
 
 namespace tessera::sharding {
@@ -36,14 +36,14 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
   // Masters first (they read the parameters' values), then the records in
   // named_parameters() order, then the parameters' storage becomes the units'.
   const std::vector<std::vector<size_t>> members = buildUnits();
-  std::vector<std::pair<at::Tensor, ShardSpec>> shards(moduleParams().size());
+  std::vector<std::pair<at::Tensor, dtensor::ShardSpec>> shards(moduleParams().size());
   for (size_t ui = 0; ui < members.size(); ++ui) shardUnit(*state_->units()[ui], members[ui], shards);
-  std::vector<ShardedParam*> records;
+  std::vector<dtensor::ShardedParam*> records;
   for (size_t i = 0; i < shards.size(); ++i) {
     records.push_back(&registerParam(moduleParams()[i].name, moduleParams()[i].tensor, shards[i].second, shards[i].first));
   }
   for (size_t ui = 0; ui < members.size(); ++ui) {
-    std::vector<ShardedParam*> mine;
+    std::vector<dtensor::ShardedParam*> mine;
     for (size_t i : members[ui]) mine.push_back(records[i]);
     state_->units()[ui]->adoptRecords(std::move(mine));
   }
@@ -106,9 +106,9 @@ std::vector<std::vector<size_t>> FullyShardStrategy::buildUnits() {
 // of the unit's flat gather buffer. A deferred parameter's slot gets the initial values of
 // this rank's rows only: no rank ever holds a whole deferred parameter.
 void FullyShardStrategy::shardUnit(FsdpUnit& u, const std::vector<size_t>& members,
-                                   std::vector<std::pair<at::Tensor, ShardSpec>>& shards) const {
+                                   std::vector<std::pair<at::Tensor, dtensor::ShardSpec>>& shards) const {
   const auto& collected = moduleParams();
-  std::vector<ShardSpec> specs;
+  std::vector<dtensor::ShardSpec> specs;
   std::vector<bool> trainable;
   for (size_t i : members) {
     specs.emplace_back(collected[i].tensor.sizes().vec(), at::kFloat, shardComm_->worldSize(), shardComm_->rank());
@@ -119,9 +119,9 @@ void FullyShardStrategy::shardUnit(FsdpUnit& u, const std::vector<size_t>& membe
   c10::NoGradGuard noGrad;
   for (size_t k = 0; k < members.size(); ++k) {
     const NamedTensor& np = collected[members[k]];
-    const ShardSpec& spec = specs[k];
+    const dtensor::ShardSpec& spec = specs[k];
     at::Tensor slot = u.masterSlot(k);
-    if (hasNoStorage(np.tensor)) {
+    if (dtensor::hasNoStorage(np.tensor)) {
       const auto [begin, end] = spec.localRowRange();
       initialRows(np.name, begin, slot.view({spec.chunkRows(), spec.rowNumel()}).narrow(0, 0, end - begin));
     } else {
@@ -137,7 +137,7 @@ size_t FullyShardStrategy::unitCount() const { return state_->units().size(); }
 const std::string& FullyShardStrategy::unitName(size_t i) const { return state_->units().at(i)->name(); }
 std::vector<std::string> FullyShardStrategy::unitParamNames(size_t i) const {
   std::vector<std::string> names;
-  for (const ShardedParam* p : state_->units().at(i)->params()) names.push_back(p->name);
+  for (const dtensor::ShardedParam* p : state_->units().at(i)->params()) names.push_back(p->name);
   return names;
 }
 int64_t FullyShardStrategy::unitGatherBytes(size_t i) const { return state_->units().at(i)->gatherBytes(); }
@@ -162,10 +162,10 @@ void FullyShardStrategy::zeroGrad() {
   for (const auto& u : state_->units()) u->clearGradients();
 }
 
-void FullyShardStrategy::withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
+void FullyShardStrategy::withSwappedParameters(const std::function<at::Tensor(const dtensor::ShardedParam&)>& ownedValue,
                                                const std::function<void()>& fn) {
   std::vector<at::Tensor> masters;
-  for (const ShardedParam& p : params()) masters.push_back(p.master);
+  for (const dtensor::ShardedParam& p : params()) masters.push_back(p.master);
   withValuesSwapped(
       masters, [&](size_t i) { return ownedValue(params()[i]); }, [this] { publishParameters(); }, fn);
 }

@@ -69,7 +69,7 @@ class FullyShardStrategy final : public ShardingStrategy {
 
   // Swaps the masters (the owned layout is theirs) and reshards: fn's forward gathers the
   // swapped values; restored and resharded afterwards.
-  void withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
+  void withSwappedParameters(const std::function<at::Tensor(const dtensor::ShardedParam&)>& ownedValue,
                              const std::function<void()>& fn) override;
 
   // Units, the root last. unitName(i) is the module's qualified name ("" for the root).
@@ -104,9 +104,10 @@ class FullyShardStrategy final : public ShardingStrategy {
   // one's parameters.
   std::vector<std::vector<size_t>> buildUnits();
   // Fills unit `u`'s master chunk from its members' values (this rank's rows of deferred
-  // parameters from the initializer); returns each member's master slot and spec.
+  // parameters from the initializer), and writes each member's master slot and spec into
+  // `shards` at the member's collected index (sized for every collected parameter).
   void shardUnit(FsdpUnit& u, const std::vector<size_t>& members,
-                 std::vector<std::pair<at::Tensor, ShardSpec>>& shards) const;
+                 std::vector<std::pair<at::Tensor, dtensor::ShardSpec>>& shards) const;
 
   FullyShardOptions fsdp_;
   std::shared_ptr<distributed::Communicator> replicaComm_;  // hybrid: across replica groups

@@ -17,7 +17,7 @@
 #include "distributed/communicator.h"
 #include "sharding/data_parallel.h"
 #include "sharding/fully_shard.h"
-#include "sharding/grad_clip.h"
+#include "optim/grad_clip.h"
 #include "sharding/mixed_precision.h"
 #include "sharding/tensor_sync.h"
 
@@ -60,7 +60,7 @@ ShardingStrategy::ShardingStrategy(torch::nn::Module& module, std::shared_ptr<di
                   "' must be a defined floating-point tensor");
     TESSERA_CHECK(!heldByFullyShard(p), "ShardingStrategy: parameter '", item.key(),
                   "' is already sharded by another live zero3/hybrid strategy");
-    if (hasNoStorage(p)) {
+    if (dtensor::hasNoStorage(p)) {
       TESSERA_CHECK_AS(ConfigError, options_.initializer != nullptr, "ShardingStrategy: parameter '", item.key(),
                        "' is deferred (no storage yet) and StrategyOptions::initializer is not set");
     } else {
@@ -70,7 +70,7 @@ ShardingStrategy::ShardingStrategy(torch::nn::Module& module, std::shared_ptr<di
   }
   for (const auto& item : module_.named_buffers(/*recurse=*/true)) {
     if (!item.value().defined()) continue;
-    TESSERA_CHECK(!hasNoStorage(item.value()), "ShardingStrategy: buffer '", item.key(), "' has no storage");
+    TESSERA_CHECK(!dtensor::hasNoStorage(item.value()), "ShardingStrategy: buffer '", item.key(), "' has no storage");
     buffers_.push_back({item.key(), item.value()});
     valued.push_back(item.value());
   }
@@ -84,7 +84,7 @@ ShardingStrategy::ShardingStrategy(torch::nn::Module& module, std::shared_ptr<di
 
 ShardingStrategy::~ShardingStrategy() = default;
 
-ShardedParam& ShardingStrategy::registerParam(const std::string& name, const at::Tensor& moduleParam, ShardSpec spec,
+dtensor::ShardedParam& ShardingStrategy::registerParam(const std::string& name, const at::Tensor& moduleParam, dtensor::ShardSpec spec,
                                               at::Tensor master) {
   TESSERA_CHECK(!byName_.count(name), "ShardingStrategy::registerParam: parameter '", name, "' registered twice");
   TESSERA_CHECK(params_.size() < params_.capacity(), "ShardingStrategy::registerParam: '", name,
@@ -92,7 +92,7 @@ ShardedParam& ShardingStrategy::registerParam(const std::string& name, const at:
   TESSERA_CHECK(master.defined() && master.scalar_type() == at::kFloat && master.sizes().vec() == spec.localShape(),
                 "ShardingStrategy::registerParam: master of '", name, "' must be fp32 with the local shape of ",
                 spec.str());
-  ShardedParam& p = params_.emplace_back();
+  dtensor::ShardedParam& p = params_.emplace_back();
   p.name = name;
   p.spec = std::move(spec);
   p.master = std::move(master);
@@ -100,8 +100,8 @@ ShardedParam& ShardingStrategy::registerParam(const std::string& name, const at:
   p.trainable = moduleParam.requires_grad();
   byName_[name] = &p;
   if (p.trainable) {
-    const OptimizerOptions& o = options_.optimizer;
-    optimizer_.addParam(p, decays(o, name, p.spec.globalShape()), lrScaleOf(o, name));
+    const optim::OptimizerOptions& o = options_.optimizer;
+    optimizer_.addParam(p, optim::decays(o, name, p.spec.globalShape()), optim::lrScaleOf(o, name));
   }
   return p;
 }
@@ -113,30 +113,30 @@ void ShardingStrategy::initialRows(const std::string& name, int64_t rowBegin, co
 
 at::Tensor ShardingStrategy::fullInitialValue(const NamedTensor& param) const {
   const at::Tensor& p = param.tensor;
-  if (!hasNoStorage(p)) return p.detach();
-  return sharding::fullInitialValue(options_.initializer, param.name, p.sizes(), p.device());
+  if (!dtensor::hasNoStorage(p)) return p.detach();
+  return dtensor::fullInitialValue(options_.initializer, param.name, p.sizes(), p.device());
 }
 
-const ShardedParam& ShardingStrategy::param(const std::string& name) const {
+const dtensor::ShardedParam& ShardingStrategy::param(const std::string& name) const {
   auto it = byName_.find(name);
   TESSERA_CHECK(it != byName_.end(), "ShardingStrategy: no parameter named '", name, "'");
   return *it->second;
 }
 
-std::vector<StateEntry> ShardingStrategy::stateEntries(const std::string& prefix) {
-  std::vector<StateEntry> entries;
-  for (const ShardedParam& p : params_) entries.push_back({prefix + p.name, p.spec, p.master});
+std::vector<dtensor::StateEntry> ShardingStrategy::stateEntries(const std::string& prefix) {
+  std::vector<dtensor::StateEntry> entries;
+  for (const dtensor::ShardedParam& p : params_) entries.push_back({prefix + p.name, p.spec, p.master});
   for (const NamedTensor& b : buffers_) entries.push_back({prefix + b.name, bufferSpec(b.tensor), b.tensor});
   return entries;
 }
 
-ShardSpec ShardingStrategy::bufferSpec(const at::Tensor& buffer) const {
-  return ShardSpec(buffer.sizes().vec(), buffer.scalar_type(), shardComm_->worldSize(), shardComm_->rank(),
-                   Placement::kReplicate);
+dtensor::ShardSpec ShardingStrategy::bufferSpec(const at::Tensor& buffer) const {
+  return dtensor::ShardSpec(buffer.sizes().vec(), buffer.scalar_type(), shardComm_->worldSize(), shardComm_->rank(),
+                   dtensor::Placement::kReplicate);
 }
 
 void ShardingStrategy::zeroGrad() {
-  for (ShardedParam& p : params_) {
+  for (dtensor::ShardedParam& p : params_) {
     p.moduleParam.mutable_grad().reset();
     p.grad.reset();
   }
@@ -145,11 +145,11 @@ void ShardingStrategy::zeroGrad() {
 
 void ShardingStrategy::setRequiresGradientSync(bool /*sync*/) {}
 
-void ShardingStrategy::withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
+void ShardingStrategy::withSwappedParameters(const std::function<at::Tensor(const dtensor::ShardedParam&)>& ownedValue,
                                              const std::function<void()>& fn) {
   // The module holds full parameters: one full tensor is gathered at a time into it.
   std::vector<at::Tensor> targets;
-  for (const ShardedParam& p : params_) targets.push_back(p.moduleParam.variable_data());
+  for (const dtensor::ShardedParam& p : params_) targets.push_back(p.moduleParam.variable_data());
   withValuesSwapped(
       targets,
       [&](size_t i) {
@@ -248,7 +248,7 @@ StepResult ShardingStrategy::step(torch::optim::Optimizer& optimizer, StepSums* 
   return stepWith(
       [&] {
         for (size_t i = 0; i < shards.size(); ++i) {
-          const ShardedParam& p = *shardRecords_[i];
+          const dtensor::ShardedParam& p = *shardRecords_[i];
           at::Tensor& grad = shards[i].tensor.mutable_grad();
           grad = p.grad.defined() ? p.grad.reshape(p.master.sizes()).to(at::kFloat) : at::Tensor();
         }
@@ -260,7 +260,7 @@ StepResult ShardingStrategy::step(torch::optim::Optimizer& optimizer, StepSums* 
 
 const std::vector<ShardingStrategy::NamedTensor>& ShardingStrategy::shardedParameters() {
   if (shards_.empty()) {
-    for (ShardedParam& p : params_) {
+    for (dtensor::ShardedParam& p : params_) {
       if (!p.trainable) continue;
       // A tensor object of its own (its .grad() is the optimizer's), sharing the master's storage.
       shards_.push_back({p.name, p.master.detach()});
@@ -283,7 +283,7 @@ StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepS
   const bool normOverWorld = shardComm_.get() == comm_.get();
   const trace::Span normSpan("optimizer", "gradient norm and clipping");
   const trace::Tag normTag("gradient norm");
-  const GradNorm norm = clipGradNorm(params_, options_.gradClip, *shardComm_,
+  const optim::GradNorm norm = optim::clipGradNorm(params_, options_.gradClip, *shardComm_,
                                      normOverWorld && alongside ? sumAlongside : at::Tensor());
   if (!normOverWorld && alongside) distributed::allReduceHostTensor(*comm_, sumAlongside, distributed::ReduceOp::kSum);
   result.gradNorm = norm.norm;
@@ -304,7 +304,7 @@ StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepS
   }
   // The records' gradients live for one step; transient gradient shards (zero1) are freed
   // here, what zero2/zero3 keep until zeroGrad() is in heldGradShards_.
-  for (ShardedParam& p : params_) p.grad.reset();
+  for (dtensor::ShardedParam& p : params_) p.grad.reset();
   const trace::Span span("optimizer", "publish parameters");
   publishParameters();
   synchronizeBuffers();
@@ -359,8 +359,8 @@ ResidentBytes ShardingStrategy::residentBytes() const {
   for (const at::Tensor& p : parameters) bytes.params += counter.add(p);
   for (const at::Tensor& p : parameters) bytes.grads += counter.add(p.grad());
   for (const at::Tensor& g : heldGradShards_) bytes.grads += counter.add(g);
-  for (const ShardedParam& p : params_) (p.trainable ? bytes.optimizer : bytes.params) += counter.add(p.master);
-  for (const ShardedParam& p : params_) {
+  for (const dtensor::ShardedParam& p : params_) (p.trainable ? bytes.optimizer : bytes.params) += counter.add(p.master);
+  for (const dtensor::ShardedParam& p : params_) {
     if (!p.trainable) continue;
     for (const std::string& key : optimizer_.stateNames()) bytes.optimizer += counter.add(optimizer_.state(p, key));
   }

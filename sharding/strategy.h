@@ -27,11 +27,11 @@
 #include <vector>
 
 #include "common/enum_names.h"
-#include "sharding/param_init.h"
-#include "sharding/shard_spec.h"
-#include "sharding/sharded_optimizer.h"
-#include "sharding/sharded_param.h"
-#include "sharding/stateful.h"
+#include "dtensor/param_init.h"
+#include "dtensor/shard_spec.h"
+#include "optim/sharded_optimizer.h"
+#include "dtensor/sharded_param.h"
+#include "dtensor/stateful.h"
 
 namespace torch::nn {
 class Module;
@@ -93,7 +93,7 @@ struct StrategyOptions {
   int64_t bucketBytes = 25 * 1024 * 1024; // gradient bucket size, in reduce-dtype bytes
   at::ScalarType paramDtype = at::kFloat; // compute dtype of the module: fp32, bf16, fp16
   at::ScalarType reduceDtype = at::kFloat;// dtype gradients are reduced in: fp32, bf16, fp16
-  OptimizerOptions optimizer;             // the sharded optimizer over the fp32 masters
+  optim::OptimizerOptions optimizer;             // the sharded optimizer over the fp32 masters
   double gradClip = 0.0;                  // max global grad norm; 0 = no clipping
   BufferSync bufferSync = BufferSync::kBroadcast;
   FullyShardOptions fullyShard;           // zero3 / hybrid
@@ -102,7 +102,7 @@ struct StrategyOptions {
   // always a unit too (it gets the parameters no other unit holds); empty = the root only.
   std::vector<std::string> wrap;
   // The initial values of deferred parameters (required when the module has any).
-  ParamInitializer initializer;
+  dtensor::ParamInitializer initializer;
 };
 
 // Values summed over all ranks in a step's own all-reduce (the gradient norm's), by name:
@@ -144,7 +144,7 @@ struct ResidentBytes {
   std::string str() const;
 };
 
-class ShardingStrategy : public Stateful {
+class ShardingStrategy : public dtensor::Stateful {
  public:
   struct NamedTensor {
     std::string name;
@@ -211,29 +211,29 @@ class ShardingStrategy : public Stateful {
   // alike on every rank). zero3/hybrid swap the masters (a 1/N copy kept aside) and fn's
   // forward gathers them; the others gather one full tensor at a time into the module and
   // keep its live values aside.
-  virtual void withSwappedParameters(const std::function<at::Tensor(const ShardedParam&)>& ownedValue,
+  virtual void withSwappedParameters(const std::function<at::Tensor(const dtensor::ShardedParam&)>& ownedValue,
                                      const std::function<void()>& fn);
 
   // ---- The parameters ---------------------------------------------------------------
   // One record per parameter (frozen ones: trainable false), in named_parameters() order.
   // The records live as long as the strategy and never move (pointers to them stay valid).
-  const std::vector<ShardedParam>& params() const { return params_; }
+  const std::vector<dtensor::ShardedParam>& params() const { return params_; }
   // tessera::Error naming `name` when it is not a parameter of the module.
-  const ShardedParam& param(const std::string& name) const;
+  const dtensor::ShardedParam& param(const std::string& name) const;
   // The module's buffers (BatchNorm statistics), by name, as synchronised after each step.
   const std::vector<NamedTensor>& buffers() const { return buffers_; }
   // How a buffer is laid out in checkpoints: replicated over the state group.
-  ShardSpec bufferSpec(const at::Tensor& buffer) const;
-  ShardedOptimizer& optimizer() { return optimizer_; }
-  const ShardedOptimizer& optimizer() const { return optimizer_; }
+  dtensor::ShardSpec bufferSpec(const at::Tensor& buffer) const;
+  optim::ShardedOptimizer& optimizer() { return optimizer_; }
+  const optim::ShardedOptimizer& optimizer() const { return optimizer_; }
 
   // The module's state as checkpoint entries that save and load in place:
   // <prefix><param> for every master (its record's spec) and <prefix><buffer> for every
   // buffer (replicated). After loading, call publishParameters().
-  std::vector<StateEntry> stateEntries(const std::string& prefix);
-  // Stateful (sharding/stateful.h): the entries named as the module names them; a load
+  std::vector<dtensor::StateEntry> stateEntries(const std::string& prefix);
+  // Stateful (dtensor/stateful.h): the entries named as the module names them; a load
   // publishes the loaded masters into the module; exported under its key.
-  std::vector<StateEntry> stateEntries() override { return stateEntries(""); }
+  std::vector<dtensor::StateEntry> stateEntries() override { return stateEntries(""); }
   void afterLoad() override { publishParameters(); }
   std::map<std::string, std::string> exportNames() const override { return {{"", ""}}; }
 
@@ -258,7 +258,7 @@ class ShardingStrategy : public Stateful {
   // alias the parameter's storage). A trainable one (requires_grad) joins the optimizer
   // (weight decay and learning-rate scale per OptimizerOptions: decays, lrScaleOf). The
   // returned record stays where it is for the strategy's lifetime.
-  ShardedParam& registerParam(const std::string& name, const at::Tensor& moduleParam, ShardSpec spec,
+  dtensor::ShardedParam& registerParam(const std::string& name, const at::Tensor& moduleParam, dtensor::ShardSpec spec,
                               at::Tensor master);
 
   // A deferred parameter's initial values of global rows [rowBegin, rowBegin + rows.size(0))
@@ -267,7 +267,7 @@ class ShardingStrategy : public Stateful {
   // The whole initial value of a parameter as fp32 on its device: its own values, or for
   // a deferred one a fresh tensor filled by the initializer (one tensor at a time).
   at::Tensor fullInitialValue(const NamedTensor& param) const;
-  std::vector<ShardedParam>& mutableParams() { return params_; }
+  std::vector<dtensor::ShardedParam>& mutableParams() { return params_; }
 
   // Sets every record's `grad`: the averaged gradient in the record's layout (any
   // floating dtype), or undefined to skip that parameter this step (the optimizer leaves
@@ -300,11 +300,11 @@ class ShardingStrategy : public Stateful {
   StepResult stepWith(const std::function<void()>& update, StepSums* sums);
   void checkOptimizerTensors(torch::optim::Optimizer& optimizer);
 
-  std::vector<ShardedParam> params_;    // reserved for every parameter: never reallocates
-  std::unordered_map<std::string, ShardedParam*> byName_;
-  ShardedOptimizer optimizer_;
+  std::vector<dtensor::ShardedParam> params_;    // reserved for every parameter: never reallocates
+  std::unordered_map<std::string, dtensor::ShardedParam*> byName_;
+  optim::ShardedOptimizer optimizer_;
   std::vector<NamedTensor> shards_;     // shardedParameters(), made at its first call
-  std::vector<ShardedParam*> shardRecords_;  // the record of each of shards_
+  std::vector<dtensor::ShardedParam*> shardRecords_;  // the record of each of shards_
   const torch::optim::Optimizer* checkedOptimizer_ = nullptr;  // the last one checkOptimizerTensors passed
   int64_t stepsApplied_ = 0;
   int64_t stepsSkipped_ = 0;

@@ -49,7 +49,7 @@ State& stateOf(torch::optim::Optimizer& optimizer, const at::Tensor& p, bool ams
   return static_cast<State&>(*it->second);
 }
 
-const ShardedParam& recordOf(ShardingStrategy& strategy, const at::Tensor& p) {
+const dtensor::ShardedParam& recordOf(ShardingStrategy& strategy, const at::Tensor& p) {
   for (const auto& shard : strategy.shardedParameters()) {
     if (shard.tensor.unsafeGetTensorImpl() == p.unsafeGetTensorImpl()) return strategy.param(shard.name);
   }
@@ -62,7 +62,7 @@ const ShardedParam& recordOf(ShardingStrategy& strategy, const at::Tensor& p) {
 ShardGroups splitByDecay(ShardingStrategy& strategy) {
   ShardGroups groups;
   for (const auto& shard : strategy.shardedParameters()) {
-    (defaultDecays(strategy.param(shard.name).spec.globalShape()) ? groups.decay : groups.noDecay).push_back(shard.tensor);
+    (optim::defaultDecays(strategy.param(shard.name).spec.globalShape()) ? groups.decay : groups.noDecay).push_back(shard.tensor);
   }
   return groups;
 }
@@ -83,15 +83,15 @@ TorchOptimizerState::TorchOptimizerState(torch::optim::Optimizer& optimizer, Sha
   }
 }
 
-std::vector<StateEntry> TorchOptimizerState::stateEntries() {
-  std::vector<StateEntry> entries;
+std::vector<dtensor::StateEntry> TorchOptimizerState::stateEntries() {
+  std::vector<dtensor::StateEntry> entries;
   steps_.clear();
-  auto add = [&](const std::string& key, const ShardedParam& record, const at::Tensor& t) {
+  auto add = [&](const std::string& key, const dtensor::ShardedParam& record, const at::Tensor& t) {
     entries.push_back({key + "/" + record.name, record.spec, t});
   };
   for (auto& group : optimizer_.param_groups()) {
     for (const at::Tensor& p : group.params()) {
-      const ShardedParam& record = recordOf(strategy_, p);
+      const dtensor::ShardedParam& record = recordOf(strategy_, p);
       int64_t step = -1;
       if (auto* o = dynamic_cast<torch::optim::AdamWOptions*>(&group.options())) {
         auto& s = stateOf<torch::optim::AdamWParamState>(optimizer_, p, o->amsgrad());
@@ -110,9 +110,9 @@ std::vector<StateEntry> TorchOptimizerState::stateEntries() {
       }
       if (step < 0) continue;  // SGD counts no steps
       steps_.push_back(at::full({}, step, at::kLong));
-      const ShardSpec& spec = record.spec;
+      const dtensor::ShardSpec& spec = record.spec;
       entries.push_back({"step/" + record.name,
-                         ShardSpec({}, at::kLong, spec.worldSize(), spec.rank(), Placement::kReplicate), steps_.back()});
+                         dtensor::ShardSpec({}, at::kLong, spec.worldSize(), spec.rank(), dtensor::Placement::kReplicate), steps_.back()});
     }
   }
   return entries;

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "sharding/stateful.h"
+#include "dtensor/stateful.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -26,15 +26,16 @@ namespace tessera::sharding {
 
 class ShardingStrategy;
 
-// Parameter groups over `strategy`'s shards by the rule of ShardedOptimizer's default:
-// weight decay `weightDecay` for tensors of 2 or more dimensions, none for biases, norms
-// and other vectors (the usual AdamW recipe).
+// Parameter groups over `strategy`'s shards by the rule of ShardedOptimizer's default
+// (optim::defaultDecays): `decay` holds the tensors of 2 or more dimensions, `noDecay`
+// biases, norms and other vectors; the caller gives each group its weight decay (the
+// usual AdamW recipe).
 struct ShardGroups {
   std::vector<at::Tensor> decay, noDecay;
 };
 ShardGroups splitByDecay(ShardingStrategy& strategy);
 
-class TorchOptimizerState final : public Stateful {
+class TorchOptimizerState final : public dtensor::Stateful {
  public:
   // tessera::UsageError for an optimizer of another type, a parameter that is not one of
   // the strategy's shards, or SGD with dampening.
@@ -42,7 +43,7 @@ class TorchOptimizerState final : public Stateful {
 
   // State tensors are created (zeros, step 0: what the optimizer's first step would start
   // from) for parameters not stepped yet, so every rank lists the same names.
-  std::vector<StateEntry> stateEntries() override;
+  std::vector<dtensor::StateEntry> stateEntries() override;
   // Step counts back from their tensors.
   void afterLoad() override;
 

@@ -4,8 +4,8 @@
 #include <c10/core/GradMode.h>
 
 #include "common/errors.h"
-#include "trainer/dataset.h"
-#include "trainer/models.h"
+#include "datasets/dataset.h"
+#include "models/models.h"
 
 namespace tessera::trainer {
 namespace {
@@ -33,15 +33,15 @@ double frechetDistance(const at::Tensor& a, const at::Tensor& b) {
 }
 
 SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(loadExportedModel(classifierExport)) {
-  mlp_ = dynamic_cast<FeatureMlp*>(classifier_.model.get());
+  mlp_ = dynamic_cast<models::FeatureMlp*>(classifier_.model.get());
   TESSERA_CHECK(mlp_ != nullptr && classifier_.description.data.classes > 0 && !classifier_.description.data.tokens,
                 classifierExport, ": not a classifier of images (model.arch mlp trained on idx or image_folder data)");
   TESSERA_CHECK(classifier_.description.dataset.has_value(), classifierExport,
                 ": its metadata does not name the data it was trained on (the real images to compare with)");
-  const DataOptions& data = *classifier_.description.dataset;
-  std::unique_ptr<Dataset> dataset;
+  const datasets::DataOptions& data = *classifier_.description.dataset;
+  std::unique_ptr<datasets::Dataset> dataset;
   try {
-    dataset = makeDataset(data, classifier_.description.model, /*everyPosition=*/false);
+    dataset = datasets::makeDataset(data, models::tokenWindows(classifier_.description.model));
   } catch (const std::exception& e) {
     throw Error(strCat(classifierExport, ": the data it was trained on cannot be read here: ", e.what()));
   }
@@ -50,7 +50,7 @@ SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(load
   std::vector<at::Tensor> features;
   int64_t correct = 0;
   for (int64_t begin = 0; begin < n; begin += kBatch) {
-    const Batch batch = dataset->evalBatch(begin, std::min(kBatch, n - begin));
+    const datasets::Batch batch = dataset->evalBatch(begin, std::min(kBatch, n - begin));
     features.push_back(featuresOf(batch.inputs));
     c10::NoGradGuard noGrad;
     correct += mlp_->forward(batch.inputs).argmax(1).eq(batch.targets).sum().item<int64_t>();

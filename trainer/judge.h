@@ -13,9 +13,11 @@
 
 #include "trainer/model_metadata.h"
 
-namespace tessera::trainer {
-
+namespace tessera::models {
 class FeatureMlp;
+}  // namespace tessera::models
+
+namespace tessera::trainer {
 
 struct Judgement {
   double accuracy = 0;      // fraction of samples classified as their label
@@ -45,7 +47,7 @@ class SampleJudge {
  private:
   at::Tensor featuresOf(const at::Tensor& images) const;
   LoadedModel classifier_;
-  FeatureMlp* mlp_ = nullptr;
+  models::FeatureMlp* mlp_ = nullptr;
   at::Tensor realFeatures_;
   double realAccuracy_ = 0;
   std::string realSource_;

@@ -13,7 +13,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/config.h"
 #include "common/errors.h"
-#include "sharding/param_init.h"
+#include "dtensor/param_init.h"
 #include "trainer/train_counters.h"
 
 namespace tessera::trainer {
@@ -56,9 +56,9 @@ std::vector<int64_t> shapeOf(const json& j, const std::string& key, const std::s
 }
 
 // The "dataset" object: each key of the right type.
-DataOptions parseDataset(const json& j, const std::string& source) {
+datasets::DataOptions parseDataset(const json& j, const std::string& source) {
   TESSERA_CHECK(j.is_object(), source, ": metadata dataset must be an object");
-  DataOptions d;
+  datasets::DataOptions d;
   const auto text = [&](const char* key, std::string& to) {
     TESSERA_CHECK(j.contains(key) && j.at(key).is_string(), source, ": metadata dataset.", key, " must be a string");
     to = j.at(key).get<std::string>();
@@ -86,11 +86,11 @@ DataOptions parseDataset(const json& j, const std::string& source) {
 
 }  // namespace
 
-std::string modelMetadataJson(const ModelOptions& options, const DataSpec& data, const DataOptions* dataset) {
-  ModelOptions resolved = options;
-  if (resolved.arch == "dit") resolved.classes = conditioningClasses(options, data);
+std::string modelMetadataJson(const models::ModelOptions& options, const datasets::DataSpec& data, const datasets::DataOptions* dataset) {
+  models::ModelOptions resolved = options;
+  if (resolved.arch == "dit") resolved.classes = models::conditioningClasses(options, data);
   config::ConfigSchema schema;
-  bindModelKeys(schema, "", resolved);
+  models::bindModelKeys(schema, "", resolved);
   json out = json::object();
   for (const auto& [key, value] : schema.values()) {
     if (!isRunKey(key)) out[key] = yamlToJson(YAML::Load(value));
@@ -135,7 +135,7 @@ ModelDescription parseModelMetadata(const std::string& text, const std::string& 
   // The model keys through the config schema: types, ranges and unknown keys checked
   // as in a run config (JSON is YAML).
   config::ConfigSchema schema;
-  bindModelKeys(schema, "", d.model);
+  models::bindModelKeys(schema, "", d.model);
   try {
     schema.loadString(j.dump(), strCat(source, " metadata '", kModelMetadataKey, "'"));
   } catch (const std::exception& e) {
@@ -178,8 +178,8 @@ LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& sou
                          const std::function<at::Tensor(const std::string&)>& read, at::Device device) {
   LoadedModel out;
   out.description = parseModelMetadata(metadataJson, source);
-  out.model = makeModel(out.description.model, out.description.data, device);
-  sharding::materializeAll(*out.model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
+  out.model = models::makeModel(out.description.model, out.description.data, device);
+  dtensor::materializeAll(*out.model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
   // Parameters and buffers: what a state_dict holds.
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& p : out.model->named_parameters()) tensors.emplace_back(p.key(), p.value());

@@ -16,8 +16,8 @@
 #include <optional>
 #include <string>
 
-#include "trainer/dataset.h"
-#include "trainer/models.h"
+#include "datasets/dataset.h"
+#include "models/models.h"
 #include "trainer/train_config.h"
 
 namespace tessera::trainer {
@@ -25,17 +25,17 @@ namespace tessera::trainer {
 constexpr const char* kModelMetadataKey = "tessera.model";
 
 struct ModelDescription {
-  ModelOptions model;
-  DataSpec data;
+  models::ModelOptions model;
+  datasets::DataSpec data;
   // The data it was trained on ("dataset": data.kind and its files, absolute paths): what
   // a judge compares samples with. Absent in exports that do not record it.
-  std::optional<DataOptions> dataset;
+  std::optional<datasets::DataOptions> dataset;
 };
 
 // The metadata JSON of a model built from `options` for `data` (model.classes resolved
 // for a class-conditional model; model.init_from and model.samples left out: they are
 // the run's, not the model's), trained on `dataset` (nullptr: not recorded).
-std::string modelMetadataJson(const ModelOptions& options, const DataSpec& data, const DataOptions* dataset = nullptr);
+std::string modelMetadataJson(const models::ModelOptions& options, const datasets::DataSpec& data, const datasets::DataOptions* dataset = nullptr);
 
 // Parses metadata JSON; tessera::Error naming `source` (the file) and the key for a value
 // that is missing, of the wrong type or out of range.
@@ -48,7 +48,7 @@ std::string modelMetadataForPrefix(const std::map<std::string, std::string>& byS
 
 struct LoadedModel {
   ModelDescription description;
-  std::shared_ptr<TrainModel> model;  // every parameter materialised, in eval mode, no gradients
+  std::shared_ptr<models::TrainModel> model;  // every parameter materialised, in eval mode, no gradients
 };
 
 // Builds the model an export's metadata describes and loads its weights, strictly: every

@@ -1,13 +1,13 @@
-// What a train step does, by run.recipe: the standard recipe trains the one model on the
-// data (standard_recipe.cpp); dmd distils a teacher into a one- or few-step generator with a
-// critic (dmd_recipe.h). The train loop (trainer.cpp) around a recipe is the same: logs,
-// evaluations, checkpoints of every model, exports, stop signals.
+// What a train step does, by run.recipe: the interface every recipe implements (recipes/:
+// the standard recipe trains the one model on the data; dmd distils a teacher into a one- or
+// few-step generator with a critic). The train loop (trainer.cpp) around a recipe is the
+// same: logs, evaluations, checkpoints of every model, exports, stop signals. A recipe is
+// found by name through its RecipeSpec (recipe_spec.h).
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -15,13 +15,8 @@
 
 #include "observe/tensorboard_writer.h"
 #include "sharding/strategy.h"
-#include "trainer/dataset.h"
 
 namespace tessera::trainer {
-
-struct RunParts;
-struct ModelPart;
-class TrainModel;
 
 // What one step leaves for the periodic actions and the stop decision. Every rank gets
 // the same values (they ride on the step's collectives).
@@ -66,42 +61,5 @@ class Recipe {
   // (rank 0; "" elsewhere and without a judge). Collective.
   virtual std::string judgeSamples() { return ""; }
 };
-
-// The recipe run.recipe names, over the parts of the run.
-std::unique_ptr<Recipe> makeRecipe(RunParts& run);
-
-// Helpers the recipes share.
-
-// The loss of each prediction of `batch`, with the model's root entered as a unit
-// (zero3/hybrid gather the root's parameters there; a plain call under the other
-// strategies). Inputs and targets move to `device` first.
-at::Tensor lossesOf(TrainModel& model, Batch batch, at::Device device);
-
-// Runs `fn(begin, end)` for each micro-batch of this rank's share of a step — positions
-// [begin, end) in the rank's sample indices — with `part`'s gradient synchronisation set
-// as its sharding.reduce_every_micro_batch says (off before the last micro-batch when false).
-void forEachMicroBatch(const RunParts& run, ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn);
-
-// The optimizer step of the recipe's main model `part` (then its EMA update) with the
-// step's summed loss `stepLoss` (a [1] double tensor) and this rank's stop request riding
-// on the gradient-norm all-reduce (no collective of their own): the outcome's lr,
-// result, loss (mean over ranks) and stopSignalled. Collective.
-StepOutcome stepMainModel(const RunParts& run, ModelPart& part, int64_t step, const at::Tensor& stepLoss,
-                          bool stopRequested);
-
-// The mean of `losses(begin, end)` (per-prediction losses of samples [begin, end)) over
-// `n` samples split among the ranks, each rank at least one (zero3 gathers inside the
-// forwards: every rank must run them). Collective.
-double meanOverRanks(const RunParts& run, int64_t n, const std::function<at::Tensor(int64_t begin, int64_t end)>& losses);
-
-// Rank 0 writes `samples` to <run.dir>/samples.safetensors (metadata generator:
-// `generator`) and logs their per-feature mean and spread against the held-out data's
-// (the train data's when none is held out). Returns the file written.
-std::string writeSamples(RunParts& run, const at::Tensor& samples, const std::string& generator);
-
-// Rank 0 writes `samples` (images) as <run.dir>/samples/step_<step>_<name>.png, `perRow`
-// per row; returns the grid.
-SampleGrid writeStepGrid(RunParts& run, int64_t step, const std::string& name, const at::Tensor& samples,
-                          int64_t perRow);
 
 }  // namespace tessera::trainer

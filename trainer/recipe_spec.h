@@ -1,11 +1,15 @@
-// What a recipe (run.recipe) asks of a run's configuration, apart from its training code
-// (recipe.h): the models it trains, checked with the recipe's own keys when the config is
-// loaded, and how many optimizer updates each model takes per run step. Each recipe owns
-// its spec (standard_recipe_spec.cpp, dmd_recipe_spec.cpp); recipeSpec() finds one by name.
-// Free of LibTorch models, so the config reader builds (and is fuzzed) without them.
+// A recipe (run.recipe) as the trainer finds it by name: what it asks of a run's
+// configuration (the models it trains, checked with the recipe's own keys when the config
+// is loaded), how many optimizer updates each model takes per run step, and how to build
+// its training code (recipe.h) over a run's parts. The trainer names no recipe: each
+// recipe owns its spec (recipes/), and a program adds the ones it offers with addRecipe()
+// before it loads a config (recipes::addBuiltinRecipes() adds standard and dmd), as
+// torchtitan registers its train specs. Free of LibTorch models, so the config reader
+// builds (and is fuzzed) without them.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,6 +20,8 @@ class ConfigSchema;
 namespace tessera::trainer {
 
 struct TrainConfig;
+struct RunParts;
+class Recipe;
 
 struct RecipeSpec {
   const char* name;         // run.recipe
@@ -27,14 +33,19 @@ struct RecipeSpec {
   // The most optimizer updates `model` takes per run step in any run of the recipe: a
   // resumed checkpoint's step counts are checked against it.
   int64_t (*maxUpdatesPerRunStep)(const std::string& model);
+  // The recipe's training code over the parts of a run set up for it (null in builds of
+  // the config reader alone, such as the fuzzers').
+  std::unique_ptr<Recipe> (*make)(RunParts& run);
 };
 
-const RecipeSpec& standardRecipeSpec();
-const RecipeSpec& dmdRecipeSpec();
+// Adds `spec` to run.recipe's choices; adding a name again replaces its spec. Thread-safe;
+// the spec must outlive its use (a function-local static).
+void addRecipe(const RecipeSpec& spec);
 
-// Every recipe, run.recipe's choices.
-const std::vector<const RecipeSpec*>& recipeSpecs();
-// The recipe named `name` (tessera::ConfigError listing the recipes otherwise).
+// Every recipe added, run.recipe's choices, in the order they were added.
+std::vector<const RecipeSpec*> recipeSpecs();
+// The recipe named `name` (tessera::ConfigError listing the recipes otherwise, or saying
+// that the program added none).
 const RecipeSpec& recipeSpec(const std::string& name);
 
 }  // namespace tessera::trainer

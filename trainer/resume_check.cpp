@@ -70,30 +70,6 @@ struct Sides {
     return valueOr(saved, trainable, "true") == "false" && valueOr(now, trainable, "true") == "false";
   }
 
-  // Keys whose change the saved state cannot follow: the shapes of the weights, which
-  // optimizer and EMA tensors exist, and where the data is (step x global batch, in the
-  // seed's order). adam <-> adamw keep the same moments (a change); sgd's are others, and
-  // so are sgd with and without momentum.
-  bool cannotFollow(const std::string& key) const {
-    static const char* const kModelKeys[] = {"arch", "vocab_size", "context", "embed_dim", "hidden", "layers",
-                                             "heads", "tie_head", "trainable", "ema.enabled",
-                                             "ema.decays", "ema.dtype", "ema.posthoc.stds"};
-    if (key == "data.global_batch" || key == "run.seed" || key == "run.recipe") return true;
-    const std::string inner = withinModel(key);
-    const std::string optimPrefix = key.substr(0, key.size() - inner.size()) + "optim.";
-    if (inner == "optim.name") {
-      return valueOr(saved, key, "") == "sgd" || valueOr(now, key, "") == "sgd";
-    }
-    if (inner == "optim.momentum") {
-      const bool sgd = valueOr(saved, optimPrefix + "name", "") == "sgd" && valueOr(now, optimPrefix + "name", "") == "sgd";
-      return sgd && ((std::stod(valueOr(saved, key, "0")) == 0) != (std::stod(valueOr(now, key, "0")) == 0));
-    }
-    for (const char* k : kModelKeys) {
-      if (inner == k) return true;
-    }
-    return false;
-  }
-
   bool steersNothingSaved(const std::string& key) const {
     const std::string inner = withinModel(key);
     return frozenOnBothSides(key) && (inner.rfind("optim.", 0) == 0 || inner.rfind("ema.", 0) == 0);
@@ -123,12 +99,11 @@ ResumeCheck compareWithSaved(const std::string& savedYaml, const std::string& cu
     if (isModelsKey(key) && (before.empty() || after.empty())) {
       const std::string entry = key.substr(0, key.find('.', 7));
       if (entriesNoted.insert(entry).second) {
-        check.refused.push_back({entry, before.empty() ? "(absent)" : "(a model)", after.empty() ? "(absent)" : "(a model)"});
+        check.changed.push_back({entry, before.empty() ? "(absent)" : "(a model)", after.empty() ? "(absent)" : "(a model)"});
       }
       return;
     }
-    (sides.cannotFollow(key) ? check.refused : check.changed)
-        .push_back({key, before.empty() ? "(absent)" : before, after.empty() ? "(absent)" : after});
+    check.changed.push_back({key, before.empty() ? "(absent)" : before, after.empty() ? "(absent)" : after});
   };
   for (const auto& [key, value] : now) {
     auto it = saved.find(key);

@@ -1,7 +1,8 @@
 // What a resumed run changes against the run that saved its checkpoint: the settings
-// whose values differ (a new learning rate is legitimate: resuming warns with the list),
-// and those the saved state cannot be used with (another model shape, optimizer, EMA set,
-// global batch or seed: resuming refuses them, naming the keys).
+// whose values differ. A resume warns with the list (a new learning rate is legitimate);
+// whether the saved state fits this run is not decided here but by planning the load
+// against the checkpoint's metadata (checkpoint::planLoad), and when it does not fit, the
+// refusal names these keys as the likely cause.
 #pragma once
 
 #include <string>
@@ -16,14 +17,14 @@ struct SettingChange {
 };
 
 struct ResumeCheck {
-  std::vector<SettingChange> changed;  // differ, and resuming is fine with it
-  std::vector<SettingChange> refused;  // differ, and the checkpoint's state cannot serve them
+  std::vector<SettingChange> changed;  // differ between the saved settings and this run's
   std::string uncomparable;            // why the saved settings could not be read ("" when compared)
 };
 
 // Compares the resolved YAML a checkpoint was saved with (trainer_state.json) with the one
 // of this run. Keys that only steer this invocation (run.dir, run.stop_after_steps,
-// checkpoint.resume, log.*) are left out.
+// checkpoint.resume, log.*) are left out, and so are a frozen model's optim. and ema. keys
+// (it has no such state); a models: entry only one side has is one change.
 ResumeCheck compareWithSaved(const std::string& savedYaml, const std::string& currentYaml);
 
 // "a -> b, c -> d" for messages.

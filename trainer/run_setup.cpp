@@ -21,7 +21,7 @@
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
 #include "sharding/mixed_precision.h"
-#include "trainer/layers.h"
+#include "models/layers.h"
 #include "trainer/metrics.h"
 #include "trainer/model_metadata.h"
 #include "trainer/recipe_spec.h"
@@ -33,7 +33,7 @@ namespace fs = std::filesystem;
 checkpoint::StateMap ModelPart::states() {
   checkpoint::StateMap states{{cfg.names.weights, *strategy}};
   if (cfg.trainable) states.emplace_back(cfg.names.optimizer, strategy->optimizer());
-  if (ema) states.emplace_back(sharding::kEmaKey, *ema);
+  if (ema) states.emplace_back(dtensor::kEmaKey, *ema);
   return states;
 }
 
@@ -149,9 +149,9 @@ uint64_t initSeed(const TrainConfig& cfg, const ModelEntry& m) {
 // parameters: each rank initialises only what it holds, with values that depend on the
 // seed and the parameter names alone. An empty sharding.wrap leaves the units to the
 // model's own sharding::Unit members.
-sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const ModelEntry& m, const TrainModel& model) {
+sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const ModelEntry& m, const models::TrainModel& model) {
   sharding::StrategyOptions o = m.sharding;
-  o.initializer = layers::initializerOf(model, initSeed(cfg, m));
+  o.initializer = models::layers::initializerOf(model, initSeed(cfg, m));
   return o;
 }
 
@@ -168,14 +168,14 @@ std::unique_ptr<ema::ShardedModelEMAManager> makeEma(const ModelEntry& m, const 
 // (model.vocab_size 2^31) is reported with the keys that size the model, without
 // LibTorch's C++ backtrace.
 ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
-  const ModelOptions& m = entry.model;
+  const models::ModelOptions& m = entry.model;
   ModelPart part;
   part.cfg = entry;
   const std::string modelKeys = strCat(entry.modelKeys.empty() ? "model" : entry.modelKeys.substr(0, entry.modelKeys.size() - 1),
                                        " (arch ", m.arch, ", vocab_size ", m.vocab_size, ", context ", m.context,
                                        ", embed_dim ", m.embed_dim, ", layers ", m.layers, ")");
   try {
-    part.model = makeModel(m, run.data->spec(), run.device);
+    part.model = models::makeModel(m, run.data->spec(), run.device);
     if (!entry.trainable) {
       for (auto& p : part.model->parameters()) p.set_requires_grad(false);
     }
@@ -185,7 +185,7 @@ ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
   } catch (const std::bad_alloc&) {
     throw ConfigError(strCat(modelKeys, ": this rank's part does not fit in memory"));
   }
-  if (entry.trainable) part.schedule = std::make_unique<sharding::LrSchedule>(entry.schedule);
+  if (entry.trainable) part.schedule = std::make_unique<optim::LrSchedule>(entry.schedule);
   part.ema = makeEma(entry, *part.strategy);
   int64_t numParams = 0;
   for (const auto& p : part.model->parameters()) numParams += p.numel();
@@ -219,38 +219,39 @@ void setUpCheckpointer(RunParts& run) {
   }
 }
 
-std::string newestCheckpoint(const std::string& checkpointsDir) {
-  const auto all = checkpoint::listCheckpoints(checkpointsDir);
-  return all.empty() ? std::string() : all.back().dir;
-}
-
-// Before resuming from `dir`: the settings that differ from those it was saved with. A
-// change the saved state can follow (a new learning rate, more steps) is listed in a
-// warning; one it cannot (another model shape, optimizer or EMA set) is refused, naming the
-// keys. A checkpoint whose settings cannot be read is left to the load to judge.
-void checkSettingsAgainst(const RunParts& run, const std::string& dir) {
-  if (dir.empty()) return;
+// The settings of this run that differ from those checkpoint `dir` was saved with (its
+// trainer_state.json's resolved config); uncomparable says why when they cannot be read.
+ResumeCheck settingsAgainst(const RunParts& run, const std::string& dir) {
   std::string savedYaml;
   try {
     checkpoint::CheckpointReader reader(dir);
     savedYaml = countersFromJson(reader.trainerState(), dir + "/trainer_state.json").resolvedConfig;
-  } catch (const std::exception&) {
-    return;
+  } catch (const std::exception& e) {
+    ResumeCheck unread;
+    unread.uncomparable = e.what();
+    return unread;
   }
-  const ResumeCheck check = compareWithSaved(savedYaml, run.resolvedYaml);
+  return compareWithSaved(savedYaml, run.resolvedYaml);
+}
+
+// A checkpoint whose state does not fit this run (checkpoint::planLoad: other tensors,
+// shapes or dtypes) refused as a configuration error, before any weights were read: the
+// tensors that differ, and the settings that differ from the checkpoint's, which are
+// what the user changed to get there (model.patch_size, data.image_size, ema.decays, ...).
+[[noreturn]] void refuseLayout(const RunParts& run, const checkpoint::LoadPlanError& e) {
+  const ResumeCheck check = settingsAgainst(run, e.dir());
+  std::string cause;
   if (!check.uncomparable.empty()) {
-    TLOG_WARN0("resume from " << dir << ": its settings could not be compared with this run's: " << check.uncomparable);
+    cause = strCat("its settings could not be read (", check.uncomparable, ")");
+  } else if (check.changed.empty()) {
+    cause = "no setting differs from the checkpoint's: was it written by another version of the model's code?";
+  } else {
+    cause = strCat("the settings that differ from the checkpoint's: ", describeChanges(check.changed));
   }
-  if (!check.refused.empty()) {
-    throw ConfigError(strCat("resume from ", dir, ": ", describeChanges(check.refused),
-                             ": the checkpoint's state cannot be used with ", check.refused.size() == 1 ? "this setting" : "these settings",
-                             " (the checkpoint has other tensors, shapes or data order); set them back, or start afresh "
-                             "with --resume none or another run.dir"));
-  }
-  if (!check.changed.empty()) {
-    TLOG_WARN0("resume from " << dir << ": settings differ from the checkpoint's (this run's apply): "
-                              << describeChanges(check.changed));
-  }
+  const std::string tensors =
+      e.mismatches().empty() ? std::string(e.what()) : checkpoint::describeMismatches(e.mismatches());
+  throw ConfigError(strCat("resume from ", e.dir(), ": the checkpoint's state does not fit this run (", tensors,
+                           "); ", cause, ". Set them back, or start afresh with --resume none or another run.dir"));
 }
 
 // The counts a checkpoint restored, checked against its step: optimizer steps (at most the
@@ -263,10 +264,10 @@ void checkLoadedCounts(RunParts& run, const checkpoint::LoadResult& loaded, cons
     const int64_t maxUpdates =
         boundedProduct(saved.step, recipe.maxUpdatesPerRunStep(m.cfg.name), std::numeric_limits<int64_t>::max());
     if (m.cfg.trainable) {
-      m.strategy->optimizer().checkLoadedStepCounts(maxUpdates, loaded.dir, sharding::statePrefix(m.cfg.names.optimizer));
+      m.strategy->optimizer().checkLoadedStepCounts(maxUpdates, loaded.dir, dtensor::statePrefix(m.cfg.names.optimizer));
     }
     if (!m.ema) continue;
-    const std::string countEntry = sharding::statePrefix(sharding::kEmaKey) + m.ema->updateCountName();
+    const std::string countEntry = dtensor::statePrefix(dtensor::kEmaKey) + m.ema->updateCountName();
     const auto& missing = loaded.missingOptional;
     if (std::find(missing.begin(), missing.end(), countEntry) != missing.end()) {
       const bool single = run.models.size() == 1 && saved.legacyEmaUpdates.has_value();
@@ -290,7 +291,7 @@ void checkTrainerState(const checkpoint::LoadResult& loaded) {
   const checkpoint::CheckpointReader reader(loaded.dir);
   const checkpoint::CheckpointMetadata& md = reader.metadata();
   for (const auto& [name, count] : saved.legacyEmaUpdatesOf) {
-    const std::string prefix = sharding::statePrefix(sharding::kEmaKey) + name + "/";
+    const std::string prefix = dtensor::statePrefix(dtensor::kEmaKey) + name + "/";
     const bool held = std::any_of(md.tensors.begin(), md.tensors.end(),
                                   [&](const checkpoint::TensorInfo& t) { return t.name.rfind(prefix, 0) == 0; });
     TESSERA_CHECK(held, file, ": 'ema_updates_of.", name, "' counts updates of an EMA the checkpoint does not hold (no ",
@@ -300,28 +301,35 @@ void checkTrainerState(const checkpoint::LoadResult& loaded) {
 
 // checkpoint.resume: loads the newest complete checkpoint ("auto", falling back to older
 // ones when one fails verification on any rank) or the one named, into the run's state
-// in place, and continues its counters. The data position is step x global batch, so the
-// global batch and the seed must be the checkpoint's. Returns whether it resumed.
+// in place, and continues its counters. The load is planned against the checkpoint's
+// metadata first: a state that does not fit (another model shape, optimizer or EMA set)
+// is a configuration error naming the tensors and the changed settings, never a reason to
+// fall back. The data position is step x global batch, so the global batch and the seed
+// must be the checkpoint's. Returns whether it resumed.
 bool resume(RunParts& run) {
   const TrainConfig& cfg = run.cfg;
   if (cfg.checkpoint.resume == "none") return false;
   const std::string checkpointsDir = (run.runDir / "checkpoints").string();
-  checkSettingsAgainst(run, cfg.checkpoint.resume == "auto" ? newestCheckpoint(checkpointsDir) : cfg.checkpoint.resume);
   const checkpoint::StateMap states = run.states();
   const distributed::TimeoutScope timeout(secondsToMs(cfg.diagnostics.checkpoint_timeout_s));
   checkpoint::LoadOptions options;
   options.check = checkTrainerState;  // a step whose trainer state fails is passed over like a damaged one
+  options.strict = true;              // every saved tensor is state this run has (another EMA set, optimizer: refused)
   std::optional<checkpoint::LoadResult> loaded;
-  if (cfg.checkpoint.resume == "auto") {
-    loaded = checkpoint::resumeLatest(checkpointsDir, states, run.hostComm.get(), options);
-  } else {
-    std::error_code missing;
-    if (!fs::exists(cfg.checkpoint.resume, missing)) {
-      throw ConfigError(cfg.origins.errorMessage(
-          "checkpoint.resume",
-          strCat("no checkpoint directory at '", cfg.checkpoint.resume, "'", relativePathNote(cfg.checkpoint.resume))));
+  try {
+    if (cfg.checkpoint.resume == "auto") {
+      loaded = checkpoint::resumeLatest(checkpointsDir, states, run.hostComm.get(), options);
+    } else {
+      std::error_code missing;
+      if (!fs::exists(cfg.checkpoint.resume, missing)) {
+        throw ConfigError(cfg.origins.errorMessage(
+            "checkpoint.resume",
+            strCat("no checkpoint directory at '", cfg.checkpoint.resume, "'", relativePathNote(cfg.checkpoint.resume))));
+      }
+      loaded = checkpoint::load(cfg.checkpoint.resume, states, run.hostComm.get(), options);
     }
-    loaded = checkpoint::load(cfg.checkpoint.resume, states, run.hostComm.get(), options);
+  } catch (const checkpoint::LoadPlanError& e) {
+    refuseLayout(run, e);
   }
   if (!loaded) return false;
   const TrainerCounters saved =
@@ -337,6 +345,14 @@ bool resume(RunParts& run) {
                                                                   "; the data order would change")));
   }
   checkLoadedCounts(run, *loaded, saved);
+  const ResumeCheck check = settingsAgainst(run, loaded->dir);
+  if (!check.uncomparable.empty()) {
+    TLOG_WARN0("resume from " << loaded->dir << ": its settings could not be compared with this run's: "
+                              << check.uncomparable);
+  } else if (!check.changed.empty()) {
+    TLOG_WARN0("resume from " << loaded->dir << ": settings differ from the checkpoint's (this run's apply): "
+                              << describeChanges(check.changed));
+  }
   run.startStep = saved.step;
   run.counters.skippedSteps = saved.skippedSteps;
   if (saved.worldSize != run.comm->worldSize()) {
@@ -372,7 +388,7 @@ void initializeFromFiles(RunParts& run) {
   for (ModelPart& m : run.models) {
     const ModelEntry& e = m.cfg;
     if (e.model.init_from) {
-      const std::string prefix = sharding::statePrefix(e.names.weights);
+      const std::string prefix = dtensor::statePrefix(e.names.weights);
       importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix);
       m.strategy->publishParameters();
       if (m.ema) m.ema->resetFromLive();
@@ -381,13 +397,49 @@ void initializeFromFiles(RunParts& run) {
     if (m.ema && e.ema.initFrom) {
       // Fine-tuning: every EMA profile starts from given weights (names as the module's).
       for (size_t d = 0; d < m.ema->numProfiles(); ++d) {
-        const std::string emaPrefix = sharding::statePrefix(sharding::kEmaKey);
+        const std::string emaPrefix = dtensor::statePrefix(dtensor::kEmaKey);
         importInto(run, e.sectionKeys + "ema.init_from", *e.ema.initFrom, m.ema->profileEntries(d, emaPrefix),
                    emaPrefix + m.ema->stateName(d) + "/");
       }
       TLOG_INFO0(m.cfg.names.ema << " initialised from " << *e.ema.initFrom);
     }
   }
+}
+
+// The data of the run: data.path opened as data.kind (errors name the key and, for a
+// relative path, the directory it was resolved against), the sampler that splits each
+// step's global batch over the ranks, and the micro-batches per rank and step.
+void setUpData(RunParts& run) {
+  const TrainConfig& cfg = run.cfg;
+  const int world = run.comm->worldSize();
+  std::error_code missing;
+  if (!fs::exists(cfg.data.path, missing)) {
+    throw ConfigError(
+        cfg.origins.errorMessage("data.path", strCat("no file at '", cfg.data.path, "'", relativePathNote(cfg.data.path))));
+  }
+  try {
+    run.data = datasets::makeDataset(cfg.data, models::tokenWindows(cfg.defaults.model));
+  } catch (const ConfigError& e) {
+    throw ConfigError(cfg.origins.errorMessage("data.path", strCat(e.what(), relativePathNote(cfg.data.path))));
+  } catch (const std::exception& e) {  // a file that is there but not usable: not the config's fault
+    throw Error(cfg.origins.errorMessage("data.path", strCat(e.what(), relativePathNote(cfg.data.path))));
+  }
+  if (run.data->trainSamples() < cfg.data.global_batch) {
+    throw ConfigError(cfg.origins.errorMessage("data.global_batch", strCat(cfg.data.global_batch, " is more than the ",
+                                                                           run.data->trainSamples(),
+                                                                           " training samples of data.path ",
+                                                                           run.data->describe())));
+  }
+  run.sampler = std::make_unique<datasets::DistributedSampler>(run.data->trainSamples(), cfg.data.global_batch,
+                                                              cfg.run.seed, cfg.data.shuffle);
+  run.microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
+  if (cfg.data.micro_batch_asked > 0) {
+    TLOG_WARN0("data.micro_batch " << cfg.data.micro_batch_asked << " does not divide the " << cfg.data.global_batch / world
+               << " samples each of " << world << " ranks gets per step (data.global_batch " << cfg.data.global_batch
+               << "): micro-batches of " << cfg.data.micro_batch << " instead, the largest that does");
+  }
+  TLOG_INFO0("data " << run.data->describe() << "; " << run.sampler->stepsPerEpoch() << " steps per epoch; "
+                     << run.microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
 }
 
 }  // namespace
@@ -406,41 +458,13 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   fs::create_directories(run->runDir / "logs");
   if (rank == 0) replaceFile((run->runDir / "config.resolved.yaml").string(), run->resolvedYaml);
 
-  // Data. torch's generator starts from run.seed on every rank (whatever draws from it);
-  // the models' initial values do not come from it but from the strategies' initializers,
+  // torch's generator starts from run.seed on every rank (whatever draws from it); the
+  // models' initial values do not come from it but from the strategies' initializers,
   // keyed by the seed and parameter names, so every rank agrees on them by construction.
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   run->device = trainingDevice(cfg);
   checkComputeDtypes(cfg, run->device);
-  std::error_code missing;
-  if (!fs::exists(cfg.data.path, missing)) {
-    throw ConfigError(
-        cfg.origins.errorMessage("data.path", strCat("no file at '", cfg.data.path, "'", relativePathNote(cfg.data.path))));
-  }
-  try {
-    run->data = makeDataset(cfg.data, cfg.defaults.model, predictsEveryPosition(cfg.defaults.model));
-  } catch (const ConfigError& e) {
-    throw ConfigError(cfg.origins.errorMessage("data.path", strCat(e.what(), relativePathNote(cfg.data.path))));
-  } catch (const std::exception& e) {  // a file that is there but not usable: not the config's fault
-    throw Error(cfg.origins.errorMessage("data.path", strCat(e.what(), relativePathNote(cfg.data.path))));
-  }
-  if (run->data->trainSamples() < cfg.data.global_batch) {
-    throw ConfigError(cfg.origins.errorMessage("data.global_batch", strCat(cfg.data.global_batch, " is more than the ",
-                                                                           run->data->trainSamples(),
-                                                                           " training samples of data.path ",
-                                                                           run->data->describe())));
-  }
-  run->sampler = std::make_unique<DistributedSampler>(run->data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
-                                                      cfg.data.shuffle);
-  run->microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
-  if (cfg.data.micro_batch_asked > 0) {
-    TLOG_WARN0("data.micro_batch " << cfg.data.micro_batch_asked << " does not divide the " << cfg.data.global_batch / world
-               << " samples each of " << world << " ranks gets per step (data.global_batch " << cfg.data.global_batch
-               << "): micro-batches of " << cfg.data.micro_batch << " instead, the largest that does");
-  }
-  TLOG_INFO0("data " << run->data->describe() << "; " << run->sampler->stepsPerEpoch() << " steps per epoch; "
-                     << run->microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
-
+  setUpData(*run);
   for (const ModelEntry& entry : cfg.models) run->models.push_back(buildModel(*run, entry));
 
   // Checkpointer and resume.
@@ -453,9 +477,9 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   for (const ModelPart& part : run->models) {
     const std::string metadata = modelMetadataJson(part.cfg.model, run->data->spec(), &cfg.data);
     const ModelStateNames& names = part.cfg.names;
-    run->counters.modelMetadata[sharding::statePrefix(names.weights)] = metadata;
+    run->counters.modelMetadata[dtensor::statePrefix(names.weights)] = metadata;
     for (const std::string& ema : {names.ema, names.formerEma}) {
-      if (!ema.empty()) run->counters.modelMetadata[sharding::statePrefix(sharding::kEmaKey) + ema] = metadata;
+      if (!ema.empty()) run->counters.modelMetadata[dtensor::statePrefix(dtensor::kEmaKey) + ema] = metadata;
     }
   }
   if (!resume(*run)) initializeFromFiles(*run);  // a resumed run keeps the checkpoint's weights

@@ -20,10 +20,10 @@
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
 #include "ema/ema_manager.h"
-#include "sharding/lr_schedule.h"
+#include "optim/lr_schedule.h"
 #include "sharding/strategy.h"
-#include "trainer/models.h"
-#include "trainer/text_dataset.h"
+#include "models/models.h"
+#include "datasets/text_dataset.h"
 #include "trainer/train_config.h"
 #include "trainer/train_counters.h"
 
@@ -36,9 +36,9 @@ namespace tessera::trainer {
 // One model of the run with everything that holds its state.
 struct ModelPart {
   ModelEntry cfg;                                    // its keys and state names
-  std::shared_ptr<TrainModel> model;
+  std::shared_ptr<models::TrainModel> model;
   std::unique_ptr<sharding::ShardingStrategy> strategy;
-  std::unique_ptr<sharding::LrSchedule> schedule;    // null for a frozen model
+  std::unique_ptr<optim::LrSchedule> schedule;    // null for a frozen model
   std::unique_ptr<ema::ShardedModelEMAManager> ema;  // null without an EMA
 
   // Its components as the run's checkpoint holds them (checkpoint/state.h): the strategy
@@ -59,8 +59,8 @@ struct RunParts {
   std::filesystem::path runDir;
   at::Device device = at::kCPU;                     // run.device: the CPU or this rank's GPU
 
-  std::unique_ptr<Dataset> data;
-  std::unique_ptr<DistributedSampler> sampler;      // global batch of a step -> this rank's samples
+  std::unique_ptr<datasets::Dataset> data;
+  std::unique_ptr<datasets::DistributedSampler> sampler;      // global batch of a step -> this rank's samples
   int64_t microBatches = 1;                         // per rank and step (gradient accumulation)
   // The models, in the order the config names them; the single-model form has one,
   // named "model".

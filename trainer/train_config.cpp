@@ -15,72 +15,16 @@ namespace tessera::trainer {
 
 namespace {
 
-// Upper bounds of the sizes a config may ask for. Far above any run this code can do, and
-// low enough that the products the trainer forms from two of them (context x embed_dim,
-// micro_batch x world size, bucket bytes) stay far from int64 overflow: a product that
-// wrapped would pass a divisibility check, divide by zero or allocate a negative size.
-constexpr double kMaxSteps = double(int64_t{1} << 40);
-constexpr double kMaxVocab = double(int64_t{1} << 31);
-constexpr double kMaxWidth = double(int64_t{1} << 24);
-constexpr double kMaxLayers = 1 << 16;
-constexpr double kMaxBatch = double(int64_t{1} << 31);
-constexpr double kMaxBucketMiB = 1 << 20;  // 1 TiB
+constexpr double kMaxBucketMiB = 1 << 20;  // 1 TiB: sharding.bucket_mib
 
 }  // namespace
-
-std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t scheduleSteps) {
-  for (size_t k = 0; k < timesteps.size(); ++k) {
-    if (timesteps[k] < 0 || timesteps[k] >= scheduleSteps) {
-      return strCat("timestep ", timesteps[k], " is outside the schedule's [0, ", scheduleSteps - 1, "]");
-    }
-    if (k > 0 && timesteps[k] >= timesteps[k - 1]) {
-      return strCat("timesteps must decrease (", timesteps[k - 1], " then ", timesteps[k], ")");
-    }
-  }
-  return "";
-}
-
-void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& m) {
-  s.add(p + "arch", &m.arch,
-        "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors), "
-        "dit (a class-conditional diffusion transformer over images)")
-      .oneOf({"mlp", "gpt", "diffusion", "dit"});
-  s.add(p + "vocab_size", &m.vocab_size, "Vocabulary size (256 for byte-level text)").min(2).max(kMaxVocab);
-  s.add(p + "context", &m.context, "Context length in tokens").min(1).max(kMaxWidth);
-  s.add(p + "embed_dim", &m.embed_dim, "Token embedding width; diffusion: the denoiser's width").min(1).max(kMaxWidth);
-  s.add(p + "hidden", &m.hidden, "Hidden layer widths of the MLP").min(1).max(kMaxWidth).nonEmpty();
-  s.add(p + "activation", &m.activation, "Activation between MLP layers").oneOf({"relu", "gelu"});
-  s.add(p + "layers", &m.layers, "gpt: decoder blocks; diffusion: denoiser blocks").min(1).max(kMaxLayers);
-  s.add(p + "heads", &m.heads, "gpt: attention heads; must divide model.embed_dim").min(1).max(kMaxWidth);
-  s.add(p + "tie_head", &m.tie_head, "gpt: compute the logits with wte.weight instead of an lm_head");
-  s.add(p + "timesteps", &m.timesteps, "diffusion: noise levels T of the forward process").min(1).max(kMaxWidth);
-  s.add(p + "beta_start", &m.beta_start, "diffusion: first beta of the linear noise schedule")
-      .greaterThan(0.0).lessThan(1.0);
-  s.add(p + "beta_end", &m.beta_end, "diffusion: last beta of the linear noise schedule")
-      .greaterThan(0.0).lessThan(1.0);
-  s.add(p + "patch_size", &m.patch_size, "dit: patch side in pixels (divides the image size)").min(1).max(kMaxWidth);
-  s.add(p + "mlp_ratio", &m.mlp_ratio, "dit: width of each block's MLP over model.embed_dim").greaterThan(0.0).max(64.0);
-  s.add(p + "classes", &m.classes,
-        "dit: class labels the model is conditioned on (0: the data's classes; unconditional without labels)")
-      .min(0).max(1 << 20);
-  s.add(p + "class_dropout", &m.class_dropout,
-        "dit: probability a training label is replaced by the 'no class' label (classifier-free guidance)")
-      .min(0.0).lessThan(1.0);
-  s.add(p + "sample_timesteps", &m.sample_timesteps,
-        "diffusion, dit: the timesteps DDIM samples at when not told the steps (decreasing, each below "
-        "model.timesteps; empty: 50 evenly spaced); in run.recipe dmd, the generator's own steps")
-      .min(0).max(kMaxWidth);
-  s.add(p + "init_from", &m.init_from,
-        "Safetensors file or sharded export (*.index.json) to start the model from (fresh runs; each rank reads "
-        "its rows)");
-}
 
 namespace {
 
 // optim.*: the library's optimizer options, its learning-rate schedule, gradient clipping.
 void bindOptimKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m) {
-  sharding::OptimizerOptions& o = m.sharding.optimizer;
-  s.add(p + "name", config::choiceOf(&o.kind, sharding::kOptimizerKindNames), "Optimizer");
+  optim::OptimizerOptions& o = m.sharding.optimizer;
+  s.add(p + "name", config::choiceOf(&o.kind, optim::kOptimizerKindNames), "Optimizer");
   s.add(p + "lr", &m.schedule.baseLr, "Learning rate").greaterThan(0.0);
   s.add(p + "betas", config::PairTarget{&o.beta1, &o.beta2}, "Adam betas (beta1, beta2)").min(0.0).lessThan(1.0);
   s.add(p + "eps", &o.eps, "Adam epsilon").greaterThan(0.0);
@@ -95,7 +39,7 @@ void bindOptimKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m)
   s.add(p + "momentum", &o.momentum, "SGD momentum").min(0.0).lessThan(1.0);
   s.add(p + "nesterov", &o.nesterov, "SGD Nesterov momentum (needs momentum > 0)");
   s.add(p + "grad_clip", &m.sharding.gradClip, "Clip gradients to this global L2 norm; 0 = off").min(0.0);
-  s.add(p + "schedule.kind", config::choiceOf(&m.schedule.kind, sharding::kScheduleKindNames), "LR schedule");
+  s.add(p + "schedule.kind", config::choiceOf(&m.schedule.kind, optim::kScheduleKindNames), "LR schedule");
   s.add(p + "schedule.warmup_steps", &m.schedule.warmupSteps, "Linear warmup steps").min(0);
   s.add(p + "schedule.min_lr", &m.schedule.minLr, "Floor of cosine and linear decay").min(0.0);
   s.add(p + "schedule.step_size", &m.schedule.stepSize, "Step decay: period in steps").min(1);
@@ -165,7 +109,7 @@ void bindEmaKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m) {
 // not set it inherits from the top-level sections (finishTrainConfig).
 void bindModelEntry(config::ConfigSchema& s, ModelEntry& entry) {
   const std::string p = "models." + entry.name + ".";
-  bindModelKeys(s, p, entry.model);
+  models::bindModelKeys(s, p, entry.model);
   s.add(p + "trainable", &entry.trainable,
         "false: a frozen model (no optimizer, no EMA; sharded and checkpointed all the same)");
   bindShardingKeys(s, p + "sharding.", entry);
@@ -218,45 +162,12 @@ void bindLogKeys(config::ConfigSchema& s, LogSection& log) {
 }
 
 // model.*: the single model (or every models: entry's defaults), and its samples.
-void bindTopLevelModelKeys(config::ConfigSchema& s, ModelOptions& model) {
+void bindTopLevelModelKeys(config::ConfigSchema& s, models::ModelOptions& model) {
   s.describeSection("model", "The model to train (models: form: the defaults of every model)");
-  bindModelKeys(s, "model.", model);
+  models::bindModelKeys(s, "model.", model);
   s.add("model.samples", &model.samples,
         "diffusion: samples drawn with generator_ema (DDPM) at the end, written to <run.dir>/samples.safetensors")
       .min(0).max(kMaxBatch);
-}
-
-// data.*: the dataset, the batch sizes and the held-out fraction.
-void bindDataKeys(config::ConfigSchema& s, DataOptions& data) {
-  s.describeSection("data", "Training data");
-  s.add("data.kind", &data.kind,
-        "Dataset kind: text (bytes), tokens (flat binary token ids), tensors (safetensors 'inputs' and 'targets'), "
-        "idx (MNIST-format images and labels, gzipped or not) or image_folder (<path>/<class>/<image>.png|jpg)")
-      .oneOf({"text", "tokens", "tensors", "idx", "image_folder"});
-  s.add("data.path", &data.path,
-        "Input file (text: any file, read as bytes; tokens: little-endian ids; tensors: a safetensors file with "
-        "'inputs' [N, ...] and optional 'targets': integer class ids [N] for cross-entropy, floats for "
-        "mean-squared error)")
-      .required()
-      .nonEmpty();
-  s.add("data.labels", &data.labels, "idx: the labels file (idx1) of data.path");
-  s.add("data.eval_path", &data.eval_path,
-        "idx, image_folder: held-out images (the test split) instead of data.eval_fraction of data.path");
-  s.add("data.eval_labels", &data.eval_labels, "idx: the labels file of data.eval_path");
-  s.add("data.image_size", &data.image_size, "idx, image_folder: resize images to this square size (0: as stored)")
-      .min(0).max(1 << 14);
-  s.add("data.channels", &data.channels, "image_folder: 1 (gray) or 3 (RGB); 0: the first image's").min(0).max(3);
-  s.add("data.hflip", &data.hflip, "images: flip each training sample horizontally with probability 1/2");
-  s.add("data.token_dtype", &data.token_dtype, "tokens: width of each id in the file").oneOf({"uint16", "uint32"});
-  s.add("data.global_batch", &data.global_batch, "Samples per optimizer step over all ranks").min(1).max(kMaxBatch);
-  s.add("data.micro_batch", config::IntOrWordTarget{&data.micro_batch, "auto", kAutoMicroBatch},
-        "Samples per forward/backward on one rank, at most (the largest that divides a rank's share of "
-        "data.global_batch is used); auto: a rank's whole share, no gradient accumulation")
-      .min(1)
-      .max(kMaxBatch);
-  s.add("data.shuffle", &data.shuffle, "Seeded shuffle per epoch; false reads samples in file order");
-  s.add("data.eval_fraction", &data.eval_fraction, "Fraction at the end of the file held out for evaluation")
-      .min(0.0).lessThan(1.0);
 }
 
 // The top-level optim.*, sharding.* and ema.* sections: the defaults of every model.
@@ -386,7 +297,7 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   bindDiagnosticsKeys(s, c.diagnostics);
   bindEvalKeys(s, c.eval);
   bindTopLevelModelKeys(s, c.defaults.model);
-  bindDataKeys(s, c.data);
+  datasets::bindDataKeys(s, c.data);
   bindDefaultSections(s, c.defaults);
   bindCheckpointKeys(s, c.checkpoint);
   bindRecipeKeys(s, c.recipe);
@@ -415,7 +326,7 @@ struct ModelKeys {
 // The checks of one model's keys against each other and the run's.
 void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   const ModelEntry& m = k.entry;
-  const sharding::OptimizerOptions& o = m.sharding.optimizer;
+  const optim::OptimizerOptions& o = m.sharding.optimizer;
   if (!m.trainable && !m.model.init_from) {
     // Never trained: without weights to start from it would be its random initial values.
     k.fail("init_from", "a frozen model (trainable: false) must be loaded: give init_from (an export, or a sharded "
@@ -423,8 +334,8 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
            /*modelKey=*/true);
   }
   if (o.nesterov && o.momentum <= 0) k.fail("optim.nesterov", "needs optim.momentum > 0");
-  const bool decaysToEnd = m.schedule.kind == sharding::ScheduleKind::kCosine ||
-                           m.schedule.kind == sharding::ScheduleKind::kLinear;
+  const bool decaysToEnd = m.schedule.kind == optim::ScheduleKind::kCosine ||
+                           m.schedule.kind == optim::ScheduleKind::kLinear;
   if (decaysToEnd && m.schedule.warmupSteps >= c.run.steps) {
     k.fail("optim.schedule.warmup_steps", strCat(m.schedule.warmupSteps, " must be below run.steps (", c.run.steps, ")"));
   }
@@ -460,7 +371,7 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   if (!m.model.sample_timesteps.empty() && !m.model.isDenoiser()) {
     k.fail("sample_timesteps", "is a denoiser's (diffusion, dit)", true);
   }
-  const std::string timesteps = timestepsProblem(m.model.sample_timesteps, m.model.timesteps);
+  const std::string timesteps = models::timestepsProblem(m.model.sample_timesteps, m.model.timesteps);
   if (!timesteps.empty()) k.fail("sample_timesteps", timesteps, true);
   if (m.model.isDenoiser() && m.model.beta_start > m.model.beta_end) {
     k.fail("beta_start", strCat(m.model.beta_start, " is above ", m.modelKeys, "beta_end (", m.model.beta_end, ")"), true);
@@ -518,7 +429,7 @@ void checkEntriesAsWritten(const config::ConfigSchema& s, const TrainConfig& c) 
     const config::ConfigSchema& entry = *entries[i].second;
     const std::string& name = entries[i].first;
     const std::string p = "models." + name + ".";
-    if (name == sharding::kModelKey || name == sharding::kOptimizerKey || name == sharding::kEmaKey) {
+    if (name == dtensor::kModelKey || name == dtensor::kOptimizerKey || name == dtensor::kEmaKey) {
       // Named at a key the user wrote (with its file and line), not at one they did not.
       const std::vector<std::string> written = entry.changedKeys(p);
       throw ConfigError(entry.errorMessage(written.empty() ? p + "trainable" : written.front(),
@@ -575,7 +486,7 @@ void settleModels(TrainConfig& c) {
 // model.samples draws with the EMA of the model the recipe samples from.
 // The image keys against each other and the data kind.
 void checkImageData(const config::ConfigSchema& s, const TrainConfig& c) {
-  const DataOptions& d = c.data;
+  const datasets::DataOptions& d = c.data;
   const bool images = d.kind == "idx" || d.kind == "image_folder";
   if (d.channels == 2) throw ConfigError(s.errorMessage("data.channels", "2: images have 1 (gray) or 3 (RGB) channels"));
   if (d.channels != 0 && d.kind != "image_folder") {
@@ -686,7 +597,7 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
                                                                  worldSize, " ranks")));
   }
   const int64_t perRank = c.data.global_batch / worldSize;
-  if (c.data.micro_batch == kAutoMicroBatch) {
+  if (c.data.micro_batch == datasets::kAutoMicroBatch) {
     c.data.micro_batch = perRank;
   } else if (perRank % c.data.micro_batch != 0) {
     c.data.micro_batch_asked = c.data.micro_batch;

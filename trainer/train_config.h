@@ -11,8 +11,10 @@
 
 #include "common/key_origins.h"
 #include "ema/ema_manager.h"
-#include "sharding/lr_schedule.h"
+#include "optim/lr_schedule.h"
 #include "sharding/strategy.h"
+#include "datasets/data_options.h"
+#include "models/model_options.h"
 
 namespace tessera::config {
 class ConfigSchema;
@@ -66,61 +68,6 @@ struct DiagnosticsSection {
   bool check_collectives = false;     // agree on every collective before it runs (debugging)
 };
 
-struct ModelOptions {
-  std::string arch = "mlp";             // mlp | gpt | diffusion | dit
-  int64_t vocab_size = 256;             // byte-level text: 256
-  int64_t context = 16;                 // tokens of context the model sees
-  int64_t embed_dim = 32;               // token embedding width
-  std::vector<int64_t> hidden = {256, 256};  // hidden layer widths of the MLP
-  std::string activation = "gelu";      // relu | gelu
-  int64_t layers = 2;                   // gpt: decoder blocks
-  int64_t heads = 4;                    // gpt: attention heads (divide embed_dim)
-  bool tie_head = false;                // gpt: logits through wte.weight (no lm_head)
-  int64_t timesteps = 1000;             // diffusion: noise levels T
-  double beta_start = 1.0e-4;           // diffusion: linear beta schedule from beta_start ...
-  double beta_end = 0.02;               // ... to beta_end
-  int64_t patch_size = 4;               // dit: patch side in pixels (divides the image size)
-  double mlp_ratio = 4.0;               // dit: MLP width / embed_dim
-  int64_t classes = 0;                  // dit: class labels (0: the data's; 0 with unlabelled data: unconditional)
-  double class_dropout = 0.1;           // dit: probability a training label is replaced by "no class" (CFG)
-  std::vector<int64_t> sample_timesteps; // denoisers: DDIM's timesteps when a sampler is not told the steps
-                                        // (a distilled few-step generator's own); empty: 50 evenly spaced
-  int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
-  std::optional<std::string> init_from; // safetensors file or *.index.json to start from (fresh runs)
-
-  // A diffusion denoiser (diffusion, dit): trained on noise prediction, sampled, distilled.
-  bool isDenoiser() const { return arch == "diffusion" || arch == "dit"; }
-};
-
-// What is wrong with `timesteps` as DDIM's timesteps over a schedule of `scheduleSteps`
-// noise levels (each in [0, scheduleSteps), strictly decreasing), or "" when nothing is:
-// the one rule for model.sample_timesteps and the samplers' explicit timesteps.
-std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t scheduleSteps);
-
-// data.micro_batch: auto, as held until finishTrainConfig resolves it for the world size.
-constexpr int64_t kAutoMicroBatch = 0;
-
-struct DataOptions {
-  std::string kind = "text";   // text (byte-level) | tokens (flat uint16/uint32 ids) | tensors (safetensors) | idx | image_folder
-  std::string path = "";       // input file (image_folder: the folder); required
-  std::string labels = "";     // idx: the labels file of `path`
-  std::string eval_path = "";  // idx, image_folder: the held-out split's images (instead of eval_fraction)
-  std::string eval_labels = "";// idx: the labels file of eval_path
-  int64_t image_size = 0;      // idx, image_folder: resize to image_size x image_size (0: as stored)
-  int64_t channels = 0;        // image_folder: 1 or 3 (0: the first image's)
-  bool hflip = false;          // images: flip each training sample horizontally with probability 1/2
-  std::string token_dtype = "uint16";  // tokens: uint16 | uint32
-  int64_t global_batch = 32;   // samples per optimizer step over all ranks
-  int64_t micro_batch = 16;    // samples per forward/backward on one rank (finishTrainConfig may lower it;
-                               // auto, kAutoMicroBatch: a rank's whole share)
-  // The micro_batch the config asked for, when it does not divide the samples a rank gets
-  // per step (global_batch / world size) on this world size: micro_batch is then the
-  // largest that does, and the run says so. 0: as asked.
-  int64_t micro_batch_asked = 0;
-  bool shuffle = true;         // seeded shuffle per epoch; false reads in file order
-  double eval_fraction = 0.05; // tail of the file held out for evaluation
-};
-
 // A model's EMA: the library's options (ema/ema_manager.h) and what the trainer does
 // around it.
 struct EmaConfig {
@@ -140,7 +87,7 @@ struct CheckpointSection {
   at::ScalarType export_dtype = at::kFloat;  // fp32 | bf16 | fp16
 };
 
-// run.recipe dmd: distribution-matching distillation (trainer/dmd_recipe.h).
+// run.recipe dmd: distribution-matching distillation (recipes/dmd_recipe.h).
 struct RecipeOptions {
   static constexpr int64_t kMaxCriticSteps = 1000;
   int64_t critic_steps = 1;  // critic updates per generator update, at most kMaxCriticSteps
@@ -169,12 +116,12 @@ struct ModelStateNames {
 struct ModelEntry {
   ModelEntry();
   std::string name = "model";
-  ModelOptions model;                    // model.* (arch and its shape)
+  models::ModelOptions model;                    // model.* (arch and its shape)
   bool trainable = true;                 // false: frozen (no optimizer, no EMA); sharded and saved all the same
   sharding::StrategyOptions sharding;    // sharding.*; optim.* but lr and schedule (sharding.optimizer);
                                          // optim.grad_clip (sharding.gradClip)
   bool reduceEveryMicroBatch = true;     // sharding.reduce_every_micro_batch
-  sharding::LrScheduleOptions schedule;  // optim.lr, optim.schedule.* (totalSteps: run.steps)
+  optim::LrScheduleOptions schedule;  // optim.lr, optim.schedule.* (totalSteps: run.steps)
   EmaConfig ema;                         // ema.*
   ModelStateNames names;                 // set when the config is finished
   // Whether it keeps an EMA: ema.enabled, and trainable (a frozen model's weights are what
@@ -191,7 +138,7 @@ struct TrainConfig {
   ProfileSection profile;
   DiagnosticsSection diagnostics;
   EvalSection eval;
-  DataOptions data;
+  datasets::DataOptions data;
   CheckpointSection checkpoint;
   RecipeOptions recipe;
   // The top-level model, sharding, optim and ema sections: the one model of the
@@ -209,11 +156,6 @@ struct TrainConfig {
 
 // Registers every key of `config` with `schema` (the variables are bound by pointer).
 void bindTrainConfig(config::ConfigSchema& schema, TrainConfig& config);
-
-// The keys of a model (arch and its shape) under `prefix`: at the top level ("model."), in
-// every models: entry ("models.<name>.model."), and in an export's metadata ("", see
-// model_metadata.h), with the same docs and constraints.
-void bindModelKeys(config::ConfigSchema& schema, const std::string& prefix, ModelOptions& model);
 
 // What follows loading the file and the overrides: the required keys, the models:
 // entries inheriting what they do not set from the top-level sections (or the single-model

@@ -27,6 +27,7 @@
 #include "trainer/metrics.h"
 #include "trainer/model_metadata.h"
 #include "trainer/recipe.h"
+#include "trainer/recipe_spec.h"
 #include "trainer/profiler.h"
 #include "trainer/run_setup.h"
 #include "trainer/throughput.h"
@@ -133,13 +134,22 @@ double nowSec() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// run.recipe's training code over the run's parts.
+std::unique_ptr<Recipe> makeRecipeOf(RunParts& run) {
+  const RecipeSpec& spec = recipeSpec(run.cfg.run.recipe);
+  if (spec.make == nullptr) {
+    throw UsageError(strCat("run.recipe '", spec.name, "' was added without its training code (RecipeSpec::make)"));
+  }
+  return spec.make(run);
+}
+
 // The train loop's parts, over the parts of the run.
 class TrainLoop {
  public:
   explicit TrainLoop(RunParts& run)
       : run_(run),
         cfg_(run.cfg),
-        recipe_(makeRecipe(run)),
+        recipe_(makeRecipeOf(run)),
         schedule_(run.cfg.run.steps, run.startStep, run.cfg.checkpoint.every_steps, run.cfg.run.stop_after_steps,
                   run.cfg.checkpoint.at_end),
         profile_(run.cfg.profile, *run.hostComm, run.runDir) {

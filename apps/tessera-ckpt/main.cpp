@@ -22,7 +22,7 @@
 #include "common/logging.h"
 
 namespace ckpt = tessera::checkpoint;
-namespace sharding = tessera::sharding;
+namespace dtensor = tessera::dtensor;
 
 namespace {
 
@@ -64,25 +64,25 @@ void printParts(const ckpt::CheckpointSummary& s) {
   for (const auto& t : s.tensors) {
     const std::string head = component(t.name, 0);
     if (t.name.find('/') == std::string::npos) continue;
-    if (head == sharding::kEmaKey) {
+    if (head == dtensor::kEmaKey) {
       if (t.name.find('/', head.size() + 1) == std::string::npos) continue;  // an EMA's update count
       Part& e = emas[component(t.name, 1)];
       ++e.tensors;
       e.bytes += t.bytes();
-    } else if (head != sharding::kOptimizerKey) {
+    } else if (head != dtensor::kOptimizerKey) {
       Part& m = models[head];
       ++m.tensors;
       m.bytes += t.bytes();
     }
   }
   for (const auto& t : s.tensors) {
-    if (component(t.name, 0) != sharding::kOptimizerKey) continue;
+    if (component(t.name, 0) != dtensor::kOptimizerKey) continue;
     const std::string owner = component(t.name, 1);
     auto it = models.find(owner);
-    if (it != models.end() && owner != sharding::kModelKey) {
+    if (it != models.end() && owner != dtensor::kModelKey) {
       ++it->second.optimizerTensors;
-    } else if (models.count(sharding::kModelKey)) {
-      ++models[sharding::kModelKey].optimizerTensors;  // the single-model form: optim/<state>/<param>
+    } else if (models.count(dtensor::kModelKey)) {
+      ++models[dtensor::kModelKey].optimizerTensors;  // the single-model form: optim/<state>/<param>
     }
   }
   for (const auto& [name, m] : models) {
@@ -94,7 +94,7 @@ void printParts(const ckpt::CheckpointSummary& s) {
   for (const auto& [name, e] : emas) {
     std::string also;
     for (const auto& [alias, prefix] : s.aliases) {
-      const bool same = prefix == sharding::statePrefix(sharding::kEmaKey) + name + "/";
+      const bool same = prefix == dtensor::statePrefix(dtensor::kEmaKey) + name + "/";
       if (same && alias != name) also += (also.empty() ? "" : ", ") + alias;
     }
     std::cout << "ema          " << name << "  " << e.tensors << " tensors, " << human(e.bytes)
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
       for (const auto& [alias, prefix] : s.aliases) std::cout << "alias        " << alias << " -> " << prefix << "\n";
       for (const auto& t : s.tensors) {
         std::cout << "  " << t.name << "  " << ckpt::dtypeName(t.dtype) << " " << at::IntArrayRef(t.shape) << "  "
-                  << (t.placement == tessera::sharding::Placement::kShard0 ? "shard0" : "replicate") << "  "
+                  << (t.placement == tessera::dtensor::Placement::kShard0 ? "shard0" : "replicate") << "  "
                   << t.chunks.size() << " chunk" << (t.chunks.size() == 1 ? "" : "s") << "  " << human(t.bytes())
                   << "\n";
       }

@@ -26,10 +26,10 @@
 #include "distributed/communicator.h"
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
-#include "trainer/dataset.h"
+#include "datasets/dataset.h"
 #include "trainer/judge.h"
 #include "trainer/model_metadata.h"
-#include "trainer/sampling.h"
+#include "models/sampling.h"
 
 namespace fs = std::filesystem;
 using tessera::UsageError;
@@ -39,7 +39,7 @@ namespace {
 struct SampleArgs {
   std::string weights, checkpoint, what = "generator_ema", classes = "all", noise, out, outTensors, judge;
   int64_t perClass = 8;
-  tessera::trainer::SampleRequest request;
+  tessera::models::SampleRequest request;
 };
 
 // "all" or a comma-separated list of class ids below `classes`.
@@ -69,7 +69,7 @@ std::vector<int64_t> parseClasses(const std::string& text, int64_t classes) {
 }
 
 // The noise and labels to start from: the --noise file's, or drawn from --seed.
-void startingPoint(const SampleArgs& args, tessera::trainer::Denoiser& model, tessera::trainer::SampleRequest& request) {
+void startingPoint(const SampleArgs& args, tessera::models::Denoiser& model, tessera::models::SampleRequest& request) {
   if (!args.noise.empty()) {
     auto tensors = tessera::checkpoint::loadSafetensors(args.noise);
     auto it = tensors.find("noise");
@@ -88,12 +88,12 @@ void startingPoint(const SampleArgs& args, tessera::trainer::Denoiser& model, te
     return;
   }
   if (model.classes() > 0) {
-    request.labels = tessera::trainer::classRows(parseClasses(args.classes, model.classes()), args.perClass);
+    request.labels = tessera::models::classRows(parseClasses(args.classes, model.classes()), args.perClass);
   } else if (args.classes != "all") {
     throw UsageError("--classes: this model is unconditional (it was trained without labels)");
   }
   const int64_t n = model.classes() > 0 ? request.labels.size(0) : args.perClass;
-  request.noise = tessera::trainer::samplingNoise(model.sampleShape(), n, static_cast<uint64_t>(request.seed));
+  request.noise = tessera::models::samplingNoise(model.sampleShape(), n, static_cast<uint64_t>(request.seed));
 }
 
 void checkOutputPath(const std::string& path, const std::string& option, const std::string& suffix,
@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
     }
     auto loaded = args.weights.empty() ? tessera::trainer::loadCheckpointModel(args.checkpoint, args.what)
                                        : tessera::trainer::loadExportedModel(args.weights);
-    auto* model = dynamic_cast<tessera::trainer::Denoiser*>(loaded.model.get());
+    auto* model = dynamic_cast<tessera::models::Denoiser*>(loaded.model.get());
     if (model == nullptr) {
       throw UsageError(tessera::strCat("the model is a ", loaded.description.model.arch,
                                        ", not a denoiser (diffusion, dit): nothing to sample"));
@@ -166,16 +166,16 @@ int main(int argc, char** argv) {
     // list is checked here, where the error can name where it came from.
     const std::vector<int64_t>& own = loaded.description.model.sample_timesteps;
     if (timesteps->count() > 0) {
-      tessera::trainer::checkTimesteps(model->schedule(), args.request.timesteps, "--timesteps");
+      tessera::models::checkTimesteps(model->schedule(), args.request.timesteps, "--timesteps");
     } else if (steps->count() == 0 && args.request.sampler == "ddim" && !own.empty()) {
-      tessera::trainer::checkTimesteps(model->schedule(), own,
+      tessera::models::checkTimesteps(model->schedule(), own,
                                        (args.weights.empty() ? args.checkpoint : args.weights) + ": model.sample_timesteps");
       args.request.timesteps = own;
     }
     // The judge loads (and reads its real images) before sampling: a bad classifier fails fast.
     std::optional<tessera::trainer::SampleJudge> judge;
     if (!args.judge.empty() && env.rank == 0) judge.emplace(args.judge);
-    const at::Tensor samples = tessera::trainer::drawSamples(*model, args.request, comm, at::kCPU);
+    const at::Tensor samples = tessera::models::drawSamples(*model, args.request, comm, at::kCPU);
     if (env.rank != 0) return 0;
     if (!args.outTensors.empty()) {
       std::map<std::string, at::Tensor> out{{"samples", samples}};
@@ -187,7 +187,7 @@ int main(int argc, char** argv) {
       if (samples.dim() != 4) throw UsageError("--out: the samples are not images; use --out-tensors");
       const int64_t perRow = args.request.labels.defined() && args.noise.empty() ? args.perClass
                                                                                   : std::min<int64_t>(samples.size(0), 10);
-      tessera::trainer::writeSampleGrid(args.out, samples, perRow);
+      tessera::models::writeSampleGrid(args.out, samples, perRow);
       std::cout << "grid: " << fs::absolute(args.out).string() << "\n";
     }
     if (judge) {

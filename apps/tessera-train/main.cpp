@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
+#include "recipes/recipes.h"
 #include "sharding/host_allocator.h"
 #include "trainer/run_setup.h"
 #include "trainer/trainer.h"
@@ -35,6 +36,7 @@ int main(int argc, char** argv) {
 
     if (!resume.empty()) overrides.push_back("checkpoint.resume=" + resume);
     const auto env = tessera::distributed::RankEnv::fromEnvironment();
+    tessera::recipes::addBuiltinRecipes();
     auto loaded = tessera::trainer::loadTrainConfig(configFile, overrides, env.world_size);
     if (printConfig) {
       std::cout << loaded.resolvedYaml;

@@ -154,6 +154,34 @@ TEST(DitE2ETest, ResumeOnAnotherWorldSizeEqualsUninterrupted) {
   expectCloseExports(full, cut, "2 ranks zero3 -> 3 ranks zero2");
 }
 
+// A resume whose settings change the shape of a saved tensor is refused before any
+// weights are read (the load is planned against the checkpoint's metadata): exit 2, naming
+// the tensors and the keys that differ from the checkpoint's; never a fallback to an older
+// checkpoint, and the run's checkpoints stay as they were.
+TEST(DitE2ETest, ResumeWithAnotherShapeIsAConfigErrorNamingTheKey) {
+  const std::string dir = scratch("reshape");
+  const std::string config = ditConfig(dir);
+  const std::string runDir = dir + "/run";
+  mustRun(launch(2) + config + " --set run.stop_after_steps=4 --set run.dir=" + runDir);
+  struct Change {
+    std::string set, key, tensor;
+  };
+  for (const Change& c : {Change{"model.patch_size=2", "model.patch_size 4 -> 2", "'model/x_embedder.proj.weight' saved with shape"},
+                          Change{"model.mlp_ratio=4", "model.mlp_ratio 2.5 -> 4", "mlp.fc1.weight' saved with shape"},
+                          Change{"data.image_size=16", "data.image_size 0 -> 16", "pos_embed' saved with shape"}}) {
+    const auto r = tessera::test::runCommand(launch(2) + config + " --set " + c.set + " --set run.dir=" + runDir, 300);
+    EXPECT_EQ(r.status, 2) << c.set << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.key), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(c.tensor), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("--resume none"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("falling back"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
+  }
+  EXPECT_TRUE(fs::exists(runDir + "/checkpoints/step_00000004"));
+  const std::string resumed = mustRun(launch(2) + config + " --set run.dir=" + runDir);
+  EXPECT_NE(resumed.find("resumed from"), std::string::npos) << resumed;
+}
+
 TEST(DitE2ETest, SamplesFromAnExportOrACheckpointSplitOverRanksOrNot) {
   const std::string dir = scratch("sample");
   const std::string runDir = dir + "/run";

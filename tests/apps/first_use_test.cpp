@@ -1,6 +1,6 @@
 // What a new user meets on the first runs: a config error under the launcher exits 2; a
-// resume with changed settings warns with the list, and refuses, naming the keys, only what
-// the checkpoint cannot serve; a finished run.dir says so and only writes the exports it lacks; a shipped
+// resume with changed settings warns with the list, and refuses, naming the keys and the
+// tensors, only a checkpoint whose state does not fit the run; a finished run.dir says so and only writes the exports it lacks; a shipped
 // config run from another directory names the key and the directory its path was resolved
 // against; every rank's log file holds its lines; the first Ctrl-C says what a second one
 // does; --print-config prints floats as written.
@@ -13,6 +13,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -71,6 +72,40 @@ TEST(FirstUseTest, ResumeListsChangedSettingsAndRefusesOnlyWhatCannotWork) {
   EXPECT_TRUE(contains(r.output, "optim.lr 0.003 -> 0.001")) << r.output;
   EXPECT_TRUE(contains(r.output, "run.steps 8 -> 10")) << r.output;
   EXPECT_FALSE(contains(r.output, "run.stop_after_steps")) << "one invocation's setting is no change: " << r.output;
+}
+
+// Whether a checkpoint's state fits a run is decided from the checkpoint's metadata, for
+// every built-in model and whatever key changed it (not from a list of keys): a saved
+// tensor of another shape, one the run lacks or one only the run has is a config error
+// (exit 2) naming the tensor and the changed keys, before any weights are read, and no
+// older checkpoint is tried.
+TEST(FirstUseTest, ResumeWithAnotherStateLayoutIsRefusedForEveryBuiltInModel) {
+  const std::string rings = std::string(TESSERA_SOURCE_DIR) + "/data/rings.safetensors";
+  const std::string diffusion = " --config " + kConfigs + "/diffusion.yaml --set data.path=" + rings +
+                                " --set run.steps=8 --set run.log_every=4 --set run.eval_every=8 --set model.samples=0"
+                                " --set data.global_batch=16 --set data.micro_batch=8 --set checkpoint.every_steps=2"
+                                " --set checkpoint.async=false --set optim.schedule.warmup_steps=2";
+  const std::string gpt = kSmall + " --set model.arch=gpt --set model.embed_dim=16 --set model.layers=1 --set model.heads=2";
+  struct Case {
+    std::string name, config, change;
+    std::vector<std::string> expected;  // the changed key, the tensor and what differs
+  };
+  const Case cases[] = {
+      {"mlp", kSmall, "model.embed_dim=16", {"model.embed_dim 32 -> 16", "'model/embed.weight' saved with shape"}},
+      {"mlp_ema", kSmall, "ema.decays=[0.99] --set checkpoint.export=[model_ema]",
+       {"ema.decays [0.99, 0.999] -> [0.99]", "'ema/model_ema_0.999/embed.weight' in the checkpoint, not in this program"}},
+      {"gpt", gpt, "model.layers=2", {"model.layers 1 -> 2", "'model/h.1.", "not in the checkpoint"}},
+      {"diffusion", diffusion, "model.embed_dim=32", {"model.embed_dim 64 -> 32", "'model/", "saved with shape"}},
+  };
+  for (const Case& c : cases) {
+    const std::string dir = scratch("layout_" + c.name);
+    CommandResult r = runCommand(kTrain + c.config + " --set run.stop_after_steps=4 --set run.dir=" + dir);
+    ASSERT_EQ(r.status, 0) << c.name << "\n" << r.output;
+    r = runCommand(kTrain + c.config + " --set " + c.change + " --set run.dir=" + dir);
+    EXPECT_EQ(r.status, 2) << c.name << "\n" << r.output;
+    for (const std::string& part : c.expected) EXPECT_TRUE(contains(r.output, part)) << c.name << ": " << part << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "falling back")) << c.name << "\n" << r.output;
+  }
 }
 
 TEST(FirstUseTest, FinishedRunDirSaysSoAndOnlyWritesMissingExports) {

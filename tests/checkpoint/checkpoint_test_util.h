@@ -74,10 +74,10 @@ inline std::vector<GlobalTensor> sampleModel(int64_t seed = 0) {
   return m;
 }
 
-inline sharding::ShardSpec specFor(const GlobalTensor& g, int world, int rank, bool forceReplicate = false) {
-  return sharding::ShardSpec(g.full.sizes().vec(), g.full.scalar_type(), world, rank,
-                             g.replicated || forceReplicate ? sharding::Placement::kReplicate
-                                                            : sharding::Placement::kShard0);
+inline dtensor::ShardSpec specFor(const GlobalTensor& g, int world, int rank, bool forceReplicate = false) {
+  return dtensor::ShardSpec(g.full.sizes().vec(), g.full.scalar_type(), world, rank,
+                             g.replicated || forceReplicate ? dtensor::Placement::kReplicate
+                                                            : dtensor::Placement::kShard0);
 }
 
 // This rank's entries holding the true values.

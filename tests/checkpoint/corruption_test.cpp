@@ -1,7 +1,8 @@
 // Every kind of damage is detected with the file and the tensor named: flipped bytes,
 // truncated or missing rank files, metadata pointing outside a file, a tampered trainer
-// state or metadata, dtype/shape mismatches with the model, a missing tensor. resume
-// auto then falls back to the previous complete checkpoint on every rank.
+// state or metadata. resume auto then falls back to the previous complete checkpoint on
+// every rank. A sound checkpoint whose tensors do not fit the model (dtype, shape, a
+// missing tensor) is refused by the load's plan instead, and never fallen back from.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -227,24 +228,52 @@ TEST_F(CorruptionTest, TamperedTrainerState) {
   EXPECT_HAS(e, "checksum mismatch");
 }
 
+// A sound checkpoint whose tensors do not fit the entries is not damage: the load is
+// planned against the metadata before any byte is read (planLoad) and refused as
+// LoadPlanError, naming each tensor and what differs.
 TEST_F(CorruptionTest, DtypeShapeAndMissingTensorMismatchesWithTheModel) {
+  const auto planError = [&](const std::vector<StateEntry>& entries, const LoadOptions& options = {}) {
+    try {
+      loadCheckpoint(dir_, entries, options);
+    } catch (const LoadPlanError& e) {
+      EXPECT_EQ(e.dir(), dir_);
+      EXPECT_FALSE(e.mismatches().empty());
+      return std::string(e.what());
+    }
+    ADD_FAILURE() << "no LoadPlanError";
+    return std::string();
+  };
   auto entries = junkEntriesFor(model_, 2, 0);
-  entries[0].spec = sharding::ShardSpec({10, 3}, at::kBFloat16, 2, 0);
+  entries[0].spec = dtensor::ShardSpec({10, 3}, at::kBFloat16, 2, 0);
   entries[0].local = at::zeros({5, 3}, at::kBFloat16);
-  std::string e = loadError(2, 0, entries);
-  EXPECT_HAS(e, "'model/layers.0.weight' was saved as F32, the model expects BF16");
+  std::string e = planError(entries);
+  EXPECT_HAS(e, "'model/layers.0.weight' saved as F32, this program has BF16");
 
   entries = junkEntriesFor(model_, 2, 0);
-  entries[0].spec = sharding::ShardSpec({3, 10}, at::kFloat, 2, 0);
+  entries[0].spec = dtensor::ShardSpec({3, 10}, at::kFloat, 2, 0);
   entries[0].local = at::zeros({2, 10});
-  e = loadError(2, 0, entries);
-  EXPECT_HAS(e, "'model/layers.0.weight' was saved with shape [10, 3], the model expects [3, 10]");
+  e = planError(entries);
+  EXPECT_HAS(e, "'model/layers.0.weight' saved with shape [10, 3], this program has [3, 10]");
 
   entries = junkEntriesFor(model_, 2, 0);
   entries[0].name = "model/layers.1.weight";
-  e = loadError(2, 0, entries);
-  EXPECT_HAS(e, "tensor 'model/layers.1.weight' is missing");
+  e = planError(entries);
+  EXPECT_HAS(e, "'model/layers.1.weight' not in the checkpoint");
   EXPECT_HAS(e, dir_);
+
+  // The plan alone, from the metadata: every difference at once, strict or not.
+  entries = junkEntriesFor(model_, 2, 0);
+  entries[0].name = "model/layers.1.weight";
+  const CheckpointReader reader(dir_);
+  const auto& md = reader.metadata();
+  const auto lenient = planLoad(md, entries, false);
+  ASSERT_EQ(lenient.size(), 1u);
+  EXPECT_EQ(lenient[0].tensor, "model/layers.1.weight");
+  const auto strict = planLoad(md, entries, true);
+  ASSERT_EQ(strict.size(), 2u);
+  EXPECT_EQ(strict[1].tensor, "model/layers.0.weight");
+  EXPECT_EQ(strict[1].problem, "in the checkpoint, not in this program");
+  EXPECT_TRUE(planLoad(md, junkEntriesFor(model_, 2, 0), true).empty());
 }
 
 TEST_F(CorruptionTest, StrictLoadRefusesUnusedTensors) {
@@ -255,9 +284,30 @@ TEST_F(CorruptionTest, StrictLoadRefusesUnusedTensors) {
   try {
     loadCheckpoint(dir_, entries, strict);
     ADD_FAILURE() << "no error";
-  } catch (const CheckpointError& e) {
+  } catch (const LoadPlanError& e) {
     EXPECT_HAS(std::string(e.what()), "ema/generator_ema/steps");
   }
+}
+
+// resume auto falls back from a damaged checkpoint, never from one whose state does not
+// fit: the older ones of the same run have the same layout, and loading one would hide
+// the mismatch behind "damaged". Every rank refuses, before reading.
+TEST_F(CorruptionTest, ResumeAutoDoesNotFallBackFromAnotherLayout) {
+  saveOnRanks(2, tmp_.path(), sampleModel(5), 2);
+  std::vector<int> refused(2, 0);
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    auto entries = junkEntriesFor(model_, ctx.world, ctx.rank);
+    entries[0].spec = dtensor::ShardSpec({3, 10}, at::kFloat, ctx.world, ctx.rank);
+    entries[0].local = at::zeros({2, 10});
+    try {
+      resumeAuto(tmp_.path(), entries, ctx.comm().get());
+    } catch (const LoadPlanError& e) {
+      EXPECT_HAS(std::string(e.what()), "step_00000002");
+      EXPECT_HAS(std::string(e.what()), "saved with shape [10, 3], this program has [3, 10]");
+      refused[static_cast<size_t>(ctx.rank)] = 1;
+    }
+  });
+  EXPECT_EQ(refused, (std::vector<int>{1, 1}));
 }
 
 TEST_F(CorruptionTest, ResumeAutoFallsBackOnEveryRankWhenOneRankSeesCorruption) {

@@ -168,9 +168,9 @@ TEST(SafetensorsTest, ImportIsStrictAndReportsEveryProblem) {
   writeSample(tmp / "a.safetensors");
   // Expect "w" [3, 2] (mismatch), "b" (ok), "x" (missing); "n", "s", "e" are unexpected.
   std::vector<StateEntry> entries;
-  entries.push_back({"model/w", sharding::ShardSpec({3, 2}, at::kFloat, 1, 0), at::zeros({3, 2})});
-  entries.push_back({"model/b", sharding::ShardSpec({3}, at::kBFloat16, 1, 0), at::zeros({3}, at::kBFloat16)});
-  entries.push_back({"model/x", sharding::ShardSpec({1}, at::kFloat, 1, 0), at::zeros({1})});
+  entries.push_back({"model/w", dtensor::ShardSpec({3, 2}, at::kFloat, 1, 0), at::zeros({3, 2})});
+  entries.push_back({"model/b", dtensor::ShardSpec({3}, at::kBFloat16, 1, 0), at::zeros({3}, at::kBFloat16)});
+  entries.push_back({"model/x", dtensor::ShardSpec({1}, at::kFloat, 1, 0), at::zeros({1})});
   ImportOptions options;
   options.stripPrefix = "model/";
   try {
@@ -194,7 +194,7 @@ TEST(SafetensorsTest, ImportFillsShardsOnEveryRankWithCasting) {
   }
   for (int world = 1; world <= 4; ++world) {
     for (int rank = 0; rank < world; ++rank) {
-      sharding::ShardSpec spec({10, 3}, at::kFloat, world, rank);
+      dtensor::ShardSpec spec({10, 3}, at::kFloat, world, rank);
       StateEntry e{"ema/generator_ema/layers.0.weight", spec, at::full(spec.localShape(), 5.0f)};
       ImportOptions options;
       options.stripPrefix = "ema/generator_ema/";
@@ -211,7 +211,7 @@ TEST(SafetensorsTest, ImportFillsShardsOnEveryRankWithCasting) {
 // naming the file and the tensor.
 TEST(SafetensorsTest, ImportRefusesIntegersAndNonFiniteValues) {
   TempDir tmp;
-  const sharding::ShardSpec spec({2, 2}, at::kFloat, 1, 0);
+  const dtensor::ShardSpec spec({2, 2}, at::kFloat, 1, 0);
   auto importOne = [&](const std::string& file, const at::Tensor& value) {
     saveSafetensors(tmp / file, {{"w", value}});
     StateEntry e{"model/w", spec, at::zeros({2, 2})};
@@ -249,7 +249,7 @@ TEST(SafetensorsTest, ImportFromAShardedExportOnEveryRank) {
                                                {"c", at::full({}, 0.5f)}};
   std::vector<StateEntry> full;
   for (const auto& [name, w] : weights) {
-    full.push_back({"model/" + name, sharding::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
+    full.push_back({"model/" + name, dtensor::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
   }
   ExportOptions ex;
   ex.maxShardBytes = 64;  // a (112 bytes) alone, then b and c
@@ -260,7 +260,7 @@ TEST(SafetensorsTest, ImportFromAShardedExportOnEveryRank) {
     for (int rank = 0; rank < world; ++rank) {
       std::vector<StateEntry> entries;
       for (const auto& [name, w] : weights) {
-        sharding::ShardSpec spec(w.sizes().vec(), at::kFloat, world, rank);
+        dtensor::ShardSpec spec(w.sizes().vec(), at::kFloat, world, rank);
         entries.push_back({"model/" + name, spec, at::full(spec.localShape(), 9.0f)});
       }
       ImportOptions options;
@@ -283,7 +283,7 @@ TEST(SafetensorsTest, IndexThatDoesNotDescribeItsShardsIsRefused) {
   for (const auto& [name, w] : std::map<std::string, at::Tensor>{{"a", at::arange(28, at::kFloat).view({7, 4})},
                                                                  {"b", at::arange(5, at::kFloat)},
                                                                  {"c", at::full({}, 0.5f)}}) {
-    full.push_back({"model/" + name, sharding::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
+    full.push_back({"model/" + name, dtensor::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
   }
   ExportOptions ex;
   ex.maxShardBytes = 64;  // a alone, then b and c

@@ -163,13 +163,13 @@ struct CpuReference {
   static constexpr int kSteps = 10;
   static constexpr double kLr = 1e-2;
   sharding::testing::Batches data = sharding::testing::makeBatches(kSteps, 12, 5, 1, 11);
-  sharding::OptimizerOptions optim;
+  optim::OptimizerOptions optim;
   std::map<std::string, at::Tensor> initial, want;
   std::vector<double> losses;  // before each step
 
   CpuReference() {
     using namespace sharding::testing;
-    optim.kind = sharding::OptimizerKind::kAdamW;
+    optim.kind = optim::OptimizerKind::kAdamW;
     optim.weightDecay = 0.1;
     torch::manual_seed(5);
     TinyMlp init;
@@ -195,6 +195,7 @@ class CudaStrategyTest : public ::testing::TestWithParam<StrategyParam> {};
 TEST_P(CudaStrategyTest, MatchesSingleProcessCpuTraining) {
   TESSERA_REQUIRE_CUDA();
   using namespace sharding;
+  using namespace dtensor;
   using namespace sharding::testing;
   const auto& [strategy, world] = GetParam();
   const CpuReference reference;
@@ -276,6 +277,7 @@ TEST(CudaNcclStrategyTest, Zero3MatchesSingleProcessCpuTraining) {
   TESSERA_REQUIRE_CUDA();
   if (!distributed::ncclAvailable()) GTEST_SKIP() << "built without the nccl backend";
   using namespace sharding;
+  using namespace dtensor;
   using namespace sharding::testing;
   const CpuReference reference;
   const Batches& data = reference.data;
@@ -341,7 +343,7 @@ TEST(CudaEmaTest, FusedUpdateMatchesDenseReference) {
   options.decays = {0.9, 0.99};
   ema::ShardedModelEMAManager manager(options);
   std::vector<at::Tensor> live;
-  std::vector<sharding::ShardSpec> specs;
+  std::vector<dtensor::ShardSpec> specs;
   std::vector<std::vector<at::Tensor>> reference(2);  // [decay][param], float64 on the CPU
   torch::manual_seed(1);
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -377,7 +379,7 @@ TEST(CudaEmaTest, Bf16LiveParametersKeepAnFp32Ema) {
   ema::EmaOptions options;
   options.decays = {0.5};
   ema::ShardedModelEMAManager manager(options);
-  sharding::ShardSpec spec({6, 2}, at::kBFloat16, 1, 0);
+  dtensor::ShardSpec spec({6, 2}, at::kBFloat16, 1, 0);
   at::Tensor live = at::full({6, 2}, 2.0, cuda(at::kBFloat16));
   manager.addParam("w", spec, live);
   live.fill_(4.0);

@@ -11,7 +11,7 @@
 namespace tessera::ema {
 namespace {
 
-using sharding::ShardSpec;
+using dtensor::ShardSpec;
 
 // One scalar-ish parameter on one rank; live value set per step.
 struct Single {
@@ -109,8 +109,8 @@ TEST(EmaScheduleTest, BuffersCopiedOrAveraged) {
     ShardedModelEMAManager mgr(o);
     at::Tensor mean = at::zeros({3});
     at::Tensor count = at::zeros({}, at::kLong);
-    mgr.addBuffer("bn.running_mean", ShardSpec({3}, at::kFloat, 1, 0, sharding::Placement::kReplicate), mean);
-    mgr.addBuffer("bn.num_batches_tracked", ShardSpec({}, at::kLong, 1, 0, sharding::Placement::kReplicate), count);
+    mgr.addBuffer("bn.running_mean", ShardSpec({3}, at::kFloat, 1, 0, dtensor::Placement::kReplicate), mean);
+    mgr.addBuffer("bn.num_batches_tracked", ShardSpec({}, at::kLong, 1, 0, dtensor::Placement::kReplicate), count);
     mean.fill_(4.0);
     count.fill_(7);
     mgr.update(1);

@@ -54,7 +54,7 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
     distributed::Communicator& stateComm = strategy->stateComm();
     // The full parameters of the run: gathered fp32 masters (zero3 holds no full ones).
     auto fullParam = [&](const std::string& name) {
-      const sharding::ShardedParam& p = strategy->param(name);
+      const dtensor::ShardedParam& p = strategy->param(name);
       return p.spec.fullTensor(p.master, stateComm).clone();
     };
     EmaOptions emaOptions;
@@ -66,7 +66,7 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
 
     // Dense reference EMA of the same run's full parameters (replicated in these strategies).
     std::map<std::string, std::vector<at::Tensor>> dense;
-    for (const sharding::ShardedParam& p : strategy->params()) {
+    for (const dtensor::ShardedParam& p : strategy->params()) {
       for (size_t i = 0; i < profiles; ++i) dense[p.name].push_back(fullParam(p.name));
     }
     const int64_t globalBatch = 24, perRank = globalBatch / world;
@@ -79,7 +79,7 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
       torch::mse_loss(local, y.narrow(0, ctx.rank * perRank, perRank)).backward();
       strategy->step(0.05);
       manager.update(step);
-      for (const sharding::ShardedParam& p : strategy->params()) {
+      for (const dtensor::ShardedParam& p : strategy->params()) {
         const std::string& name = p.name;
         const at::Tensor full = fullParam(name);
         for (size_t i = 0; i < profiles; ++i) {
@@ -90,7 +90,7 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
       }
     }
     int64_t emaBytes = 0, fullBytes = 0;
-    for (const sharding::ShardedParam& p : strategy->params()) {
+    for (const dtensor::ShardedParam& p : strategy->params()) {
       const std::string& name = p.name;
       for (size_t i = 0; i < profiles; ++i) {
         at::Tensor gathered = manager.spec(name).fullTensor(manager.emaShard(i, name), stateComm);
@@ -102,7 +102,7 @@ void runCase(const std::string& strategyName, int world, int shardSize = 0) {
       }
       const auto& spec = manager.spec(name);
       EXPECT_EQ(spec.worldSize(), stateComm.worldSize());
-      EXPECT_EQ(spec.placement(), sharding::Placement::kShard0);
+      EXPECT_EQ(spec.placement(), dtensor::Placement::kShard0);
     }
     emaBytes = manager.bytes();
     // 1/N of the model per rank, within padding (at most one row per tensor and profile).
@@ -160,7 +160,7 @@ TEST(EmaSwapTest, SwapRestoresExactlyAlsoOnException) {
         return sharding::unitForward(*net, x, [&](const at::Tensor& in) { return net->forward(in); });
       };
       std::map<std::string, at::Tensor> masters, emaFull;
-      for (const sharding::ShardedParam& p : strategy->params()) {
+      for (const dtensor::ShardedParam& p : strategy->params()) {
         masters[p.name] = p.master.clone();
         emaFull[p.name] = manager.spec(p.name).fullTensor(manager.emaShard(0, p.name), strategy->stateComm());
       }
@@ -182,7 +182,7 @@ TEST(EmaSwapTest, SwapRestoresExactlyAlsoOnException) {
                                   }),
                    std::runtime_error);
       EXPECT_TRUE(output().equal(live)) << strategyName;
-      for (const sharding::ShardedParam& p : strategy->params()) EXPECT_TRUE(p.master.equal(masters.at(p.name))) << p.name;
+      for (const dtensor::ShardedParam& p : strategy->params()) EXPECT_TRUE(p.master.equal(masters.at(p.name))) << p.name;
     });
   }
 }
@@ -221,7 +221,7 @@ TEST(EmaBufferTest, BatchNormStatisticsCopiedOrAveraged) {
       for (const auto& e : manager.stateEntries("ema/")) {
         if (e.name != "ema/generator_ema/1.running_mean") continue;
         listed = true;
-        EXPECT_EQ(e.spec.placement(), sharding::Placement::kReplicate);
+        EXPECT_EQ(e.spec.placement(), dtensor::Placement::kReplicate);
         EXPECT_TRUE(e.local.equal(manager.emaBuffer(0, "1.running_mean")));
       }
       EXPECT_TRUE(listed);

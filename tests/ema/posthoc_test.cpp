@@ -60,9 +60,9 @@ std::map<std::string, at::Tensor> track(int world, const std::vector<double>& st
     options.powerStds = stds;
     ShardedModelEMAManager manager(options);
     std::map<std::string, at::Tensor> live;
-    std::map<std::string, sharding::ShardSpec> specs;
+    std::map<std::string, dtensor::ShardSpec> specs;
     for (const auto& [name, shape] : kShapes) {
-      specs.emplace(name, sharding::ShardSpec(shape, at::kFloat, world, ctx.rank));
+      specs.emplace(name, dtensor::ShardSpec(shape, at::kFloat, world, ctx.rank));
       live[name] = specs.at(name).shardOf(paramAt(name, 0));
       manager.addParam(name, specs.at(name), live[name]);
     }

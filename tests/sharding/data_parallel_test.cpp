@@ -31,7 +31,7 @@ constexpr int64_t kMiB = 1024 * 1024;
 
 // An optimizer and the learning rate it steps with.
 struct LrOptimizer {
-  OptimizerOptions options;
+  optim::OptimizerOptions options;
   double lr = 0;
 };
 
@@ -44,15 +44,15 @@ struct TrainConfig {
 };
 
 LrOptimizer adamw(double lr, double wd) {
-  OptimizerOptions o;
-  o.kind = sharding::OptimizerKind::kAdamW;
+  optim::OptimizerOptions o;
+  o.kind = optim::OptimizerKind::kAdamW;
   o.weightDecay = wd;
   return {o, lr};
 }
 
 LrOptimizer sgd(double lr, double wd, double momentum, bool nesterov) {
-  OptimizerOptions o;
-  o.kind = sharding::OptimizerKind::kSgd;
+  optim::OptimizerOptions o;
+  o.kind = optim::OptimizerKind::kSgd;
   o.weightDecay = wd;
   o.momentum = momentum;
   o.nesterov = nesterov;
@@ -82,8 +82,8 @@ const std::map<std::string, at::Tensor>& initialParams() {
   return init;
 }
 
-std::vector<std::string> stateKeys(const OptimizerOptions& o) {
-  if (o.kind == sharding::OptimizerKind::kSgd) return o.momentum > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+std::vector<std::string> stateKeys(const optim::OptimizerOptions& o) {
+  if (o.kind == optim::OptimizerKind::kSgd) return o.momentum > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
   return {"exp_avg", "exp_avg_sq"};
 }
 
@@ -173,13 +173,13 @@ std::vector<RankOutput> train(const std::string& strategy, size_t config, int wo
       EXPECT_FALSE(r.skipped);
       out.norms.push_back(r.gradNorm);
       // zero2 frees the full gradients; no_shard and zero1 keep them.
-      for (const ShardedParam& p : engine->params()) {
+      for (const dtensor::ShardedParam& p : engine->params()) {
         EXPECT_EQ(p.moduleParam.grad().defined(), strategy != "zero2") << p.name;
       }
     }
-    for (const ShardedParam& p : engine->params()) {
-      const ShardSpec& spec = p.spec;
-      EXPECT_EQ(spec.placement(), strategy == "no_shard" ? Placement::kReplicate : Placement::kShard0);
+    for (const dtensor::ShardedParam& p : engine->params()) {
+      const dtensor::ShardSpec& spec = p.spec;
+      EXPECT_EQ(spec.placement(), strategy == "no_shard" ? dtensor::Placement::kReplicate : dtensor::Placement::kShard0);
       EXPECT_EQ(engine->optimizer().stepCount(p), kSteps);
       out.params[p.name] = p.moduleParam.detach().clone();
       out.masters[p.name] = gatherFull(spec, p.master, *ctx.comm());
@@ -285,7 +285,7 @@ TEST(StrategyProcessTest, ForkedRanksMatchReference) {
         EXPECT_NEAR(r.gradNorm, ref.norms[static_cast<size_t>(t)], kTolerance * ref.norms[static_cast<size_t>(t)]);
       }
       for (const auto& [name, want] : ref.params) {
-        const ShardedParam& p = engine->param(name);
+        const dtensor::ShardedParam& p = engine->param(name);
         const at::Tensor mine = p.moduleParam.detach().clone();
         EXPECT_LE(relativeError(mine, want), kTolerance) << name;
         at::Tensor rank0 = mine.clone();
@@ -355,7 +355,7 @@ TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
         ASSERT_FALSE(stepOnce(false).skipped);
         const auto before = paramValues(*model);
         std::map<std::string, at::Tensor> masters, states;
-        for (const ShardedParam& p : engine->params()) {
+        for (const dtensor::ShardedParam& p : engine->params()) {
           masters[p.name] = p.master.clone();
           states[p.name] = engine->optimizer().state(p, "exp_avg").clone();
         }
@@ -368,7 +368,7 @@ TEST(StrategyNonFiniteTest, StepIsSkippedAndReported) {
           EXPECT_TRUE(p.equal(before.at(name))) << name;
           EXPECT_FALSE(model->named_parameters()[name].grad().defined()) << "gradients dropped: " << name;
         }
-        for (const ShardedParam& p : engine->params()) {
+        for (const dtensor::ShardedParam& p : engine->params()) {
           EXPECT_TRUE(p.master.equal(masters[p.name])) << p.name;
           EXPECT_TRUE(engine->optimizer().state(p, "exp_avg").equal(states[p.name])) << p.name;
           EXPECT_EQ(engine->optimizer().stepCount(p), 1) << p.name;
@@ -496,7 +496,7 @@ TEST(StrategyMixedPrecisionTest, Bf16ComputeWithFp32MastersConverges) {
         ASSERT_FALSE(engine->step(3e-2).skipped);
       }
       EXPECT_LT(last, first * 0.05) << strategy << ": loss " << first << " -> " << last;
-      for (const ShardedParam& record : engine->params()) {
+      for (const dtensor::ShardedParam& record : engine->params()) {
         const std::string& name = record.name;
         const at::Tensor& p = record.moduleParam;
         EXPECT_EQ(p.scalar_type(), at::kBFloat16) << name;
@@ -526,7 +526,7 @@ TEST(StrategyInitTest, RankZeroStateIsBroadcast) {
     auto engine = makeStrategy(*model, ctx.comm(), o);
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.detach().eq(1.0f).all().item<bool>());
     for (const auto& b : model->buffers()) EXPECT_TRUE(b.eq(1).all().item<bool>());
-    for (const ShardedParam& p : engine->params()) {
+    for (const dtensor::ShardedParam& p : engine->params()) {
       EXPECT_TRUE(p.spec.realRows(p.master.reshape({-1})).eq(1.0f).all().item<bool>());
     }
   });

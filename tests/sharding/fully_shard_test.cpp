@@ -214,9 +214,9 @@ AnyModel buildModel(ModelKind kind) {
 
 constexpr double kLr = 1e-2;
 
-OptimizerOptions adamw() {
-  OptimizerOptions o;
-  o.kind = sharding::OptimizerKind::kAdamW;
+optim::OptimizerOptions adamw() {
+  optim::OptimizerOptions o;
+  o.kind = optim::OptimizerKind::kAdamW;
   o.weightDecay = 0.1;
   return o;
 }
@@ -507,7 +507,7 @@ TEST(FullyShardCheckpointingTest, UnitForwardIsRecomputedInBackward) {
       y.pow(2).mean().backward();
       EXPECT_EQ(calls, ac ? 2 : 1);
       engine.step(0.0);
-      for (const ShardedParam& p : engine.params()) {
+      for (const dtensor::ShardedParam& p : engine.params()) {
         const at::Tensor full = p.spec.fullTensor(engine.optimizer().state(p, "exp_avg"), *ctx.comm());
         if (ctx.rank == 0) grads[ac][p.name] = full;
       }
@@ -594,7 +594,7 @@ TEST(FullyShardMixedPrecisionTest, Bf16ComputeFromFp32Masters) {
     ctx.comm()->resetStats();
     m.loss(rankSlice(data.x[0], ctx.rank, 2), rankSlice(data.y[0], ctx.rank, 2)).backward();
     for (const auto& p : m.module->parameters()) EXPECT_EQ(p.scalar_type(), at::kBFloat16);
-    for (const ShardedParam& p : engine.params()) EXPECT_EQ(p.master.scalar_type(), at::kFloat);
+    for (const dtensor::ShardedParam& p : engine.params()) EXPECT_EQ(p.master.scalar_type(), at::kFloat);
     // Gathers move bf16 (2 bytes), reductions fp32 (4 bytes), and every unit but the root
     // is gathered twice: all-gather bytes = reduce-scatter bytes less one root gather.
     const auto s = ctx.comm()->stats();
@@ -786,7 +786,7 @@ void expectFrozenParity(ModelKind kind, const std::vector<std::string>& frozen,
       FullyShardStrategy engine(*m.module, ctx.comm(), o);
       EXPECT_EQ(engine.optimizer().size(), engine.params().size() - frozen.size());
       int64_t trainableShard = 0;
-      for (const ShardedParam& p : engine.params()) {
+      for (const dtensor::ShardedParam& p : engine.params()) {
         EXPECT_EQ(p.trainable, !isFrozen(p.name)) << p.name;
         if (p.trainable) trainableShard += p.spec.paddedNumel();
       }
@@ -795,7 +795,7 @@ void expectFrozenParity(ModelKind kind, const std::vector<std::string>& frozen,
         if (t == c.steps - 1) ctx.comm()->resetStats();
         m.loss(rankSlice(data.x[t], ctx.rank, world), rankSlice(data.y[t], ctx.rank, world)).backward();
         ASSERT_FALSE(engine.step(kLr).skipped);
-        for (const ShardedParam& p : engine.params()) {
+        for (const dtensor::ShardedParam& p : engine.params()) {
           if (p.trainable) continue;
           EXPECT_EQ(p.moduleParam.storage().nbytes(), 0u) << p.name << ": no full copy between steps";
           EXPECT_EQ(p.master.numel(), p.spec.paddedNumel()) << p.name << ": 1/N of it per rank";
@@ -937,7 +937,7 @@ std::vector<StepMeasure> measureSteps(int world, bool reshardAfterForward) {
     s.resident = engine.residentBytes();
     s.psi = parameterCount(*m.module);
     s.units = engine.unitCount();
-    for (const ShardedParam& p : engine.params()) {
+    for (const dtensor::ShardedParam& p : engine.params()) {
       s.shardNumel += p.spec.paddedNumel();
       s.rowNumelSum += p.spec.rowNumel();
     }

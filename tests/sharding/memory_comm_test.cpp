@@ -44,7 +44,7 @@ std::vector<Measurement> measure(const std::string& strategy, int world, int64_t
     StrategyOptions o;
     o.strategy = sharding::parseStrategyKind(strategy);
     o.bucketBytes = bucketBytes;
-    o.optimizer.kind = sharding::OptimizerKind::kAdamW;
+    o.optimizer.kind = optim::OptimizerKind::kAdamW;
     o.paramDtype = paramDtype;
     auto engine = makeStrategy(*model, ctx.comm(), o);
     Measurement& m = out[static_cast<size_t>(ctx.rank)];
@@ -59,8 +59,8 @@ std::vector<Measurement> measure(const std::string& strategy, int world, int64_t
     m.resident = engine->residentBytes();
     m.stateBytes = engine->optimizer().stateBytes();
     m.psi = parameterCount(*model);
-    for (const ShardedParam& p : engine->params()) {
-      const ShardSpec& s = p.spec;
+    for (const dtensor::ShardedParam& p : engine->params()) {
+      const dtensor::ShardSpec& s = p.spec;
       m.shardNumel += s.chunkRows() * s.rowNumel();
       m.rowNumelSum += s.rowNumel();
     }

@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "distributed/communicator.h"
-#include "sharding/shard_spec.h"
-#include "sharding/sharded_optimizer.h"
+#include "dtensor/shard_spec.h"
+#include "optim/sharded_optimizer.h"
 
 namespace tessera::sharding::testing {
 
@@ -104,7 +104,7 @@ inline at::Tensor rankSlice(const at::Tensor& global, int rank, int world) {
 }
 
 // Gathers a state tensor laid out by `spec` into its full global tensor (collective).
-inline at::Tensor gatherFull(const ShardSpec& spec, const at::Tensor& local, distributed::Communicator& comm) {
+inline at::Tensor gatherFull(const dtensor::ShardSpec& spec, const at::Tensor& local, distributed::Communicator& comm) {
   return spec.fullTensor(local, comm).clone();
 }
 
@@ -117,11 +117,11 @@ inline double relativeError(const at::Tensor& got, const at::Tensor& want) {
 
 // torch::optim equivalent of `o` at learning rate `lr`, over two groups: `decay` with
 // o.weightDecay, `noDecay` without.
-inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const OptimizerOptions& o, double lr,
+inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const optim::OptimizerOptions& o, double lr,
                                                                    std::vector<at::Tensor> decay,
                                                                    std::vector<at::Tensor> noDecay) {
   using namespace torch::optim;
-  if (o.kind == sharding::OptimizerKind::kAdamW) {
+  if (o.kind == optim::OptimizerKind::kAdamW) {
     auto opts = AdamWOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
     zero.weight_decay(0);
@@ -129,7 +129,7 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
         OptimizerParamGroup(decay, std::make_unique<AdamWOptions>(opts)),
         OptimizerParamGroup(noDecay, std::make_unique<AdamWOptions>(zero))});
   }
-  if (o.kind == sharding::OptimizerKind::kAdam) {
+  if (o.kind == optim::OptimizerKind::kAdam) {
     auto opts = AdamOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay);
     auto zero = opts;
     zero.weight_decay(0);
@@ -148,11 +148,11 @@ inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const Optimiz
 }
 
 // The same over a module's parameters, grouped by defaultDecays (no decay for 1-D ones).
-inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const OptimizerOptions& o, double lr,
+inline std::unique_ptr<torch::optim::Optimizer> referenceOptimizer(const optim::OptimizerOptions& o, double lr,
                                                                    torch::nn::Module& m) {
   std::vector<at::Tensor> decay, noDecay;
   for (const auto& item : m.named_parameters()) {
-    (defaultDecays(item.value().sizes().vec()) ? decay : noDecay).push_back(item.value());
+    (optim::defaultDecays(item.value().sizes().vec()) ? decay : noDecay).push_back(item.value());
   }
   return referenceOptimizer(o, lr, std::move(decay), std::move(noDecay));
 }

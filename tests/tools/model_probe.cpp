@@ -11,7 +11,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/app_main.h"
 #include "common/command_line.h"
-#include "trainer/diffusion.h"
+#include "models/diffusion.h"
 #include "trainer/model_metadata.h"
 
 int main(int argc, char** argv) {
@@ -27,6 +27,8 @@ int main(int argc, char** argv) {
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
 
     using namespace tessera::trainer;
+    using namespace tessera::datasets;
+    using namespace tessera::models;
     c10::NoGradGuard noGrad;
     LoadedModel loaded = loadExportedModel(weights);
     const DataSpec& data = loaded.description.data;

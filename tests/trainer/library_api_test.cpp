@@ -131,7 +131,7 @@ std::map<std::string, at::Tensor> referenceWeights() {
 void expectWeights(sharding::ShardingStrategy& strategy, const std::map<std::string, at::Tensor>& want,
                    const std::string& what) {
   for (const auto& [name, value] : want) {
-    const sharding::ShardedParam& p = strategy.param(name);
+    const dtensor::ShardedParam& p = strategy.param(name);
     EXPECT_LT(relativeError(gatherFull(p.spec, p.master, strategy.stateComm()), value), 1e-5) << what << ": " << name;
   }
 }
@@ -265,7 +265,7 @@ struct Parts {
     counters["step"] = 0;
   }
   checkpoint::StateMap states() {
-    sharding::Stateful& optimizer = adamw ? static_cast<sharding::Stateful&>(*adamwState) : fsdp->optimizer();
+    dtensor::Stateful& optimizer = adamw ? static_cast<dtensor::Stateful&>(*adamwState) : fsdp->optimizer();
     return {{"model", *fsdp}, {"optim", optimizer}, {"ema", *ema}, {"train", counters}};
   }
   void train(int first, int last, int rank, int world) {
@@ -364,8 +364,8 @@ TEST(LibraryApiTest, FusedAndTorchOptimizerCheckpointsAreInterchangeable) {
     Parts direct(ctx.comm(), false), roundTrip(ctx.comm(), false);
     checkpoint::load(dir + "/step_00000002", direct.states(), ctx.comm().get());
     checkpoint::load(dir + "/via_torch/step_00000002", roundTrip.states(), ctx.comm().get());
-    const std::vector<sharding::StateEntry> want = direct.fsdp->optimizer().stateEntries();
-    const std::vector<sharding::StateEntry> got = roundTrip.fsdp->optimizer().stateEntries();
+    const std::vector<dtensor::StateEntry> want = direct.fsdp->optimizer().stateEntries();
+    const std::vector<dtensor::StateEntry> got = roundTrip.fsdp->optimizer().stateEntries();
     ASSERT_EQ(got.size(), want.size());
     for (size_t i = 0; i < want.size(); ++i) {
       ASSERT_EQ(got[i].name, want[i].name);

@@ -17,19 +17,19 @@
 #include "common/filesystem.h"
 #include "distributed/communicator.h"
 #include "sharding/fully_shard.h"
-#include "sharding/param_init.h"
+#include "dtensor/param_init.h"
 #include "sharding/strategy.h"
 #include "tests/support/multi_rank.h"
-#include "trainer/layers.h"
-#include "trainer/models.h"
+#include "models/layers.h"
+#include "models/models.h"
 
 namespace tessera::trainer {
 namespace {
 
 constexpr uint64_t kSeed = 1234;
 
-ModelOptions gptOptions() {
-  ModelOptions o;
+models::ModelOptions gptOptions() {
+  models::ModelOptions o;
   o.arch = "gpt";
   o.vocab_size = 29;
   o.context = 5;
@@ -39,17 +39,17 @@ ModelOptions gptOptions() {
   return o;
 }
 
-ModelOptions mlpOptions() {
-  ModelOptions o;
+models::ModelOptions mlpOptions() {
+  models::ModelOptions o;
   o.context = 3;
   o.embed_dim = 5;
   o.hidden = {7, 3};  // rows that divide by none of 2, 3, 4
   return o;
 }
 
-std::map<std::string, at::Tensor> singleProcessInit(const ModelOptions& options) {
-  auto model = makeModel(options);
-  initializeModel(*model, kSeed);
+std::map<std::string, at::Tensor> singleProcessInit(const models::ModelOptions& options) {
+  auto model = models::makeModel(options);
+  models::initializeModel(*model, kSeed);
   std::map<std::string, at::Tensor> out;
   for (const auto& item : model->named_parameters()) out[item.key()] = item.value().detach().clone();
   return out;
@@ -63,13 +63,13 @@ struct Case {
 
 // `model` sharded by `strategy` (its own units; hybrid over groups of shardSize),
 // its deferred parameters initialised from kSeed.
-std::unique_ptr<sharding::ShardingStrategy> shardModel(torch::nn::Module& model, const ModelOptions& options,
+std::unique_ptr<sharding::ShardingStrategy> shardModel(torch::nn::Module& model, const models::ModelOptions& options,
                                                        const std::string& strategy, int shardSize,
                                                        test::RankContext& ctx) {
   sharding::StrategyOptions o;
   o.strategy = sharding::parseStrategyKind(strategy);
   o.fullyShard.shardSize = shardSize;
-  o.initializer = layers::initializerOf(model, kSeed);
+  o.initializer = models::layers::initializerOf(model, kSeed);
   return sharding::makeStrategy(model, ctx.comm(), o);
 }
 
@@ -80,16 +80,16 @@ TEST(ShardedInitTest, EqualsSingleProcessInitAtEveryWorldSizeAndStrategy) {
   }
   cases.push_back({"hybrid", 2, 1});
   cases.push_back({"hybrid", 4, 2});
-  for (const ModelOptions& options : {gptOptions(), mlpOptions()}) {
+  for (const models::ModelOptions& options : {gptOptions(), mlpOptions()}) {
     const auto want = singleProcessInit(options);
     for (const Case& c : cases) {
       test::runOnRanks(c.world, [&](test::RankContext& ctx) {
         at::set_num_threads(1);
-        auto model = makeModel(options);
-        for (const auto& p : model->parameters()) ASSERT_TRUE(sharding::hasNoStorage(p)) << "built deferred";
+        auto model = models::makeModel(options);
+        for (const auto& p : model->parameters()) ASSERT_TRUE(dtensor::hasNoStorage(p)) << "built deferred";
         auto strategy = shardModel(*model, options, c.strategy, c.shardSize, ctx);
         const bool sharded = c.strategy == "zero3" || c.strategy == "hybrid";
-        for (const sharding::ShardedParam& p : strategy->params()) {
+        for (const dtensor::ShardedParam& p : strategy->params()) {
           if (sharded) {
             EXPECT_EQ(p.moduleParam.storage().nbytes(), 0u) << p.name << ": zero3 holds no full parameter";
           }
@@ -108,7 +108,7 @@ TEST(ShardedInitTest, EqualsSingleProcessInitAtEveryWorldSizeAndStrategy) {
 // sharded export (index.json) load into a strategy's records at 1-4 ranks under all five
 // strategies, each rank reading its rows; the gathered model is the file's, bitwise.
 TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
-  const ModelOptions options = gptOptions();
+  const models::ModelOptions options = gptOptions();
   std::map<std::string, at::Tensor> weights = singleProcessInit(options);
   for (auto& [name, w] : weights) w = w * 0.5 + 0.25;  // not the init: loading must show
   const auto dir = std::filesystem::temp_directory_path() / ("tessera_init_from_" + std::to_string(::getpid()));
@@ -116,7 +116,7 @@ TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
   const std::string file = (dir / "model.safetensors").string();
   checkpoint::saveSafetensors(file, weights);
   std::vector<checkpoint::StateEntry> full;
-  for (const auto& [name, w] : weights) full.push_back({"model/" + name, sharding::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
+  for (const auto& [name, w] : weights) full.push_back({"model/" + name, dtensor::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
   checkpoint::ExportOptions ex;
   ex.maxShardBytes = 4096;
   const std::string index = checkpoint::exportOnline(full, {}, nullptr, (dir / "sharded").string(), ex).indexFile;
@@ -130,13 +130,13 @@ TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
     for (const Case& c : cases) {
       test::runOnRanks(c.world, [&](test::RankContext& ctx) {
         at::set_num_threads(1);
-        auto model = makeModel(options);
+        auto model = models::makeModel(options);
         auto strategy = shardModel(*model, options, c.strategy, c.shardSize, ctx);
         checkpoint::ImportOptions io;
         io.stripPrefix = "model/";
         checkpoint::importSafetensors(from, strategy->stateEntries("model/"), io);
         strategy->publishParameters();
-        for (const sharding::ShardedParam& p : strategy->params()) {
+        for (const dtensor::ShardedParam& p : strategy->params()) {
           EXPECT_TRUE(p.spec.fullTensor(p.master, strategy->stateComm()).equal(weights.at(p.name)))
               << c.strategy << " world " << c.world << " " << p.name << " from " << from;
         }
@@ -149,7 +149,7 @@ TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
 // A NaN in rows that only rank 1 reads: both ranks throw (rank 1 naming the file and the
 // tensor, rank 0 naming rank 1) rather than rank 0 training on while rank 1 has left.
 TEST(ShardedInitTest, InitFromFailsOnEveryRankWhenOneRankReadsABadRow) {
-  const ModelOptions options = gptOptions();
+  const models::ModelOptions options = gptOptions();
   std::map<std::string, at::Tensor> weights = singleProcessInit(options);
   std::string poisoned;
   for (auto& [name, w] : weights) {
@@ -165,7 +165,7 @@ TEST(ShardedInitTest, InitFromFailsOnEveryRankWhenOneRankReadsABadRow) {
   const std::string file = (dir / "model.safetensors").string();
   checkpoint::saveSafetensors(file, weights);
   const test::MultiRankResult result = test::runRanks(2, [&](test::RankContext& ctx) {
-    auto model = makeModel(options);
+    auto model = models::makeModel(options);
     auto strategy = shardModel(*model, options, "zero3", 0, ctx);
     checkpoint::ImportOptions io;
     io.stripPrefix = "model/";
@@ -186,7 +186,7 @@ TEST(ShardedInitTest, InitFromFailsOnEveryRankWhenOneRankReadsABadRow) {
 
 // The distributions models.h documents, measured on tensors large enough for the moments.
 TEST(ShardedInitTest, DeclaredDistributionsAreTheDocumentedOnes) {
-  ModelOptions gpt = gptOptions();
+  models::ModelOptions gpt = gptOptions();
   gpt.embed_dim = 96;
   gpt.heads = 4;
   gpt.layers = 8;
@@ -201,7 +201,7 @@ TEST(ShardedInitTest, DeclaredDistributionsAreTheDocumentedOnes) {
   EXPECT_TRUE(g.at("ln_f.bias").eq(0).all().item<bool>());
   EXPECT_FALSE(g.at("h.0.mlp.c_fc.weight").equal(g.at("h.1.mlp.c_fc.weight"))) << "each tensor its own stream";
 
-  ModelOptions mlp;
+  models::ModelOptions mlp;
   mlp.context = 8;
   mlp.embed_dim = 32;
   mlp.hidden = {300};
@@ -213,8 +213,8 @@ TEST(ShardedInitTest, DeclaredDistributionsAreTheDocumentedOnes) {
   EXPECT_LT(std::abs(w.mean().item<double>()), 0.01 * bound);
   EXPECT_TRUE(near(m.at("embed.weight").std().item<double>(), 1.0, 0.05));
   // Another seed, other values; the same seed, the same values.
-  auto other = makeModel(mlp);
-  initializeModel(*other, kSeed + 1);
+  auto other = models::makeModel(mlp);
+  models::initializeModel(*other, kSeed + 1);
   EXPECT_FALSE(other->named_parameters()["layers.0.weight"].equal(w));
   EXPECT_TRUE(singleProcessInit(mlp).at("layers.0.weight").equal(w));
 }
@@ -223,11 +223,11 @@ TEST(ShardedInitTest, DeclaredDistributionsAreTheDocumentedOnes) {
 // refused, not initialised again.
 TEST(ShardedInitTest, DeferredWithoutInitializerAndHeldParametersAreErrors) {
   test::runOnRanks(1, [](test::RankContext& ctx) {
-    auto model = makeModel(mlpOptions());
+    auto model = models::makeModel(mlpOptions());
     sharding::StrategyOptions o;
     o.strategy = sharding::StrategyKind::kZero3;
     EXPECT_THROW(sharding::makeStrategy(*model, ctx.comm(), o), ConfigError);
-    o.initializer = layers::initializerOf(*model, kSeed);
+    o.initializer = models::layers::initializerOf(*model, kSeed);
     auto strategy = sharding::makeStrategy(*model, ctx.comm(), o);
     o.strategy = sharding::StrategyKind::kNoShard;
     try {

@@ -2,8 +2,8 @@
 // DiT paper's figure; throughput figures and MFU from a window's samples/s.
 #include <gtest/gtest.h>
 
-#include "trainer/dit.h"
-#include "trainer/models.h"
+#include "models/dit.h"
+#include "models/models.h"
 #include "trainer/throughput.h"
 
 namespace tessera::trainer {
@@ -15,7 +15,7 @@ namespace {
 // 65536 per token, 16 tokens: 1048576. Attention per block: q k^T 2*16*16*32 = 16384 and
 // weights x v the same, 32768; two blocks 65536. Total 1114112.
 TEST(ThroughputTest, GptForwardFlopsMatchAHandCount) {
-  ModelOptions o;
+  models::ModelOptions o;
   o.arch = "gpt";
   o.vocab_size = 256;
   o.context = 16;
@@ -23,38 +23,38 @@ TEST(ThroughputTest, GptForwardFlopsMatchAHandCount) {
   o.layers = 2;
   o.heads = 4;
   o.tie_head = false;
-  const auto model = makeModel(o);
+  const auto model = models::makeModel(o);
   EXPECT_DOUBLE_EQ(model->forwardFlopsPerSample(), 1114112.0);
   EXPECT_EQ(model->tokensPerSample(), 16);
   o.tie_head = true;  // the tied head is the same product with wte's transpose
-  EXPECT_DOUBLE_EQ(makeModel(o)->forwardFlopsPerSample(), 1114112.0);
+  EXPECT_DOUBLE_EQ(models::makeModel(o)->forwardFlopsPerSample(), 1114112.0);
 }
 
 // The DiT paper (Peebles & Xie, Table 4) gives DiT-XL/2 on 32x32x4 latents 118.6 GFLOPs,
 // counted as fvcore does (one per multiply-add, attention included); ours counts two.
 TEST(ThroughputTest, DitXl2ForwardFlopsMatchTheDitPaper) {
-  ModelOptions o;
+  models::ModelOptions o;
   o.arch = "dit";
   o.patch_size = 2;
   o.embed_dim = 1152;
   o.layers = 28;
   o.heads = 16;
   o.mlp_ratio = 4.0;
-  DiT model(o, {4, 32, 32}, /*classes=*/1000);  // deferred parameters: nothing allocated
+  models::DiT model(o, {4, 32, 32}, /*classes=*/1000);  // deferred parameters: nothing allocated
   const double gflops = model.forwardFlopsPerSample() / 2.0 / 1e9;
   EXPECT_NEAR(gflops, 118.6, 118.6 * 0.01) << gflops;
 }
 
 // The MLP families: every linear once per sample.
 TEST(ThroughputTest, MlpForwardFlopsAreTheirLinears) {
-  ModelOptions o;
+  models::ModelOptions o;
   o.arch = "mlp";
   o.vocab_size = 256;
   o.context = 16;
   o.embed_dim = 8;
   o.hidden = {64, 32};
   // 16*8 -> 64 -> 32 -> 256: 2 * (128*64 + 64*32 + 32*256)
-  const auto model = makeModel(o);
+  const auto model = models::makeModel(o);
   EXPECT_DOUBLE_EQ(model->forwardFlopsPerSample(), 2.0 * (128 * 64 + 64 * 32 + 32 * 256));
   EXPECT_EQ(model->tokensPerSample(), 1);
 }

@@ -65,14 +65,14 @@ TEST(TrainConfigTest, KeysLandInTheLibrarysOptionStructs) {
   EXPECT_EQ(m.sharding.fullyShard.prefetch, 3);
   EXPECT_EQ(m.sharding.paramDtype, at::kBFloat16);
   EXPECT_EQ(m.sharding.gradClip, 1.0);  // optim.grad_clip of default.yaml
-  EXPECT_EQ(m.sharding.optimizer.kind, sharding::OptimizerKind::kAdam);
+  EXPECT_EQ(m.sharding.optimizer.kind, optim::OptimizerKind::kAdam);
   EXPECT_EQ(m.sharding.optimizer.beta1, 0.8);
   EXPECT_EQ(m.sharding.optimizer.beta2, 0.95);
   EXPECT_EQ(m.sharding.optimizer.noDecay, std::vector<std::string>{"embed.*"});
   EXPECT_EQ(m.sharding.optimizer.lrScale.at("head.*"), 2.5);
-  EXPECT_FALSE(sharding::decays(m.sharding.optimizer, "embed.weight", {256, 32}));
+  EXPECT_FALSE(optim::decays(m.sharding.optimizer, "embed.weight", {256, 32}));
   EXPECT_EQ(m.schedule.baseLr, 3e-3);
-  EXPECT_EQ(m.schedule.kind, sharding::ScheduleKind::kCosine);
+  EXPECT_EQ(m.schedule.kind, optim::ScheduleKind::kCosine);
   EXPECT_EQ(m.schedule.totalSteps, 300);  // run.steps
   EXPECT_EQ(m.ema.options.dtype, at::kBFloat16);
   EXPECT_EQ(m.ema.options.buffers, ema::EmaBuffers::kAverage);

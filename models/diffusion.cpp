@@ -1,0 +1,225 @@
+// The diffusion denoisers' shared loss, guidance and samplers, and the residual-MLP denoiser
+// (see diffusion.h).
+#include "models/diffusion.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/accumulate.h>
+#include <torch/nn/modules/activation.h>
+
+#include <cmath>
+
+#include "common/errors.h"
+#include "sharding/unit.h"
+
+namespace tessera::models {
+
+NoiseSchedule::NoiseSchedule(int64_t steps, double betaStart, double betaEnd) : timesteps(steps) {
+  TESSERA_CHECK_AS(ConfigError, steps >= 1, "model.timesteps must be >= 1, got ", steps);
+  TESSERA_CHECK_AS(ConfigError, betaStart > 0 && betaStart <= betaEnd && betaEnd < 1, "model.beta_start ", betaStart,
+                   " and model.beta_end ", betaEnd, " must satisfy 0 < beta_start <= beta_end < 1");
+  double product = 1.0;
+  for (int64_t t = 0; t < steps; ++t) {
+    const double beta = steps == 1 ? betaStart : betaStart + (betaEnd - betaStart) * static_cast<double>(t) / (steps - 1);
+    product *= 1.0 - beta;
+    betas.push_back(beta);
+    alphaBars.push_back(product);
+  }
+}
+
+DenoiserBlock::DenoiserBlock(int64_t width, at::Device device) {
+  norm_ = register_module("norm", layers::LayerNorm(width, device));
+  timeProj_ = register_module("time_proj", layers::Linear(width, width, /*bias=*/true, device));
+  fc1_ = register_module("fc1", layers::Linear(width, 4 * width, /*bias=*/true, device));
+  fc2_ = register_module("fc2", layers::Linear(4 * width, width, /*bias=*/true, device));
+}
+
+at::Tensor DenoiserBlock::forward(const at::Tensor& h, const at::Tensor& timeEmbedding) {
+  const at::Tensor y = norm_->forward(h) + timeProj_->forward(at::silu(timeEmbedding));
+  return h + fc2_->forward(at::silu(fc1_->forward(y)));
+}
+
+Denoiser::Denoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t classes)
+    : options_(options),
+      sampleShape_(std::move(sampleShape)),
+      features_(c10::multiply_integers(sampleShape_)),
+      schedule_(options.timesteps, options.beta_start, options.beta_end),
+      classes_(classes) {
+  TESSERA_CHECK_AS(ConfigError, features_ >= 1, options.arch, ": samples have no features (shape [",
+                   sampleShape_.size(), " dims])");
+  TESSERA_CHECK_AS(ConfigError, classes >= 0, options.arch, ": ", classes, " classes");
+}
+
+at::Tensor Denoiser::noClassLabels(int64_t count, at::Device device) const {
+  return at::full({count}, classes_, at::TensorOptions().dtype(at::kLong).device(device));
+}
+
+DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, at::Device device)
+    : Denoiser(options, std::move(sampleShape), /*classes=*/0) {
+  const int64_t width = options.embed_dim;
+  timeEmbed_ = register_module("time_embed",
+                               torch::nn::Sequential(layers::Linear(width, width, /*bias=*/true, device), torch::nn::SiLU(),
+                                                     layers::Linear(width, width, /*bias=*/true, device)));
+  inputProj_ = register_module("input_proj", layers::Linear(features_, width, /*bias=*/true, device));
+  blocks_ = register_module("blocks", sharding::UnitList<DenoiserBlock>());
+  for (int64_t i = 0; i < options.layers; ++i) blocks_->emplace_back(width, device);
+  outNorm_ = register_module("out_norm", layers::LayerNorm(width, device));
+  outputProj_ = register_module("output_proj", layers::Linear(width, features_, /*bias=*/true, device));
+}
+
+// The transformer's sinusoidal position encoding of t: [cos(t f_k), sin(t f_k)] with
+// f_k = 10000^(-k / half), zero-padded to an odd width.
+at::Tensor DiffusionDenoiser::timeEmbedding(const at::Tensor& timesteps) const {
+  const int64_t width = options_.embed_dim, half = width / 2;
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(timesteps.device());
+  const at::Tensor freqs = at::exp(at::arange(half, opts) * (-std::log(10000.0) / static_cast<double>(std::max<int64_t>(half, 1))));
+  const at::Tensor args = timesteps.to(at::kFloat).unsqueeze(1) * freqs.unsqueeze(0);
+  at::Tensor emb = at::cat({at::cos(args), at::sin(args)}, 1);
+  if (width % 2 == 1) emb = at::cat({emb, at::zeros({emb.size(0), 1}, opts)}, 1);
+  return emb;
+}
+
+at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor& timesteps) {
+  TESSERA_CHECK(noisy.dim() >= 2 && noisy.numel() == noisy.size(0) * features_ && timesteps.dim() == 1 &&
+                    timesteps.size(0) == noisy.size(0),
+                "DiffusionDenoiser: expected x_t [batch, ", features_, " features] and t [batch], got ", noisy.sizes(),
+                " and ", timesteps.sizes());
+  const auto dtype = inputProj_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
+  const at::Tensor temb = timeEmbed_->forward(timeEmbedding(timesteps).to(dtype));
+  at::Tensor h = inputProj_->forward(noisy.flatten(1).to(dtype));
+  for (auto& block : *blocks_) h = block->forward(h, temb);
+  return outputProj_->forward(outNorm_->forward(h)).view(noisy.sizes());
+}
+
+at::Tensor Denoiser::losses(const datasets::Batch& batch) {
+  const at::Tensor& clean = batch.inputs;
+  const int64_t n = clean.size(0);
+  TESSERA_CHECK(static_cast<int64_t>(batch.noiseSeeds.size()) == n, options_.arch, ": ", batch.noiseSeeds.size(),
+                " noise seeds for ", n, " samples");
+  const bool conditional = classes_ > 0;
+  TESSERA_CHECK(!conditional || (batch.targets.defined() && batch.targets.numel() == n), options_.arch,
+                ": a model conditioned on ", classes_, " classes needs a label per sample");
+  // Timestep, noise and label drop of each sample from its own generator (CPU: the same
+  // draws on any device), in that order.
+  at::Tensor timesteps = at::empty({n}, at::kLong);
+  at::Tensor noise = at::empty({n, features_}, at::kFloat);
+  at::Tensor signal = at::empty({n, 1}, at::kFloat), spread = at::empty({n, 1}, at::kFloat);
+  at::Tensor labels =
+      conditional ? batch.targets.to(at::kCPU, at::kLong).reshape({n}).clone() : noClassLabels(n, at::kCPU);
+  for (int64_t i = 0; i < n; ++i) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(batch.noiseSeeds[static_cast<size_t>(i)]);
+    const at::Tensor t = at::randint(schedule_.timesteps, {1}, gen, at::kLong);
+    noise[i].copy_(at::randn({features_}, gen, at::kFloat));
+    const int64_t step = t.item<int64_t>();
+    timesteps[i] = step;
+    signal[i] = std::sqrt(schedule_.alphaBars[static_cast<size_t>(step)]);
+    spread[i] = std::sqrt(1.0 - schedule_.alphaBars[static_cast<size_t>(step)]);
+    if (conditional && options_.class_dropout > 0 &&
+        at::rand({1}, gen, at::kDouble).item<double>() < options_.class_dropout) {
+      labels[i] = classes_;
+    }
+  }
+  const at::Device device = clean.device();
+  noise = noise.to(device);
+  const at::Tensor noisy = signal.to(device) * clean.flatten(1).to(at::kFloat) + spread.to(device) * noise;
+  const at::Tensor predicted = predictNoise(noisy.view(clean.sizes()), timesteps.to(device), labels.to(device));
+  return (predicted.flatten(1).to(at::kFloat) - noise).square().mean(1);
+}
+
+at::Tensor predictNoiseInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
+                               const at::Tensor& labels) {
+  const at::Tensor y = labels.defined() ? labels : model.noClassLabels(noisy.size(0), noisy.device());
+  return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps, y},
+                               [&model](const std::vector<at::Tensor>& in) {
+                                 return std::vector<at::Tensor>{model.predictNoise(in[0], in[1], in[2])};
+                               })[0];
+}
+
+NoiseFunction guidedNoise(Denoiser& model, const at::Tensor& labels, double cfg) {
+  return [&model, labels, cfg](const at::Tensor& x, const at::Tensor& t) {
+    const at::Tensor conditional = predictNoiseInUnits(model, x, t, labels).to(at::kFloat);
+    if (cfg == 1.0 || model.classes() == 0 || !labels.defined()) return conditional;
+    const at::Tensor unconditional = predictNoiseInUnits(model, x, t).to(at::kFloat);
+    return unconditional + cfg * (conditional - unconditional);
+  };
+}
+
+at::Tensor sampleDdpm(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<uint64_t>& stepSeeds,
+                      const NoiseFunction& predictNoise) {
+  const int64_t n = noise.size(0);
+  TESSERA_CHECK(static_cast<int64_t>(stepSeeds.size()) == n, "sampleDdpm: ", stepSeeds.size(), " seeds for ", n,
+                " samples");
+  std::vector<at::Generator> gens;
+  for (uint64_t seed : stepSeeds) gens.push_back(at::make_generator<at::CPUGeneratorImpl>(seed));
+  const std::vector<int64_t> sampleShape(noise.sizes().begin() + 1, noise.sizes().end());
+  at::Tensor x = noise.to(at::kFloat);
+  for (int64_t t = schedule.timesteps - 1; t >= 0; --t) {
+    const double beta = schedule.betas[static_cast<size_t>(t)];
+    const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
+    const at::Tensor eps = predictNoise(x, at::full({n}, t, at::TensorOptions().dtype(at::kLong).device(x.device())));
+    x = (x - eps.to(at::kFloat) * (beta / std::sqrt(1.0 - alphaBar))) / std::sqrt(1.0 - beta);
+    if (t == 0) break;
+    at::Tensor z = at::empty(x.sizes(), at::kFloat);
+    for (int64_t i = 0; i < n; ++i) z[i].copy_(at::randn(sampleShape, gens[static_cast<size_t>(i)], at::kFloat));
+    x = x + z.to(x.device()) * std::sqrt(beta);
+  }
+  return x;
+}
+
+std::vector<int64_t> ddimTimesteps(int64_t timesteps, int64_t steps) {
+  TESSERA_CHECK(steps >= 1 && steps <= timesteps, "DDIM: ", steps, " steps for ", timesteps, " timesteps");
+  if (steps == 1) return {timesteps - 1};
+  std::vector<int64_t> out;
+  const int64_t den = steps - 1;
+  for (int64_t k = 0; k < steps; ++k) {
+    const int64_t num = (timesteps - 1) * (steps - 1 - k);
+    int64_t q = num / den;
+    const int64_t twiceRest = 2 * (num % den);
+    if (twiceRest > den || (twiceRest == den && q % 2 == 1)) ++q;
+    out.push_back(q);
+  }
+  return out;
+}
+
+at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
+                      const NoiseFunction& predictNoise) {
+  return sampleDdim(schedule, noise, ddimTimesteps(schedule.timesteps, steps), predictNoise);
+}
+
+void checkTimesteps(const NoiseSchedule& schedule, const std::vector<int64_t>& timesteps, const std::string& what) {
+  TESSERA_CHECK_AS(UsageError, !timesteps.empty(), what, ": no timesteps");
+  const std::string problem = timestepsProblem(timesteps, schedule.timesteps);
+  TESSERA_CHECK_AS(UsageError, problem.empty(), what, ": ", problem);
+}
+
+at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<int64_t>& ts,
+                      const NoiseFunction& predictNoise) {
+  checkTimesteps(schedule, ts, "DDIM");
+  const int64_t n = noise.size(0);
+  at::Tensor x = noise.to(at::kFloat);
+  for (size_t k = 0; k < ts.size(); ++k) {
+    const double alphaBar = schedule.alphaBars[static_cast<size_t>(ts[k])];
+    const at::Tensor eps =
+        predictNoise(x, at::full({n}, ts[k], at::TensorOptions().dtype(at::kLong).device(x.device()))).to(at::kFloat);
+    if (k + 1 == ts.size()) return (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
+    x = sampleDdimStep(schedule, x, ts[k], ts[k + 1], eps);
+  }
+  return x;
+}
+
+at::Tensor sampleDdimStep(const NoiseSchedule& schedule, const at::Tensor& x, int64_t t, int64_t s,
+                          const at::Tensor& eps) {
+  const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
+  const double nextBar = schedule.alphaBars[static_cast<size_t>(s)];
+  const at::Tensor x0 = (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
+  return std::sqrt(nextBar) * x0 + std::sqrt(1.0 - nextBar) * eps;
+}
+
+at::Tensor samplingNoise(const std::vector<int64_t>& sampleShape, int64_t count, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::vector<int64_t> shape{count};
+  shape.insert(shape.end(), sampleShape.begin(), sampleShape.end());
+  return at::randn(shape, gen, at::kFloat);
+}
+
+}  // namespace tessera::models

@@ -1,0 +1,159 @@
+// Diffusion denoisers — the residual-MLP denoiser over vectors or images and the DiT
+// (models/dit.h) — their shared DDPM noise-prediction loss, classifier-free guidance and
+// the DDPM and DDIM samplers.
+//
+// Forward process (Ho et al. 2020): with a linear schedule beta_1..beta_T from
+// model.beta_start to model.beta_end and abar_t = prod_{s<=t} (1 - beta_s), a clean
+// sample x0 and noise eps ~ N(0, I) give x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps.
+// The loss of a sample is mean((eps_theta(x_t, t, y) - eps)^2) for a uniform t. A
+// class-conditional denoiser sees its label y replaced by the "no class" label (= classes)
+// with probability model.class_dropout, so that one model gives both terms of
+// classifier-free guidance (Ho & Salimans 2022): e = e(x, t, none) + cfg (e(x, t, y) - e(x, t, none)).
+// The timestep, noise and label drop of each sample come from Batch::noiseSeeds, so they
+// depend on the run seed, the step and the sample only: sharded training sees the draws an
+// unsharded run sees, and a resumed run the draws of an uninterrupted one.
+//
+// Residual-MLP denoiser (width W = model.embed_dim, model.layers blocks; names as the
+// equivalent PyTorch modules; unconditional: it ignores labels):
+//   time_embed   Sequential(Linear(W, W), SiLU, Linear(W, W)) over the sinusoidal
+//                embedding of t: time_embed.0.*, time_embed.2.*
+//   input_proj   Linear(D, W) of the flattened x_t (D features)
+//   blocks.<i>   h + fc2(silu(fc1(norm(h) + time_proj(silu(temb))))), fc1: W -> 4W;
+//                names blocks.<i>.norm, .time_proj, .fc1, .fc2. Each block is a unit
+//                (sharding::Unit).
+//   out_norm     LayerNorm(W), then output_proj Linear(W, D): the predicted noise.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "sharding/unit.h"
+#include "models/models.h"
+
+namespace tessera::models {
+
+// The linear beta schedule and its cumulative products (double precision, CPU).
+struct NoiseSchedule {
+  NoiseSchedule(int64_t timesteps, double betaStart, double betaEnd);
+  int64_t timesteps;
+  std::vector<double> betas, alphaBars;
+};
+
+class DenoiserBlock : public torch::nn::Module {
+ public:
+  DenoiserBlock(int64_t width, at::Device device);
+  at::Tensor forward(const at::Tensor& h, const at::Tensor& timeEmbedding);
+
+ private:
+  layers::LayerNorm norm_{nullptr};
+  layers::Linear timeProj_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
+};
+
+// What the losses, the samplers and DMD need of a denoiser.
+class Denoiser : public TrainModel {
+ public:
+  // sampleShape: one sample's shape (e.g. [2] for points, [C, H, W] for images);
+  // classes: the labels it is conditioned on (0: unconditional).
+  Denoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t classes);
+
+  // Noisy samples x_t [batch, sampleShape...] at timesteps t [batch] (int64) with labels
+  // [batch] (int64 in [0, classes]; classes = "no class") -> the noise predicted in them,
+  // same shape as x_t, in the compute dtype.
+  virtual at::Tensor predictNoise(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) = 0;
+  // Per-sample noise-prediction loss of clean samples batch.inputs (one noise seed each;
+  // batch.targets: their labels when the denoiser is conditional).
+  at::Tensor losses(const datasets::Batch& batch) override;
+
+  const NoiseSchedule& schedule() const { return schedule_; }
+  const std::vector<int64_t>& sampleShape() const { return sampleShape_; }
+  int64_t classes() const { return classes_; }
+  // `count` "no class" labels on `device` (what an unconditional sample is asked with).
+  at::Tensor noClassLabels(int64_t count, at::Device device) const;
+
+ protected:
+  ModelOptions options_;
+  std::vector<int64_t> sampleShape_;
+  int64_t features_;  // elements of one sample
+
+ private:
+  NoiseSchedule schedule_;
+  int64_t classes_;
+};
+
+class DiffusionDenoiser : public Denoiser {
+ public:
+  DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, at::Device device = at::kCPU);
+
+  // x_t [batch, sampleShape...], t [batch] -> the predicted noise (unconditional).
+  at::Tensor forward(const at::Tensor& noisy, const at::Tensor& timesteps);
+  at::Tensor predictNoise(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) override {
+    return forward(noisy, timesteps);
+  }
+  // Every linear sees each sample once.
+  double forwardFlopsPerSample() const override { return layers::linearFlops(*this); }
+
+ private:
+  at::Tensor timeEmbedding(const at::Tensor& timesteps) const;
+  torch::nn::Sequential timeEmbed_{nullptr};
+  layers::Linear inputProj_{nullptr}, outputProj_{nullptr};
+  sharding::UnitList<DenoiserBlock> blocks_{nullptr};
+  layers::LayerNorm outNorm_{nullptr};
+};
+
+// The denoiser's noise prediction with its root entered as a unit (zero3/hybrid gather the
+// root's parameters there; a plain call under the other strategies). Undefined labels:
+// "no class".
+at::Tensor predictNoiseInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
+                               const at::Tensor& labels = {});
+
+// A sampler's view of a denoiser: x_t, t -> the noise to step with (float32).
+using NoiseFunction = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+
+// Classifier-free guidance of `model` for `labels` [n] (undefined: unconditional) at scale
+// `cfg`: e_u + cfg (e_c - e_u), e_u with the "no class" label, as two forwards (the
+// conditional one alone when cfg is 1 or the model is unconditional).
+NoiseFunction guidedNoise(Denoiser& model, const at::Tensor& labels, double cfg);
+
+// DDPM ancestral sampling from the noise `noise` [n, sampleShape...]:
+// x_{t-1} = (x_t - beta_t / sqrt(1 - abar_t) eps) / sqrt(1 - beta_t) + sqrt(beta_t) z,
+// t = T-1 ... 0 (no z after t = 0), sample i's z drawn from a CPU generator seeded with
+// stepSeeds[i]: a sample is the same whichever batch or rank draws it.
+at::Tensor sampleDdpm(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<uint64_t>& stepSeeds,
+                      const NoiseFunction& predictNoise);
+
+// DDIM's timesteps: round(linspace(T - 1, 0, steps)), rounding half to even in exact
+// integer arithmetic (as numpy's round of the linspace); steps 1: just T - 1.
+std::vector<int64_t> ddimTimesteps(int64_t timesteps, int64_t steps);
+
+// Deterministic DDIM sampling (Song et al. 2021, eta = 0) from the noise `noise` [n,
+// sampleShape...] in `steps` steps over ddimTimesteps:
+// x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t) (not clipped),
+// x_s = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps for the next timestep s, and x0 itself
+// after the last (abar = 1). The same noise gives the same sample: the teacher's noise ->
+// sample pairs of DMD's regression loss.
+at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
+                      const NoiseFunction& predictNoise);
+// The same over the given timesteps (strictly decreasing, each in [0, T)): a distilled
+// few-step generator's own (recipe.generator_timesteps).
+at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<int64_t>& timesteps,
+                      const NoiseFunction& predictNoise);
+
+// One of its steps: x at timestep t, with predicted noise eps, to timestep s < t
+// (sqrt(abar_s) x0 + sqrt(1 - abar_s) eps).
+at::Tensor sampleDdimStep(const NoiseSchedule& schedule, const at::Tensor& x, int64_t t, int64_t s,
+                          const at::Tensor& eps);
+
+// Throws naming `what` unless `timesteps` is non-empty and fits the schedule
+// (timestepsProblem).
+void checkTimesteps(const NoiseSchedule& schedule, const std::vector<int64_t>& timesteps, const std::string& what);
+
+// The standard normal noise of `count` samples of `sampleShape` from `seed` (CPU
+// generator, float32): the same on every machine and rank.
+at::Tensor samplingNoise(const std::vector<int64_t>& sampleShape, int64_t count, uint64_t seed);
+
+}  // namespace tessera::models

@@ -1,0 +1,187 @@
+// The DiT denoiser (see dit.h).
+#include "models/dit.h"
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+#include <cmath>
+
+#include "common/errors.h"
+
+namespace tessera::models {
+namespace {
+
+// The width of the sinusoidal timestep embedding the reference feeds its timestep MLP.
+constexpr int64_t kTimeFrequencies = 256;
+constexpr double kLabelStd = 0.02;
+
+// xavier_uniform_ over a [out, in] weight: U(-b, b), b = sqrt(6 / (in + out)).
+dtensor::ParamInit xavierUniform(int64_t in, int64_t out) {
+  const double bound = std::sqrt(6.0 / static_cast<double>(in + out));
+  return dtensor::ParamInit::uniform(-bound, bound);
+}
+
+// The reference's _basic_init of an nn.Linear: xavier-uniform weight, zero bias.
+layers::Linear xavierLinear(int64_t in, int64_t out, at::Device device) {
+  layers::Linear linear(in, out, /*bias=*/true, device);
+  linear->setInit("weight", xavierUniform(in, out));
+  linear->setInit("bias", dtensor::ParamInit::constant(0.0));
+  return linear;
+}
+
+// A linear whose weight and bias start at zero (adaLN-Zero's modulations, the final layer).
+layers::Linear zeroLinear(int64_t in, int64_t out, at::Device device) {
+  layers::Linear linear(in, out, /*bias=*/true, device);
+  linear->setInit("weight", dtensor::ParamInit::constant(0.0));
+  linear->setInit("bias", dtensor::ParamInit::constant(0.0));
+  return linear;
+}
+
+// A plain module registered as `name` under `parent`, to hold children under the
+// reference's names (nn.Sequential's numbered ones: "adaLN_modulation.1", "mlp.0").
+std::shared_ptr<torch::nn::Module> container(torch::nn::Module& parent, const std::string& name) {
+  return parent.register_module(name, std::make_shared<torch::nn::Module>());
+}
+
+at::Tensor modulate(const at::Tensor& x, const at::Tensor& shift, const at::Tensor& scale) {
+  return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
+}
+
+at::Tensor plainLayerNorm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6); }
+
+// The reference's timestep_embedding: [cos(t f), sin(t f)], f_k = exp(-ln(10000) k / half),
+// in float32 in its order of operations.
+at::Tensor timestepEmbedding(const at::Tensor& timesteps) {
+  constexpr int64_t half = kTimeFrequencies / 2;
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(timesteps.device());
+  const at::Tensor freqs = at::exp(-std::log(10000.0) * at::arange(half, opts) / half);
+  const at::Tensor args = timesteps.to(at::kFloat).unsqueeze(1) * freqs.unsqueeze(0);
+  return at::cat({at::cos(args), at::sin(args)}, -1);
+}
+
+}  // namespace
+
+PatchEmbedImpl::PatchEmbedImpl(int64_t channels, int64_t width, int64_t patch, at::Device device) : patch_(patch) {
+  // The reference initialises the convolution as a linear over [D, C p p], bias zero.
+  weight = registerDeferred("weight", {width, channels, patch, patch}, xavierUniform(channels * patch * patch, width),
+                            device);
+  bias = registerDeferred("bias", {width}, dtensor::ParamInit::constant(0.0), device);
+}
+
+at::Tensor PatchEmbedImpl::forward(const at::Tensor& images) {
+  const int64_t n = images.size(0), c = images.size(1), h = images.size(2) / patch_, w = images.size(3) / patch_;
+  // [N, C, h, p, w, p] -> [N, h, w, C, p, p]: token i * w + j holds patch (i, j), its
+  // pixels in the kernel's (C, p, p) order.
+  const at::Tensor patches = images.reshape({n, c, h, patch_, w, patch_})
+                                 .permute({0, 2, 4, 1, 3, 5})
+                                 .reshape({n, h * w, c * patch_ * patch_});
+  return at::linear(patches, weight.reshape({weight.size(0), -1}), bias);
+}
+
+DiTBlock::DiTBlock(int64_t width, int64_t heads, int64_t mlpWidth, at::Device device) : heads_(heads) {
+  auto attn = container(*this, "attn");
+  qkv_ = attn->register_module("qkv", xavierLinear(width, 3 * width, device));
+  proj_ = attn->register_module("proj", xavierLinear(width, width, device));
+  auto mlp = container(*this, "mlp");
+  fc1_ = mlp->register_module("fc1", xavierLinear(width, mlpWidth, device));
+  fc2_ = mlp->register_module("fc2", xavierLinear(mlpWidth, width, device));
+  modulation_ = container(*this, "adaLN_modulation")->register_module("1", zeroLinear(width, 6 * width, device));
+}
+
+at::Tensor DiTBlock::forward(const at::Tensor& x, const at::Tensor& c) {
+  const auto mod = modulation_->forward(at::silu(c)).chunk(6, /*dim=*/1);
+  const int64_t batch = x.size(0), tokens = x.size(1), width = x.size(2), headDim = width / heads_;
+  // timm's Attention: softmax((q / sqrt(d)) k^T) v, heads split from qkv's [3, heads, d]
+  // feature order; on PyTorch 2 through its fused kernel (timm's fused_attn), as
+  // python/tessera_models.py does there.
+  const at::Tensor qkv = qkv_->forward(modulate(plainLayerNorm(x), mod[0], mod[1]))
+                             .reshape({batch, tokens, 3, heads_, headDim})
+                             .permute({2, 0, 3, 1, 4});
+#if TORCH_VERSION_MAJOR >= 2
+  const at::Tensor attended =
+      at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({batch, tokens, width});
+#else
+  const at::Tensor q = qkv[0] * (1.0 / std::sqrt(static_cast<double>(headDim))), k = qkv[1], v = qkv[2];
+  const at::Tensor attended =
+      at::softmax(q.matmul(k.transpose(-2, -1)), -1).matmul(v).transpose(1, 2).reshape({batch, tokens, width});
+#endif
+  const at::Tensor h = x + mod[2].unsqueeze(1) * proj_->forward(attended);
+  const at::Tensor hidden = at::gelu(fc1_->forward(modulate(plainLayerNorm(h), mod[3], mod[4])), "tanh");
+  return h + mod[5].unsqueeze(1) * fc2_->forward(hidden);
+}
+
+DiT::DiT(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t classes, at::Device device)
+    : Denoiser(options, std::move(sampleShape), classes), patch_(options.patch_size) {
+  TESSERA_CHECK_AS(ConfigError, sampleShape_.size() == 3 && sampleShape_[1] == sampleShape_[2],
+                   "dit: needs square images [C, H, H], got samples of ", at::IntArrayRef(sampleShape_));
+  const int64_t channels = sampleShape_[0], side = sampleShape_[1], width = options.embed_dim;
+  TESSERA_CHECK_AS(ConfigError, side % patch_ == 0, "dit: model.patch_size ", patch_, " does not divide the image size ",
+                   side);
+  TESSERA_CHECK_AS(ConfigError, width % 4 == 0 && width % options.heads == 0, "dit: model.embed_dim ", width,
+                   " must be a multiple of 4 and of model.heads (", options.heads, ")");
+  grid_ = side / patch_;
+  xEmbedder_ = container(*this, "x_embedder")->register_module("proj", PatchEmbed(channels, width, patch_, device));
+  // A buffer: fixed, the same on every rank, saved with the weights (and with each EMA,
+  // which copies buffers), never trained — the reference's frozen parameter.
+  at::Tensor table = at::empty({1, grid_ * grid_, width}, at::kFloat);
+  dtensor::fillRows(dtensor::ParamInit::sinCos2d(grid_, width), /*seed=*/0, "pos_embed", 0, table);
+  posEmbed_ = register_buffer("pos_embed", table.to(device));
+  auto timeMlp = container(*container(*this, "t_embedder"), "mlp");
+  timeIn_ = timeMlp->register_module("0", layers::Linear(kTimeFrequencies, width, /*bias=*/true, device));
+  timeOut_ = timeMlp->register_module("2", layers::Linear(width, width, /*bias=*/true, device));
+  for (auto* linear : {&timeIn_, &timeOut_}) {
+    (*linear)->setInit("weight", dtensor::ParamInit::normal(0.0, kLabelStd));
+    (*linear)->setInit("bias", dtensor::ParamInit::constant(0.0));
+  }
+  labelTable_ = container(*this, "y_embedder")->register_module("embedding_table", layers::Embedding(classes + 1, width, device));
+  labelTable_->setInit("weight", dtensor::ParamInit::normal(0.0, kLabelStd));
+  blocks_ = register_module("blocks", sharding::UnitList<DiTBlock>());
+  const auto mlpWidth = static_cast<int64_t>(static_cast<double>(width) * options.mlp_ratio);  // int() as the reference
+  for (int64_t i = 0; i < options.layers; ++i) blocks_->emplace_back(width, options.heads, mlpWidth, device);
+  auto final = container(*this, "final_layer");
+  finalLinear_ = final->register_module("linear", zeroLinear(width, patch_ * patch_ * channels, device));
+  finalModulation_ = container(*final, "adaLN_modulation")->register_module("1", zeroLinear(width, 2 * width, device));
+}
+
+at::Tensor DiT::forward(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) {
+  const int64_t n = noisy.size(0);
+  TESSERA_CHECK(noisy.dim() == 4 && noisy.sizes().slice(1).equals(sampleShape_) && timesteps.dim() == 1 &&
+                    timesteps.size(0) == n && labels.dim() == 1 && labels.size(0) == n,
+                "DiT: expected x_t [N, ", at::IntArrayRef(sampleShape_), "], t [N] and labels [N], got ", noisy.sizes(),
+                ", ", timesteps.sizes(), " and ", labels.sizes());
+  const auto dtype = xEmbedder_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
+  at::Tensor x = xEmbedder_->forward(noisy.to(dtype)) + posEmbed_.to(dtype);
+  const at::Tensor t = timeOut_->forward(at::silu(timeIn_->forward(timestepEmbedding(timesteps).to(dtype))));
+  const at::Tensor c = t + labelTable_->forward(labels);
+  for (auto& block : *blocks_) x = block->forward(x, c);
+  const auto mod = finalModulation_->forward(at::silu(c)).chunk(2, /*dim=*/1);
+  x = finalLinear_->forward(modulate(plainLayerNorm(x), mod[0], mod[1]));
+  // Unpatchify: [N, h, w, p, p, C] -> [N, C, h p, w p].
+  const int64_t channels = sampleShape_[0];
+  return x.reshape({n, grid_, grid_, patch_, patch_, channels})
+      .permute({0, 5, 1, 3, 2, 4})
+      .reshape({n, channels, grid_ * patch_, grid_ * patch_});
+}
+
+double DiTBlock::forwardFlops(int64_t tokens) const {
+  const double t = static_cast<double>(tokens), width = static_cast<double>(proj_->weight.size(0));
+  const double perToken = layers::matmulFlops(*qkv_) + layers::matmulFlops(*proj_) + layers::matmulFlops(*fc1_) +
+                          layers::matmulFlops(*fc2_);
+  return t * perToken + 2.0 * 2.0 * t * t * width + layers::matmulFlops(*modulation_);
+}
+
+double DiT::forwardFlopsPerSample() const {
+  const int64_t tokens = grid_ * grid_;
+  const double t = static_cast<double>(tokens);
+  // The patch embedding is a linear of C p p inputs per patch; the timestep MLP and the
+  // final modulation run once per sample, the final linear once per patch.
+  double total = t * 2.0 * static_cast<double>(xEmbedder_->weight.numel()) + layers::matmulFlops(*timeIn_) +
+                 layers::matmulFlops(*timeOut_) + layers::matmulFlops(*finalModulation_) +
+                 t * layers::matmulFlops(*finalLinear_);
+  for (const auto& module : modules(/*include_self=*/false)) {
+    if (const auto* block = dynamic_cast<const DiTBlock*>(module.get())) total += block->forwardFlops(tokens);
+  }
+  return total;
+}
+
+}  // namespace tessera::models

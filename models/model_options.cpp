@@ -1,0 +1,57 @@
+// model.*: the keys of a built-in model and the rule for DDIM timesteps (model_options.h).
+#include "models/model_options.h"
+
+#include "common/config.h"
+#include "common/errors.h"
+#include "common/limits.h"
+
+namespace tessera::models {
+
+std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t scheduleSteps) {
+  for (size_t k = 0; k < timesteps.size(); ++k) {
+    if (timesteps[k] < 0 || timesteps[k] >= scheduleSteps) {
+      return strCat("timestep ", timesteps[k], " is outside the schedule's [0, ", scheduleSteps - 1, "]");
+    }
+    if (k > 0 && timesteps[k] >= timesteps[k - 1]) {
+      return strCat("timesteps must decrease (", timesteps[k - 1], " then ", timesteps[k], ")");
+    }
+  }
+  return "";
+}
+
+void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& m) {
+  s.add(p + "arch", &m.arch,
+        "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors), "
+        "dit (a class-conditional diffusion transformer over images)")
+      .oneOf({"mlp", "gpt", "diffusion", "dit"});
+  s.add(p + "vocab_size", &m.vocab_size, "Vocabulary size (256 for byte-level text)").min(2).max(kMaxVocab);
+  s.add(p + "context", &m.context, "Context length in tokens").min(1).max(kMaxWidth);
+  s.add(p + "embed_dim", &m.embed_dim, "Token embedding width; diffusion: the denoiser's width").min(1).max(kMaxWidth);
+  s.add(p + "hidden", &m.hidden, "Hidden layer widths of the MLP").min(1).max(kMaxWidth).nonEmpty();
+  s.add(p + "activation", &m.activation, "Activation between MLP layers").oneOf({"relu", "gelu"});
+  s.add(p + "layers", &m.layers, "gpt: decoder blocks; diffusion: denoiser blocks").min(1).max(kMaxLayers);
+  s.add(p + "heads", &m.heads, "gpt: attention heads; must divide model.embed_dim").min(1).max(kMaxWidth);
+  s.add(p + "tie_head", &m.tie_head, "gpt: compute the logits with wte.weight instead of an lm_head");
+  s.add(p + "timesteps", &m.timesteps, "diffusion: noise levels T of the forward process").min(1).max(kMaxWidth);
+  s.add(p + "beta_start", &m.beta_start, "diffusion: first beta of the linear noise schedule")
+      .greaterThan(0.0).lessThan(1.0);
+  s.add(p + "beta_end", &m.beta_end, "diffusion: last beta of the linear noise schedule")
+      .greaterThan(0.0).lessThan(1.0);
+  s.add(p + "patch_size", &m.patch_size, "dit: patch side in pixels (divides the image size)").min(1).max(kMaxWidth);
+  s.add(p + "mlp_ratio", &m.mlp_ratio, "dit: width of each block's MLP over model.embed_dim").greaterThan(0.0).max(64.0);
+  s.add(p + "classes", &m.classes,
+        "dit: class labels the model is conditioned on (0: the data's classes; unconditional without labels)")
+      .min(0).max(1 << 20);
+  s.add(p + "class_dropout", &m.class_dropout,
+        "dit: probability a training label is replaced by the 'no class' label (classifier-free guidance)")
+      .min(0.0).lessThan(1.0);
+  s.add(p + "sample_timesteps", &m.sample_timesteps,
+        "diffusion, dit: the timesteps DDIM samples at when not told the steps (decreasing, each below "
+        "model.timesteps; empty: 50 evenly spaced); in run.recipe dmd, the generator's own steps")
+      .min(0).max(kMaxWidth);
+  s.add(p + "init_from", &m.init_from,
+        "Safetensors file or sharded export (*.index.json) to start the model from (fresh runs; each rank reads "
+        "its rows)");
+}
+
+}  // namespace tessera::models

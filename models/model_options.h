@@ -1,0 +1,53 @@
+// A built-in model's options (model.* and models.<name>.model.*): its architecture and
+// shape, bound to config keys by bindModelKeys() at the top level, in every models: entry
+// and in an export's metadata, with the same docs and constraints everywhere.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tessera::config {
+class ConfigSchema;
+}
+
+namespace tessera::models {
+
+struct ModelOptions {
+  std::string arch = "mlp";             // mlp | gpt | diffusion | dit
+  int64_t vocab_size = 256;             // byte-level text: 256
+  int64_t context = 16;                 // tokens of context the model sees
+  int64_t embed_dim = 32;               // token embedding width
+  std::vector<int64_t> hidden = {256, 256};  // hidden layer widths of the MLP
+  std::string activation = "gelu";      // relu | gelu
+  int64_t layers = 2;                   // gpt: decoder blocks
+  int64_t heads = 4;                    // gpt: attention heads (divide embed_dim)
+  bool tie_head = false;                // gpt: logits through wte.weight (no lm_head)
+  int64_t timesteps = 1000;             // diffusion: noise levels T
+  double beta_start = 1.0e-4;           // diffusion: linear beta schedule from beta_start ...
+  double beta_end = 0.02;               // ... to beta_end
+  int64_t patch_size = 4;               // dit: patch side in pixels (divides the image size)
+  double mlp_ratio = 4.0;               // dit: MLP width / embed_dim
+  int64_t classes = 0;                  // dit: class labels (0: the data's; 0 with unlabelled data: unconditional)
+  double class_dropout = 0.1;           // dit: probability a training label is replaced by "no class" (CFG)
+  std::vector<int64_t> sample_timesteps; // denoisers: DDIM's timesteps when a sampler is not told the steps
+                                        // (a distilled few-step generator's own); empty: 50 evenly spaced
+  int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
+  std::optional<std::string> init_from; // safetensors file or *.index.json to start from (fresh runs)
+
+  // A diffusion denoiser (diffusion, dit): trained on noise prediction, sampled, distilled.
+  bool isDenoiser() const { return arch == "diffusion" || arch == "dit"; }
+};
+
+// What is wrong with `timesteps` as DDIM's timesteps over a schedule of `scheduleSteps`
+// noise levels (each in [0, scheduleSteps), strictly decreasing), or "" when nothing is:
+// the one rule for model.sample_timesteps and the samplers' explicit timesteps.
+std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t scheduleSteps);
+
+// The keys of a model (arch and its shape) under `prefix`: at the top level ("model."), in
+// every models: entry ("models.<name>.model."), and in an export's metadata ("", see
+// model_metadata.h), with the same docs and constraints.
+void bindModelKeys(config::ConfigSchema& schema, const std::string& prefix, ModelOptions& model);
+
+}  // namespace tessera::models

@@ -1,0 +1,300 @@
+// Sharded AdamW / Adam / SGD (see sharded_optimizer.h). The update rules follow
+// torch.optim (1.13 and 2.x single-tensor paths) operation by operation; Adam/AdamW on
+// CPU run them in one pass over the elements (cpu_kernels.h), elsewhere as tensor ops.
+#include "optim/sharded_optimizer.h"
+
+#include <ATen/Functions.h>
+#include <c10/core/GradMode.h>
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/errors.h"
+#include "common/logging.h"
+#include "optim/cpu_kernels.h"
+
+namespace tessera::optim {
+
+bool defaultDecays(const std::vector<int64_t>& globalShape) { return globalShape.size() >= 2; }
+
+namespace {
+
+bool matches(const std::string& pattern, const std::string& name) { return ::fnmatch(pattern.c_str(), name.c_str(), 0) == 0; }
+
+}  // namespace
+
+bool decays(const OptimizerOptions& options, const std::string& name, const std::vector<int64_t>& shape) {
+  if (!defaultDecays(shape)) return false;
+  return std::none_of(options.noDecay.begin(), options.noDecay.end(), [&](const std::string& p) { return matches(p, name); });
+}
+
+double lrScaleOf(const OptimizerOptions& options, const std::string& name) {
+  double scale = 1.0;
+  size_t longest = 0;  // the most specific pattern wins: "blocks.0.*" over "blocks.*"
+  for (const auto& [pattern, value] : options.lrScale) {
+    if (pattern.size() > longest && matches(pattern, name)) {
+      scale = value;
+      longest = pattern.size();
+    }
+  }
+  return scale;
+}
+
+std::vector<std::string> unmatchedPatterns(const OptimizerOptions& options, const std::vector<std::string>& names) {
+  std::vector<std::string> patterns = options.noDecay;
+  for (const auto& [pattern, scale] : options.lrScale) patterns.push_back(pattern);
+  std::vector<std::string> out;
+  for (const std::string& pattern : patterns) {
+    if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return matches(pattern, n); })) {
+      out.push_back(pattern);
+    }
+  }
+  return out;
+}
+
+ShardedOptimizer::ShardedOptimizer(OptimizerOptions o) : options_(std::move(o)) {
+  for (const auto& [pattern, scale] : options_.lrScale) {
+    TESSERA_CHECK_AS(ConfigError, scale > 0 && std::isfinite(scale), "ShardedOptimizer: learning-rate scale of '",
+                     pattern, "' must be a positive number, got ", scale);
+  }
+  TESSERA_CHECK_AS(ConfigError, options_.beta1 >= 0 && options_.beta1 < 1 && options_.beta2 >= 0 && options_.beta2 < 1,
+                   "ShardedOptimizer: betas must be in [0, 1), got (", options_.beta1, ", ", options_.beta2, ")");
+  TESSERA_CHECK_AS(ConfigError, options_.eps > 0, "ShardedOptimizer: eps must be > 0");
+  TESSERA_CHECK_AS(ConfigError, options_.weightDecay >= 0, "ShardedOptimizer: weight decay must be >= 0");
+  TESSERA_CHECK_AS(ConfigError, !options_.nesterov || (options_.momentum > 0 && options_.dampening == 0),
+                   "ShardedOptimizer: nesterov needs momentum > 0 and dampening 0");
+}
+
+void ShardedOptimizer::addParam(dtensor::ShardedParam& param, bool decay, double lrScale) {
+  TESSERA_CHECK(param.master.defined() && param.master.scalar_type() == at::kFloat, "ShardedOptimizer::addParam: '",
+                param.name, "' must have a defined fp32 master");
+  TESSERA_CHECK(!slotIndex_.count(&param), "ShardedOptimizer::addParam: '", param.name, "' registered twice");
+  Slot slot;
+  slot.param = &param;
+  slot.weightDecay = decay ? options_.weightDecay : 0.0;
+  slot.lrScale = lrScale;
+  slot.steps = at::zeros({}, at::kLong);
+  slotIndex_.emplace(&param, slots_.size());
+  slots_.push_back(std::move(slot));
+}
+
+const ShardedOptimizer::Slot& ShardedOptimizer::slotOf(const dtensor::ShardedParam& param) const {
+  auto it = slotIndex_.find(&param);
+  TESSERA_CHECK(it != slotIndex_.end(), "ShardedOptimizer: parameter '", param.name, "' is not registered");
+  return slots_[it->second];
+}
+
+// A parameter-group pattern that names no parameter is a typo or a renamed module: said
+// once, at the first step.
+void ShardedOptimizer::warnUnmatchedPatterns() {
+  patternsChecked_ = true;
+  std::vector<std::string> names;
+  for (const Slot& slot : slots_) names.push_back(slot.param->name);
+  for (const std::string& pattern : unmatchedPatterns(options_, names)) {
+    TLOG_WARN0("optimizer parameter groups: pattern '" << pattern << "' matches no trainable parameter");
+  }
+}
+
+std::vector<std::string> ShardedOptimizer::stateNames() const {
+  if (options_.kind == OptimizerKind::kSgd) {
+    return options_.momentum > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
+  }
+  return {"exp_avg", "exp_avg_sq"};
+}
+
+namespace {
+
+using StateMap = std::map<std::string, at::Tensor>;
+
+// CPU fp32 buffers with the same element count, contiguous state: fusedAdamStep's input.
+bool fusable(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& m, const at::Tensor& v) {
+  for (const at::Tensor* t : {&param, &grad, &m, &v}) {
+    if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->numel() != param.numel()) return false;
+  }
+  return param.is_contiguous() && m.is_contiguous() && v.is_contiguous();
+}
+
+// SGD (with momentum, Nesterov and weight decay as torch.optim.SGD) on one parameter at
+// step t (1 for its first).
+void sgdStep(const OptimizerOptions& o, at::Tensor& param, at::Tensor grad, StateMap& st, int64_t t, double lr,
+             double wd) {
+  if (wd != 0) grad = grad.add(param, wd);
+  if (o.momentum != 0) {
+    // torch starts the buffer as the first gradient (no dampening). Keyed on the step
+    // count, not on the buffer's existence: stateEntries() creates zero buffers for
+    // parameters not stepped yet, and a checkpoint may carry them.
+    at::Tensor& buf = st["momentum_buffer"];
+    if (t == 1 || !buf.defined()) {
+      buf = grad.clone();
+    } else {
+      buf.mul_(o.momentum).add_(grad, 1.0 - o.dampening);
+    }
+    grad = o.nesterov ? grad.add(buf, o.momentum) : buf;
+  }
+  param.add_(grad, -lr);
+}
+
+// fusedAdamStep's scalars for Adam / AdamW, rounded to fp32 as torch does; bc1 and bc2
+// are the bias corrections 1 - beta^t.
+AdamScalars adamScalars(const OptimizerOptions& o, double lr, double wd, double bc1, double bc2) {
+  AdamScalars s;
+  s.paramScale = static_cast<float>(o.kind == OptimizerKind::kAdamW ? 1.0 - lr * wd : 1.0);
+  s.gradDecay = static_cast<float>(o.kind == OptimizerKind::kAdamW ? 0.0 : wd);
+  s.beta1 = static_cast<float>(o.beta1);
+  s.oneMinusBeta1 = static_cast<float>(1.0 - o.beta1);
+  s.beta2 = static_cast<float>(o.beta2);
+  s.oneMinusBeta2 = static_cast<float>(1.0 - o.beta2);
+  s.sqrtBiasCorrection2 = static_cast<float>(std::sqrt(bc2));
+  s.eps = static_cast<float>(o.eps);
+  s.negStepSize = static_cast<float>(-lr / bc1);
+  return s;
+}
+
+// Adam / AdamW on one parameter at step t: in one pass on the CPU (fusable buffers),
+// otherwise torch's single-tensor path as tensor ops.
+void adamStep(const OptimizerOptions& o, at::Tensor& param, at::Tensor grad, StateMap& st, int64_t t, double lr,
+              double wd) {
+  if (!st.count("exp_avg")) {
+    st["exp_avg"] = at::zeros_like(param);
+    st["exp_avg_sq"] = at::zeros_like(param);
+  }
+  at::Tensor& m = st["exp_avg"];
+  at::Tensor& v = st["exp_avg_sq"];
+  const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));
+  const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t));
+  if (fusable(param, grad, m, v)) {
+    // One pass instead of the ten below, rounding as they do on a CPU with FMA (the
+    // scalars rounded to fp32 as torch does).
+    const AdamScalars s = adamScalars(o, lr, wd, bc1, bc2);
+    const at::Tensor g = grad.contiguous();
+    fusedAdamStep(param.data_ptr<float>(), g.data_ptr<float>(), m.data_ptr<float>(), v.data_ptr<float>(),
+                  param.numel(), s);
+    return;
+  }
+  if (o.kind == OptimizerKind::kAdamW) {
+    param.mul_(1.0 - lr * wd);
+  } else if (wd != 0) {
+    grad = grad.add(param, wd);
+  }
+  m.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
+  v.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
+  const double stepSize = lr / bc1;
+  at::Tensor denom = (v.sqrt() / std::sqrt(bc2)).add_(o.eps);
+  param.addcdiv_(m, denom, -stepSize);
+}
+
+// Adam / AdamW over many parameters at once that share a step count, learning rate and
+// weight decay: torch's multi-tensor ("foreach") form, a handful of launches for all of
+// them instead of ten per parameter — what a GPU step needs (torch.optim.AdamW's default
+// there). Same arithmetic as adamStep's tensor ops.
+struct AdamGroup {
+  int64_t t = 0;
+  double lr = 0, wd = 0;
+  std::vector<at::Tensor> params, grads, ms, vs;
+
+  void step(const OptimizerOptions& o) const {
+    const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));
+    const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t));
+    std::vector<at::Tensor> g = grads;
+    if (o.kind == OptimizerKind::kAdamW) {
+      if (wd != 0) at::_foreach_mul_(params, 1.0 - lr * wd);
+    } else if (wd != 0) {
+      g = at::_foreach_add(grads, params, wd);
+    }
+    at::_foreach_mul_(ms, o.beta1);
+    at::_foreach_add_(ms, g, 1.0 - o.beta1);
+    at::_foreach_mul_(vs, o.beta2);
+    at::_foreach_addcmul_(vs, g, g, 1.0 - o.beta2);
+    std::vector<at::Tensor> denom = at::_foreach_sqrt(vs);
+    at::_foreach_div_(denom, std::sqrt(bc2));
+    at::_foreach_add_(denom, o.eps);
+    at::_foreach_addcdiv_(params, ms, denom, -lr / bc1);
+  }
+};
+
+}  // namespace
+
+void ShardedOptimizer::step(double baseLr) {
+  if (!patternsChecked_) warnUnmatchedPatterns();
+  c10::NoGradGuard noGrad;
+  std::vector<AdamGroup> groups;  // accelerator parameters, by (step, lr, weight decay)
+  for (Slot& slot : slots_) {
+    dtensor::ShardedParam& p = *slot.param;
+    if (!p.grad.defined()) continue;
+    at::Tensor& param = p.master;
+    TESSERA_CHECK(p.grad.numel() == param.numel(), "ShardedOptimizer::step: gradient of '", p.name, "' has ",
+                  p.grad.numel(), " elements, parameter shard has ", param.numel());
+    at::Tensor grad = p.grad.view(param.sizes()).to(at::kFloat);
+    const double lr = baseLr * slot.lrScale;
+    const double wd = slot.weightDecay;
+    int64_t& steps = *slot.steps.data_ptr<int64_t>();
+    const int64_t t = ++steps;
+    if (options_.kind == OptimizerKind::kSgd) {
+      sgdStep(options_, param, std::move(grad), slot.state, t, lr, wd);
+    } else if (param.device().is_cpu()) {
+      adamStep(options_, param, std::move(grad), slot.state, t, lr, wd);
+    } else {
+      if (!slot.state.count("exp_avg")) {
+        slot.state["exp_avg"] = at::zeros_like(param);
+        slot.state["exp_avg_sq"] = at::zeros_like(param);
+      }
+      auto group = std::find_if(groups.begin(), groups.end(), [&](const AdamGroup& g) {
+        return g.t == t && g.lr == lr && g.wd == wd && g.params.front().device() == param.device();
+      });
+      if (group == groups.end()) group = groups.insert(groups.end(), AdamGroup{t, lr, wd, {}, {}, {}, {}});
+      group->params.push_back(param);
+      group->grads.push_back(std::move(grad));
+      group->ms.push_back(slot.state["exp_avg"]);
+      group->vs.push_back(slot.state["exp_avg_sq"]);
+    }
+  }
+  for (const AdamGroup& group : groups) group.step(options_);
+}
+
+at::Tensor ShardedOptimizer::state(const dtensor::ShardedParam& param, const std::string& key) const {
+  const auto& st = slotOf(param).state;
+  auto it = st.find(key);
+  return it == st.end() ? at::Tensor() : it->second;
+}
+
+int64_t ShardedOptimizer::stepCount(const dtensor::ShardedParam& param) const {
+  return slotOf(param).steps.item<int64_t>();
+}
+
+void ShardedOptimizer::checkLoadedStepCounts(int64_t maxStep, const std::string& source,
+                                             const std::string& prefix) const {
+  for (const Slot& slot : slots_) {
+    const int64_t t = slot.steps.item<int64_t>();
+    TESSERA_CHECK(0 <= t && t <= maxStep, source, ": ", prefix, "step/", slot.param->name, " is ", t,
+                  ", outside [0, ", maxStep, "] (the optimizer steps the checkpoint's step allows)");
+  }
+}
+
+std::vector<dtensor::StateEntry> ShardedOptimizer::stateEntries(const std::string& prefix) {
+  std::vector<dtensor::StateEntry> entries;
+  for (const std::string& key : stateNames()) {
+    for (Slot& slot : slots_) {
+      const dtensor::ShardedParam& p = *slot.param;
+      at::Tensor& state = slot.state[key];
+      if (!state.defined()) state = at::zeros_like(p.master);
+      entries.push_back({prefix + key + "/" + p.name, p.spec, state});
+    }
+  }
+  for (Slot& slot : slots_) {
+    const dtensor::ShardSpec& spec = slot.param->spec;
+    entries.push_back({prefix + "step/" + slot.param->name,
+                       dtensor::ShardSpec({}, at::kLong, spec.worldSize(), spec.rank(), dtensor::Placement::kReplicate), slot.steps});
+  }
+  return entries;
+}
+
+int64_t ShardedOptimizer::stateBytes() const {
+  int64_t bytes = 0;
+  for (const Slot& slot : slots_) {
+    for (const auto& [key, value] : slot.state) bytes += value.numel() * static_cast<int64_t>(value.element_size());
+  }
+  return bytes;
+}
+
+}  // namespace tessera::optim

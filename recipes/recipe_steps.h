@@ -1,0 +1,58 @@
+// The pieces of a train step that recipes share: a model's losses on a batch, the
+// micro-batch loop, the main model's optimizer step with the loss riding on its norm's
+// all-reduce, held-out means over the ranks, and the samples and grids a recipe writes.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "datasets/dataset.h"
+#include "trainer/recipe.h"
+
+namespace tessera::trainer {
+struct RunParts;
+struct ModelPart;
+}  // namespace tessera::trainer
+
+namespace tessera::models {
+class TrainModel;
+}  // namespace tessera::models
+
+namespace tessera::recipes {
+
+// The loss of each prediction of `batch`, with the model's root entered as a unit
+// (zero3/hybrid gather the root's parameters there; a plain call under the other
+// strategies). Inputs and targets move to `device` first.
+at::Tensor lossesOf(models::TrainModel& model, datasets::Batch batch, at::Device device);
+
+// Runs `fn(begin, end)` for each micro-batch of this rank's share of a step — positions
+// [begin, end) in the rank's sample indices — with `part`'s gradient synchronisation set
+// as its sharding.reduce_every_micro_batch says (off before the last micro-batch when false).
+void forEachMicroBatch(const trainer::RunParts& run, trainer::ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn);
+
+// The optimizer step of the recipe's main model `part` (then its EMA update) with the
+// step's summed loss `stepLoss` (a [1] double tensor) and this rank's stop request riding
+// on the gradient-norm all-reduce (no collective of their own): the outcome's lr,
+// result, loss (mean over ranks) and stopSignalled. Collective.
+trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelPart& part, int64_t step, const at::Tensor& stepLoss,
+                          bool stopRequested);
+
+// The mean of `losses(begin, end)` (per-prediction losses of samples [begin, end)) over
+// `n` samples split among the ranks, each rank at least one (zero3 gathers inside the
+// forwards: every rank must run them). Collective.
+double meanOverRanks(const trainer::RunParts& run, int64_t n, const std::function<at::Tensor(int64_t begin, int64_t end)>& losses);
+
+// Rank 0 writes `samples` to <run.dir>/samples.safetensors (metadata generator:
+// `generator`) and logs their per-feature mean and spread against the held-out data's
+// (the train data's when none is held out). Returns the file written.
+std::string writeSamples(trainer::RunParts& run, const at::Tensor& samples, const std::string& generator);
+
+// Rank 0 writes `samples` (images) as <run.dir>/samples/step_<step>_<name>.png, `perRow`
+// per row; returns the grid.
+trainer::SampleGrid writeStepGrid(trainer::RunParts& run, int64_t step, const std::string& name, const at::Tensor& samples,
+                          int64_t perRow);
+
+}  // namespace tessera::recipes

@@ -1,0 +1,354 @@
+// The built-in models: shapes, parameter names (nanoGPT's for the GPT), causality of the
+// GPT's attention, the tied head, and option errors; the diffusion denoiser's names, loss
+// and sampler; the MLP over tensors (cross-entropy and mean-squared error).
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+
+#include "checkpoint/safetensors.h"
+#include "common/errors.h"
+#include "sharding/unit_discovery.h"
+#include "models/diffusion.h"
+#include "models/models.h"
+
+namespace tessera::models {
+namespace {
+
+ModelOptions gptOptions(bool tied = false) {
+  ModelOptions o;
+  o.arch = "gpt";
+  o.vocab_size = 50;
+  o.context = 6;
+  o.embed_dim = 12;
+  o.layers = 2;
+  o.heads = 3;
+  o.tie_head = tied;
+  return o;
+}
+
+// A model built deferred (as every built-in one is), initialised in full for one process.
+template <typename M>
+std::shared_ptr<M> initialized(std::shared_ptr<M> model, uint64_t seed = 0) {
+  initializeModel(*model, seed);
+  return model;
+}
+
+// The model's own units (its sharding::Unit members), as a strategy with no wrap finds them.
+std::vector<std::string> unitNames(const torch::nn::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& u : sharding::findUnits(m, {}, 0)) out.push_back(u.name);
+  return out;
+}
+
+std::set<std::string> names(torch::nn::Module& m) {
+  std::set<std::string> out;
+  for (const auto& item : m.named_parameters()) out.insert(item.key());
+  return out;
+}
+
+TEST(GptTest, ParameterNamesFollowNanoGpt) {
+  torch::manual_seed(0);
+  auto model = makeModel(gptOptions());
+  const auto got = names(*model);
+  for (const char* name : {"wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.0.ln_1.bias", "h.0.attn.c_attn.weight",
+                           "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight", "h.1.ln_2.bias", "h.1.mlp.c_fc.weight",
+                           "h.1.mlp.c_proj.bias", "ln_f.weight", "lm_head.weight"}) {
+    EXPECT_TRUE(got.count(name)) << name;
+  }
+  EXPECT_FALSE(got.count("lm_head.bias"));
+  EXPECT_EQ(got.size(), 2u + 2 * 12 + 2 + 1);  // wte, wpe; 12 per block; ln_f; lm_head
+  EXPECT_FALSE(names(*makeModel(gptOptions(/*tied=*/true))).count("lm_head.weight"));
+  EXPECT_EQ(unitNames(*makeModel(gptOptions())), (std::vector<std::string>{"h.0", "h.1"}));
+}
+
+TEST(GptTest, AttentionIsCausalAndNextTokenIsTheLastPosition) {
+  torch::manual_seed(1);
+  auto model = initialized(std::make_shared<Gpt>(gptOptions(), at::kCPU));
+  const at::Tensor tokens = torch::randint(0, 50, {3, 6}, at::kLong);
+  const at::Tensor logits = model->forward(tokens);
+  EXPECT_EQ(logits.sizes(), (c10::IntArrayRef{3, 6, 50}));
+  // Changing token 4 changes positions 4 and 5 only.
+  at::Tensor changed = tokens.clone();
+  changed.select(1, 4).fill_(7);
+  changed.select(1, 4).masked_fill_(tokens.select(1, 4) == 7, 8);
+  const at::Tensor after = model->forward(changed);
+  EXPECT_TRUE(after.narrow(1, 0, 4).allclose(logits.narrow(1, 0, 4)));
+  EXPECT_FALSE(after.narrow(1, 4, 2).allclose(logits.narrow(1, 4, 2)));
+  EXPECT_TRUE(model->nextTokenLogits(tokens).equal(logits.select(1, 5)));
+  // A shorter window is a prefix of the longer one's computation.
+  EXPECT_TRUE(model->forward(tokens.narrow(1, 0, 3)).allclose(logits.narrow(1, 0, 3), 1e-5, 1e-6));
+}
+
+TEST(GptTest, TiedHeadUsesTheTokenEmbedding) {
+  torch::manual_seed(2);
+  auto model = initialized(std::make_shared<Gpt>(gptOptions(/*tied=*/true), at::kCPU));
+  const at::Tensor tokens = torch::randint(0, 50, {2, 6}, at::kLong);
+  const at::Tensor before = model->forward(tokens);
+  {
+    torch::NoGradGuard noGrad;
+    for (auto& item : model->named_parameters()) {
+      // Not a constant shift: LayerNorm output sums to ~0, so a constant would cancel.
+      if (item.key() == "wte.weight") item.value().select(0, 3).add_(torch::randn({12}));
+    }
+  }
+  EXPECT_FALSE(model->forward(tokens).select(2, 3).allclose(before.select(2, 3)));
+}
+
+TEST(GptTest, BadOptionsAreErrors) {
+  ModelOptions o = gptOptions();
+  o.heads = 5;  // does not divide 12
+  EXPECT_THROW(makeModel(o), ConfigError);
+  o.arch = "rnn";
+  EXPECT_THROW(makeModel(o), ConfigError);
+  auto model = initialized(std::make_shared<Gpt>(gptOptions(), at::kCPU));
+  EXPECT_THROW(model->forward(torch::zeros({1, 7}, at::kLong)), Error);  // longer than the context
+}
+
+TEST(ContextMlpTest, NamesAndShape) {
+  ModelOptions o;
+  o.hidden = {8};
+  auto model = std::dynamic_pointer_cast<NextTokenModel>(initialized(makeModel(o)));
+  ASSERT_NE(model, nullptr);
+  EXPECT_EQ(names(*model), (std::set<std::string>{"embed.weight", "layers.0.weight", "layers.0.bias", "head.weight",
+                                                   "head.bias"}));
+  EXPECT_EQ(model->nextTokenLogits(torch::zeros({2, o.context}, at::kLong)).sizes(), (c10::IntArrayRef{2, 256}));
+}
+
+ModelOptions diffusionOptions() {
+  ModelOptions o;
+  o.arch = "diffusion";
+  o.embed_dim = 10;
+  o.layers = 2;
+  o.timesteps = 50;
+  return o;
+}
+
+datasets::DataSpec floatSpec(std::vector<int64_t> inputShape, int64_t classes = 0, std::vector<int64_t> targetShape = {}) {
+  datasets::DataSpec s;
+  s.inputShape = std::move(inputShape);
+  s.classes = classes;
+  s.targetShape = std::move(targetShape);
+  return s;
+}
+
+std::vector<uint64_t> seedsFor(int64_t step, int64_t first, int64_t n) {
+  std::vector<uint64_t> out;
+  for (int64_t i = first; i < first + n; ++i) out.push_back(datasets::noiseSeed(11, step, i));
+  return out;
+}
+
+TEST(DiffusionTest, NamesShapesAndUnits) {
+  torch::manual_seed(3);
+  auto model = std::dynamic_pointer_cast<DiffusionDenoiser>(initialized(makeModel(diffusionOptions(), floatSpec({3, 2, 2}))));
+  ASSERT_NE(model, nullptr);
+  std::set<std::string> expected = {"time_embed.0.weight", "time_embed.0.bias", "time_embed.2.weight",
+                                    "time_embed.2.bias",   "input_proj.weight", "input_proj.bias",
+                                    "out_norm.weight",     "out_norm.bias",     "output_proj.weight",
+                                    "output_proj.bias"};
+  for (int block = 0; block < 2; ++block) {
+    for (const char* layer : {"norm", "time_proj", "fc1", "fc2"}) {
+      for (const char* kind : {"weight", "bias"}) expected.insert(strCat("blocks.", block, ".", layer, ".", kind));
+    }
+  }
+  EXPECT_EQ(names(*model), expected);
+  const auto params = model->named_parameters();
+  EXPECT_EQ(params["input_proj.weight"].sizes(), (c10::IntArrayRef{10, 12}));
+  EXPECT_EQ(params["blocks.1.fc1.weight"].sizes(), (c10::IntArrayRef{40, 10}));
+  const at::Tensor x = torch::randn({4, 3, 2, 2});
+  EXPECT_EQ(model->forward(x, torch::tensor(std::vector<int64_t>{0, 1, 25, 49})).sizes(), x.sizes());
+  EXPECT_THROW(model->forward(torch::randn({4, 5}), torch::zeros({4}, at::kLong)), Error);
+  EXPECT_EQ(unitNames(*model), (std::vector<std::string>{"blocks.0", "blocks.1"}));
+  EXPECT_THROW(makeModel(diffusionOptions()), ConfigError);  // token data
+}
+
+// The loss of a sample depends on its seed only: not on the batch it is in, so any split
+// over ranks and micro-batches draws the same timesteps and noise.
+TEST(DiffusionTest, LossesDependOnTheSeedsNotOnTheBatchSplit) {
+  torch::manual_seed(4);
+  auto model = initialized(std::make_shared<DiffusionDenoiser>(diffusionOptions(), std::vector<int64_t>{2}));
+  datasets::Batch whole;
+  whole.inputs = torch::randn({6, 2});
+  whole.noiseSeeds = seedsFor(0, 0, 6);
+  const at::Tensor all = model->losses(whole);
+  ASSERT_EQ(all.sizes(), (c10::IntArrayRef{6}));
+  EXPECT_TRUE(all.equal(model->losses(whole)));
+  datasets::Batch tail;
+  tail.inputs = whole.inputs.narrow(0, 4, 2);
+  tail.noiseSeeds = seedsFor(0, 4, 2);
+  EXPECT_TRUE(at::allclose(model->losses(tail), all.narrow(0, 4, 2), 1e-6, 1e-7));
+  whole.noiseSeeds = seedsFor(1, 0, 6);  // another step draws other noise
+  EXPECT_FALSE(at::allclose(model->losses(whole), all));
+  whole.noiseSeeds.pop_back();
+  EXPECT_THROW(model->losses(whole), Error);
+}
+
+// The loss is DDPM's: with the same timestep and noise as the model drew, recomputing
+// x_t = sqrt(abar) x0 + sqrt(1 - abar) eps by hand gives the same mean-squared error.
+TEST(DiffusionTest, LossIsNoisePredictionError) {
+  torch::manual_seed(5);
+  auto model = initialized(std::make_shared<DiffusionDenoiser>(diffusionOptions(), std::vector<int64_t>{3}));
+  datasets::Batch batch;
+  batch.inputs = torch::randn({1, 3});
+  batch.noiseSeeds = seedsFor(2, 7, 1);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(batch.noiseSeeds[0]);
+  const int64_t t = at::randint(50, {1}, gen, at::kLong).item<int64_t>();
+  const at::Tensor eps = at::randn({1, 3}, gen, at::kFloat);
+  const double abar = model->schedule().alphaBars[static_cast<size_t>(t)];
+  const at::Tensor noisy = std::sqrt(abar) * batch.inputs + std::sqrt(1 - abar) * eps;
+  const at::Tensor expected = (model->forward(noisy, torch::full({1}, t, at::kLong)) - eps).square().mean();
+  EXPECT_NEAR(model->losses(batch).item<double>(), expected.item<double>(), 1e-6);
+  // The schedule: linear betas, abar the running product.
+  const NoiseSchedule& s = model->schedule();
+  EXPECT_DOUBLE_EQ(s.betas.front(), 1e-4);
+  EXPECT_DOUBLE_EQ(s.betas.back(), 0.02);
+  EXPECT_NEAR(s.alphaBars[2], (1 - s.betas[0]) * (1 - s.betas[1]) * (1 - s.betas[2]), 1e-15);
+  EXPECT_THROW(NoiseSchedule(10, 0.1, 0.01), ConfigError);
+}
+
+// With the exact noise predictor of Gaussian data N(m, s^2) (E[eps | x_t] =
+// sqrt(1 - abar) (x_t - sqrt(abar) m) / (abar s^2 + 1 - abar)), DDPM sampling draws from
+// N(m, s^2): checks the update and the noise it injects.
+TEST(DiffusionTest, SamplerWithTheExactDenoiserDrawsTheDataDistribution) {
+  const NoiseSchedule schedule(200, 1e-4, 0.05);
+  const double m = 0.5, sd = 0.3;
+  const auto exact = [&](const at::Tensor& x, const at::Tensor& t) {
+    const double abar = schedule.alphaBars[static_cast<size_t>(t[0].item<int64_t>())];
+    return std::sqrt(1 - abar) * (x - std::sqrt(abar) * m) / (abar * sd * sd + 1 - abar);
+  };
+  constexpr int64_t kSamples = 2000;
+  std::vector<uint64_t> seeds;
+  for (int64_t i = 0; i < kSamples; ++i) seeds.push_back(datasets::noiseSeed(9, -4, i));
+  const at::Tensor noise = samplingNoise({1}, kSamples, 9);
+  const at::Tensor samples = sampleDdpm(schedule, noise, seeds, exact);
+  ASSERT_EQ(samples.sizes(), (c10::IntArrayRef{kSamples, 1}));
+  EXPECT_NEAR(samples.mean().item<double>(), m, 0.03);  // standard error 0.007
+  EXPECT_NEAR(samples.std().item<double>(), sd, 0.03);
+  EXPECT_TRUE(samples.equal(sampleDdpm(schedule, noise, seeds, exact)));  // same seeds, same samples
+  // A sample is its own: drawn alone (another batch, another rank), it is the same.
+  EXPECT_TRUE(samples.slice(0, 7, 9).equal(sampleDdpm(schedule, noise.slice(0, 7, 9), {seeds[7], seeds[8]}, exact)));
+}
+
+// The exported names are those of the equivalent PyTorch module: the weights load into it
+// with strict=True and it computes the same noise prediction (an independent
+// implementation in Python, python3-torch).
+TEST(DiffusionTest, MatchesTheEquivalentPyTorchModule) {
+  const std::string python = TESSERA_PYTHON3;
+  if (std::system((python + " -c 'import torch' 2>/dev/null").c_str()) != 0) GTEST_SKIP() << python << " has no torch";
+  torch::manual_seed(8);
+  ModelOptions o = diffusionOptions();
+  o.embed_dim = 9;  // odd: the time embedding is zero-padded
+  auto model = initialized(std::make_shared<DiffusionDenoiser>(o, std::vector<int64_t>{2, 3}));
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& item : model->named_parameters()) tensors["param." + item.key()] = item.value().detach();
+  tensors["x"] = torch::randn({4, 2, 3});
+  tensors["t"] = torch::tensor(std::vector<int64_t>{0, 3, 17, 49});
+  tensors["out"] = model->forward(tensors["x"], tensors["t"]).detach();
+  const auto dir = std::filesystem::temp_directory_path();
+  const std::string data = (dir / ("tessera_denoiser_" + std::to_string(::getpid()) + ".safetensors")).string();
+  const std::string script = (dir / ("tessera_denoiser_" + std::to_string(::getpid()) + ".py")).string();
+  checkpoint::saveSafetensors(data, tensors);
+  std::ofstream(script) << R"PY(
+import json, math, struct, sys
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+class Block(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.norm, self.time_proj = nn.LayerNorm(w), nn.Linear(w, w)
+        self.fc1, self.fc2 = nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
+    def forward(self, h, temb):
+        return h + self.fc2(F.silu(self.fc1(self.norm(h) + self.time_proj(F.silu(temb)))))
+
+class Denoiser(nn.Module):
+    def __init__(self, features, w, layers):
+        super().__init__()
+        self.w = w
+        self.time_embed = nn.Sequential(nn.Linear(w, w), nn.SiLU(), nn.Linear(w, w))
+        self.input_proj = nn.Linear(features, w)
+        self.blocks = nn.ModuleList([Block(w) for _ in range(layers)])
+        self.out_norm, self.output_proj = nn.LayerNorm(w), nn.Linear(w, features)
+    def forward(self, x, t):
+        half = self.w // 2
+        freqs = torch.exp(torch.arange(half, dtype=torch.float32) * (-math.log(10000.0) / max(half, 1)))
+        args = t.float()[:, None] * freqs[None]
+        emb = torch.cat([torch.cos(args), torch.sin(args)], 1)
+        if self.w % 2:
+            emb = torch.cat([emb, torch.zeros(emb.shape[0], 1)], 1)
+        temb = self.time_embed(emb)
+        h = self.input_proj(x.flatten(1))
+        for block in self.blocks:
+            h = block(h, temb)
+        return self.output_proj(self.out_norm(h)).view(x.shape)
+
+raw = open(sys.argv[1], 'rb').read()
+n = struct.unpack('<Q', raw[:8])[0]
+header = json.loads(raw[8:8 + n])
+types = {'F32': torch.float32, 'I64': torch.int64}
+tensors = {name: torch.frombuffer(bytearray(raw[8 + n + info['data_offsets'][0]:8 + n + info['data_offsets'][1]]),
+                                  dtype=types[info['dtype']]).reshape(info['shape'])
+           for name, info in header.items() if name != '__metadata__'}
+model = Denoiser(6, 9, 2)
+model.load_state_dict({k[len('param.'):]: v for k, v in tensors.items() if k.startswith('param.')}, strict=True)
+with torch.no_grad():
+    out = model(tensors['x'], tensors['t'])
+err = (out - tensors['out']).abs().max().item()
+print('max abs difference', err)
+sys.exit(0 if err < 1e-5 else 1)
+)PY";
+  std::string command = python + " " + script + " " + data + " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof buffer, pipe)) output += buffer;
+  const int status = ::pclose(pipe);
+  EXPECT_EQ(status, 0) << output;
+  std::filesystem::remove(data);
+  std::filesystem::remove(script);
+}
+
+TEST(FeatureMlpTest, ClassesAndRegression) {
+  torch::manual_seed(6);
+  ModelOptions o;
+  o.hidden = {7, 5};
+  auto classifier = std::dynamic_pointer_cast<FeatureMlp>(initialized(makeModel(o, floatSpec({2, 3}, /*classes=*/4))));
+  ASSERT_NE(classifier, nullptr);
+  EXPECT_EQ(names(*classifier), (std::set<std::string>{"layers.0.weight", "layers.0.bias", "layers.1.weight",
+                                                        "layers.1.bias", "head.weight", "head.bias"}));
+  datasets::Batch batch;
+  batch.inputs = torch::randn({3, 2, 3});
+  batch.targets = torch::tensor(std::vector<int64_t>{3, 0, 1});
+  const at::Tensor logits = classifier->forward(batch.inputs);
+  EXPECT_EQ(logits.sizes(), (c10::IntArrayRef{3, 4}));
+  const at::Tensor expected = -logits.log_softmax(1).gather(1, batch.targets.unsqueeze(1)).squeeze(1);
+  EXPECT_TRUE(at::allclose(classifier->losses(batch), expected, 1e-5, 1e-6));
+
+  auto regressor = std::dynamic_pointer_cast<FeatureMlp>(initialized(makeModel(o, floatSpec({6}, 0, {2}))));
+  batch.inputs = torch::randn({3, 6});
+  batch.targets = torch::randn({3, 2});
+  const at::Tensor mse = (regressor->forward(batch.inputs) - batch.targets).square().mean(1);
+  EXPECT_TRUE(at::allclose(regressor->losses(batch), mse, 1e-5, 1e-6));
+  auto scalar = std::dynamic_pointer_cast<FeatureMlp>(initialized(makeModel(o, floatSpec({6}, 0, {}))));  // targets [n]
+  batch.targets = torch::randn({3});
+  EXPECT_TRUE(at::allclose(scalar->losses(batch), (scalar->forward(batch.inputs).squeeze(1) - batch.targets).square(),
+                           1e-5, 1e-6));
+  datasets::DataSpec unlabelled = floatSpec({6});
+  unlabelled.hasTargets = false;
+  EXPECT_THROW(makeModel(o, unlabelled), ConfigError);
+  o.arch = "gpt";
+  EXPECT_THROW(makeModel(o, floatSpec({6}, 3)), ConfigError);
+}
+
+}  // namespace
+}  // namespace tessera::models
