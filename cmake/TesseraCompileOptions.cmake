@@ -19,9 +19,13 @@ if(TESSERA_SANITIZE)
 endif()
 
 # Applies Tessera's warnings to a target (third-party headers are SYSTEM includes).
+# Installed, the headers live in <prefix>/include/tessera/<folder>/ (nothing of Tessera's
+# lands in <prefix>/include itself): the package's users reach them as "<folder>/x.h",
+# as Tessera's own headers include each other, or as <tessera/<folder>/x.h>.
 function(tessera_target_defaults target)
   target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${TESSERA_WARNINGS}>)
   target_include_directories(${target} PUBLIC
     $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+    $<INSTALL_INTERFACE:include/tessera>
     $<INSTALL_INTERFACE:include>)
 endfunction()

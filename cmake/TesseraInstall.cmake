@@ -25,7 +25,7 @@ install(TARGETS tessera ${TESSERA_LIBRARY_TARGETS} EXPORT TesseraTargets
 install(TARGETS ${TESSERA_APPS} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 foreach(folder common diagnostics distributed dtensor optim sharding ema checkpoint imaging observe datasets models trainer
                recipes)
-  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${folder} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}
+  install(DIRECTORY ${PROJECT_SOURCE_DIR}/${folder} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tessera
           FILES_MATCHING PATTERN "*.h")
 endforeach()
 

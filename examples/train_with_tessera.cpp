@@ -14,16 +14,16 @@
 #include <cstdio>
 #include <string>
 
-#include "checkpoint/checkpointer.h"
-#include "checkpoint/exporter.h"
-#include "checkpoint/reader.h"
-#include "checkpoint/state.h"
-#include "distributed/rank_env.h"
-#include "distributed/runtime.h"
-#include "ema/ema_manager.h"
-#include "ema/strategy_ema.h"
-#include "sharding/fully_shard.h"
-#include "sharding/torch_optimizer.h"
+#include "tessera/checkpoint/checkpointer.h"
+#include "tessera/checkpoint/exporter.h"
+#include "tessera/checkpoint/reader.h"
+#include "tessera/checkpoint/state.h"
+#include "tessera/distributed/rank_env.h"
+#include "tessera/distributed/runtime.h"
+#include "tessera/ema/ema_manager.h"
+#include "tessera/ema/strategy_ema.h"
+#include "tessera/sharding/fully_shard.h"
+#include "tessera/sharding/torch_optimizer.h"
 
 namespace {
 

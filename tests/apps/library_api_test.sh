@@ -5,7 +5,10 @@
 set -euo pipefail
 build_dir=$1 examples_dir=$2 work=$3
 rm -rf "$work" && mkdir -p "$work"
-cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
+cmake --install "$build_dir" --prefix "$work/prefix" --strip > "$work/install.log"
+# Tessera's headers live under include/tessera/ only: none in the prefix's include/ itself.
+test -f "$work/prefix/include/tessera/trainer/trainer.h" && test -f "$work/prefix/include/tessera/models/models.h"
+test "$(ls "$work/prefix/include")" = "tessera"
 launcher=()
 command -v ccache > /dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
 generator=()
