@@ -1,22 +1,19 @@
 // tessera-run's launcher core (see launcher.h): fork/exec of the local ranks, a poll()
 // loop over their output pipes and a self-pipe for signals, and the teardown that stops
 // whole process groups. Single-threaded on purpose: fork() and signal handling stay simple.
+// The options' checks, the ranks' environment and the small shared helpers are in
+// launch_options.cpp; this file is the Launcher class that launch() runs (kept here: it
+// has no user but launch()).
 #include "distributed/launcher.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
-
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cerrno>
@@ -32,7 +29,6 @@
 #include "common/file_open.h"
 #include "common/filesystem.h"
 #include "common/logging.h"
-#include "common/limits.h"
 #include "diagnostics/flight_verdict.h"
 #include "distributed/elastic_rendezvous.h"
 
@@ -55,8 +51,6 @@ constexpr double kDrainWaitS = 1.0;
 constexpr double kPollPeriodS = 0.05;
 // A rank line longer than this is printed in pieces rather than buffered without bound.
 constexpr size_t kMaxLineBytes = 64 * 1024;
-// Error-file text longer than this is cut (a rank may write anything there).
-constexpr size_t kMaxErrorMessageBytes = 8 * 1024;
 
 // Self-pipe: the signal handler writes the signal number, the poll() loop reads it.
 int g_signalPipe[2] = {-1, -1};
@@ -110,34 +104,6 @@ void writeAll(int fd, const std::string& data) {
     }
     done += static_cast<size_t>(n);
   }
-}
-
-bool isExecutableFile(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(path.c_str(), X_OK) == 0;
-}
-
-// Mirrors execvp()'s lookup so a missing program is a usage error, not N rank failures.
-bool findProgram(const std::string& program) {
-  if (program.find('/') != std::string::npos) return isExecutableFile(program);
-  const char* pathEnv = std::getenv("PATH");
-  const std::string path = pathEnv ? pathEnv : "/usr/local/bin:/usr/bin:/bin";
-  size_t begin = 0;
-  while (begin <= path.size()) {
-    size_t end = path.find(':', begin);
-    if (end == std::string::npos) end = path.size();
-    const std::string dir = path.substr(begin, end - begin);
-    if (isExecutableFile((dir.empty() ? std::string(".") : dir) + "/" + program)) return true;
-    begin = end + 1;
-  }
-  return false;
-}
-
-std::string trim(const std::string& text) {
-  const auto first = text.find_first_not_of(" \t\r\n");
-  if (first == std::string::npos) return "";
-  const auto last = text.find_last_not_of(" \t\r\n");
-  return text.substr(first, last - first + 1);
 }
 
 // How a rank's leader process ended, in words: "exit code 7", "killed by signal SIGKILL".
@@ -259,8 +225,18 @@ class Launcher {
   void drainOutput();
   void killEverythingNow();
   void reportFailure(double stoppedInS);
-  // The flight recorder's verdict from the ranks' dumps, logged line by line.
+  // The flight recorder's verdict from the ranks' dumps (this node's and, through the
+  // rendezvous or a server at MASTER_PORT + 1 in a static multi-node run, the others'),
+  // logged line by line.
   void reportVerdict();
+  // This node's dumps by file name (rank_<r>.json).
+  std::map<std::string, std::string> localDumps() const;
+  // Sends this node's dumps to the other nodes and writes theirs into the flight dir: through
+  // the elastic rendezvous, or in a static multi-node run through a server at
+  // MASTER_PORT + 1 that the first launcher to fail hosts for the others.
+  void fetchOtherNodesDumps(const std::map<std::string, std::string>& mine);
+  // How `rank` ended, in words, for the verdict.
+  std::string fateOf(const Rank& rank) const;
   // The launcher's exit status for a failed rank: the rank's own exit status (2: bad
   // input), or 1 when it was killed by a signal or could not start.
   static int failureExitStatus(const Failure& f);
@@ -801,19 +777,21 @@ void Launcher::reportFailure(double stoppedInS) {
   if (failureExitStatus(f) != kBadInputStatus) reportVerdict();  // a refused config says all there is
 }
 
-void Launcher::reportVerdict() {
+std::map<std::string, std::string> Launcher::localDumps() const {
+  std::map<std::string, std::string> dumps;
   std::error_code ec;
-  // The other nodes' dumps: through the elastic rendezvous, or, in a static multi-node run,
-  // through a server at MASTER_PORT + 1 that the first launcher to fail hosts for the others.
-  std::map<std::string, std::string> mine;
   for (const auto& entry : std::filesystem::directory_iterator(flightDir_, ec)) {
     try {
-      mine[entry.path().filename().string()] = readRegularFile(entry.path().string(), int64_t{64} << 20,
-                                                               LinkPolicy::kRefuse);
+      dumps[entry.path().filename().string()] = readRegularFile(entry.path().string(), int64_t{64} << 20,
+                                                                LinkPolicy::kRefuse);
     } catch (const Error&) {
       // Not a dump (or not readable): the verdict reports what it cannot read.
     }
   }
+  return dumps;
+}
+
+void Launcher::fetchOtherNodesDumps(const std::map<std::string, std::string>& mine) {
   std::unique_ptr<ElasticRendezvous> staticExchange;
   ElasticRendezvous* exchange = rendezvous_.get();
   if (exchange == nullptr && options_.nnodes > 1 && !mine.empty()) {  // no dumps: not a Tessera program
@@ -830,38 +808,46 @@ void Launcher::reportVerdict() {
       TLOG_WARN("tessera-run: the other nodes' flight dumps: " << e.what());
     }
   }
-  if (exchange != nullptr) {
-    const int expected = rendezvous_ ? 0 : options_.nnodes;
-    for (const auto& [name, text] : exchange->exchangeDumps(round_, mine, 5.0, expected)) {
-      if (mine.count(name) != 0 || name.find('/') != std::string::npos || name.rfind("rank_", 0) != 0) continue;
-      try {
-        std::filesystem::create_directories(flightDir_);
-        replaceFile(strCat(flightDir_, "/", name), text);
-      } catch (const Error& e) {
-        TLOG_WARN("tessera-run: " << e.what());
-      }
+  if (exchange == nullptr) return;
+  const int expected = rendezvous_ ? 0 : options_.nnodes;
+  for (const auto& [name, text] : exchange->exchangeDumps(round_, mine, 5.0, expected)) {
+    if (mine.count(name) != 0 || name.find('/') != std::string::npos || name.rfind("rank_", 0) != 0) continue;
+    try {
+      std::filesystem::create_directories(flightDir_);
+      replaceFile(strCat(flightDir_, "/", name), text);
+    } catch (const Error& e) {
+      TLOG_WARN("tessera-run: " << e.what());
     }
   }
+}
+
+std::string Launcher::fateOf(const Rank& rank) const {
+  std::string fate = describeStatus(rank.waitStatus);
+  if (!rank.execError.empty()) fate = rank.execError;
+  if (rank.killed) {
+    fate = strCat("killed by the launcher: it was still running ", formatSeconds(options_.gracePeriodS, 1),
+                  " s after SIGTERM");
+  }
+  if (failure_ && failure_->globalRank == rank.globalRank) {
+    fate = strCat(fate, " after ", formatSeconds(failure_->afterS), " s, the first rank to fail");
+  }
+  if (rank.globalRank == 0) {
+    fate += strCat(" (it hosted the ranks' store at ", options_.masterAddr, ":", options_.masterPort, ")");
+  }
+  if (rank.stopped) fate += " (it was stopped when the run was torn down: SIGSTOP or a debugger)";
+  return fate;
+}
+
+void Launcher::reportVerdict() {
+  fetchOtherNodesDumps(localDumps());
+  std::error_code ec;
   if (!std::filesystem::is_directory(flightDir_, ec)) return;  // no rank wrote a dump (not a Tessera program)
   diagnostics::VerdictInput input;
   input.dir = flightDir_;
   input.worldSize = options_.nnodes * options_.nprocPerNode;
   for (const Rank& rank : ranks_) {
-    std::string fate = describeStatus(rank.waitStatus);
-    if (!rank.execError.empty()) fate = rank.execError;
-    if (rank.killed) fate = strCat("killed by the launcher: it was still running ", formatSeconds(options_.gracePeriodS, 1),
-                                   " s after SIGTERM");
-    if (failure_ && failure_->globalRank == rank.globalRank) {
-      fate = strCat(fate, " after ", formatSeconds(failure_->afterS), " s, the first rank to fail");
-    }
-    if (rank.globalRank == 0) {
-      fate += strCat(" (it hosted the ranks' store at ", options_.masterAddr, ":", options_.masterPort, ")");
-    }
-    if (rank.stopped) {
-      input.stopped.insert(rank.globalRank);
-      fate += " (it was stopped when the run was torn down: SIGSTOP or a debugger)";
-    }
-    input.fates[rank.globalRank] = fate;
+    if (rank.stopped) input.stopped.insert(rank.globalRank);
+    input.fates[rank.globalRank] = fateOf(rank);
   }
   try {
     const auto lines = diagnostics::flightVerdict(input);
@@ -873,232 +859,6 @@ void Launcher::reportVerdict() {
 }
 
 }  // namespace
-
-void validateLaunchOptions(const LaunchOptions& o) {
-  if (o.command.empty()) throw UsageError("missing PROGRAM (usage: tessera-run [OPTIONS] PROGRAM [ARGS...])");
-  const std::string& program = o.command[0];
-  if (!program.empty() && program[0] == '-') {
-    throw UsageError(strCat("unknown option '", program, "' (tessera-run's options go before PROGRAM)"));
-  }
-  if (o.nprocPerNode < 1) throw UsageError(strCat("--nproc-per-node must be at least 1, got ", o.nprocPerNode));
-  if (o.nprocPerNode > kMaxLocalRanks) {
-    throw UsageError(strCat("--nproc-per-node ", o.nprocPerNode, " is more than the ", kMaxLocalRanks,
-                            " processes one tessera-run starts"));
-  }
-  if (o.nnodes < 1) throw UsageError(strCat("--nnodes must be at least 1, got ", o.nnodes));
-  if (o.elastic()) {
-    if (o.rdzvBackend != "c10d") {
-      throw UsageError(strCat("--rdzv-backend '", o.rdzvBackend, "': tessera-run's elastic rendezvous is c10d-like; "
-                              "give c10d (or leave it out)"));
-    }
-    const size_t colon = o.rdzvEndpoint.rfind(':');
-    int port = 0;
-    try {
-      size_t used = 0;
-      port = colon == std::string::npos ? 0 : std::stoi(o.rdzvEndpoint.substr(colon + 1), &used);
-      if (colon != std::string::npos && used != o.rdzvEndpoint.size() - colon - 1) port = 0;
-    } catch (const std::exception&) {
-      port = 0;
-    }
-    if (colon == std::string::npos || colon == 0 || port < 1 || port > 65535) {
-      throw UsageError(strCat("--rdzv-endpoint '", o.rdzvEndpoint, "' must be HOST:PORT (port 1..65535)"));
-    }
-    if (o.standalone) throw UsageError("--standalone runs a single node without a rendezvous; drop --rdzv-endpoint");
-    if (!std::isfinite(o.rdzvTimeoutS) || o.rdzvTimeoutS <= 0 || !std::isfinite(o.rdzvLastCallS) ||
-        o.rdzvLastCallS < 0) {
-      throw UsageError(strCat("--rdzv-timeout (", o.rdzvTimeoutS, ") must be positive and last_call_timeout (",
-                              o.rdzvLastCallS, ") not negative"));
-    }
-    if (boundedProduct(o.maxNodes, o.nprocPerNode, kMaxWorldSize) < 0) {
-      throw UsageError(strCat("--nnodes max ", o.maxNodes, " x --nproc-per-node ", o.nprocPerNode,
-                              " is more than the ", kMaxWorldSize, " ranks a run may have"));
-    }
-  } else if (o.minNodes != o.maxNodes) {
-    throw UsageError(strCat("--nnodes ", o.minNodes, ":", o.maxNodes,
-                            " is elastic: it needs --rdzv-endpoint HOST:PORT where the launchers meet"));
-  }
-  // Checked before any rank number is computed: nnodes x nproc-per-node in int wraps.
-  if (boundedProduct(o.nnodes, o.nprocPerNode, kMaxWorldSize) < 0) {
-    throw UsageError(strCat("--nnodes ", o.nnodes, " x --nproc-per-node ", o.nprocPerNode, " is more than the ",
-                            kMaxWorldSize, " ranks a run may have"));
-  }
-  if (o.nodeRank < 0 || o.nodeRank >= o.nnodes) {
-    throw UsageError(strCat("--node-rank ", o.nodeRank, " is out of range for --nnodes ", o.nnodes, " (0..",
-                            o.nnodes - 1, ")"));
-  }
-  if (o.standalone && o.nnodes > 1) {
-    throw UsageError(strCat("--standalone runs a single node; it cannot be combined with --nnodes ", o.nnodes));
-  }
-  if (o.masterPort < 1 || o.masterPort > 65535) {
-    throw UsageError(strCat("--master-port ", o.masterPort, " is out of range (1..65535)"));
-  }
-  if (o.masterAddr.empty()) throw UsageError("--master-addr must not be empty");
-  if (o.maxRestarts < 0) throw UsageError(strCat("--max-restarts must be at least 0, got ", o.maxRestarts));
-  if (!std::isfinite(o.gracePeriodS) || o.gracePeriodS < 0) {
-    throw UsageError(strCat("--grace-period-s must be a non-negative number of seconds, got ", o.gracePeriodS));
-  }
-  if (!findProgram(program)) {
-    throw UsageError(program.find('/') != std::string::npos
-                         ? strCat("PROGRAM '", program, "' is not an executable file")
-                         : strCat("PROGRAM '", program, "' not found in PATH"));
-  }
-}
-
-void parseNnodes(const std::string& text, LaunchOptions& options) {
-  auto number = [&](const std::string& part) {
-    size_t used = 0;
-    int value = 0;
-    try {
-      value = std::stoi(part, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used == 0 || used != part.size() || value < 1) {
-      throw UsageError(strCat("--nnodes '", text, "' must be N or MIN:MAX (whole numbers, at least 1)"));
-    }
-    return value;
-  };
-  const size_t colon = text.find(':');
-  options.minNodes = number(text.substr(0, colon));
-  options.maxNodes = colon == std::string::npos ? options.minNodes : number(text.substr(colon + 1));
-  if (options.maxNodes < options.minNodes) {
-    throw UsageError(strCat("--nnodes '", text, "': MAX (", options.maxNodes, ") is below MIN (", options.minNodes, ")"));
-  }
-  options.nnodes = options.minNodes;
-}
-
-void parseRdzvConf(const std::string& text, LaunchOptions& options) {
-  size_t begin = 0;
-  while (begin < text.size()) {
-    size_t end = text.find(',', begin);
-    if (end == std::string::npos) end = text.size();
-    const std::string item = text.substr(begin, end - begin);
-    const size_t eq = item.find('=');
-    const std::string key = item.substr(0, eq);
-    double value = -1;
-    try {
-      size_t used = 0;
-      value = eq == std::string::npos ? -1 : std::stod(item.substr(eq + 1), &used);
-      if (eq != std::string::npos && used != item.size() - eq - 1) value = -1;
-    } catch (const std::exception&) {
-      value = -1;
-    }
-    if (!std::isfinite(value) || value < 0) {
-      throw UsageError(strCat("--rdzv-conf '", item, "': expected key=seconds"));
-    }
-    if (key == "join_timeout") {
-      options.rdzvTimeoutS = value;
-    } else if (key == "last_call_timeout") {
-      options.rdzvLastCallS = value;
-    } else {
-      throw UsageError(strCat("--rdzv-conf: unknown key '", key, "' (join_timeout, last_call_timeout)"));
-    }
-    begin = end + 1;
-  }
-}
-
-std::map<std::string, std::string> rankEnvironment(const LaunchOptions& o, int localRank, int restartCount,
-                                                   const std::string& errorFile, const char* inheritedOmpThreads) {
-  const int rank = o.nodeRank * o.nprocPerNode + localRank;
-  const int world = o.nnodes * o.nprocPerNode;
-  std::map<std::string, std::string> env = {
-      {"RANK", std::to_string(rank)},
-      {"LOCAL_RANK", std::to_string(localRank)},
-      {"WORLD_SIZE", std::to_string(world)},
-      {"LOCAL_WORLD_SIZE", std::to_string(o.nprocPerNode)},
-      {"GROUP_RANK", std::to_string(o.nodeRank)},
-      {"GROUP_WORLD_SIZE", std::to_string(o.nnodes)},
-      {"ROLE_NAME", "default"},
-      {"ROLE_RANK", std::to_string(rank)},
-      {"ROLE_WORLD_SIZE", std::to_string(world)},
-      {"MASTER_ADDR", o.masterAddr},
-      {"MASTER_PORT", std::to_string(o.masterPort)},
-      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restartCount)},
-      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(o.maxRestarts)},
-      {"TORCHELASTIC_RUN_ID", o.runId},
-      // Rank 0 hosts the TCPStore itself (no agent store), as with torchrun's static rendezvous.
-      {"TORCHELASTIC_USE_AGENT_STORE", "False"},
-      {"TORCHELASTIC_ERROR_FILE", errorFile},
-  };
-  if (o.nprocPerNode > 1 && (!inheritedOmpThreads || !*inheritedOmpThreads)) env["OMP_NUM_THREADS"] = "1";
-  return env;
-}
-
-std::optional<std::string> readErrorFile(const std::string& path) {
-  std::string content;
-  try {
-    // A rank's error report is small; anything that is not a small regular file is ignored.
-    constexpr int64_t kMaxErrorFileBytes = int64_t{1} << 20;
-    content = readRegularFile(path, kMaxErrorFileBytes, LinkPolicy::kRefuse);
-  } catch (const Error&) {
-    return std::nullopt;
-  }
-  const std::string text = trim(content);
-  if (text.empty()) return std::nullopt;
-  try {
-    const auto json = nlohmann::json::parse(text);
-    if (json.is_object() && json.contains("message")) {
-      const auto& message = json.at("message");
-      if (message.is_string()) return message.get<std::string>();
-      if (message.is_object() && message.contains("message") && message.at("message").is_string()) {
-        return message.at("message").get<std::string>();
-      }
-    }
-  } catch (const nlohmann::json::exception&) {
-    // Not JSON: the rank wrote plain text, which is reported as it is.
-  }
-  if (text.size() > kMaxErrorMessageBytes) return text.substr(0, kMaxErrorMessageBytes) + " [...]";
-  return text;
-}
-
-std::string signalName(int signal) {
-  switch (signal) {
-    case SIGHUP: return "SIGHUP";
-    case SIGINT: return "SIGINT";
-    case SIGQUIT: return "SIGQUIT";
-    case SIGILL: return "SIGILL";
-    case SIGTRAP: return "SIGTRAP";
-    case SIGABRT: return "SIGABRT";
-    case SIGBUS: return "SIGBUS";
-    case SIGFPE: return "SIGFPE";
-    case SIGKILL: return "SIGKILL";
-    case SIGUSR1: return "SIGUSR1";
-    case SIGSEGV: return "SIGSEGV";
-    case SIGUSR2: return "SIGUSR2";
-    case SIGPIPE: return "SIGPIPE";
-    case SIGALRM: return "SIGALRM";
-    case SIGTERM: return "SIGTERM";
-    case SIGCHLD: return "SIGCHLD";
-    case SIGCONT: return "SIGCONT";
-    case SIGSTOP: return "SIGSTOP";
-    case SIGTSTP: return "SIGTSTP";
-    case SIGXCPU: return "SIGXCPU";
-    case SIGXFSZ: return "SIGXFSZ";
-    case SIGSYS: return "SIGSYS";
-    default: return strCat("signal ", signal);
-  }
-}
-
-int pickFreePort(const std::string& host) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw Error(strCat("pickFreePort: socket() failed: ", errnoText(errno)));
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = 0;
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    ::close(fd);
-    throw Error(strCat("pickFreePort: '", host, "' is not an IPv4 address"));
-  }
-  socklen_t length = sizeof addr;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length) != 0) {
-    const int error = errno;
-    ::close(fd);
-    throw Error(strCat("pickFreePort: cannot bind a port on ", host, ": ", errnoText(error)));
-  }
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 int launch(LaunchOptions options) {
   validateLaunchOptions(options);
