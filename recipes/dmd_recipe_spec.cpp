@@ -91,7 +91,7 @@ int64_t maxUpdates(const std::string& model) { return model == "critic" ? traine
 
 const trainer::RecipeSpec& dmdRecipeSpec() {
   static const trainer::RecipeSpec spec{"dmd", "distribution-matching distillation of the models generator, critic and teacher",
-                               finishDmd, maxUpdates, nullptr};
+                               finishDmd, maxUpdates, "generator", nullptr};
   return spec;
 }
 

@@ -21,7 +21,7 @@ int64_t oneUpdate(const std::string&) { return 1; }
 }  // namespace
 
 const trainer::RecipeSpec& standardRecipeSpec() {
-  static const trainer::RecipeSpec spec{"standard", "the model on the data", finishStandard, oneUpdate, nullptr};
+  static const trainer::RecipeSpec spec{"standard", "the model on the data", finishStandard, oneUpdate, "model", nullptr};
   return spec;
 }
 

@@ -33,6 +33,8 @@ struct RecipeSpec {
   // The most optimizer updates `model` takes per run step in any run of the recipe: a
   // resumed checkpoint's step counts are checked against it.
   int64_t (*maxUpdatesPerRunStep)(const std::string& model);
+  // The model whose EMA draws model.samples at the end of a run (a denoiser with an EMA).
+  const char* samplingModel;
   // The recipe's training code over the parts of a run set up for it (null in builds of
   // the config reader alone, such as the fuzzers').
   std::unique_ptr<Recipe> (*make)(RunParts& run);

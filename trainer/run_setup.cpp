@@ -244,14 +244,14 @@ ResumeCheck settingsAgainst(const RunParts& run, const std::string& dir) {
   if (!check.uncomparable.empty()) {
     cause = strCat("its settings could not be read (", check.uncomparable, ")");
   } else if (check.changed.empty()) {
-    cause = "no setting differs from the checkpoint's: was it written by another version of the model's code?";
+    cause = "no setting differs from the checkpoint's (was it written by another version of the model's code?)";
   } else {
-    cause = strCat("the settings that differ from the checkpoint's: ", describeChanges(check.changed));
+    cause = strCat("settings differ from the checkpoint's: ", describeChanges(check.changed));
   }
   const std::string tensors =
-      e.mismatches().empty() ? std::string(e.what()) : checkpoint::describeMismatches(e.mismatches());
-  throw ConfigError(strCat("resume from ", e.dir(), ": the checkpoint's state does not fit this run (", tensors,
-                           "); ", cause, ". Set them back, or start afresh with --resume none or another run.dir"));
+      e.mismatches().empty() ? std::string(e.what()) : checkpoint::describeMismatches(e.mismatches(), 3);
+  throw ConfigError(strCat("resume from ", e.dir(), ": ", cause, "; the checkpoint's state does not fit this run: ",
+                           tensors, ". Set them back, or start afresh with --resume none or another run.dir"));
 }
 
 // The counts a checkpoint restored, checked against its step: optimizer steps (at most the

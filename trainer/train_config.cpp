@@ -516,19 +516,16 @@ void checkImageData(const config::ConfigSchema& s, const TrainConfig& c) {
   }
 }
 
+// model.samples: the recipe's sampling model (RecipeSpec::samplingModel) draws them with
+// its EMA, so it must be a denoiser that keeps one.
 void checkSamples(const config::ConfigSchema& s, const TrainConfig& c) {
   if (c.defaults.model.samples <= 0) return;
-  const bool dmd = c.run.recipe == "dmd";
+  const std::string sampler = recipeSpec(c.run.recipe).samplingModel;
   for (const ModelEntry& m : c.models) {
-    if (dmd && m.name != "generator") continue;
-    if (!dmd && (!m.model.isDenoiser() || !m.hasEma())) {
-      throw ConfigError(s.errorMessage("model.samples", "draws samples with generator_ema: needs model.arch "
-                                                        "diffusion or dit and ema.enabled"));
-    }
-    if (dmd && !m.hasEma()) {
-      throw ConfigError(s.errorMessage("model.samples", "draws samples with generator_ema: needs the "
-                                                        "generator's ema.enabled"));
-    }
+    if (m.name != sampler || (m.model.isDenoiser() && m.hasEma())) continue;
+    throw ConfigError(s.errorMessage("model.samples", strCat("draws samples with ", m.names.ema, ": needs ",
+                                                             m.modelKeys, "arch diffusion or dit and ", m.sectionKeys,
+                                                             "ema.enabled")));
   }
 }
 

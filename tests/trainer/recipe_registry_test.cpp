@@ -36,7 +36,7 @@ TEST(RecipeRegistryTest, AddingANameAgainReplacesItsSpec) {
   EXPECT_EQ(recipeSpecs().size(), before);
   // A program's own spec under a built-in name takes its place (and gives it back).
   static const RecipeSpec mine{"standard", "a user's standard recipe", recipes::standardRecipeSpec().finish,
-                               recipes::standardRecipeSpec().maxUpdatesPerRunStep, recipes::makeStandardRecipe};
+                               recipes::standardRecipeSpec().maxUpdatesPerRunStep, "model", recipes::makeStandardRecipe};
   addRecipe(mine);
   EXPECT_EQ(&recipeSpec("standard"), &mine);
   EXPECT_EQ(recipeSpecs().size(), before);
