@@ -5,7 +5,9 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 
 #include "checkpoint/format.h"
@@ -264,22 +266,43 @@ LoadPlanError planError(const std::string& dir, std::vector<PlanMismatch> mismat
   return LoadPlanError(dir, std::move(mismatches), message);
 }
 
-// planLoad on every rank before anything is read: when any rank's plan fails, every rank
-// throws LoadPlanError (the others naming the lowest failing rank). A checkpoint whose
-// metadata cannot be read is left to the load, which reports the damage.
-void planOnEveryRank(const std::string& dir, const std::vector<StateEntry>& entries, bool strict,
-                     distributed::Communicator* comm) {
-  std::vector<PlanMismatch> mismatches;
+// One rank's attempt at loading a checkpoint, agreed with the others.
+struct AgreedLoad {
+  int failedRank = -1;             // the lowest rank whose load failed; -1 when none did
+  std::exception_ptr failure;      // this rank's, when it failed
+  std::string error;               // its message
+};
+
+// Runs `load` (of checkpoint `dir`) on this rank and agrees with the others on how it went.
+// A load refused by its plan (LoadPlanError: the checkpoint is sound, the state has another
+// layout) makes every rank throw LoadPlanError, the others naming the lowest rank it
+// happened on, so that no rank falls back from it; any other failure is returned. The plan
+// runs inside the load, on the metadata it has read anyway, before any tensor byte.
+AgreedLoad loadOnEveryRank(distributed::Communicator* comm, const std::string& dir, const std::function<void()>& load) {
+  AgreedLoad agreed;
+  std::optional<LoadPlanError> plan;
   try {
-    mismatches = planLoad(CheckpointReader(dir).metadata(), entries, strict);
-  } catch (const std::exception&) {
-    mismatches.clear();
+    load();
+  } catch (const LoadPlanError& e) {
+    plan = e;
+    agreed.failure = std::current_exception();
+    agreed.error = e.what();
+  } catch (const std::exception& e) {
+    // Any failure (also a c10::Error from a tensor op) must reach the agreement below,
+    // or the other ranks would wait for this one in the all-reduce.
+    agreed.failure = std::current_exception();
+    agreed.error = e.what();
+    if (agreed.error.empty()) agreed.error = "unknown error";
   }
-  const int failedRank = distributed::lowestFailingRank(comm, !mismatches.empty());
-  if (failedRank < 0) return;
-  if (!mismatches.empty()) throw planError(dir, std::move(mismatches));
-  throw LoadPlanError(dir, {}, strCat("checkpoint ", dir, " holds another layout of the state rank ", failedRank,
-                                      " loads (see its log)"));
+  agreed.failedRank = distributed::lowestFailingRank(comm, agreed.failure != nullptr);
+  if (agreed.failedRank < 0) return agreed;
+  const int planRank = distributed::lowestFailingRank(comm, plan.has_value());  // every rank: all know of a failure
+  if (plan) throw *plan;
+  if (planRank >= 0) {
+    throw LoadPlanError(dir, {}, strCat("checkpoint ", dir, " holds another layout of the state rank ", planRank,
+                                        " loads (see its log)"));
+  }
+  return agreed;
 }
 
 }  // namespace
@@ -327,12 +350,14 @@ LoadResult loadCheckpoint(const std::string& dir, const std::vector<StateEntry>&
 LoadResult load(const std::string& dir, const StateMap& states, distributed::Communicator* comm,
                 const LoadOptions& options) {
   LoadResult result;
-  planOnEveryRank(dir, collectEntries(states), options.strict, comm);
-  distributed::runOnEveryRank(comm, "loading checkpoint " + dir,
-                              [&] {
-                                result = loadCheckpoint(dir, collectEntries(states), options);
-                                if (options.check) options.check(result);
-                              });
+  const AgreedLoad agreed = loadOnEveryRank(comm, dir, [&] {
+    result = loadCheckpoint(dir, collectEntries(states), options);
+    if (options.check) options.check(result);
+  });
+  if (agreed.failure) std::rethrow_exception(agreed.failure);
+  if (agreed.failedRank >= 0) {
+    throw Error(strCat("loading checkpoint ", dir, " failed on rank ", agreed.failedRank, " (its log has the reason)"));
+  }
   afterLoad(states);  // collective: outside the agreement above
   return result;
 }
@@ -467,20 +492,15 @@ std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const st
   for (size_t i = 0; i < steps.size(); ++i) {
     const std::string dir = (fs::path(checkpointsDir) / stepDirName(steps[i])).string();
     std::optional<LoadResult> result;
-    std::string error;
     // A sound checkpoint of another layout is this run's mismatch, not damage: an older
-    // checkpoint of the same run would have the same layout, so there is no falling back.
-    planOnEveryRank(dir, entries, options.strict, comm);
-    try {
+    // checkpoint of the same run would have the same layout, so loadOnEveryRank throws
+    // LoadPlanError instead of returning a failure to fall back from.
+    const AgreedLoad agreed = loadOnEveryRank(comm, dir, [&] {
       result = loadCheckpoint(dir, entries, options);
       if (options.check) options.check(*result);
-    } catch (const std::exception& e) {
-      // Any failure (also a c10::Error from a tensor op) must reach the agreement below,
-      // or the other ranks would wait for this one in the all-reduce.
-      error = e.what();
-      if (error.empty()) error = "unknown error";
-    }
-    const int failedRank = distributed::lowestFailingRank(comm, !error.empty());
+    });
+    const int failedRank = agreed.failedRank;
+    const std::string& error = agreed.error;
     if (failedRank < 0) {
       if (i > 0 || (!latest.empty() && fs::path(latest).filename() != stepDirName(steps[i]))) {
         TLOG_WARN0("resume auto: resuming from " << dir << " (latest names '" << latest << "')");

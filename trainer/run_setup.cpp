@@ -345,7 +345,7 @@ bool resume(RunParts& run) {
                                                                   "; the data order would change")));
   }
   checkLoadedCounts(run, *loaded, saved);
-  const ResumeCheck check = settingsAgainst(run, loaded->dir);
+  const ResumeCheck check = compareWithSaved(saved.resolvedConfig, run.resolvedYaml);
   if (!check.uncomparable.empty()) {
     TLOG_WARN0("resume from " << loaded->dir << ": its settings could not be compared with this run's: "
                               << check.uncomparable);
