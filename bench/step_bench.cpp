@@ -86,13 +86,31 @@ void resetPeak() {
 struct Measure {
   double medianMs = 0;
   double peakGiB = 0;
+  // Where the time goes: medians of steps with a device synchronise between the two.
+  double forwardBackwardMs = 0, updateMs = 0;
 };
 
-// Median step time of `step` and the largest per-step peak of device memory.
-Measure measure(int warmup, int steps, const std::function<void()>& step) {
+// One variant's step in its two phases: the loss's forward and backward, then what
+// turns gradients into new parameters (gradient sync, norm, optimizer, parameter refresh).
+struct Step {
+  std::function<void()> forwardBackward, update;
+  void operator()() const {
+    forwardBackward();
+    update();
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median step time of `step`, the largest per-step peak of device memory, and (from
+// `steps` more steps, each synchronised between its phases) the phases' medians.
+Measure measure(int warmup, int steps, const Step& step) {
   for (int i = 0; i < warmup; ++i) step();
   sync();
-  std::vector<double> times;
+  std::vector<double> times, forwardBackward, update;
   int64_t peak = 0;
   for (int i = 0; i < steps; ++i) {
     resetPeak();
@@ -102,8 +120,17 @@ Measure measure(int warmup, int steps, const std::function<void()>& step) {
     times.push_back((nowSec() - start) * 1e3);
     peak = std::max(peak, peakBytes());
   }
-  std::sort(times.begin(), times.end());
-  return {times[times.size() / 2], static_cast<double>(peak) / (1 << 30)};
+  for (int i = 0; i < steps; ++i) {
+    const double start = nowSec();
+    step.forwardBackward();
+    sync();
+    const double mid = nowSec();
+    step.update();
+    sync();
+    forwardBackward.push_back((mid - start) * 1e3);
+    update.push_back((nowSec() - mid) * 1e3);
+  }
+  return {median(times), static_cast<double>(peak) / (1 << 30), median(forwardBackward), median(update)};
 }
 
 // TFLOP/s of a bf16 (fp32 on the CPU) n x n x n matrix product: the peak MFU is taken
@@ -210,7 +237,7 @@ Workload ditWorkload(const tessera::models::ModelOptions& m, int64_t image, int6
 
 // A Chrome trace of `steps` calls of `step` (PyTorch's Kineto profiler: every CUDA stream,
 // the NCCL kernels on the communicator's own, and the host ops).
-void writeTrace(const std::string& path, int steps, const std::function<void()>& step) {
+void writeTrace(const std::string& path, int steps, const Step& step) {
 #ifdef TESSERA_HAS_KINETO
   namespace profiler = torch::autograd::profiler;
   const profiler::ProfilerConfig config(profiler::ProfilerState::KINETO, false, false, false, false, false);
@@ -220,7 +247,7 @@ void writeTrace(const std::string& path, int steps, const std::function<void()>&
   for (int i = 0; i < steps; ++i) step();
   sync();
   profiler::disableProfiler()->save(path);
-  std::printf("trace of %d tessera steps: %s\n", steps, path.c_str());
+  std::printf("trace of %d steps: %s\n", steps, path.c_str());
 #else
   (void)steps;
   (void)step;
@@ -264,7 +291,8 @@ int main(int argc, char** argv) {
   app.add_flag("--shortcut", shortcut, "Answer the world of one locally instead of through NCCL");
   app.add_option("--peak-tflops", peakTflops, "Peak for MFU (default: measured by a matrix-product probe)")
       ->check(CLI::PositiveNumber);
-  app.add_option("--trace", trace, "Write a Chrome trace of two tessera steps here (Kineto)");
+  app.add_option("--trace", trace, "Write a Chrome trace of two tessera steps here (Kineto), and of two plain "
+                 "steps beside it (name_plain.json)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -298,17 +326,17 @@ int main(int argc, char** argv) {
       options.wrap = {w.unitPattern};
       options.initializer = tessera::models::layers::initializerOf(*sharded, 0);
       auto strategy = tessera::sharding::makeStrategy(*sharded, comm, options);
-      auto step = [&] {
-        strategy->zeroGrad();
-        w.loss(*sharded, true).backward();
-        strategy->step(1e-4);
-      };
+      const Step step{[&] {
+                        strategy->zeroGrad();
+                        w.loss(*sharded, true).backward();
+                      },
+                      [&] { strategy->step(1e-4); }};
       const Measure m = measure(warmup, steps, step);
       if (!tracePath.empty()) writeTrace(tracePath, 2, step);
       return m;
     };
     // plain: a compute-dtype model, fp32 masters, torch::optim::AdamW.
-    auto runPlain = [&] {
+    auto runPlain = [&](const std::string& tracePath) {
       std::shared_ptr<torch::nn::Module> plain = w.build();
       tessera::models::initializeModel(*plain, 0);  // the values the strategy's shards start from
       std::vector<at::Tensor> masters;
@@ -316,19 +344,23 @@ int main(int argc, char** argv) {
       if (compute != at::kFloat) plain->to(compute);
       torch::optim::AdamW optimizer(masters, torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
       const std::vector<at::Tensor> plainParams = plain->parameters();
-      auto step = [&] {
-        optimizer.zero_grad();
-        for (const auto& p : plainParams) p.mutable_grad() = at::Tensor();
-        w.loss(*plain, false).backward();
-        for (size_t i = 0; i < masters.size(); ++i) {
-          const at::Tensor& g = plainParams[i].grad();
-          masters[i].mutable_grad() = g.defined() ? g.to(at::kFloat) : at::zeros_like(masters[i]);
-        }
-        optimizer.step();
-        c10::NoGradGuard noGrad;
-        for (size_t i = 0; i < masters.size(); ++i) plainParams[i].copy_(masters[i]);
-      };
-      return measure(warmup, steps, step);
+      const Step step{[&] {
+                        optimizer.zero_grad();
+                        for (const auto& p : plainParams) p.mutable_grad() = at::Tensor();
+                        w.loss(*plain, false).backward();
+                      },
+                      [&] {
+                        for (size_t i = 0; i < masters.size(); ++i) {
+                          const at::Tensor& g = plainParams[i].grad();
+                          masters[i].mutable_grad() = g.defined() ? g.to(at::kFloat) : at::zeros_like(masters[i]);
+                        }
+                        optimizer.step();
+                        c10::NoGradGuard noGrad;
+                        for (size_t i = 0; i < masters.size(); ++i) plainParams[i].copy_(masters[i]);
+                      }};
+      const Measure m = measure(warmup, steps, step);
+      if (!tracePath.empty()) writeTrace(tracePath, 2, step);
+      return m;
     };
 
     const bool measuredPeak = peakTflops <= 0;
@@ -344,11 +376,17 @@ int main(int argc, char** argv) {
     // Interleaved: plain, tessera, plain, tessera (each variant's best median kept).
     std::vector<Measure> plainRuns, tesseraRuns;
     for (int round = 0; round < 2; ++round) {
-      plainRuns.push_back(runPlain());
+      std::string plainTrace;
+      if (round == 1 && !trace.empty()) {
+        const size_t dot = trace.rfind('.');
+        plainTrace = dot == std::string::npos ? trace + "_plain" : trace.substr(0, dot) + "_plain" + trace.substr(dot);
+      }
+      plainRuns.push_back(runPlain(plainTrace));
       tesseraRuns.push_back(runTessera(round == 1 ? trace : std::string()));
-      std::printf("round %d: plain %.2f ms (peak %.2f GiB), tessera zero3 %.2f ms (peak %.2f GiB)\n", round,
-                  plainRuns.back().medianMs, plainRuns.back().peakGiB, tesseraRuns.back().medianMs,
-                  tesseraRuns.back().peakGiB);
+      for (const auto& [name, m] : {std::pair{"plain", plainRuns.back()}, std::pair{"tessera zero3", tesseraRuns.back()}}) {
+        std::printf("round %d: %s %.2f ms (peak %.2f GiB); phases synchronised: forward+backward %.2f ms, update %.2f ms\n",
+                    round, name, m.medianMs, m.peakGiB, m.forwardBackwardMs, m.updateMs);
+      }
     }
     auto best = [](const std::vector<Measure>& runs) {
       return *std::min_element(runs.begin(), runs.end(),

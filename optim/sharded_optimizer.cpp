@@ -6,9 +6,12 @@
 #include <ATen/Functions.h>
 #include <c10/core/GradMode.h>
 #include <fnmatch.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "common/errors.h"
 #include "common/logging.h"
@@ -194,6 +197,7 @@ struct AdamGroup {
   std::vector<at::Tensor> params, grads, ms, vs;
 
   void step(const OptimizerOptions& o) const {
+    if (stepFused(o)) return;
     const double bc1 = 1.0 - std::pow(o.beta1, static_cast<double>(t));
     const double bc2 = 1.0 - std::pow(o.beta2, static_cast<double>(t));
     std::vector<at::Tensor> g = grads;
@@ -210,6 +214,38 @@ struct AdamGroup {
     at::_foreach_div_(denom, std::sqrt(bc2));
     at::_foreach_add_(denom, o.eps);
     at::_foreach_addcdiv_(params, ms, denom, -lr / bc1);
+  }
+
+  // On CUDA with LibTorch 2.x: torch's fused kernel (torch.optim.AdamW(fused=True)), one
+  // pass over parameters, gradients and both moments instead of the nine above, and no
+  // temporary the size of the parameters. TESSERA_ADAM_IMPL=foreach keeps the nine (to
+  // measure one against the other). False where it does not apply.
+  bool stepFused(const OptimizerOptions& o) const {
+#if TORCH_VERSION_MAJOR >= 2
+    static const bool foreachOnly = [] {
+      const char* impl = std::getenv("TESSERA_ADAM_IMPL");
+      return impl != nullptr && std::strcmp(impl, "foreach") == 0;
+    }();
+    if (foreachOnly || !params.front().is_cuda()) return false;
+    for (const at::Tensor& g : grads) {
+      if (g.scalar_type() != at::kFloat) return false;
+    }
+    // The kernel reads the step count (already incremented) from a device tensor per
+    // parameter; one shared tensor serves them all.
+    const at::Tensor stepCount = at::full({}, static_cast<double>(t), params.front().options().dtype(at::kFloat));
+    const std::vector<at::Tensor> steps(params.size(), stepCount);
+    if (o.kind == OptimizerKind::kAdamW) {
+      at::_fused_adamw_(params, grads, ms, vs, {}, steps, lr, o.beta1, o.beta2, wd, o.eps, /*amsgrad=*/false,
+                        /*maximize=*/false);
+    } else {
+      at::_fused_adam_(params, grads, ms, vs, {}, steps, lr, o.beta1, o.beta2, wd, o.eps, /*amsgrad=*/false,
+                       /*maximize=*/false);
+    }
+    return true;
+#else
+    (void)o;
+    return false;
+#endif
   }
 };
 

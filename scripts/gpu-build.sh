@@ -85,7 +85,7 @@ cmake -S . -B "$BUILD_DIR" "${GENERATOR[@]}" \
   -DCMAKE_BUILD_RPATH="$DEPS_LIB;$(dirname "$NCCL_LIB")" \
   -DTESSERA_WITH_CUDA=ON -DProtobuf_PROTOC_EXECUTABLE="$DEPS_PREFIX/usr/bin/protoc" \
   -DNCCL_INCLUDE_DIR="$NCCL_HOME/include" -DNCCL_LIBRARY="$NCCL_LIB" \
-  -DTESSERA_PYTHON3="$(command -v "$PYTHON")" \
+  -DTESSERA_PYTHON3="$(command -v "$PYTHON")" -DTESSERA_INSTALL=OFF \
   "${GLOO_ARGS[@]}" "$@"
 cmake --build "$BUILD_DIR" -j "${TESSERA_BUILD_JOBS:-$(nproc)}" ${TESSERA_BUILD_ARGS:-}
 echo "gpu-build: built into $BUILD_DIR/ (tests: ctest --test-dir $BUILD_DIR)"

@@ -7,7 +7,7 @@
 #   scripts/gpu-session.sh build       # scripts/gpu-build.sh (needs .gpu-debs/ carried along);
 #                                      # TESSERA_GPU_TARGETS=all builds everything
 #   scripts/gpu-session.sh step        # bench_step_bench vs plain LibTorch vs FSDP2: GPT-2 small,
-#                                      # DiT-XL/2; Chrome traces into $OUT/traces.tar.gz
+#                                      # DiT-XL/2; Chrome traces into $OUT/traces_{gpt,dit}.tar.gz
 #   scripts/gpu-session.sh cuda-test   # the CUDA tests (tests/cuda), required to run
 #   scripts/gpu-session.sh train       # tessera-train on cuda (nccl) vs cpu, bf16, stop + resume
 #                                      # (needs Fashion-MNIST's t10k files in .gpu-data/)
@@ -72,15 +72,15 @@ for stage in "$@"; do
       bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${gpt[@]}" --trace /tmp/traces/fsdp2_gpt.json
       # DiT-XL/2 (675M parameters) on 32x32x4 latents (256 tokens), as the DiT paper's 256 px.
       dit=(--model dit --embed 1152 --layers 28 --heads 16 --image 32 --channels 4 --patch 2 --classes 1000 --batch 32)
-      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${dit[@]}"
+      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${dit[@]}" --trace /tmp/traces/tessera_dit.json
       bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${dit[@]}"
-      # The world of one answered locally (no NCCL at all), for comparison.
-      bounded 90 "$log" "$BIN/bench_step_bench" --device cuda "${gpt[@]}" --shortcut --steps 5
-      for trace in /tmp/traces/*.json; do
-        [ -f "$trace" ] && bounded 60 "$log" "$PYTHON" scripts/trace_timeline.py "$trace" "${trace%.json}.svg" \
-          --title "$(basename "$trace" .json)"
-      done
-      (cd /tmp/traces && ls ./*.json >/dev/null 2>&1 && tar czf "$OUT/traces.tar.gz" ./*)
+      # The optimizer as before the fused kernel (nine foreach passes), for the same-call ratio.
+      echo "== TESSERA_ADAM_IMPL=foreach" >> "$log"
+      TESSERA_ADAM_IMPL=foreach bounded 120 "$log" "$BIN/bench_step_bench" --device cuda "${dit[@]}" --steps 5
+      # The traces are drawn off the machine (scripts/trace_timeline.py needs no GPU).
+      (cd /tmp/traces && ls ./*gpt*.json >/dev/null 2>&1 && tar czf "$OUT/traces_gpt.tar.gz" ./*gpt*.json)
+      (cd /tmp/traces && ls ./*dit*.json >/dev/null 2>&1 && tar czf "$OUT/traces_dit.tar.gz" ./*dit*.json)
+      ls -la "$OUT" >> "$log"
       ;;
     cuda-test)
       TESSERA_EXPECT_CUDA=1 bounded 240 "$OUT/cuda_test.txt" "$BIN/tessera_cuda_tests" --gtest_brief=1
