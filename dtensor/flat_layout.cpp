@@ -86,6 +86,59 @@ void FlatLayout::unpackFull(const at::Tensor& flat, size_t i, const at::Tensor& 
   if (rem > 0) dst.narrow(0, q * c, rem).copy_(src.select(0, q).narrow(0, 0, rem));
 }
 
+void FlatLayout::unpackAll(const at::Tensor& flat, at::TensorList paddedFulls) const {
+  checkFlat(flat, "unpackAll");
+  TESSERA_CHECK(paddedFulls.size() == specs_.size(), "FlatLayout::unpackAll: ", paddedFulls.size(),
+                " tensors for a layout of ", specs_.size());
+  if (specs_.empty()) return;
+  std::vector<at::Tensor> outs;
+  std::vector<int64_t> widths;
+  outs.reserve(specs_.size());
+  widths.reserve(specs_.size());
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const at::Tensor& out = paddedFulls[i];
+    TESSERA_CHECK(out.defined() && out.is_contiguous() && out.numel() == paddedFullNumel(i) &&
+                      out.scalar_type() == flat.scalar_type(),
+                  "FlatLayout::unpackAll: tensor ", i, " must be contiguous ", flat.scalar_type(), " with ",
+                  paddedFullNumel(i), " elements");
+    outs.push_back(out.detach().view({chunks_, specs_[i].paddedNumel()}));
+    widths.push_back(specs_[i].paddedNumel());
+  }
+  c10::NoGradGuard noGrad;
+  at::split_with_sizes_copy_out(outs, flat.view({chunks_, chunkNumel_}), widths, 1);
+}
+
+void FlatLayout::packAll(const at::Tensor& flat, at::TensorList fulls) const {
+  checkFlat(flat, "packAll");
+  TESSERA_CHECK(fulls.size() == specs_.size(), "FlatLayout::packAll: ", fulls.size(), " tensors for a layout of ",
+                specs_.size());
+  if (flat.numel() == 0) return;
+  c10::NoGradGuard noGrad;
+  std::vector<at::Tensor> pieces;
+  pieces.reserve(specs_.size());
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const ShardSpec& s = specs_[i];
+    const int64_t c = s.chunkRows(), rn = s.rowNumel(), rows = s.globalRows();
+    if (c == 0 || rn == 0) continue;  // no elements
+    const at::Tensor& full = fulls[i];
+    if (!full.defined()) {
+      pieces.push_back(at::zeros({chunks_, c * rn}, flat.options()));
+      continue;
+    }
+    TESSERA_CHECK(full.sizes().vec() == s.globalShape(), "FlatLayout::packAll: tensor ", i, " has shape ",
+                  full.sizes(), ", its spec says ", at::IntArrayRef(s.globalShape()));
+    at::Tensor src = full.detach().contiguous().view({rows, rn});
+    if (rows != chunks_ * c) {  // ragged: padding rows of zeros after the real ones
+      at::Tensor padded = at::zeros({chunks_ * c, rn}, src.options());
+      padded.narrow(0, 0, rows).copy_(src);
+      src = padded;
+    }
+    pieces.push_back(src.view({chunks_, c * rn}));
+  }
+  at::Tensor out = flat.view({chunks_, chunkNumel_});
+  at::cat_out(out, pieces, 1);
+}
+
 std::vector<std::vector<size_t>> planBuckets(const std::vector<int64_t>& itemBytes, int64_t bucketBytes) {
   TESSERA_CHECK_AS(ConfigError, bucketBytes > 0, "planBuckets: bucket size must be > 0 bytes, got ", bucketBytes);
   std::vector<std::vector<size_t>> buckets;

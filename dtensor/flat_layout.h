@@ -51,6 +51,20 @@ class FlatLayout {
   // global shape, any dtype; cast on copy). Runs without autograd recording.
   void unpackFull(const at::Tensor& flat, size_t i, const at::Tensor& full) const;
 
+  // The whole group in one operation each way (FSDP2's split_with_sizes_copy and
+  // chunk_cat): a unit's gather copied out, its gradients packed, without a chain of views
+  // and a copy per tensor (on a GPU, the host's launches are what a step waits for).
+  // Elements of tensor i's padded full tensor: chunks() x chunkRows rows, real rows first,
+  // so that rank r's shard is rows [r * chunkRows, (r + 1) * chunkRows).
+  int64_t paddedFullNumel(size_t i) const { return chunks_ * specs_.at(i).paddedNumel(); }
+  // Copies every chunk of `flat` into `paddedFulls[i]` (contiguous, paddedFullNumel(i)
+  // elements, flat's dtype): the full tensor i is then its first globalNumel() elements.
+  void unpackAll(const at::Tensor& flat, at::TensorList paddedFulls) const;
+  // packFull for every tensor at once (`fulls[i]` of global shape, or undefined for
+  // zeros), cast to flat's dtype. A tensor whose rows do not fill its padded rows is
+  // padded in a copy of its own first.
+  void packAll(const at::Tensor& flat, at::TensorList fulls) const;
+
  private:
   void checkFlat(const at::Tensor& flat, const char* where) const;
 

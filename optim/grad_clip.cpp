@@ -21,11 +21,12 @@ at::Tensor realRowsOf(const at::Tensor& grad, const dtensor::ShardSpec& spec) {
 }
 
 // A sum of squares kept where the gradients are: a double on the host for CPU gradients
-// (one pass each), a double scalar on the GPU for CUDA ones, so that a step reads the
-// device back once instead of once per parameter.
+// (one pass each); for accelerator gradients, their norms in one multi-tensor operation
+// (_foreach_norm: a few launches for all of them instead of three per gradient), summed on
+// the device, so that a step reads the device back once.
 struct SquareSum {
   double host = 0.0;
-  at::Tensor device;
+  std::vector<at::Tensor> deviceGrads;  // fp32 or fp64, flat real rows
 
   void add(const at::Tensor& grad, const dtensor::ShardSpec& spec) {
     const at::Tensor real = realRowsOf(grad, spec);
@@ -34,17 +35,25 @@ struct SquareSum {
       host += localSquaredNorm(grad, spec);
       return;
     }
-    const at::Tensor wide = real.scalar_type() == at::kDouble ? real : real.to(at::kFloat);
-    const at::Tensor squares = wide.square().sum(at::kDouble);
-    device = device.defined() ? device.add_(squares) : squares;
+    const bool wide = real.scalar_type() == at::kDouble || real.scalar_type() == at::kFloat;
+    deviceGrads.push_back(wide ? real : real.to(at::kFloat));
+  }
+  // The device part as a double scalar tensor (undefined when there is none).
+  at::Tensor deviceSum() const {
+    if (deviceGrads.empty()) return at::Tensor();
+    return at::stack(at::_foreach_norm(deviceGrads, 2)).to(at::kDouble).square().sum();
   }
   // The sum as a [1] double tensor on `where`.
   at::Tensor on(c10::Device where) const {
     at::Tensor out = at::full({1}, host, at::TensorOptions().dtype(at::kDouble).device(where));
+    const at::Tensor device = deviceSum();
     if (device.defined()) out.add_(device.reshape({1}).to(where));
     return out;
   }
-  double value() const { return device.defined() ? host + device.item<double>() : host; }
+  double value() const {
+    const at::Tensor device = deviceSum();
+    return device.defined() ? host + device.item<double>() : host;
+  }
 };
 
 }  // namespace

@@ -11,8 +11,6 @@
 namespace tessera::sharding {
 namespace {
 
-size_t fullBytes(const at::Tensor& p) { return static_cast<size_t>(p.numel()) * p.element_size(); }
-
 }  // namespace
 
 FsdpUnit::FsdpUnit(std::string name, const torch::nn::Module* module, bool isRoot, const UnitContext& context)
@@ -48,11 +46,15 @@ void FsdpUnit::adoptRecords(std::vector<dtensor::ShardedParam*> records) {
                 layout_->size(), " slots");
   params_ = std::move(records);
   c10::NoGradGuard noGrad;
-  for (dtensor::ShardedParam* p : params_) {
-    const at::Tensor& param = p->moduleParam;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const at::Tensor& param = params_[k]->moduleParam;
     param.set_data(dtensor::deferredTensor(param.sizes().vec(), masterChunk_.options().dtype(ctx_.paramDtype)));
-    paramBytes_ += static_cast<int64_t>(fullBytes(param));
+    paramBytes_ += static_cast<int64_t>(storageBytes(k));
   }
+}
+
+size_t FsdpUnit::storageBytes(size_t k) const {
+  return static_cast<size_t>(layout_->paddedFullNumel(k)) * c10::elementSize(ctx_.paramDtype);
 }
 
 // ---- lifecycle ------------------------------------------------------------------------
@@ -77,13 +79,17 @@ void FsdpUnit::waitForUnshard() {
   if (sharded_ != ShardedState::kUnsharding) return;
   gather_->wait();
   gather_.reset();
-  for (size_t k = 0; k < params_.size(); ++k) {
-    const at::Tensor& p = params_[k]->moduleParam;
-    dtensor::setStorageBytes(p, fullBytes(p));
-    // variable_data(): a new version counter, so autograd's saved references to p do not
-    // see a modification.
-    layout_->unpackFull(flat_, k, p.variable_data());
+  for (size_t k = 0; k < params_.size(); ++k) dtensor::setStorageBytes(params_[k]->moduleParam, storageBytes(k));
+  if (paddedViews_.empty()) {
+    // Made once the storages have grown (a view may not outgrow its storage); they stay
+    // valid since a storage grows and shrinks in place. Each has its own version counter,
+    // so autograd's saved references to a parameter do not see the copy as a modification.
+    for (size_t k = 0; k < params_.size(); ++k) {
+      const at::Tensor& p = params_[k]->moduleParam;
+      paddedViews_.push_back(at::empty({0}, p.options()).set_(p.storage(), 0, {layout_->paddedFullNumel(k)}, {1}));
+    }
   }
+  layout_->unpackAll(flat_, paddedViews_);
   sharded_ = ShardedState::kUnsharded;
   ctx_.sample();  // the flat buffer and the full parameters, both alive for this moment
   flat_ = at::Tensor();
@@ -148,10 +154,11 @@ ReduceJob FsdpUnit::startReduce() {
   job.flat = at::empty({gradLayout_->flatNumel()}, options);
   {
     c10::NoGradGuard noGrad;
-    for (size_t j = 0; j < trainable_.size(); ++j) {
-      gradLayout_->packFull(job.flat, j, trainableParam(j).grad());
-      trainableParam(j).mutable_grad().reset();
-    }
+    std::vector<at::Tensor> grads;
+    grads.reserve(trainable_.size());
+    for (size_t j = 0; j < trainable_.size(); ++j) grads.push_back(trainableParam(j).grad());
+    gradLayout_->packAll(job.flat, grads);  // zeros where a gradient is missing
+    for (size_t j = 0; j < trainable_.size(); ++j) trainableParam(j).mutable_grad().reset();
   }
   job.local = at::empty({gradLayout_->chunkNumel()}, options);
   const trace::Tag tag(traceName());

@@ -119,7 +119,7 @@ class FsdpUnit {
   const at::Tensor& gradShard() const { return gradShard_; }
   // Sets each trainable record's `grad` to its slot of the gradient shard (the step's).
   void exposeGradients() const;
-  int64_t paramBytes() const { return paramBytes_; }    // full parameters in the compute dtype
+  int64_t paramBytes() const { return paramBytes_; }    // full parameters (padded to whole shards), compute dtype
   int64_t gatherBytes() const { return gatherBytes_; }  // the flat gather buffer
   int64_t reduceBytes() const;                          // the flat gradient buffer
   // Storage bytes alive now: full parameters and a gather buffer in flight.
@@ -141,6 +141,11 @@ class FsdpUnit {
   ShardedState sharded_ = ShardedState::kSharded;
   TrainingState training_ = TrainingState::kIdle;
   at::Tensor flat_;                     // the gather buffer while kUnsharding
+  // Each parameter's storage as its padded full tensor (FlatLayout::paddedFullNumel): what
+  // a gather is copied out into, in one operation for the unit.
+  std::vector<at::Tensor> paddedViews_;
+  // Bytes of parameter k's storage while gathered: its padded full tensor.
+  size_t storageBytes(size_t k) const;
   std::shared_ptr<distributed::CommHandle> gather_;
   // The timeline (common/trace.h): when this unit's forward or backward compute began
   // (-1: none open), recorded as a span when it ends.
