@@ -28,29 +28,40 @@ std::string fixed(double v, int digits) {
 }
 }  // namespace
 
-MetricsLog::MetricsLog(const std::string& jsonlPath, int64_t totalSteps)
+MetricsLog::MetricsLog(const std::string& jsonlPath, int64_t totalSteps, int64_t resumedStep)
     : jsonlPath_(jsonlPath), totalSteps_(totalSteps), terminal_(::isatty(STDERR_FILENO) == 1), startSec_(nowSec()) {
   std::filesystem::create_directories(std::filesystem::path(jsonlPath).parent_path());
-  // A resumed run appends to the metrics of the run it continues; its loss curve
-  // covers both.
   // Opened first: a link or a FIFO planted at the name is refused before anything is read.
   fd_ = openForAppend(jsonlPath);
   try {
     constexpr int64_t kMaxMetricsBytes = int64_t{1} << 30;
     std::istringstream previous(readRegularFile(jsonlPath, kMaxMetricsBytes, LinkPolicy::kRefuse));
+    std::string kept;
+    bool dropped = false;
     for (std::string line; std::getline(previous, line);) {
       try {
         const auto j = nlohmann::json::parse(line);
         const int64_t step = j.at("step").get<int64_t>();
+        if (step > resumedStep) {  // trained again by this run
+          dropped = true;
+          continue;
+        }
         for (const auto& [name, value] : j.items()) {
           if (isLossCurve(name) && value.is_number()) curves_[name].emplace_back(step, value.get<double>());
         }
+        kept += line + "\n";
       } catch (const nlohmann::json::exception&) {
-        // A line cut short by a crash is skipped, not fatal.
+        dropped = true;  // a line cut short by a crash is dropped, not fatal
       }
     }
+    if (dropped) {
+      ::close(fd_);
+      fd_ = -1;
+      replaceFile(jsonlPath, kept);
+      fd_ = openForAppend(jsonlPath);
+    }
   } catch (...) {
-    ::close(fd_);
+    if (fd_ >= 0) ::close(fd_);
     throw;
   }
 }

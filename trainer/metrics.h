@@ -35,8 +35,11 @@ std::string tensorBoardTag(const std::string& name);
 
 class MetricsLog {
  public:
-  // Appends to `jsonlPath` (created with its directory when missing).
-  MetricsLog(const std::string& jsonlPath, int64_t totalSteps);
+  // Appends to `jsonlPath` (created with its directory when missing). A run resumed at
+  // `resumedStep` continues the metrics of the run up to that step: lines of later steps
+  // (written after the checkpoint it resumes from, and about to be trained again) are
+  // dropped first, so every step appears once.
+  MetricsLog(const std::string& jsonlPath, int64_t totalSteps, int64_t resumedStep = 0);
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;

@@ -26,6 +26,7 @@
 #include "trainer/model_metadata.h"
 #include "trainer/recipe_spec.h"
 #include "trainer/resume_check.h"
+#include "trainer/run_dir.h"
 
 namespace tessera::trainer {
 namespace fs = std::filesystem;
@@ -251,7 +252,7 @@ ResumeCheck settingsAgainst(const RunParts& run, const std::string& dir) {
   const std::string tensors =
       e.mismatches().empty() ? std::string(e.what()) : checkpoint::describeMismatches(e.mismatches(), 3);
   throw ConfigError(strCat("resume from ", e.dir(), ": ", cause, "; the checkpoint's state does not fit this run: ",
-                           tensors, ". Set them back, or start afresh with --resume none or another run.dir"));
+                           tensors, ". Set them back, or start afresh in another run.dir"));
 }
 
 // The counts a checkpoint restored, checked against its step: optimizer steps (at most the
@@ -455,6 +456,10 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   const int rank = run->comm->rank();
   const int world = run->comm->worldSize();
   run->runDir = cfg.run.dir;
+  // One run per run.dir: decided on rank 0 before anything is written, agreed by all.
+  distributed::runOnEveryRank(run->hostComm.get(), "checking run.dir for an earlier run", [&] {
+    if (rank == 0) claimRunDir(cfg);
+  });
   fs::create_directories(run->runDir / "logs");
   if (rank == 0) replaceFile((run->runDir / "config.resolved.yaml").string(), run->resolvedYaml);
 

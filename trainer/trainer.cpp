@@ -155,7 +155,7 @@ class TrainLoop {
         profile_(run.cfg.profile, *run.hostComm, run.runDir) {
     trace::nameThisThread("main");
     if (run.comm->rank() == 0) {
-      metrics_ = std::make_unique<MetricsLog>((run.runDir / "metrics.jsonl").string(), cfg_.run.steps);
+      metrics_ = std::make_unique<MetricsLog>((run.runDir / "metrics.jsonl").string(), cfg_.run.steps, run.startStep);
       if (cfg_.log.tensorboard) tensorboard_ = std::make_unique<observe::TensorBoardWriter>((run.runDir / "tb").string());
     }
     summary_.runDir = run.runDir.string();
@@ -402,7 +402,7 @@ TrainSummary Trainer::run() {
     TLOG_WARN0("run.dir " << run->runDir.string() << " holds a finished run (step " << run->startStep << " of "
                           << run->cfg.run.steps << "); nothing to train"
                           << (missing.empty() ? "" : ", writing the exports it lacks from its final checkpoint")
-                          << ": another run.dir, or --resume none, starts afresh (raise run.steps to train further)");
+                          << ": another run.dir starts afresh (raise run.steps to train further)");
     summary.exports = writeExports(*run, run->startStep, missing);
     return summary;
   }

@@ -173,7 +173,7 @@ TEST(DitE2ETest, ResumeWithAnotherShapeIsAConfigErrorNamingTheKey) {
     EXPECT_EQ(r.status, 2) << c.set << "\n" << r.output;
     EXPECT_NE(r.output.find(c.key), std::string::npos) << r.output;
     EXPECT_NE(r.output.find(c.tensor), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("--resume none"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("start afresh in another run.dir"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("falling back"), std::string::npos) << r.output;
     EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
   }

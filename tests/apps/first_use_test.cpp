@@ -3,7 +3,7 @@
 // tensors, only a checkpoint whose state does not fit the run; a finished run.dir says so and only writes the exports it lacks; a shipped
 // config run from another directory names the key and the directory its path was resolved
 // against; every rank's log file holds its lines; the first Ctrl-C says what a second one
-// does; --print-config prints floats as written.
+// does; --print-config prints floats as written; a run.dir holds one run.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -64,7 +64,7 @@ TEST(FirstUseTest, ResumeListsChangedSettingsAndRefusesOnlyWhatCannotWork) {
   r = runCommand(kTrain + kSmall + " --set model.hidden=[48] --set run.dir=" + dir);
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "model.hidden [32] -> [48]")) << r.output;
-  EXPECT_TRUE(contains(r.output, "--resume none")) << r.output;
+  EXPECT_TRUE(contains(r.output, "start afresh in another run.dir")) << r.output;
   // A new learning rate and a longer run are legitimate: a warning lists them, and the run goes on.
   r = runCommand(kTrain + kSmall + " --set optim.lr=1e-3 --set run.steps=10 --set run.dir=" + dir);
   EXPECT_EQ(r.status, 0) << r.output;
@@ -263,6 +263,62 @@ TEST(FirstUseTest, PrintConfigShowsFloatsAsWritten) {
   EXPECT_TRUE(contains(r.output, "eval_fraction: 0.05\n")) << r.output;
   EXPECT_TRUE(contains(r.output, "min_lr: 0.0003\n")) << r.output;
   EXPECT_FALSE(contains(r.output, "0000000")) << r.output;
+}
+
+// One run per run.dir: --resume none into a run.dir holding an earlier run is refused
+// (exit 2, naming run.dir and what it holds) and changes nothing there; a run that stopped
+// before its first checkpoint has its outputs moved aside, not mixed with the next run's;
+// a resumed run's metrics.jsonl holds each step once (the steps after the checkpoint it
+// resumes from are trained, and written, again).
+TEST(FirstUseTest, RunDirHoldsOneRun) {
+  const std::string dir = scratch("one_run");
+  CommandResult r = runCommand(kTrain + kSmall + " --set run.stop_after_steps=4 --set run.dir=" + dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string metricsBefore = readFile(fs::path(dir) / "metrics.jsonl");
+  r = runCommand(kTrain + kSmall + " --resume none --set run.dir=" + dir);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "run.dir")) << r.output;
+  EXPECT_TRUE(contains(r.output, "holds an earlier run")) << r.output;
+  EXPECT_TRUE(contains(r.output, "step_00000004")) << r.output;
+  EXPECT_TRUE(contains(r.output, "metrics.jsonl")) << r.output;
+  EXPECT_EQ(readFile(fs::path(dir) / "metrics.jsonl"), metricsBefore);
+
+  // A crash after step 6 (its metrics written, its checkpoint not): resume trains 5..8
+  // again and metrics.jsonl ends with each step once, the crashed run's step 6 gone.
+  {
+    std::ofstream out(fs::path(dir) / "metrics.jsonl", std::ios::app);
+    out << "{\"step\":6,\"loss\":123456.0}\n{\"step\":7,\"lo";  // the last line cut short by the crash
+  }
+  r = runCommand(kTrain + kSmall + " --set run.log_every=1 --set run.dir=" + dir);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string metrics = readFile(fs::path(dir) / "metrics.jsonl");
+  EXPECT_FALSE(contains(metrics, "123456")) << metrics;
+  for (int step = 5; step <= 7; ++step) {  // (step 8 may also have its held-out line)
+    const std::string key = "\"step\":" + std::to_string(step) + ",";
+    size_t count = 0;
+    for (size_t at = metrics.find(key); at != std::string::npos; at = metrics.find(key, at + 1)) ++count;
+    EXPECT_EQ(count, 1u) << "step " << step << " in\n" << metrics;
+  }
+
+  // A run that stopped before its first checkpoint: its outputs are moved aside.
+  const std::string early = scratch("early_stop");
+  fs::create_directories(fs::path(early) / "export");
+  {
+    std::ofstream(fs::path(early) / "metrics.jsonl") << "{\"step\":1,\"loss\":654321.0}\n";
+    std::ofstream(fs::path(early) / "export" / "model.safetensors") << "old";
+  }
+  r = runCommand(kTrain + kSmall + " --set run.dir=" + early);
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "stopped before its first checkpoint")) << r.output;
+  EXPECT_FALSE(contains(readFile(fs::path(early) / "metrics.jsonl"), "654321"));
+  int aside = 0;
+  for (const auto& e : fs::directory_iterator(early)) {
+    if (e.path().filename().string().rfind("replaced-", 0) != 0) continue;
+    ++aside;
+    EXPECT_TRUE(contains(readFile(e.path() / "metrics.jsonl"), "654321"));
+    EXPECT_EQ(readFile(e.path() / "export" / "model.safetensors"), "old");
+  }
+  EXPECT_EQ(aside, 1);
 }
 
 }  // namespace

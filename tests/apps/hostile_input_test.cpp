@@ -574,9 +574,10 @@ TEST_F(HostileInputTest, EmaInitFromIsStrict) {
   const std::string weights = run + "/export/model_ema.safetensors";
   const auto tensors = tessera::checkpoint::loadSafetensors(weights);
   const std::string victim = tensors.begin()->first;
-  const std::string train =
-      kTrain + " --config " + kConfig + kShortRun + " --resume none --set run.dir=" + scratch("run");
-  expectSuccess(train + " --set ema.init_from=" + weights);
+  // A run.dir of its own for each run (one run per run.dir).
+  int runs = 0;
+  auto train = [&] { return kTrain + " --config " + kConfig + kShortRun + " --set run.dir=" + scratch("run" + std::to_string(runs++)); };
+  expectSuccess(train() + " --set ema.init_from=" + weights);
 
   auto save = [&](const std::string& tag, std::map<std::string, at::Tensor> t) {
     const std::string path = scratch(tag + ".safetensors");
@@ -600,7 +601,7 @@ TEST_F(HostileInputTest, EmaInitFromIsStrict) {
            {save("extra", extra), {"unexpected", "not_in_the_model.weight"}},
            {save("missing", missing), {"missing", victim}},
            {save("reshaped", reshaped), {"shape mismatch", victim}}}) {
-    const std::string out = expectRefused(train + " --set ema.init_from=" + file, {"ema.init_from: ", file}, 2);
+    const std::string out = expectRefused(train() + " --set ema.init_from=" + file, {"ema.init_from: ", file}, 2);
     for (const auto& name : names) EXPECT_NE(out.find(name), std::string::npos) << name << " in\n" << out;
   }
 }

@@ -1,0 +1,99 @@
+// One run per run.dir (see run_dir.h).
+#include "trainer/run_dir.h"
+
+#include <algorithm>
+#include <ctime>
+#include <system_error>
+
+#include "common/errors.h"
+#include "common/logging.h"
+
+namespace tessera::trainer {
+namespace fs = std::filesystem;
+
+namespace {
+
+// The files and folders a run writes into run.dir, besides checkpoints/ and logs/.
+const char* const kRunOutputs[] = {"metrics.jsonl", "loss.svg", "tb", "export", "samples", "posthoc", "profile"};
+
+bool nonEmpty(const fs::path& p) {
+  std::error_code ec;
+  if (fs::is_directory(fs::symlink_status(p, ec))) return fs::directory_iterator(p, ec) != fs::directory_iterator();
+  return fs::exists(fs::symlink_status(p, ec));
+}
+
+std::string utcStamp() {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y%m%d-%H%M%S", &utc);
+  return buf;
+}
+
+std::string joined(const std::vector<std::string>& items) {
+  std::string out;
+  for (const std::string& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+}  // namespace
+
+EarlierRun findEarlierRun(const fs::path& runDir) {
+  EarlierRun found;
+  std::error_code ec;
+  const fs::path checkpoints = runDir / "checkpoints";
+  if (fs::is_directory(fs::symlink_status(checkpoints, ec))) {
+    std::vector<std::string> steps;
+    for (const fs::directory_entry& e : fs::directory_iterator(checkpoints, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("step_", 0) == 0) steps.push_back(name);
+    }
+    if (!steps.empty()) {
+      found.newestCheckpoint = *std::max_element(steps.begin(), steps.end());
+      found.outputs.push_back(strCat("checkpoints/ (", steps.size(), ", newest ", found.newestCheckpoint, ")"));
+      found.movable.push_back("checkpoints");
+    }
+  }
+  for (const char* name : kRunOutputs) {
+    if (!nonEmpty(runDir / name)) continue;
+    const bool dir = fs::is_directory(fs::symlink_status(runDir / name, ec));
+    found.outputs.push_back(std::string(name) + (dir ? "/" : ""));
+    found.movable.push_back(name);
+  }
+  return found;
+}
+
+void claimRunDir(const TrainConfig& cfg) {
+  const fs::path runDir = cfg.run.dir;
+  const EarlierRun earlier = findEarlierRun(runDir);
+  if (earlier.empty()) return;
+  const std::string& resume = cfg.checkpoint.resume;
+  if (resume == "none") {
+    throw ConfigError(cfg.origins.errorMessage(
+        "run.dir",
+        strCat("'", runDir.string(), "' holds an earlier run (", joined(earlier.outputs),
+               "); --resume none starts afresh only in a new or empty run.dir, so that two runs never share "
+               "metrics, exports or checkpoints. Set another run.dir, move that one away, or continue it with "
+               "--resume auto")));
+  }
+  if (resume != "auto" || !earlier.newestCheckpoint.empty()) return;
+  // A run that stopped before its first checkpoint: nothing to resume, its outputs kept
+  // aside rather than mixed with this run's.
+  const fs::path aside = runDir / ("replaced-" + utcStamp());
+  std::error_code ec;
+  fs::create_directories(aside, ec);
+  if (ec) throw Error(strCat("run.dir: cannot create '", aside.string(), "' to keep an earlier run's outputs: ", ec.message()));
+  for (const std::string& name : earlier.movable) {
+    fs::rename(runDir / name, aside / name, ec);
+    if (ec) {
+      throw Error(strCat("run.dir: cannot move '", (runDir / name).string(), "' into '", aside.string(),
+                         "': ", ec.message()));
+    }
+  }
+  TLOG_WARN0("run.dir " << runDir.string() << " held the outputs of an earlier run that stopped before its first "
+                        << "checkpoint (" << joined(earlier.outputs) << "); moved into " << aside.string()
+                        << " and starting afresh");
+}
+
+}  // namespace tessera::trainer
