@@ -2,7 +2,11 @@
 // checkpointer.h for the protocol).
 #include "checkpoint/checkpointer.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <future>
 #include <set>
@@ -70,6 +74,28 @@ int64_t checksumBlockBytes(int64_t requested, int64_t maxMetadataBytes, int64_t 
 
 // What one rank writes for one step: everything the writer needs, owned (staged copies
 // in async mode), so the caller may change its tensors as soon as save() returns.
+namespace {
+
+// Tells rank 0 that `rank` failed this save: the marker's existence is the signal, its text
+// the reason. On a full disk the text may not fit (ENOSPC while writing it): the partly
+// written marker is published anyway, or an empty one made (a name needs no data blocks),
+// so rank 0 stops waiting at once instead of at the commit timeout.
+void publishRankError(const std::string& tmpDir, int rank, const std::string& why) {
+  const std::string path = (fs::path(tmpDir) / rankErrorFile(rank)).string();
+  try {
+    writeFileAtomic(path, why, /*syncParent=*/false);
+    return;
+  } catch (...) {
+  }
+  std::error_code ec;
+  fs::rename(path + ".tmp", path, ec);
+  if (!ec) return;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd >= 0) ::close(fd);
+}
+
+}  // namespace
+
 struct Checkpointer::Job {
   struct Source {
     TensorInfo head;   // name, dtype, shape, placement (no chunks)
@@ -83,6 +109,9 @@ struct Checkpointer::Job {
   std::map<std::string, std::string> aliases;
   std::vector<Source> sources;
   CheckpointOptions options;
+  // Set by the writer thread when its write failed (error holds why): what
+  // Checkpointer::writerFailed() reads while the thread may still run.
+  std::atomic<bool> failed{false};
   double seconds = 0;
   std::string error;  // set by run()'s caller when it threw
   // Async: an all-reduce every rank issues once its staging copy is done; the writer
@@ -101,10 +130,7 @@ struct Checkpointer::Job {
       writeRankPart();
     } catch (const std::exception& e) {
       // Tell rank 0 at once rather than letting it wait for the commit timeout.
-      try {
-        writeFileAtomic((fs::path(tmpDir) / rankErrorFile(rank)).string(), e.what());
-      } catch (...) {
-      }
+      publishRankError(tmpDir, rank, e.what());
       throw;
     }
     if (rank == 0) commit();
@@ -202,6 +228,7 @@ struct Checkpointer::Job {
           } catch (const std::exception& e) {
             why = e.what();
           }
+          if (why.empty()) why = strCat("(its reason could not be written to ", err, ": is the disk full?)");
           throw Error(strCat("checkpoint step ", step, ": rank ", r, " failed to write its part: ", why));
         }
         const std::string path = (fs::path(tmpDir) / rankIndexFile(r)).string();
@@ -346,6 +373,8 @@ Checkpointer::~Checkpointer() {
   const std::string error = waitLocal();
   if (!error.empty()) TLOG_ERROR("checkpoint: the last async save failed and nobody called finish(): " << error);
 }
+
+bool Checkpointer::writerFailed() const { return job_ && job_->failed.load(); }
 
 double Checkpointer::lastWriteSeconds() const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -511,10 +540,7 @@ int64_t Checkpointer::agreeAndStage(const SaveRequest& request, Job& job, int64_
                              strCat("checkpoint step ", request.step, ": preparing ", job.tmpDir));
   if (!stagingError.empty()) {
     job.error = strCat("staging failed: ", stagingError);
-    try {
-      writeFileAtomic((fs::path(job.tmpDir) / rankErrorFile(rank_)).string(), job.error);
-    } catch (...) {
-    }
+    publishRankError(job.tmpDir, rank_, job.error);
   }
   return bytes;
 }
@@ -545,6 +571,7 @@ void Checkpointer::startWriter(const std::shared_ptr<Job>& job) {
     } catch (...) {
       job->error = "unknown exception in the checkpoint writer";
     }
+    job->failed = !job->error.empty();
   });
 }
 

@@ -130,6 +130,11 @@ class Checkpointer {
   SaveStats save(int64_t step, const StateMap& states, const SaveOptions& options = {});
   // Collective. Waits for the in-flight save and throws on every rank if it failed on any.
   void finish();
+  // Whether this rank's in-flight async save has already failed (a full disk, say): not
+  // collective, so a caller shares it with the other ranks (the trainer: on the step's
+  // all-reduce) and then all call finish(), which throws everywhere within a step instead
+  // of at the next save.
+  bool writerFailed() const;
 
   const std::string& checkpointsDir() const { return root_; }
   const CheckpointOptions& options() const { return options_; }

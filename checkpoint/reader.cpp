@@ -11,6 +11,7 @@
 #include <set>
 
 #include "checkpoint/format.h"
+#include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
@@ -429,8 +430,20 @@ void checkOutputOutsideState(const std::string& out, const std::string& option,
   if (out.empty()) return;
   std::error_code ec;
   for (const std::string& input : inputs) {
-    if (!input.empty() && fs::equivalent(out, input, ec)) {
-      throw UsageError(strCat(option, " ", out, " is an input of this command (", input, "): it would be overwritten"));
+    if (input.empty()) continue;
+    // A sharded export's index stands for its shard files too.
+    std::vector<std::string> files{input};
+    try {
+      for (const std::string& file : safetensorsFiles(input)) {
+        if (file != input) files.push_back(file);
+      }
+    } catch (const std::exception&) {
+      // An unreadable index: reading it as an input will say why.
+    }
+    for (const std::string& file : files) {
+      if (fs::equivalent(out, file, ec)) {
+        throw UsageError(strCat(option, " ", out, " is an input of this command (", file, "): it would be overwritten"));
+      }
     }
   }
   // The directory the output goes into (or is), as it resolves: a link into a checkpoint

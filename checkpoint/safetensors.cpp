@@ -161,21 +161,38 @@ std::map<std::string, std::string> parseSafetensorsIndex(const std::string& text
   return out;
 }
 
+namespace {
+
+bool isIndexPath(const std::string& path) {
+  return path.size() > 11 && path.compare(path.size() - 11, 11, ".index.json") == 0;
+}
+
+// The shard files of index `path`'s weight map, each once.
+std::vector<std::string> indexFiles(const std::string& path, const std::map<std::string, std::string>& weightMap) {
+  std::vector<std::string> files;
+  std::set<std::string> unique;
+  for (const auto& [name, file] : weightMap) {
+    if (unique.insert(file).second) files.push_back((fs::path(path).parent_path() / file).string());
+  }
+  return files;
+}
+
+}  // namespace
+
+std::vector<std::string> safetensorsFiles(const std::string& path) {
+  if (!isIndexPath(path)) return {path};
+  return indexFiles(path, parseSafetensorsIndex(readFileBounded(path, kMaxIndexBytes, LinkPolicy::kFollow), path));
+}
+
 SafetensorsSet::SafetensorsSet(const std::string& path) {
-  const bool isIndex = path.size() > 11 && path.compare(path.size() - 11, 11, ".index.json") == 0;
-  if (!isIndex) {
+  if (!isIndexPath(path)) {
     open({path});
     return;
   }
   const std::string text = readFileBounded(path, kMaxIndexBytes, LinkPolicy::kFollow);
   const std::map<std::string, std::string> expectedFile = parseSafetensorsIndex(text, path);
   const std::optional<int64_t> totalSize = indexTotalSize(detail::parseJson(text, path), path);
-  std::vector<std::string> files;
-  std::set<std::string> unique;
-  for (const auto& [name, file] : expectedFile) {
-    if (unique.insert(file).second) files.push_back((fs::path(path).parent_path() / file).string());
-  }
-  open(files);
+  open(indexFiles(path, expectedFile));
   for (const auto& [name, file] : expectedFile) {
     auto it = byName_.find(name);
     if (it == byName_.end() || fs::path(it->second.reader->path()).filename() != file) {

@@ -121,6 +121,11 @@ class SafetensorsReader {
   SafetensorsHeader header_;
 };
 
+// The files a safetensors path stands for: the path itself, or the shard files a sharded
+// export's *.index.json lists (beside it, each once, in weight_map order). Throws
+// CheckpointError naming the index when it cannot be read or parsed.
+std::vector<std::string> safetensorsFiles(const std::string& path);
+
 // A single safetensors file, or the files of a sharded export listed by its *.index.json:
 // every tensor by name, with the reader that holds it. Throws CheckpointError naming the
 // file for a tensor in two files or one the index puts in a file that lacks it.

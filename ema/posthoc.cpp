@@ -105,8 +105,9 @@ namespace {
 
 // The sigma_rel checked, and the snapshots at or before the step to reconstruct at.
 PosthocResult selectSnapshots(const std::string& dir, const PosthocOptions& options) {
-  if (!(options.sigmaRel > 0 && options.sigmaRel < kMaxPowerEmaStd)) {
-    throw UsageError(strCat("--posthoc-ema ", options.sigmaRel, ": sigma_rel must be in (0, ", kMaxPowerEmaStd, ")"));
+  if (!validPowerEmaStd(options.sigmaRel)) {
+    throw UsageError(strCat("--posthoc-ema ", options.sigmaRel, ": sigma_rel must be in [", kMinPowerEmaStd, ", ",
+                            kMaxPowerEmaStd, ")"));
   }
   const std::vector<PosthocSnapshot> all = listPosthocSnapshots(dir);
   PosthocResult result;

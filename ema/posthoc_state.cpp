@@ -39,9 +39,9 @@ PosthocState parsePosthocState(const std::string& text, const std::string& where
   }
   PosthocState out;
   for (const auto& [name, sigma] : state[kProfilesKey].items()) {
-    if (!sigma.is_number() || !(sigma.get<double>() > 0 && sigma.get<double>() < kMaxPowerEmaStd)) {
-      throw CheckpointError(strCat(where, ": profile '", name, "' has sigma_rel ", sigma.dump(), ", not a number in (0, ",
-                                   kMaxPowerEmaStd, ")"));
+    if (!sigma.is_number() || !validPowerEmaStd(sigma.get<double>())) {
+      throw CheckpointError(strCat(where, ": profile '", name, "' has sigma_rel ", sigma.dump(), ", not a number in [",
+                                   kMinPowerEmaStd, ", ", kMaxPowerEmaStd, ")"));
     }
     const double value = sigma.get<double>();
     const std::optional<double> named = sigmaInName(name);

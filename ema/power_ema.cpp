@@ -11,8 +11,8 @@
 namespace tessera::ema {
 
 double powerEmaExponent(double sigmaRel) {
-  TESSERA_CHECK_AS(ConfigError, std::isfinite(sigmaRel) && sigmaRel > 0 && sigmaRel < kMaxPowerEmaStd,
-                   "power-function EMA: sigma_rel ", sigmaRel, " is not in (0, ", kMaxPowerEmaStd, ")");
+  TESSERA_CHECK_AS(ConfigError, validPowerEmaStd(sigmaRel), "power-function EMA: sigma_rel ", sigmaRel, " is not in [",
+                   kMinPowerEmaStd, ", ", kMaxPowerEmaStd, ")");
   // f(g) = (g + 2)^2 (g + 3) - s (g + 1), s = sigma^-2, is the cubic of Algorithm 2. It is
   // convex for g > -7/3, and at g = sqrt(s) both f = 6s + 16 sqrt(s) + 12 and f' are
   // positive, so Newton's method from sqrt(s) descends monotonically onto the largest root.

@@ -13,8 +13,14 @@
 
 namespace tessera::ema {
 
-// sigma_rel must lie in (0, kMaxPowerEmaStd): a larger one would need gamma <= 0.
+// sigma_rel must lie in [kMinPowerEmaStd, kMaxPowerEmaStd): a larger one would need
+// gamma <= 0; below the least, sigma^-2 overflows (1e-160: inf, then a NaN gamma and an
+// all-NaN EMA), and long before that the profile is the current weights (1e-6: gamma
+// about 1e6, so the blend keeps (1 - 1/t)^1e6 of the past: nothing, for t < 1e5).
+constexpr double kMinPowerEmaStd = 1e-6;
 constexpr double kMaxPowerEmaStd = 0.28;
+// Whether sigmaRel is in that range (false for NaN); the one check every reader makes.
+inline bool validPowerEmaStd(double sigmaRel) { return sigmaRel >= kMinPowerEmaStd && sigmaRel < kMaxPowerEmaStd; }
 // The largest relative error (in profile space) of a post-hoc reconstruction's fit that
 // posthocEmaWeights accepts: with two stored sigma_rel of 0.05 and 0.10 every 10 of 200
 // steps, sigma_rel 0.02 fits to 0.087 and 0.01 to 0.30 (refused).

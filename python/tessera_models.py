@@ -776,11 +776,75 @@ def _build(metadata):
     raise ExportError(f"{METADATA_KEY}: unknown arch '{arch}' (mlp, gpt, diffusion, dit)")
 
 
+# Ranges of the size fields, as Tessera's config schema bounds them (common/limits.h).
+_MAX_WIDTH, _MAX_LAYERS, _MAX_SAMPLE_ELEMENTS = 1 << 24, 1 << 16, 1 << 28
+
+
+def _check_ranges(metadata):
+    """Each size field within Tessera's bounds before anything is sized by it."""
+    arch = _field(metadata, "arch", str)
+    for key, low, high in (("vocab_size", 2, 1 << 31), ("context", 1, _MAX_WIDTH), ("embed_dim", 1, _MAX_WIDTH),
+                           ("layers", 1, _MAX_LAYERS), ("heads", 1, _MAX_WIDTH), ("patch_size", 1, _MAX_WIDTH),
+                           ("timesteps", 1, _MAX_WIDTH), ("classes", 0, 1 << 20)):
+        if key in metadata:
+            value = _field(metadata, key, int)
+            if isinstance(value, bool) or not low <= value <= high:
+                raise ExportError(f"{METADATA_KEY}: '{key}' is {value}, outside [{low}, {high}]")
+    for width in (_field(metadata, "hidden", "ints") if "hidden" in metadata else []):
+        if not 1 <= width <= _MAX_WIDTH:
+            raise ExportError(f"{METADATA_KEY}: 'hidden' holds {width}, outside [1, {_MAX_WIDTH}]")
+    if "mlp_ratio" in metadata:
+        ratio = _field(metadata, "mlp_ratio", float)
+        if not (math.isfinite(ratio) and 0 < ratio <= 64):
+            raise ExportError(f"{METADATA_KEY}: 'mlp_ratio' is {ratio}, outside (0, 64]")
+    if arch in ("gpt", "dit") and "heads" in metadata and "embed_dim" in metadata:
+        if metadata["embed_dim"] % metadata["heads"] != 0:
+            raise ExportError(f"{METADATA_KEY}: 'embed_dim' {metadata['embed_dim']} is not divisible by "
+                              f"'heads' {metadata['heads']}")
+    data = _field(metadata, "data", dict)
+    for key in ("input_shape", "target_shape"):
+        if key not in data:
+            continue
+        shape = _field(data, key, "ints", "data.")
+        elements = 1
+        for dim in shape:
+            if dim < 1 or elements * dim > _MAX_SAMPLE_ELEMENTS:
+                raise ExportError(f"{METADATA_KEY}: 'data.{key}' {shape} is not a sample size Tessera trains "
+                                  f"(dimensions >= 1, at most {_MAX_SAMPLE_ELEMENTS} elements)")
+            elements *= dim
+
+
+def _check_against_file(metadata, tensors, path):
+    """The metadata's sizes against the tensors the file holds (as Tessera's
+    checkedModelMetadata): no more blocks than tensors, no width beyond the largest
+    dimension, DiT's positional table no larger than the file."""
+    shapes = [list(t.shape) for t in tensors.values()]
+    largest = max((d for shape in shapes for d in shape), default=0)
+    arch = metadata["arch"]
+    if arch in ("gpt", "dit", "diffusion") and metadata.get("layers", 0) > len(shapes):
+        raise ExportError(f"{path}: __metadata__ '{METADATA_KEY}' says layers {metadata['layers']}, but the file "
+                          f"holds only {len(shapes)} tensors")
+    widths = [metadata.get("embed_dim", 0)] if arch in ("gpt", "dit") else []
+    widths += metadata.get("hidden", []) if arch == "mlp" else []
+    for width in widths:
+        if width > largest:
+            raise ExportError(f"{path}: __metadata__ '{METADATA_KEY}' has a width {width}, wider than any tensor "
+                              f"of the file (largest dimension {largest})")
+    if arch == "dit":
+        shape = metadata["data"]["input_shape"]
+        if len(shape) == 3:
+            grid = shape[1] // metadata.get("patch_size", 1)
+            if grid * grid * metadata.get("embed_dim", 0) > sum(t.numel() for t in tensors.values()):
+                raise ExportError(f"{path}: __metadata__ '{METADATA_KEY}' says {grid} x {grid} patches of width "
+                                  f"{metadata.get('embed_dim')}, more values than the file holds")
+
+
 def build_model(metadata):
     """The model (freshly initialised, float32) that an export's metadata describes: the
     parsed tessera.model object. ExportError for a missing field or impossible sizes."""
     if not isinstance(metadata, dict):
         raise ExportError(f"{METADATA_KEY}: not a JSON object")
+    _check_ranges(metadata)
     try:
         model = _build(metadata)
     except ValueError as e:
@@ -803,6 +867,13 @@ def load_export(path):
         metadata = json.loads(file_metadata[METADATA_KEY])
     except ValueError as e:
         raise ExportError(f"{path}: __metadata__ '{METADATA_KEY}' is not JSON ({e})") from e
+    if not isinstance(metadata, dict):
+        raise ExportError(f"{path}: __metadata__ '{METADATA_KEY}' is not a JSON object")
+    try:
+        _check_ranges(metadata)
+    except ExportError as e:
+        raise ExportError(f"{path}: {e}") from e
+    _check_against_file(metadata, tensors, path)
     model = build_model(metadata)
     expected = {name: list(t.shape) for name, t in model.state_dict().items()}
     problems = [f"missing '{name}' {shape}" for name, shape in expected.items() if name not in tensors]

@@ -339,6 +339,23 @@ class LoadExportTest(unittest.TestCase):
         with self.assertRaisesRegex(tm.ExportError, "unknown arch"):
             tm.build_model(dict(self.metadata, arch="unet"))
 
+    def test_crafted_sizes_are_refused_before_anything_is_built(self):
+        # Each would allocate gigabytes to petabytes, divide by zero or loop if believed.
+        data = dict(self.DATA)
+        for change, message in (({"embed_dim": 1 << 30}, "'embed_dim' is 1073741824, outside"),
+                                ({"layers": 1000000}, "'layers' is 1000000, outside"),
+                                ({"layers": 65536}, "says layers 65536, but the file holds only"),
+                                ({"embed_dim": 4096, "heads": 2}, "a width 4096, wider than any tensor"),
+                                ({"heads": 0}, "'heads' is 0, outside"),
+                                ({"mlp_ratio": -1.0}, "'mlp_ratio' is -1.0, outside"),
+                                ({"data": dict(data, input_shape=[1, 1 << 20, 1 << 20])}, "not a sample size"),
+                                ({"data": dict(data, input_shape=[1, 4096, 4096]), "patch_size": 1},
+                                 "patches of width 16, more values than the file holds")):
+            with self.subTest(change=change):
+                write_export(self.path("e.safetensors"), self.model.state_dict(), dict(self.metadata, **change))
+                with self.assertRaisesRegex(tm.ExportError, message):
+                    tm.load_export(self.path("e.safetensors"))
+
 
 class CountingModel(nn.Module):
     """A conditional "denoiser" over 3 classes predicting its label everywhere; records the

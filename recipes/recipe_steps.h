@@ -34,9 +34,10 @@ at::Tensor lossesOf(models::TrainModel& model, datasets::Batch batch, at::Device
 void forEachMicroBatch(const trainer::RunParts& run, trainer::ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn);
 
 // The optimizer step of the recipe's main model `part` (then its EMA update) with the
-// step's summed loss `stepLoss` (a [1] double tensor) and this rank's stop request riding
-// on the gradient-norm all-reduce (no collective of their own): the outcome's lr,
-// result, loss (mean over ranks) and stopSignalled. Collective.
+// step's summed loss `stepLoss` (a [1] double tensor), this rank's stop request and
+// whether its async checkpoint write failed riding on the gradient-norm all-reduce (no
+// collective of their own): the outcome's lr, result, loss (mean over ranks),
+// stopSignalled and checkpointFailed. Collective.
 trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelPart& part, int64_t step, const at::Tensor& stepLoss,
                           bool stopRequested);
 

@@ -56,6 +56,7 @@ trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelP
   sharding::StepSums sums;
   sums.add("loss", stepLoss.item<double>());
   sums.add("stop requests", stopRequested ? 1.0 : 0.0);
+  sums.add("failed checkpoint writes", run.checkpointer && run.checkpointer->writerFailed() ? 1.0 : 0.0);
   out.result = part.strategy->step(out.lr, &sums);
   if (part.ema) {
     const trace::Span span("ema", "EMA update");
@@ -63,6 +64,7 @@ trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelP
   }
   out.loss = sums["loss"] / static_cast<double>(run.comm->worldSize());
   out.stopSignalled = sums["stop requests"] > 0;
+  out.checkpointFailed = sums["failed checkpoint writes"] > 0;
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 
@@ -13,6 +14,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/config.h"
 #include "common/errors.h"
+#include "common/limits.h"
 #include "dtensor/param_init.h"
 #include "trainer/train_counters.h"
 
@@ -173,13 +175,61 @@ namespace {
 
 // Builds the model `metadataJson` describes and fills its parameters with `read(name)`:
 // strict on names (`found`: what the source holds, by name) and shapes.
+// Metadata is input like any other: before a model is built from it, its sizes must be
+// ones the file's tensors could hold. Every block has at least one tensor, every width is
+// some tensor's dimension, and the inputs fit in memory. (The schema has already bounded
+// each key on its own: kMaxLayers, kMaxWidth.)
+void checkSizesAgainstFile(const ModelDescription& d, const std::string& source,
+                           const std::map<std::string, std::vector<int64_t>>& found) {
+  int64_t largestDim = 0;
+  for (const auto& [name, shape] : found) {
+    for (int64_t dim : shape) largestDim = std::max(largestDim, dim);
+  }
+  const models::ModelOptions& m = d.model;
+  const bool blocks = m.arch == "gpt" || m.arch == "dit" || m.arch == "diffusion";
+  TESSERA_CHECK(!blocks || m.layers <= static_cast<int64_t>(found.size()), source, ": metadata '", kModelMetadataKey,
+                "' says layers ", m.layers, ", but the file holds only ", found.size(), " tensors");
+  if (m.arch == "gpt" || m.arch == "dit") {
+    TESSERA_CHECK(m.embed_dim <= largestDim, source, ": metadata '", kModelMetadataKey, "' says embed_dim ", m.embed_dim,
+                  ", wider than any tensor of the file (largest dimension ", largestDim, ")");
+  }
+  if (m.arch == "mlp") {
+    for (int64_t width : m.hidden) {
+      TESSERA_CHECK(width <= largestDim, source, ": metadata '", kModelMetadataKey, "' has a hidden width ", width,
+                    ", wider than any tensor of the file (largest dimension ", largestDim, ")");
+    }
+  }
+  // dit builds its positional table (tokens x embed_dim) at once; the file holds it too.
+  int64_t fileElements = 0;
+  for (const auto& [name, shape] : found) {
+    int64_t n = 1;
+    for (int64_t dim : shape) n = boundedProduct(n, dim, kMaxCounter);
+    fileElements = n < 0 ? kMaxCounter : std::min(kMaxCounter, fileElements + n);
+  }
+  const std::vector<int64_t>& in = d.data.inputShape;
+  if (m.arch == "dit" && in.size() == 3 && m.patch_size > 0) {
+    const int64_t grid = in[1] / m.patch_size;
+    const int64_t table = boundedProduct(boundedProduct(grid, grid, kMaxCounter), m.embed_dim, kMaxCounter);
+    TESSERA_CHECK(table >= 0 && table <= fileElements, source, ": metadata says ", grid, " x ", grid,
+                  " patches of width ", m.embed_dim, " (data.input_shape ", at::IntArrayRef(in), ", model.patch_size ",
+                  m.patch_size, "), more than the ", fileElements, " values the file holds");
+  }
+  constexpr int64_t kMaxSampleElements = int64_t{1} << 28;  // one input or target: 1 GiB of fp32
+  for (const auto& [key, shape] : {std::pair{"input_shape", d.data.inputShape}, std::pair{"target_shape", d.data.targetShape}}) {
+    int64_t elements = 1;
+    for (int64_t dim : shape) elements = boundedProduct(elements, dim, kMaxSampleElements);
+    TESSERA_CHECK(elements >= 0, source, ": metadata data.", key, " ", at::IntArrayRef(shape), " holds more than ",
+                  kMaxSampleElements, " elements per sample");
+  }
+}
+
 LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& source,
                          const std::map<std::string, std::vector<int64_t>>& found,
                          const std::function<at::Tensor(const std::string&)>& read, at::Device device) {
   LoadedModel out;
-  out.description = parseModelMetadata(metadataJson, source);
+  out.description = checkedModelMetadata(metadataJson, source, found);
+  // Built without storage: the shapes are matched against the file before any is allocated.
   out.model = models::makeModel(out.description.model, out.description.data, device);
-  dtensor::materializeAll(*out.model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
   // Parameters and buffers: what a state_dict holds.
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& p : out.model->named_parameters()) tensors.emplace_back(p.key(), p.value());
@@ -189,6 +239,7 @@ LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& sou
   const checkpoint::MatchReport report = checkpoint::matchTensors(found, expected);
   TESSERA_CHECK(report.ok(/*strict=*/true), source, ": does not fit the ", out.description.model.arch,
                 " its metadata describes:\n", report.str());
+  dtensor::materializeAll(*out.model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
   c10::NoGradGuard noGrad;
   for (const auto& [name, tensor] : tensors) {
     const at::Tensor value = read(name);
@@ -203,6 +254,13 @@ LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& sou
 }
 
 }  // namespace
+
+ModelDescription checkedModelMetadata(const std::string& json, const std::string& source,
+                                      const std::map<std::string, std::vector<int64_t>>& found) {
+  ModelDescription d = parseModelMetadata(json, source);
+  checkSizesAgainstFile(d, source, found);
+  return d;
+}
 
 LoadedModel loadExportedModel(const std::string& path, at::Device device) {
   const checkpoint::SafetensorsSet files(path);

@@ -40,6 +40,13 @@ std::string modelMetadataJson(const models::ModelOptions& options, const dataset
 // Parses metadata JSON; tessera::Error naming `source` (the file) and the key for a value
 // that is missing, of the wrong type or out of range.
 ModelDescription parseModelMetadata(const std::string& json, const std::string& source);
+// parseModelMetadata, then its sizes against `found` (the tensors the file or checkpoint
+// holds, by name): blocks no more than its tensors, widths no wider than its largest
+// dimension, inputs of a bounded size, DiT's positional table no larger than the file.
+// What every reader runs before building a model from metadata (and tessera-export before
+// copying a run's description into an export).
+ModelDescription checkedModelMetadata(const std::string& json, const std::string& source,
+                                      const std::map<std::string, std::vector<int64_t>>& found);
 
 // The metadata of the export of tensor prefix `prefix` ("model/", "ema/generator_ema/",
 // "critic/") from a run's descriptions by state name (TrainerCounters::modelMetadata):

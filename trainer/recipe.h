@@ -25,6 +25,7 @@ struct StepOutcome {
   double lr = 0;                 // of the main model
   sharding::StepResult result;   // of the main model's optimizer step
   bool stopSignalled = false;    // some rank had a stop signal
+  bool checkpointFailed = false; // some rank's async checkpoint save failed (the loop then stops)
   std::map<std::string, double> extra;  // further figures for metrics.jsonl (e.g. critic_loss)
 };
 

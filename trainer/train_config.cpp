@@ -7,6 +7,7 @@
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/limits.h"
+#include "ema/power_ema.h"
 #include "ema/profile_names.h"
 #include "sharding/mixed_precision.h"
 #include "trainer/recipe_spec.h"
@@ -99,7 +100,7 @@ void bindEmaKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m) {
   s.add(p + "posthoc.stds", &e.powerStds,
         "Post-hoc EMA: sigma_rel of the power-function profiles to track (e.g. [0.05, 0.10]; empty: off); "
         "reconstruct any sigma_rel afterwards with tessera-export --posthoc-ema (docs/ema.md)")
-      .greaterThan(0.0).lessThan(0.28);
+      .min(ema::kMinPowerEmaStd).lessThan(ema::kMaxPowerEmaStd);
   s.add(p + "posthoc.snapshot_every", &m.ema.snapshotEvery,
         "Post-hoc EMA: steps between snapshots of the profiles in <run.dir>/posthoc/ (kept whatever "
         "checkpoint.keep_last says)").min(0);

@@ -179,6 +179,12 @@ class TrainLoop {
     trace::setCurrentStep(step + 1);
     const trace::Span span("step", strCat("step ", step + 1));
     StepOutcome out = recipe_->step(step, g_stopRequested);
+    if (out.checkpointFailed && run_.checkpointer) {
+      // Every rank learnt it on this step's all-reduce: all stop now, each throwing the
+      // failing rank's reason, the previous checkpoint still the latest.
+      const distributed::TimeoutScope timeout(secondsToMs(cfg_.diagnostics.checkpoint_timeout_s));
+      run_.checkpointer->finish();
+    }
     if (out.result.skipped) {
       ++run_.counters.skippedSteps;
       TLOG_WARN0("step " << step + 1 << ": gradient norm " << out.result.gradNorm << " is not finite; step skipped");

@@ -124,9 +124,18 @@ void addModelMetadata(const std::string& stepDir, ckpt::ExportOptions& options) 
   }
   const auto described = tessera::trainer::modelMetadataFromJson(
       reader.trainerState(), (std::filesystem::path(stepDir) / "trainer_state.json").string());
-  const std::string model =
-      tessera::trainer::modelMetadataForPrefix(described, ckpt::resolveExportPrefix(reader.metadata(), options.what));
-  if (!model.empty()) options.metadata[tessera::trainer::kModelMetadataKey] = model;
+  const std::string prefix = ckpt::resolveExportPrefix(reader.metadata(), options.what);
+  const std::string model = tessera::trainer::modelMetadataForPrefix(described, prefix);
+  if (model.empty()) return;
+  // Checked before it is copied: an export says only what its tensors can be.
+  std::map<std::string, std::vector<int64_t>> found;
+  for (const auto& t : reader.metadata().tensors) {
+    if (t.name.rfind(prefix, 0) == 0) found[t.name.substr(prefix.size())] = t.shape;
+  }
+  tessera::trainer::checkedModelMetadata(
+      model, tessera::strCat((std::filesystem::path(stepDir) / "trainer_state.json").string(), " (", options.what, ")"),
+      found);
+  options.metadata[tessera::trainer::kModelMetadataKey] = model;
 }
 
 // --what: exports that part of the checkpoint and lists the files written.

@@ -13,6 +13,7 @@
 // samples are split over the ranks and gathered; rank 0 writes. Exit status: 0 ok,
 // 2 bad arguments or input, 1 other failures.
 
+#include <cmath>
 #include <filesystem>
 #include <iostream>
 #include <optional>
@@ -78,12 +79,34 @@ void startingPoint(const SampleArgs& args, tessera::models::Denoiser& model, tes
       throw UsageError(tessera::strCat("--noise ", args.noise, ": 'noise' is ", it->second.scalar_type(), ", not float32"));
     }
     request.noise = it->second;
+    // Starting noise is standard normal: NaN, Inf or values far outside it only draw
+    // garbage (a sample of 1e30 noise is no sample).
+    const at::Tensor& noise = request.noise;
+    if (noise.numel() == 0) throw UsageError(tessera::strCat("--noise ", args.noise, ": 'noise' is empty"));
+    if (!at::isfinite(noise).all().item<bool>()) {
+      throw UsageError(tessera::strCat("--noise ", args.noise, ": 'noise' holds NaN or Inf"));
+    }
+    constexpr double kMaxNoise = 100.0;  // a standard normal value beyond this has probability ~0
+    const double largest = noise.abs().max().item<double>();
+    if (largest > kMaxNoise) {
+      throw UsageError(tessera::strCat("--noise ", args.noise, ": 'noise' holds ", largest,
+                                       ", not standard normal noise (|values| above ", kMaxNoise, ")"));
+    }
     auto labels = tensors.find("labels");
     if (labels != tensors.end()) {
-      if (labels->second.scalar_type() != at::kLong) {
-        throw UsageError(tessera::strCat("--noise ", args.noise, ": 'labels' must be int64"));
+      const at::Tensor& l = labels->second;
+      if (l.scalar_type() != at::kLong) throw UsageError(tessera::strCat("--noise ", args.noise, ": 'labels' must be int64"));
+      if (l.dim() != 1 || l.size(0) != noise.size(0)) {
+        throw UsageError(tessera::strCat("--noise ", args.noise, ": 'labels' ", l.sizes(), " must be [", noise.size(0),
+                                         "], one per noise row"));
       }
-      request.labels = labels->second;
+      if (model.classes() == 0) throw UsageError(tessera::strCat("--noise ", args.noise, ": 'labels' for an unconditional model"));
+      const int64_t lo = l.min().item<int64_t>(), hi = l.max().item<int64_t>();
+      if (lo < 0 || hi > model.classes()) {
+        throw UsageError(tessera::strCat("--noise ", args.noise, ": 'labels' in [", lo, ", ", hi, "], the model knows ",
+                                         model.classes(), " classes (label ", model.classes(), ": no class)"));
+      }
+      request.labels = l;
     }
     return;
   }
@@ -136,6 +159,9 @@ int main(int argc, char** argv) {
                    "A classifier export (model.arch mlp on the same images): print its accuracy on the samples and "
                    "the Frechet distance of its features to the held-out images'");
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
+    // CLI11's Range lets NaN through (every comparison with it is false).
+    if (!std::isfinite(args.request.cfg)) throw UsageError(tessera::strCat("--cfg: ", args.request.cfg, " is not a number"));
+    if (timesteps->count() > 0 && args.request.timesteps.empty()) throw UsageError("--timesteps: no timesteps given");
     if (args.weights.empty() && args.checkpoint.empty()) throw UsageError("give --weights EXPORT or --checkpoint DIR");
     if (args.out.empty() && args.outTensors.empty() && args.judge.empty()) {
       throw UsageError("nothing to do: give --out, --out-tensors and/or --judge");
@@ -162,6 +188,10 @@ int main(int argc, char** argv) {
                                        ", not a denoiser (diffusion, dit): nothing to sample"));
     }
     startingPoint(args, *model, args.request);
+    if (steps->count() > 0 && args.request.steps > model->schedule().timesteps) {
+      throw UsageError(tessera::strCat("--steps: ", args.request.steps, " steps for ", model->schedule().timesteps,
+                                       " timesteps (at most one step per timestep)"));
+    }
     // A distilled generator samples at its own timesteps unless told otherwise. Either
     // list is checked here, where the error can name where it came from.
     const std::vector<int64_t>& own = loaded.description.model.sample_timesteps;

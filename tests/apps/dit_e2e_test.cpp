@@ -6,12 +6,16 @@
 // bad requests are refused naming what is wrong.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "checkpoint/safetensors.h"
 #include "tests/support/run_command.h"
@@ -345,10 +349,36 @@ TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {
   const std::string noLabels = dir + "/plain.safetensors";
   tessera::checkpoint::saveSafetensors(noLabels, {{"x", at::zeros({2})}});  // no tessera.model metadata
   const std::string sample = kBin + "/tessera-sample ";
+  // Starting noise that is not noise, and an index whose shard an output would overwrite.
+  const std::string nanNoise = dir + "/nan_noise.safetensors", hugeNoise = dir + "/huge_noise.safetensors";
+  tessera::checkpoint::saveSafetensors(nanNoise, {{"noise", at::full({2, 4}, std::nan(""))}});
+  tessera::checkpoint::saveSafetensors(hugeNoise, {{"noise", at::full({2, 4}, 1e30)}});
+  const std::string index = dir + "/split.safetensors.index.json", shard = dir + "/split-00001-of-00002.safetensors";
+  std::ofstream(index) << R"({"metadata": {}, "weight_map": {"a": "split-00001-of-00002.safetensors"}})";
+  std::ofstream(shard) << "the shard";
+  // The export's own metadata made to lie about sizes: refused before a model is built.
+  auto lying = [&](const std::string& tag, const std::function<void(nlohmann::json&)>& change) {
+    const tessera::checkpoint::SafetensorsReader reader(weights);
+    auto metadata = reader.header().metadata;
+    nlohmann::json model = nlohmann::json::parse(metadata.at("tessera.model"));
+    change(model);
+    metadata["tessera.model"] = model.dump();
+    const std::string path = dir + "/" + tag + ".safetensors";
+    tessera::checkpoint::saveSafetensors(path, tessera::checkpoint::loadSafetensors(weights), metadata);
+    return path;
+  };
+  const std::string deep = lying("deep", [](nlohmann::json& m) { m["layers"] = 65536; });
+  const std::string wide = lying("wide", [](nlohmann::json& m) { m["embed_dim"] = 1 << 20; m["heads"] = 4; });
+  const std::string vast = lying("vast", [](nlohmann::json& m) { m["data"]["input_shape"] = {4, 1 << 20, 1 << 20}; });
+  const std::string fine = lying("fine", [](nlohmann::json& m) { m["patch_size"] = 1; m["data"]["input_shape"] = {1, 4096, 4096}; });
   struct Case {
     std::string args, expected;
   };
   for (const Case& c : {
+           Case{"--weights " + deep + " --out " + dir + "/g.png", "says layers 65536, but the file holds only"},
+           Case{"--weights " + wide + " --out " + dir + "/g.png", "embed_dim 1048576, wider than any tensor"},
+           Case{"--weights " + vast + " --out " + dir + "/g.png", "data.input_shape"},
+           Case{"--weights " + fine + " --out " + dir + "/g.png", "more than the"},
            Case{"--weights " + weights + " --classes 0,7 --out " + dir + "/g.png", "'7' is not a class"},
            Case{"--weights " + weights + " --classes x --out " + dir + "/g.png", "'x' is not a class"},
            Case{"--weights " + weights + " --out " + weights, "must end in .png"},
@@ -366,12 +396,24 @@ TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {
            Case{"--weights " + weights + " --timesteps 50,x --out " + dir + "/g.png", "--timesteps"},
            Case{"--weights " + weights + " --timesteps 50 --steps 4 --out " + dir + "/g.png", "excludes"},
            Case{"--weights " + weights + " --timesteps 50 --sampler ddpm --out " + dir + "/g.png", "are DDIM's"},
+           Case{"--weights " + weights + " --noise " + nanNoise + " --out " + dir + "/g.png", "NaN or Inf"},
+           Case{"--weights " + weights + " --noise " + hugeNoise + " --out " + dir + "/g.png", "not standard normal"},
+           Case{"--weights " + weights + " --cfg nan --out " + dir + "/g.png", "--cfg"},
+           Case{"--weights " + weights + " --timesteps= --out " + dir + "/g.png", "--timesteps"},
+           Case{"--weights " + weights + " --steps 5000 --out " + dir + "/g.png", "5000 steps for 100 timesteps"},
+           Case{"--weights " + index + " --out-tensors " + shard, "would be overwritten"},
        }) {
     const auto r = tessera::test::runCommand(sample + c.args, 120);
     EXPECT_TRUE(r.refused()) << c.args << " -> status " << r.status << "\n" << r.output;
+    // A bad argument (not a bad file) is a usage error: exit 2.
+    const bool argument = c.args.find("--cfg") != std::string::npos || c.args.find("--steps") != std::string::npos ||
+                          c.args.find("--timesteps") != std::string::npos || c.args.find("--noise") != std::string::npos;
+    if (argument) EXPECT_EQ(r.status, 2) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
   }
   EXPECT_FALSE(fs::exists(dir + "/g.png"));
+  std::ifstream kept(shard);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(kept), {}), "the shard");
 }
 
 }  // namespace

@@ -656,3 +656,28 @@ TEST_F(HostileInputTest, MessagesNameTheFileOrKey) {
 }
 
 }  // namespace
+
+namespace {
+
+// Class 1 (round 3): a rank's async checkpoint write fails as on a full disk (write(2)
+// refused: here by a file-size limit, EFBIG, since a test cannot fill a disk; the
+// checkpoint files are larger than the limit, logs and metrics smaller). Every rank stops
+// within a step, not at the commit timeout (600 s here: a hang runs into the test's),
+// the message names the error and the checkpoint file, and no checkpoint is committed.
+TEST(HostileInputRound3Test, AFailedAsyncSaveStopsEveryRankPromptly) {
+  const std::string dir = tessera::test::scratchPath("tessera_hostile", "full_disk");
+  const std::string run = kBin + "/tessera-run --standalone --nproc-per-node 2 " + kTrain + " --config " + kConfig +
+                          " --set run.steps=400 --set run.log_every=100 --set checkpoint.every_steps=2"
+                          " --set checkpoint.async=true --set diagnostics.checkpoint_timeout_s=600"
+                          " --set log.per_rank_files=false --set run.dir=" + dir;
+  // SIGXFSZ ignored (inherited across exec): the write fails with EFBIG instead of killing.
+  const CommandResult r = runCommand("bash -c " + shellQuote("trap '' XFSZ; ulimit -f 256; exec " + run), 120);
+  EXPECT_TRUE(r.refused()) << "status " << r.status << " (124: hung)\n" << r.output;
+  EXPECT_NE(r.output.find("File too large"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step_00000002"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("did not publish their chunk tables"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "checkpoints" / "step_00000002"));
+  EXPECT_FALSE(fs::exists(fs::path(dir) / "checkpoints" / "latest"));
+}
+
+}  // namespace

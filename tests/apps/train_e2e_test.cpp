@@ -727,7 +727,15 @@ TEST(TrainE2ETest, PosthocEmaSnapshotsReconstructOffline) {
 
   // Bad requests: exit 2 with the reason; a config tracking profiles without snapshots.
   EXPECT_EQ(run(kBin + "/tessera-export " + dir + " --posthoc-ema 0.5 --out " + dir + "/x.safetensors", &out), 2) << out;
-  EXPECT_NE(out.find("sigma_rel must be in (0, 0.28)"), std::string::npos) << out;
+  EXPECT_NE(out.find("sigma_rel must be in [1e-06, 0.28)"), std::string::npos) << out;
+  EXPECT_EQ(run(kBin + "/tessera-export " + dir + " --posthoc-ema 1e-160 --out " + dir + "/x.safetensors", &out), 2) << out;
+  // A profile whose sigma_rel^-2 overflows would train an all-NaN EMA: refused at the key.
+  EXPECT_EQ(run(kBin + "/tessera-train" + kArgs + " --set run.dir=" + dir + "_tiny --set ema.posthoc.stds=[1e-160]" +
+                    " --set ema.posthoc.snapshot_every=2", &out),
+            2)
+      << out;
+  EXPECT_NE(out.find("ema.posthoc.stds"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(dir + "_tiny/export"));
   EXPECT_EQ(run(kBin + "/tessera-export " + dir + " --posthoc-ema 0.1 --at-step 1 --out " + dir + "/x.safetensors", &out),
             2)
       << out;
