@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -37,9 +38,10 @@ class MetricsLog {
  public:
   // Appends to `jsonlPath` (created with its directory when missing). A run resumed at
   // `resumedStep` continues the metrics of the run up to that step: lines of later steps
-  // (written after the checkpoint it resumes from, and about to be trained again) are
-  // dropped first, so every step appears once.
-  MetricsLog(const std::string& jsonlPath, int64_t totalSteps, int64_t resumedStep = 0);
+  // (written after the checkpoint it resumes from, and about to be trained again) and lines
+  // cut short are dropped first, so every step appears once. The default keeps every line.
+  MetricsLog(const std::string& jsonlPath, int64_t totalSteps,
+             int64_t resumedStep = std::numeric_limits<int64_t>::max());
   ~MetricsLog();
   MetricsLog(const MetricsLog&) = delete;
   MetricsLog& operator=(const MetricsLog&) = delete;

@@ -16,10 +16,14 @@ namespace {
 // The files and folders a run writes into run.dir, besides checkpoints/ and logs/.
 const char* const kRunOutputs[] = {"metrics.jsonl", "loss.svg", "tb", "export", "samples", "posthoc", "profile"};
 
+// A real directory with entries or a regular file. A link or a FIFO planted at an output's
+// name is no earlier run's output: it is left to the writer of that output, which refuses
+// or replaces it without writing through it.
 bool nonEmpty(const fs::path& p) {
   std::error_code ec;
-  if (fs::is_directory(fs::symlink_status(p, ec))) return fs::directory_iterator(p, ec) != fs::directory_iterator();
-  return fs::exists(fs::symlink_status(p, ec));
+  const fs::file_status st = fs::symlink_status(p, ec);
+  if (fs::is_directory(st)) return fs::directory_iterator(p, ec) != fs::directory_iterator();
+  return fs::is_regular_file(st);
 }
 
 std::string utcStamp() {
@@ -47,7 +51,8 @@ EarlierRun findEarlierRun(const fs::path& runDir) {
     std::vector<std::string> steps;
     for (const fs::directory_entry& e : fs::directory_iterator(checkpoints, ec)) {
       const std::string name = e.path().filename().string();
-      if (name.rfind("step_", 0) == 0) steps.push_back(name);
+      const bool debris = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;  // a crashed save's
+      if (name.rfind("step_", 0) == 0 && !debris) steps.push_back(name);
     }
     if (!steps.empty()) {
       found.newestCheckpoint = *std::max_element(steps.begin(), steps.end());

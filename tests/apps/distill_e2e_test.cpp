@@ -238,11 +238,11 @@ TEST(DistillE2ETest, SingleModelCheckpointsOfEarlierVersionsLoad) {
 // Bad models: configs exit with status 2 and name the model and the key.
 TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
   const std::string teacher = smallTeacher();
-  const std::string dir = scratch("run");
-  // A config of its own with `models` as its models: section.
+  // A config of its own with `models` as its models: section, and a run.dir of its own
+  // (one run per run.dir).
   auto configWith = [&](const std::string& tag, const std::string& models) {
     const std::string path = scratch(tag + ".yaml");
-    std::ofstream(path) << "run: {recipe: dmd, steps: 2, dir: " << dir << "}\n"
+    std::ofstream(path) << "run: {recipe: dmd, steps: 2, dir: " << scratch("run_" + tag) << "}\n"
                         << "model: {arch: diffusion, embed_dim: 64, layers: 3, timesteps: 200, beta_start: 1.0e-4, "
                            "beta_end: 0.05, init_from: "
                         << teacher << "}\n"

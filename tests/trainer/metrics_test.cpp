@@ -42,7 +42,7 @@ TEST(MetricsTest, LossCurveDrawsEveryLossWithALegend) {
   removeTree(dir.string());
   std::filesystem::create_directories(dir);
   for (int64_t first : {1, 6}) {  // the second log resumes the first's metrics.jsonl
-    MetricsLog log((dir / "metrics.jsonl").string(), 10);
+    MetricsLog log((dir / "metrics.jsonl").string(), 10, /*resumedStep=*/first - 1);
     for (int64_t step = first; step < first + 5; ++step) {
       StepMetrics m;
       m.step = step;
