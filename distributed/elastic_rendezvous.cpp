@@ -105,13 +105,77 @@ json nodeJson(const ElasticNode& n) {
   return {{"id", n.id}, {"host", n.host}, {"store_port", n.storePort}, {"nproc", n.nproc}};
 }
 
-ElasticNode nodeFromJson(const json& j) {
+// An answer of the server is input like any other (a stale or foreign process may hold the
+// port): every field is checked where it is read, and a wrong one is an Error naming it,
+// never a raw JSON exception or an out-of-range index.
+json parseAnswer(const std::string& text, const std::string& where) {
+  try {
+    json j = json::parse(text);
+    if (!j.is_object()) throw Error("not a JSON object");
+    return j;
+  } catch (const std::exception& e) {
+    throw Error(strCat(where, ": its answer is not a rendezvous answer (", e.what(), ")"));
+  }
+}
+
+int64_t intField(const json& j, const char* key, int64_t lo, int64_t hi, const std::string& where) {
+  if (!j.contains(key) || !j.at(key).is_number_integer()) {
+    throw Error(strCat(where, ": its answer lacks an integer '", key, "'"));
+  }
+  const int64_t v = j.at(key).get<int64_t>();
+  if (v < lo || v > hi) throw Error(strCat(where, ": its answer's '", key, "' is ", v, ", outside [", lo, ", ", hi, "]"));
+  return v;
+}
+
+std::string stringField(const json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || !j.at(key).is_string()) throw Error(strCat(where, ": its answer lacks a string '", key, "'"));
+  std::string v = j.at(key).get<std::string>();
+  const bool printable = std::all_of(v.begin(), v.end(), [](char c) { return c > ' ' && c < 127; });
+  if (v.empty() || v.size() > 256 || !printable) {
+    throw Error(strCat(where, ": its answer's '", key, "' is not 1 to 256 printable characters without spaces"));
+  }
+  return v;
+}
+
+bool boolField(const json& j, const char* key, const std::string& where) {
+  if (!j.contains(key) || !j.at(key).is_boolean()) throw Error(strCat(where, ": its answer lacks a boolean '", key, "'"));
+  return j.at(key).get<bool>();
+}
+
+ElasticNode nodeFromJson(const json& j, const std::string& where) {
+  if (!j.is_object()) throw Error(strCat(where, ": a node of its answer is not an object"));
   ElasticNode n;
-  n.id = j.at("id").get<std::string>();
-  n.host = j.at("host").get<std::string>();
-  n.storePort = j.at("store_port").get<int>();
-  n.nproc = j.at("nproc").get<int>();
+  n.id = stringField(j, "id", where);
+  n.host = stringField(j, "host", where);
+  n.storePort = static_cast<int>(intField(j, "store_port", 1, 65535, where));
+  n.nproc = static_cast<int>(intField(j, "nproc", 1, kMaxLocalRanks, where));
   return n;
+}
+
+// The round a closed answer describes, checked against what this launcher is: between
+// MIN and MAX nodes, each once, this node at node_rank with its own --nproc-per-node.
+ElasticRound roundFromAnswer(const json& state, const std::string& where, const ElasticOptions& options,
+                             const std::string& nodeId, int nproc) {
+  ElasticRound round;
+  round.round = intField(state, "round", 0, kMaxCounter, where);
+  if (!state.contains("nodes") || !state.at("nodes").is_array()) throw Error(strCat(where, ": its answer lacks 'nodes'"));
+  const json& nodes = state.at("nodes");
+  if (nodes.size() < static_cast<size_t>(options.minNodes) || nodes.size() > static_cast<size_t>(options.maxNodes)) {
+    throw Error(strCat(where, ": its answer has ", nodes.size(), " nodes, this run has ", options.minNodes, " to ",
+                       options.maxNodes, " (--nnodes)"));
+  }
+  std::set<std::string> ids;
+  for (const json& n : nodes) {
+    round.nodes.push_back(nodeFromJson(n, where));
+    if (!ids.insert(round.nodes.back().id).second) throw Error(strCat(where, ": its answer names a node twice"));
+  }
+  round.nodeRank = static_cast<int>(intField(state, "node_rank", 0, static_cast<int64_t>(nodes.size()) - 1, where));
+  const ElasticNode& me = round.nodes[static_cast<size_t>(round.nodeRank)];
+  if (me.id != nodeId || me.nproc != nproc) {
+    throw Error(strCat(where, ": its answer puts another node (", me.id, ", ", me.nproc, " ranks) at this node's rank ",
+                       round.nodeRank));
+  }
+  return round;
 }
 
 }  // namespace
@@ -160,6 +224,13 @@ class ElasticRendezvous::Server {
           n.nproc > kMaxLocalRanks) {
         return {{"error", strCat("a join needs a node id (1 to 256 characters), a store port in 1..65535 and 1 to ",
                                  kMaxLocalRanks, " ranks")}};
+      }
+      // A launcher started with other --nnodes would count the round otherwise.
+      if (request.contains("min_nodes") && request.contains("max_nodes") &&
+          (request.at("min_nodes") != options_.minNodes || request.at("max_nodes") != options_.maxNodes)) {
+        return {{"error", strCat("this rendezvous is for ", options_.minNodes, " to ", options_.maxNodes,
+                                 " nodes, this launcher asks for ", request.at("min_nodes").dump(), " to ",
+                                 request.at("max_nodes").dump(), " (--nnodes must be the same on every node)")}};
       }
       if (nproc_ == 0) nproc_ = n.nproc;
       if (n.nproc != nproc_) {
@@ -376,13 +447,16 @@ std::string ElasticRendezvous::request(const std::string& line, double timeoutS)
 ElasticRound ElasticRendezvous::join(const std::function<bool()>& interrupted) {
   const int storePort = pickFreePort("0.0.0.0");
   const json joinRequest = {{"op", "join"},       {"run_id", options_.runId}, {"node", nodeId_},
-                            {"store_port", storePort}, {"nproc", nproc_}};
+                            {"store_port", storePort}, {"nproc", nproc_},
+                            {"min_nodes", options_.minNodes}, {"max_nodes", options_.maxNodes}};
+  const std::string where = strCat("rendezvous server at ", options_.host, ":", options_.port);
   const auto start = Clock::now();
   // The server may not be up yet (its launcher starts later): retry until the join timeout.
-  json state;
+  // Only an unreachable server is waited for; an answer that is not one fails at once.
+  std::string answer;
   while (true) {
     try {
-      state = json::parse(request(joinRequest.dump(), 10));
+      answer = request(joinRequest.dump(), 10);
       break;
     } catch (const Error& e) {
       if (secondsSince(start) > options_.joinTimeoutS) throw;
@@ -390,24 +464,24 @@ ElasticRound ElasticRendezvous::join(const std::function<bool()>& interrupted) {
       ::usleep(200 * 1000);
     }
   }
+  json state = parseAnswer(answer, where);
   const json pollRequest = {{"op", "poll"}, {"run_id", options_.runId}, {"node", nodeId_}};
   while (true) {
-    if (state.contains("error")) throw Error(strCat("rendezvous: ", state.at("error").get<std::string>()));
-    const std::string failed = state.value("failed", "");
+    if (state.contains("error")) {
+      const json& error = state.at("error");
+      throw Error(strCat("rendezvous: ", error.is_string() ? error.get<std::string>() : error.dump()));
+    }
+    const std::string failed = state.contains("failed") && state.at("failed").is_string() ? state.at("failed").get<std::string>() : "";
     if (!failed.empty()) throw TimeoutError(strCat("rendezvous: ", failed, " (--rdzv-timeout)"));
-    if (!state.at("open").get<bool>() && state.at("node_rank").get<int>() >= 0) break;
+    if (!boolField(state, "open", where) && intField(state, "node_rank", -1, kMaxWorldSize, where) >= 0) break;
     if (interrupted()) throw Error("rendezvous: interrupted");
     if (secondsSince(start) > options_.joinTimeoutS + options_.lastCallS + 30) {
       throw TimeoutError(strCat("rendezvous: no round admitted this node within ", secondsSince(start), " s"));
     }
     ::usleep(100 * 1000);
-    state = json::parse(request(pollRequest.dump(), 10));
+    state = parseAnswer(request(pollRequest.dump(), 10), where);
   }
-  ElasticRound round;
-  round.round = state.at("round").get<int64_t>();
-  round.nodeRank = state.at("node_rank").get<int>();
-  for (const json& n : state.at("nodes")) round.nodes.push_back(nodeFromJson(n));
-  return round;
+  return roundFromAnswer(state, where, options_, nodeId_, nproc_);
 }
 
 bool ElasticRendezvous::restartWanted(int64_t round) {
