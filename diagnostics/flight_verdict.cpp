@@ -13,6 +13,7 @@
 
 #include "common/errors.h"
 #include "common/file_open.h"
+#include "common/limits.h"
 
 namespace tessera::diagnostics {
 namespace {
@@ -70,16 +71,39 @@ std::string describe(const Entry& e) {
   return out;
 }
 
+// A dump's text as the verdict prints it: control characters escaped (a tag holding a
+// newline would forge a line of the verdict), at most 300 characters.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (out.size() >= 300) return out + "...";
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (u < 0x20 || u == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", u);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string textField(const json& j, const char* key) { return printable(j.at(key).get<std::string>()); }
+std::string textField(const json& j, const char* key, const char* fallback) { return printable(j.value(key, fallback)); }
+
 Entry parseEntry(const json& j) {
   Entry e;
   e.seq = j.at("seq").get<int64_t>();
-  e.op = j.at("op").get<std::string>();
-  e.dtype = j.at("dtype").get<std::string>();
+  e.op = textField(j, "op");
+  e.dtype = textField(j, "dtype");
   e.numel = j.at("numel").get<int64_t>();
-  e.tag = j.value("tag", "");
+  e.tag = textField(j, "tag", "");
   e.step = j.value("step", int64_t{0});
-  e.state = j.at("state").get<std::string>();
-  e.error = j.value("error", "");
+  e.state = textField(j, "state");
+  e.error = textField(j, "error", "");
   e.issuedAgo = j.value("issued_s_ago", 0.0);
   e.waitAgo = j.value("wait_s_ago", -1.0);
   return e;
@@ -91,18 +115,19 @@ void readDump(const std::string& path, std::map<int, Dump>& dumps, std::map<std:
   TESSERA_CHECK(j.is_object() && j.value("format", "") == "tessera.flight/1", "not a tessera.flight/1 dump");
   Dump d;
   d.rank = j.at("rank").get<int>();
-  d.reason = j.value("reason", "");
+  TESSERA_CHECK(d.rank >= 0 && d.rank < kMaxWorldSize, "rank ", d.rank, " is not a rank");
+  d.reason = textField(j, "reason", "");
   d.step = j.value("step", int64_t{0});
   auto spanPath = [](const std::vector<std::string>& spans) {
     std::string out;
-    for (size_t i = 0; i < spans.size(); ++i) out += (i ? " > " : "") + spans[i];
+    for (size_t i = 0; i < spans.size(); ++i) out += (i ? " > " : "") + printable(spans[i]);
     return out;
   };
   for (const json& t : j.at("threads")) {
     const auto doing = t.at("doing").get<std::vector<std::string>>();
     const auto failedIn = t.value("failed_in", std::vector<std::string>{});
     if (doing.empty() && failedIn.empty()) continue;
-    std::string line = strCat(t.at("thread").get<std::string>(), ": ");
+    std::string line = strCat(textField(t, "thread"), ": ");
     if (!doing.empty()) line += spanPath(doing);
     if (t.contains("for_s")) line += strCat(" (for ", fixed(t.at("for_s").get<double>()), " s)");
     if (!failedIn.empty()) line += strCat(doing.empty() ? "" : ", ", "failed in ", spanPath(failedIn));
@@ -113,11 +138,14 @@ void readDump(const std::string& path, std::map<int, Dump>& dumps, std::map<std:
     const int groupRank = g.at("rank").get<int>();
     TESSERA_CHECK(groupRank >= 0 && groupRank < static_cast<int>(members.size()), "group rank ", groupRank,
                   " outside its ", members.size(), " members");
+    const std::set<int> unique(members.begin(), members.end());
+    TESSERA_CHECK(unique.size() == members.size() && *unique.begin() >= 0 && *unique.rbegin() < kMaxWorldSize,
+                  "group members must be distinct ranks in [0, ", kMaxWorldSize, ")");
     std::string key = g.at("group").get<std::string>() + "|";
     for (int m : members) key += std::to_string(m) + ",";
     Group& group = groups[key];
-    group.name = g.at("group").get<std::string>();
-    group.backend = g.value("backend", "");
+    group.name = textField(g, "group");
+    group.backend = textField(g, "backend", "");
     group.members = members;
     RankRing& ring = group.rings[members[static_cast<size_t>(groupRank)]];
     ring.nextSeq = g.at("next_seq").get<int64_t>();
@@ -189,9 +217,28 @@ Evidence readEvidence(const VerdictInput& input) {
       ev.problems.push_back(strCat("unreadable dump ", file.string(), ": ", e.what()));
     }
   }
+  // The world the dumps describe: the launcher's, or their largest group's size. A rank
+  // beyond it (a crafted member 2e9 would have the verdict list two billion ranks) makes
+  // the groups naming it unusable evidence.
   ev.world = input.worldSize;
-  for (const auto& [key, g] : ev.groups) {
-    for (int m : g.members) ev.world = std::max(ev.world, m + 1);
+  for (const auto& [key, g] : ev.groups) ev.world = std::max(ev.world, static_cast<int>(g.members.size()));
+  for (auto it = ev.groups.begin(); it != ev.groups.end();) {
+    const int largest = *std::max_element(it->second.members.begin(), it->second.members.end());
+    if (largest >= ev.world) {
+      ev.problems.push_back(strCat("a dump's group '", it->second.name, "' names rank ", largest, ", outside the world of ",
+                                   ev.world, " ranks the dumps describe; its records are ignored"));
+      it = ev.groups.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (auto it = ev.dumps.begin(); it != ev.dumps.end();) {
+    if (ev.world > 0 && it->first >= ev.world) {
+      ev.problems.push_back(strCat("a dump of rank ", it->first, ", outside the world of ", ev.world, " ranks, is ignored"));
+      it = ev.dumps.erase(it);
+    } else {
+      ++it;
+    }
   }
   for (const auto& [rank, fate] : input.fates) ev.world = std::max(ev.world, rank + 1);
   return ev;

@@ -221,6 +221,32 @@ TEST(FlightVerdictTest, DamagedDumpsAreLinesNotCrashes) {
   EXPECT_THROW(tessera::diagnostics::flightVerdict({dir + "/missing", 0, {}, {}}), tessera::Error);
 }
 
+// Crafted dumps: a member rank beyond the world does not make the verdict list that many
+// ranks (its group is ignored, said in a line; one of 2e9 makes the dump unreadable), and a tag, reason or thread holding a newline
+// or other control characters cannot forge a line of the verdict.
+TEST(FlightVerdictTest, CraftedRanksAndTextCannotDriveTheVerdict) {
+  const std::string dir = tessera::test::scratchPath("verdict", "crafted");
+  DumpBuilder(0, "timed out\nrank 2 is behind: forged").group(3, true).write(dir);
+  DumpBuilder forged(1, "timed out", {"step 3\rforged", "x"});
+  forged.group(2, false);
+  forged.j["groups"][0]["entries"][1]["tag"] = "layers.1\nrank 0 is behind: forged";
+  forged.j["groups"].push_back({{"group", "huge"}, {"backend", "gloo"}, {"rank", 0}, {"members", {1, 5000}},
+                                {"next_seq", 0}, {"entries", json::array()}});
+  forged.write(dir);
+  DumpBuilder(2, "timed out").group(3, true).write(dir);
+  const auto lines = tessera::diagnostics::flightVerdict({dir, 0, {}, {}});
+  ASSERT_LT(lines.size(), 20u) << joined(lines);
+  for (const std::string& line : lines) {
+    EXPECT_EQ(line.find('\n'), std::string::npos) << line;
+    EXPECT_EQ(line.find('\r'), std::string::npos) << line;
+    EXPECT_NE(line.rfind("rank 0 is behind", 0), 0u) << line;
+    EXPECT_NE(line.rfind("rank 2 is behind", 0), 0u) << line;
+  }
+  EXPECT_TRUE(contains(lines, "names rank 5000, outside the world of 3 ranks")) << joined(lines);
+  EXPECT_TRUE(contains(lines, "rank 1 is behind")) << joined(lines);
+  EXPECT_TRUE(contains(lines, "\\nrank 0 is behind: forged")) << joined(lines);
+}
+
 TEST(FlightVerdictTest, NoDumpsSaysSo) {
   const std::string dir = tessera::test::scratchPath("verdict", "empty");
   fs::create_directories(dir);
