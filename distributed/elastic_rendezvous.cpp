@@ -96,7 +96,7 @@ std::string readLine(int fd, Clock::time_point deadline) {
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (n <= 0) throw Error("rendezvous: the connection closed before a whole line");
     line.append(buffer, static_cast<size_t>(n));
-    if (line.size() > kMaxLineBytes) throw Error("rendezvous: a line longer than 1 MiB");
+    if (line.size() > kMaxLineBytes) throw Error(strCat("rendezvous: a line longer than ", kMaxLineBytes >> 20, " MiB"));
   }
   return line.substr(0, line.find('\n'));
 }

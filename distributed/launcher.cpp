@@ -245,6 +245,7 @@ class Launcher {
   bool console_ = true;
   std::vector<Rank> ranks_;
   std::string tempDir_;      // holds the error files when there is no --log-dir
+  bool keepTempDir_ = false; // a verdict named its flight dumps: they outlive the launcher
   std::string flightDir_;    // the ranks' flight-recorder dumps (TESSERA_FLIGHT_DIR)
   int devNull_ = -1;         // the ranks' stdin
   int signalsReceived_ = 0;
@@ -320,7 +321,7 @@ Launcher::~Launcher() {
     closeFd(rank.logFd);
   }
   closeFd(devNull_);
-  if (!tempDir_.empty()) {
+  if (!tempDir_.empty() && !keepTempDir_) {
     std::error_code ec;
     removeTree(tempDir_, ec);
   }
@@ -853,6 +854,12 @@ void Launcher::reportVerdict() {
     const auto lines = diagnostics::flightVerdict(input);
     TLOG_ERROR("tessera-run: verdict from the flight recorder (dumps in " << flightDir_ << "):");
     for (const auto& line : lines) TLOG_ERROR("tessera-run:   " << line);
+    if (!tempDir_.empty()) {
+      // The verdict points there: the folder is kept (it was deleted at exit before).
+      keepTempDir_ = true;
+      TLOG_ERROR("tessera-run: the dumps stay in " << flightDir_ << " (tessera-flight " << flightDir_
+                 << " reads them again; --log-dir puts them elsewhere); delete " << tempDir_ << " when done");
+    }
   } catch (const std::exception& e) {
     TLOG_WARN("tessera-run: no verdict: " << e.what());
   }

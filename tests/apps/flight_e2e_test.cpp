@@ -93,6 +93,12 @@ TEST(FlightE2ETest, StoppedRankEndsTheRunWithinTheCollectiveTimeout) {
   EXPECT_TRUE(std::regex_search(r.output, std::regex("rank [01] stopped answering: its process was stopped \\(SIGSTOP "
                                                      "or a debugger\\)")))
       << r.output;
+  // The folder the verdict names outlives the launcher (no --log-dir: a temporary one).
+  std::smatch kept;
+  ASSERT_TRUE(std::regex_search(r.output, kept, std::regex("the dumps stay in (\\S+) "))) << r.output;
+  EXPECT_TRUE(fs::exists(fs::path(kept[1].str()) / "rank_0.json")) << kept[1];
+  std::error_code ec;
+  fs::remove_all(fs::path(kept[1].str()).parent_path(), ec);
 }
 
 TEST(FlightE2ETest, ZeroEntriesTurnsTheRecorderOff) {
