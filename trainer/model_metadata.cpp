@@ -262,6 +262,15 @@ ModelDescription checkedModelMetadata(const std::string& json, const std::string
   return d;
 }
 
+std::map<std::string, std::vector<int64_t>> shapesUnder(const checkpoint::CheckpointMetadata& metadata,
+                                                        const std::string& prefix) {
+  std::map<std::string, std::vector<int64_t>> found;
+  for (const auto& t : metadata.tensors) {
+    if (t.name.rfind(prefix, 0) == 0) found[t.name.substr(prefix.size())] = t.shape;
+  }
+  return found;
+}
+
 LoadedModel loadExportedModel(const std::string& path, at::Device device) {
   const checkpoint::SafetensorsSet files(path);
   TESSERA_CHECK(!files.byName().empty(), path, ": holds no tensors");
@@ -286,11 +295,7 @@ LoadedModel loadCheckpointModel(const std::string& dir, const std::string& what,
   const std::string metadata = modelMetadataForPrefix(modelMetadataFromJson(reader.trainerState(), stateFile), prefix);
   TESSERA_CHECK(!metadata.empty(), stepDir, ": its trainer_state.json does not describe the model under '", prefix,
                 "' (a checkpoint written before Tessera recorded its models): export it and pass --weights");
-  std::map<std::string, std::vector<int64_t>> found;
-  for (const auto& t : reader.metadata().tensors) {
-    if (t.name.rfind(prefix, 0) == 0) found[t.name.substr(prefix.size())] = t.shape;
-  }
-  return buildAndLoad(metadata, strCat(stepDir, " (", what, ")"), found,
+  return buildAndLoad(metadata, strCat(stepDir, " (", what, ")"), shapesUnder(reader.metadata(), prefix),
                       [&](const std::string& name) { return reader.readFull(prefix + name); }, device);
 }
 

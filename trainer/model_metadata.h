@@ -20,6 +20,10 @@
 #include "models/models.h"
 #include "trainer/train_config.h"
 
+namespace tessera::checkpoint {
+struct CheckpointMetadata;
+}
+
 namespace tessera::trainer {
 
 constexpr const char* kModelMetadataKey = "tessera.model";
@@ -47,6 +51,10 @@ ModelDescription parseModelMetadata(const std::string& json, const std::string& 
 // copying a run's description into an export).
 ModelDescription checkedModelMetadata(const std::string& json, const std::string& source,
                                       const std::map<std::string, std::vector<int64_t>>& found);
+// The shapes of a checkpoint's tensors under `prefix`, by name without it: what
+// checkedModelMetadata checks a checkpoint's model description against.
+std::map<std::string, std::vector<int64_t>> shapesUnder(const checkpoint::CheckpointMetadata& metadata,
+                                                        const std::string& prefix);
 
 // The metadata of the export of tensor prefix `prefix` ("model/", "ema/generator_ema/",
 // "critic/") from a run's descriptions by state name (TrainerCounters::modelMetadata):

@@ -128,13 +128,9 @@ void addModelMetadata(const std::string& stepDir, ckpt::ExportOptions& options) 
   const std::string model = tessera::trainer::modelMetadataForPrefix(described, prefix);
   if (model.empty()) return;
   // Checked before it is copied: an export says only what its tensors can be.
-  std::map<std::string, std::vector<int64_t>> found;
-  for (const auto& t : reader.metadata().tensors) {
-    if (t.name.rfind(prefix, 0) == 0) found[t.name.substr(prefix.size())] = t.shape;
-  }
   tessera::trainer::checkedModelMetadata(
       model, tessera::strCat((std::filesystem::path(stepDir) / "trainer_state.json").string(), " (", options.what, ")"),
-      found);
+      tessera::trainer::shapesUnder(reader.metadata(), prefix));
   options.metadata[tessera::trainer::kModelMetadataKey] = model;
 }
 
