@@ -12,6 +12,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
+#include "tests/support/free_port.h"
 #include "tests/support/run_command.h"
 #include "tests/support/scratch_path.h"
 
@@ -34,16 +35,21 @@ std::map<std::string, at::Tensor> exportOf(const std::string& runDir) {
   return tessera::checkpoint::loadSafetensors((fs::path(runDir) / "export" / "model_ema.safetensors").string());
 }
 
-int freePort() { return 20000 + static_cast<int>(::getpid() % 20000); }
+// This test's block of six ports (each test of the suite uses its own offset in it).
+int freePort() {
+  static const int base = tessera::test::freePorts(6);
+  return base;
+}
 
-// Starts node A, then node B (each `launch` + the trainer), waits for the checkpoint of
-// step 40, SIGKILLs what `killB` names, and waits for A. A's output goes to a.log.
-CommandResult loseANode(const std::string& dir, const std::string& launchA, const std::string& launchB,
-                        const std::string& killB) {
+// Starts node A, then node B once A hosts the rendezvous on `port` (each `launch` + the
+// trainer), waits for the checkpoint of step 40, SIGKILLs what `killB` names, and waits for
+// A. A's output goes to a.log. B must not host: the store would go with it.
+CommandResult loseANode(const std::string& dir, const std::string& launch, int port, const std::string& killB) {
   const std::string d = shellQuote(dir);
   const std::string train = kBin + "/tessera-train" + kTrainArgs + " --set run.dir=" + d + "/run";
   const std::string script =
-      "mkdir -p " + d + "; " + launchA + " " + train + " > " + d + "/a.log 2>&1 & A=$!; sleep 0.5; " + launchB + " " +
+      "mkdir -p " + d + "; " + launch + " " + train + " > " + d + "/a.log 2>&1 & A=$!; " +
+      tessera::test::waitForListenerScript(port, 60) + launch + " " +
       train + " > " + d + "/b.log 2>&1 & B=$!; " + "for i in $(seq 1200); do [ -d " + d +
       "/run/checkpoints/step_00000040 ] && break; sleep 0.1; done; " + killB + "; wait $A; echo \"node A exit $?\"; "
       "cat " + d + "/a.log";
@@ -67,9 +73,10 @@ void expectSameExportAsUninterrupted(const std::string& dir) {
 
 TEST(ElasticE2ETest, TesseraRunGoesOnWithoutALostNode) {
   const std::string dir = tessera::test::scratchPath("tessera_elastic", "tessera_run");
-  const std::string launch = strCat(kBin, "/tessera-run --nnodes 1:2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:",
-                                    freePort(), " --rdzv-id elastic_test --rdzv-conf last_call_timeout=2 --max-restarts 3");
-  const CommandResult r = loseANode(dir, launch, launch, "kill -s KILL $B");
+  const int port = freePort();
+  const std::string launch = strCat(kBin, "/tessera-run --nnodes 1:2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:", port,
+                                    " --rdzv-id elastic_test --rdzv-conf last_call_timeout=2 --max-restarts 3");
+  const CommandResult r = loseANode(dir, launch, port, "kill -s KILL $B");
   EXPECT_NE(r.output.find("node A exit 0"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rendezvous round 1: 2 nodes of 1:2, this one node rank 0, world 4 ranks"),
             std::string::npos)
@@ -144,11 +151,12 @@ TEST(ElasticE2ETest, TorchrunGoesOnWithoutALostNode) {
   const std::string dir = tessera::test::scratchPath("tessera_elastic", "torchrun");
   // Each agent in a session of its own: losing the node kills the agent and its workers.
   // Debian's torchrun 1.13 on Python 3.11 needs --redirects/--tee given.
+  const int port = freePort() + 1;
   const std::string launch = strCat("setsid ", python, " -m torch.distributed.run --nnodes 1:2 --nproc_per_node 2",
-                                    " --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:", freePort() + 1,
+                                    " --rdzv_backend c10d --rdzv_endpoint 127.0.0.1:", port,
                                     " --rdzv_id elastic_test --rdzv_conf last_call_timeout=2 --max_restarts 3",
                                     " --monitor_interval 0.5 --redirects 1 --tee 1 --no_python");
-  const CommandResult r = loseANode(dir, launch, launch, "kill -s KILL -- -$B");
+  const CommandResult r = loseANode(dir, launch, port, "kill -s KILL -- -$B");
   EXPECT_NE(r.output.find("node A exit 0"), std::string::npos) << r.output;
   EXPECT_TRUE(std::regex_search(r.output, std::regex("world 4 -> 2 ranks, resumed from step [0-9]+")))
       << r.output;
@@ -179,11 +187,11 @@ TEST(ElasticE2ETest, ElasticOptionsAreChecked) {
 // 3, on node B, hangs in compute; node A's launcher names it and says what it was doing.
 TEST(ElasticE2ETest, VerdictGathersTheOtherNodesDumps) {
   const std::string dir = tessera::test::scratchPath("tessera_elastic", "verdict");
-  const std::string launch = strCat(kBin, "/tessera-run --nnodes 2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:",
-                                    freePort() + 4, " --rdzv-id verdict --grace-period-s 2 ", kBin,
+  const int port = freePort() + 4;
+  const std::string launch = strCat(kBin, "/tessera-run --nnodes 2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:", port, " --rdzv-id verdict --grace-period-s 2 ", kBin,
                                     "/tessera-fault-worker --dir ", shellQuote(dir), " --fault sleep --fault-rank 3",
                                     " --fault-step 3 --timeout-s 3");
-  const CommandResult r = runCommand(launch + " > " + shellQuote(dir + ".a") + " 2>&1 & A=$!; sleep 0.3; " + launch +
+  const CommandResult r = runCommand(launch + " > " + shellQuote(dir + ".a") + " 2>&1 & A=$!; " + tessera::test::waitForListenerScript(port, 60) + launch +
                                          " > " + shellQuote(dir + ".b") + " 2>&1; wait $A; echo \"node A exit $?\"; cat " +
                                          shellQuote(dir + ".a"),
                                      120);

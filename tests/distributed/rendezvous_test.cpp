@@ -14,6 +14,7 @@
 #include "distributed/rendezvous.h"
 #include "distributed/runtime.h"
 #include "distributed/store.h"
+#include "tests/support/free_port.h"
 #include "tests/support/multi_rank.h"
 
 namespace tessera::distributed {
@@ -29,19 +30,7 @@ double secondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// A port nobody listens on right now (bound, then released).
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+int freePort() { return tessera::test::freePorts(1); }
 
 RankEnv envFor(int rank, int world, int port) {
   RankEnv env;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "common/errors.h"
+#include "tests/support/free_port.h"
 
 namespace tessera {
 namespace {
@@ -46,17 +47,7 @@ std::string pythonWithTorch() {
   return "";
 }
 
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+int freePort() { return tessera::test::freePorts(1); }
 
 // torchrun 1.13 on Python 3.11 cannot parse its default --redirects/--tee ("0"; an
 // IntFlag iteration change), so pass values it can: stdout to a log file and the console.
