@@ -7,7 +7,7 @@ include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 set(TESSERA_LIBRARY_TARGETS
-    tessera_common tessera_diagnostics tessera_distributed tessera_dtensor tessera_optim tessera_sharding tessera_ema
+    tessera_common tessera_kernels tessera_diagnostics tessera_distributed tessera_dtensor tessera_optim tessera_sharding tessera_ema
     tessera_checkpoint tessera_imaging tessera_observe tessera_datasets tessera_models tessera_trainer tessera_recipes)
 add_library(tessera INTERFACE)
 add_library(tessera::tessera ALIAS tessera)
@@ -23,7 +23,7 @@ install(TARGETS tessera ${TESSERA_LIBRARY_TARGETS} EXPORT TesseraTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS ${TESSERA_APPS} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-foreach(folder common diagnostics distributed dtensor optim sharding ema checkpoint imaging observe datasets models trainer
+foreach(folder common kernels diagnostics distributed dtensor optim sharding ema checkpoint imaging observe datasets models trainer
                recipes)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${folder} DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/tessera
           FILES_MATCHING PATTERN "*.h")

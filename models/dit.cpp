@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "common/errors.h"
+#include "kernels/cpu_matmul.h"
 
 namespace tessera::models {
 namespace {
@@ -75,7 +76,7 @@ at::Tensor PatchEmbedImpl::forward(const at::Tensor& images) {
   const at::Tensor patches = images.reshape({n, c, h, patch_, w, patch_})
                                  .permute({0, 2, 4, 1, 3, 5})
                                  .reshape({n, h * w, c * patch_ * patch_});
-  return at::linear(patches, weight.reshape({weight.size(0), -1}), bias);
+  return kernels::linear(patches, weight.reshape({weight.size(0), -1}), bias);
 }
 
 DiTBlock::DiTBlock(int64_t width, int64_t heads, int64_t mlpWidth, at::Device device) : heads_(heads) {
@@ -103,7 +104,7 @@ at::Tensor DiTBlock::forward(const at::Tensor& x, const at::Tensor& c) {
 #else
   const at::Tensor q = qkv[0] * (1.0 / std::sqrt(static_cast<double>(headDim))), k = qkv[1], v = qkv[2];
   const at::Tensor attended =
-      at::softmax(q.matmul(k.transpose(-2, -1)), -1).matmul(v).transpose(1, 2).reshape({batch, tokens, width});
+      kernels::batchedMatmul(at::softmax(kernels::batchedMatmul(q, k.transpose(-2, -1)), -1), v).transpose(1, 2).reshape({batch, tokens, width});
 #endif
   const at::Tensor h = x + mod[2].unsqueeze(1) * proj_->forward(attended);
   const at::Tensor hidden = at::gelu(fc1_->forward(modulate(plainLayerNorm(h), mod[3], mod[4])), "tanh");

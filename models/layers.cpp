@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "common/errors.h"
+#include "kernels/cpu_matmul.h"
 
 namespace tessera::models::layers {
 
@@ -27,7 +28,7 @@ LinearImpl::LinearImpl(int64_t in, int64_t out, bool withBias, at::Device device
   if (withBias) bias = registerDeferred("bias", {out}, dtensor::ParamInit::uniform(-bound, bound), device);
 }
 
-at::Tensor LinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+at::Tensor LinearImpl::forward(const at::Tensor& x) { return kernels::linear(x, weight, bias); }
 
 EmbeddingImpl::EmbeddingImpl(int64_t count, int64_t dim, at::Device device) {
   weight = registerDeferred("weight", {count, dim}, dtensor::ParamInit::normal(0.0, 1.0), device);

@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "common/errors.h"
+#include "kernels/cpu_matmul.h"
 #include "models/diffusion.h"
 #include "models/dit.h"
 
@@ -127,10 +128,10 @@ at::Tensor GptBlock::forward(const at::Tensor& x) {
                                   .transpose(1, 2)
                                   .reshape({batch, time, width});
 #else
-  at::Tensor scores = q.matmul(k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
+  at::Tensor scores = kernels::batchedMatmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
   const at::Tensor future = at::ones({time, time}, x.options().dtype(at::kBool)).triu(1);
   scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-  const at::Tensor attended = at::softmax(scores, -1).matmul(v).transpose(1, 2).reshape({batch, time, width});
+  const at::Tensor attended = kernels::batchedMatmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({batch, time, width});
 #endif
   const at::Tensor h = x + attnOut_->forward(attended);
   return h + mlpOut_->forward(at::gelu(mlpIn_->forward(ln2_->forward(h))));
@@ -159,7 +160,7 @@ at::Tensor Gpt::forward(const at::Tensor& tokens) {
   at::Tensor x = wte_->forward(tokens) + wpe_->forward(positions);
   for (auto& block : *blocks_) x = block->forward(x);
   x = lnF_->forward(x);
-  return options_.tie_head ? x.matmul(wte_->weight.t()) : lmHead_->forward(x);
+  return options_.tie_head ? kernels::linear(x, wte_->weight, {}) : lmHead_->forward(x);
 }
 
 double GptBlock::forwardFlops(int64_t time) const {

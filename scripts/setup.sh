@@ -9,6 +9,8 @@ PACKAGES=(
   g++ cmake ninja-build ccache pkg-config
   # LibTorch 1.13 (CPU) and the c10d Gloo headers
   libtorch-dev libgloo-dev
+  # oneDNN headers: fp32 CPU products at the core's speed whatever OpenBLAS detects (kernels/)
+  libdnnl-dev
   # an optimised BLAS: LibTorch calls libblas.so.3, and the reference BLAS is ~50x slower
   libopenblas0-pthread
   # libraries

@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "common/errors.h"
+#include "kernels/cpu_matmul.h"
 #include "sharding/mixed_precision.h"
 
 namespace tessera::trainer {
@@ -45,13 +46,36 @@ double measureMatmulFlops(at::Device device, at::ScalarType dtype, int64_t size,
 }
 
 PeakFlops peakFlops(double configured, at::Device device, at::ScalarType dtype) {
-  if (configured > 0) return {configured, "run.peak_flops"};
+  PeakFlops peak;
   const int64_t size = device.is_cuda() ? 8192 : 1024;
   const double seconds = device.is_cuda() ? 0.2 : 0.1;
-  PeakFlops peak;
-  peak.flopsPerSec = measureMatmulFlops(device, dtype, size, seconds);
-  peak.source = strCat("measured by ", size, "x", size, " ", enumName(sharding::kFloatDtypeNames, dtype),
-                       " matrix products on ", device, " (set run.peak_flops for the hardware's datasheet figure)");
+  const std::string what = strCat(size, "x", size, " ", enumName(sharding::kFloatDtypeNames, dtype), " matrix products");
+  if (device.is_cpu() && dtype == at::kFloat) {
+    using kernels::CpuMatmulPath;
+    const CpuMatmulPath path = kernels::cpuMatmulPath();
+    const double core = kernels::haveOnednn() ? kernels::measureCpuSgemmFlops(CpuMatmulPath::kOnednn, size, seconds) : 0;
+    const double inUse = path == CpuMatmulPath::kOnednn ? core : kernels::measureCpuSgemmFlops(path, size, seconds);
+    peak.matmulPath = strCat(kernels::cpuMatmulPathName(path), ", ", static_cast<int64_t>(inUse / 1e9),
+                             " GFLOP/s per rank on ", what);
+    if (core > 0 && inUse < 0.5 * core) {
+      peak.slowWarning = strCat("fp32 products run through ", kernels::cpuMatmulPathName(path), " at ",
+                                static_cast<int64_t>(inUse / 1e9), " GFLOP/s, ", inUse / core,
+                                "x of oneDNN's ", static_cast<int64_t>(core / 1e9),
+                                " on this core (unset TESSERA_CPU_MATMUL to use oneDNN)");
+    }
+    if (configured <= 0) {
+      peak.flopsPerSec = core > 0 ? core : inUse;
+      peak.source = strCat("measured by ", what, " through ", core > 0 ? "oneDNN sgemm" : peak.matmulPath,
+                           " (set run.peak_flops for the hardware's datasheet figure)");
+    }
+  } else if (configured <= 0) {
+    peak.flopsPerSec = measureMatmulFlops(device, dtype, size, seconds);
+    peak.source = strCat("measured by ", what, " on ", device, " (set run.peak_flops for the hardware's datasheet figure)");
+  }
+  if (configured > 0) {
+    peak.flopsPerSec = configured;
+    peak.source = "run.peak_flops";
+  }
   return peak;
 }
 

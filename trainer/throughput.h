@@ -13,6 +13,10 @@ namespace tessera::trainer {
 struct PeakFlops {
   double flopsPerSec = 0;
   std::string source;
+  // On a CPU in fp32: the path the model's products take and its measured speed ("" elsewhere),
+  // and a warning when that path runs far below the core (a BLAS on its generic kernel).
+  std::string matmulPath;
+  std::string slowWarning;
 };
 
 // FLOP/s of square `size` x `size` matrix products in `dtype` on `device` (CPU or CUDA),
@@ -20,7 +24,9 @@ struct PeakFlops {
 double measureMatmulFlops(at::Device device, at::ScalarType dtype, int64_t size, double seconds);
 
 // `configured` (run.peak_flops) when > 0; else the probe on the run's device and compute
-// dtype: 1024-square products on a CPU (the rank's own threads), 8192-square on a GPU.
+// dtype: 1024-square products on a CPU (the rank's own threads), 8192-square on a GPU. On a
+// CPU in fp32 the probe is oneDNN's sgemm, which runs at the core's speed whatever kernel
+// the loaded BLAS picked, so MFU is against the core, not against a slow kernel.
 PeakFlops peakFlops(double configured, at::Device device, at::ScalarType dtype);
 
 // The throughput figures of a logged window: samples/s over all ranks -> per rank, tokens/s

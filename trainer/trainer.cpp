@@ -166,6 +166,8 @@ class TrainLoop {
       peak_ = peakFlops(cfg_.run.peak_flops, run.device, run.models.front().cfg.sharding.paramDtype);
       TLOG_INFO0("MFU: " << trainFlopsPerSample_ / 1e9 << " GFLOP per sample (forward and backward), against a peak of "
                          << peak_.flopsPerSec / 1e12 << " TFLOP/s per rank " << peak_.source);
+      if (!peak_.matmulPath.empty()) TLOG_INFO0("matrix products: " << peak_.matmulPath);
+      if (!peak_.slowWarning.empty()) TLOG_WARN0(peak_.slowWarning);
     }
     runtimeBytes_ = runtimeBytes();
     memoryWindowFirst_ = run.startStep + 1;

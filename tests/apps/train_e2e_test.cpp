@@ -101,6 +101,24 @@ TEST(TrainE2ETest, TwoRanksMatchOneProcessForEveryStrategy) {
 
 // data.kind tokens: the GPL-3 text rewritten as uint16 token ids trains exactly like
 // the text itself (same samples, same order, same losses).
+// fp32 products go through oneDNN (kernels/cpu_matmul.h), named at start with their speed;
+// TESSERA_CPU_MATMUL=aten sends them to LibTorch's BLAS, and both train alike (the sums of
+// the same products in another order); a value that is neither is refused at start.
+TEST(TrainE2ETest, MatrixProductPathIsNamedAndEitherPathTrainsAlike) {
+  const std::string oneDnnDir = uniqueDir("onednn"), atenDir = uniqueDir("aten");
+  std::string oneDnnLog, atenLog, badLog;
+  ASSERT_EQ(run(kBin + "/tessera-train" + kArgs + " --set run.dir=" + oneDnnDir, &oneDnnLog), 0) << oneDnnLog;
+  ASSERT_EQ(run("TESSERA_CPU_MATMUL=aten " + kBin + "/tessera-train" + kArgs + " --set run.dir=" + atenDir, &atenLog), 0)
+      << atenLog;
+  EXPECT_NE(oneDnnLog.find("matrix products: oneDNN sgemm, "), std::string::npos) << oneDnnLog;
+  EXPECT_NE(atenLog.find("matrix products: LibTorch ("), std::string::npos) << atenLog;
+  expectSameLosses(readMetrics(oneDnnDir), readMetrics(atenDir), "oneDNN against LibTorch's BLAS");
+  EXPECT_EQ(run("TESSERA_CPU_MATMUL=mkl " + kBin + "/tessera-train" + kArgs + " --set run.dir=" + uniqueDir("bad"), &badLog),
+            2)
+      << badLog;
+  EXPECT_NE(badLog.find("TESSERA_CPU_MATMUL='mkl': expected onednn or aten"), std::string::npos) << badLog;
+}
+
 TEST(TrainE2ETest, TokenFileTrainsLikeTheSameTextFile) {
   std::ifstream text("/usr/share/common-licenses/GPL-3", std::ios::binary);
   ASSERT_TRUE(text.good());

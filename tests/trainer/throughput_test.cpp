@@ -4,6 +4,7 @@
 
 #include "models/dit.h"
 #include "models/models.h"
+#include "kernels/cpu_matmul.h"
 #include "trainer/throughput.h"
 
 namespace tessera::trainer {
@@ -78,8 +79,22 @@ TEST(ThroughputTest, MatmulProbeMeasuresARate) {
   const PeakFlops peak = peakFlops(0, at::kCPU, at::kFloat);
   EXPECT_GT(peak.flopsPerSec, 1e8);
   EXPECT_LT(peak.flopsPerSec, 1e15);
-  EXPECT_NE(peak.source.find("1024x1024 fp32 matrix products on cpu"), std::string::npos) << peak.source;
-  EXPECT_DOUBLE_EQ(peakFlops(7e12, at::kCPU, at::kFloat).flopsPerSec, 7e12);
+  // On a CPU in fp32 the peak is oneDNN's (the core's speed), whatever BLAS LibTorch uses,
+  // and the path the model's products take is named with its speed.
+  const std::string probe = tessera::kernels::haveOnednn() ? "1024x1024 fp32 matrix products through oneDNN sgemm"
+                                                           : "1024x1024 fp32 matrix products through LibTorch";
+  EXPECT_NE(peak.source.find(probe), std::string::npos) << peak.source;
+  EXPECT_NE(peak.matmulPath.find(" GFLOP/s per rank on 1024x1024 fp32 matrix products"), std::string::npos)
+      << peak.matmulPath;
+  EXPECT_EQ(peak.slowWarning, "") << "the path in use is the one measured as the peak";
+  const PeakFlops configured = peakFlops(7e12, at::kCPU, at::kFloat);
+  EXPECT_DOUBLE_EQ(configured.flopsPerSec, 7e12);
+  EXPECT_EQ(configured.source, "run.peak_flops");
+  // bf16: LibTorch's own product (it sends bf16 to oneDNN itself); no path line.
+  const PeakFlops bf16 = peakFlops(0, at::kCPU, at::kBFloat16);
+  EXPECT_GT(bf16.flopsPerSec, 1e8);
+  EXPECT_NE(bf16.source.find("1024x1024 bf16 matrix products on cpu"), std::string::npos) << bf16.source;
+  EXPECT_EQ(bf16.matmulPath, "");
 }
 
 }  // namespace
