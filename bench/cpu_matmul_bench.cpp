@@ -1,7 +1,8 @@
 // fp32 matrix products on the CPU (issue 45): oneDNN's sgemm (kernels/cpu_matmul.h, what the
 // built-in models use) against LibTorch's own product (the system BLAS, OpenBLAS on Debian),
 // in the same run:
-//  1. GFLOP/s of one product, on the MFU probe's square and the main job's shapes;
+//  1. GFLOP/s of one product, on the MFU probe's square and the main job's shapes, and the
+//     time of the tanh GELU (fused, kernels/gelu.h, against at::gelu) on the main job's MLP;
 //  2. the main job's step (configs/dit_quick.yaml, 2 ranks under tessera-run) with each
 //     path, under OpenBLAS's own choice of kernel and under OPENBLAS_CORETYPE=Prescott (its
 //     generic kernel, which OpenBLAS 0.3.21 picks on cores its table does not know). The
@@ -16,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -27,6 +29,8 @@
 #include "common/app_main.h"
 #include "common/filesystem.h"
 #include "kernels/cpu_matmul.h"
+#include "kernels/gelu.h"
+#include "sharding/host_allocator.h"
 
 namespace {
 
@@ -42,6 +46,25 @@ struct Shape {
   const char* what;
   int64_t m, n, k;
 };
+
+// Forward + backward of the tanh GELU on the main job's MLP activations, ms per call.
+double geluMs(bool fused) {
+  const at::Tensor x = at::randn({32, 49, 256}).requires_grad_(true);
+  const at::Tensor upstream = at::randn({32, 49, 256});
+  const auto once = [&] {
+    const at::Tensor y = fused ? tessera::kernels::geluTanh(x) : at::gelu(x, "tanh");
+    y.backward(upstream);
+    x.mutable_grad().reset();
+  };
+  once();
+  std::vector<double> ms;
+  for (int i = 0; i < 30; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    once();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  return median(ms);
+}
 
 void productTable() {
   at::set_num_threads(1);
@@ -64,6 +87,9 @@ void productTable() {
     std::printf("| %s | %lld x %lld x %lld | %.1f | %.1f | %.2fx |\n", s.what, static_cast<long long>(s.m),
                 static_cast<long long>(s.n), static_cast<long long>(s.k), aten / 1e9, onednn / 1e9, onednn / aten);
   }
+  const double atenGelu = geluMs(false), fusedGelu = geluMs(true);
+  std::printf("\ntanh GELU, forward + backward of [32, 49, 256], 1 thread: at::gelu %.3f ms, fused %.3f ms (%.2fx)\n",
+              atenGelu, fusedGelu, atenGelu / fusedGelu);
 }
 
 // The median step time (ms) of a short main-job run, from metrics.jsonl's windows after the first.
@@ -132,6 +158,7 @@ int main(int argc, char** argv) {
     } catch (const CLI::ParseError& e) {
       return app.exit(e);
     }
+    tessera::sharding::useCachingHostAllocator();  // as tessera-train: no page faults per tensor
     productTable();
     if (!skipStep) stepTable(config, steps, reps);
     return 0;

@@ -8,6 +8,7 @@
 
 #include "common/errors.h"
 #include "kernels/cpu_matmul.h"
+#include "kernels/gelu.h"
 
 namespace tessera::models {
 namespace {
@@ -107,7 +108,7 @@ at::Tensor DiTBlock::forward(const at::Tensor& x, const at::Tensor& c) {
       kernels::batchedMatmul(at::softmax(kernels::batchedMatmul(q, k.transpose(-2, -1)), -1), v).transpose(1, 2).reshape({batch, tokens, width});
 #endif
   const at::Tensor h = x + mod[2].unsqueeze(1) * proj_->forward(attended);
-  const at::Tensor hidden = at::gelu(fc1_->forward(modulate(plainLayerNorm(h), mod[3], mod[4])), "tanh");
+  const at::Tensor hidden = kernels::geluTanh(fc1_->forward(modulate(plainLayerNorm(h), mod[3], mod[4])));
   return h + mod[5].unsqueeze(1) * fc2_->forward(hidden);
 }
 
