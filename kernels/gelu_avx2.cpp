@@ -36,15 +36,21 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-// sigmoid(z) for z = 2 sqrt(2/pi) (x + 0.044715 x^3), and dz/dx when asked.
-inline __m256 sigmoidOfU(__m256 x, __m256* dzdx) {
+// sigmoid(z) for z = 2 sqrt(2/pi) (x + 0.044715 x^3); with `oneMinus`, also 1 - sigmoid(z)
+// as exp(-z) sigmoid(z) (not 1 minus it, which cancels where the sigmoid is near 1) and dz/dx.
+inline __m256 sigmoidOfU(__m256 x, __m256* oneMinus, __m256* dzdx) {
   const __m256 k = _mm256_set1_ps(1.5957691216057308f);  // 2 sqrt(2/pi)
   const __m256 cubic = _mm256_set1_ps(0.044715f);
   const __m256 x2 = _mm256_mul_ps(x, x);
   const __m256 z = _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_mul_ps(cubic, x2), x, x));
-  if (dzdx != nullptr) *dzdx = _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_set1_ps(3.0f * 0.044715f), x2, _mm256_set1_ps(1.0f)));
   const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), z));
+  const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, e));
+  if (oneMinus != nullptr) {
+    *oneMinus = _mm256_mul_ps(e, s);
+    *dzdx = _mm256_mul_ps(k, _mm256_fmadd_ps(_mm256_set1_ps(3.0f * 0.044715f), x2, one));
+  }
+  return s;
 }
 
 // The last n % 8 values through a full vector: loaded into a zeroed one, stored back in part.
@@ -62,7 +68,7 @@ void tail(int64_t count, const float* a, const float* b, float* out, Body body) 
 }  // namespace
 
 void geluTanhForward(const float* x, float* y, int64_t n) {
-  const auto body = [](__m256 v, __m256) { return _mm256_mul_ps(v, sigmoidOfU(v, nullptr)); };
+  const auto body = [](__m256 v, __m256) { return _mm256_mul_ps(v, sigmoidOfU(v, nullptr, nullptr)); };
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, body(_mm256_loadu_ps(x + i), __m256()));
   if (i < n) tail(n - i, x + i, nullptr, y + i, body);
@@ -71,9 +77,9 @@ void geluTanhForward(const float* x, float* y, int64_t n) {
 // d/dx [x s(z)] = s + x s (1 - s) dz/dx.
 void geluTanhBackward(const float* x, const float* gradOut, float* gradIn, int64_t n) {
   const auto body = [](__m256 v, __m256 g) {
-    __m256 dz;
-    const __m256 s = sigmoidOfU(v, &dz);
-    const __m256 slope = _mm256_mul_ps(_mm256_mul_ps(v, s), _mm256_mul_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), s), dz));
+    __m256 oneMinusS, dz;
+    const __m256 s = sigmoidOfU(v, &oneMinusS, &dz);
+    const __m256 slope = _mm256_mul_ps(_mm256_mul_ps(v, s), _mm256_mul_ps(oneMinusS, dz));
     return _mm256_mul_ps(g, _mm256_add_ps(s, slope));
   };
   int64_t i = 0;
