@@ -1,7 +1,12 @@
 // One run per run.dir (see run_dir.h).
 #include "trainer/run_dir.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
 #include <ctime>
 #include <system_error>
 
@@ -99,6 +104,24 @@ void claimRunDir(const TrainConfig& cfg) {
   TLOG_WARN0("run.dir " << runDir.string() << " held the outputs of an earlier run that stopped before its first "
                         << "checkpoint (" << joined(earlier.outputs) << "); moved into " << aside.string()
                         << " and starting afresh");
+}
+
+void makeWritableRunDir(const fs::path& runDir) {
+  const auto refuse = [&](const fs::path& what, const std::string& reason) {
+    throw ConfigError(strCat("run.dir '", runDir.string(), "': cannot write ", what.string(), ": ", reason,
+                             " (set run.dir to a directory this user can write)"));
+  };
+  const fs::path logs = runDir / "logs";
+  std::error_code ec;
+  fs::create_directories(logs, ec);
+  if (ec) refuse(logs, ec.message());
+  const fs::path probe = logs / strCat(".write-check-", ::getpid());
+  {
+    std::ofstream out(probe, std::ios::binary | std::ios::trunc);
+    const int error = errno;
+    if (!out || !(out << "ok") || !out.flush()) refuse(probe, out ? "write failed" : std::strerror(error));
+  }
+  fs::remove(probe, ec);
 }
 
 }  // namespace tessera::trainer

@@ -33,4 +33,10 @@ EarlierRun findEarlierRun(const std::filesystem::path& runDir);
 //    nothing to do.
 void claimRunDir(const TrainConfig& cfg);
 
+// Creates <runDir>/logs and checks that a file can be written there (each rank with a
+// file of its own name, removed again); a run.dir that cannot be created or written (a path
+// through a file, a read-only file system, no permission) is a ConfigError naming run.dir,
+// the path and the system's reason, before anything else of the run starts.
+void makeWritableRunDir(const std::filesystem::path& runDir);
+
 }  // namespace tessera::trainer

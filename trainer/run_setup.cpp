@@ -460,7 +460,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   distributed::runOnEveryRank(run->hostComm.get(), "checking run.dir for an earlier run", [&] {
     if (rank == 0) claimRunDir(cfg);
   });
-  fs::create_directories(run->runDir / "logs");
+  makeWritableRunDir(run->runDir);
   if (rank == 0) replaceFile((run->runDir / "config.resolved.yaml").string(), run->resolvedYaml);
 
   // torch's generator starts from run.seed on every rank (whatever draws from it); the

@@ -16,6 +16,7 @@
 #include "distributed/runtime.h"
 #include "recipes/recipes.h"
 #include "sharding/host_allocator.h"
+#include "trainer/run_dir.h"
 #include "trainer/run_setup.h"
 #include "trainer/trainer.h"
 
@@ -46,8 +47,8 @@ int main(int argc, char** argv) {
     tessera::log::LogOptions logOptions;
     logOptions.rank = env.rank;
     logOptions.level = cfg.log.level;
+    tessera::trainer::makeWritableRunDir(cfg.run.dir);  // a clear refusal before the log file opens
     if (cfg.log.per_rank_files) {
-      std::filesystem::create_directories(std::filesystem::path(cfg.run.dir) / "logs");
       logOptions.file = (std::filesystem::path(cfg.run.dir) / "logs" / ("rank_" + std::to_string(env.rank) + ".log")).string();
     }
     tessera::log::init(logOptions);

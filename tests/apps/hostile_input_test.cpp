@@ -681,3 +681,32 @@ TEST(HostileInputRound3Test, AFailedAsyncSaveStopsEveryRankPromptly) {
 }
 
 }  // namespace
+
+namespace {
+
+// A run.dir that cannot be written (a path through a regular file, and with per-rank log
+// files or without; a read-only directory when not root, whom permissions do not stop) is
+// refused at start, exit 2, naming run.dir, the path and the system's reason.
+TEST(HostileInputRound3Test, AnUnwritableRunDirIsNamed) {
+  const std::string file = tessera::test::scratchPath("tessera_hostile", "run_dir_file");
+  { std::ofstream(file) << "not a directory"; }
+  for (const char* perRankFiles : {"true", "false"}) {
+    const std::string run = file + "/run";
+    expectRefused(kTrain + " --config " + kConfig + kShortRun + " --set log.per_rank_files=" + perRankFiles +
+                      " --set run.dir=" + run,
+                  {"run.dir '" + run + "': cannot write " + run + "/logs: Not a directory",
+                   "set run.dir to a directory this user can write"},
+                  2);
+  }
+  if (::geteuid() != 0) {
+    const std::string readOnly = tessera::test::scratchPath("tessera_hostile", "run_dir_read_only");
+    fs::create_directories(readOnly + "/logs");
+    fs::permissions(readOnly + "/logs", fs::perms::owner_read | fs::perms::owner_exec);
+    expectRefused(kTrain + " --config " + kConfig + kShortRun + " --set run.dir=" + readOnly,
+                  {"run.dir '" + readOnly + "': cannot write " + readOnly + "/logs/.write-check-", "Permission denied"},
+                  2);
+    fs::permissions(readOnly + "/logs", fs::perms::owner_all);
+  }
+}
+
+}  // namespace
