@@ -331,7 +331,10 @@ class TrainLoop {
     if (firstWindow_) summary_.firstLoss = m.loss;
     firstWindow_ = false;
     summary_.finalLoss = m.loss;
-    if (m.extra.count("eval_loss")) summary_.evalLoss = m.extra["eval_loss"];
+    if (m.extra.count("eval_loss")) {
+      summary_.evalLoss = m.extra["eval_loss"];
+      summary_.evaluated = true;
+    }
     if (m.extra.count("eval_loss_ema")) summary_.evalLossEma = m.extra["eval_loss_ema"];
     windowLoss_ = 0;
     windowExtra_.clear();

@@ -22,8 +22,11 @@ struct TrainSummary {
   int64_t steps = 0;
   double firstLoss = 0;  // mean train loss of the first logged window
   double finalLoss = 0;  // mean train loss of the last logged window
-  double evalLoss = std::numeric_limits<double>::quiet_NaN();     // held-out loss at the end
-  double evalLossEma = std::numeric_limits<double>::quiet_NaN();  // same, with the EMA weights
+  // The held-out loss of the last evaluation, live and EMA weights; NaN until one ran (a run
+  // stopped by a signal before its first evaluation has none).
+  double evalLoss = std::numeric_limits<double>::quiet_NaN();
+  double evalLossEma = std::numeric_limits<double>::quiet_NaN();
+  bool evaluated = false;
   double samplesPerSec = 0;
   std::string runDir;
   std::string metricsPath;

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <iostream>
+#include <sstream>
 
 #include "common/app_main.h"
 #include "common/command_line.h"
@@ -63,8 +64,14 @@ int main(int argc, char** argv) {
       for (const auto& file : summary.exports) TLOG_INFO0("export: " << file);
       return 0;
     }
-    TLOG_INFO0("done: " << summary.steps << " steps, loss " << summary.firstLoss << " -> " << summary.finalLoss
-                        << ", held-out loss " << summary.evalLoss << " (EMA " << summary.evalLossEma << "), " << summary.samplesPerSec << " samples/s");
+    std::ostringstream heldOut;
+    if (summary.evaluated) {
+      heldOut << "held-out loss " << summary.evalLoss << " (EMA " << summary.evalLossEma << ")";
+    } else {
+      heldOut << "no held-out loss (the run stopped before its first evaluation)";
+    }
+    TLOG_INFO0("done: " << summary.steps << " steps, loss " << summary.firstLoss << " -> " << summary.finalLoss << ", "
+                        << heldOut.str() << ", " << summary.samplesPerSec << " samples/s");
     if (!summary.metricsPath.empty()) {  // rank 0 writes them; the line is in every rank's log file
       TLOG_INFO0("metrics: " << summary.metricsPath << "; loss curve: " << summary.lossCurvePath);
     }

@@ -709,4 +709,20 @@ TEST(HostileInputRound3Test, AnUnwritableRunDirIsNamed) {
   }
 }
 
+// A run stopped by SIGINT before its first evaluation says it has no held-out loss (it
+// printed "held-out loss nan (EMA nan)").
+TEST(HostileInputRound3Test, AStopBeforeTheFirstEvaluationSaysSoRatherThanNan) {
+  const std::string dir = tessera::test::scratchPath("tessera_hostile", "sigint");
+  const std::string train = kTrain + " --config " + kConfig +
+                            " --set run.steps=100000 --set run.log_every=10 --set run.eval_every=0"
+                            " --set log.per_rank_files=false --set run.dir=" + dir;
+  const CommandResult r = runCommand(train + " & P=$!; for i in $(seq 600); do [ -s " + dir +
+                                         "/metrics.jsonl ] && break; sleep 0.1; done; kill -INT $P; wait $P",
+                                     120);
+  EXPECT_NE(r.output.find("no held-out loss (the run stopped before its first evaluation)"), std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("nan"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("stopped early after step"), std::string::npos) << r.output;
+}
+
 }  // namespace
