@@ -719,9 +719,12 @@ TEST(HostileInputRound3Test, AStopBeforeTheFirstEvaluationSaysSoRatherThanNan) {
   const CommandResult r = runCommand(train + " & P=$!; for i in $(seq 600); do [ -s " + dir +
                                          "/metrics.jsonl ] && break; sleep 0.1; done; kill -INT $P; wait $P",
                                      120);
-  EXPECT_NE(r.output.find("no held-out loss (the run stopped before its first evaluation)"), std::string::npos)
+  const size_t done = r.output.find("] done: ");
+  ASSERT_NE(done, std::string::npos) << r.output;
+  const std::string doneLine = r.output.substr(done, r.output.find('\n', done) - done);
+  EXPECT_NE(doneLine.find("no held-out loss (the run stopped before its first evaluation)"), std::string::npos)
       << r.output;
-  EXPECT_EQ(r.output.find("nan"), std::string::npos) << r.output;
+  EXPECT_EQ(doneLine.find("nan"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("stopped early after step"), std::string::npos) << r.output;
 }
 
