@@ -143,16 +143,21 @@ void readDump(const std::string& path, std::map<int, Dump>& dumps, std::map<std:
                   "group members must be distinct ranks in [0, ", kMaxWorldSize, ")");
     std::string key = g.at("group").get<std::string>() + "|";
     for (int m : members) key += std::to_string(m) + ",";
-    Group& group = groups[key];
-    group.name = textField(g, "group");
-    group.backend = textField(g, "backend", "");
-    group.members = members;
-    RankRing& ring = group.rings[members[static_cast<size_t>(groupRank)]];
+    // Everything read before the group enters the map: a field that throws leaves no group
+    // half made (one without members crashed the verdict).
+    const std::string name = textField(g, "group");
+    const std::string backend = textField(g, "backend", "");
+    RankRing ring;
     ring.nextSeq = g.at("next_seq").get<int64_t>();
     for (const json& e : g.at("entries")) {
       Entry entry = parseEntry(e);
       ring.entries[entry.seq] = std::move(entry);
     }
+    Group& group = groups[key];
+    group.name = name;
+    group.backend = backend;
+    group.members = members;
+    group.rings[members[static_cast<size_t>(groupRank)]] = std::move(ring);
   }
   TESSERA_CHECK(dumps.count(d.rank) == 0, "a second dump of rank ", d.rank);
   dumps[d.rank] = std::move(d);
@@ -223,7 +228,8 @@ Evidence readEvidence(const VerdictInput& input) {
   ev.world = input.worldSize;
   for (const auto& [key, g] : ev.groups) ev.world = std::max(ev.world, static_cast<int>(g.members.size()));
   for (auto it = ev.groups.begin(); it != ev.groups.end();) {
-    const int largest = *std::max_element(it->second.members.begin(), it->second.members.end());
+    const std::vector<int>& members = it->second.members;  // never empty: readDump checks
+    const int largest = *std::max_element(members.begin(), members.end());
     if (largest >= ev.world) {
       ev.problems.push_back(strCat("a dump's group '", it->second.name, "' names rank ", largest, ", outside the world of ",
                                    ev.world, " ranks the dumps describe; its records are ignored"));
