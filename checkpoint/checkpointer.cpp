@@ -106,7 +106,7 @@ struct Checkpointer::Job {
   int64_t step = 0;
   std::string root, tmpDir, finalDir;
   std::string strategy, trainerState, rankState;
-  std::map<std::string, std::string> aliases;
+  std::vector<ComponentRecord> components;
   std::vector<Source> sources;
   CheckpointOptions options;
   // Set by the writer thread when its write failed (error holds why): what
@@ -264,7 +264,7 @@ struct Checkpointer::Job {
     md.worldSize = world;
     md.strategy = strategy;
     md.blockBytes = options.blockBytes;
-    md.aliases = aliases;
+    md.components = components;
     const auto& first = indexes[0].tensors;
     for (const auto& idx : indexes) {
       md.files.push_back(idx.file);
@@ -488,7 +488,7 @@ std::shared_ptr<Checkpointer::Job> Checkpointer::makeJob(const SaveRequest& requ
   job->strategy = request.strategy;
   job->trainerState = parseTrainerState(request.trainerState, "SaveRequest.trainerState");
   job->rankState = parseTrainerState(request.rankState, "SaveRequest.rankState");
-  job->aliases = request.aliases;
+  job->components = request.components;
   job->options = options_;
   job->options.blockBytes = blockBytes;
   return job;
@@ -629,7 +629,20 @@ SaveStats Checkpointer::save(int64_t step, const StateMap& states, const SaveOpt
   SaveRequest request;
   request.step = step;
   request.entries = collectEntries(states);
-  request.aliases = collectExportNames(states);
+  request.components = collectComponents(states);
+  // A part or export name of a component without entries under it (a model with no
+  // parameters) would name nothing: left out, as readers refuse such records.
+  auto holds = [&](const std::string& prefix) {
+    for (const StateEntry& e : request.entries) {
+      if (e.name.compare(0, prefix.size(), prefix) == 0) return true;
+    }
+    return false;
+  };
+  for (ComponentRecord& c : request.components) {
+    for (auto* names : {&c.parts, &c.exports}) {
+      for (auto it = names->begin(); it != names->end();) it = holds(it->second) ? std::next(it) : names->erase(it);
+    }
+  }
   request.strategy = options.strategy.empty() ? describeStrategies(states) : options.strategy;
   request.trainerState = options.trainerState;
   request.rankState = options.rankState;

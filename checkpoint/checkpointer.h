@@ -85,9 +85,9 @@ struct SaveRequest {
   std::vector<StateEntry> entries;      // same names, order, shapes and dtypes on every rank
   std::string trainerState = "{}";      // JSON object; rank 0's is saved
   std::string rankState = "{}";         // JSON object; every rank's is saved (RNG, ...)
-  // Export names -> tensor-name prefixes, e.g. {"generator_ema_0.999": "ema/generator_ema/"}
-  // (rank 0's are saved).
-  std::map<std::string, std::string> aliases;
+  // What each tensor prefix is and the names it exports under (metadata.h; rank 0's are
+  // saved); none for a save that is not made of Stateful components.
+  std::vector<ComponentRecord> components;
 };
 
 // What a Stateful save records besides the components' tensors (see SaveRequest).
@@ -126,7 +126,7 @@ class Checkpointer {
   // already exists replaces it.
   SaveStats save(const SaveRequest& request);
   // The same for a map of Stateful components (checkpoint/state.h): their entries under
-  // "<key>/", their export names as the checkpoint's aliases.
+  // "<key>/", their records as the checkpoint's component table.
   SaveStats save(int64_t step, const StateMap& states, const SaveOptions& options = {});
   // Collective. Waits for the in-flight save and throws on every rank if it failed on any.
   void finish();

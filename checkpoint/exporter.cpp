@@ -125,33 +125,38 @@ std::map<std::string, std::string> fileMetadata(const ExportOptions& options, co
 
 }  // namespace
 
-std::string exportPrefix(const std::string& what, const std::map<std::string, std::string>& aliases) {
-  if (!what.empty() && what.back() == '/') return what;
-  auto alias = aliases.find(what);
-  if (alias != aliases.end()) return alias->second;
-  if (what == dtensor::kModelKey) return dtensor::statePrefix(dtensor::kModelKey);
-  return dtensor::statePrefix(dtensor::kEmaKey) + what + "/";
+std::string exportPrefix(const std::string& what, const std::map<std::string, std::string>& exportNames) {
+  if (what.empty()) throw UsageError("export: say what to export (an export name, a component's key or a prefix)");
+  if (what.back() == '/') return what;
+  auto named = exportNames.find(what);
+  if (named != exportNames.end()) return named->second;
+  return what + "/";
 }
 
 std::string resolveExportPrefix(const CheckpointMetadata& md, const std::string& what) {
-  const std::string prefix = exportPrefix(what, md.aliases);
-  for (const auto& t : md.tensors) {
-    if (t.name.compare(0, prefix.size(), prefix) == 0) return prefix;
-  }
-  // List what would have worked: first path components ("model", "ema/<name>") and aliases.
+  return resolveExportPrefix(md, what, md.exportNames());
+}
+
+std::string resolveExportPrefix(const CheckpointMetadata& md, const std::string& what,
+                                const std::map<std::string, std::string>& exportNames) {
+  const std::string prefix = exportPrefix(what, exportNames);
+  if (md.holdsPrefix(prefix)) return prefix;
+  // List what would have worked: the export names and the keys of components that are
+  // not split into parts (a part has an export name), or (a checkpoint that records
+  // neither) the first components of the tensor names.
   std::set<std::string> options;
-  for (const auto& t : md.tensors) {
-    const auto slash = t.name.find('/');
-    if (slash == std::string::npos) continue;
-    const std::string head = t.name.substr(0, slash);
-    if (head == "ema") {
-      const auto second = t.name.find('/', slash + 1);
-      if (second != std::string::npos) options.insert(t.name.substr(slash + 1, second - slash - 1));
-    } else if (head == "model") {
-      options.insert("model");
+  for (const auto& [name, p] : exportNames) {
+    if (md.holdsPrefix(p)) options.insert(name);
+  }
+  for (const auto& c : md.components) {
+    if (c.parts.empty() && md.holdsPrefix(c.prefix())) options.insert(c.key);
+  }
+  if (options.empty()) {
+    for (const auto& t : md.tensors) {
+      const auto slash = t.name.find('/');
+      if (slash != std::string::npos) options.insert(t.name.substr(0, slash));
     }
   }
-  for (const auto& [a, p] : md.aliases) options.insert(a);
   std::string list;
   for (const auto& o : options) list += (list.empty() ? "" : ", ") + o;
   throw CheckpointError(strCat("export: no tensor named '", prefix, "...' in the checkpoint (for '", what,
@@ -210,7 +215,7 @@ struct Selection {
 };
 
 Selection selectEntries(const std::vector<StateEntry>& entries, const std::string& prefix,
-                        const std::map<std::string, std::string>& aliases, const ExportOptions& options) {
+                        const std::map<std::string, std::string>& exportNames, const ExportOptions& options) {
   Selection out;
   for (const auto& e : entries) {
     if (e.name.compare(0, prefix.size(), prefix) != 0) continue;
@@ -227,7 +232,7 @@ Selection selectEntries(const std::vector<StateEntry>& entries, const std::strin
   }
   if (out.items.empty()) {
     std::string known;
-    for (const auto& [name, p] : aliases) known += (known.empty() ? "" : ", ") + name;
+    for (const auto& [name, p] : exportNames) known += (known.empty() ? "" : ", ") + name;
     throw Error(strCat("exportOnline: nothing to export as '", options.what, "' (no tensor under '", prefix,
                        "'); it can export: ", known.empty() ? "nothing" : known, ", or a prefix ending in '/'"));
   }
@@ -275,15 +280,15 @@ void raiseEverywhere(const std::string& error, distributed::Communicator* comm, 
 
 }  // namespace
 
-ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& aliases,
+ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& exportNames,
                           distributed::Communicator* comm, const std::string& out, const ExportOptions& options) {
   const auto start = Clock::now();
   const int rank = comm ? comm->rank() : 0;
   const int world = comm ? comm->worldSize() : 1;
-  const std::string prefix = exportPrefix(options.what, aliases);
+  const std::string prefix = exportPrefix(options.what, exportNames);
   ExportResult result;
   result.prefix = prefix;
-  const Selection selected = selectEntries(entries, prefix, aliases, options);
+  const Selection selected = selectEntries(entries, prefix, exportNames, options);
   const std::vector<Item>& items = selected.items;
   const Plan plan = planFiles(items, out, options);
   std::string error;

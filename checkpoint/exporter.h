@@ -2,8 +2,9 @@
 // job, any saved world size) and online at the end of a run (rank 0 writes, gathering
 // one tensor at a time over the CPU communicator).
 //
-// Names: the tensors under a prefix ("ema/generator_ema/", "model/") with the prefix
-// stripped, i.e. the user's module names ("layers.0.weight"). Memory: the offline export
+// Names: the tensors under a prefix ("ema/decoder_ema/", "decoder/") with the prefix
+// stripped, i.e. the user's module names ("layers.0.weight"). Which prefix a name stands
+// for is the checkpoint's to say: its component table's export names (metadata.h). Memory: the offline export
 // streams each tensor from its chunks one checksum block (1 MiB by default) at a time, so its peak
 // is about one block plus the process, whatever the model size; the online export holds
 // one full tensor at a time on rank 0.
@@ -33,9 +34,9 @@ class Communicator;
 namespace tessera::checkpoint {
 
 struct ExportOptions {
-  // What to export: "model", an EMA name ("generator_ema", "generator_ema_0.999"), an
-  // alias recorded in the checkpoint, or a raw prefix ending in '/'. See resolveExportPrefix.
-  std::string what = "model";
+  // What to export: an export name the checkpoint records ("decoder", "decoder_ema",
+  // "decoder_ema_0.999"), a component's key, or a raw prefix ending in '/'. See exportPrefix.
+  std::string what;
   // Cast floating-point tensors to this dtype (integer and bool tensors are kept).
   std::optional<at::ScalarType> dtype;
   // 0: one file at `out`. Otherwise `out` is a directory of shards (see above).
@@ -56,25 +57,30 @@ struct ExportResult {
   double seconds = 0;
 };
 
-// Maps `what` to a tensor-name prefix: a raw prefix ending in '/' is used as is; an alias
-// (export name -> prefix, e.g. "generator_ema_0.999" -> "ema/generator_ema_0.999/") wins;
-// "model" -> "model/"; anything else -> "ema/<what>/".
-std::string exportPrefix(const std::string& what, const std::map<std::string, std::string>& aliases);
-// exportPrefix with the aliases recorded in a checkpoint; throws CheckpointError when no
-// tensor has the prefix, listing the names that would work.
+// Maps `what` to a tensor-name prefix: a raw prefix ending in '/' is used as is; an export
+// name (e.g. "decoder_ema_0.999" -> "ema/decoder_ema/") is looked up in `exportNames`;
+// anything else names a component's key ("decoder" -> "decoder/"). UsageError when
+// `what` is empty.
+std::string exportPrefix(const std::string& what, const std::map<std::string, std::string>& exportNames);
+// exportPrefix with a checkpoint's export names (`exportNames`, or those it records:
+// CheckpointMetadata::exportNames); throws CheckpointError when no tensor has the prefix,
+// listing the names that would work.
 std::string resolveExportPrefix(const CheckpointMetadata& metadata, const std::string& what);
+std::string resolveExportPrefix(const CheckpointMetadata& metadata, const std::string& what,
+                                const std::map<std::string, std::string>& exportNames);
 
-// Offline export of checkpoint directory `checkpointDir` to `out`.
+// Offline export of checkpoint directory `checkpointDir` to `out` (options.what resolved
+// with the export names the checkpoint records).
 ExportResult exportCheckpoint(const std::string& checkpointDir, const std::string& out, const ExportOptions& options);
 
 // Online export, collective over `comm` (the CPU/gloo group; nullptr: one process): the
-// entries under exportPrefix(options.what, aliases) (stripped in the file), in order.
+// entries under exportPrefix(options.what, exportNames) (stripped in the file), in order.
 // Every rank passes the same entries; rank 0 writes. Errors on rank 0 are raised on every
 // rank; what names nothing is an error listing what can be exported.
-ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& aliases,
+ExportResult exportOnline(const std::vector<StateEntry>& entries, const std::map<std::string, std::string>& exportNames,
                           distributed::Communicator* comm, const std::string& out, const ExportOptions& options);
 // The same for a map of Stateful components (checkpoint/state.h), e.g. {{"ema", ema}} and
-// options.what "generator_ema".
+// options.what "decoder_ema": their export names (Stateful::exportNames).
 ExportResult exportOnline(const StateMap& states, distributed::Communicator* comm, const std::string& out,
                           const ExportOptions& options);
 

@@ -146,6 +146,32 @@ int64_t CheckpointMetadata::tensorBytes() const {
   return total;
 }
 
+bool CheckpointMetadata::holdsPrefix(const std::string& prefix) const {
+  for (const auto& t : tensors) {
+    if (t.name.compare(0, prefix.size(), prefix) == 0) return true;
+  }
+  return false;
+}
+
+std::map<std::string, std::string> CheckpointMetadata::exportNames() const {
+  return version >= 3 ? exportNamesOf(components) : aliases;
+}
+
+std::map<std::string, std::string> exportNamesOf(const std::vector<ComponentRecord>& components) {
+  std::map<std::string, std::string> names;
+  for (const ComponentRecord& c : components) {
+    for (const auto& [name, prefix] : c.exports) {
+      const auto [it, fresh] = names.emplace(name, prefix);
+      if (!fresh && it->second != prefix) {
+        throw Error(strCat("export name '", detail::printableKey(name), "' stands for '", detail::printableKey(it->second),
+                           "' and, in component '", detail::printableKey(c.key), "', for '",
+                           detail::printableKey(prefix), "'"));
+      }
+    }
+  }
+  return names;
+}
+
 namespace {
 
 // metadata_checksum of a metadata object without that key: XXH3 of its compact JSON
@@ -158,6 +184,11 @@ std::string metadataChecksum(const Json& withoutChecksum) {
 }  // namespace
 
 std::string toJson(const CheckpointMetadata& m) {
+  Json components = Json::array();
+  for (const auto& c : m.components) {
+    components.push_back(
+        {{"key", c.key}, {"kind", c.kind}, {"of", c.of}, {"parts", c.parts}, {"exports", c.exports}});
+  }
   Json files = Json::array();
   for (const auto& f : m.files) files.push_back({{"name", f.name}, {"bytes", f.bytes}});
   Json tensors = Json::array();
@@ -175,9 +206,13 @@ std::string toJson(const CheckpointMetadata& m) {
            {"bytes", m.trainerState.bytes},
            {"checksum", checksumHex(m.trainerStateChecksum)}}},
          {"rank_states", rankStates},
-         {"aliases", m.aliases},
          {"files", files},
          {"tensors", tensors}};
+  if (m.version >= 3) {
+    j["components"] = components;
+  } else {
+    j["aliases"] = m.aliases;
+  }
   if (m.version >= 2) j["metadata_checksum"] = metadataChecksum(j);
   return j.dump(1) + "\n";
 }
@@ -211,7 +246,8 @@ void parseMetadataHead(const Json& j, const std::string& source, CheckpointMetad
   if (m.blockBytes % 8 != 0) throw CheckpointError(strCat(source, ": block_bytes ", m.blockBytes, " is not a multiple of 8"));
 }
 
-// trainer_state (its file, size and checksum), rank_states (one per rank) and aliases.
+// trainer_state (its file, size and checksum), rank_states (one per rank) and, before
+// format 3, aliases.
 void parseMetadataStates(const Json& j, const std::string& source, CheckpointMetadata& m) {
   const Json& ts = asObject(member(j, "trainer_state", source), source + ".trainer_state");
   m.trainerState.name = asString(member(ts, "file", source + ".trainer_state"), source + ".trainer_state.file", 255);
@@ -226,7 +262,7 @@ void parseMetadataStates(const Json& j, const std::string& source, CheckpointMet
   }
   for (size_t r = 0; r < rs.size(); ++r) m.rankStates.push_back(rankStateText(rs[r], strCat(source, ".rank_states[", r, "]")));
 
-  if (hasMember(j, "aliases")) {
+  if (m.version < 3 && hasMember(j, "aliases")) {
     for (const auto& [k, v] : asObject(j["aliases"], source + ".aliases").items()) {
       checkTensorName(k, source + ".aliases");
       m.aliases[k] = asString(v, strCat(source, ".aliases.", k), 4096);
@@ -297,30 +333,108 @@ void parseMetadataTensors(const Json& j, const std::string& source, const std::m
 
 namespace {
 
-// Export aliases (name -> tensor prefix) are trusted by every export: each must be a
-// prefix ending in '/' that holds tensors, and a name that already names tensors of its
-// own ("critic" with critic/..., "generator_ema" with ema/generator_ema/...) may not point
-// elsewhere.
+// A prefix metadata.json records (an alias's, a component's part or export): trusted by
+// every export, so it must end in '/' and hold tensors.
+void checkRecordedPrefix(const CheckpointMetadata& m, const std::string& prefix, const std::string& where) {
+  if (prefix.empty() || prefix.back() != '/') {
+    throw CheckpointError(strCat(where, ": '", detail::printableKey(prefix), "' is not a prefix ending in '/'"));
+  }
+  if (!m.holdsPrefix(prefix)) {
+    throw CheckpointError(strCat(where, ": no tensor is under '", detail::printableKey(prefix), "'"));
+  }
+}
+
+// A name that already names tensors of its own (`own`) may not be exported as others.
+void checkOwnName(const CheckpointMetadata& m, const std::string& own, const std::string& prefix,
+                  const std::string& where) {
+  if (own != prefix && m.holdsPrefix(own)) {
+    throw CheckpointError(strCat(where, ": points to '", detail::printableKey(prefix), "', but '",
+                                 detail::printableKey(own), "' holds tensors of that name"));
+  }
+}
+
+// Formats 1 and 2: export aliases (name -> tensor prefix); "<name>/" holding tensors is
+// that name's own.
 void checkAliases(const CheckpointMetadata& m, const std::string& source) {
-  auto holds = [&m](const std::string& prefix) {
-    for (const auto& t : m.tensors) {
-      if (t.name.compare(0, prefix.size(), prefix) == 0) return true;
-    }
-    return false;
-  };
   for (const auto& [alias, prefix] : m.aliases) {
     const std::string where = strCat(source, ".aliases.", detail::printableKey(alias));
-    if (prefix.empty() || prefix.back() != '/') {
-      throw CheckpointError(strCat(where, ": '", detail::printableKey(prefix), "' is not a prefix ending in '/'"));
+    checkRecordedPrefix(m, prefix, where);
+    checkOwnName(m, alias + "/", prefix, where);
+  }
+}
+
+// A name inside the component table: printable, bounded, not empty.
+std::string componentName(const Json& v, const std::string& where) {
+  const std::string name = asString(v, where, 4096);
+  checkTensorName(name, where);
+  return name;
+}
+
+std::map<std::string, std::string> prefixMap(const Json& j, const char* key, const std::string& where) {
+  std::map<std::string, std::string> out;
+  for (const auto& [name, prefix] : asObject(member(j, key, where), where + "." + key).items()) {
+    const std::string w = strCat(where, ".", key, ".", detail::printableKey(name));
+    checkTensorName(name, w);
+    out[name] = asString(prefix, w, 4096);
+  }
+  return out;
+}
+
+// Format 3: the component table. Each component's prefixes lie under its key and hold
+// tensors; `of` names another component; an export name means one prefix; a name that is
+// a key or a part ("decoder" with decoder/..., "decoder_ema" a part at ema/decoder_ema/)
+// is exported as nothing else.
+void parseComponents(const Json& j, const std::string& source, CheckpointMetadata& m) {
+  constexpr size_t kMaxComponents = 4096;
+  const Json& cs = asArray(member(j, "components", source), source + ".components");
+  if (cs.size() > kMaxComponents) throw CheckpointError(strCat(source, ": ", cs.size(), " components"));
+  std::set<std::string> keys;
+  for (size_t i = 0; i < cs.size(); ++i) {
+    const std::string where = strCat(source, ".components[", i, "]");
+    asObject(cs[i], where);
+    ComponentRecord c;
+    c.key = componentName(member(cs[i], "key", where), where + ".key");
+    if (c.key.front() == '/' || c.key.back() == '/') {
+      throw CheckpointError(strCat(where, ".key: '", detail::printableKey(c.key), "' starts or ends with '/'"));
     }
-    if (!holds(prefix)) {
-      throw CheckpointError(strCat(where, ": no tensor is under '", detail::printableKey(prefix), "'"));
+    c.kind = asString(member(cs[i], "kind", where), where + ".kind", 64);
+    c.of = asString(member(cs[i], "of", where), where + ".of", 4096);
+    c.parts = prefixMap(cs[i], "parts", where);
+    c.exports = prefixMap(cs[i], "exports", where);
+    keys.insert(c.key);
+    m.components.push_back(std::move(c));
+  }
+  std::map<std::string, std::string> own;       // a key's or a part's name -> its prefix
+  std::map<std::string, std::string> exported;  // export name -> prefix
+  for (const ComponentRecord& c : m.components) {
+    own.emplace(c.key, c.prefix());
+    for (const auto& [name, prefix] : c.parts) own.emplace(name, prefix);
+  }
+  for (size_t i = 0; i < m.components.size(); ++i) {
+    const ComponentRecord& c = m.components[i];
+    const std::string where = strCat(source, ".components[", i, "] ('", detail::printableKey(c.key), "')");
+    if (!c.of.empty() && (c.of == c.key || !keys.count(c.of))) {
+      throw CheckpointError(strCat(where, ".of: '", detail::printableKey(c.of), "' is not another component's key"));
     }
-    for (const std::string& own : {alias + "/", "ema/" + alias + "/"}) {
-      if (own != prefix && holds(own)) {
-        throw CheckpointError(strCat(where, ": points to '", detail::printableKey(prefix), "', but '",
-                                     detail::printableKey(own), "' holds tensors of that name"));
+    auto underKey = [&](const std::string& prefix, const std::string& w) {
+      checkRecordedPrefix(m, prefix, w);
+      if (prefix.compare(0, c.prefix().size(), c.prefix()) != 0) {
+        throw CheckpointError(strCat(w, ": '", detail::printableKey(prefix), "' is not under the component's key '",
+                                     detail::printableKey(c.prefix()), "'"));
       }
+    };
+    for (const auto& [name, prefix] : c.parts) underKey(prefix, strCat(where, ".parts.", detail::printableKey(name)));
+    for (const auto& [name, prefix] : c.exports) {
+      const std::string w = strCat(where, ".exports.", detail::printableKey(name));
+      underKey(prefix, w);
+      const auto [it, fresh] = exported.emplace(name, prefix);
+      if (!fresh && it->second != prefix) {
+        throw CheckpointError(strCat(w, ": '", detail::printableKey(prefix), "', but another component exports it as '",
+                                     detail::printableKey(it->second), "'"));
+      }
+      const auto mine = own.find(name);
+      if (mine != own.end()) checkOwnName(m, mine->second, prefix, w);
+      checkOwnName(m, name + "/", prefix, w);
     }
   }
 }
@@ -347,7 +461,11 @@ CheckpointMetadata parseMetadata(const std::string& text, const std::string& sou
   parseMetadataStates(j, source, m);
   const std::map<std::string, int64_t> fileBytes = parseMetadataFiles(j, source, m);
   parseMetadataTensors(j, source, fileBytes, m);
-  checkAliases(m, source);
+  if (m.version >= 3) {
+    parseComponents(j, source, m);
+  } else {
+    checkAliases(m, source);
+  }
   return m;
 }
 

@@ -9,7 +9,9 @@
 //                       tensor's dtype, global shape and placement, and its chunks; since
 //                       format version 2, metadata_checksum: XXH3 of the file's compact
 //                       JSON without that key, so a damaged or edited metadata.json (the
-//                       one file no block checksum covers) is named as such.
+//                       one file no block checksum covers) is named as such; since version
+//                       3, the component table (ComponentRecord), which replaces version
+//                       1 and 2's flat export "aliases".
 // A chunk is one rank's rows [row_begin, row_end) of one tensor: (file, byte offset,
 // length, rows, checksums). Checksums are XXH3-64 of consecutive blocks of block_bytes
 // bytes of the chunk (the last block shorter), so a reader that needs part of a chunk
@@ -33,7 +35,7 @@
 
 namespace tessera::checkpoint {
 
-constexpr int kFormatVersion = 2;        // written
+constexpr int kFormatVersion = 3;        // written
 constexpr int kOldestFormatVersion = 1;  // still read (no metadata_checksum)
 constexpr const char* kFormatName = "tessera-checkpoint";
 constexpr const char* kMetadataFile = "metadata.json";
@@ -71,6 +73,21 @@ struct FileInfo {
   int64_t bytes = 0;
 };
 
+// One Stateful component as a checkpoint records it (format 3's "components"), written from
+// the component itself (dtensor::Stateful: its kind, parts and export names) so that tools
+// without the code that wrote it (tessera-ckpt info, tessera-export) can say what each
+// tensor prefix holds and export it by name. Prefixes are whole tensor-name prefixes
+// ("<key>/..."), each ending in '/' and holding tensors.
+struct ComponentRecord {
+  std::string key;                             // its tensors are named "<key>/..."
+  std::string kind;                            // the component's word for itself
+  std::string of;                              // the key of the component it serves; "" for none
+  std::map<std::string, std::string> parts;    // named groups of its tensors -> prefix
+  std::map<std::string, std::string> exports;  // export names -> prefix
+
+  std::string prefix() const { return key + "/"; }
+};
+
 struct CheckpointMetadata {
   int version = kFormatVersion;
   int64_t step = 0;
@@ -80,13 +97,21 @@ struct CheckpointMetadata {
   FileInfo trainerState;    // trainer_state.json and its size
   uint64_t trainerStateChecksum = 0;
   std::vector<std::string> rankStates;          // one JSON object (text) per saved rank
-  std::map<std::string, std::string> aliases;   // export name -> tensor name prefix
+  std::vector<ComponentRecord> components;      // format 3 (empty in older checkpoints)
+  std::map<std::string, std::string> aliases;   // formats 1 and 2: export name -> tensor name prefix
   std::vector<FileInfo> files;                  // the data files and their sizes
   std::vector<TensorInfo> tensors;              // in the order they were saved
 
   const TensorInfo* find(const std::string& name) const;  // nullptr when absent
   int64_t tensorBytes() const;                            // sum of all tensors' bytes
+  bool holdsPrefix(const std::string& prefix) const;      // some tensor's name starts with it
+  // Export names -> prefixes: the components' exports (format 3) or the aliases (1, 2).
+  std::map<std::string, std::string> exportNames() const;
 };
+
+// Export names -> prefixes of a component table; tessera::Error when two components
+// export one name to different prefixes.
+std::map<std::string, std::string> exportNamesOf(const std::vector<ComponentRecord>& components);
 
 std::string toJson(const CheckpointMetadata& metadata);
 CheckpointMetadata parseMetadata(const std::string& text, const std::string& source);

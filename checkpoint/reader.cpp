@@ -539,14 +539,10 @@ CheckpointSummary summarizeCheckpoint(const std::string& dir) {
   const auto& md = reader.metadata();
   CheckpointSummary s;
   s.dir = dir;
-  s.step = md.step;
-  s.worldSize = md.worldSize;
-  s.strategy = md.strategy;
+  s.metadata = md;
   s.tensorBytes = md.tensorBytes();
   for (const auto& f : md.files) s.fileBytes += f.bytes;
   s.fileBytes += md.trainerState.bytes;
-  s.tensors = md.tensors;
-  s.aliases = md.aliases;
   return s;
 }
 

@@ -198,16 +198,12 @@ std::optional<LoadResult> resumeAuto(const std::string& checkpointsDir, const st
 std::optional<LoadResult> resumeLatest(const std::string& checkpointsDir, const StateMap& states,
                                        distributed::Communicator* comm, const LoadOptions& options = {});
 
-// Offline summary for tessera-ckpt info.
+// Offline summary for tessera-ckpt info: the checkpoint's metadata and its sizes.
 struct CheckpointSummary {
   std::string dir;
-  int64_t step = 0;
-  int worldSize = 1;
-  std::string strategy;
+  CheckpointMetadata metadata;
   int64_t tensorBytes = 0;
-  int64_t fileBytes = 0;
-  std::vector<TensorInfo> tensors;
-  std::map<std::string, std::string> aliases;
+  int64_t fileBytes = 0;  // data files and trainer_state.json
 };
 CheckpointSummary summarizeCheckpoint(const std::string& dir);
 

@@ -24,14 +24,22 @@ std::vector<StateEntry> collectEntries(const StateMap& states) {
   return entries;
 }
 
-std::map<std::string, std::string> collectExportNames(const StateMap& states) {
-  std::map<std::string, std::string> names;
+std::vector<ComponentRecord> collectComponents(const StateMap& states) {
+  std::vector<ComponentRecord> records;
   for (const StateItem& item : states) {
-    for (const auto& [name, prefix] : item.state->exportNames()) {
-      names[name.empty() ? item.key : name] = dtensor::statePrefix(item.key) + prefix;
-    }
+    ComponentRecord c;
+    c.key = item.key;
+    c.kind = item.state->componentKind();
+    c.of = item.of;
+    for (const auto& [name, prefix] : item.state->componentParts()) c.parts[name] = c.prefix() + prefix;
+    for (const auto& [name, prefix] : item.state->exportNames()) c.exports[name.empty() ? c.key : name] = c.prefix() + prefix;
+    records.push_back(std::move(c));
   }
-  return names;
+  return records;
+}
+
+std::map<std::string, std::string> collectExportNames(const StateMap& states) {
+  return exportNamesOf(collectComponents(states));
 }
 
 std::string describeStrategies(const StateMap& states) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/metadata.h"
 #include "dtensor/sharded_param.h"
 #include "dtensor/stateful.h"
 
@@ -26,7 +27,11 @@ void checkEntry(const StateEntry& entry, const char* where);
 // Every component's entries, each name prefixed with its component's key ("model/...").
 // tessera::UsageError for an empty key or a key with a '/' at either end.
 std::vector<StateEntry> collectEntries(const StateMap& states);
-// Export names -> tensor-name prefixes, from each component's exportNames() ("" = the key).
+// Each component as a checkpoint records it (metadata.h): its key, kind, parts, export
+// names ("" = the key) and the key it serves (StateItem::of).
+std::vector<ComponentRecord> collectComponents(const StateMap& states);
+// Export names -> tensor-name prefixes of every component; tessera::Error when two
+// components export one name differently.
 std::map<std::string, std::string> collectExportNames(const StateMap& states);
 // The strategies among the components, for a checkpoint's record: "zero3" for one,
 // "encoder:zero3 decoder:zero2" for several, "" for none.
@@ -43,6 +48,7 @@ class Counters final : public Stateful {
   int64_t at(const std::string& name) const;  // UsageError for an unknown name
   std::vector<StateEntry> stateEntries() override;
   void afterLoad() override;
+  std::string componentKind() const override { return "counters"; }
 
  private:
   std::map<std::string, int64_t> values_;

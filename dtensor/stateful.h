@@ -34,13 +34,23 @@ class Stateful {
   // key: {"generator_ema": "generator_ema/"}; the name "" stands for the key itself, with
   // every entry ("model" -> "model/").
   virtual std::map<std::string, std::string> exportNames() const { return {}; }
+  // What it is, in one word, for tools that read a checkpoint without the code that wrote
+  // it (tessera-ckpt info): "model", "optimizer", "ema", "counters".
+  virtual std::string componentKind() const { return "state"; }
+  // Named groups of its entries, each a prefix relative to its key ({"decoder_ema":
+  // "decoder_ema/"} for an EMA's profiles); none: the component is one group.
+  virtual std::map<std::string, std::string> componentParts() const { return {}; }
 };
 
-// One component of a checkpoint: its key and the component.
+// One component of a checkpoint: its key, the component, and the key of the component it
+// serves ("" for none): an optimizer's or an EMA's model, recorded so that tools can say
+// whose optimizer state a checkpoint holds.
 struct StateItem {
-  StateItem(std::string key, Stateful& state) : key(std::move(key)), state(&state) {}
+  StateItem(std::string key, Stateful& state, std::string of = "")
+      : key(std::move(key)), state(&state), of(std::move(of)) {}
   std::string key;
   Stateful* state;
+  std::string of;
 };
 using StateMap = std::vector<StateItem>;
 

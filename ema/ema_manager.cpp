@@ -321,6 +321,12 @@ std::map<std::string, std::string> ShardedModelEMAManager::exportNames() const {
   return names;
 }
 
+std::map<std::string, std::string> ShardedModelEMAManager::componentParts() const {
+  std::map<std::string, std::string> parts;
+  for (size_t d = 0; d < numProfiles(); ++d) parts[stateName(d)] = stateName(d) + "/";
+  return parts;
+}
+
 ShardedModelEMAManager::Entry& ShardedModelEMAManager::entry(const std::string& name) {
   auto it = params_.find(name);
   TESSERA_CHECK(it != params_.end(), "ShardedModelEMAManager: no parameter named '", name, "'");

@@ -125,6 +125,9 @@ class ShardedModelEMAManager : public dtensor::Stateful {
   std::vector<dtensor::StateEntry> stateEntries() override;
   void afterLoad() override;
   std::map<std::string, std::string> exportNames() const override;
+  std::string componentKind() const override { return "ema"; }
+  // Each profile: stateName(d) -> "<stateName(d)>/".
+  std::map<std::string, std::string> componentParts() const override;
   // The count entry's name ("generator_ema.updates").
   std::string updateCountName() const { return stateName(0) + ".updates"; }
 

@@ -88,12 +88,13 @@ struct Parts {
     ema::followStrategy(*ema, *decoderStrategy);
   }
 
-  // The one checkpoint: each component under its key. The same keys in every run are what
-  // lets a checkpoint saved by N ranks load into M.
+  // The one checkpoint: each component under its key, and the key of the model it serves
+  // (recorded for tessera-ckpt info). The same keys in every run are what lets a
+  // checkpoint saved by N ranks load into M.
   checkpoint::StateMap states() {
-    return {{"encoder", *encoderStrategy}, {"optim/encoder", encoderStrategy->optimizer()},
-            {"decoder", *decoderStrategy}, {"optim/decoder", decoderStrategy->optimizer()},
-            {"ema", *ema}};
+    return {{"encoder", *encoderStrategy}, {"optim/encoder", encoderStrategy->optimizer(), "encoder"},
+            {"decoder", *decoderStrategy}, {"optim/decoder", decoderStrategy->optimizer(), "decoder"},
+            {"ema", *ema, "decoder"}};
   }
 
   // One step on this rank's slice of the global batch; returns the mean loss over all ranks.

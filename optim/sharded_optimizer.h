@@ -85,6 +85,7 @@ class ShardedOptimizer : public dtensor::Stateful {
   std::vector<dtensor::StateEntry> stateEntries(const std::string& prefix);
   // Stateful (dtensor/stateful.h): the entries relative to its key ("exp_avg/<param>").
   std::vector<dtensor::StateEntry> stateEntries() override { return stateEntries(""); }
+  std::string componentKind() const override { return "optimizer"; }
   // Checks step counts loaded from `source` (a checkpoint): each in [0, maxStep], the most
   // optimizer steps the checkpoint's run step allows. A negative count would make Adam's bias correction divide by zero.
   // tessera::Error naming `source`, the entry and the value otherwise.

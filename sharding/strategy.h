@@ -236,6 +236,7 @@ class ShardingStrategy : public dtensor::Stateful {
   std::vector<dtensor::StateEntry> stateEntries() override { return stateEntries(""); }
   void afterLoad() override { publishParameters(); }
   std::map<std::string, std::string> exportNames() const override { return {{"", ""}}; }
+  std::string componentKind() const override { return "model"; }
 
   // Steps applied and steps skipped for a non-finite gradient norm.
   int64_t stepsApplied() const { return stepsApplied_; }

@@ -46,6 +46,7 @@ class TorchOptimizerState final : public dtensor::Stateful {
   std::vector<dtensor::StateEntry> stateEntries() override;
   // Step counts back from their tensors.
   void afterLoad() override;
+  std::string componentKind() const override { return "optimizer"; }
 
  private:
   torch::optim::Optimizer& optimizer_;

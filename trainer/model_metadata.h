@@ -72,8 +72,8 @@ struct LoadedModel {
 // reduced-precision export is loaded into fp32.
 LoadedModel loadExportedModel(const std::string& path, at::Device device = at::kCPU);
 
-// The same from a checkpoint: `what` (model, generator_ema, an alias; see
-// checkpoint::resolveExportPrefix) of checkpoint directory `dir` (a step directory, or a
+// The same from a checkpoint: `what` (model, generator_ema, an export name; see
+// checkpoint::resolveExportPrefix and checkpointExportNames) of checkpoint directory `dir` (a step directory, or a
 // run's checkpoints directory: its newest complete checkpoint), described by the
 // run's trainer_state.json.
 LoadedModel loadCheckpointModel(const std::string& dir, const std::string& what, at::Device device = at::kCPU);

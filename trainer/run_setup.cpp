@@ -33,8 +33,8 @@ namespace fs = std::filesystem;
 
 checkpoint::StateMap ModelPart::states() {
   checkpoint::StateMap states{{cfg.names.weights, *strategy}};
-  if (cfg.trainable) states.emplace_back(cfg.names.optimizer, strategy->optimizer());
-  if (ema) states.emplace_back(dtensor::kEmaKey, *ema);
+  if (cfg.trainable) states.emplace_back(cfg.names.optimizer, strategy->optimizer(), cfg.names.weights);
+  if (ema) states.emplace_back(dtensor::kEmaKey, *ema, cfg.names.weights);
   return states;
 }
 

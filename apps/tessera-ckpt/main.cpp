@@ -1,5 +1,5 @@
 // tessera-ckpt: inspects and verifies sharded checkpoints offline.
-//   tessera-ckpt info DIR     step, world size, strategy, models and EMAs, tensors and sizes
+//   tessera-ckpt info DIR     step, world size, strategy, its components (kind, whose, export names), tensors
 //   tessera-ckpt verify DIR   reads every byte and checks every checksum and file size
 //   tessera-ckpt list DIR     the complete checkpoints of a run's checkpoints directory
 // DIR is a step_N directory or a run's checkpoints directory (info/verify then use the
@@ -20,9 +20,9 @@
 #include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
+#include "trainer/checkpoint_layout.h"
 
 namespace ckpt = tessera::checkpoint;
-namespace dtensor = tessera::dtensor;
 
 namespace {
 
@@ -48,57 +48,36 @@ std::string resolveStepDir(const std::string& dir) {
   return stepDir;
 }
 
-// The models and EMAs a checkpoint holds, from its tensor names (the trainer's layout:
-// <model>/..., optim/[<model>/]..., ema/<ema>/...; the single-model form's model is
-// "model" with its optimizer state directly under optim/).
-void printParts(const ckpt::CheckpointSummary& s) {
-  struct Part {
-    int64_t tensors = 0, bytes = 0, optimizerTensors = 0;
+// The components a checkpoint holds (its component table; for checkpoints older than the
+// table, the trainer's layout), one line each: a component with named parts (an EMA's
+// profiles) one line per part, each with its tensors and bytes, whose it is, and the
+// other names it exports under.
+void printComponents(const ckpt::CheckpointMetadata& md) {
+  struct Count {
+    int64_t tensors = 0, bytes = 0;
   };
-  std::map<std::string, Part> models, emas;
-  auto component = [](const std::string& name, size_t index) {
-    size_t begin = 0;
-    for (size_t i = 0; i < index; ++i) begin = name.find('/', begin) + 1;
-    return name.substr(begin, name.find('/', begin) - begin);
+  auto countUnder = [&md](const std::string& prefix) {
+    Count n;
+    for (const auto& t : md.tensors) {
+      if (t.name.compare(0, prefix.size(), prefix) != 0) continue;
+      ++n.tensors;
+      n.bytes += t.bytes();
+    }
+    return n;
   };
-  for (const auto& t : s.tensors) {
-    const std::string head = component(t.name, 0);
-    if (t.name.find('/') == std::string::npos) continue;
-    if (head == dtensor::kEmaKey) {
-      if (t.name.find('/', head.size() + 1) == std::string::npos) continue;  // an EMA's update count
-      Part& e = emas[component(t.name, 1)];
-      ++e.tensors;
-      e.bytes += t.bytes();
-    } else if (head != dtensor::kOptimizerKey) {
-      Part& m = models[head];
-      ++m.tensors;
-      m.bytes += t.bytes();
-    }
-  }
-  for (const auto& t : s.tensors) {
-    if (component(t.name, 0) != dtensor::kOptimizerKey) continue;
-    const std::string owner = component(t.name, 1);
-    auto it = models.find(owner);
-    if (it != models.end() && owner != dtensor::kModelKey) {
-      ++it->second.optimizerTensors;
-    } else if (models.count(dtensor::kModelKey)) {
-      ++models[dtensor::kModelKey].optimizerTensors;  // the single-model form: optim/<state>/<param>
-    }
-  }
-  for (const auto& [name, m] : models) {
-    std::cout << "model        " << name << "  " << m.tensors << " tensors, " << human(m.bytes) << "; "
-              << (m.optimizerTensors > 0 ? tessera::strCat("optimizer state ", m.optimizerTensors, " tensors")
-                                         : std::string("frozen (no optimizer state)"))
-              << "\n";
-  }
-  for (const auto& [name, e] : emas) {
+  auto line = [&](const std::string& kind, const std::string& name, const std::string& prefix, const std::string& of,
+                  const std::map<std::string, std::string>& exports) {
+    const Count n = countUnder(prefix);
     std::string also;
-    for (const auto& [alias, prefix] : s.aliases) {
-      const bool same = prefix == dtensor::statePrefix(dtensor::kEmaKey) + name + "/";
-      if (same && alias != name) also += (also.empty() ? "" : ", ") + alias;
+    for (const auto& [alias, p] : exports) {
+      if (p == prefix && alias != name) also += (also.empty() ? "" : ", ") + alias;
     }
-    std::cout << "ema          " << name << "  " << e.tensors << " tensors, " << human(e.bytes)
-              << (also.empty() ? "" : "; also exported as " + also) << "\n";
+    std::cout << std::left << std::setw(12) << kind << " " << name << "  " << n.tensors << " tensors, " << human(n.bytes)
+              << (of.empty() ? "" : "; of " + of) << (also.empty() ? "" : "; also exported as " + also) << "\n";
+  };
+  for (const auto& c : tessera::trainer::checkpointComponents(md)) {
+    if (c.parts.empty()) line(c.kind, c.key, c.prefix(), c.of, c.exports);
+    for (const auto& [part, prefix] : c.parts) line(c.kind, part, prefix, c.of, c.exports);
   }
 }
 
@@ -143,15 +122,18 @@ int main(int argc, char** argv) {
     const std::string stepDir = resolveStepDir(dir);
     if (info->parsed()) {
       const auto s = ckpt::summarizeCheckpoint(stepDir);
+      const ckpt::CheckpointMetadata& md = s.metadata;
       std::cout << "checkpoint   " << s.dir << "\n"
-                << "step         " << s.step << "\n"
-                << "world size   " << s.worldSize << "\n"
-                << "strategy     " << (s.strategy.empty() ? "-" : s.strategy) << "\n"
-                << "tensors      " << s.tensors.size() << " (" << human(s.tensorBytes) << "; files "
+                << "step         " << md.step << "\n"
+                << "world size   " << md.worldSize << "\n"
+                << "strategy     " << (md.strategy.empty() ? "-" : md.strategy) << "\n"
+                << "tensors      " << md.tensors.size() << " (" << human(s.tensorBytes) << "; files "
                 << human(s.fileBytes) << ")\n";
-      printParts(s);
-      for (const auto& [alias, prefix] : s.aliases) std::cout << "alias        " << alias << " -> " << prefix << "\n";
-      for (const auto& t : s.tensors) {
+      printComponents(md);
+      for (const auto& [name, prefix] : tessera::trainer::checkpointExportNames(md)) {
+        std::cout << "export name  " << name << " -> " << prefix << "\n";
+      }
+      for (const auto& t : md.tensors) {
         std::cout << "  " << t.name << "  " << ckpt::dtypeName(t.dtype) << " " << at::IntArrayRef(t.shape) << "  "
                   << (t.placement == tessera::dtensor::Placement::kShard0 ? "shard0" : "replicate") << "  "
                   << t.chunks.size() << " chunk" << (t.chunks.size() == 1 ? "" : "s") << "  " << human(t.bytes())

@@ -23,6 +23,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "ema/posthoc.h"
+#include "trainer/checkpoint_layout.h"
 #include "trainer/model_metadata.h"
 #include "trainer/train_counters.h"
 
@@ -113,23 +114,28 @@ std::string checkpointStepDir(const std::string& dir) {
   return stepDir;
 }
 
-// The model description the run recorded for what is exported (trainer_state.json), so
-// that the file says which model it holds, as the run's own exports do.
-void addModelMetadata(const std::string& stepDir, ckpt::ExportOptions& options) {
+// --what as the tensor-name prefix it stands for in the checkpoint (its export names; for
+// checkpoints older than the component table, those of the trainer's layout), and the
+// model description the run recorded for it (trainer_state.json), so that the file says
+// which model it holds, as the run's own exports do.
+void resolveWhat(const std::string& stepDir, ckpt::ExportOptions& options) {
   ckpt::CheckpointReader reader(stepDir);
+  std::string prefix;
   try {
-    ckpt::resolveExportPrefix(reader.metadata(), options.what);
+    prefix = ckpt::resolveExportPrefix(reader.metadata(), options.what,
+                                       tessera::trainer::checkpointExportNames(reader.metadata()));
   } catch (const ckpt::CheckpointError& e) {  // what the user asked for is not there: their mistake
     throw tessera::UsageError(tessera::strCat("--what ", options.what, ": ", e.what()));
   }
+  const std::string asked = options.what;
+  options.what = prefix;
   const auto described = tessera::trainer::modelMetadataFromJson(
       reader.trainerState(), (std::filesystem::path(stepDir) / "trainer_state.json").string());
-  const std::string prefix = ckpt::resolveExportPrefix(reader.metadata(), options.what);
   const std::string model = tessera::trainer::modelMetadataForPrefix(described, prefix);
   if (model.empty()) return;
   // Checked before it is copied: an export says only what its tensors can be.
   tessera::trainer::checkedModelMetadata(
-      model, tessera::strCat((std::filesystem::path(stepDir) / "trainer_state.json").string(), " (", options.what, ")"),
+      model, tessera::strCat((std::filesystem::path(stepDir) / "trainer_state.json").string(), " (", asked, ")"),
       tessera::trainer::shapesUnder(reader.metadata(), prefix));
   options.metadata[tessera::trainer::kModelMetadataKey] = model;
 }
@@ -138,7 +144,7 @@ void addModelMetadata(const std::string& stepDir, ckpt::ExportOptions& options) 
 int exportWhat(const ExportArgs& args) {
   const std::string stepDir = checkpointStepDir(args.dir);
   ckpt::ExportOptions options = args.options;
-  addModelMetadata(stepDir, options);
+  resolveWhat(stepDir, options);
   const auto result = ckpt::exportCheckpoint(stepDir, args.out, options);
   std::cout << "exported " << result.tensors << " tensors under '" << result.prefix << "' (" << result.totalBytes
             << " bytes) from " << stepDir << " in " << result.seconds << " s\n";

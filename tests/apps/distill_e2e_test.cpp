@@ -212,13 +212,17 @@ TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) 
   }
   const std::string info = mustRun(kBin + "/tessera-ckpt info " + step);
   EXPECT_NE(info.find("model        generator  34 tensors"), std::string::npos) << info;
-  EXPECT_NE(info.find("model        teacher  34 tensors, 472.3 KiB; frozen (no optimizer state)"), std::string::npos)
-      << info;
+  // The component table: whose optimizer state and EMA each is; the frozen teacher has neither.
+  EXPECT_NE(info.find("model        teacher  34 tensors, 472.3 KiB\n"), std::string::npos) << info;
+  EXPECT_NE(info.find("optimizer    optim/generator  "), std::string::npos) << info;
+  EXPECT_NE(info.find("ema          critic_ema  34 tensors, 472.3 KiB; of critic"), std::string::npos) << info;
+  EXPECT_EQ(info.find("of teacher"), std::string::npos) << info;
   EXPECT_NE(info.find("ema          generator_ema"), std::string::npos) << info;
 }
 
-// A single-model run's checkpoint as earlier versions wrote it — without the "model"
-// export alias this version adds — resumes, and tessera-export finds the model by name.
+// A single-model run's checkpoint as earlier versions wrote it — format 2, with flat
+// export aliases instead of the component table, and without the "model" alias — resumes,
+// and tessera-export and tessera-ckpt find the model and the EMA by name.
 TEST(DistillE2ETest, SingleModelCheckpointsOfEarlierVersionsLoad) {
   const std::string run = scratch("single_model");
   const std::string args = " --config " + kSource + "/configs/default.yaml --set run.dir=" + run +
@@ -227,12 +231,24 @@ TEST(DistillE2ETest, SingleModelCheckpointsOfEarlierVersionsLoad) {
   mustRun(kTrain + args + " --set run.steps=2");
   const std::string step = run + "/checkpoints/step_00000002";
   nlohmann::json md = nlohmann::json::parse(std::ifstream(step + "/metadata.json"));
-  ASSERT_EQ(md["aliases"]["model"], "model/");
-  md["aliases"].erase("model");
+  nlohmann::json aliases = nlohmann::json::object();
+  for (const auto& c : md["components"]) {
+    for (const auto& [name, prefix] : c["exports"].items()) aliases[name] = prefix;
+  }
+  ASSERT_EQ(aliases["model"], "model/");
+  aliases.erase("model");
+  aliases.erase("model_ema");  // the EMA's own name: format 2 found it under ema/ by convention
+  md.erase("components");
+  md["aliases"] = aliases;
+  md["version"] = 2;
   std::ofstream(step + "/metadata.json") << tessera::checkpoint::resealMetadata(md.dump());  // as that version wrote it
+  const std::string info = mustRun(kBin + "/tessera-ckpt info " + step);
+  EXPECT_NE(info.find("ema          model_ema  "), std::string::npos) << info;
+  EXPECT_NE(info.find("optimizer    optim  "), std::string::npos) << info;
   const std::string out = mustRun(kTrain + args + " --set run.steps=3");
   EXPECT_NE(out.find("resumed from " + step), std::string::npos) << out;
   mustRun(kBin + "/tessera-export " + step + " --what model --out " + scratch("model.safetensors"));
+  mustRun(kBin + "/tessera-export " + step + " --what model_ema --out " + scratch("model_ema.safetensors"));
 }
 
 // Bad models: configs exit with status 2 and name the model and the key.

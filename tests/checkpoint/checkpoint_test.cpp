@@ -5,6 +5,7 @@
 
 #include <filesystem>
 
+#include "checkpoint/exporter.h"
 #include "checkpoint/file_io.h"
 #include "checkpoint/metadata.h"
 #include "tests/checkpoint/checkpoint_test_util.h"
@@ -323,6 +324,60 @@ TEST(CheckpointTest, InvalidRequestsAreRejected) {
   EXPECT_THROW(ckpt.save(req), Error);  // duplicate name
   req.entries = entriesFor(sampleModel(), 2, 1);
   EXPECT_THROW(ckpt.save(req), Error);  // spec of another world size
+}
+
+}  // namespace
+}  // namespace tessera::checkpoint
+
+namespace tessera::checkpoint {
+namespace {
+
+// A component with its own kind, two named parts and export names.
+class TwoPartState final : public Stateful {
+ public:
+  std::vector<StateEntry> stateEntries() override {
+    return {{"left/w", dtensor::ShardSpec({4, 2}, at::kFloat, 1, 0), left_},
+            {"right/w", dtensor::ShardSpec({3}, at::kFloat, 1, 0), right_}};
+  }
+  std::string componentKind() const override { return "pair"; }
+  std::map<std::string, std::string> componentParts() const override { return {{"l", "left/"}, {"r", "right/"}}; }
+  std::map<std::string, std::string> exportNames() const override { return {{"", ""}, {"lefty", "left/"}}; }
+
+ private:
+  at::Tensor left_ = at::ones({4, 2}), right_ = at::zeros({3});
+};
+
+// metadata.json's component table is written by the components: each one's key, kind,
+// parts and export names as whole tensor-name prefixes, and the key it serves; export by
+// name reads it (a key names its own tensors).
+TEST(CheckpointTest, TheComponentTableIsWrittenByTheComponents) {
+  TempDir tmp;
+  TwoPartState pair;
+  Counters counters;
+  counters["step"] = 7;
+  {
+    Checkpointer ckpt(tmp.path(), nullptr);
+    ckpt.save(3, {{"pair", pair}, {"count", counters, "pair"}});
+    ckpt.finish();
+  }
+  const CheckpointMetadata md = CheckpointReader(tmp / "step_00000003").metadata();
+  EXPECT_EQ(md.version, kFormatVersion);
+  ASSERT_EQ(md.components.size(), 2u);
+  const ComponentRecord& p = md.components[0];
+  EXPECT_EQ(p.key, "pair");
+  EXPECT_EQ(p.kind, "pair");
+  EXPECT_EQ(p.of, "");
+  EXPECT_EQ(p.parts, (std::map<std::string, std::string>{{"l", "pair/left/"}, {"r", "pair/right/"}}));
+  EXPECT_EQ(p.exports, (std::map<std::string, std::string>{{"pair", "pair/"}, {"lefty", "pair/left/"}}));
+  const ComponentRecord& c = md.components[1];
+  EXPECT_EQ(c.key, "count");
+  EXPECT_EQ(c.kind, "counters");
+  EXPECT_EQ(c.of, "pair");
+  EXPECT_TRUE(c.parts.empty());
+  EXPECT_EQ(resolveExportPrefix(md, "lefty"), "pair/left/");
+  EXPECT_EQ(resolveExportPrefix(md, "pair"), "pair/");
+  EXPECT_EQ(resolveExportPrefix(md, "count"), "count/");  // a key names its own tensors
+  EXPECT_THROW(resolveExportPrefix(md, "righty"), CheckpointError);
 }
 
 }  // namespace

@@ -104,6 +104,27 @@ inline std::vector<StateEntry> junkEntriesFor(const std::vector<GlobalTensor>& m
   return out;
 }
 
+// The component table a run would record for the layout of `model`'s names: "<key>/..."
+// components ("ema/<profile>/..." a part of "ema" each, exported by the profile's name).
+inline std::vector<ComponentRecord> componentsFor(const std::vector<GlobalTensor>& model) {
+  std::map<std::string, ComponentRecord> byKey;
+  for (const auto& g : model) {
+    const auto slash = g.name.find('/');
+    if (slash == std::string::npos) continue;
+    ComponentRecord& c = byKey[g.name.substr(0, slash)];
+    c.key = g.name.substr(0, slash);
+    c.kind = c.key;
+    const auto second = g.name.find('/', slash + 1);
+    if (c.key == "ema" && second != std::string::npos) {
+      const std::string profile = g.name.substr(slash + 1, second - slash - 1);
+      c.parts[profile] = c.exports[profile] = g.name.substr(0, second + 1);
+    }
+  }
+  std::vector<ComponentRecord> out;
+  for (auto& [key, c] : byKey) out.push_back(std::move(c));
+  return out;
+}
+
 // Saves `model` as `step` on `world` ranks (threads over gloo).
 inline void saveOnRanks(int world, const std::string& dir, const std::vector<GlobalTensor>& model, int64_t step,
                         CheckpointOptions options = {}) {
@@ -113,6 +134,7 @@ inline void saveOnRanks(int world, const std::string& dir, const std::vector<Glo
     req.step = step;
     req.strategy = "zero3";
     req.entries = entriesFor(model, ctx.world, ctx.rank);
+    req.components = componentsFor(model);
     req.trainerState = strCat("{\"step\": ", step, ", \"world_size\": ", ctx.world, "}");
     req.rankState = strCat("{\"rng\": ", 1000 + ctx.rank, "}");
     ckpt.save(req);
@@ -128,6 +150,7 @@ inline SaveStats saveSingle(const std::string& dir, const std::vector<GlobalTens
   req.step = step;
   req.strategy = "no_shard";
   req.entries = entriesFor(model, 1, 0);
+  req.components = componentsFor(model);
   req.trainerState = strCat("{\"step\": ", step, "}");
   auto stats = ckpt.save(req);
   ckpt.finish();

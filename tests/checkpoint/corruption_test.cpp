@@ -198,13 +198,52 @@ TEST_F(CorruptionTest, EditedMetadataFailsItsOwnChecksum) {
   EXPECT_EQ(loadError(), "");
 }
 
-// Export aliases are trusted by every export, so metadata.json's are checked: a prefix
-// ending in '/' that holds tensors, and no name that names tensors of its own pointing
-// elsewhere (resealed each time: a consistent file, wrong content).
-TEST_F(CorruptionTest, BadExportAliasesAreRefusedNamingTheAlias) {
+// The component table is trusted by every export and by tessera-ckpt, so metadata.json's is
+// checked: prefixes ending in '/' that hold tensors under the component's own key, `of`
+// naming another component, one prefix per export name, and no name that names tensors
+// of its own (a key, a part) exported as others (resealed each time: a consistent file,
+// wrong content).
+TEST_F(CorruptionTest, BadComponentTablesAreRefusedNamingTheComponent) {
+  const std::string original = readText(dir_ + "/metadata.json");
+  auto withComponents = [&](const std::function<void(nlohmann::json&)>& edit) {
+    auto j = nlohmann::json::parse(original);
+    edit(j["components"]);
+    writeText(dir_ + "/metadata.json", resealMetadata(j.dump()));
+    return loadError();
+  };
+  // componentsFor: ema, model, optim (sorted by key).
+  ASSERT_EQ(nlohmann::json::parse(original)["components"][0]["key"], "ema");
+  auto ema = [](nlohmann::json& c) -> nlohmann::json& { return c[0]; };
+  EXPECT_EQ(withComponents([&](auto& c) { ema(c)["exports"]["smooth"] = "ema/generator_ema/"; }), "");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["exports"]["smooth"] = ""; }), "components[0] ('ema').exports.smooth");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["exports"]["smooth"] = "ema"; }), "not a prefix ending in '/'");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["parts"]["smooth"] = "ema/nothing/"; }),
+             "no tensor is under 'ema/nothing/'");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["exports"]["smooth"] = "model/"; }),
+             "'model/' is not under the component's key 'ema/'");
+  EXPECT_HAS(withComponents([&](auto& c) { c[1]["exports"]["generator_ema"] = "model/"; }),
+             "but another component exports it as 'ema/generator_ema/'");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["exports"]["model"] = "ema/generator_ema/"; }),
+             "'model/' holds tensors of that name");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["exports"]["generator_ema"] = "ema/"; }),
+             "'ema/generator_ema/' holds tensors of that name");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["of"] = "nobody"; }), "'nobody' is not another component's key");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["of"] = "ema"; }), "'ema' is not another component's key");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["key"] = "/ema"; }), "starts or ends with '/'");
+  EXPECT_HAS(withComponents([&](auto& c) { ema(c)["exports"][std::string("a\0b", 3)] = "ema/generator_ema/"; }),
+             "a\\x00b");
+  EXPECT_HAS(withComponents([&](auto& c) { c = nlohmann::json::object(); }), "components");
+  writeText(dir_ + "/metadata.json", original);
+}
+
+// Formats 1 and 2 recorded flat export aliases instead: still checked when read (the
+// ema/<alias>/ rule of the trainer's layout is trainer::checkpointComponents').
+TEST_F(CorruptionTest, BadExportAliasesOfFormatTwoAreRefusedNamingTheAlias) {
   const std::string original = readText(dir_ + "/metadata.json");
   auto withAliases = [&](const nlohmann::json& aliases) {
     auto j = nlohmann::json::parse(original);
+    j["version"] = 2;
+    j.erase("components");
     j["aliases"] = aliases;
     writeText(dir_ + "/metadata.json", resealMetadata(j.dump()));
     return loadError();
@@ -214,7 +253,6 @@ TEST_F(CorruptionTest, BadExportAliasesAreRefusedNamingTheAlias) {
   EXPECT_HAS(withAliases({{"weights", "model"}}), "not a prefix ending in '/'");
   EXPECT_HAS(withAliases({{"weights", "nothing/"}}), "no tensor is under 'nothing/'");
   EXPECT_HAS(withAliases({{"model", "ema/generator_ema/"}}), "'model/' holds tensors of that name");
-  EXPECT_HAS(withAliases({{"generator_ema", "model/"}}), "'ema/generator_ema/' holds tensors of that name");
   EXPECT_HAS(withAliases({{std::string("a\0b", 3), "model/"}}), "a\\x00b");
   writeText(dir_ + "/metadata.json", original);
 }

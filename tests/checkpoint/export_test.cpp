@@ -97,13 +97,15 @@ TEST(ExportTest, OnlineExportEqualsOfflineExport) {
   const auto model = sampleModel();
   saveOnRanks(3, tmp / "ckpt", model, 1);
   ExportOptions ex;
+  ex.what = "model";
   ex.dtype = at::kBFloat16;
+  const auto names = exportNamesOf(componentsFor(model));
   test::runOnRanks(3, [&](test::RankContext& ctx) {
     const auto entries = entriesFor(model, ctx.world, ctx.rank);
     ExportOptions ema = ex;
     ema.what = "generator_ema";
-    exportOnline(entries, {}, ctx.comm().get(), tmp / "online.safetensors", ema);
-    exportOnline(entries, {}, ctx.comm().get(), tmp / "online_model.safetensors", ex);  // what: "model"
+    exportOnline(entries, names, ctx.comm().get(), tmp / "online.safetensors", ema);
+    exportOnline(entries, names, ctx.comm().get(), tmp / "online_model.safetensors", ex);
   });
   ex.what = "generator_ema";
   exportCheckpoint(tmp / "ckpt/step_00000001", tmp / "offline.safetensors", ex);
@@ -122,7 +124,8 @@ TEST(ExportTest, ExportNamesResolveThroughAliasesAndUnknownNamesListTheChoices) 
     SaveRequest req;
     req.step = 1;
     req.entries = entriesFor(model, 1, 0);
-    req.aliases = {{"generator_ema_0.999", "ema/generator_ema/"}};
+    req.components = componentsFor(model);
+    req.components.front().exports["generator_ema_0.999"] = "ema/generator_ema/";  // sorted by key: ema first
     ckpt.save(req);
   }
   const auto md = CheckpointReader(tmp / "step_00000001").metadata();

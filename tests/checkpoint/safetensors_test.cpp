@@ -252,8 +252,9 @@ TEST(SafetensorsTest, ImportFromAShardedExportOnEveryRank) {
     full.push_back({"model/" + name, dtensor::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
   }
   ExportOptions ex;
+  ex.what = "model";
   ex.maxShardBytes = 64;  // a (112 bytes) alone, then b and c
-  const ExportResult written = exportOnline(full, {}, nullptr, tmp / "out", ex);  // what: "model"
+  const ExportResult written = exportOnline(full, {}, nullptr, tmp / "out", ex);
   ASSERT_FALSE(written.indexFile.empty());
   ASSERT_EQ(written.files.size(), 2u);
   for (int world = 1; world <= 4; ++world) {
@@ -286,6 +287,7 @@ TEST(SafetensorsTest, IndexThatDoesNotDescribeItsShardsIsRefused) {
     full.push_back({"model/" + name, dtensor::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
   }
   ExportOptions ex;
+  ex.what = "model";
   ex.maxShardBytes = 64;  // a alone, then b and c
   const ExportResult written = exportOnline(full, {}, nullptr, tmp / "out", ex);
   const std::string index = written.indexFile;

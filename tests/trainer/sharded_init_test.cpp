@@ -118,6 +118,7 @@ TEST(ShardedInitTest, InitFromAnExportAtEveryWorldSizeAndStrategy) {
   std::vector<checkpoint::StateEntry> full;
   for (const auto& [name, w] : weights) full.push_back({"model/" + name, dtensor::ShardSpec(w.sizes().vec(), at::kFloat, 1, 0), w});
   checkpoint::ExportOptions ex;
+  ex.what = "model";
   ex.maxShardBytes = 4096;
   const std::string index = checkpoint::exportOnline(full, {}, nullptr, (dir / "sharded").string(), ex).indexFile;
   ASSERT_FALSE(index.empty());
