@@ -91,6 +91,7 @@ std::string typeName(const FieldTarget& target) {
     std::string operator()(int64_t*) const { return "int"; }
     std::string operator()(int*) const { return "int"; }
     std::string operator()(double*) const { return "float"; }
+    std::string operator()(std::chrono::milliseconds*) const { return "float"; }
     std::string operator()(const ChoiceTarget&) const { return "string"; }
     std::string operator()(const PairTarget&) const { return "list[float]"; }
     std::string operator()(const ScaledTarget&) const { return "float"; }
@@ -127,6 +128,9 @@ YAML::Node valueNode(const FieldTarget& target) {
     YAML::Node operator()(int64_t* v) const { return YAML::Node(*v); }
     YAML::Node operator()(int* v) const { return YAML::Node(*v); }
     YAML::Node operator()(double* v) const { return YAML::Node(formatDouble(*v)); }
+    YAML::Node operator()(std::chrono::milliseconds* v) const {
+      return YAML::Node(formatDouble(static_cast<double>(v->count()) / 1000.0));  // seconds, exact to the ms
+    }
     YAML::Node operator()(const ChoiceTarget& c) const { return YAML::Node(c.names.at(c.get())); }
     YAML::Node operator()(const PairTarget& p) const {
       YAML::Node n(YAML::NodeType::Sequence);
@@ -590,6 +594,14 @@ struct AssignValue {
     double x = toDouble(node, loc, path);
     checks.number(x, node.Scalar(), path, loc);
     *v = x;
+  }
+  // Seconds, held as milliseconds.
+  void operator()(std::chrono::milliseconds* v) const {
+    const double x = toDouble(node, loc, path);
+    checks.number(x, node.Scalar(), path, loc);
+    const double ms = std::round(x * 1000.0);
+    if (!(std::fabs(ms) < 9.2e18)) fail(loc, path, strCat("value ", node.Scalar(), " is too large"));
+    *v = std::chrono::milliseconds(static_cast<int64_t>(ms));
   }
   void operator()(std::string* v) const {
     std::string x = toString(node, loc, path);

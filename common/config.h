@@ -17,6 +17,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -73,11 +74,12 @@ struct IntOrWordTarget {
   int64_t wordValue;
 };
 
-// The C++ variables a key can be bound to.
+// The C++ variables a key can be bound to. A std::chrono::milliseconds is written in
+// seconds (a number; constraints apply to the seconds), so a library's timeout binds as it is.
 using FieldTarget = std::variant<bool*, int64_t*, int*, double*, std::string*, std::optional<std::string>*,
                                  std::vector<int64_t>*, std::vector<double>*, std::vector<std::string>*,
-                                 std::map<std::string, double>*, ChoiceTarget, PairTarget, ScaledTarget,
-                                 IntOrWordTarget>;
+                                 std::map<std::string, double>*, std::chrono::milliseconds*, ChoiceTarget,
+                                 PairTarget, ScaledTarget, IntOrWordTarget>;
 
 class ConfigSchema;
 

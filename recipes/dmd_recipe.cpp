@@ -14,6 +14,7 @@
 #include "ema/strategy_ema.h"
 #include "sharding/fully_shard.h"
 #include "models/diffusion.h"
+#include "recipes/dmd_options.h"
 #include "recipes/recipe_steps.h"
 #include "recipes/recipes.h"
 #include "trainer/run_setup.h"
@@ -100,6 +101,7 @@ class DmdRecipe : public trainer::Recipe {
  public:
   explicit DmdRecipe(trainer::RunParts& run)
       : run_(run),
+        options_(trainer::recipeOptions<DmdOptions>(run.cfg, kDmdRecipe)),
         generator_(run.model("generator")),
         critic_(run.model("critic")),
         teacher_(run.model("teacher")),
@@ -109,9 +111,9 @@ class DmdRecipe : public trainer::Recipe {
         chain_(generator_.cfg.model.sample_timesteps) {  // checked and defaulted by finishTrainConfig
     // One noise schedule for the three (finishTrainConfig checked their keys).
     const int64_t T = generatorNet_.schedule().timesteps;
-    minT_ = std::min<int64_t>(T - 1, static_cast<int64_t>(std::floor(run.cfg.recipe.min_t * static_cast<double>(T))));
-    maxT_ = std::max<int64_t>(minT_, static_cast<int64_t>(std::ceil(run.cfg.recipe.max_t * static_cast<double>(T))) - 1);
-    if (run.cfg.recipe.regression_weight > 0) makePairs();
+    minT_ = std::min<int64_t>(T - 1, static_cast<int64_t>(std::floor(options_.min_t * static_cast<double>(T))));
+    maxT_ = std::max<int64_t>(minT_, static_cast<int64_t>(std::ceil(options_.max_t * static_cast<double>(T))) - 1);
+    if (options_.regression_weight > 0) makePairs();
   }
 
   trainer::StepOutcome step(int64_t step, bool stopRequested) override {
@@ -120,7 +122,7 @@ class DmdRecipe : public trainer::Recipe {
     const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, step, indices);
     double criticLoss = 0;
     bool criticApplied = false;
-    for (int64_t k = 0; k < run_.cfg.recipe.critic_steps; ++k) criticLoss += criticUpdate(step, k, seeds, criticApplied);
+    for (int64_t k = 0; k < options_.critic_steps; ++k) criticLoss += criticUpdate(step, k, seeds, criticApplied);
     // A critic EMA (when one is configured) follows the critic once per run step, like every
     // EMA of the run: its update count stays within the run's step count.
     if (critic_.ema) critic_.ema->update(step + 1, criticApplied);
@@ -131,15 +133,15 @@ class DmdRecipe : public trainer::Recipe {
       const std::vector<uint64_t> micro = slice(seeds, begin, end);
       const std::vector<int64_t> microIndices = slice(indices, begin, end);
       at::Tensor perSample = generatorLoss(micro);
-      if (run_.cfg.recipe.regression_weight > 0) {
-        perSample = perSample + run_.cfg.recipe.regression_weight * regressionLoss(microIndices, micro);
+      if (options_.regression_weight > 0) {
+        perSample = perSample + options_.regression_weight * regressionLoss(microIndices, micro);
       }
       const at::Tensor loss = perSample.mean() / static_cast<double>(run_.microBatches);
       loss.backward();
       stepLoss += loss.detach().to(at::kDouble).cpu();
     });
     trainer::StepOutcome out = stepMainModel(run_, generator_, step, stepLoss, stopRequested);
-    out.extra["critic_loss"] = criticLoss / static_cast<double>(run_.cfg.recipe.critic_steps);
+    out.extra["critic_loss"] = criticLoss / static_cast<double>(options_.critic_steps);
     out.extra["critic_lr"] = critic_.schedule->lrAt(step);  // "lr" is the generator's
     return out;
   }
@@ -235,7 +237,7 @@ class DmdRecipe : public trainer::Recipe {
     const double g = generatorNet_.forwardFlopsPerSample(), c = criticNet_.forwardFlopsPerSample(),
                  t = teacherNet_.forwardFlopsPerSample();
     if (g <= 0 || c <= 0 || t <= 0) return 0;
-    const trainer::RecipeOptions& r = run_.cfg.recipe;
+    const DmdOptions& r = options_;
     const double teacherPasses = r.guidance == 1.0 || teacherNet_.classes() == 0 ? 1.0 : 2.0;
     const double before = static_cast<double>(chain_.size() - 1) * g;  // the chain's steps run without gradients
     return static_cast<double>(r.critic_steps) * (before + g + 3.0 * c) + before + 3.0 * g + teacherPasses * t + c +
@@ -272,7 +274,7 @@ class DmdRecipe : public trainer::Recipe {
       torch::NoGradGuard noGrad;
       const at::Tensor noisy = (signal * flatX.detach() + spread * eps.to(device)).view(x.sizes());
       const at::Tensor t = timesteps.to(device);
-      const at::Tensor teacherEps = models::guidedNoise(teacherNet_, labels, run_.cfg.recipe.guidance)(noisy, t);
+      const at::Tensor teacherEps = models::guidedNoise(teacherNet_, labels, options_.guidance)(noisy, t);
       const at::Tensor criticEps = models::predictNoiseInUnits(criticNet_, noisy, t, labels).to(at::kFloat);
       const at::Tensor x0Teacher = (noisy.flatten(1) - spread * teacherEps.flatten(1)) / signal;
       const at::Tensor x0Critic = (noisy.flatten(1) - spread * criticEps.flatten(1)) / signal;
@@ -343,13 +345,13 @@ class DmdRecipe : public trainer::Recipe {
   // forwards are collective under zero3). A resumed run makes the same pairs.
   void makePairs() {
     torch::NoGradGuard noGrad;
-    std::vector<int64_t> all(static_cast<size_t>(run_.cfg.recipe.regression_pairs));
+    std::vector<int64_t> all(static_cast<size_t>(options_.regression_pairs));
     std::iota(all.begin(), all.end(), 0);
     const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, -3, all);
     pairNoise_ = normalPerSample(seeds, generatorNet_.sampleShape());
     pairLabels_ = classesOf(generatorNet_, seeds);
-    pairSamples_ = models::sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), run_.cfg.recipe.pair_steps,
-                              models::guidedNoise(teacherNet_, onDevice(pairLabels_, run_.device), run_.cfg.recipe.guidance))
+    pairSamples_ = models::sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), options_.pair_steps,
+                              models::guidedNoise(teacherNet_, onDevice(pairLabels_, run_.device), options_.guidance))
                        .cpu();
   }
 
@@ -374,6 +376,7 @@ class DmdRecipe : public trainer::Recipe {
   }
 
   trainer::RunParts& run_;
+  const DmdOptions& options_;  // recipe.*
   trainer::ModelPart &generator_, &critic_, &teacher_;
   models::Denoiser &generatorNet_, &criticNet_, &teacherNet_;
   const std::vector<int64_t> chain_;  // the generator's timesteps (its model.sample_timesteps)

@@ -1,9 +1,12 @@
 // The dmd recipe's configuration (recipe_spec.h, dmd_recipe.h): a generator and a critic
 // trained against a frozen teacher, all denoisers on one noise schedule.
 #include <algorithm>
+#include <utility>
 
 #include "common/config.h"
 #include "common/errors.h"
+#include "common/limits.h"
+#include "recipes/dmd_options.h"
 #include "trainer/recipe_spec.h"
 #include "recipes/recipes.h"
 #include "trainer/train_config.h"
@@ -56,6 +59,7 @@ void checkRoles(const config::ConfigSchema& schema, const trainer::TrainConfig& 
 
 void finishDmd(const config::ConfigSchema& schema, trainer::TrainConfig& c) {
   checkRoles(schema, c);
+  const DmdOptions& dmd = trainer::recipeOptions<DmdOptions>(std::as_const(c), kDmdRecipe);
   trainer::ModelEntry& generator =
       *std::find_if(c.models.begin(), c.models.end(), [](const trainer::ModelEntry& e) { return e.name == "generator"; });
   // The generator's steps (DMD2's few-step generator): one step from pure noise unless the
@@ -73,25 +77,51 @@ void finishDmd(const config::ConfigSchema& schema, trainer::TrainConfig& c) {
           "same noise levels)"));
     }
   }
-  if (c.recipe.min_t >= c.recipe.max_t) {
-    throw ConfigError(schema.errorMessage("recipe.min_t", strCat(c.recipe.min_t, " is not below recipe.max_t (",
-                                                                 c.recipe.max_t, ")")));
+  if (dmd.min_t >= dmd.max_t) {
+    throw ConfigError(schema.errorMessage("recipe.min_t", strCat(dmd.min_t, " is not below recipe.max_t (",
+                                                                 dmd.max_t, ")")));
   }
-  if (c.recipe.regression_weight > 0 && c.recipe.pair_steps > generator.model.timesteps) {
-    throw ConfigError(schema.errorMessage("recipe.pair_steps", strCat(c.recipe.pair_steps, " is more than the teacher's ",
+  if (dmd.regression_weight > 0 && dmd.pair_steps > generator.model.timesteps) {
+    throw ConfigError(schema.errorMessage("recipe.pair_steps", strCat(dmd.pair_steps, " is more than the teacher's ",
                                                                       generator.model.timesteps, " timesteps")));
   }
 }
 
 // The critic takes recipe.critic_steps updates per run step, and the run that saved a
 // checkpoint may have had more than this one.
-int64_t maxUpdates(const std::string& model) { return model == "critic" ? trainer::RecipeOptions::kMaxCriticSteps : 1; }
+int64_t maxUpdates(const std::string& model) { return model == "critic" ? DmdOptions::kMaxCriticSteps : 1; }
+
+// recipe.*: bound into the DmdOptions the config keeps for dmd.
+void bindDmdKeys(config::ConfigSchema& s, trainer::TrainConfig& c) {
+  DmdOptions& recipe = trainer::recipeOptions<DmdOptions>(c, kDmdRecipe);
+  s.describeSection("recipe", "run.recipe dmd: distribution-matching distillation");
+  s.add("recipe.critic_steps", &recipe.critic_steps, "Critic updates per generator update")
+      .min(1)
+      .max(DmdOptions::kMaxCriticSteps);
+  s.add("recipe.min_t", &recipe.min_t,
+        "The generator's samples are noised at a timestep drawn in [min_t, max_t] x model.timesteps")
+      .min(0.0).lessThan(1.0);
+  s.add("recipe.max_t", &recipe.max_t, "Upper end of that range").greaterThan(0.0).max(1.0);
+  s.add("recipe.regression_weight", &recipe.regression_weight,
+        "Weight of DMD's regression loss: the generator's sample of a fixed noise against the teacher's "
+        "deterministic (DDIM) sample of it, which keeps every mode covered (0: off)")
+      .min(0.0).max(1000.0);
+  s.add("recipe.regression_pairs", &recipe.regression_pairs,
+        "Noise -> teacher sample pairs the regression loss uses (made once when the run starts)")
+      .min(1).max(1 << 20);
+  s.add("recipe.pair_steps", &recipe.pair_steps, "DDIM steps the teacher takes for each pair (at most model.timesteps)")
+      .min(1).max(kMaxWidth);
+  s.add("recipe.guidance", &recipe.guidance,
+        "Class-conditional models (dit): the teacher's classifier-free guidance scale, in the real score and the "
+        "regression pairs (DMD's real-score CFG; 1: none)")
+      .min(0.0).max(100.0);
+}
 
 }  // namespace
 
 const trainer::RecipeSpec& dmdRecipeSpec() {
   static const trainer::RecipeSpec spec{"dmd", "distribution-matching distillation of the models generator, critic and teacher",
-                               finishDmd, maxUpdates, "generator", nullptr};
+                               finishDmd, maxUpdates, "generator", nullptr, bindDmdKeys};
   return spec;
 }
 

@@ -83,6 +83,7 @@ std::string tensorBoardTag(const std::string& name) {
   auto startsWith = [&](const char* prefix) { return name.rfind(prefix, 0) == 0; };
   if (startsWith("eval_")) return "eval/" + name;
   if (name == "samples_per_sec" || name == "step_time_ms" || name == "data_wait_ms" || startsWith("mfu") ||
+      startsWith("slowest_rank") ||
       startsWith("tokens_per_sec") || startsWith("images_per_sec") || startsWith("tflops")) {
     return "perf/" + name;
   }

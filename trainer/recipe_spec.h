@@ -1,6 +1,6 @@
-// A recipe (run.recipe) as the trainer finds it by name: what it asks of a run's
-// configuration (the models it trains, checked with the recipe's own keys when the config
-// is loaded), how many optimizer updates each model takes per run step, and how to build
+// A recipe (run.recipe) as the trainer finds it by name: its own keys (bound into a
+// struct of its own), what it asks of a run's configuration (the models it trains, checked
+// with those keys when the config is loaded), how many optimizer updates each model takes per run step, and how to build
 // its training code (recipe.h) over a run's parts. The trainer names no recipe: each
 // recipe owns its spec (recipes/), and a program adds the ones it offers with addRecipe()
 // before it loads a config (recipes::addBuiltinRecipes() adds standard and dmd), as
@@ -38,6 +38,9 @@ struct RecipeSpec {
   // The recipe's training code over the parts of a run set up for it (null in builds of
   // the config reader alone, such as the fuzzers').
   std::unique_ptr<Recipe> (*make)(RunParts& run);
+  // Registers the recipe's own keys (recipe.*) with the schema, bound into a struct of its
+  // own that `config` keeps for it (trainer::recipeOptions); null: it has none.
+  void (*bindKeys)(config::ConfigSchema& schema, TrainConfig& config) = nullptr;
 };
 
 // Adds `spec` to run.recipe's choices; adding a name again replaces its spec. Thread-safe;

@@ -79,10 +79,6 @@ at::Device trainingDevice(const TrainConfig& cfg) {
 
 }  // namespace
 
-std::chrono::milliseconds secondsToMs(double seconds) {
-  return std::chrono::milliseconds(static_cast<int64_t>(std::llround(seconds * 1000.0)));
-}
-
 void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env) {
   diagnostics::flight::setCapacity(static_cast<int>(cfg.diagnostics.flight_entries));
   if (cfg.diagnostics.flight_entries == 0) return;
@@ -91,10 +87,7 @@ void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env
 }
 
 distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distributed::RankEnv& env) {
-  distributed::RuntimeOptions options;
-  options.rendezvousTimeout = secondsToMs(cfg.diagnostics.startup_timeout_s);
-  options.commTimeout = secondsToMs(cfg.diagnostics.collective_timeout_s);
-  options.checkCollectives = cfg.diagnostics.check_collectives;
+  distributed::RuntimeOptions options = cfg.diagnostics.runtime;
   const bool cuda = cfg.run.device == "cuda";
   const int64_t gpus = cuda && torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
   const bool gpuPerRank = gpus >= env.local_world_size;
@@ -137,13 +130,12 @@ void checkComputeDtypes(const TrainConfig& cfg, at::Device device) {
   }
 }
 
-// The seed a model's initial values are drawn with: run.seed for the single-model form
-// (as runs always had), mixed with the name for a models: entry, so that two models of
-// the same architecture do not start equal.
+// The seed a model's initial values are drawn with: run.seed, mixed with the model's salt
+// when it has one (ModelEntry::seedSalt).
 uint64_t initSeed(const TrainConfig& cfg, const ModelEntry& m) {
   const auto seed = static_cast<uint64_t>(cfg.run.seed);
-  if (cfg.singleModelForm) return seed;
-  return mix64(seed ^ checkpoint::checksum(m.name.data(), m.name.size()));
+  if (m.seedSalt.empty()) return seed;
+  return mix64(seed ^ checkpoint::checksum(m.seedSalt.data(), m.seedSalt.size()));
 }
 
 // The config's strategy options, with the initial values of the model's deferred
@@ -190,7 +182,7 @@ ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
   part.ema = makeEma(entry, *part.strategy);
   int64_t numParams = 0;
   for (const auto& p : part.model->parameters()) numParams += p.numel();
-  TLOG_INFO0("run " << run.cfg.run.name << ": " << (run.cfg.singleModelForm ? "model" : "model " + entry.name) << " "
+  TLOG_INFO0("run " << run.cfg.run.name << ": " << entry.displayName << " "
                     << m.arch << ": " << numParams << " parameters" << (entry.trainable ? "" : " (frozen)")
                     << "; strategy " << sharding::strategyKindName(entry.sharding.strategy) << " over "
                     << run.comm->worldSize()
@@ -206,10 +198,8 @@ ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
 void setUpCheckpointer(RunParts& run) {
   const ModelPart& first = run.models.front();
   if (!first.strategy->firstReplica()) return;
-  checkpoint::CheckpointOptions options;
-  options.keepLast = static_cast<int>(run.cfg.checkpoint.keep_last);
-  options.async = run.cfg.checkpoint.async;
-  options.commitTimeout = secondsToMs(run.cfg.diagnostics.checkpoint_timeout_s);
+  checkpoint::CheckpointOptions options = run.cfg.checkpoint.writer;
+  options.commitTimeout = run.cfg.diagnostics.checkpoint_timeout;
   run.checkpointer.emplace((run.runDir / "checkpoints").string(), first.strategy->stateCommPtr()->host(), options);
   if (first.ema && !first.cfg.ema.options.powerStds.empty()) {
     // Post-hoc EMA snapshots (single-model form): every one kept (keep_last 0), written
@@ -312,7 +302,7 @@ bool resume(RunParts& run) {
   if (cfg.checkpoint.resume == "none") return false;
   const std::string checkpointsDir = (run.runDir / "checkpoints").string();
   const checkpoint::StateMap states = run.states();
-  const distributed::TimeoutScope timeout(secondsToMs(cfg.diagnostics.checkpoint_timeout_s));
+  const distributed::TimeoutScope timeout(cfg.diagnostics.checkpoint_timeout);
   checkpoint::LoadOptions options;
   options.check = checkTrainerState;  // a step whose trainer state fails is passed over like a damaged one
   options.strict = true;              // every saved tensor is state this run has (another EMA set, optimizer: refused)
@@ -393,7 +383,7 @@ void initializeFromFiles(RunParts& run) {
       importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix);
       m.strategy->publishParameters();
       if (m.ema) m.ema->resetFromLive();
-      TLOG_INFO0((run.cfg.singleModelForm ? "model" : "model " + e.name) << " initialised from " << *e.model.init_from);
+      TLOG_INFO0(e.displayName << " initialised from " << *e.model.init_from);
     }
     if (m.ema && e.ema.initFrom) {
       // Fine-tuning: every EMA profile starts from given weights (names as the module's).

@@ -91,9 +91,6 @@ distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distrib
 // the dump on an uncaught error. Call once, before the runtime starts.
 void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env);
 
-// Seconds of a config key as a timeout.
-std::chrono::milliseconds secondsToMs(double seconds);
-
 // Builds every part and resumes (checkpoint.resume): every rank loads its own shards,
 // resharding as needed, and the counters continue where the checkpoint left off. A fresh
 // run starts from its initial distribution (each rank initialising only what it holds), or

@@ -186,8 +186,8 @@ void bindCheckpointKeys(config::ConfigSchema& s, CheckpointSection& checkpoint) 
   s.describeSection("checkpoint", "Sharded checkpoints, resume and export");
   s.add("checkpoint.every_steps", &checkpoint.every_steps, "Save every N steps (0: only at the end)").min(0);
   s.add("checkpoint.at_end", &checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");
-  s.add("checkpoint.keep_last", &checkpoint.keep_last, "Newest complete checkpoints to keep (0: all)").min(0);
-  s.add("checkpoint.async", &checkpoint.async, "Write checkpoints in a background thread");
+  s.add("checkpoint.keep_last", &checkpoint.writer.keepLast, "Newest complete checkpoints to keep (0: all)").min(0);
+  s.add("checkpoint.async", &checkpoint.writer.async, "Write checkpoints in a background thread");
   s.add("checkpoint.resume", &checkpoint.resume, "auto (latest complete checkpoint of run.dir), none, or a directory")
       .nonEmpty();
   s.add("checkpoint.export", &checkpoint.export_what,
@@ -195,31 +195,6 @@ void bindCheckpointKeys(config::ConfigSchema& s, CheckpointSection& checkpoint) 
         "(models: form: a model's name, <name>_ema, <name>_ema_<decay>)");
   s.add("checkpoint.export_dtype", config::choiceOf(&checkpoint.export_dtype, sharding::kFloatDtypeNames),
         "Dtype of exported floating tensors");
-}
-
-// recipe.*: the dmd recipe's options.
-void bindRecipeKeys(config::ConfigSchema& s, RecipeOptions& recipe) {
-  s.describeSection("recipe", "run.recipe dmd: distribution-matching distillation");
-  s.add("recipe.critic_steps", &recipe.critic_steps, "Critic updates per generator update")
-      .min(1)
-      .max(RecipeOptions::kMaxCriticSteps);
-  s.add("recipe.min_t", &recipe.min_t,
-        "The generator's samples are noised at a timestep drawn in [min_t, max_t] x model.timesteps")
-      .min(0.0).lessThan(1.0);
-  s.add("recipe.max_t", &recipe.max_t, "Upper end of that range").greaterThan(0.0).max(1.0);
-  s.add("recipe.regression_weight", &recipe.regression_weight,
-        "Weight of DMD's regression loss: the generator's sample of a fixed noise against the teacher's "
-        "deterministic (DDIM) sample of it, which keeps every mode covered (0: off)")
-      .min(0.0).max(1000.0);
-  s.add("recipe.regression_pairs", &recipe.regression_pairs,
-        "Noise -> teacher sample pairs the regression loss uses (made once when the run starts)")
-      .min(1).max(1 << 20);
-  s.add("recipe.pair_steps", &recipe.pair_steps, "DDIM steps the teacher takes for each pair (at most model.timesteps)")
-      .min(1).max(kMaxWidth);
-  s.add("recipe.guidance", &recipe.guidance,
-        "Class-conditional models (dit): the teacher's classifier-free guidance scale, in the real score and the "
-        "regression pairs (DMD's real-score CFG; 1: none)")
-      .min(0.0).max(100.0);
 }
 
 // models: the named section whose entries become c.models, in order of appearance.
@@ -273,18 +248,24 @@ void bindDiagnosticsKeys(config::ConfigSchema& s, DiagnosticsSection& d) {
         "SIGTERM or SIGUSR1 (tessera-flight reads them); 0 = off")
       .min(0)
       .max(1000000);
-  s.add("diagnostics.startup_timeout_s", &d.startup_timeout_s,
+  s.add("diagnostics.startup_timeout_s", &d.runtime.rendezvousTimeout,
         "Seconds every rank waits at start for the others (rendezvous, communicator set-up)")
       .min(1.0)
       .max(86400.0);
-  s.add("diagnostics.collective_timeout_s", &d.collective_timeout_s,
+  s.add("diagnostics.collective_timeout_s", &d.runtime.commTimeout,
         "Seconds a collective of a step may take before the rank gives up, dumps its flight record and exits")
       .min(1.0)
       .max(86400.0);
-  s.add("diagnostics.check_collectives", &d.check_collectives,
+  s.add("diagnostics.straggler_ratio", &d.straggler_ratio,
+        "A rank whose steps keep it busy (time not blocked in collectives) longer than this many times the other "
+        "ranks' median is named in rank 0's log while the run goes on; every window records the slowest rank and "
+        "its lag in metrics (slowest_rank, slowest_rank_lag_ms). 0: never named; otherwise at least 1")
+      .min(0.0)
+      .max(100.0);
+  s.add("diagnostics.check_collectives", &d.runtime.checkCollectives,
         "Before every collective the ranks compare what each issues (op, dtype, size) and stop with an error naming "
         "the ranks that disagree; one more small collective each (debugging)");
-  s.add("diagnostics.checkpoint_timeout_s", &d.checkpoint_timeout_s,
+  s.add("diagnostics.checkpoint_timeout_s", &d.checkpoint_timeout,
         "Seconds a collective of a checkpoint save or load or of an export may take (they wait for file writes)")
       .min(1.0)
       .max(86400.0);
@@ -301,7 +282,9 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   datasets::bindDataKeys(s, c.data);
   bindDefaultSections(s, c.defaults);
   bindCheckpointKeys(s, c.checkpoint);
-  bindRecipeKeys(s, c.recipe);
+  for (const RecipeSpec* spec : recipeSpecs()) {
+    if (spec->bindKeys) spec->bindKeys(s, c);
+  }
   bindModelsSection(s, c);
 }
 
@@ -476,6 +459,8 @@ void settleModels(TrainConfig& c) {
   for (ModelEntry& m : c.models) {
     if (!m.trainable) m.ema.enabled = false;  // a frozen model keeps none: its resolved config says so
     m.names = stateNames(m, c.singleModelForm);
+    m.displayName = c.singleModelForm ? "model" : "model " + m.name;
+    m.seedSalt = c.singleModelForm ? "" : m.name;
     m.modelKeys = c.singleModelForm ? "model." : "models." + m.name + ".";
     m.sectionKeys = c.singleModelForm ? "" : m.modelKeys;
     m.schedule.totalSteps = c.run.steps;
@@ -540,6 +525,19 @@ ModelEntry::ModelEntry() {
   schedule.stepSize = 100;
 }
 
+DiagnosticsSection::DiagnosticsSection() {
+  // The trainer's default where it differs from the library's: a step's collective gives
+  // up after 100 s (a stuck rank is named sooner; checkpoints have their own timeout).
+  runtime.commTimeout = std::chrono::seconds(100);
+}
+
+CheckpointSection::CheckpointSection() {
+  // The trainer's defaults where they differ from the library's: the 3 newest checkpoints
+  // kept, written in the background (the step stalls only for the staging copy).
+  writer.keepLast = 3;
+  writer.async = true;
+}
+
 void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
   TESSERA_CHECK(worldSize >= 1, "finishTrainConfig: world size ", worldSize);
   s.checkRequired();
@@ -549,6 +547,11 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
     throw ConfigError(s.errorMessage("run.steps", strCat(c.run.steps, " steps of data.global_batch ", c.data.global_batch,
                                                          " samples are more than the ", kMaxCounter,
                                                          " samples a run can count")));
+  }
+  if (c.diagnostics.straggler_ratio > 0 && c.diagnostics.straggler_ratio < 1) {
+    throw ConfigError(s.errorMessage("diagnostics.straggler_ratio",
+                                     strCat(c.diagnostics.straggler_ratio, " would name a rank no slower than the others: "
+                                                                          "give 0 (never) or a ratio of at least 1")));
   }
   settleModels(c);
   recipeSpec(c.run.recipe).finish(s, c);

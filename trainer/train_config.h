@@ -3,13 +3,18 @@
 // checks that), and configs/default.yaml is the main job's config.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpointer.h"
 #include "common/key_origins.h"
+#include "distributed/runtime.h"
 #include "ema/ema_manager.h"
 #include "optim/lr_schedule.h"
 #include "sharding/strategy.h"
@@ -61,11 +66,17 @@ struct ProfileSection {
 
 // When a run goes wrong (docs/troubleshooting.md): the flight recorder and the timeouts.
 struct DiagnosticsSection {
-  int64_t flight_entries = 2000;      // collectives each communicator remembers for a dump; 0 = off
-  double startup_timeout_s = 300;     // rendezvous and set-up: every rank arrived
-  double collective_timeout_s = 100;  // one collective of a step (and every other one not below)
-  double checkpoint_timeout_s = 600;  // a collective of a checkpoint save or load, or of an export
-  bool check_collectives = false;     // agree on every collective before it runs (debugging)
+  DiagnosticsSection();
+  int64_t flight_entries = 2000;  // collectives each communicator remembers for a dump; 0 = off
+  double straggler_ratio = 1.3;   // a rank busy longer than this times the others is named (0: never)
+  // startup_timeout_s (rendezvous and set-up: every rank arrived), collective_timeout_s
+  // (one collective of a step, and every other one not below; the trainer's 100 s: see the
+  // constructor) and check_collectives (agree on every collective before it runs),
+  // bound into the runtime's options; its backend follows run.backend (runtimeOptions()).
+  distributed::RuntimeOptions runtime;
+  // checkpoint_timeout_s: a collective of a checkpoint save or load, or of an export (they
+  // wait for file writes), and how long rank 0 waits for the others' parts of a save.
+  std::chrono::milliseconds checkpoint_timeout = std::chrono::seconds(600);
 };
 
 // A model's EMA: the library's options (ema/ema_manager.h) and what the trainer does
@@ -78,25 +89,16 @@ struct EmaConfig {
 };
 
 struct CheckpointSection {
+  CheckpointSection();
   int64_t every_steps = 0;       // save every N steps (0: only at the end)
   bool at_end = true;            // save when the run finishes (or is preempted by SIGTERM)
-  int64_t keep_last = 3;         // newest complete checkpoints kept (0: all)
-  bool async = true;             // write in a background thread
+  // checkpoint.keep_last and checkpoint.async, bound into the library's options (the
+  // trainer keeps 3 and writes in the background: see the constructor); its commitTimeout
+  // is diagnostics.checkpoint_timeout_s.
+  checkpoint::CheckpointOptions writer;
   std::string resume = "auto";   // auto | none | a checkpoint directory
   std::vector<std::string> export_what = {"generator_ema"};  // exported at the end of the run
   at::ScalarType export_dtype = at::kFloat;  // fp32 | bf16 | fp16
-};
-
-// run.recipe dmd: distribution-matching distillation (recipes/dmd_recipe.h).
-struct RecipeOptions {
-  static constexpr int64_t kMaxCriticSteps = 1000;
-  int64_t critic_steps = 1;  // critic updates per generator update, at most kMaxCriticSteps
-  double min_t = 0.02;       // the generator's samples are noised at t in [min_t, max_t] x T
-  double max_t = 0.98;
-  double regression_weight = 0.25;  // weight of DMD's regression loss to the teacher's samples (0: off)
-  int64_t regression_pairs = 1024;  // noise -> teacher sample pairs it regresses on
-  int64_t pair_steps = 50;          // DDIM steps the teacher takes for each pair
-  double guidance = 1.0;            // class-conditional models: the teacher's CFG scale (real score, pairs)
 };
 
 // Where a model's state lives in checkpoints (the keys of its components, sharding/
@@ -124,6 +126,11 @@ struct ModelEntry {
   optim::LrScheduleOptions schedule;  // optim.lr, optim.schedule.* (totalSteps: run.steps)
   EmaConfig ema;                         // ema.*
   ModelStateNames names;                 // set when the config is finished
+  // Set with the names: how the log names it ("model" | "model <name>"), and what the seed
+  // of its initial values is salted with ("" for the single-model form, which starts
+  // from run.seed as runs always had; its name for a models: entry, so that two models of
+  // one architecture do not start equal).
+  std::string displayName, seedSalt;
   // Whether it keeps an EMA: ema.enabled, and trainable (a frozen model's weights are what
   // they are, whatever its inherited ema.enabled says).
   bool hasEma() const { return trainable && ema.enabled; }
@@ -140,7 +147,9 @@ struct TrainConfig {
   EvalSection eval;
   datasets::DataOptions data;
   CheckpointSection checkpoint;
-  RecipeOptions recipe;
+  // Each recipe's own keys, bound by its RecipeSpec::bindKeys into a struct of the
+  // recipe's, kept here by recipe name (recipeOptions<T>()).
+  std::map<std::string, std::shared_ptr<void>> recipeKeys;
   // The top-level model, sharding, optim and ema sections: the one model of the
   // single-model form, or the defaults every models: entry inherits.
   ModelEntry defaults;
@@ -154,7 +163,23 @@ struct TrainConfig {
   config::KeyOrigins origins;
 };
 
-// Registers every key of `config` with `schema` (the variables are bound by pointer).
+// The struct recipe `recipe` binds its keys into, made on first use (by its bindKeys).
+template <typename T>
+T& recipeOptions(TrainConfig& config, const std::string& recipe) {
+  std::shared_ptr<void>& slot = config.recipeKeys[recipe];
+  if (!slot) slot = std::make_shared<T>();
+  return *std::static_pointer_cast<T>(slot);
+}
+// The same, read-only; its defaults when the recipe bound no keys into this config.
+template <typename T>
+const T& recipeOptions(const TrainConfig& config, const std::string& recipe) {
+  static const T defaults;
+  const auto it = config.recipeKeys.find(recipe);
+  return it == config.recipeKeys.end() || !it->second ? defaults : *std::static_pointer_cast<const T>(it->second);
+}
+
+// Registers every key of `config` with `schema` (the variables are bound by pointer),
+// each added recipe's own keys too (RecipeSpec::bindKeys).
 void bindTrainConfig(config::ConfigSchema& schema, TrainConfig& config);
 
 // What follows loading the file and the overrides: the required keys, the models:

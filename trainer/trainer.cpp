@@ -34,6 +34,7 @@
 #include "trainer/recipe_spec.h"
 #include "trainer/profiler.h"
 #include "trainer/run_setup.h"
+#include "trainer/stragglers.h"
 #include "trainer/throughput.h"
 
 namespace tessera::trainer {
@@ -72,7 +73,7 @@ extern "C" void onStopSignal(int signal) {
 // returns the files written (rank 0; empty elsewhere).
 std::vector<std::string> writeExports(RunParts& run, int64_t done, const std::vector<std::string>& names) {
   const checkpoint::StateMap states = run.states();
-  const distributed::TimeoutScope timeout(secondsToMs(run.cfg.diagnostics.checkpoint_timeout_s));
+  const distributed::TimeoutScope timeout(run.cfg.diagnostics.checkpoint_timeout);
   sharding::ShardingStrategy& writer = *run.models.front().strategy;  // every model's state group (run_setup.h)
   const int rank = run.comm->rank();
   std::vector<std::string> written;
@@ -206,7 +207,7 @@ class TrainLoop {
     if (out.checkpointFailed && run_.checkpointer) {
       // Every rank learnt it on this step's all-reduce: all stop now, each throwing the
       // failing rank's reason, the previous checkpoint still the latest.
-      const distributed::TimeoutScope timeout(secondsToMs(cfg_.diagnostics.checkpoint_timeout_s));
+      const distributed::TimeoutScope timeout(cfg_.diagnostics.checkpoint_timeout);
       run_.checkpointer->finish();
     }
     if (out.result.skipped) {
@@ -244,7 +245,7 @@ class TrainLoop {
     request.entries = ema::posthocSnapshotEntries(ema);
     // Which run wrote it: its seed (and the model, which the EMA records itself).
     request.trainerState = ema::posthocSnapshotState(ema, strCat("{\"seed\": ", cfg_.run.seed, "}"));
-    const distributed::TimeoutScope timeout(secondsToMs(cfg_.diagnostics.checkpoint_timeout_s));
+    const distributed::TimeoutScope timeout(cfg_.diagnostics.checkpoint_timeout);
     run_.posthocWriter->save(request);
   }
 
@@ -272,7 +273,7 @@ class TrainLoop {
                              std::max(1e-9, nowSec() - runStart_);
     if (schedule_.finalSaveDue(done, stopped)) saveCheckpoint(done);
     if (run_.checkpointer) {
-      const distributed::TimeoutScope timeout(secondsToMs(cfg_.diagnostics.checkpoint_timeout_s));
+      const distributed::TimeoutScope timeout(cfg_.diagnostics.checkpoint_timeout);
       run_.checkpointer->finish();
     }
     if (!stopped) exportWeights(done);
@@ -310,21 +311,29 @@ class TrainLoop {
     distributed::Communicator& comm = *run_.comm;
     const double elapsed = nowSec() - windowStart_;
     const distributed::CommStats sent = comm.stats();  // the window's steps (and saves), not what follows
-    // The run's peak: each window's (VmHWM restarts with each memory window) and those before.
+    const double steps = static_cast<double>(windowSteps_);
+    const double stepMs = elapsed * 1000.0 / steps, waitMs = static_cast<double>(sent.waitNs) / 1e6 / steps;
+    // One gather per window: each rank's peak RSS (the run's: each window's, as VmHWM
+    // restarts with each memory window, and those before) and its pace, for the straggler.
     runPeakRssMiB_ = std::max(runPeakRssMiB_, peakRssMiB());
-    at::Tensor rss = at::full({1}, runPeakRssMiB_, at::kDouble);
-    run_.hostComm->allReduce(rss, distributed::ReduceOp::kMax);
+    const int world = run_.hostComm->worldSize();
+    const at::Tensor mine = at::tensor({runPeakRssMiB_, stepMs - waitMs, waitMs}, at::kDouble);
+    const at::Tensor all = at::empty({world, 3}, at::kDouble);
+    run_.hostComm->allGatherInto(all.view({-1}), mine);
+    std::vector<RankPace> paces;
+    for (int r = 0; r < world; ++r) paces.push_back({all[r][1].item<double>(), all[r][2].item<double>()});
     StepMetrics m;
     m.step = done;
     m.loss = windowLoss_ / static_cast<double>(windowSteps_);
     m.lr = out.lr;
     m.gradNorm = out.result.gradNorm;
     m.samplesPerSec = static_cast<double>(cfg_.data.global_batch * windowSteps_) / elapsed;
-    m.stepTimeMs = elapsed * 1000.0 / static_cast<double>(windowSteps_);
-    m.peakRssMiB = rss.item<double>();
+    m.stepTimeMs = stepMs;
+    m.peakRssMiB = all.select(1, 0).max().item<double>();
     m.commMiB = static_cast<double>(sent.totalBytes()) / (1024.0 * 1024.0);
-    m.collectivesPerStep = static_cast<double>(sent.totalCalls()) / static_cast<double>(windowSteps_);
-    m.extra["comm_wait_ms"] = static_cast<double>(sent.waitNs) / 1e6 / static_cast<double>(windowSteps_);
+    m.collectivesPerStep = static_cast<double>(sent.totalCalls()) / steps;
+    m.extra["comm_wait_ms"] = waitMs;
+    nameStraggler(paces, stepMs, m);
     for (const auto& [key, sum] : windowExtra_) m.extra[key] = sum / static_cast<double>(windowSteps_);
     if (run_.device.is_cpu()) {
       const MemoryBreakdown memory = measureMemory(run_, runtimeBytes_);
@@ -366,6 +375,18 @@ class TrainLoop {
     comm.resetStats();
   }
 
+  // The window's slowest rank, in the metrics; named in rank 0's log when it is slower than
+  // diagnostics.straggler_ratio times the others over a span of a few seconds of steps
+  // (StragglerWatch).
+  void nameStraggler(const std::vector<RankPace>& paces, double stepMs, StepMetrics& m) {
+    const StragglerReport window = findStraggler(paces, cfg_.diagnostics.straggler_ratio, stepMs);
+    if (window.slowestRank < 0) return;
+    m.extra["slowest_rank"] = window.slowestRank;
+    m.extra["slowest_rank_lag_ms"] = window.lagMs;
+    StragglerReport span;
+    if (stragglers_.add(paces, windowSteps_, stepMs, span)) TLOG_WARN0(describeStraggler(span));
+  }
+
   // The breakdown of the window with the highest peak RSS so far, for the run's last line.
   void keepIfPeak(const MemoryBreakdown& memory, std::string when) {
     if (memory.peakRss < peakMemory_.peakRss) return;
@@ -383,7 +404,7 @@ class TrainLoop {
     checkpoint::SaveOptions options;
     options.strategy = run_.strategies();
     options.trainerState = countersToJson(run_.counters);
-    const distributed::TimeoutScope timeout(secondsToMs(cfg_.diagnostics.checkpoint_timeout_s));
+    const distributed::TimeoutScope timeout(cfg_.diagnostics.checkpoint_timeout);
     if (run_.checkpointer) run_.checkpointer->save(done, run_.states(), options);  // logs the training stall it caused
   }
 
@@ -409,6 +430,7 @@ class TrainLoop {
   double windowLoss_ = 0, windowStart_ = 0, runStart_ = 0;
   std::map<std::string, double> windowExtra_;  // the recipe's further figures, summed over the window
   int64_t windowSteps_ = 0, skippedInRun_ = 0;
+  StragglerWatch stragglers_{cfg_.diagnostics.straggler_ratio};
   bool firstWindow_ = true;
 };
 

@@ -101,6 +101,43 @@ TEST(FlightE2ETest, StoppedRankEndsTheRunWithinTheCollectiveTimeout) {
   fs::remove_all(fs::path(kept[1].str()).parent_path(), ec);
 }
 
+// A rank slow but not stuck (stopped and continued in a loop, 60% of the time) is named in
+// rank 0's log while the run goes on, within a minute, and metrics.jsonl records it as
+// the slowest rank.
+TEST(FlightE2ETest, ASlowRankIsNamedWhileTheRunGoesOn) {
+  const std::string dir = tessera::test::scratchPath("tessera_flight", "straggler");
+  const std::string d = shellQuote(dir);
+  const std::string script =
+      "set -u; " + kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train --config " +
+      TESSERA_SOURCE_DIR + "/configs/default.yaml --set run.dir=" + d +
+      " --set run.steps=1000000 --set checkpoint.every_steps=0 --set checkpoint.at_end=false --set run.log_every=5"
+      " & L=$!; for i in $(seq 300); do [ -s " + d +
+      "/metrics.jsonl ] && break; sleep 0.1; done; R=; for p in $(pgrep -P $L); do tr '\\0' '\\n' < /proc/$p/environ "
+      "| grep -qx RANK=1 && R=$p; done; start=$(date +%s); for i in $(seq 240); do kill -STOP $R; sleep 0.15; "
+      "kill -CONT $R; sleep 0.1; grep -q 'rank 1 is slow' " + d + "/logs/rank_0.log 2>/dev/null && break; done; "
+      "echo \"named after $(( $(date +%s) - start )) s\"; before=$(wc -l < " + d + "/metrics.jsonl); sleep 2; "
+      "after=$(wc -l < " + d + "/metrics.jsonl); [ $after -gt $before ] && echo 'the run goes on'; "
+      "kill -TERM $L; wait $L; echo \"launcher exit $?\"";
+  const auto r = tessera::test::runCommand(script, 180);
+  std::smatch named;
+  ASSERT_TRUE(std::regex_search(r.output, named, std::regex("named after ([0-9]+) s"))) << r.output;
+  EXPECT_LE(std::stoi(named[1].str()), 60) << r.output;
+  std::ifstream log0(dir + "/logs/rank_0.log");
+  const std::string rank0((std::istreambuf_iterator<char>(log0)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(std::regex_search(rank0, std::regex("\\[rank 0\\][^\n]*rank 1 is slow: [0-9.]+ ms per step behind the "
+                                                  "others \\(busy [0-9.]+ ms per step")))
+      << rank0 << r.output;
+  EXPECT_NE(r.output.find("the run goes on"), std::string::npos) << r.output;
+  bool recorded = false;
+  std::ifstream metrics(dir + "/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const auto j = nlohmann::json::parse(line);
+    ASSERT_TRUE(j.contains("slowest_rank")) << line;
+    recorded = recorded || (j["slowest_rank"] == 1 && j["slowest_rank_lag_ms"].get<double>() > 10);
+  }
+  EXPECT_TRUE(recorded) << "no window names rank 1 as the slowest";
+}
+
 TEST(FlightE2ETest, ZeroEntriesTurnsTheRecorderOff) {
   const std::string dir = tessera::test::scratchPath("tessera_flight", "off");
   const auto r = tessera::test::runCommand(runThenTerm(dir, "--set diagnostics.flight_entries=0", false), 300);

@@ -123,6 +123,14 @@ TEST(LegacyCheckpointTest, OfflineToolsReadIt) {
     r = runCommand(kBin + "/tessera-ckpt info " + dir);
     EXPECT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("generator_ema"), std::string::npos) << r.output;
+    // Their component table, read from the trainer's layout: whose each optimizer state is.
+    if (name == "distill") {
+      EXPECT_NE(r.output.find("optimizer    optim/critic  "), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("; of critic"), std::string::npos) << r.output;
+    } else {
+      EXPECT_NE(r.output.find("optimizer    optim  "), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("ema          generator_ema  "), std::string::npos) << r.output;
+    }
     const std::string out = tessera::test::scratchPath("tessera_legacy", name + "_ema.safetensors");
     r = runCommand(kBin + "/tessera-export " + dir + " --what generator_ema --out " + out);
     EXPECT_EQ(r.status, 0) << r.output;

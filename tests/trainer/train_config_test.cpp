@@ -9,6 +9,7 @@
 #include <string>
 
 #include "common/errors.h"
+#include "recipes/dmd_options.h"
 #include "tests/support/scratch_path.h"
 #include "trainer/recipe_spec.h"
 #include "trainer/run_setup.h"
@@ -109,7 +110,11 @@ TEST(TrainConfigTest, SingleModelFormIsOneEntryWithItsNames) {
 }
 
 TEST(TrainConfigTest, RecipesOwnTheirSpecs) {
-  EXPECT_EQ(recipeSpec("dmd").maxUpdatesPerRunStep("critic"), RecipeOptions::kMaxCriticSteps);
+  EXPECT_EQ(recipeSpec("dmd").maxUpdatesPerRunStep("critic"), recipes::DmdOptions::kMaxCriticSteps);
+  // dmd binds its own keys into its own struct, which the config keeps for it.
+  const TrainConfig distill = loadTrainConfig(kConfigs + "/distill.yaml", {"recipe.critic_steps=3"}, 2).config;
+  EXPECT_EQ(recipeOptions<recipes::DmdOptions>(distill, recipes::kDmdRecipe).critic_steps, 3);
+  EXPECT_EQ(recipeOptions<recipes::DmdOptions>(distill, recipes::kDmdRecipe).min_t, recipes::DmdOptions().min_t);
   EXPECT_EQ(recipeSpec("dmd").maxUpdatesPerRunStep("generator"), 1);
   EXPECT_EQ(recipeSpec("standard").maxUpdatesPerRunStep("model"), 1);
   EXPECT_THROW(recipeSpec("gan"), ConfigError);

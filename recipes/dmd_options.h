@@ -1,0 +1,23 @@
+// run.recipe dmd's own keys (recipe.*): bound by the dmd recipe's spec (dmd_recipe_spec.cpp)
+// into this struct, which the run's config keeps for it (trainer::recipeOptions).
+#pragma once
+
+#include <cstdint>
+
+namespace tessera::recipes {
+
+struct DmdOptions {
+  static constexpr int64_t kMaxCriticSteps = 1000;
+  int64_t critic_steps = 1;  // critic updates per generator update, at most kMaxCriticSteps
+  double min_t = 0.02;       // the generator's samples are noised at t in [min_t, max_t] x T
+  double max_t = 0.98;
+  double regression_weight = 0.25;  // weight of DMD's regression loss to the teacher's samples (0: off)
+  int64_t regression_pairs = 1024;  // noise -> teacher sample pairs it regresses on
+  int64_t pair_steps = 50;          // DDIM steps the teacher takes for each pair
+  double guidance = 1.0;            // class-conditional models: the teacher's CFG scale (real score, pairs)
+};
+
+// The recipe's name, under which the config keeps its DmdOptions.
+inline constexpr char kDmdRecipe[] = "dmd";
+
+}  // namespace tessera::recipes
