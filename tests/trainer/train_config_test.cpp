@@ -84,6 +84,42 @@ TEST(TrainConfigTest, KeysLandInTheLibrarysOptionStructs) {
   EXPECT_NE(loaded.resolvedYaml.find("lr_scale: {head.*: 2.5}"), std::string::npos) << loaded.resolvedYaml;
 }
 
+// checkpoint.* and diagnostics.* bind into the checkpointer's and the runtime's options,
+// with the trainer's defaults where they differ; a timeout is written in seconds and held
+// as milliseconds, and prints back as written.
+TEST(TrainConfigTest, CheckpointAndDiagnosticsKeysLandInTheLibrariesOptions) {
+  const TrainConfig defaults = loadTrainConfig(kConfigs + "/default.yaml", {}, 2).config;
+  EXPECT_EQ(defaults.checkpoint.writer.keepLast, 3);
+  EXPECT_TRUE(defaults.checkpoint.writer.async);
+  EXPECT_EQ(defaults.diagnostics.runtime.commTimeout, std::chrono::seconds(100));
+  EXPECT_EQ(defaults.diagnostics.runtime.rendezvousTimeout, std::chrono::seconds(300));
+  EXPECT_EQ(defaults.diagnostics.checkpoint_timeout, std::chrono::seconds(600));
+  EXPECT_EQ(defaults.diagnostics.straggler_ratio, 1.3);
+  const auto loaded = loadTrainConfig(kConfigs + "/default.yaml",
+                                      {"checkpoint.keep_last=7", "checkpoint.async=false",
+                                       "diagnostics.collective_timeout_s=2.5", "diagnostics.startup_timeout_s=30",
+                                       "diagnostics.check_collectives=true", "diagnostics.checkpoint_timeout_s=1.25"},
+                                      2);
+  const TrainConfig& c = loaded.config;
+  EXPECT_EQ(c.checkpoint.writer.keepLast, 7);
+  EXPECT_FALSE(c.checkpoint.writer.async);
+  EXPECT_EQ(c.diagnostics.runtime.commTimeout, std::chrono::milliseconds(2500));
+  EXPECT_EQ(c.diagnostics.runtime.rendezvousTimeout, std::chrono::seconds(30));
+  EXPECT_TRUE(c.diagnostics.runtime.checkCollectives);
+  EXPECT_EQ(c.diagnostics.checkpoint_timeout, std::chrono::milliseconds(1250));
+  EXPECT_NE(loaded.resolvedYaml.find("collective_timeout_s: 2.5"), std::string::npos) << loaded.resolvedYaml;
+  EXPECT_NE(loaded.resolvedYaml.find("checkpoint_timeout_s: 1.25"), std::string::npos) << loaded.resolvedYaml;
+  // A timeout keeps its bounds (in seconds), and a straggler ratio below 1 would name even ranks.
+  EXPECT_THROW(loadTrainConfig(kConfigs + "/default.yaml", {"diagnostics.collective_timeout_s=0.5"}, 2), ConfigError);
+  try {
+    loadTrainConfig(kConfigs + "/default.yaml", {"diagnostics.straggler_ratio=0.5"}, 2);
+    ADD_FAILURE() << "a straggler ratio of 0.5 was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("diagnostics.straggler_ratio"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(loadTrainConfig(kConfigs + "/default.yaml", {"diagnostics.straggler_ratio=0"}, 2));
+}
+
 // The single-model form is one entry, named for the state it always had; the MLP's EMA
 // is named after its model, a diffusion model's keeps generator_ema.
 TEST(TrainConfigTest, SingleModelFormIsOneEntryWithItsNames) {
