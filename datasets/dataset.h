@@ -11,7 +11,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "common/errors.h"
 
 namespace tessera::datasets {
 
@@ -62,8 +65,25 @@ struct TokenWindows {
   bool everyPosition = false;
 };
 
+// A data file other than data.path that is missing or unusable, with the key that named
+// it ("data.labels", "data.eval_path", "data.eval_labels"), so that the trainer reports
+// it at that key's line. `configError`: the config's fault (the file is not there, or
+// does not fit the other keys), not the file's (damaged, unreadable).
+class DataFileError : public Error {
+ public:
+  DataFileError(std::string key, const std::string& message, bool configError)
+      : Error(message), key_(std::move(key)), configError_(configError) {}
+  const std::string& key() const { return key_; }
+  bool configError() const { return configError_; }
+
+ private:
+  std::string key_;
+  bool configError_;
+};
+
 // The dataset data.kind names (text, tokens, tensors, idx, image_folder), read from
-// data.path; token data is cut into `windows`.
+// data.path (and, for images, data.labels, data.eval_path and data.eval_labels: their
+// errors are DataFileErrors naming the key); token data is cut into `windows`.
 std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const TokenWindows& windows);
 
 // The seed of sample `index`'s randomness at optimizer step `step` (step -1: evaluation),

@@ -118,13 +118,42 @@ class ImageSource {
   virtual std::string describe() const = 0;
 };
 
+// `read(path)` of the file the data key `key` names, its errors as DataFileErrors naming
+// the key (a missing file and a ConfigError as the config's fault).
+template <typename Read>
+auto readDataFile(const char* key, const std::string& path, Read read) {
+  std::error_code missing;
+  if (!fs::exists(path, missing)) throw DataFileError(key, strCat("no file at '", path, "'"), true);
+  try {
+    return read(path);
+  } catch (const DataFileError&) {
+    throw;
+  } catch (const ConfigError& e) {
+    throw DataFileError(key, e.what(), true);
+  } catch (const std::exception& e) {
+    throw DataFileError(key, e.what(), false);
+  }
+}
+
+// The keys an IDX split's two files come from: data.path and data.labels, or
+// data.eval_path and data.eval_labels.
+struct IdxKeys {
+  const char* images;
+  const char* labels;
+};
+
 // IDX images and labels, in memory.
 class IdxSource : public ImageSource {
  public:
-  IdxSource(const std::string& imagesPath, const std::string& labelsPath, int64_t imageSize)
-      : images_(readIdxImages(imagesPath)), labels_(readIdxLabels(labelsPath)), path_(imagesPath) {
-    TESSERA_CHECK(labels_.size(0) == images_.size(0), "IDX labels file '", labelsPath, "' holds ", labels_.size(0),
-                  " labels for the ", images_.size(0), " images of '", imagesPath, "'");
+  IdxSource(const std::string& imagesPath, const std::string& labelsPath, int64_t imageSize, IdxKeys keys)
+      : images_(readDataFile(keys.images, imagesPath, readIdxImages)),
+        labels_(readDataFile(keys.labels, labelsPath, readIdxLabels)),
+        path_(imagesPath) {
+    if (labels_.size(0) != images_.size(0)) {
+      throw DataFileError(keys.labels, strCat("IDX labels file '", labelsPath, "' holds ", labels_.size(0),
+                                              " labels for the ", images_.size(0), " images of '", imagesPath, "'"),
+                          false);
+    }
     if (imageSize > 0 && (images_.size(2) != imageSize || images_.size(3) != imageSize)) {
       std::vector<at::Tensor> resized;
       for (int64_t i = 0; i < images_.size(0); ++i) resized.push_back(imaging::resizeImage(images_[i], imageSize, imageSize));
@@ -323,18 +352,30 @@ int64_t classesOfLabels(const at::Tensor& labels, const std::string& path) {
 
 std::unique_ptr<Dataset> makeIdxDataset(const DataOptions& data) {
   TESSERA_CHECK_AS(ConfigError, !data.labels.empty(), "data.labels: data.kind idx needs the labels file of data.path");
-  auto train = std::make_unique<IdxSource>(data.path, data.labels, data.image_size);
-  int64_t classes = classesOfLabels(train->allLabels(), data.labels);
+  auto train = std::make_unique<IdxSource>(data.path, data.labels, data.image_size, IdxKeys{"data.path", "data.labels"});
+  const int64_t classes = readDataFile("data.labels", data.labels,
+                                       [&](const std::string& path) { return classesOfLabels(train->allLabels(), path); });
   std::unique_ptr<IdxSource> eval;
   if (!data.eval_path.empty()) {
     TESSERA_CHECK_AS(ConfigError, !data.eval_labels.empty(), "data.eval_labels: data.eval_path needs its labels file");
-    eval = std::make_unique<IdxSource>(data.eval_path, data.eval_labels, data.image_size);
-    const int64_t evalClasses = classesOfLabels(eval->allLabels(), data.eval_labels);
-    TESSERA_CHECK(evalClasses <= classes, "IDX labels file '", data.eval_labels, "' holds label ", evalClasses - 1,
-                  ", a class the train labels '", data.labels, "' never name (", classes, " classes)");
+    eval = std::make_unique<IdxSource>(data.eval_path, data.eval_labels, data.image_size,
+                                       IdxKeys{"data.eval_path", "data.eval_labels"});
+    const int64_t evalClasses = readDataFile("data.eval_labels", data.eval_labels, [&](const std::string& path) {
+      return classesOfLabels(eval->allLabels(), path);
+    });
+    if (evalClasses > classes) {
+      throw DataFileError("data.eval_labels",
+                          strCat("IDX labels file '", data.eval_labels, "' holds label ", evalClasses - 1,
+                                 ", a class the train labels '", data.labels, "' never name (", classes, " classes)"),
+                          false);
+    }
     const at::Tensor a = train->pixels(0), b = eval->pixels(0);
-    TESSERA_CHECK(a.sizes() == b.sizes(), "IDX images file '", data.eval_path, "' holds ", b.sizes(), " images; '",
-                  data.path, "' holds ", a.sizes());
+    if (a.sizes() != b.sizes()) {
+      throw DataFileError("data.eval_path",
+                          strCat("IDX images file '", data.eval_path, "' holds ", b.sizes(), " images; '", data.path,
+                                 "' holds ", a.sizes()),
+                          false);
+    }
   }
   return std::make_unique<ImageDataset>(std::move(train), std::move(eval), data.eval_fraction, classes);
 }
@@ -347,10 +388,13 @@ std::unique_ptr<Dataset> makeFolderDataset(const DataOptions& data) {
   const std::vector<std::string> classes = train->classNames();
   std::unique_ptr<FolderSource> eval;
   if (!data.eval_path.empty()) {
-    eval = std::make_unique<FolderSource>(data.eval_path, classes, data.image_size, train->channels());
-    TESSERA_CHECK(eval->imageSize() == train->imageSize(), "image folder '", data.eval_path, "' holds ",
-                  eval->imageSize(), "x", eval->imageSize(), " images, '", data.path, "' ", train->imageSize(), "x",
-                  train->imageSize(), ": set data.image_size to resize both");
+    eval = readDataFile("data.eval_path", data.eval_path, [&](const std::string& path) {
+      auto source = std::make_unique<FolderSource>(path, classes, data.image_size, train->channels());
+      TESSERA_CHECK(source->imageSize() == train->imageSize(), "image folder '", path, "' holds ", source->imageSize(),
+                    "x", source->imageSize(), " images, '", data.path, "' ", train->imageSize(), "x",
+                    train->imageSize(), ": set data.image_size to resize both");
+      return source;
+    });
   }
   return std::make_unique<ImageDataset>(std::move(train), std::move(eval), data.eval_fraction,
                                         static_cast<int64_t>(classes.size()));

@@ -17,6 +17,7 @@
 #include "common/file_open.h"
 #include "common/limits.h"
 #include "common/logging.h"
+#include "datasets/dataset.h"
 #include "diagnostics/flight_recorder.h"
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
@@ -397,6 +398,14 @@ void initializeFromFiles(RunParts& run) {
   }
 }
 
+// The file data key `key` names.
+const std::string& dataPath(const TrainConfig& cfg, const std::string& key) {
+  if (key == "data.labels") return cfg.data.labels;
+  if (key == "data.eval_path") return cfg.data.eval_path;
+  if (key == "data.eval_labels") return cfg.data.eval_labels;
+  return cfg.data.path;
+}
+
 // The data of the run: data.path opened as data.kind (errors name the key and, for a
 // relative path, the directory it was resolved against), the sampler that splits each
 // step's global batch over the ranks, and the micro-batches per rank and step.
@@ -410,6 +419,10 @@ void setUpData(RunParts& run) {
   }
   try {
     run.data = datasets::makeDataset(cfg.data, models::tokenWindows(cfg.defaults.model));
+  } catch (const datasets::DataFileError& e) {  // data.labels, data.eval_path, ...: at that key's line
+    const std::string message = cfg.origins.errorMessage(e.key(), strCat(e.what(), relativePathNote(dataPath(cfg, e.key()))));
+    if (e.configError()) throw ConfigError(message);
+    throw Error(message);
   } catch (const ConfigError& e) {
     throw ConfigError(cfg.origins.errorMessage("data.path", strCat(e.what(), relativePathNote(cfg.data.path))));
   } catch (const std::exception& e) {  // a file that is there but not usable: not the config's fault

@@ -728,4 +728,35 @@ TEST(HostileInputRound3Test, AStopBeforeTheFirstEvaluationSaysSoRatherThanNan) {
   EXPECT_NE(r.output.find("stopped early after step"), std::string::npos) << r.output;
 }
 
+// Issue 50, class 9: a missing or bad data.labels, data.eval_path or data.eval_labels is
+// reported at its own key's line or --set, not at data.path's; missing is a config error
+// (exit 2), a damaged file is not (exit 1).
+TEST(HostileInputRound3Test, DataFileErrorsNameTheirOwnKey) {
+  const std::string dit = std::string(TESSERA_SOURCE_DIR) + "/configs/fashion_dit.yaml";
+  const std::string run = tessera::test::scratchPath("tessera_hostile", "data_keys");
+  const std::string base = kTrain + " --config " + dit + " --set log.per_rank_files=false --set run.dir=" + run;
+  const std::string junk = tessera::test::scratchPath("tessera_hostile", "junk_labels.gz");
+  { std::ofstream(junk) << "junk"; }
+  for (const char* key : {"data.labels", "data.eval_path", "data.eval_labels"}) {
+    const std::string out = expectRefused(base + " --set " + key + "=/nonexistent/file.gz",
+                                          {std::string(key) + "=/nonexistent/file.gz", "no file at '/nonexistent/file.gz'"}, 2);
+    EXPECT_EQ(out.find("data.path"), std::string::npos) << out;
+  }
+  const std::string out = expectRefused(base + " --set data.eval_labels=" + junk,
+                                        {"data.eval_labels=" + junk, "IDX labels file '" + junk + "'"}, 1);
+  EXPECT_EQ(out.find("data.path"), std::string::npos) << out;
+  // In the file: the line of the key that named the file.
+  const std::string config = tessera::test::scratchPath("tessera_hostile", "data_keys.yaml");
+  {
+    std::ifstream in(dit);
+    std::ofstream outFile(config);
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("eval_labels:") != std::string::npos) line = "  eval_labels: " + junk;
+      outFile << line << "\n";
+    }
+  }
+  expectRefused(kTrain + " --config " + config + " --set log.per_rank_files=false --set run.dir=" + run + "_file",
+                {config + ":33:", "data.eval_labels"}, 1);
+}
+
 }  // namespace

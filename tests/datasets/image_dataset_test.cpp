@@ -333,6 +333,33 @@ TEST_F(IdxDatasetTest, MissingLabelsFilesAreConfigErrors) {
   EXPECT_THROW(makeIdxDataset(d), ConfigError);  // eval_path without eval_labels
 }
 
+// The files beside data.path name their own key: missing is the config's fault, damaged
+// is the file's.
+TEST_F(IdxDatasetTest, ErrorsOfTheOtherFilesNameTheirKey) {
+  auto keyOf = [](const DataOptions& d, bool configError) {
+    try {
+      makeIdxDataset(d);
+    } catch (const DataFileError& e) {
+      EXPECT_EQ(e.configError(), configError) << e.what();
+      return e.key();
+    }
+    return std::string("no DataFileError");
+  };
+  DataOptions d = options(0.0);
+  d.labels = dir_ + "/none.gz";
+  EXPECT_EQ(keyOf(d, true), "data.labels");
+  d = options(0.0);
+  d.labels = imagesPath_;  // an images file where the labels belong
+  EXPECT_EQ(keyOf(d, false), "data.labels");
+  d = options(0.0);
+  d.eval_path = dir_ + "/none-images";
+  d.eval_labels = d.labels;
+  EXPECT_EQ(keyOf(d, true), "data.eval_path");
+  d.eval_path = imagesPath_;
+  d.eval_labels = imagesPath_;
+  EXPECT_EQ(keyOf(d, false), "data.eval_labels");
+}
+
 TEST_F(IdxDatasetTest, MalformedFilesAreErrorsNamingTheFile) {
   const std::string images = idxImages(images_);
   std::string gz;
