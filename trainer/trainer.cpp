@@ -317,14 +317,16 @@ class TrainLoop {
     // restarts with each memory window, and those before) and its pace, for the straggler.
     runPeakRssMiB_ = std::max(runPeakRssMiB_, peakRssMiB());
     const int world = run_.hostComm->worldSize();
-    const at::Tensor mine = at::tensor({runPeakRssMiB_, stepMs - waitMs, waitMs}, at::kDouble);
+    // Busy at least 0: waitNs adds up every thread's waits, which may overlap (a prefetch
+    // thread waiting while the step computes).
+    const at::Tensor mine = at::tensor({runPeakRssMiB_, std::max(0.0, stepMs - waitMs), waitMs}, at::kDouble);
     const at::Tensor all = at::empty({world, 3}, at::kDouble);
     run_.hostComm->allGatherInto(all.view({-1}), mine);
     std::vector<RankPace> paces;
     for (int r = 0; r < world; ++r) paces.push_back({all[r][1].item<double>(), all[r][2].item<double>()});
     StepMetrics m;
     m.step = done;
-    m.loss = windowLoss_ / static_cast<double>(windowSteps_);
+    m.loss = windowLoss_ / steps;
     m.lr = out.lr;
     m.gradNorm = out.result.gradNorm;
     m.samplesPerSec = static_cast<double>(cfg_.data.global_batch * windowSteps_) / elapsed;
@@ -334,7 +336,7 @@ class TrainLoop {
     m.collectivesPerStep = static_cast<double>(sent.totalCalls()) / steps;
     m.extra["comm_wait_ms"] = waitMs;
     nameStraggler(paces, stepMs, m);
-    for (const auto& [key, sum] : windowExtra_) m.extra[key] = sum / static_cast<double>(windowSteps_);
+    for (const auto& [key, sum] : windowExtra_) m.extra[key] = sum / steps;
     if (run_.device.is_cpu()) {
       const MemoryBreakdown memory = measureMemory(run_, runtimeBytes_);
       for (const auto& [key, value] : memory.metrics()) m.extra[key] = value;
