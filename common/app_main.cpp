@@ -16,9 +16,9 @@
 
 namespace tessera {
 
-void writeErrorFile(const std::string& message) {
+bool writeErrorFile(const std::string& message) {
   const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
-  if (!path || !*path) return;
+  if (!path || !*path) return false;
   try {
     const auto now = std::chrono::system_clock::now().time_since_epoch();
     nlohmann::json j = {
@@ -27,8 +27,9 @@ void writeErrorFile(const std::string& message) {
           {"extraInfo",
            {{"py_callstack", ""}, {"timestamp", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count())}}}}}};
     replaceFile(path, j.dump() + "\n");
+    return true;
   } catch (...) {
-    // Reporting must never turn one failure into another.
+    return false;  // reporting must never turn one failure into another
   }
 }
 
@@ -69,10 +70,13 @@ void addFailureHook(std::function<void(const std::string& message)> hook) {
 int runMain(const std::string& programName, const std::function<int()>& body) {
   auto report = [&](const char* kind, const std::string& what, int status) {
     const std::string message = strCat(programName, ": ", kind, what);
-    std::cerr << message << std::endl;
+    // Under tessera-run the launcher prints the error file, identical messages of several
+    // ranks once; the console gets the message here only when no launcher will.
     if (log::rank() >= 0) TLOG_DEBUG(message);
     runFailureHooks(message);
-    writeErrorFile(message);
+    const char* launcherReports = std::getenv(kLauncherReportsErrorsEnv);
+    const bool written = writeErrorFile(message);
+    if (!written || launcherReports == nullptr || std::string(launcherReports) != "1") std::cerr << message << std::endl;
     log::flush();
     return status;
   };

@@ -3,7 +3,8 @@
 //   also exit kResumableStopStatus (75) below.
 // On failure the message is logged and, when torchrun (or tessera-run) set
 // TORCHELASTIC_ERROR_FILE, written there in torchelastic's JSON format so the launcher
-// can report the failing rank's own message.
+// can report the failing rank's own message. It goes to stderr too, unless tessera-run
+// (TESSERA_RUN_REPORTS_ERRORS=1) will print it from that file.
 #pragma once
 
 #include <functional>
@@ -16,6 +17,11 @@ namespace tessera {
 // so that tessera-run or torchrun restarts it and the run resumes.
 constexpr int kResumableStopStatus = 75;
 
+// tessera-run sets it to "1" in each rank's environment: the launcher prints the ranks'
+// error files, identical messages once, so a rank whose error file was written does not
+// print its message too.
+constexpr const char* kLauncherReportsErrorsEnv = "TESSERA_RUN_REPORTS_ERRORS";
+
 // Runs `body` and maps exceptions to exit statuses as above.
 int runMain(const std::string& programName, const std::function<int()>& body);
 
@@ -23,8 +29,8 @@ int runMain(const std::string& programName, const std::function<int()>& body);
 // is written (the flight recorder registers its dump here). Hooks must not throw.
 void addFailureHook(std::function<void(const std::string& message)> hook);
 
-// Writes {"message": {"message": ..., "extraInfo": {...}}} to $TORCHELASTIC_ERROR_FILE
-// (no-op when the variable is unset; never throws).
-void writeErrorFile(const std::string& message);
+// Writes {"message": {"message": ..., "extraInfo": {...}}} to $TORCHELASTIC_ERROR_FILE;
+// false when the variable is unset or the file could not be written (never throws).
+bool writeErrorFile(const std::string& message);
 
 }  // namespace tessera

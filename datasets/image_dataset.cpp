@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cctype>
 #include <filesystem>
+#include <new>
 #include <vector>
 
 #include "common/errors.h"
@@ -22,8 +23,30 @@ namespace {
 constexpr int64_t kMaxFileBytes = int64_t{1} << 32;  // an IDX file (compressed or not) above 4 GiB is refused
 constexpr int64_t kMaxClasses = int64_t{1} << 20;
 
-// The bytes of `path`, gunzipped when they are gzip (magic 1f 8b).
-std::string readMaybeGzipped(const std::string& path) {
+uint32_t bigEndian32(const std::string& bytes, size_t at) {
+  uint32_t v = 0;
+  for (size_t i = 0; i < 4; ++i) v = (v << 8) | static_cast<unsigned char>(bytes[at + i]);
+  return v;
+}
+
+// The size an IDX file of `dims` dimensions declares (header + data), read from the first
+// bytes of `bytes`; 0 while they are too few, or when the header is not one (idxDims then
+// says what is wrong with it).
+int64_t declaredIdxBytes(const std::string& bytes, int dims) {
+  const size_t header = 4 + 4 * static_cast<size_t>(dims);
+  if (bytes.size() < header || bigEndian32(bytes, 0) != (0x0800u | static_cast<uint32_t>(dims))) return 0;
+  int64_t count = 1;
+  for (int d = 0; d < dims; ++d) {
+    count *= std::max<int64_t>(1, bigEndian32(bytes, 4 + 4 * static_cast<size_t>(d)));
+    if (count > kMaxFileBytes) return 0;
+  }
+  return static_cast<int64_t>(header) + count;
+}
+
+// The bytes of IDX file `path` (`dims` dimensions), gunzipped when they are gzip (magic
+// 1f 8b). Inflating stops one byte past the size the header declares, so a small file
+// that inflates to gigabytes (a gzip bomb) costs no more memory than the data it claims.
+std::string readMaybeGzipped(const std::string& path, int dims) {
   std::string raw = readRegularFile(path, kMaxFileBytes);
   if (raw.size() < 2 || static_cast<unsigned char>(raw[0]) != 0x1f || static_cast<unsigned char>(raw[1]) != 0x8b) {
     return raw;
@@ -34,29 +57,37 @@ std::string readMaybeGzipped(const std::string& path) {
   z.next_in = reinterpret_cast<Bytef*>(raw.data());
   z.avail_in = static_cast<uInt>(std::min<size_t>(raw.size(), UINT32_MAX));
   int status = Z_OK;
-  while (status == Z_OK) {
-    if (static_cast<int64_t>(out.size()) >= kMaxFileBytes) {
-      inflateEnd(&z);
-      throw Error(strCat("'", path, "': decompresses to more than ", kMaxFileBytes, " bytes"));
+  int64_t declared = 0;
+  constexpr size_t kChunk = size_t{1} << 20;
+  try {
+    while (status == Z_OK) {
+      if (declared == 0) {
+        declared = declaredIdxBytes(out, dims);
+        if (declared > 0) out.reserve(static_cast<size_t>(declared) + kChunk);
+      }
+      const int64_t limit = declared > 0 ? declared : kMaxFileBytes;
+      if (static_cast<int64_t>(out.size()) > limit) {
+        inflateEnd(&z);
+        throw Error(strCat("'", path, "': decompresses to more than the ", limit, " bytes ",
+                           declared > 0 ? "its IDX header declares" : "a data file may hold"));
+      }
+      const size_t before = out.size();
+      out.resize(before + kChunk);
+      z.next_out = reinterpret_cast<Bytef*>(out.data() + before);
+      z.avail_out = static_cast<uInt>(kChunk);
+      status = inflate(&z, Z_NO_FLUSH);
+      out.resize(before + (kChunk - z.avail_out));
+      if (status == Z_BUF_ERROR && z.avail_in == 0) break;  // input ended before the stream did
     }
-    const size_t before = out.size();
-    out.resize(before + (size_t{1} << 20));
-    z.next_out = reinterpret_cast<Bytef*>(out.data() + before);
-    z.avail_out = 1u << 20;
-    status = inflate(&z, Z_NO_FLUSH);
-    out.resize(before + ((size_t{1} << 20) - z.avail_out));
-    if (status == Z_BUF_ERROR && z.avail_in == 0) break;  // input ended before the stream did
+  } catch (const std::bad_alloc&) {
+    inflateEnd(&z);
+    throw Error(strCat("'", path, "': out of memory decompressing it (", out.size(), " bytes so far",
+                       declared > 0 ? strCat(", its header declares ", declared) : std::string(), ")"));
   }
   inflateEnd(&z);
   TESSERA_CHECK(status == Z_STREAM_END, "'", path, "': gzip data is truncated or corrupt",
                 z.msg != nullptr ? strCat(" (", z.msg, ")") : std::string());
   return out;
-}
-
-uint32_t bigEndian32(const std::string& bytes, size_t at) {
-  uint32_t v = 0;
-  for (size_t i = 0; i < 4; ++i) v = (v << 8) | static_cast<unsigned char>(bytes[at + i]);
-  return v;
 }
 
 // The dimensions of an IDX file of unsigned bytes with `dims` dimensions, after checking
@@ -95,13 +126,13 @@ at::Tensor bytesAsTensor(const std::string& bytes, size_t offset, std::vector<in
 }  // namespace
 
 at::Tensor readIdxImages(const std::string& path) {
-  const std::string bytes = readMaybeGzipped(path);
+  const std::string bytes = readMaybeGzipped(path, 3);
   const std::vector<int64_t> d = idxDims(bytes, path, 3, "images");
   return bytesAsTensor(bytes, 16, {d[0], 1, d[1], d[2]});
 }
 
 at::Tensor readIdxLabels(const std::string& path) {
-  const std::string bytes = readMaybeGzipped(path);
+  const std::string bytes = readMaybeGzipped(path, 1);
   const std::vector<int64_t> d = idxDims(bytes, path, 1, "labels");
   return bytesAsTensor(bytes, 8, {d[0]}).to(at::kLong);
 }

@@ -1,5 +1,6 @@
-// The elastic rendezvous's server (a thread in the launcher that binds the endpoint) and
-// client (every launcher), see elastic_rendezvous.h.
+// The elastic rendezvous's sockets: the server (a thread in the launcher that binds the
+// endpoint) and the client (every launcher), see elastic_rendezvous.h. The messages and
+// the rounds are elastic_protocol.cpp's.
 #include "distributed/elastic_rendezvous.h"
 
 #include <arpa/inet.h>
@@ -17,15 +18,15 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <mutex>
 #include <map>
 #include <random>
-#include <set>
+#include <string_view>
+#include <vector>
 
 #include "common/errors.h"
 #include "common/file_open.h"
-#include "common/limits.h"
 #include "common/logging.h"
+#include "distributed/elastic_protocol.h"
 #include "distributed/launcher.h"
 
 namespace tessera::distributed {
@@ -33,10 +34,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
-
-// Requests carry flight-recorder dumps (about 100 bytes per collective remembered).
-constexpr size_t kMaxLineBytes = size_t{64} << 20;
-constexpr size_t kMaxDumpBytesPerRound = size_t{256} << 20;
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -96,86 +93,11 @@ std::string readLine(int fd, Clock::time_point deadline) {
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     if (n <= 0) throw Error("rendezvous: the connection closed before a whole line");
     line.append(buffer, static_cast<size_t>(n));
-    if (line.size() > kMaxLineBytes) throw Error(strCat("rendezvous: a line longer than ", kMaxLineBytes >> 20, " MiB"));
+    if (line.size() > kMaxRendezvousLineBytes) {
+      throw Error(strCat("rendezvous: a line longer than ", kMaxRendezvousLineBytes >> 20, " MiB"));
+    }
   }
   return line.substr(0, line.find('\n'));
-}
-
-json nodeJson(const ElasticNode& n) {
-  return {{"id", n.id}, {"host", n.host}, {"store_port", n.storePort}, {"nproc", n.nproc}};
-}
-
-// An answer of the server is input like any other (a stale or foreign process may hold the
-// port): every field is checked where it is read, and a wrong one is an Error naming it,
-// never a raw JSON exception or an out-of-range index.
-json parseAnswer(const std::string& text, const std::string& where) {
-  try {
-    json j = json::parse(text);
-    if (!j.is_object()) throw Error("not a JSON object");
-    return j;
-  } catch (const std::exception& e) {
-    throw Error(strCat(where, ": its answer is not a rendezvous answer (", e.what(), ")"));
-  }
-}
-
-int64_t intField(const json& j, const char* key, int64_t lo, int64_t hi, const std::string& where) {
-  if (!j.contains(key) || !j.at(key).is_number_integer()) {
-    throw Error(strCat(where, ": its answer lacks an integer '", key, "'"));
-  }
-  const int64_t v = j.at(key).get<int64_t>();
-  if (v < lo || v > hi) throw Error(strCat(where, ": its answer's '", key, "' is ", v, ", outside [", lo, ", ", hi, "]"));
-  return v;
-}
-
-std::string stringField(const json& j, const char* key, const std::string& where) {
-  if (!j.contains(key) || !j.at(key).is_string()) throw Error(strCat(where, ": its answer lacks a string '", key, "'"));
-  std::string v = j.at(key).get<std::string>();
-  const bool printable = std::all_of(v.begin(), v.end(), [](char c) { return c > ' ' && c < 127; });
-  if (v.empty() || v.size() > 256 || !printable) {
-    throw Error(strCat(where, ": its answer's '", key, "' is not 1 to 256 printable characters without spaces"));
-  }
-  return v;
-}
-
-bool boolField(const json& j, const char* key, const std::string& where) {
-  if (!j.contains(key) || !j.at(key).is_boolean()) throw Error(strCat(where, ": its answer lacks a boolean '", key, "'"));
-  return j.at(key).get<bool>();
-}
-
-ElasticNode nodeFromJson(const json& j, const std::string& where) {
-  if (!j.is_object()) throw Error(strCat(where, ": a node of its answer is not an object"));
-  ElasticNode n;
-  n.id = stringField(j, "id", where);
-  n.host = stringField(j, "host", where);
-  n.storePort = static_cast<int>(intField(j, "store_port", 1, 65535, where));
-  n.nproc = static_cast<int>(intField(j, "nproc", 1, kMaxLocalRanks, where));
-  return n;
-}
-
-// The round a closed answer describes, checked against what this launcher is: between
-// MIN and MAX nodes, each once, this node at node_rank with its own --nproc-per-node.
-ElasticRound roundFromAnswer(const json& state, const std::string& where, const ElasticOptions& options,
-                             const std::string& nodeId, int nproc) {
-  ElasticRound round;
-  round.round = intField(state, "round", 0, kMaxCounter, where);
-  if (!state.contains("nodes") || !state.at("nodes").is_array()) throw Error(strCat(where, ": its answer lacks 'nodes'"));
-  const json& nodes = state.at("nodes");
-  if (nodes.size() < static_cast<size_t>(options.minNodes) || nodes.size() > static_cast<size_t>(options.maxNodes)) {
-    throw Error(strCat(where, ": its answer has ", nodes.size(), " nodes, this run has ", options.minNodes, " to ",
-                       options.maxNodes, " (--nnodes)"));
-  }
-  std::set<std::string> ids;
-  for (const json& n : nodes) {
-    round.nodes.push_back(nodeFromJson(n, where));
-    if (!ids.insert(round.nodes.back().id).second) throw Error(strCat(where, ": its answer names a node twice"));
-  }
-  round.nodeRank = static_cast<int>(intField(state, "node_rank", 0, static_cast<int64_t>(nodes.size()) - 1, where));
-  const ElasticNode& me = round.nodes[static_cast<size_t>(round.nodeRank)];
-  if (me.id != nodeId || me.nproc != nproc) {
-    throw Error(strCat(where, ": its answer puts another node (", me.id, ", ", me.nproc, " ranks) at this node's rank ",
-                       round.nodeRank));
-  }
-  return round;
 }
 
 }  // namespace
@@ -186,11 +108,14 @@ int ElasticRound::worldSize() const {
   return world;
 }
 
-// The rendezvous state and the thread that answers requests. One request at a time: each
-// is a few microseconds of work.
+// The thread that answers requests: one poll loop over every open connection, each with
+// its own deadline, so that a peer that connects and sends nothing (or sends slowly)
+// holds only its own connection, never the others' answers.
 class ElasticRendezvous::Server {
  public:
-  Server(int listenFd, ElasticOptions options) : listenFd_(listenFd), options_(std::move(options)) {
+  Server(int listenFd, ElasticOptions options) : listenFd_(listenFd), state_(std::move(options)) {
+    // Non-blocking: acceptAll() takes every pending connection and stops at EAGAIN.
+    ::fcntl(listenFd_, F_SETFL, ::fcntl(listenFd_, F_GETFL) | O_NONBLOCK);
     if (::pipe(stopPipe_) != 0) throw Error(strCat("rendezvous server: pipe() failed: ", errnoText(errno)));
     thread_ = std::thread([this] { serve(); });
   }
@@ -198,154 +123,29 @@ class ElasticRendezvous::Server {
     const char byte = 0;
     [[maybe_unused]] const ssize_t ignored = ::write(stopPipe_[1], &byte, 1);
     if (thread_.joinable()) thread_.join();
+    for (const Connection& c : connections_) ::close(c.fd);
     ::close(listenFd_);
     ::close(stopPipe_[0]);
     ::close(stopPipe_[1]);
   }
 
-  // Answers one request (also called directly in tests of the state machine).
-  json handle(const json& request, const std::string& peerHost) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const std::string op = request.at("op").get<std::string>();
-    if (request.value("run_id", "") != options_.runId) {
-      return {{"error", strCat("this rendezvous belongs to run id '", options_.runId, "', not '",
-                               request.value("run_id", ""), "' (--rdzv-id)")}};
-    }
-    const std::string node = request.at("node").get<std::string>();
-    tick();
-    if (op == "join") {
-      ElasticNode n;
-      n.id = node;
-      n.host = peerHost;
-      n.storePort = request.at("store_port").get<int>();
-      n.nproc = request.at("nproc").get<int>();
-      // Whatever reaches the port is checked: a bad join must not become a member.
-      if (node.empty() || node.size() > 256 || n.storePort < 1 || n.storePort > 65535 || n.nproc < 1 ||
-          n.nproc > kMaxLocalRanks) {
-        return {{"error", strCat("a join needs a node id (1 to 256 characters), a store port in 1..65535 and 1 to ",
-                                 kMaxLocalRanks, " ranks")}};
-      }
-      // A launcher started with other --nnodes would count the round otherwise.
-      if (request.contains("min_nodes") && request.contains("max_nodes") &&
-          (request.at("min_nodes") != options_.minNodes || request.at("max_nodes") != options_.maxNodes)) {
-        return {{"error", strCat("this rendezvous is for ", options_.minNodes, " to ", options_.maxNodes,
-                                 " nodes, this launcher asks for ", request.at("min_nodes").dump(), " to ",
-                                 request.at("max_nodes").dump(), " (--nnodes must be the same on every node)")}};
-      }
-      if (nproc_ == 0) nproc_ = n.nproc;
-      if (n.nproc != nproc_) {
-        return {{"error", strCat("this node starts ", n.nproc, " ranks but the others ", nproc_,
-                                 " (--nproc-per-node must be the same on every node)")}};
-      }
-      join(n);
-    } else if (op == "finished") {
-      if (request.at("round").get<int64_t>() == round_) finished_.insert(node);
-    } else if (op == "put_dumps") {
-      putDumps(request.at("round").get<int64_t>(), node, request.at("files"));
-    } else if (op == "get_dumps") {
-      json answer = state(node);
-      const auto it = dumps_.find(request.at("round").get<int64_t>());
-      answer["dumps"] = it == dumps_.end() ? json::object() : it->second;
-      answer["dump_nodes"] = it == dumps_.end() ? 0 : dumpNodes_[it->first].size();
-      return answer;
-    } else if (op != "poll") {
-      return {{"error", strCat("unknown request '", op, "'")}};
-    }
-    return state(node);
-  }
-
  private:
-  bool isMember(const std::string& id) const {
-    return std::any_of(members_.begin(), members_.end(), [&](const ElasticNode& n) { return n.id == id; });
-  }
+  // A peer's request being read, or its answer being sent.
+  struct Connection {
+    int fd = -1;
+    std::string peer;
+    std::string in;    // what arrived so far (one line is a request)
+    std::string out;   // the answer, once the request was read
+    size_t sent = 0;
+    Clock::time_point deadline;
+  };
 
-  void join(const ElasticNode& n) {
-    if (round_ == 0 || (!open_ && !failed_.empty())) {
-      openRound({n});
-      return;
-    }
-    if (open_) {
-      auto it = std::find_if(members_.begin(), members_.end(), [&](const ElasticNode& m) { return m.id == n.id; });
-      if (it != members_.end()) {
-        *it = n;  // joined again (a new store port)
-      } else {
-        members_.push_back(n);
-      }
-      afterJoin();
-      return;
-    }
-    // A round runs. One of its members asks for the next: open it. Anyone else waits for it.
-    if (isMember(n.id)) {
-      openRound({n});
-    } else if (std::none_of(waiting_.begin(), waiting_.end(), [&](const ElasticNode& w) { return w.id == n.id; })) {
-      waiting_.push_back(n);
-    }
-  }
-
-  // A node's flight-recorder dumps of `round` (file name -> text), kept for the others'
-  // verdicts; only the latest rounds', within a bound.
-  void putDumps(int64_t round, const std::string& node, const json& files) {
-    json& all = dumps_[round];
-    for (const auto& [name, text] : files.items()) {
-      const size_t bytes = text.get<std::string>().size();
-      if (dumpBytes_ + bytes > kMaxDumpBytesPerRound) break;
-      dumpBytes_ += bytes;
-      all[name] = text;
-    }
-    dumpNodes_[round].insert(node);
-    while (dumps_.size() > 2) {  // the rounds before are long over
-      dumpBytes_ = 0;
-      dumpNodes_.erase(dumps_.begin()->first);
-      dumps_.erase(dumps_.begin());
-    }
-  }
-
-  void openRound(std::vector<ElasticNode> first) {
-    ++round_;
-    open_ = true;
-    failed_.clear();
-    finished_.clear();
-    members_ = std::move(first);
-    for (const ElasticNode& w : waiting_) {
-      if (!isMember(w.id)) members_.push_back(w);
-    }
-    waiting_.clear();
-    openedAt_ = Clock::now();
-    minReached_ = false;
-    afterJoin();
-  }
-
-  void afterJoin() {
-    if (!minReached_ && static_cast<int>(members_.size()) >= options_.minNodes) {
-      minReached_ = true;
-      minReachedAt_ = Clock::now();
-    }
-    if (static_cast<int>(members_.size()) >= options_.maxNodes) open_ = false;
-  }
-
-  // Closes or fails the open round when its time has come.
-  void tick() {
-    if (!open_) return;
-    if (minReached_ && secondsSince(minReachedAt_) >= options_.lastCallS) {
-      open_ = false;
-    } else if (!minReached_ && secondsSince(openedAt_) >= options_.joinTimeoutS) {
-      open_ = false;
-      failed_ = strCat("only ", members_.size(), " of at least ", options_.minNodes, " nodes joined round ", round_,
-                       " within ", options_.joinTimeoutS, " s");
-    }
-  }
-
-  json state(const std::string& node) const {
-    json nodes = json::array();
-    int nodeRank = -1;
-    for (size_t i = 0; i < members_.size(); ++i) {
-      nodes.push_back(nodeJson(members_[i]));
-      if (members_[i].id == node) nodeRank = static_cast<int>(i);
-    }
-    return {{"round", round_},      {"open", open_},          {"failed", failed_},
-            {"nodes", nodes},       {"node_rank", nodeRank},  {"waiting", waiting_.size()},
-            {"finished", finished_.size()}};
-  }
+  // A connection has this long to send its request and take its answer.
+  static constexpr auto kConnectionTime = std::chrono::seconds(5);
+  // Open connections at once (launchers poll every 100 ms; each request takes microseconds).
+  static constexpr size_t kMaxConnections = 256;
+  // Bytes of requests being read at once, over all connections (dumps are large).
+  static constexpr size_t kMaxBufferedBytes = size_t{512} << 20;
 
   void serve() {
     // Signals go to the launcher's thread, whose handlers they are for.
@@ -353,47 +153,86 @@ class ElasticRendezvous::Server {
     sigfillset(&all);
     ::pthread_sigmask(SIG_BLOCK, &all, nullptr);
     while (true) {
-      pollfd fds[2] = {{listenFd_, POLLIN, 0}, {stopPipe_[0], POLLIN, 0}};
-      if (::poll(fds, 2, 1000) < 0 && errno != EINTR) return;
-      if (fds[1].revents) return;
-      if (!(fds[0].revents & POLLIN)) continue;
-      sockaddr_in peer{};
-      socklen_t length = sizeof peer;
-      const int fd = ::accept4(listenFd_, reinterpret_cast<sockaddr*>(&peer), &length, SOCK_CLOEXEC);
-      if (fd < 0) continue;
-      try {
-        const auto deadline = Clock::now() + std::chrono::seconds(5);
-        const json request = json::parse(readLine(fd, deadline));
-        sendAll(fd, handle(request, addressText(peer)).dump() + "\n", deadline);
-      } catch (const std::exception& e) {
-        try {
-          sendAll(fd, json({{"error", strCat("bad request: ", e.what())}}).dump() + "\n",
-                  Clock::now() + std::chrono::seconds(1));
-        } catch (const std::exception&) {
-          // The peer is gone; nothing to tell it.
+      std::vector<pollfd> fds = {{stopPipe_[0], POLLIN, 0}, {listenFd_, POLLIN, 0}};
+      if (connections_.size() >= kMaxConnections) fds[1].events = 0;  // the backlog waits
+      auto wake = Clock::now() + std::chrono::seconds(1);
+      for (const Connection& c : connections_) {
+        fds.push_back({c.fd, static_cast<short>(c.out.empty() ? POLLIN : POLLOUT), 0});
+        wake = std::min(wake, c.deadline);
+      }
+      const auto waitMs = std::chrono::duration_cast<std::chrono::milliseconds>(wake - Clock::now()).count();
+      if (::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, waitMs) + 1)) < 0 && errno != EINTR) return;
+      if (fds[0].revents) return;
+      // Connections first (their indices match fds), then new ones.
+      for (size_t i = connections_.size(); i-- > 0;) {
+        if (!progress(connections_[i], fds[i + 2].revents)) {
+          ::close(connections_[i].fd);
+          connections_.erase(connections_.begin() + static_cast<std::ptrdiff_t>(i));
         }
       }
-      ::close(fd);
+      if (fds[1].revents & POLLIN) acceptAll();
     }
+  }
+
+  void acceptAll() {
+    while (connections_.size() < kMaxConnections) {
+      sockaddr_in peer{};
+      socklen_t length = sizeof peer;
+      const int fd = ::accept4(listenFd_, reinterpret_cast<sockaddr*>(&peer), &length, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (fd < 0) return;  // EAGAIN: none left (or a peer gone before it was accepted)
+      Connection c;
+      c.fd = fd;
+      c.peer = addressText(peer);
+      c.deadline = Clock::now() + kConnectionTime;
+      connections_.push_back(std::move(c));
+    }
+  }
+
+  // Reads or writes what connection `c` is ready for; false when it is done (answered,
+  // gone or out of time) and is to be closed.
+  bool progress(Connection& c, short revents) {
+    if (Clock::now() >= c.deadline) return false;  // a silent or slow peer: no answer
+    if (!c.out.empty()) {
+      if (!(revents & (POLLOUT | POLLERR | POLLHUP))) return true;
+      const ssize_t n = ::send(c.fd, c.out.data() + c.sent, c.out.size() - c.sent, MSG_NOSIGNAL);
+      if (n < 0) return errno == EINTR || errno == EAGAIN;
+      c.sent += static_cast<size_t>(n);
+      return c.sent < c.out.size();
+    }
+    if (!(revents & (POLLIN | POLLERR | POLLHUP))) return true;
+    char buffer[65536];
+    const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
+    if (n < 0) return errno == EINTR || errno == EAGAIN;
+    if (n == 0) return false;  // closed before a whole line
+    const size_t end = std::string_view(buffer, static_cast<size_t>(n)).find('\n');
+    const size_t take = end == std::string_view::npos ? static_cast<size_t>(n) : end;
+    if (c.in.size() + take > kMaxRendezvousLineBytes || buffered() + take > kMaxBufferedBytes) {
+      answer(c, json({{"error", strCat("bad request: a line longer than ", kMaxRendezvousLineBytes >> 20,
+                                       " MiB, or the server holds too many")}}).dump());
+      return true;
+    }
+    c.in.append(buffer, take);
+    if (end != std::string_view::npos) answer(c, state_.answer(c.in, c.peer));
+    return true;
+  }
+
+  void answer(Connection& c, const std::string& line) {
+    c.in.clear();
+    c.in.shrink_to_fit();
+    c.out = line + "\n";
+  }
+
+  size_t buffered() const {
+    size_t bytes = 0;
+    for (const Connection& c : connections_) bytes += c.in.size();
+    return bytes;
   }
 
   int listenFd_;
   int stopPipe_[2] = {-1, -1};
-  ElasticOptions options_;
+  RendezvousState state_;
+  std::vector<Connection> connections_;
   std::thread thread_;
-  std::mutex mutex_;
-  int64_t round_ = 0;
-  bool open_ = false;
-  std::string failed_;  // why the last round failed ("" when it did not)
-  int nproc_ = 0;
-  std::vector<ElasticNode> members_;
-  std::vector<ElasticNode> waiting_;
-  std::set<std::string> finished_;
-  std::map<int64_t, json> dumps_;                       // round -> {file name: text}
-  std::map<int64_t, std::set<std::string>> dumpNodes_;  // round -> nodes that sent theirs
-  size_t dumpBytes_ = 0;
-  Clock::time_point openedAt_, minReachedAt_;
-  bool minReached_ = false;
 };
 
 ElasticRendezvous::ElasticRendezvous(ElasticOptions options, int nproc) : options_(std::move(options)), nproc_(nproc) {
@@ -418,6 +257,8 @@ ElasticRendezvous::ElasticRendezvous(ElasticOptions options, int nproc) : option
 }
 
 ElasticRendezvous::~ElasticRendezvous() = default;
+
+std::string ElasticRendezvous::where() const { return strCat("rendezvous server at ", options_.host, ":", options_.port); }
 
 std::string ElasticRendezvous::request(const std::string& line, double timeoutS) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000));
@@ -449,7 +290,7 @@ ElasticRound ElasticRendezvous::join(const std::function<bool()>& interrupted) {
   const json joinRequest = {{"op", "join"},       {"run_id", options_.runId}, {"node", nodeId_},
                             {"store_port", storePort}, {"nproc", nproc_},
                             {"min_nodes", options_.minNodes}, {"max_nodes", options_.maxNodes}};
-  const std::string where = strCat("rendezvous server at ", options_.host, ":", options_.port);
+  const std::string where = this->where();
   const auto start = Clock::now();
   // The server may not be up yet (its launcher starts later): retry until the join timeout.
   // Only an unreachable server is waited for; an answer that is not one fails at once.
@@ -464,34 +305,29 @@ ElasticRound ElasticRendezvous::join(const std::function<bool()>& interrupted) {
       ::usleep(200 * 1000);
     }
   }
-  json state = parseAnswer(answer, where);
+  RendezvousAnswer state = parseRendezvousAnswer(answer, where);
   const json pollRequest = {{"op", "poll"}, {"run_id", options_.runId}, {"node", nodeId_}};
   while (true) {
-    if (state.contains("error")) {
-      const json& error = state.at("error");
-      throw Error(strCat("rendezvous: ", error.is_string() ? error.get<std::string>() : error.dump()));
-    }
-    const std::string failed = state.contains("failed") && state.at("failed").is_string() ? state.at("failed").get<std::string>() : "";
-    if (!failed.empty()) throw TimeoutError(strCat("rendezvous: ", failed, " (--rdzv-timeout)"));
-    if (!boolField(state, "open", where) && intField(state, "node_rank", -1, kMaxWorldSize, where) >= 0) break;
+    if (!state.error.empty()) throw Error(strCat("rendezvous: ", state.error));
+    if (!state.failed.empty()) throw TimeoutError(strCat("rendezvous: ", state.failed, " (--rdzv-timeout)"));
+    if (!state.open && state.nodeRank >= 0) break;
     if (interrupted()) throw Error("rendezvous: interrupted");
     if (secondsSince(start) > options_.joinTimeoutS + options_.lastCallS + 30) {
       throw TimeoutError(strCat("rendezvous: no round admitted this node within ", secondsSince(start), " s"));
     }
     ::usleep(100 * 1000);
-    state = parseAnswer(request(pollRequest.dump(), 10), where);
+    state = parseRendezvousAnswer(request(pollRequest.dump(), 10), where);
   }
-  return roundFromAnswer(state, where, options_, nodeId_, nproc_);
+  return closedRound(state, where, options_, nodeId_, nproc_);
 }
 
 bool ElasticRendezvous::restartWanted(int64_t round) {
   try {
-    const json state = json::parse(
-        request(json({{"op", "poll"}, {"run_id", options_.runId}, {"node", nodeId_}}).dump(), 5));
-    if (state.contains("error")) return false;
-    if (state.at("round").get<int64_t>() > round) return true;
-    return state.at("waiting").get<int64_t>() > 0 &&
-           static_cast<int>(state.at("nodes").size()) < options_.maxNodes;
+    const RendezvousAnswer state = parseRendezvousAnswer(
+        request(json({{"op", "poll"}, {"run_id", options_.runId}, {"node", nodeId_}}).dump(), 5), where());
+    if (!state.error.empty()) return false;
+    if (state.round > round) return true;
+    return state.waiting > 0 && static_cast<int>(state.nodes.size()) < options_.maxNodes;
   } catch (const std::exception& e) {
     if (!warnedUnreachable_) {
       TLOG_WARN("tessera-run: " << e.what());
@@ -514,15 +350,15 @@ std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t roun
             10);
     const json getRequest = {{"op", "get_dumps"}, {"run_id", options_.runId}, {"node", nodeId_}, {"round", round}};
     const auto start = Clock::now();
-    json state = json::parse(request(getRequest.dump(), 10));
+    RendezvousAnswer state = parseRendezvousAnswer(request(getRequest.dump(), 10), where());
     // The other nodes fail at about the same time; a lost node never sends: wait a little.
-    const size_t expected = expectedNodes > 0 ? static_cast<size_t>(expectedNodes) : state.at("nodes").size();
-    while (state.at("round").get<int64_t>() == round && state.at("dump_nodes").get<size_t>() < expected &&
-           secondsSince(start) < timeoutS) {
+    const int64_t expected = expectedNodes > 0 ? expectedNodes : static_cast<int64_t>(state.nodes.size());
+    while (state.error.empty() && state.round == round && state.dumpNodes < expected && secondsSince(start) < timeoutS) {
       ::usleep(200 * 1000);
-      state = json::parse(request(getRequest.dump(), 10));
+      state = parseRendezvousAnswer(request(getRequest.dump(), 10), where());
     }
-    for (const auto& [name, text] : state.at("dumps").items()) all[name] = text.get<std::string>();
+    if (!state.error.empty()) throw Error(state.error);
+    all = std::move(state.dumps);
     // The server goes when this launcher exits: give the others a moment to read.
     if (hostsServer()) ::usleep(500 * 1000);
   } catch (const std::exception& e) {
@@ -534,13 +370,14 @@ std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t roun
 void ElasticRendezvous::finished(int64_t round, double timeoutS) {
   const json finishedRequest = {{"op", "finished"}, {"run_id", options_.runId}, {"node", nodeId_}, {"round", round}};
   try {
-    json state = json::parse(request(finishedRequest.dump(), 5));
+    RendezvousAnswer state = parseRendezvousAnswer(request(finishedRequest.dump(), 5), where());
     if (!hostsServer()) return;
     const auto start = Clock::now();
     const json pollRequest = {{"op", "poll"}, {"run_id", options_.runId}, {"node", nodeId_}};
-    while (state.at("finished").get<size_t>() < state.at("nodes").size() && secondsSince(start) < timeoutS) {
+    while (state.error.empty() && state.finished < static_cast<int64_t>(state.nodes.size()) &&
+           secondsSince(start) < timeoutS) {
       ::usleep(100 * 1000);
-      state = json::parse(request(pollRequest.dump(), 5));
+      state = parseRendezvousAnswer(request(pollRequest.dump(), 5), where());
     }
   } catch (const std::exception& e) {
     TLOG_WARN("tessera-run: " << e.what());

@@ -15,8 +15,9 @@
 // The server lives in the launcher that hosts it: when that launcher is gone, so is the
 // rendezvous (as with torchrun's c10d backend, whose store is in one agent).
 //
-// Wire format: one JSON object per line, one request and one answer per TCP connection.
-// Pure POSIX + C++17 + nlohmann-json (no LibTorch): tessera-run compiles it in.
+// Wire format: one JSON object per line, one request and one answer per TCP connection
+// (elastic_protocol.h). Pure POSIX + C++17 + nlohmann-json (no LibTorch): tessera-run
+// compiles it in.
 #pragma once
 
 #include <atomic>
@@ -93,6 +94,7 @@ class ElasticRendezvous {
 
  private:
   std::string request(const std::string& line, double timeoutS);
+  std::string where() const;  // "rendezvous server at HOST:PORT", for messages
 
   ElasticOptions options_;
   int nproc_;

@@ -5,7 +5,9 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <functional>
 #include <mutex>
@@ -87,8 +89,28 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& hostnam
 // broken (ranks no longer agree on what was sent).
 void waitGlooWork(c10d::Work& work, const std::string& method, const std::string& what, std::chrono::milliseconds timeout,
                   const std::shared_ptr<CommHealth>& health) {
+  // Waited in slices, with a line after each while the work has not finished: a rank that
+  // is stopped or stuck otherwise leaves the others silent for the whole timeout.
+  const auto every = std::clamp<std::chrono::milliseconds>(timeout / 5, std::chrono::seconds(1), std::chrono::seconds(30));
+  const auto start = std::chrono::steady_clock::now();
   try {
-    work.wait(timeout);
+    while (true) {
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+      const auto left = timeout - waited;
+      try {
+        work.wait(std::min(every, std::max(left, std::chrono::milliseconds(1))));
+        break;
+      } catch (const std::exception& e) {
+        // c10d's wait gave up on this slice ("Operation timed out!") and the work runs on:
+        // say so and wait again, until the whole timeout has passed.
+        const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+        if (work.isCompleted() || now >= timeout || !looksLikeTimeout(firstLine(e.what()))) throw;
+        TLOG_WARN("GlooCommunicator::" << method << ": " << what << " has waited " << formatDuration(now)
+                  << " for the other ranks (timeout " << formatDuration(timeout)
+                  << "): one has not joined it (stopped, stuck or slow); at the timeout the run stops and "
+                     "tessera-run's verdict names it");
+      }
+    }
   } catch (const std::exception& e) {
     // Either c10d's wait gave up ("Operation timed out!", the work still runs) or Gloo's
     // own timeout or a transport error ended the work.

@@ -10,10 +10,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 
+#include "common/app_main.h"
 #include "common/errors.h"
 #include "common/file_open.h"
 #include "common/limits.h"
@@ -200,6 +202,7 @@ std::map<std::string, std::string> rankEnvironment(const LaunchOptions& o, int l
       // Rank 0 hosts the TCPStore itself (no agent store), as with torchrun's static rendezvous.
       {"TORCHELASTIC_USE_AGENT_STORE", "False"},
       {"TORCHELASTIC_ERROR_FILE", errorFile},
+      {kLauncherReportsErrorsEnv, "1"},
   };
   if (o.nprocPerNode > 1 && (!inheritedOmpThreads || !*inheritedOmpThreads)) env["OMP_NUM_THREADS"] = "1";
   return env;
@@ -230,6 +233,35 @@ std::optional<std::string> readErrorFile(const std::string& path) {
   }
   if (text.size() > kMaxErrorMessageBytes) return text.substr(0, kMaxErrorMessageBytes) + " [...]";
   return text;
+}
+
+std::vector<std::string> foldRankErrors(const std::map<int, std::string>& messages, int firstRank) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;  // message -> its ranks, first seen first
+  auto add = [&](int rank, const std::string& message) {
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == message; });
+    if (it == groups.end()) {
+      groups.push_back({message, {rank}});
+    } else {
+      it->second.push_back(rank);
+    }
+  };
+  if (const auto first = messages.find(firstRank); first != messages.end()) add(first->first, first->second);
+  for (const auto& [rank, message] : messages) {
+    if (rank != firstRank) add(rank, message);
+  }
+  std::vector<std::string> lines;
+  for (auto& [message, ranks] : groups) {
+    std::sort(ranks.begin(), ranks.end());
+    std::string who = ranks.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < ranks.size();) {
+      size_t j = i;
+      while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+      who += strCat(i > 0 ? ", " : "", ranks[i], j > i ? strCat("-", ranks[j]) : std::string());
+      i = j + 1;
+    }
+    lines.push_back(strCat(who, " error: ", message));
+  }
+  return lines;
 }
 
 std::string signalName(int signal) {

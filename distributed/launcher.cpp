@@ -771,10 +771,13 @@ void Launcher::reportFailure(double stoppedInS) {
   TLOG_ERROR("tessera-run: rank " << f.globalRank << " failed (" << how << ") after " << formatSeconds(f.afterS)
              << " s; stopped the other " << others << " rank" << (others == 1 ? "" : "s") << " in "
              << formatSeconds(stoppedInS, 3) << " s");
-  const Rank& rank = ranks_[static_cast<size_t>(f.globalRank - options_.nodeRank * options_.nprocPerNode)];
-  if (const auto message = readErrorFile(rank.errorFile)) {
-    TLOG_ERROR("tessera-run: rank " << f.globalRank << " error: " << *message);
+  // Every rank's message (the ranks leave their console to the launcher when their error
+  // file is written): a config error all ranks found is one line, not one per rank.
+  std::map<int, std::string> messages;
+  for (const Rank& rank : ranks_) {
+    if (auto message = readErrorFile(rank.errorFile)) messages[rank.globalRank] = std::move(*message);
   }
+  for (const std::string& line : foldRankErrors(messages, f.globalRank)) TLOG_ERROR("tessera-run: " << line);
   if (failureExitStatus(f) != kBadInputStatus) reportVerdict();  // a refused config says all there is
 }
 

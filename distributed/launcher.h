@@ -82,6 +82,11 @@ std::map<std::string, std::string> rankEnvironment(const LaunchOptions& options,
 // file's text. std::nullopt when the file is missing or empty.
 std::optional<std::string> readErrorFile(const std::string& path);
 
+// The ranks' error messages (global rank -> message) as the launcher prints them: one line
+// per distinct message, "rank 3 error: ..." or "ranks 0-2, 5 error: ...", the message of
+// `firstRank` (the rank that failed first) before the others.
+std::vector<std::string> foldRankErrors(const std::map<int, std::string>& messages, int firstRank);
+
 // "SIGTERM", "SIGKILL", ... ("signal 42" for others).
 std::string signalName(int signal);
 

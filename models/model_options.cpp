@@ -4,6 +4,7 @@
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/limits.h"
+#include "datasets/dataset.h"
 
 namespace tessera::models {
 
@@ -52,6 +53,13 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
   s.add(p + "init_from", &m.init_from,
         "Safetensors file or sharded export (*.index.json) to start the model from (fresh runs; each rank reads "
         "its rows)");
+}
+
+int64_t conditioningClasses(const ModelOptions& options, const datasets::DataSpec& data) {
+  if (options.classes == 0) return data.classes;
+  TESSERA_CHECK_AS(ConfigError, options.classes >= data.classes, "model.classes ", options.classes,
+                   " is below the data's ", data.classes, " classes (labels up to ", data.classes - 1, ")");
+  return options.classes;
 }
 
 }  // namespace tessera::models

@@ -11,6 +11,9 @@
 namespace tessera::config {
 class ConfigSchema;
 }
+namespace tessera::datasets {
+struct DataSpec;
+}
 
 namespace tessera::models {
 
@@ -49,5 +52,10 @@ std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t sche
 // every models: entry ("models.<name>.model."), and in an export's metadata ("", see
 // model_metadata.h), with the same docs and constraints.
 void bindModelKeys(config::ConfigSchema& schema, const std::string& prefix, ModelOptions& model);
+
+// The labels a class-conditional model (dit) is conditioned on: model.classes, or the
+// data's when it is 0 (0 for unlabelled data: unconditional). ConfigError when
+// model.classes is below the data's.
+int64_t conditioningClasses(const ModelOptions& options, const datasets::DataSpec& data);
 
 }  // namespace tessera::models

@@ -191,13 +191,6 @@ datasets::TokenWindows tokenWindows(const ModelOptions& options) {
   return {options.context, options.vocab_size, predictsEveryPosition(options)};
 }
 
-int64_t conditioningClasses(const ModelOptions& options, const datasets::DataSpec& data) {
-  if (options.classes == 0) return data.classes;
-  TESSERA_CHECK_AS(ConfigError, options.classes >= data.classes, "model.classes ", options.classes,
-                   " is below the data's ", data.classes, " classes (labels up to ", data.classes - 1, ")");
-  return options.classes;
-}
-
 std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const datasets::DataSpec& data, at::Device device) {
   if (options.arch == "mlp") {
     if (data.tokens) return std::make_shared<ContextMlp>(options, device);

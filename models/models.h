@@ -134,11 +134,6 @@ datasets::TokenWindows tokenWindows(const ModelOptions& options);
 // window (the dataset's targets depend on it).
 bool predictsEveryPosition(const ModelOptions& options);
 
-// The labels a class-conditional model (dit) is conditioned on: model.classes, or the
-// data's when it is 0 (0 for unlabelled data: unconditional). ConfigError when
-// model.classes is below the data's.
-int64_t conditioningClasses(const ModelOptions& options, const datasets::DataSpec& data);
-
 // The model model.arch names, sized for `data`, its parameters deferred on `device`.
 // tessera::ConfigError for an unknown architecture or one that cannot train on the data
 // (gpt needs tokens, diffusion floats).

@@ -11,7 +11,7 @@
 #include <memory>
 #include <string>
 
-#include "trainer/model_metadata.h"
+#include "trainer/model_loading.h"
 
 namespace tessera::models {
 class FeatureMlp;

@@ -9,16 +9,14 @@
 // offline export of a checkpoint writes the same metadata as the run's own export.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <map>
-#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "datasets/data_options.h"
 #include "datasets/dataset.h"
-#include "models/models.h"
-#include "trainer/train_config.h"
+#include "models/model_options.h"
 
 namespace tessera::checkpoint {
 struct CheckpointMetadata;
@@ -60,22 +58,5 @@ std::map<std::string, std::vector<int64_t>> shapesUnder(const checkpoint::Checkp
 // "critic/") from a run's descriptions by state name (TrainerCounters::modelMetadata):
 // the model whose weights or EMA the prefix holds; "" when none does.
 std::string modelMetadataForPrefix(const std::map<std::string, std::string>& byStateName, const std::string& prefix);
-
-struct LoadedModel {
-  ModelDescription description;
-  std::shared_ptr<models::TrainModel> model;  // every parameter materialised, in eval mode, no gradients
-};
-
-// Builds the model an export's metadata describes and loads its weights, strictly: every
-// parameter present with its shape, nothing else in the file (tessera::Error listing what
-// does not fit). `path`: a safetensors file or a sharded export's *.index.json. A
-// reduced-precision export is loaded into fp32.
-LoadedModel loadExportedModel(const std::string& path, at::Device device = at::kCPU);
-
-// The same from a checkpoint: `what` (model, generator_ema, an export name; see
-// checkpoint::resolveExportPrefix and checkpointExportNames) of checkpoint directory `dir` (a step directory, or a
-// run's checkpoints directory: its newest complete checkpoint), described by the
-// run's trainer_state.json.
-LoadedModel loadCheckpointModel(const std::string& dir, const std::string& what, at::Device device = at::kCPU);
 
 }  // namespace tessera::trainer

@@ -29,7 +29,7 @@
 #include "distributed/runtime.h"
 #include "datasets/dataset.h"
 #include "trainer/judge.h"
-#include "trainer/model_metadata.h"
+#include "trainer/model_loading.h"
 #include "models/sampling.h"
 
 namespace fs = std::filesystem;

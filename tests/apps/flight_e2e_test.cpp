@@ -73,7 +73,8 @@ TEST(FlightE2ETest, Usr1DumpsWithoutStoppingAndSigtermDumpsEveryRank) {
 }
 
 // diagnostics.collective_timeout_s reaches tessera-train's collectives: a stopped rank
-// (SIGSTOP) ends the run within that timeout + the grace period + 10 s, with the verdict.
+// (SIGSTOP) ends the run within that timeout + the grace period + 10 s, with the verdict;
+// meanwhile the other rank says what it waits for.
 TEST(FlightE2ETest, StoppedRankEndsTheRunWithinTheCollectiveTimeout) {
   const std::string dir = tessera::test::scratchPath("tessera_flight", "stopped");
   const std::string d = shellQuote(dir);
@@ -90,6 +91,10 @@ TEST(FlightE2ETest, StoppedRankEndsTheRunWithinTheCollectiveTimeout) {
   ASSERT_NE(after, std::string::npos) << r.output;
   EXPECT_LE(std::stoi(r.output.substr(after + 22)), 2 + 2 + 10) << r.output;
   EXPECT_NE(r.output.find("timed out after 2 s"), std::string::npos) << r.output;
+  // While it waits, the rank still running says so (it was silent until the timeout).
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("has waited 1(\\.[0-9]+)? s for the other ranks \\(timeout 2 s\\): "
+                                                     "one has not joined it")))
+      << r.output;
   EXPECT_TRUE(std::regex_search(r.output, std::regex("rank [01] stopped answering: its process was stopped \\(SIGSTOP "
                                                      "or a debugger\\)")))
       << r.output;

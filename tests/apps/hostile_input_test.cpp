@@ -709,6 +709,27 @@ TEST(HostileInputRound3Test, AnUnwritableRunDirIsNamed) {
   }
 }
 
+// Issue 50, class 8: an error every rank finds (a config error) is printed once, by the
+// launcher, for all ranks: not once per rank and once more by the launcher.
+TEST(HostileInputRound3Test, AnErrorEveryRankFindsIsPrintedOnce) {
+  const std::string dir = tessera::test::scratchPath("tessera_hostile", "folded_errors");
+  const CommandResult r = runCommand(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kTrain + " --config " +
+                                         kConfig + kShortRun + " --set model.bogus=1 --set run.dir=" + dir,
+                                     kTimeoutSeconds);
+  EXPECT_EQ(r.status, 2) << r.output;
+  const std::string message = "--set model.bogus=1: model.bogus: unknown key";
+  const size_t first = r.output.find(message);
+  ASSERT_NE(first, std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(message, first + 1), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("tessera-run: ranks 0-1 error: tessera-train: config error: " + message), std::string::npos)
+      << r.output;
+  // Without a launcher that reads the error file, the rank prints its message itself.
+  const CommandResult alone = runCommand(kTrain + " --config " + kConfig + kShortRun +
+                                             " --set model.bogus=1 --set run.dir=" + dir, kTimeoutSeconds);
+  EXPECT_EQ(alone.status, 2);
+  EXPECT_NE(alone.output.find("tessera-train: config error: " + message), std::string::npos) << alone.output;
+}
+
 // A run stopped by SIGINT before its first evaluation says it has no held-out loss (it
 // printed "held-out loss nan (EMA nan)").
 TEST(HostileInputRound3Test, AStopBeforeTheFirstEvaluationSaysSoRatherThanNan) {

@@ -368,6 +368,14 @@ TEST_F(IdxDatasetTest, MalformedFilesAreErrorsNamingTheFile) {
     writeGzip(path, images);
     gz = readFile(path);
   }
+  // A gzip bomb: a 10x4x3 header, then 64 MiB of zeros (64 KiB compressed). Inflating stops
+  // one chunk past the 136 bytes the header declares, not at 64 MiB.
+  std::string bomb;
+  {
+    const std::string path = dir_ + "/bomb.gz";
+    writeGzip(path, images.substr(0, 16) + std::string(size_t{64} << 20, '\0'));
+    bomb = readFile(path);
+  }
   struct Case {
     std::string name;
     std::string bytes;
@@ -383,6 +391,7 @@ TEST_F(IdxDatasetTest, MalformedFilesAreErrorsNamingTheFile) {
       {"too-short", std::string("\x00\x00", 2), false, "too short"},
       {"no-images", idxImages(at::zeros({0, 4, 3}, at::kByte)), false, "dimension 0 is 0"},
       {"truncated.gz", gz.substr(0, gz.size() / 2), false, "gzip data is truncated or corrupt"},
+      {"bomb.gz", bomb, false, "decompresses to more than the 136 bytes its IDX header declares"},
       {"labels-with-image-magic", images, true, "images file"},
       {"images-with-label-magic", idxLabels(labels_), false, "labels file"},
       {"truncated-labels", idxLabels(labels_).substr(0, 12), true, "truncated"},

@@ -203,6 +203,7 @@ TEST(LauncherCoreTest, RankEnvironmentFollowsTorchrun) {
   EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "1");
   EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "2");
   EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "job7");
+  EXPECT_EQ(env["TESSERA_RUN_REPORTS_ERRORS"], "1");  // the launcher prints the ranks' errors
   EXPECT_EQ(env["TORCHELASTIC_ERROR_FILE"], "/tmp/e.json");
   EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
   EXPECT_EQ(tessera::distributed::rankEnvironment(o, 0, 0, "e", "8").count("OMP_NUM_THREADS"), 0u);
@@ -553,3 +554,17 @@ TEST_F(LauncherTest, StartupTimeForFourRanks) {
 }
 
 }  // namespace
+
+// What the launcher prints of its ranks' error files: one line per distinct message, the
+// rank that failed first first, ranks in runs ("0-2, 5").
+TEST(LauncherErrorsTest, IdenticalRankErrorsAreFoldedIntoOneLine) {
+  using tessera::distributed::foldRankErrors;
+  EXPECT_EQ(foldRankErrors({}, 0), std::vector<std::string>{});
+  EXPECT_EQ(foldRankErrors({{3, "boom"}}, 3), std::vector<std::string>{"rank 3 error: boom"});
+  EXPECT_EQ(foldRankErrors({{0, "bad key"}, {1, "bad key"}, {2, "bad key"}, {5, "bad key"}}, 1),
+            std::vector<std::string>{"ranks 0-2, 5 error: bad key"});
+  EXPECT_EQ(foldRankErrors({{0, "stopped: a peer failed"}, {1, "out of memory"}, {2, "stopped: a peer failed"}}, 1),
+            (std::vector<std::string>{"rank 1 error: out of memory", "ranks 0, 2 error: stopped: a peer failed"}));
+  // The first failure's rank may have left no message: the others are still printed.
+  EXPECT_EQ(foldRankErrors({{0, "x"}}, 1), std::vector<std::string>{"rank 0 error: x"});
+}

@@ -12,7 +12,7 @@
 #include "common/app_main.h"
 #include "common/command_line.h"
 #include "models/diffusion.h"
-#include "trainer/model_metadata.h"
+#include "trainer/model_loading.h"
 
 int main(int argc, char** argv) {
   return tessera::runMain("tessera-model-probe", [&]() -> int {
