@@ -63,7 +63,10 @@ std::string readMaybeGzipped(const std::string& path, int dims) {
     while (status == Z_OK) {
       if (declared == 0) {
         declared = declaredIdxBytes(out, dims);
-        if (declared > 0) out.reserve(static_cast<size_t>(declared) + kChunk);
+        // Room for what the header declares, up to what the compressed bytes can hold
+        // (deflate inflates at most ~1032:1): a forged header reserves nothing large.
+        const size_t room = std::min(static_cast<size_t>(declared), raw.size() * 1032);
+        if (declared > 0) out.reserve(room + kChunk);
       }
       const int64_t limit = declared > 0 ? declared : kMaxFileBytes;
       if (static_cast<int64_t>(out.size()) > limit) {

@@ -108,7 +108,8 @@ TEST(FaultTest, CheckedCollectivesRefuseAnotherSizeCleanly) {
   EXPECT_EQ(run.result.status, 1) << run.result.output;
   EXPECT_EQ(run.result.output.find("SIGABRT"), std::string::npos) << run.result.output;
   for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_NE(run.result.output.find(strCat("[rank ", rank, "]: tessera-fault-worker: error: ranks disagree on "
+    // Each rank's own message, printed by the launcher from its error file.
+    EXPECT_NE(run.result.output.find(strCat("tessera-run: rank ", rank, " error: tessera-fault-worker: error: ranks disagree on "
                                             "operation #2 of gloo group 'world_cpu' rank ", rank,
                                             " of 3: ranks 0, 1 all_reduce Float x256; rank 2 all_reduce Float x300 "
                                             "(found by diagnostics.check_collectives")),
