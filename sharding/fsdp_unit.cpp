@@ -65,11 +65,18 @@ void FsdpUnit::unshard() {
     sharded_ = ShardedState::kUnsharded;
     return;
   }
-  flat_ = at::empty({layout_->flatNumel()}, masterChunk_.options().dtype(ctx_.paramDtype));
-  at::Tensor chunk = layout_->chunk(flat_, ctx_.shardComm->rank());
-  chunk.copy_(masterChunk_);  // cast to the compute dtype before gathering: half the bytes in bf16
   const trace::Tag tag(traceName());
-  gather_ = ctx_.shardComm->allGatherIntoAsync(flat_, chunk);
+  if (ctx_.shardComm->worldSize() == 1 && ctx_.paramDtype == masterChunk_.scalar_type()) {
+    // One rank in the shard group: the shard is the whole flat parameter. Unpack from it
+    // (the all-gather is then in place), with no buffer to fill first.
+    flat_ = masterChunk_;
+    gather_ = ctx_.shardComm->allGatherIntoAsync(flat_, flat_);
+  } else {
+    flat_ = at::empty({layout_->flatNumel()}, masterChunk_.options().dtype(ctx_.paramDtype));
+    at::Tensor chunk = layout_->chunk(flat_, ctx_.shardComm->rank());
+    chunk.copy_(masterChunk_);  // cast to the compute dtype before gathering: half the bytes in bf16
+    gather_ = ctx_.shardComm->allGatherIntoAsync(flat_, chunk);
+  }
   sharded_ = ShardedState::kUnsharding;
   ctx_.sample();
 }
@@ -160,7 +167,9 @@ ReduceJob FsdpUnit::startReduce() {
     gradLayout_->packAll(job.flat, grads);  // zeros where a gradient is missing
     for (size_t j = 0; j < trainable_.size(); ++j) trainableParam(j).mutable_grad().reset();
   }
-  job.local = at::empty({gradLayout_->chunkNumel()}, options);
+  // One rank in the shard group: the reduce-scatter is in place, the packed gradients are
+  // the shard's (no second buffer and copy).
+  job.local = ctx_.shardComm->worldSize() == 1 ? job.flat : at::empty({gradLayout_->chunkNumel()}, options);
   const trace::Tag tag(traceName());
   job.handle = ctx_.shardComm->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
   reduced_ = true;
