@@ -16,6 +16,7 @@
 #include "common/errors.h"
 #include "distributed/elastic_protocol.h"
 #include "distributed/elastic_rendezvous.h"
+#include "distributed/launcher.h"
 
 namespace tessera::distributed {
 namespace {
@@ -122,25 +123,13 @@ int idleConnection(int port) {
   return fd;
 }
 
-int freePort() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-  socklen_t length = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &length);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 // Eight connections that send nothing and one that sends half a request: each holds its
 // own connection for at most 5 s, while the launcher's join is answered at once (the
 // server used to serve one connection at a time, 5 s each: 45 s here, past the join's
 // 10 s request timeout).
 TEST(ElasticProtocolTest, IdleConnectionsDoNotStallTheServer) {
   ElasticOptions o = options();
-  o.port = freePort();
+  o.port = pickFreePort("127.0.0.1");
   o.maxNodes = 1;
   ElasticRendezvous host(o, 2);
   ASSERT_TRUE(host.hostsServer());
