@@ -216,7 +216,8 @@ int64_t FsdpUnit::reduceBytes() const {
 int64_t FsdpUnit::unshardedBytes() const {
   int64_t bytes = 0;
   for (const dtensor::ShardedParam* p : params_) bytes += static_cast<int64_t>(p->moduleParam.storage().nbytes());
-  if (flat_.defined()) bytes += static_cast<int64_t>(flat_.storage().nbytes());
+  // At world size 1 flat_ may be the shard itself (unshard()): no buffer of its own.
+  if (flat_.defined() && !flat_.is_same(masterChunk_)) bytes += static_cast<int64_t>(flat_.storage().nbytes());
   return bytes;
 }
 
