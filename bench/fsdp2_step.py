@@ -139,6 +139,8 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--trace", default="", help="write a Chrome trace of two steps here (torch.profiler)")
     ap.add_argument("--plain", action="store_true", help="no fully_shard: bf16 autocast over fp32 parameters")
+    ap.add_argument("--offload", action="store_true",
+                    help="CPUOffloadPolicy: sharded fp32 parameters, gradients and AdamW on the host (fused CPU AdamW)")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     device = torch.device(args.device)
@@ -190,10 +192,21 @@ def main():
             torch.cuda.set_device(0)
         fully_shard, MixedPrecisionPolicy = fully_shard_api()
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        extra = {}
+        if args.offload:
+            try:
+                from torch.distributed.fsdp import CPUOffloadPolicy
+            except ImportError:
+                from torch.distributed._composable.fsdp import CPUOffloadPolicy
+            extra["offload_policy"] = CPUOffloadPolicy()
         for block in blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.1)
+            fully_shard(block, mp_policy=policy, **extra)
+        fully_shard(model, mp_policy=policy, **extra)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if args.offload:  # the parameters are on the host now: PyTorch's fused CPU AdamW, its fastest there
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1, fused=True)
+    else:
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -221,7 +234,8 @@ def main():
         if cuda:
             peak = max(peak, torch.cuda.max_memory_allocated())
     ms = sorted(times)[len(times) // 2]
-    name = "plain PyTorch (autocast bf16)" if args.plain else "PyTorch FSDP2 fully_shard"
+    name = ("plain PyTorch (autocast bf16)" if args.plain else
+            "PyTorch FSDP2 fully_shard, CPUOffloadPolicy" if args.offload else "PyTorch FSDP2 fully_shard")
     tflops = flops / (ms * 1e-3) / 1e12
     print(f"{what}: {params} parameters, bf16 compute, fp32 masters, on {args.device}"
           f"{' (' + torch.cuda.get_device_name(0) + ', torch ' + torch.__version__ + ')' if cuda else ''}")
@@ -231,7 +245,7 @@ def main():
           f"MFU {100 * tflops / peak_tflops:.1f}%, peak {peak / 2**30:.2f} GiB)")
     if args.trace and cuda:
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as prof:
             for _ in range(2):
                 step()
             sync()

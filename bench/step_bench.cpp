@@ -7,6 +7,8 @@
 //   plain:   the same model in a LibTorch loop without sharding: a compute-dtype copy of
 //            the model runs forward/backward, its gradients are cast into fp32 masters,
 //            torch::optim::AdamW steps them and the copy is refreshed.
+// and on request: --reshard-last (zero3 freeing the last unit after forward, FSDP2's
+// default) and --offload (zero3 with CPU offload: masters, gradients and AdamW on the host).
 // bench/fsdp2_step.py runs the same model (same names, sizes, batch, dtypes, optimizer)
 // under PyTorch FSDP2's fully_shard + MixedPrecisionPolicy(bf16, fp32).
 //
@@ -240,7 +242,10 @@ Workload ditWorkload(const tessera::models::ModelOptions& m, int64_t image, int6
 void writeTrace(const std::string& path, int steps, const Step& step) {
 #ifdef TESSERA_HAS_KINETO
   namespace profiler = torch::autograd::profiler;
-  const profiler::ProfilerConfig config(profiler::ProfilerState::KINETO, false, false, false, false, false);
+  // profile_memory: every allocation and free, with the allocator's total, so the trace
+  // shows when the step's peak is reached and what ran then.
+  const profiler::ProfilerConfig config(profiler::ProfilerState::KINETO, false, /*profile_memory=*/true, false, false,
+                                        false);
   const std::set<profiler::ActivityType> activities{profiler::ActivityType::CPU, profiler::ActivityType::CUDA};
   profiler::prepareProfiler(config, activities);
   profiler::enableProfiler(config, activities);
@@ -269,7 +274,7 @@ int main(int argc, char** argv) {
   model.classes = 1000;
   int64_t batch = 8, image = 32, channels = 4;
   int steps = 10, warmup = 3;
-  bool shortcut = false;
+  bool shortcut = false, reshardLast = false, offload = false, offloadOnly = false;
   double peakTflops = 0;
   CLI::App app{"Training step: tessera zero3 (world 1) vs a plain LibTorch loop, bf16 compute and fp32 masters"};
   app.add_option("--model", modelName, "gpt or dit")->check(CLI::IsMember({"gpt", "dit"}));
@@ -289,11 +294,18 @@ int main(int argc, char** argv) {
   app.add_option("--dtype", dtype, "Compute dtype (masters are fp32)")->check(CLI::IsMember({"bf16", "fp32"}));
   app.add_option("--reduce-dtype", reduceDtype, "Dtype gradients are reduced in")->check(CLI::IsMember({"bf16", "fp32"}));
   app.add_flag("--shortcut", shortcut, "Answer the world of one locally instead of through NCCL");
+  app.add_flag("--offload", offload, "Also run tessera with CPU offload (fp32 masters, gradient shards and AdamW "
+               "on the host; FullyShardOptions::cpuOffload)");
+  app.add_flag("--offload-only", offloadOnly, "With --offload: run only the plain loop and the offload variant");
+  app.add_flag("--reshard-last", reshardLast, "Also run tessera with the last unit resharded after forward "
+               "(FullyShardOptions::keepLastUnit false, as FSDP2's default)");
   app.add_option("--peak-tflops", peakTflops, "Peak for MFU (default: measured by a matrix-product probe)")
       ->check(CLI::PositiveNumber);
   app.add_option("--trace", trace, "Write a Chrome trace of two tessera steps here (Kineto), and of two plain "
                  "steps beside it (name_plain.json)");
   CLI11_PARSE(app, argc, argv);
+  // Line by line into a log file too: a run stopped by its time limit keeps what it printed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
 
   try {
     gCuda = device == "cuda";
@@ -312,7 +324,8 @@ int main(int argc, char** argv) {
     // Each variant builds its model, measures and frees everything before the next, so a
     // peak is that variant's alone (as in FSDP2's process).
     // tessera: zero3 at world size 1.
-    auto runTessera = [&](const std::string& tracePath) {
+    auto runTessera = [&](const std::string& tracePath, bool keepLastUnit, bool cpuOffload) {
+      const double setUpStart = nowSec();
       std::shared_ptr<torch::nn::Module> sharded = w.build();  // the strategy initialises its shards
       tessera::distributed::CommOptions commOptions;
       commOptions.singleRankShortcut = shortcut;
@@ -325,18 +338,22 @@ int main(int argc, char** argv) {
       options.optimizer.weightDecay = 0.1;
       options.wrap = {w.unitPattern};
       options.initializer = tessera::models::layers::initializerOf(*sharded, 0);
+      options.fullyShard.keepLastUnit = keepLastUnit;
+      options.fullyShard.cpuOffload = cpuOffload;
       auto strategy = tessera::sharding::makeStrategy(*sharded, comm, options);
       const Step step{[&] {
                         strategy->zeroGrad();
                         w.loss(*sharded, true).backward();
                       },
                       [&] { strategy->step(1e-4); }};
+      std::printf("  (set up in %.1f s)\n", nowSec() - setUpStart);
       const Measure m = measure(warmup, steps, step);
       if (!tracePath.empty()) writeTrace(tracePath, 2, step);
       return m;
     };
     // plain: a compute-dtype model, fp32 masters, torch::optim::AdamW.
     auto runPlain = [&](const std::string& tracePath) {
+      const double setUpStart = nowSec();
       std::shared_ptr<torch::nn::Module> plain = w.build();
       tessera::models::initializeModel(*plain, 0);  // the values the strategy's shards start from
       std::vector<at::Tensor> masters;
@@ -358,6 +375,7 @@ int main(int argc, char** argv) {
                         c10::NoGradGuard noGrad;
                         for (size_t i = 0; i < masters.size(); ++i) plainParams[i].copy_(masters[i]);
                       }};
+      std::printf("  (set up in %.1f s)\n", nowSec() - setUpStart);
       const Measure m = measure(warmup, steps, step);
       if (!tracePath.empty()) writeTrace(tracePath, 2, step);
       return m;
@@ -373,36 +391,56 @@ int main(int argc, char** argv) {
     std::printf("model FLOPs per step %.4g (forward + backward); peak %.1f TFLOP/s (%s)\n", w.flopsPerStep, peakTflops,
                 measuredPeak ? (gCuda ? "measured: bf16 8192^3 matrix product" : "measured: fp32 1024^3 matrix product")
                              : "given by --peak-tflops");
-    // Interleaved: plain, tessera, plain, tessera (each variant's best median kept).
-    std::vector<Measure> plainRuns, tesseraRuns;
+    // The variants, interleaved: plain, tessera, [more tessera variants], then again
+    // (each variant's best median kept). The traces are of round 1.
+    struct Variant {
+      std::string name;
+      std::function<Measure(const std::string& tracePath)> run;
+      std::string traceSuffix;  // "": the trace path itself
+      std::vector<Measure> runs;
+    };
+    std::vector<Variant> variants;
+    variants.push_back({"plain LibTorch", runPlain, "_plain", {}});
+    variants.push_back({"tessera zero3", [&](const std::string& t) { return runTessera(t, true, false); }, "", {}});
+    if (reshardLast) {
+      variants.push_back(
+          {"tessera zero3, last unit resharded", [&](const std::string& t) { return runTessera(t, false, false); }, "_reshard_last", {}});
+    }
+    if (offload) {
+      variants.push_back(
+          {"tessera zero3, CPU offload", [&](const std::string& t) { return runTessera(t, true, true); }, "_offload", {}});
+    }
+    if (offloadOnly) variants.erase(variants.begin() + 1, variants.end() - 1);
+    auto tracePathOf = [&](const Variant& v) {
+      if (trace.empty() || v.traceSuffix.empty()) return trace;
+      const size_t dot = trace.rfind('.');
+      return dot == std::string::npos ? trace + v.traceSuffix : trace.substr(0, dot) + v.traceSuffix + trace.substr(dot);
+    };
     for (int round = 0; round < 2; ++round) {
-      std::string plainTrace;
-      if (round == 1 && !trace.empty()) {
-        const size_t dot = trace.rfind('.');
-        plainTrace = dot == std::string::npos ? trace + "_plain" : trace.substr(0, dot) + "_plain" + trace.substr(dot);
-      }
-      plainRuns.push_back(runPlain(plainTrace));
-      tesseraRuns.push_back(runTessera(round == 1 ? trace : std::string()));
-      for (const auto& [name, m] : {std::pair{"plain", plainRuns.back()}, std::pair{"tessera zero3", tesseraRuns.back()}}) {
+      for (Variant& v : variants) {
+        v.runs.push_back(v.run(round == 1 ? tracePathOf(v) : std::string()));
+        const Measure& m = v.runs.back();
         std::printf("round %d: %s %.2f ms (peak %.2f GiB); phases synchronised: forward+backward %.2f ms, update %.2f ms\n",
-                    round, name, m.medianMs, m.peakGiB, m.forwardBackwardMs, m.updateMs);
+                    round, v.name.c_str(), m.medianMs, m.peakGiB, m.forwardBackwardMs, m.updateMs);
       }
     }
     auto best = [](const std::vector<Measure>& runs) {
       return *std::min_element(runs.begin(), runs.end(),
                                [](const Measure& a, const Measure& b) { return a.medianMs < b.medianMs; });
     };
-    const Measure p = best(plainRuns), t = best(tesseraRuns);
-    auto line = [&](const char* name, const Measure& m) {
-      const double tflops = w.flopsPerStep / (m.medianMs * 1e-3) / 1e12;
-      std::printf("step: %s %.2f ms (%.0f %s/s, %.1f TFLOP/s, MFU %.1f%%, peak %.2f GiB)\n", name, m.medianMs,
-                  w.itemsPerStep / m.medianMs * 1e3, w.itemName, tflops, 100.0 * tflops / peakTflops, m.peakGiB);
-    };
     std::printf("\n");
-    line("plain LibTorch", p);
-    line("tessera zero3", t);
-    std::printf("tessera / plain = %.3fx time, %.3fx peak memory\n", t.medianMs / p.medianMs,
-                p.peakGiB > 0 ? t.peakGiB / p.peakGiB : 0.0);
+    const Measure p = best(variants.front().runs);
+    for (const Variant& v : variants) {
+      const Measure m = best(v.runs);
+      const double tflops = w.flopsPerStep / (m.medianMs * 1e-3) / 1e12;
+      std::printf("step: %s %.2f ms (%.0f %s/s, %.1f TFLOP/s, MFU %.1f%%, peak %.2f GiB)\n", v.name.c_str(), m.medianMs,
+                  w.itemsPerStep / m.medianMs * 1e3, w.itemName, tflops, 100.0 * tflops / peakTflops, m.peakGiB);
+    }
+    for (size_t i = 1; i < variants.size(); ++i) {
+      const Measure m = best(variants[i].runs);
+      std::printf("%s / plain = %.3fx time, %.3fx peak memory\n", variants[i].name.c_str(), m.medianMs / p.medianMs,
+                  p.peakGiB > 0 ? m.peakGiB / p.peakGiB : 0.0);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_step_bench: %s\n", e.what());
     return 1;

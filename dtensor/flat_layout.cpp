@@ -98,14 +98,20 @@ void FlatLayout::unpackAll(const at::Tensor& flat, at::TensorList paddedFulls) c
   for (size_t i = 0; i < specs_.size(); ++i) {
     const at::Tensor& out = paddedFulls[i];
     TESSERA_CHECK(out.defined() && out.is_contiguous() && out.numel() == paddedFullNumel(i) &&
-                      out.scalar_type() == flat.scalar_type(),
-                  "FlatLayout::unpackAll: tensor ", i, " must be contiguous ", flat.scalar_type(), " with ",
+                      out.scalar_type() == paddedFulls[0].scalar_type(),
+                  "FlatLayout::unpackAll: tensor ", i, " must be contiguous ", paddedFulls[0].scalar_type(), " with ",
                   paddedFullNumel(i), " elements");
     outs.push_back(out.detach().view({chunks_, specs_[i].paddedNumel()}));
     widths.push_back(specs_[i].paddedNumel());
   }
   c10::NoGradGuard noGrad;
-  at::split_with_sizes_copy_out(outs, flat.view({chunks_, chunkNumel_}), widths, 1);
+  const at::Tensor chunks = flat.view({chunks_, chunkNumel_});
+  if (flat.scalar_type() != paddedFulls[0].scalar_type()) {
+    const std::vector<at::Tensor> pieces = chunks.split_with_sizes(widths, 1);
+    for (size_t i = 0; i < outs.size(); ++i) outs[i].copy_(pieces[i]);
+    return;
+  }
+  at::split_with_sizes_copy_out(outs, chunks, widths, 1);
 }
 
 void FlatLayout::packAll(const at::Tensor& flat, at::TensorList fulls) const {

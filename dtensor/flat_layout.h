@@ -58,7 +58,8 @@ class FlatLayout {
   // so that rank r's shard is rows [r * chunkRows, (r + 1) * chunkRows).
   int64_t paddedFullNumel(size_t i) const { return chunks_ * specs_.at(i).paddedNumel(); }
   // Copies every chunk of `flat` into `paddedFulls[i]` (contiguous, paddedFullNumel(i)
-  // elements, flat's dtype): the full tensor i is then its first globalNumel() elements.
+  // elements, one dtype): the full tensor i is then its first globalNumel() elements. A
+  // flat of another dtype is cast on the way (one cast per tensor).
   void unpackAll(const at::Tensor& flat, at::TensorList paddedFulls) const;
   // packFull for every tensor at once (`fulls[i]` of global shape, or undefined for
   // zeros), cast to flat's dtype. A tensor whose rows do not fill its padded rows is

@@ -7,8 +7,10 @@
 #   scripts/gpu-session.sh build       # scripts/gpu-build.sh (needs .gpu-debs/ carried along);
 #                                      # TESSERA_GPU_TARGETS=all builds everything
 #   scripts/gpu-session.sh step        # bench_step_bench vs plain LibTorch vs FSDP2: GPT-2 small,
-#                                      # DiT-XL/2; Chrome traces into $OUT/traces_{gpt,dit}.tar.gz
+#                                      # DiT-XL/2; Chrome traces with memory events into
+#                                      # $OUT/traces_{gpt,dit}.tar.gz
 #   scripts/gpu-session.sh cuda-test   # the CUDA tests (tests/cuda), required to run
+#   scripts/gpu-session.sh offload     # zero3 with CPU offload vs FSDP2's CPUOffloadPolicy, GPT-2 XL
 #   scripts/gpu-session.sh train       # tessera-train on cuda (nccl) vs cpu, bf16, stop + resume
 #                                      # (needs Fashion-MNIST's t10k files in .gpu-data/)
 #   scripts/gpu-session.sh checkpoint  # checkpoint bench of GPU state, checksums inline vs pipelined
@@ -27,10 +29,11 @@ OUT=${OUT:-gpu-out}
 BUILD_DIR=${TESSERA_BUILD_DIR:-build-gpu}
 BIN=$BUILD_DIR/bin
 PYTHON=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps what it printed
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-570} ))
-[ $# -gt 0 ] || { echo "usage: scripts/gpu-session.sh build|step|cuda-test|train|checkpoint|ema|test ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu-session.sh build|step|offload|cuda-test|train|checkpoint|ema|test ..." >&2; exit 2; }
 
 # Runs "$@" for at most $1 seconds (and never past the deadline), its output appended to
 # the log $2.
@@ -66,21 +69,28 @@ for stage in "$@"; do
     step)
       log=$OUT/step.txt
       mkdir -p /tmp/traces
+      # TESSERA_GPU_TRACES=0: no traces (each costs seconds of device time).
+      tr() { [ "${TESSERA_GPU_TRACES:-1}" = 0 ] || echo "--trace /tmp/traces/$1.json"; }
       # GPT-2 small (124M parameters, context 1024).
       gpt=(--model gpt --embed 768 --layers 12 --heads 12 --context 1024 --batch 16)
-      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${gpt[@]}" --trace /tmp/traces/tessera_gpt.json
-      bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${gpt[@]}" --trace /tmp/traces/fsdp2_gpt.json
+      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${gpt[@]}" $(tr tessera_gpt)
+      bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${gpt[@]}" $(tr fsdp2_gpt)
       # DiT-XL/2 (675M parameters) on 32x32x4 latents (256 tokens), as the DiT paper's 256 px.
       dit=(--model dit --embed 1152 --layers 28 --heads 16 --image 32 --channels 4 --patch 2 --classes 1000 --batch 32)
-      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${dit[@]}" --trace /tmp/traces/tessera_dit.json
-      bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${dit[@]}"
-      # The optimizer as before the fused kernel (nine foreach passes), for the same-call ratio.
-      echo "== TESSERA_ADAM_IMPL=foreach" >> "$log"
-      TESSERA_ADAM_IMPL=foreach bounded 120 "$log" "$BIN/bench_step_bench" --device cuda "${dit[@]}" --steps 5
+      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${dit[@]}" $(tr tessera_dit)
+      bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${dit[@]}" $(tr fsdp2_dit)
       # The traces are drawn off the machine (scripts/trace_timeline.py needs no GPU).
       (cd /tmp/traces && ls ./*gpt*.json >/dev/null 2>&1 && tar czf "$OUT/traces_gpt.tar.gz" ./*gpt*.json)
       (cd /tmp/traces && ls ./*dit*.json >/dev/null 2>&1 && tar czf "$OUT/traces_dit.tar.gz" ./*dit*.json)
       ls -la "$OUT" >> "$log"
+      ;;
+    offload)
+      log=$OUT/offload.txt
+      # GPT-2 XL (1.56B parameters): masters, gradients and AdamW on the host.
+      xl=(--model gpt --embed 1600 --layers 48 --heads 25 --context 1024 --batch 4)
+      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${xl[@]}" --offload --offload-only --steps 3 --warmup 1
+      bounded 120 "$log" "$PYTHON" bench/fsdp2_step.py "${xl[@]}" --offload --steps 3 --warmup 1
+      bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${xl[@]}" --steps 3 --warmup 1
       ;;
     cuda-test)
       TESSERA_EXPECT_CUDA=1 bounded 240 "$OUT/cuda_test.txt" "$BIN/tessera_cuda_tests" --gtest_brief=1
@@ -124,7 +134,7 @@ for stage in "$@"; do
       tail -30 "$OUT/test.txt"
       ;;
     *)
-      echo "gpu-session: unknown stage '$stage' (build, step, cuda-test, train, checkpoint, ema, test)" >&2
+      echo "gpu-session: unknown stage '$stage' (build, step, offload, cuda-test, train, checkpoint, ema, test)" >&2
       exit 2
       ;;
   esac

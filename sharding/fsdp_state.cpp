@@ -156,7 +156,7 @@ void FullyShardState::exitForward(FsdpUnit& u, size_t position, bool grad, const
 void FullyShardState::finishRootForward(bool grad) {
   forwardOrder_ = currentOrder_;
   FsdpUnit* last = forwardOrder_.back();
-  keptUnit_ = !last->isRoot() && last->trainableCount() > 0 ? last : nullptr;
+  keptUnit_ = options_.keepLastUnit && !last->isRoot() && last->trainableCount() > 0 ? last : nullptr;
   // This forward's order differed from the recorded one and kept a unit that is not its
   // last: free it now rather than when its gradients arrive.
   if (grad && options_.reshardAfterForward) reshardKeptUnits(last);

@@ -1,17 +1,16 @@
 // One FSDP unit's lifecycle (see fsdp_unit.h).
 #include "sharding/fsdp_unit.h"
 
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
 
 #include "common/errors.h"
 #include "common/trace.h"
 #include "distributed/communicator.h"
 #include "dtensor/param_init.h"
+#include "sharding/host_offload.h"
 
 namespace tessera::sharding {
-namespace {
-
-}  // namespace
 
 FsdpUnit::FsdpUnit(std::string name, const torch::nn::Module* module, bool isRoot, const UnitContext& context)
     : ctx_(context), name_(std::move(name)), module_(module), isRoot_(isRoot) {}
@@ -34,7 +33,9 @@ void FsdpUnit::setLayout(std::vector<dtensor::ShardSpec> specs, const std::vecto
   }
   layout_ = std::make_unique<dtensor::FlatLayout>(std::move(specs));
   gradLayout_ = std::make_unique<dtensor::FlatLayout>(std::move(gradSpecs));
-  masterChunk_ = at::zeros({layout_->chunkNumel()}, at::TensorOptions().dtype(at::kFloat).device(device));
+  device_ = device;
+  masterChunk_ = at::zeros({layout_->chunkNumel()},
+                           ctx_.offload != nullptr ? ctx_.offload->hostOptions() : deviceOptions(at::kFloat));
   gatherBytes_ = layout_->flatNumel() * static_cast<int64_t>(c10::elementSize(ctx_.paramDtype));
   ready_.assign(trainable_.size(), false);
 }
@@ -48,7 +49,7 @@ void FsdpUnit::adoptRecords(std::vector<dtensor::ShardedParam*> records) {
   c10::NoGradGuard noGrad;
   for (size_t k = 0; k < params_.size(); ++k) {
     const at::Tensor& param = params_[k]->moduleParam;
-    param.set_data(dtensor::deferredTensor(param.sizes().vec(), masterChunk_.options().dtype(ctx_.paramDtype)));
+    param.set_data(dtensor::deferredTensor(param.sizes().vec(), deviceOptions(ctx_.paramDtype)));
     paramBytes_ += static_cast<int64_t>(storageBytes(k));
   }
 }
@@ -59,6 +60,18 @@ size_t FsdpUnit::storageBytes(size_t k) const {
 
 // ---- lifecycle ------------------------------------------------------------------------
 
+void FsdpUnit::growStorages() {
+  for (size_t k = 0; k < params_.size(); ++k) dtensor::setStorageBytes(params_[k]->moduleParam, storageBytes(k));
+  if (!paddedViews_.empty()) return;
+  // Made once the storages have grown (a view may not outgrow its storage); they stay
+  // valid since a storage grows and shrinks in place. Each has its own version counter,
+  // so autograd's saved references to a parameter do not see the copy as a modification.
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const at::Tensor& p = params_[k]->moduleParam;
+    paddedViews_.push_back(at::empty({0}, p.options()).set_(p.storage(), 0, {layout_->paddedFullNumel(k)}, {1}));
+  }
+}
+
 void FsdpUnit::unshard() {
   if (sharded_ != ShardedState::kSharded) return;
   if (params_.empty()) {  // e.g. a root whose children are all units: nothing to gather
@@ -66,15 +79,21 @@ void FsdpUnit::unshard() {
     return;
   }
   const trace::Tag tag(traceName());
-  if (ctx_.shardComm->worldSize() == 1 && ctx_.paramDtype == masterChunk_.scalar_type()) {
-    // One rank in the shard group: the shard is the whole flat parameter. Unpack from it
-    // (the all-gather is then in place), with no buffer to fill first.
-    flat_ = masterChunk_;
-    gather_ = ctx_.shardComm->allGatherIntoAsync(flat_, flat_);
+  HostOffload* offload = ctx_.offload;
+  if (ctx_.shardComm->worldSize() == 1) {
+    // One rank in the shard group: the shard is the whole flat parameter. Cast straight
+    // into the parameters (allocated on the compute stream, which uses them).
+    growStorages();
+    const HostOffload::UploadScope onUpload(offload);
+    layout_->unpackAll(offload != nullptr ? offload->upload(masterChunk_) : masterChunk_, paddedViews_);
+    if (offload != nullptr) uploaded_ = std::make_unique<c10::Event>(offload->markUploaded());
   } else {
-    flat_ = at::empty({layout_->flatNumel()}, masterChunk_.options().dtype(ctx_.paramDtype));
+    flat_ = at::empty({layout_->flatNumel()}, deviceOptions(ctx_.paramDtype));
     at::Tensor chunk = layout_->chunk(flat_, ctx_.shardComm->rank());
-    chunk.copy_(masterChunk_);  // cast to the compute dtype before gathering: half the bytes in bf16
+    const HostOffload::UploadScope onUpload(offload);
+    // Cast to the compute dtype before gathering: half the bytes in bf16. With offload the
+    // gather, issued on the upload stream, waits for the upload.
+    chunk.copy_(offload != nullptr ? offload->upload(masterChunk_) : masterChunk_);
     gather_ = ctx_.shardComm->allGatherIntoAsync(flat_, chunk);
   }
   sharded_ = ShardedState::kUnsharding;
@@ -84,30 +103,30 @@ void FsdpUnit::unshard() {
 void FsdpUnit::waitForUnshard() {
   unshard();
   if (sharded_ != ShardedState::kUnsharding) return;
-  gather_->wait();
-  gather_.reset();
-  for (size_t k = 0; k < params_.size(); ++k) dtensor::setStorageBytes(params_[k]->moduleParam, storageBytes(k));
-  if (paddedViews_.empty()) {
-    // Made once the storages have grown (a view may not outgrow its storage); they stay
-    // valid since a storage grows and shrinks in place. Each has its own version counter,
-    // so autograd's saved references to a parameter do not see the copy as a modification.
-    for (size_t k = 0; k < params_.size(); ++k) {
-      const at::Tensor& p = params_[k]->moduleParam;
-      paddedViews_.push_back(at::empty({0}, p.options()).set_(p.storage(), 0, {layout_->paddedFullNumel(k)}, {1}));
-    }
+  if (gather_) {
+    gather_->wait();
+    gather_.reset();
+    growStorages();
+    layout_->unpackAll(flat_, paddedViews_);
+  } else if (uploaded_) {
+    ctx_.offload->waitOn(*uploaded_);
+    uploaded_.reset();
   }
-  layout_->unpackAll(flat_, paddedViews_);
   sharded_ = ShardedState::kUnsharded;
   ctx_.sample();  // the flat buffer and the full parameters, both alive for this moment
   flat_ = at::Tensor();
 }
 
 void FsdpUnit::reshard() {
-  if (sharded_ == ShardedState::kUnsharding) {
+  if (sharded_ == ShardedState::kUnsharding && gather_) {
     gather_->wait();  // never leave a collective unwaited
     gather_.reset();
     flat_ = at::Tensor();
-  } else if (sharded_ == ShardedState::kUnsharded) {
+  } else if (sharded_ != ShardedState::kSharded) {
+    // Storage the upload may still be writing: the compute stream, which reuses freed
+    // blocks, waits for it first.
+    if (uploaded_) ctx_.offload->waitOn(*uploaded_);
+    uploaded_.reset();
     for (const dtensor::ShardedParam* p : params_) dtensor::setStorageBytes(p->moduleParam, 0);
   }
   sharded_ = ShardedState::kSharded;
@@ -155,7 +174,7 @@ void FsdpUnit::postBackward() {
 }
 
 ReduceJob FsdpUnit::startReduce() {
-  const auto options = masterChunk_.options().dtype(ctx_.reduceDtype);
+  const auto options = deviceOptions(ctx_.reduceDtype);
   ReduceJob job;
   job.unit = this;
   job.flat = at::empty({gradLayout_->flatNumel()}, options);
@@ -181,6 +200,18 @@ void FsdpUnit::finishReduce(ReduceJob& job) {
   // hybrid: the shard group's average, averaged again over the replica groups.
   if (ctx_.replicaComm != nullptr) ctx_.replicaComm->allReduce(job.local, distributed::ReduceOp::kAvg);
   c10::NoGradGuard noGrad;
+  if (ctx_.offload != nullptr) {
+    const at::Tensor reduced = job.local.scalar_type() == at::kFloat ? job.local : job.local.to(at::kFloat);
+    at::Tensor host = at::empty({reduced.numel()}, ctx_.offload->hostOptions());
+    ctx_.offload->download(host, reduced);
+    if (!gradShard_.defined()) {
+      gradShard_ = host;
+    } else {  // accumulating micro-batches: added on the host once it has landed
+      ctx_.offload->finishDownloads();
+      gradShard_.add_(host);
+    }
+    return;
+  }
   if (!gradShard_.defined()) {
     gradShard_ = job.local.scalar_type() == at::kFloat ? job.local : job.local.to(at::kFloat);
   } else {
@@ -216,8 +247,7 @@ int64_t FsdpUnit::reduceBytes() const {
 int64_t FsdpUnit::unshardedBytes() const {
   int64_t bytes = 0;
   for (const dtensor::ShardedParam* p : params_) bytes += static_cast<int64_t>(p->moduleParam.storage().nbytes());
-  // At world size 1 flat_ may be the shard itself (unshard()): no buffer of its own.
-  if (flat_.defined() && !flat_.is_same(masterChunk_)) bytes += static_cast<int64_t>(flat_.storage().nbytes());
+  if (flat_.defined()) bytes += static_cast<int64_t>(flat_.storage().nbytes());
   return bytes;
 }
 

@@ -20,6 +20,9 @@
 #include "dtensor/flat_layout.h"
 #include "dtensor/sharded_param.h"
 
+namespace c10 {
+struct Event;
+}
 namespace torch::nn {
 class Module;
 }
@@ -40,12 +43,15 @@ enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 
 // What every unit of one strategy shares: the groups, the dtypes, and the peak accounting
 // the strategy samples after each gather and copy-out.
+class HostOffload;
+
 struct UnitContext {
   distributed::Communicator* shardComm = nullptr;    // the Shard(0) group
   distributed::Communicator* replicaComm = nullptr;  // hybrid: across replica groups; else null
   at::ScalarType paramDtype = at::kFloat;            // the gathered parameters' dtype
   at::ScalarType reduceDtype = at::kFloat;           // the gradients' dtype on the wire
   std::function<void()> sample;                      // records the bytes held now
+  HostOffload* offload = nullptr;  // CPU offload: masters and gradient shards on the host
 };
 
 // One reduce-scatter of a unit's gradients in flight (InflightCollectives' job).
@@ -64,7 +70,8 @@ class FsdpUnit {
 
   // ---- construction (FullyShardStrategy, in this order) ------------------------------
   // The layout of the unit's members (their specs over the shard group, frozen ones
-  // included; `trainable[k]` for member k) and an fp32 master chunk of zeros on `device`.
+  // included; `trainable[k]` for member k) and an fp32 master chunk of zeros on `device`
+  // (the module's; in host memory with CPU offload).
   void setLayout(std::vector<dtensor::ShardSpec> specs, const std::vector<bool>& trainable, at::Device device);
   // Member k's slot of the master chunk (spec(k).localShape()), for its initial values.
   at::Tensor masterSlot(size_t k) const;
@@ -74,7 +81,9 @@ class FsdpUnit {
 
   // ---- lifecycle ---------------------------------------------------------------------
   // Issues the all-gather of the masters, cast to the compute dtype (kSharded ->
-  // kUnsharding; a unit without parameters is kUnsharded at once). No-op otherwise.
+  // kUnsharding; a unit without parameters is kUnsharded at once). No-op otherwise. With
+  // one rank in the shard group there is nothing to gather: the masters are cast straight
+  // into the parameters' storage (no gather buffer), queued on the device like a gather.
   void unshard();
   // Waits for the gather and copies the full parameters into the module's (regrown)
   // storage: kUnsharded. Gathers now when nothing was issued.
@@ -95,7 +104,9 @@ class FsdpUnit {
   // reduce-scatter (kAvg over the shard group: the one division by N).
   ReduceJob startReduce();
   // The reduce-scatter of `job` completed: (hybrid: averaged over the replica groups)
-  // added into the gradient shard, which accumulates until clearGradients().
+  // added into the gradient shard, which accumulates until clearGradients(). With CPU
+  // offload the shard is copied to the host asynchronously (HostOffload::finishDownloads
+  // before it is read).
   void finishReduce(ReduceJob& job);
   // Back to kIdle for the next backward, every gradient flag cleared.
   void endBackward();
@@ -133,6 +144,7 @@ class FsdpUnit {
   std::vector<dtensor::ShardedParam*> params_;  // slot k of layout_ is params_[k]
   std::unique_ptr<dtensor::FlatLayout> layout_;  // gathered: every member, frozen ones too
   at::Tensor masterChunk_;              // fp32: every member's master, in layout_'s slots
+  at::Device device_ = at::kCPU;        // where the module computes (masterChunk_ too, unless offloaded)
   std::vector<size_t> trainable_;       // slot j of gradLayout_ is params_[trainable_[j]]
   std::unique_ptr<dtensor::FlatLayout> gradLayout_;
   at::Tensor gradShard_;                // fp32 reduced gradients, accumulating
@@ -146,6 +158,12 @@ class FsdpUnit {
   std::vector<at::Tensor> paddedViews_;
   // Bytes of parameter k's storage while gathered: its padded full tensor.
   size_t storageBytes(size_t k) const;
+  // Gives every parameter its gathered storage (paddedViews_ made the first time).
+  void growStorages();
+  at::TensorOptions deviceOptions(at::ScalarType dtype) const { return at::TensorOptions().dtype(dtype).device(device_); }
+  // CPU offload at one rank in the shard group: the upload of the masters into the
+  // parameters, which the compute stream waits for before it reads them.
+  std::unique_ptr<c10::Event> uploaded_;
   std::shared_ptr<distributed::CommHandle> gather_;
   // The timeline (common/trace.h): when this unit's forward or backward compute began
   // (-1: none open), recorded as a span when it ends.

@@ -12,6 +12,7 @@
 #include "distributed/device_mesh.h"
 #include "sharding/fsdp_state.h"
 #include "sharding/fsdp_unit.h"
+#include "sharding/host_offload.h"
 #include "dtensor/param_init.h"
 #include "sharding/unit_discovery.h"
 
@@ -26,11 +27,16 @@ FullyShardStrategy::FullyShardStrategy(torch::nn::Module& module, std::shared_pt
                    fsdp_.prefetch);
   if (kind_ == StrategyKind::kHybrid) setUpHybridGroups();
   checkParameters();
+  if (fsdp_.cpuOffload) {
+    offload_ = std::make_unique<HostOffload>(moduleParams().empty() ? at::Device(at::kCPU)
+                                                                     : moduleParams()[0].tensor.device());
+  }
   UnitContext context;
   context.shardComm = shardComm_.get();
   context.replicaComm = replicaComm_.get();
   context.paramDtype = options_.paramDtype;
   context.reduceDtype = options_.reduceDtype;
+  context.offload = offload_.get();
   state_ = std::make_unique<FullyShardState>(fsdp_, std::move(context));
 
   // Masters first (they read the parameters' values), then the records in
@@ -158,6 +164,7 @@ void FullyShardStrategy::publishParameters() {
 
 void FullyShardStrategy::zeroGrad() {
   state_->drainReductions();
+  if (offload_) offload_->finishDownloads();
   ShardingStrategy::zeroGrad();
   for (const auto& u : state_->units()) u->clearGradients();
 }
@@ -172,6 +179,7 @@ void FullyShardStrategy::withSwappedParameters(const std::function<at::Tensor(co
 
 void FullyShardStrategy::synchronizeGradients() {
   state_->reduceRemaining();
+  if (offload_) offload_->finishDownloads();  // the gradient shards are read on the host from here
   heldGradShards_ = state_->gradShards();
   for (const auto& u : state_->units()) u->exposeGradients();
 }

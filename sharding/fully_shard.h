@@ -38,6 +38,7 @@ namespace tessera::sharding {
 
 class FsdpUnit;
 class FullyShardState;
+class HostOffload;
 
 class FullyShardStrategy final : public ShardingStrategy {
  public:
@@ -45,7 +46,8 @@ class FullyShardStrategy final : public ShardingStrategy {
   // `comm`: broadcasts rank 0's parameters, shards them, frees the full parameters. The
   // module's parameters are on the CPU, or on one CUDA device in a build with CUDA
   // LibTorch. fsdp.shardSize must divide the world size (hybrid; zero3 ignores it): the
-  // ranks form a replicate x shard DeviceMesh.
+  // ranks form a replicate x shard DeviceMesh. fsdp.cpuOffload keeps the masters, the
+  // gradient shards and the optimizer state in host memory (host_offload.h).
   FullyShardStrategy(torch::nn::Module& module, std::shared_ptr<distributed::Communicator> comm,
                      StrategyOptions options, FullyShardOptions fsdp);
   // The same with options.fullyShard.
@@ -111,6 +113,7 @@ class FullyShardStrategy final : public ShardingStrategy {
 
   FullyShardOptions fsdp_;
   std::shared_ptr<distributed::Communicator> replicaComm_;  // hybrid: across replica groups
+  std::unique_ptr<HostOffload> offload_;                    // fsdp_.cpuOffload; else null
   std::unique_ptr<FullyShardState> state_;
 };
 

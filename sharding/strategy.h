@@ -72,6 +72,11 @@ struct FullyShardOptions {
   // Free each unit's full parameters after its forward (ZeRO-3: gather again in backward);
   // false keeps them until the unit's gradients are reduced (fewer bytes sent, more held).
   bool reshardAfterForward = true;
+  // With reshardAfterForward: keep the unit the forward ran last gathered into its backward,
+  // which enters it first (torchtitan's choice for the last block: no second gather of it),
+  // at the cost of holding it while the loss runs; false frees it too (FSDP2's default: the
+  // backward's prefetch gathers it again while the loss's backward runs).
+  bool keepLastUnit = true;
   // Units whose all-gather is issued ahead of use (forward order, then reverse order in
   // backward); 0 = gather each unit only when it is needed.
   int prefetch = 1;
@@ -86,6 +91,11 @@ struct FullyShardOptions {
   // Hybrid (HSDP): shard over groups of `shardSize` consecutive ranks, all-reduce the
   // reduced gradient shards across the replica groups. 0 = the whole world (zero3).
   int shardSize = 0;
+  // CPU offload (FSDP2's CPUOffloadPolicy): fp32 masters, gradient shards and optimizer
+  // state in host memory, the optimizer stepping there; each unit's shard copied to the
+  // device for its gather, its reduced gradients copied back (sharding/host_offload.h).
+  // For models on a GPU; on the CPU the masters are in host memory already.
+  bool cpuOffload = false;
 };
 
 struct StrategyOptions {

@@ -73,6 +73,9 @@ void bindShardingKeys(config::ConfigSchema& s, const std::string& p, ModelEntry&
   s.add(p + "min_unit_params", &o.fullyShard.minUnitParams,
         "zero3/hybrid: wrapped modules with fewer parameters stay part of their parent unit (0 = all units)")
       .min(0);
+  s.add(p + "cpu_offload", &o.fullyShard.cpuOffload,
+        "zero3/hybrid: keep fp32 masters, gradient shards and optimizer state in host memory, the optimizer "
+        "stepping there (FSDP2's CPUOffloadPolicy; for run.device cuda)");
   s.add(p + "wrap", &o.wrap,
         "zero3/hybrid: submodules that become units, by name ('layers.*' = each child of layers); "
         "empty = the model's blocks");
@@ -331,6 +334,12 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   if (!e.powerStds.empty() && !m.ema.enabled) k.fail("ema.posthoc.stds", "tracks power-function EMA profiles: needs ema.enabled");
   if (!e.powerStds.empty() && m.ema.snapshotEvery <= 0) {
     k.fail("ema.posthoc.snapshot_every", "must be > 0 when ema.posthoc.stds is set (the snapshots are what is reconstructed)");
+  }
+  const bool fullyShards = m.sharding.strategy == sharding::StrategyKind::kZero3 ||
+                           m.sharding.strategy == sharding::StrategyKind::kHybrid;
+  if (m.sharding.fullyShard.cpuOffload && !fullyShards) {
+    k.fail("sharding.cpu_offload", strCat("needs sharding.strategy zero3 or hybrid, not ",
+                                          enumName(sharding::kStrategyKindNames, m.sharding.strategy)));
   }
   const int shardSize = m.sharding.fullyShard.shardSize;
   if (m.sharding.strategy == sharding::StrategyKind::kHybrid && shardSize > 0 && worldSize % shardSize != 0) {

@@ -367,6 +367,49 @@ INSTANTIATE_TEST_SUITE_P(Zero3, FullyShardParityTest, ::testing::ValuesIn(parity
                                          p.reshardAfterForward ? "_reshard" : "_keep");
                          });
 
+// CPU offload moves the masters and gradient shards to host memory and the copies to
+// their own streams; on the CPU it must train bitwise as without it, whatever the world
+// size, the compute dtype and the gradient accumulation (the copies' order and the
+// accumulation on the host are the same code as on a GPU).
+TEST(FullyShardOffloadTest, HostMastersTrainBitwiseAsWithout) {
+  useOneThread();
+  for (int world : {1, 2, 3}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      RunConfig c;
+      c.model = ModelKind::kTransformer;
+      c.world = world;
+      c.micro = 2;
+      c.steps = 3;
+      c.paramDtype = dtype;
+      const auto without = runSharded(c);
+      c.fsdp.cpuOffload = true;
+      const auto with = runSharded(c);
+      for (int r = 0; r < world; ++r) {
+        const RankRun& a = with[static_cast<size_t>(r)];
+        const RankRun& b = without[static_cast<size_t>(r)];
+        EXPECT_EQ(a.losses, b.losses) << "world " << world << " " << dtype << " rank " << r;
+        for (const auto& [name, value] : b.params) {
+          EXPECT_TRUE(at::equal(a.params.at(name), value)) << "world " << world << " " << dtype << " rank " << r
+                                                            << ": parameter " << name;
+        }
+      }
+    }
+  }
+}
+
+// FSDP2's default for the last unit (freed after its forward, gathered again by the
+// backward's prefetch) trains as keeping it does.
+TEST(FullyShardParityEdgeTest, LastUnitFreedAfterForward) {
+  useOneThread();
+  for (int world : {1, 3}) {
+    RunConfig c;
+    c.model = ModelKind::kTransformer;
+    c.world = world;
+    c.fsdp.keepLastUnit = false;
+    expectParity(c);
+  }
+}
+
 // Every parameter in a wrapped child: the root unit has nothing of its own to gather.
 TEST(FullyShardParityEdgeTest, RootWithoutParametersOfItsOwn) {
   useOneThread();
@@ -903,6 +946,34 @@ TEST(FullyShardMemoryTest, ForwardPeakIsPrefetchPlusOneUnits) {
       });
     }
   }
+}
+
+// One rank in the shard group: the masters are cast straight into the parameters, with
+// no gather buffer and no collective, so a forward holds the root and (prefetch + 1)
+// units' parameters, never a unit twice.
+TEST(FullyShardMemoryTest, OneRankHoldsNoGatherBuffer) {
+  useOneThread();
+  const Data data = makeData(ModelKind::kTransformer, 2, 8);
+  runOnRanks(1, [&](RankContext& ctx) {
+    AnyModel m = buildModel(ModelKind::kTransformer);
+    StrategyOptions o;
+    o.wrap = m.units;
+    o.strategy = sharding::StrategyKind::kZero3;
+    o.paramDtype = at::kBFloat16;
+    FullyShardStrategy engine(*m.module, ctx.comm(), o, FullyShardOptions{});
+    const size_t root = engine.unitCount() - 1;
+    int64_t maxUnit = 0;
+    for (size_t u = 0; u < root; ++u) maxUnit = std::max(maxUnit, engine.unitParamBytes(u));
+    for (int t = 0; t < 2; ++t) {
+      engine.zeroGrad();
+      engine.resetPeak();
+      ctx.comm()->resetStats();
+      m.loss(data.x[t], data.y[t]).backward();
+      EXPECT_LE(engine.peakUnshardedParamBytes(), engine.unitParamBytes(root) + 2 * maxUnit) << "step " << t;
+      EXPECT_EQ(ctx.comm()->stats()[distributed::CommOp::kAllGather].calls, 0) << "step " << t;
+      engine.step(1e-3);
+    }
+  });
 }
 
 struct StepMeasure {

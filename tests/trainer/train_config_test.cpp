@@ -84,6 +84,20 @@ TEST(TrainConfigTest, KeysLandInTheLibrarysOptionStructs) {
   EXPECT_NE(loaded.resolvedYaml.find("lr_scale: {head.*: 2.5}"), std::string::npos) << loaded.resolvedYaml;
 }
 
+// sharding.cpu_offload lands in FullyShardOptions; it is zero3/hybrid's, and with another
+// strategy the error names the key and the strategy.
+TEST(TrainConfigTest, CpuOffloadIsForFullySharding) {
+  const auto loaded = loadTrainConfig(kConfigs + "/default.yaml", {"sharding.strategy=zero3", "sharding.cpu_offload=true"}, 2);
+  EXPECT_TRUE(loaded.config.models.front().sharding.fullyShard.cpuOffload);
+  try {
+    loadTrainConfig(kConfigs + "/default.yaml", {"sharding.strategy=zero2", "sharding.cpu_offload=true"}, 2);
+    FAIL() << "cpu_offload with zero2 was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("sharding.cpu_offload"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("zero2"), std::string::npos) << e.what();
+  }
+}
+
 // checkpoint.* and diagnostics.* bind into the checkpointer's and the runtime's options,
 // with the trainer's defaults where they differ; a timeout is written in seconds and held
 // as milliseconds, and prints back as written.
