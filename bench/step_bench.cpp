@@ -186,11 +186,14 @@ Workload gptWorkload(const tessera::models::ModelOptions& m, int64_t batch, cons
   auto sharded = w.build();
   const auto tokens = at::randint(m.vocab_size, {batch, m.context}, at::TensorOptions().dtype(at::kLong).device(dev));
   const auto targets = at::randint(m.vocab_size, {batch, m.context}, tokens.options());
+  // The loss outside the root unit, as bench/fsdp2_step.py computes it outside the model
+  // FSDP2 wraps: the root's pre-backward then runs when the logits' gradient is ready.
   w.loss = [tokens, targets](torch::nn::Module& model, bool isSharded) {
     auto& gpt = dynamic_cast<Gpt&>(model);
-    if (!isSharded) return crossEntropy(gpt.forward(tokens), targets);
-    return tessera::sharding::unitForward(model, tokens,
-                                          [&gpt, targets](const at::Tensor& in) { return crossEntropy(gpt.forward(in), targets); });
+    const at::Tensor logits =
+        isSharded ? tessera::sharding::unitForward(model, tokens, [&gpt](const at::Tensor& in) { return gpt.forward(in); })
+                  : gpt.forward(tokens);
+    return crossEntropy(logits, targets);
   };
   const int64_t matmulParams = paramsNamed(*sharded, {"h.", "lm_head"});
   const double perToken = 6.0 * static_cast<double>(matmulParams) + 6.0 * m.layers * m.context * m.embed_dim;
@@ -218,8 +221,9 @@ Workload ditWorkload(const tessera::models::ModelOptions& m, int64_t image, int6
   const at::Tensor y = at::randint(m.classes + 1, {batch}, i64);
   w.loss = [x, noise, t, y](torch::nn::Module& model, bool isSharded) {
     auto& dit = dynamic_cast<DiT&>(model);
-    auto mse = [&dit, noise, t, y](const at::Tensor& in) { return (dit.forward(in, t, y).to(at::kFloat) - noise).square().mean(); };
-    return isSharded ? tessera::sharding::unitForward(model, x, mse) : mse(x);
+    auto denoise = [&dit, t, y](const at::Tensor& in) { return dit.forward(in, t, y); };
+    const at::Tensor out = isSharded ? tessera::sharding::unitForward(model, x, denoise) : denoise(x);
+    return (out.to(at::kFloat) - noise).square().mean();
   };
   const double tokens = static_cast<double>((image / m.patch_size) * (image / m.patch_size));
   const int64_t perToken =

@@ -132,7 +132,9 @@ void FullyShardState::enterForward(FsdpUnit& u, size_t position) {
   u.preForward();
   if (position >= forwardOrder_.size() || forwardOrder_[position] != &u) return;
   const size_t last = std::min(forwardOrder_.size() - 1, position + static_cast<size_t>(options_.prefetch));
-  for (size_t j = position + 1; j <= last; ++j) forwardOrder_[j]->unshard();
+  for (size_t j = position + 1; j <= last; ++j) {
+    if (!forwardOrder_[j]->gatherIsFree()) forwardOrder_[j]->unshard();
+  }
 }
 
 // Reshards the unit unless its backward follows at once: the root (FSDP2 keeps it too),
@@ -156,7 +158,9 @@ void FullyShardState::exitForward(FsdpUnit& u, size_t position, bool grad, const
 void FullyShardState::finishRootForward(bool grad) {
   forwardOrder_ = currentOrder_;
   FsdpUnit* last = forwardOrder_.back();
-  keptUnit_ = options_.keepLastUnit && !last->isRoot() && last->trainableCount() > 0 ? last : nullptr;
+  keptUnit_ = options_.keepLastUnit && !last->isRoot() && last->trainableCount() > 0 && !last->gatherIsFree()
+                  ? last
+                  : nullptr;
   // This forward's order differed from the recorded one and kept a unit that is not its
   // last: free it now rather than when its gradients arrive.
   if (grad && options_.reshardAfterForward) reshardKeptUnits(last);
@@ -190,7 +194,7 @@ void FullyShardState::preBackward(FsdpUnit& u) {
   for (FsdpUnit* next : backwardOrder_) {
     if (issued >= options_.prefetch) break;
     if (next == &u || inBackward(*next)) continue;
-    next->unshard();
+    if (!next->gatherIsFree()) next->unshard();
     ++issued;
   }
 }

@@ -72,6 +72,8 @@ void FsdpUnit::growStorages() {
   }
 }
 
+bool FsdpUnit::gatherIsFree() const { return ctx_.shardComm->worldSize() == 1 && ctx_.offload == nullptr; }
+
 void FsdpUnit::unshard() {
   if (sharded_ != ShardedState::kSharded) return;
   if (params_.empty()) {  // e.g. a root whose children are all units: nothing to gather

@@ -85,6 +85,11 @@ class FsdpUnit {
   // one rank in the shard group there is nothing to gather: the masters are cast straight
   // into the parameters' storage (no gather buffer), queued on the device like a gather.
   void unshard();
+  // Whether gathering this unit hides nothing: one rank in the shard group and no upload
+  // (the "gather" is a cast queued in stream order). Such a unit is neither prefetched nor
+  // kept from its forward into its backward: it would only be held earlier and longer
+  // (FSDP2 at one rank likewise materialises a unit only when it runs).
+  bool gatherIsFree() const;
   // Waits for the gather and copies the full parameters into the module's (regrown)
   // storage: kUnsharded. Gathers now when nothing was issued.
   void waitForUnshard();

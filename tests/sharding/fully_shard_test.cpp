@@ -949,31 +949,52 @@ TEST(FullyShardMemoryTest, ForwardPeakIsPrefetchPlusOneUnits) {
 }
 
 // One rank in the shard group: the masters are cast straight into the parameters, with
-// no gather buffer and no collective, so a forward holds the root and (prefetch + 1)
-// units' parameters, never a unit twice.
-TEST(FullyShardMemoryTest, OneRankHoldsNoGatherBuffer) {
+// no gather buffer and no collective, and since such a "gather" hides nothing no unit is
+// prefetched or kept from its forward into its backward: a forward holds the root and one
+// unit at a time (FSDP2 at one rank likewise). With CPU offload the upload is worth
+// hiding: prefetch and the kept unit are back.
+TEST(FullyShardMemoryTest, OneRankHoldsOneUnitAtATime) {
   useOneThread();
   const Data data = makeData(ModelKind::kTransformer, 2, 8);
-  runOnRanks(1, [&](RankContext& ctx) {
-    AnyModel m = buildModel(ModelKind::kTransformer);
-    StrategyOptions o;
-    o.wrap = m.units;
-    o.strategy = sharding::StrategyKind::kZero3;
-    o.paramDtype = at::kBFloat16;
-    FullyShardStrategy engine(*m.module, ctx.comm(), o, FullyShardOptions{});
-    const size_t root = engine.unitCount() - 1;
-    int64_t maxUnit = 0;
-    for (size_t u = 0; u < root; ++u) maxUnit = std::max(maxUnit, engine.unitParamBytes(u));
-    for (int t = 0; t < 2; ++t) {
-      engine.zeroGrad();
-      engine.resetPeak();
-      ctx.comm()->resetStats();
-      m.loss(data.x[t], data.y[t]).backward();
-      EXPECT_LE(engine.peakUnshardedParamBytes(), engine.unitParamBytes(root) + 2 * maxUnit) << "step " << t;
-      EXPECT_EQ(ctx.comm()->stats()[distributed::CommOp::kAllGather].calls, 0) << "step " << t;
-      engine.step(1e-3);
-    }
-  });
+  for (bool offload : {false, true}) {
+    runOnRanks(1, [&](RankContext& ctx) {
+      AnyModel m = buildModel(ModelKind::kTransformer);
+      StrategyOptions o;
+      o.wrap = m.units;
+      o.strategy = sharding::StrategyKind::kZero3;
+      o.paramDtype = at::kBFloat16;
+      FullyShardOptions f;
+      f.cpuOffload = offload;
+      FullyShardStrategy engine(*m.module, ctx.comm(), o, f);
+      const size_t root = engine.unitCount() - 1;
+      int64_t maxUnit = 0, minUnit = INT64_MAX;
+      for (size_t u = 0; u < root; ++u) {
+        maxUnit = std::max(maxUnit, engine.unitParamBytes(u));
+        minUnit = std::min(minUnit, engine.unitParamBytes(u));
+      }
+      for (int t = 0; t < 2; ++t) {
+        engine.zeroGrad();
+        engine.resetPeak();
+        ctx.comm()->resetStats();
+        const at::Tensor loss = m.loss(data.x[t], data.y[t]);
+        const int64_t afterForward = engine.unshardedParamBytes(), forwardPeak = engine.peakUnshardedParamBytes();
+        loss.backward();
+        const int64_t peak = engine.peakUnshardedParamBytes();
+        EXPECT_EQ(ctx.comm()->stats()[distributed::CommOp::kAllGather].calls, 0) << "step " << t;
+        if (!offload) {
+          EXPECT_LE(forwardPeak, engine.unitParamBytes(root) + maxUnit) << "step " << t;
+          EXPECT_EQ(afterForward, engine.unitParamBytes(root)) << "step " << t << ": only the root is kept";
+          // In backward autograd enters the next unit (its outputs' gradient is ready)
+          // before the last parameter gradient of the current one lands: two at a time.
+          EXPECT_LE(peak, engine.unitParamBytes(root) + 2 * maxUnit) << "step " << t;
+        } else if (t == 1) {  // the order is recorded: prefetch and the kept last unit
+          EXPECT_GE(forwardPeak, engine.unitParamBytes(root) + 2 * minUnit);
+          EXPECT_GT(afterForward, engine.unitParamBytes(root));
+        }
+        engine.step(1e-3);
+      }
+    });
+  }
 }
 
 struct StepMeasure {
