@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Compares exported weights: the first file against each other one, tensor by tensor.
 
-    scripts/compare_exports.py REFERENCE.safetensors OTHER.safetensors [...]
+    scripts/compare_exports.py [--max-abs X] REFERENCE.safetensors OTHER.safetensors [...]
 
 For each OTHER prints the largest absolute difference, the tensor it is in, and the largest
-relative difference (||a - b|| / ||b|| per tensor). Exit status 1 when a file is missing or
-the names or shapes differ. Used by scripts/gpu-session.sh (CUDA vs CPU, resumed vs
+relative difference (||a - b|| / ||b|| per tensor). Exit status 1 when a file is missing,
+the names or shapes differ, or (with --max-abs) a difference is above X (0: bitwise equal). Used by scripts/gpu-session.sh (CUDA vs CPU, resumed vs
 uninterrupted); needs only torch (python/tessera_models.py reads the files).
 """
 import os
@@ -16,6 +16,14 @@ from tessera_models import read_safetensors, relative_difference  # noqa: E402
 
 
 def main(argv):
+    max_abs = None
+    if len(argv) > 2 and argv[1] == "--max-abs":
+        try:
+            max_abs = float(argv[2])
+        except ValueError:
+            print(f"--max-abs: '{argv[2]}' is not a number", file=sys.stderr)
+            return 2
+        argv = argv[:1] + argv[3:]
     if len(argv) < 3:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
@@ -42,6 +50,9 @@ def main(argv):
             relative = max(relative, relative_difference(other[name], ref))
         print(f"{path} vs {argv[1]}: max abs difference {worst:.3g} (in {where}), max relative {relative:.3g}, "
               f"{len(reference)} tensors")
+        if max_abs is not None and worst > max_abs:
+            print(f"{path}: differs by more than --max-abs {max_abs:g}")
+            status = 1
     return status
 
 

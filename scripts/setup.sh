@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs every Debian package Tessera's build, tests and main job need.
+# Installs every Debian package Tessera's build, tests and main job need; `--tests` adds
+# those only the test suite uses (./test.sh passes it).
 # Idempotent (installs only what is missing), non-interactive, works as root or via
 # sudo, and downloads nothing but Debian packages.
 set -euo pipefail
@@ -25,6 +26,13 @@ PACKAGES=(
   # golden references and the real torchrun (python3 -m torch.distributed.run)
   python3 python3-torch
 )
+# For the test suite only: a one-node Slurm cluster the Slurm test starts itself.
+TEST_PACKAGES=(slurm-wlm)
+case "${1:-}" in
+  --tests) PACKAGES+=("${TEST_PACKAGES[@]}") ;;
+  "") ;;
+  *) echo "setup: unknown argument '$1' (--tests adds the test suite's packages)" >&2; exit 2 ;;
+esac
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
