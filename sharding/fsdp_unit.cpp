@@ -16,6 +16,8 @@ FsdpUnit::FsdpUnit(std::string name, const torch::nn::Module* module, bool isRoo
     : ctx_(context), name_(std::move(name)), module_(module), isRoot_(isRoot) {}
 
 FsdpUnit::~FsdpUnit() {
+  // An upload still writing the parameters' storage, which the module frees later.
+  if (uploaded_) ctx_.offload->waitOn(*uploaded_);
   if (!gather_) return;
   try {
     gather_->wait();
@@ -36,7 +38,10 @@ void FsdpUnit::setLayout(std::vector<dtensor::ShardSpec> specs, const std::vecto
   device_ = device;
   masterChunk_ = at::zeros({layout_->chunkNumel()},
                            ctx_.offload != nullptr ? ctx_.offload->hostOptions() : deviceOptions(at::kFloat));
-  gatherBytes_ = layout_->flatNumel() * static_cast<int64_t>(c10::elementSize(ctx_.paramDtype));
+  // At one rank the masters are cast straight into the parameters: no flat buffer.
+  gatherBytes_ = ctx_.shardComm->worldSize() == 1
+                     ? 0
+                     : layout_->flatNumel() * static_cast<int64_t>(c10::elementSize(ctx_.paramDtype));
   ready_.assign(trainable_.size(), false);
 }
 
@@ -208,9 +213,8 @@ void FsdpUnit::finishReduce(ReduceJob& job) {
     ctx_.offload->download(host, reduced);
     if (!gradShard_.defined()) {
       gradShard_ = host;
-    } else {  // accumulating micro-batches: added on the host once it has landed
-      ctx_.offload->finishDownloads();
-      gradShard_.add_(host);
+    } else {  // accumulating micro-batches: added on the host once everything has landed
+      pendingHostGrads_.push_back(host);
     }
     return;
   }
@@ -219,6 +223,12 @@ void FsdpUnit::finishReduce(ReduceJob& job) {
   } else {
     gradShard_.add_(job.local);
   }
+}
+
+void FsdpUnit::addPendingGradients() {
+  c10::NoGradGuard noGrad;
+  for (const at::Tensor& g : pendingHostGrads_) gradShard_.add_(g);
+  pendingHostGrads_.clear();
 }
 
 void FsdpUnit::endBackward() {

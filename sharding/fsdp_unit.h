@@ -110,13 +110,20 @@ class FsdpUnit {
   ReduceJob startReduce();
   // The reduce-scatter of `job` completed: (hybrid: averaged over the replica groups)
   // added into the gradient shard, which accumulates until clearGradients(). With CPU
-  // offload the shard is copied to the host asynchronously (HostOffload::finishDownloads
-  // before it is read).
+  // offload the shard is copied to the host asynchronously; a later micro-batch's copy
+  // waits in its own host buffer (adding it would stop the host until the GPU catches up,
+  // in the middle of backward) until addPendingGradients().
   void finishReduce(ReduceJob& job);
+  // CPU offload: adds the micro-batches' downloaded gradients into the shard. Call after
+  // HostOffload::finishCopies().
+  void addPendingGradients();
   // Back to kIdle for the next backward, every gradient flag cleared.
   void endBackward();
   // Drops the gradient shard (zeroGrad).
-  void clearGradients() { gradShard_ = at::Tensor(); }
+  void clearGradients() {
+    gradShard_ = at::Tensor();
+    pendingHostGrads_.clear();
+  }
 
   // ---- what it holds -----------------------------------------------------------------
   const std::string& name() const { return name_; }
@@ -136,7 +143,7 @@ class FsdpUnit {
   // Sets each trainable record's `grad` to its slot of the gradient shard (the step's).
   void exposeGradients() const;
   int64_t paramBytes() const { return paramBytes_; }    // full parameters (padded to whole shards), compute dtype
-  int64_t gatherBytes() const { return gatherBytes_; }  // the flat gather buffer
+  int64_t gatherBytes() const { return gatherBytes_; }  // the flat gather buffer (0 at one rank: none)
   int64_t reduceBytes() const;                          // the flat gradient buffer
   // Storage bytes alive now: full parameters and a gather buffer in flight.
   int64_t unshardedBytes() const;
@@ -153,6 +160,7 @@ class FsdpUnit {
   std::vector<size_t> trainable_;       // slot j of gradLayout_ is params_[trainable_[j]]
   std::unique_ptr<dtensor::FlatLayout> gradLayout_;
   at::Tensor gradShard_;                // fp32 reduced gradients, accumulating
+  std::vector<at::Tensor> pendingHostGrads_;  // CPU offload: later micro-batches' shards, landing
   int64_t paramBytes_ = 0, gatherBytes_ = 0;
 
   ShardedState sharded_ = ShardedState::kSharded;

@@ -160,11 +160,12 @@ void FullyShardStrategy::gatherFullParameters() {
 
 void FullyShardStrategy::publishParameters() {
   for (const auto& u : state_->units()) u->reshard();
+  if (offload_) offload_->finishCopies();  // the host may write the masters from here
 }
 
 void FullyShardStrategy::zeroGrad() {
   state_->drainReductions();
-  if (offload_) offload_->finishDownloads();
+  if (offload_) offload_->finishCopies();
   ShardingStrategy::zeroGrad();
   for (const auto& u : state_->units()) u->clearGradients();
 }
@@ -173,13 +174,33 @@ void FullyShardStrategy::withSwappedParameters(const std::function<at::Tensor(co
                                                const std::function<void()>& fn) {
   std::vector<at::Tensor> masters;
   for (const dtensor::ShardedParam& p : params()) masters.push_back(p.master);
+  if (offload_) offload_->finishCopies();  // the swap writes the masters
+  // fn's gathers may still be uploading the swapped values when it returns or throws: the
+  // restore waits for them.
+  const auto fenced = [&] {
+    struct Fence {
+      HostOffload* offload;
+      ~Fence() {
+        if (offload == nullptr) return;
+        try {
+          offload->finishCopies();
+        } catch (...) {  // already unwinding or failing: the device error surfaces elsewhere
+        }
+      }
+    } fence{offload_.get()};
+    fn();
+  };
   withValuesSwapped(
-      masters, [&](size_t i) { return ownedValue(params()[i]); }, [this] { publishParameters(); }, fn);
+      masters, [&](size_t i) { return ownedValue(params()[i]); }, [this] { publishParameters(); }, fenced);
 }
 
 void FullyShardStrategy::synchronizeGradients() {
   state_->reduceRemaining();
-  if (offload_) offload_->finishDownloads();  // the gradient shards are read on the host from here
+  if (offload_) {
+    // From here the host reads the gradient shards and the optimizer writes the masters.
+    offload_->finishCopies();
+    for (const auto& u : state_->units()) u->addPendingGradients();
+  }
   heldGradShards_ = state_->gradShards();
   for (const auto& u : state_->units()) u->exposeGradients();
 }

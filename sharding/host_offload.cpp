@@ -59,8 +59,11 @@ void HostOffload::download(const at::Tensor& host, const at::Tensor& deviceTenso
   deviceTensor.record_stream(*download_);
 }
 
-void HostOffload::finishDownloads() const {
-  if (usesStreams()) c10::impl::VirtualGuardImpl(device_.type()).synchronizeStream(*download_);
+void HostOffload::finishCopies() const {
+  if (!usesStreams()) return;
+  const c10::impl::VirtualGuardImpl impl(device_.type());
+  impl.synchronizeStream(*upload_);
+  impl.synchronizeStream(*download_);
 }
 
 }  // namespace tessera::sharding

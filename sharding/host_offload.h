@@ -48,10 +48,12 @@ class HostOffload {
 
   // Copies `deviceTensor` into `host` on the download stream, after what the compute
   // stream has queued (the reduction that produced it); `deviceTensor`'s memory is not
-  // reused before the copy has read it. The host tensor is valid after finishDownloads().
+  // reused before the copy has read it. The host tensor is valid after finishCopies().
   void download(const at::Tensor& host, const at::Tensor& deviceTensor) const;
-  // Blocks until every download queued so far has landed.
-  void finishDownloads() const;
+  // Blocks until every copy queued so far, both ways, is done: the host may then read the
+  // downloaded gradients and write the masters (an upload may still be reading them, e.g.
+  // of a unit prefetched and never entered).
+  void finishCopies() const;
 
  private:
   bool usesStreams() const { return !device_.is_cpu(); }

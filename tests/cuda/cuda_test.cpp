@@ -355,7 +355,7 @@ void expectOffloadTrainsAsWithout(const at::Device& dev, const std::function<std
   const at::Tensor tokens = at::randint(m.vocab_size, {3, 2, 4, m.context}, at::TensorOptions().dtype(at::kLong).device(dev));
   const at::Tensor targets = at::randint(m.vocab_size, tokens.sizes(), tokens.options());
   struct Result {
-    std::vector<double> losses;
+    std::vector<at::Tensor> losses;  // read at the end: an item() per step would synchronise away races
     std::map<std::string, at::Tensor> masters;
   };
   auto train = [&](bool offload, at::ScalarType compute) {
@@ -387,7 +387,7 @@ void expectOffloadTrainsAsWithout(const at::Device& dev, const std::function<std
           return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), y.reshape({-1})) / 2;
         });
         loss.backward();
-        r.losses.push_back(loss.item<double>());
+        r.losses.push_back(loss.detach());
       }
       EXPECT_FALSE(engine->step(1e-3).skipped);
     }
@@ -400,7 +400,8 @@ void expectOffloadTrainsAsWithout(const at::Device& dev, const std::function<std
     const double tolerance = compute == at::kFloat ? 1e-4 : 2e-2;
     ASSERT_EQ(without.losses.size(), offloaded.losses.size());
     for (size_t i = 0; i < without.losses.size(); ++i) {
-      EXPECT_NEAR(offloaded.losses[i], without.losses[i], tolerance * std::abs(without.losses[i])) << "micro-step " << i;
+      const double want = without.losses[i].item<double>();
+      EXPECT_NEAR(offloaded.losses[i].item<double>(), want, tolerance * std::abs(want)) << "micro-step " << i;
     }
     for (const auto& [name, want] : without.masters) {
       EXPECT_LT(sharding::testing::relativeError(offloaded.masters.at(name), want), tolerance) << name;
