@@ -86,7 +86,9 @@ for stage in "$@"; do
       ;;
     offload)
       log=$OUT/offload.txt
-      # GPT-2 XL (1.56B parameters): masters, gradients and AdamW on the host.
+      # GPT-2 XL (1.64B parameters with this vocabulary): masters, gradients and AdamW on the
+      # host; against FSDP2 with CPUOffloadPolicy and without (the plain loop would spend
+      # the stage's time initialising the model on the GPU through the host).
       xl=(--model gpt --embed 1600 --layers 48 --heads 25 --context 1024 --batch 4)
       bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${xl[@]}" --offload --offload-only --steps 3 --warmup 1
       bounded 120 "$log" "$PYTHON" bench/fsdp2_step.py "${xl[@]}" --offload --steps 3 --warmup 1
