@@ -87,8 +87,8 @@ for stage in "$@"; do
     offload)
       log=$OUT/offload.txt
       # GPT-2 XL (1.64B parameters with this vocabulary): masters, gradients and AdamW on the
-      # host; against FSDP2 with CPUOffloadPolicy and without (the plain loop would spend
-      # the stage's time initialising the model on the GPU through the host).
+      # host; against FSDP2 with CPUOffloadPolicy and without (no plain loop: it initialises
+      # the model on the GPU through the host, likely what used the stage's 150 s before).
       xl=(--model gpt --embed 1600 --layers 48 --heads 25 --context 1024 --batch 4)
       bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${xl[@]}" --offload --offload-only --steps 3 --warmup 1
       bounded 120 "$log" "$PYTHON" bench/fsdp2_step.py "${xl[@]}" --offload --steps 3 --warmup 1
