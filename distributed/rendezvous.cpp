@@ -45,20 +45,39 @@ void waitForRanks(Store& store, const std::string& key, int rank, int world, std
                         std::string(e.what()).substr(0, std::string(e.what()).find('\n'))));
   };
 
-  const auto deadline = Clock::now() + timeout;
+  const auto start = Clock::now();
+  const auto deadline = start + timeout;
+  // A line now and then while ranks are missing (a node still starting, or gone): silence
+  // for the whole timeout looks like a hang. Not before 5 s: most rendezvous take less.
+  const auto every = std::clamp<std::chrono::milliseconds>(timeout / 5, std::chrono::seconds(5), std::chrono::seconds(30));
+  auto nextLine = start + every;
+  const auto missingRanks = [&] {
+    std::vector<int> missing;
+    for (int r = 0; r < world; ++r) {
+      if (!store.check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
+    }
+    return missing;
+  };
   auto pause = std::chrono::milliseconds(1);
   try {
     store.set(keys[static_cast<size_t>(rank)], "1");
     while (!store.check(keys)) {
-      if (Clock::now() < deadline) {
+      const auto now = Clock::now();
+      if (now < deadline) {
+        if (now >= nextLine) {
+          const std::vector<int> missing = missingRanks();
+          TLOG_WARN("rendezvous: rank " << rank << " has waited "
+                    << formatDuration(std::chrono::duration_cast<std::chrono::milliseconds>(now - start)) << " for "
+                    << (missing.size() == 1 ? "rank " : "ranks ")
+                    << (missing.size() == 1 ? std::to_string(missing[0]) : rankList(missing)) << " of " << world
+                    << " at " << store.address() << " (timeout " << formatDuration(timeout) << ")");
+          nextLine += every;
+        }
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::milliseconds(20));
         continue;
       }
-      std::vector<int> missing;
-      for (int r = 0; r < world; ++r) {
-        if (!store.check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
-      }
+      const std::vector<int> missing = missingRanks();
       if (missing.empty()) return;  // the last one arrived just now
       const std::string message =
           strCat("rendezvous: waited ", formatDuration(timeout), " for ", missing.size() == 1 ? "rank " : "ranks ",

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "common/logging.h"
 #include "distributed/store_impl.h"
 
 namespace tessera::distributed {
@@ -177,15 +178,30 @@ void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds
   // its reply in flight on the socket, and the message names nothing.
   const auto start = Clock::now();
   const auto deadline = start + timeout;
+  // A line now and then while keys are missing: silence for the whole timeout looks like a
+  // hang. Not before 5 s: most waits take less.
+  const auto every = std::clamp<std::chrono::milliseconds>(timeout / 5, std::chrono::seconds(5), std::chrono::seconds(30));
+  auto nextLine = start + every;
+  const auto missingKeys = [&] {
+    std::vector<std::string> missing;
+    for (const auto& key : keys) {
+      if (!impl_->store->check({key})) missing.push_back(key);
+    }
+    return missing;
+  };
   auto pause = std::chrono::milliseconds(1);
   while (!impl_->store->check(keys)) {
-    if (Clock::now() >= deadline) {
-      std::vector<std::string> missing;
-      for (const auto& key : keys) {
-        if (!impl_->store->check({key})) missing.push_back(key);
-      }
-      throw TimeoutError(strCat("Store::wait: waited ", formatDuration(timeout), " for keys ", joinKeys(missing),
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      throw TimeoutError(strCat("Store::wait: waited ", formatDuration(timeout), " for keys ", joinKeys(missingKeys()),
                                 " in store ", impl_->address));
+    }
+    if (now >= nextLine) {
+      TLOG_WARN("Store::wait has waited "
+                << formatDuration(std::chrono::duration_cast<std::chrono::milliseconds>(now - start)) << " for keys "
+                << joinKeys(missingKeys()) << " in store " << impl_->address << " (timeout " << formatDuration(timeout)
+                << ")");
+      nextLine += every;
     }
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(20));

@@ -73,6 +73,38 @@ TEST(StoreTest, WaitTimesOutNamingTheMissingKeys) {
   EXPECT_LT(secondsSince(start), 2.0);
 }
 
+// A long wait says now and then what it waits for (every timeout/5, at least 5 s), so a
+// rank waiting on a stopped or slow one is not silent for the whole timeout.
+TEST(StoreTest, ALongWaitSaysWhatItWaitsFor) {
+  auto store = Store::createInProcess();
+  testing::internal::CaptureStderr();
+  std::thread late([&store] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5500));
+    store->set("late", "1");
+  });
+  store->wait({"late"}, std::chrono::seconds(20));
+  late.join();
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("Store::wait has waited 5"), std::string::npos) << err;
+  EXPECT_NE(err.find("for keys [late]"), std::string::npos) << err;
+  EXPECT_NE(err.find("(timeout 20 s)"), std::string::npos) << err;
+}
+
+// The rendezvous likewise names the ranks it still waits for.
+TEST(RendezvousTest, ALongWaitNamesTheMissingRanks) {
+  auto store = Store::createInProcess();
+  testing::internal::CaptureStderr();
+  std::thread late([&store] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5500));
+    waitForRanks(*store, "rdzv", 1, 2, std::chrono::seconds(20));
+  });
+  waitForRanks(*store, "rdzv", 0, 2, std::chrono::seconds(20));
+  late.join();
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("rendezvous: rank 0 has waited 5"), std::string::npos) << err;
+  EXPECT_NE(err.find("for rank 1 of 2"), std::string::npos) << err;
+}
+
 TEST(StoreTest, TcpServerOnPortZeroAndClients) {
   auto server = Store::createTcp("127.0.0.1", 0, /*isServer=*/true, std::chrono::seconds(5));
   ASSERT_GT(server->port(), 0);
