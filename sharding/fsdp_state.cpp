@@ -132,9 +132,7 @@ void FullyShardState::enterForward(FsdpUnit& u, size_t position) {
   u.preForward();
   if (position >= forwardOrder_.size() || forwardOrder_[position] != &u) return;
   const size_t last = std::min(forwardOrder_.size() - 1, position + static_cast<size_t>(options_.prefetch));
-  for (size_t j = position + 1; j <= last; ++j) {
-    if (!forwardOrder_[j]->gatherIsFree()) forwardOrder_[j]->unshard();
-  }
+  for (size_t j = position + 1; j <= last; ++j) forwardOrder_[j]->prefetch();
 }
 
 // Reshards the unit unless its backward follows at once: the root (FSDP2 keeps it too),
@@ -194,7 +192,7 @@ void FullyShardState::preBackward(FsdpUnit& u) {
   for (FsdpUnit* next : backwardOrder_) {
     if (issued >= options_.prefetch) break;
     if (next == &u || inBackward(*next)) continue;
-    if (!next->gatherIsFree()) next->unshard();
+    next->prefetch();
     ++issued;
   }
 }

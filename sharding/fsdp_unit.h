@@ -90,6 +90,11 @@ class FsdpUnit {
   // kept from its forward into its backward: it would only be held earlier and longer
   // (FSDP2 at one rank likewise materialises a unit only when it runs).
   bool gatherIsFree() const;
+  // A gather issued ahead of use (forward or backward prefetch): unshard(), unless the
+  // gather is free.
+  void prefetch() {
+    if (!gatherIsFree()) unshard();
+  }
   // Waits for the gather and copies the full parameters into the module's (regrown)
   // storage: kUnsharded. Gathers now when nothing was issued.
   void waitForUnshard();
