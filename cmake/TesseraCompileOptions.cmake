@@ -18,6 +18,15 @@ if(TESSERA_SANITIZE)
   add_link_options(${TESSERA_SANITIZE_FLAGS})
 endif()
 
+# For a library whose sources call at::parallel_for: compiled with OpenMP, so that the
+# loops run on LibTorch's intra-op threads (at::get_num_threads(); the same libgomp when
+# LibTorch links the system's) instead of one.
+function(tessera_parallel_loops target)
+  if(TARGET OpenMP::OpenMP_CXX)
+    target_link_libraries(${target} PRIVATE OpenMP::OpenMP_CXX)
+  endif()
+endfunction()
+
 # Applies Tessera's warnings to a target (third-party headers are SYSTEM includes).
 # Installed, the headers live in <prefix>/include/tessera/<folder>/ (nothing of Tessera's
 # lands in <prefix>/include itself): the package's users reach them as "<folder>/x.h",

@@ -42,6 +42,17 @@ find_package(nlohmann_json REQUIRED)
 find_path(XXHASH_INCLUDE_DIR xxhash.h REQUIRED)
 find_library(XXHASH_LIBRARY xxhash REQUIRED)
 find_package(Threads REQUIRED)
+# OpenMP: LibTorch's at::parallel_for is a header template that spreads a loop over
+# LibTorch's OpenMP threads only in code compiled with -fopenmp; elsewhere it runs the
+# whole loop on the calling thread. Tessera's own CPU loops (AdamW, gradient norms, the
+# EMA blend, GELU, per-head products, initialisation) are built with it
+# (tessera_parallel_loops). A fuzzing build (clang, whose libomp-dev the setup does not
+# install) does without: its loops run on one thread.
+if(TESSERA_BUILD_FUZZ)
+  find_package(OpenMP COMPONENTS CXX)
+else()
+  find_package(OpenMP REQUIRED COMPONENTS CXX)
+endif()
 # oneDNN (libdnnl-dev; LibTorch itself links libdnnl): fp32 CPU products at the core's speed
 # (kernels/). Optional: without it they are LibTorch's, through whatever BLAS it loads.
 find_path(TESSERA_ONEDNN_INCLUDE_DIR oneapi/dnnl/dnnl.h)

@@ -221,7 +221,9 @@ class PairwiseReduceScatter final : public WaitOnceHandle {
       sum_ = out_;
     }
     for (at::Tensor& b : buffers_) b = at::empty({chunk}, out_.options());
-    postReceive(1);
+    // One rank (CommOptions::singleRankShortcut off): nothing to receive; its own chunk
+    // is the sum (gloo's TCP pair to itself segfaults on a receive).
+    if (world_ > 1) postReceive(1);
   }
 
   bool isCompleted() override {

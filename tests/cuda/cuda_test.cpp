@@ -404,7 +404,22 @@ void expectOffloadTrainsAsWithout(const at::Device& dev, const std::function<std
       EXPECT_NEAR(offloaded.losses[i].item<double>(), want, tolerance * std::abs(want)) << "micro-step " << i;
     }
     for (const auto& [name, want] : without.masters) {
-      EXPECT_LT(sharding::testing::relativeError(offloaded.masters.at(name), want), tolerance) << name;
+      const at::Tensor& got = offloaded.masters.at(name);
+      if (name.size() >= 16 && name.compare(name.size() - 16, 16, "attn.c_attn.bias") == 0) {
+        // The keys' third of the qkv bias has no gradient (softmax ignores what it adds to
+        // every key alike): what it gets is rounding noise, which AdamW turns into steps of
+        // about lr either way. Seen on an H200, where the two paths round differently:
+        // bounded by the steps, not compared; the queries' and values' thirds are.
+        const int64_t e = m.embed_dim;
+        const at::Tensor diff = (got - want).abs();
+        EXPECT_LE(diff.narrow(0, e, e).max().item<double>(), 2.0 * 1e-3 * static_cast<double>(tokens.size(0))) << name;
+        for (const int64_t part : {int64_t{0}, 2 * e}) {
+          EXPECT_LT(sharding::testing::relativeError(got.narrow(0, part, e), want.narrow(0, part, e)), tolerance)
+              << name << " from " << part;
+        }
+        continue;
+      }
+      EXPECT_LT(sharding::testing::relativeError(got, want), tolerance) << name;
     }
   }
 }

@@ -577,5 +577,34 @@ TEST(CommunicatorTest, FactoryErrors) {
   EXPECT_EQ(comm->stats().totalBytes(), 0) << "a world of one sends nothing";
 }
 
+// One rank with CommOptions::singleRankShortcut off (the step bench measures a GPU run's
+// collectives this way): every collective goes through gloo, the large ones through the
+// point-to-point paths, which have no peer to talk to (a receive from itself segfaulted).
+TEST(CommunicatorTest, OneRankWithoutTheShortcutGoesThroughGloo) {
+  CommOptions options;
+  options.singleRankShortcut = false;
+  auto comm = makeCommunicator("gloo", Store::createInProcess(), 0, 1, options);
+  for (int64_t n : {int64_t{5}, int64_t{3} << 20}) {  // below and above the point-to-point size
+    SCOPED_TRACE(strCat(n, " elements"));
+    const at::Tensor values = at::arange(n, at::kFloat).remainder(1000.0f);
+    at::Tensor out = at::full({n}, -1.0f);
+    comm->reduceScatter(out, values, ReduceOp::kSum);
+    EXPECT_TRUE(out.equal(values));
+    comm->reduceScatter(out, values, ReduceOp::kAvg);
+    EXPECT_TRUE(out.equal(values));
+    at::Tensor gathered = at::full({n}, -1.0f);
+    comm->allGatherInto(gathered, values);
+    EXPECT_TRUE(gathered.equal(values));
+    at::Tensor reduced = values.clone();
+    comm->allReduce(reduced, ReduceOp::kSum);
+    EXPECT_TRUE(reduced.equal(values));
+    const at::Tensor half = values.to(at::kBFloat16);
+    at::Tensor halfOut = at::zeros({n}, at::kBFloat16);
+    comm->reduceScatter(halfOut, half, ReduceOp::kSum);
+    EXPECT_TRUE(halfOut.equal(half));
+  }
+  EXPECT_EQ(comm->stats().totalCalls(), 10);
+}
+
 }  // namespace
 }  // namespace tessera::distributed
