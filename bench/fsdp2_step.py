@@ -242,7 +242,7 @@ def main():
     print(f"model FLOPs per step {flops:.4g}; peak {peak_tflops:.1f} TFLOP/s "
           f"({'given' if args.peak_tflops else 'measured: bf16 8192^3 matrix product'})")
     print(f"step: {name} {ms:.2f} ms ({items / ms * 1e3:.0f} {item_name}/s, {tflops:.1f} TFLOP/s, "
-          f"MFU {100 * tflops / peak_tflops:.1f}%, peak {peak / 2**30:.2f} GiB)")
+          f"MFU {100 * tflops / peak_tflops:.1f}%, peak {peak / 2**30:.2f} GiB = {peak / 2**20:.1f} MiB)")
     if args.trace and cuda:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], profile_memory=True) as prof:

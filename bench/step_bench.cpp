@@ -439,8 +439,9 @@ int main(int argc, char** argv) {
     for (const Variant& v : variants) {
       const Measure m = best(v.runs);
       const double tflops = w.flopsPerStep / (m.medianMs * 1e-3) / 1e12;
-      std::printf("step: %s %.2f ms (%.0f %s/s, %.1f TFLOP/s, MFU %.1f%%, peak %.2f GiB)\n", v.name.c_str(), m.medianMs,
-                  w.itemsPerStep / m.medianMs * 1e3, w.itemName, tflops, 100.0 * tflops / peakTflops, m.peakGiB);
+      std::printf("step: %s %.2f ms (%.0f %s/s, %.1f TFLOP/s, MFU %.1f%%, peak %.2f GiB = %.1f MiB)\n", v.name.c_str(),
+                  m.medianMs, w.itemsPerStep / m.medianMs * 1e3, w.itemName, tflops, 100.0 * tflops / peakTflops, m.peakGiB,
+                  m.peakGiB * 1024.0);
     }
     for (size_t i = 1; i < variants.size(); ++i) {
       const Measure m = best(variants[i].runs);
