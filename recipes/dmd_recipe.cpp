@@ -6,17 +6,23 @@
 #include <torch/utils.h>
 
 #include <cmath>
+#include <filesystem>
+#include <optional>
 #include <numeric>
 
 #include "common/counter_rng.h"
+#include "common/enum_names.h"
 #include "common/errors.h"
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
 #include "sharding/fully_shard.h"
 #include "models/diffusion.h"
 #include "recipes/dmd_options.h"
+#include "recipes/dmd_pairs.h"
 #include "recipes/recipe_steps.h"
 #include "recipes/recipes.h"
+#include "sharding/mixed_precision.h"
+#include "trainer/model_metadata.h"
 #include "trainer/run_setup.h"
 #include "models/sampling.h"
 
@@ -343,8 +349,30 @@ class DmdRecipe : public trainer::Recipe {
   // The pairs of the regression loss: recipe.regression_pairs noises (fixed by run.seed)
   // and the teacher's DDIM samples of them, made on every rank alike (the teacher's
   // forwards are collective under zero3). A resumed run makes the same pairs.
+  // They are kept in <run.dir>/cache (dmd_pairs.h): a resume or restart reads them.
   void makePairs() {
     torch::NoGradGuard noGrad;
+    DmdPairsKeyParts parts;
+    parts.teacherModelJson = trainer::modelMetadataJson(teacher_.cfg.model, run_.data->spec());
+    parts.teacherInitFrom = teacher_.cfg.model.init_from.value_or("");
+    parts.teacherTrainable = teacher_.cfg.trainable;
+    parts.computeDtype = enumName(sharding::kFloatDtypeNames, teacher_.cfg.sharding.paramDtype);
+    parts.device = run_.device.str();
+    parts.seed = run_.cfg.run.seed;
+    parts.pairs = options_.regression_pairs;
+    parts.pairSteps = options_.pair_steps;
+    parts.guidance = options_.guidance;
+    parts.sampleShape = generatorNet_.sampleShape();
+    parts.classes = generatorNet_.classes();
+    const std::string key = dmdPairsKey(parts);
+    const std::filesystem::path cache = dmdPairsCachePath(run_.runDir);
+    if (std::optional<DmdPairs> cached = loadDmdPairs(cache, key, options_.regression_pairs, parts.sampleShape,
+                                                      parts.classes > 0, *run_.hostComm)) {
+      pairNoise_ = cached->noise;
+      pairSamples_ = cached->samples;
+      pairLabels_ = cached->labels;
+      return;
+    }
     std::vector<int64_t> all(static_cast<size_t>(options_.regression_pairs));
     std::iota(all.begin(), all.end(), 0);
     const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, -3, all);
@@ -353,6 +381,7 @@ class DmdRecipe : public trainer::Recipe {
     pairSamples_ = models::sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), options_.pair_steps,
                               models::guidedNoise(teacherNet_, onDevice(pairLabels_, run_.device), options_.guidance))
                        .cpu();
+    storeDmdPairs(cache, key, {pairNoise_, pairSamples_, pairLabels_}, run_.comm->rank());
   }
 
   // The teacher's noise-prediction loss on 1024 samples of the generator as it

@@ -114,8 +114,9 @@ std::vector<std::string> missingExports(RunParts& run) {
   return out;
 }
 
-// Installs the stop handlers for the train loop and restores the previous ones after it
-// (a second signal during the final save or the exports gets the default treatment).
+// Installs the stop handlers for a whole run (set-up, train loop, final save, exports) and
+// restores the previous ones after it. A first signal during the final save or the exports
+// lets them finish; a second one gets the default treatment, as during training.
 // The handler runs on an alternate stack of its own, never on the interrupted thread's:
 // with the CPU products in oneDNN's JIT code (kernels/), a Ctrl-C under load was followed by
 // glibc's "corrupted size vs. prev_size" in a free inside libdnnl (5 stops in 60; none in 74
@@ -449,6 +450,10 @@ Trainer::Trainer(TrainConfig config, std::string resolvedYaml, std::shared_ptr<d
 Trainer::~Trainer() = default;
 
 TrainSummary Trainer::run() {
+  // SIGTERM/SIGINT stop after the current step, with a checkpoint. Installed before the
+  // set-up (data, model, checkpoint load, the MFU probe: seconds on large models), so that
+  // a preemption then is a clean stop after the first step too, not the process's end.
+  StopSignals signals;
   std::unique_ptr<RunParts> run = setUpRun(state_->config, state_->resolvedYaml, state_->comm);
   if (run->startStep > 0 && run->startStep == run->cfg.run.steps) {
     TrainSummary summary;
@@ -466,14 +471,11 @@ TrainSummary Trainer::run() {
   TrainLoop loop(*run);
   int64_t done = run->startStep;
   bool stopped = false;
-  {
-    StopSignals signals;  // SIGTERM/SIGINT: stop after the current step, with a checkpoint
-    while (done < run->cfg.run.steps && !stopped) {
-      const StepOutcome outcome = loop.trainStep(done);
-      ++done;
-      loop.periodicActions(done, outcome);
-      stopped = loop.stopsAfter(done, outcome);
-    }
+  while (done < run->cfg.run.steps && !stopped) {
+    const StepOutcome outcome = loop.trainStep(done);
+    ++done;
+    loop.periodicActions(done, outcome);
+    stopped = loop.stopsAfter(done, outcome);
   }
   return loop.finish(done, stopped);
 }

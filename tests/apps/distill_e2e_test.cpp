@@ -194,6 +194,9 @@ TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) 
       mustRun(launch(3) + smallDistill(teacher, resumed) + criticEma + strategies("zero2", "zero3", "zero1"));
   EXPECT_NE(out.find("resumed from " + resumed + "/checkpoints/step_00000003"), std::string::npos) << out;
   EXPECT_NE(out.find("now 3 ranks with generator:zero2 critic:zero3 teacher:zero1"), std::string::npos) << out;
+  // The regression pairs come from the run's cache, made by the 4 ranks (not sampled again).
+  EXPECT_NE(out.find("dmd: 64 regression pairs read from " + resumed + "/cache/dmd_pairs.safetensors"),
+            std::string::npos) << out;
   expectSameMetrics(whole, resumed);
   for (const std::string name : {"generator_ema", "generator", "critic", "critic_ema"}) {
     expectSameWeights(whole + "/export/" + name + ".safetensors", resumed + "/export/" + name + ".safetensors", 1e-6);
@@ -218,6 +221,35 @@ TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) 
   EXPECT_NE(info.find("ema          critic_ema  34 tensors, 472.3 KiB; of critic"), std::string::npos) << info;
   EXPECT_EQ(info.find("of teacher"), std::string::npos) << info;
   EXPECT_NE(info.find("ema          generator_ema"), std::string::npos) << info;
+}
+
+// The regression pairs are sampled once and kept in <run.dir>/cache: a resume reads them
+// and trains as the uninterrupted run; a damaged cache file is named and replaced; a cache
+// made with other recipe settings is not used.
+TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
+  const std::string teacher = smallTeacher();
+  const std::string whole = scratch("uncached"), dir = scratch("cached");
+  const std::string cache = dir + "/cache/dmd_pairs.safetensors";
+  mustRun(launch(1) + smallDistill(teacher, whole));
+  std::string out = mustRun(launch(1) + smallDistill(teacher, dir) + " --set run.stop_after_steps=2");
+  EXPECT_EQ(out.find("regression pairs read from"), std::string::npos) << out;
+  ASSERT_TRUE(fs::is_regular_file(cache)) << out;
+
+  fs::resize_file(cache, fs::file_size(cache) / 2);  // damaged
+  out = mustRun(launch(1) + smallDistill(teacher, dir) + " --set run.stop_after_steps=2");  // to step 4
+  EXPECT_NE(out.find("dmd: the cached regression pairs " + cache + " are not used ("), std::string::npos) << out;
+  EXPECT_NE(out.find("sampling them again"), std::string::npos) << out;
+
+  out = mustRun(launch(1) + smallDistill(teacher, dir));  // sampled again and kept: read now
+  EXPECT_NE(out.find("dmd: 64 regression pairs read from " + cache), std::string::npos) << out;
+  expectSameMetrics(whole, dir);
+  expectSameWeights(whole + "/export/generator_ema.safetensors", dir + "/export/generator_ema.safetensors", 1e-7);
+
+  const std::string other = scratch("other_steps");
+  fs::create_directories(other + "/cache");
+  fs::copy_file(cache, other + "/cache/dmd_pairs.safetensors");
+  out = mustRun(launch(1) + smallDistill(teacher, other) + " --set recipe.pair_steps=8");
+  EXPECT_NE(out.find("made for another teacher or other recipe settings"), std::string::npos) << out;
 }
 
 // A single-model run's checkpoint as earlier versions wrote it — format 2, with flat
