@@ -278,7 +278,8 @@ int main(int argc, char** argv) {
   model.classes = 1000;
   int64_t batch = 8, image = 32, channels = 4;
   int steps = 10, warmup = 3;
-  bool shortcut = false, reshardLast = false, offload = false, offloadOnly = false;
+  bool shortcut = false, reshardLast = false, offload = false, offloadOnly = false, noPlain = false;
+  int rounds = 2;
   double peakTflops = 0;
   CLI::App app{"Training step: tessera zero3 (world 1) vs a plain LibTorch loop, bf16 compute and fp32 masters"};
   app.add_option("--model", modelName, "gpt or dit")->check(CLI::IsMember({"gpt", "dit"}));
@@ -303,6 +304,10 @@ int main(int argc, char** argv) {
   app.add_flag("--offload-only", offloadOnly,
                "With --offload: run only the offload variant (for models whose plain loop would spend the run's time "
                "initialising; compare with fsdp2_step.py --offload)");
+  app.add_flag("--no-plain", noPlain,
+               "Leave out the plain LibTorch loop (a model it cannot hold: scripts/gpu-session.sh largest)");
+  app.add_option("--rounds", rounds, "Rounds of the interleaved variants (each builds its model anew)")
+      ->check(CLI::Range(1, 100));
   app.add_flag("--reshard-last", reshardLast, "Also run tessera with the last unit resharded after forward "
                "(FullyShardOptions::keepLastUnit false, as FSDP2's default)");
   app.add_option("--peak-tflops", peakTflops, "Peak for MFU (default: measured by a matrix-product probe)")
@@ -398,7 +403,7 @@ int main(int argc, char** argv) {
                 measuredPeak ? (gCuda ? "measured: bf16 8192^3 matrix product" : "measured: fp32 1024^3 matrix product")
                              : "given by --peak-tflops");
     // The variants, interleaved: plain, tessera, [more tessera variants], then again
-    // (each variant's best median kept). The traces are of round 1.
+    // (each variant's best median kept). The traces are of round 1 (of round 0 with --rounds 1).
     struct Variant {
       std::string name;
       std::function<Measure(const std::string& tracePath)> run;
@@ -417,14 +422,16 @@ int main(int argc, char** argv) {
           {"tessera zero3, CPU offload", [&](const std::string& t) { return runTessera(t, true, true); }, "_offload", {}});
     }
     if (offloadOnly && offload) variants.erase(variants.begin(), variants.end() - 1);
+    const bool hasPlain = variants.front().name == "plain LibTorch" && !noPlain;
+    if (noPlain && variants.front().name == "plain LibTorch") variants.erase(variants.begin());
     auto tracePathOf = [&](const Variant& v) {
       if (trace.empty() || v.traceSuffix.empty()) return trace;
       const size_t dot = trace.rfind('.');
       return dot == std::string::npos ? trace + v.traceSuffix : trace.substr(0, dot) + v.traceSuffix + trace.substr(dot);
     };
-    for (int round = 0; round < 2; ++round) {
+    for (int round = 0; round < rounds; ++round) {
       for (Variant& v : variants) {
-        v.runs.push_back(v.run(round == 1 ? tracePathOf(v) : std::string()));
+        v.runs.push_back(v.run(round == std::min(1, rounds - 1) ? tracePathOf(v) : std::string()));
         const Measure& m = v.runs.back();
         std::printf("round %d: %s %.2f ms (peak %.2f GiB); phases synchronised: forward+backward %.2f ms, update %.2f ms\n",
                     round, v.name.c_str(), m.medianMs, m.peakGiB, m.forwardBackwardMs, m.updateMs);
@@ -443,7 +450,7 @@ int main(int argc, char** argv) {
                   m.medianMs, w.itemsPerStep / m.medianMs * 1e3, w.itemName, tflops, 100.0 * tflops / peakTflops, m.peakGiB,
                   m.peakGiB * 1024.0);
     }
-    for (size_t i = 1; i < variants.size(); ++i) {
+    for (size_t i = 1; hasPlain && i < variants.size(); ++i) {
       const Measure m = best(variants[i].runs);
       std::printf("%s / plain = %.3fx time, %.3fx peak memory\n", variants[i].name.c_str(), m.medianMs / p.medianMs,
                   p.peakGiB > 0 ? m.peakGiB / p.peakGiB : 0.0);

@@ -11,6 +11,7 @@
 #                                      # $OUT/traces_{gpt,dit}.tar.gz
 #   scripts/gpu-session.sh cuda-test   # the CUDA tests (tests/cuda), required to run
 #   scripts/gpu-session.sh offload     # zero3 with CPU offload vs FSDP2's CPUOffloadPolicy, GPT-2 XL
+#   scripts/gpu-session.sh largest     # the largest GPT one step trains, without and with offload
 #   scripts/gpu-session.sh train       # tessera-train on cuda (nccl) vs cpu, bf16, stop + resume
 #                                      # (needs Fashion-MNIST's t10k files in .gpu-data/)
 #   scripts/gpu-session.sh checkpoint  # checkpoint bench of GPU state, checksums inline vs pipelined
@@ -33,7 +34,7 @@ export PYTHONUNBUFFERED=1  # a stage stopped at its limit keeps what it printed
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 DEADLINE=$(( $(date +%s) + ${GPU_SESSION_SECONDS:-570} ))
-[ $# -gt 0 ] || { echo "usage: scripts/gpu-session.sh build|step|offload|cuda-test|train|checkpoint|ema|test ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: scripts/gpu-session.sh build|step|offload|largest|cuda-test|train|checkpoint|ema|test ..." >&2; exit 2; }
 
 # Runs "$@" for at most $1 seconds (and never past the deadline), its output appended to
 # the log $2.
@@ -94,6 +95,25 @@ for stage in "$@"; do
       bounded 120 "$log" "$PYTHON" bench/fsdp2_step.py "${xl[@]}" --offload --steps 3 --warmup 1
       bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${xl[@]}" --steps 3 --warmup 1
       ;;
+    largest)
+      log=$OUT/largest.txt
+      # The largest GPT that trains on this GPU, without and with CPU offload: sizes tried from
+      # the largest down until one step runs (an out-of-memory ends an attempt with exit 1).
+      # Without offload a rank holds ~16 bytes per parameter on the GPU; with it, on the host
+      # (page-locked), so host memory bounds it there. Batch 1 x 1024 tokens.
+      for mode in zero3 offload; do
+        flags=(--steps 1 --warmup 1 --rounds 1)
+        if [ "$mode" = offload ]; then flags+=(--offload --offload-only); else flags+=(--no-plain); fi
+        for size in "4096 40 32" "4096 34 32" "4096 27 32" "4096 20 32" "2560 36 20"; do
+          set -- $size
+          echo "== $mode: embed $1, $2 layers" >> "$log"
+          before=$(wc -l < "$log")
+          bounded 150 "$log" "$BIN/bench_step_bench" --device cuda --model gpt --embed "$1" --layers "$2" --heads "$3" \
+            --context 1024 --batch 1 "${flags[@]}"
+          tail -n +"$before" "$log" | grep -q "^step: " && break
+        done
+      done
+      ;;
     cuda-test)
       TESSERA_EXPECT_CUDA=1 bounded 240 "$OUT/cuda_test.txt" "$BIN/tessera_cuda_tests" --gtest_brief=1
       tail -5 "$OUT/cuda_test.txt"
@@ -136,7 +156,7 @@ for stage in "$@"; do
       tail -30 "$OUT/test.txt"
       ;;
     *)
-      echo "gpu-session: unknown stage '$stage' (build, step, offload, cuda-test, train, checkpoint, ema, test)" >&2
+      echo "gpu-session: unknown stage '$stage' (build, step, offload, largest, cuda-test, train, checkpoint, ema, test)" >&2
       exit 2
       ;;
   esac
