@@ -19,10 +19,14 @@ if(TESSERA_SANITIZE)
 endif()
 
 # For a library whose sources call at::parallel_for: compiled with OpenMP, so that the
-# loops run on LibTorch's intra-op threads (at::get_num_threads(); the same libgomp when
-# LibTorch links the system's) instead of one.
+# loops run on LibTorch's intra-op threads (at::get_num_threads(), through the libgomp
+# LibTorch itself loads) instead of one.
 function(tessera_parallel_loops target)
-  if(TARGET OpenMP::OpenMP_CXX)
+  if(TARGET OpenMP::OpenMP_CXX AND TESSERA_TORCH_GOMP)
+    # Compiled for OpenMP, linked to the libgomp LibTorch loads (its GOMP_* symbols).
+    target_compile_options(${target} PRIVATE ${OpenMP_CXX_FLAGS})
+    target_link_libraries(${target} PRIVATE ${TESSERA_TORCH_GOMP})
+  elseif(TARGET OpenMP::OpenMP_CXX)
     target_link_libraries(${target} PRIVATE OpenMP::OpenMP_CXX)
   endif()
 endfunction()

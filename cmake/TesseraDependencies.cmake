@@ -53,6 +53,14 @@ if(TESSERA_BUILD_FUZZ)
 else()
   find_package(OpenMP REQUIRED COMPONENTS CXX)
 endif()
+# A PyTorch wheel's LibTorch carries a libgomp of its own (lib/libgomp-<hash>.so.1):
+# Tessera's loops then use that one, so that they share LibTorch's thread pool and
+# at::set_num_threads, instead of a second pool from the system's libgomp.
+file(GLOB TESSERA_TORCH_GOMP "${TORCH_INSTALL_PREFIX}/lib/libgomp*.so*")
+if(TESSERA_TORCH_GOMP)
+  list(GET TESSERA_TORCH_GOMP 0 TESSERA_TORCH_GOMP)
+  message(STATUS "Tessera: OpenMP loops on LibTorch's own ${TESSERA_TORCH_GOMP}")
+endif()
 # oneDNN (libdnnl-dev; LibTorch itself links libdnnl): fp32 CPU products at the core's speed
 # (kernels/). Optional: without it they are LibTorch's, through whatever BLAS it loads.
 find_path(TESSERA_ONEDNN_INCLUDE_DIR oneapi/dnnl/dnnl.h)

@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <fstream>
+#include <iomanip>
 #include <map>
 #include <sstream>
 
@@ -20,26 +21,25 @@ namespace {
 constexpr const char* kKeyMetadata = "tessera.dmd_pairs_key";
 
 // XXH3-64 of the bytes of `files`, in order (a teacher's weights: one file or the shards of
-// a sharded export).
+// a sharded export). Throws CheckpointError naming a file it cannot read through.
 std::string digestOfFiles(const std::vector<std::string>& files) {
-  XXH3_state_t* state = XXH3_createState();
-  TESSERA_CHECK(state != nullptr, "dmd pairs: out of memory for a digest");
-  XXH3_64bits_reset(state);
+  struct State {
+    XXH3_state_t* s = XXH3_createState();
+    ~State() { XXH3_freeState(s); }
+  } state;
+  TESSERA_CHECK(state.s != nullptr, "dmd pairs: out of memory for a digest");
+  XXH3_64bits_reset(state.s);
   std::vector<char> buffer(size_t{4} << 20);
   for (const std::string& name : files) {
     std::ifstream in(name, std::ios::binary);
-    if (!in) {
-      XXH3_freeState(state);
-      throw checkpoint::CheckpointError(strCat("dmd pairs: cannot read the teacher's weights ", name));
-    }
+    if (!in) throw checkpoint::CheckpointError(strCat("cannot open the teacher's weights ", name));
     while (in) {
       in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
-      XXH3_64bits_update(state, buffer.data(), static_cast<size_t>(in.gcount()));
+      XXH3_64bits_update(state.s, buffer.data(), static_cast<size_t>(in.gcount()));
     }
+    if (in.bad()) throw checkpoint::CheckpointError(strCat("read error in the teacher's weights ", name));
   }
-  const uint64_t digest = XXH3_64bits_digest(state);
-  XXH3_freeState(state);
-  return checkpoint::checksumHex(digest);
+  return checkpoint::checksumHex(XXH3_64bits_digest(state.s));
 }
 
 std::string shapeText(const std::vector<int64_t>& shape) {
@@ -50,53 +50,100 @@ std::string shapeText(const std::vector<int64_t>& shape) {
   return out.str();
 }
 
-// Why `t` is not a pairs tensor of `want` shape and dtype ("" when it is).
+// Why tensors[name] is not a pairs tensor of shape `want` and dtype `dtype` ("" when it is).
 std::string mismatch(const std::map<std::string, at::Tensor>& tensors, const std::string& name,
                      const std::vector<int64_t>& want, at::ScalarType dtype) {
   const auto it = tensors.find(name);
   if (it == tensors.end()) return strCat("no tensor '", name, "'");
   if (it->second.sizes().vec() != want || it->second.scalar_type() != dtype) {
-    return strCat("'", name, "' is ", it->second.toString(), " ", shapeText(it->second.sizes().vec()), ", not ",
-                  c10::toString(dtype), " ", shapeText(want));
+    return strCat("'", name, "' is ", c10::toString(it->second.scalar_type()), " ", shapeText(it->second.sizes().vec()),
+                  ", not ", c10::toString(dtype), " ", shapeText(want));
   }
   if (dtype == at::kFloat && !at::isfinite(it->second).all().item<bool>()) return strCat("'", name, "' holds non-finite values");
   return "";
+}
+
+// The first "field value" of two keys that differs, as "field: file's value vs this run's".
+std::string firstDifference(const std::string& file, const std::string& mine) {
+  auto fields = [](const std::string& key) {
+    std::vector<std::string> out;
+    size_t begin = 0;
+    while (begin <= key.size()) {
+      const size_t end = std::min(key.find("; ", begin), key.size());
+      out.push_back(key.substr(begin, end - begin));
+      begin = end + 2;
+    }
+    return out;
+  };
+  const std::vector<std::string> a = fields(file), b = fields(mine);
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    const std::string x = i < a.size() ? a[i] : "(none)", y = i < b.size() ? b[i] : "(none)";
+    if (x == y) continue;
+    const std::string field = y.substr(0, y.find(' '));
+    const auto value = [](const std::string& f) { return f.size() > 200 ? f.substr(0, 200) + "..." : f; };
+    return strCat(field, ": the file's '", value(x), "', this run's '", value(y), "'");
+  }
+  return "same key";
 }
 
 }  // namespace
 
 std::string dmdPairsKey(const DmdPairsKeyParts& p) {
   if (p.teacherTrainable || p.teacherInitFrom.empty()) return "";
-  return strCat("dmd pairs v1; teacher ", p.teacherModelJson, "; weights xxh3 ",
-                digestOfFiles(checkpoint::safetensorsFiles(p.teacherInitFrom)), "; dtype ", p.computeDtype, "; device ",
-                p.device, "; seed ", p.seed, "; pairs ", p.pairs, "; pair_steps ", p.pairSteps, "; guidance ",
-                strCat(p.guidance), "; sample shape ", shapeText(p.sampleShape), "; classes ", p.classes);
+  std::ostringstream guidance;
+  guidance << std::setprecision(17) << p.guidance;
+  // The architecture last: a "; " inside its JSON can only split the last field.
+  return strCat("version 1; weights ", digestOfFiles(checkpoint::safetensorsFiles(p.teacherInitFrom)), "; dtype ",
+                p.computeDtype, "; device ", p.device, "; seed ", p.seed, "; pairs ", p.pairs, "; pair_steps ",
+                p.pairSteps, "; guidance ", guidance.str(), "; sample_shape ", shapeText(p.sampleShape), "; classes ",
+                p.classes, "; teacher ", p.teacherModelJson);
 }
 
-fs::path dmdPairsCachePath(const fs::path& runDir) { return runDir / "cache" / "dmd_pairs.safetensors"; }
+DmdPairsCache::DmdPairsCache(const fs::path& runDir, const DmdPairsKeyParts& parts, distributed::Communicator& hostComm)
+    : file_(runDir / "cache" / "dmd_pairs.safetensors"), parts_(parts), hostComm_(hostComm) {
+  if (hostComm_.rank() != 0) return;
+  try {
+    key_ = dmdPairsKey(parts_);
+  } catch (const std::exception& e) {
+    TLOG_WARN0("dmd: the regression pairs are not kept in " << file_.string() << ": the teacher's model.init_from "
+                                                            << parts_.teacherInitFrom << " cannot be read for their key ("
+                                                            << e.what() << ")");
+  }
+}
 
-std::optional<DmdPairs> loadDmdPairs(const fs::path& file, const std::string& key, int64_t pairs,
-                                     const std::vector<int64_t>& sampleShape, bool conditional,
-                                     distributed::Communicator& hostComm) {
+std::optional<DmdPairs> DmdPairsCache::load() {
+  const int64_t pairs = parts_.pairs;
+  const bool conditional = parts_.classes > 0;
   std::vector<int64_t> shape{pairs};
-  shape.insert(shape.end(), sampleShape.begin(), sampleShape.end());
+  shape.insert(shape.end(), parts_.sampleShape.begin(), parts_.sampleShape.end());
   DmdPairs out;
   at::Tensor found = at::zeros({1}, at::kLong);
-  if (hostComm.rank() == 0) {
-    std::error_code ec;
-    if (!key.empty() && fs::is_regular_file(fs::symlink_status(file, ec))) {  // never through a link
-      std::string problem;
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(file_, ec);
+  if (hostComm_.rank() == 0 && !key_.empty() && fs::exists(status)) {
+    std::string problem;
+    if (!fs::is_regular_file(status)) {
+      problem = "not a regular file (a link, FIFO or directory is never read through, nor written)";
+    } else {
       try {
-        const checkpoint::SafetensorsReader reader(file.string());
+        const checkpoint::SafetensorsReader reader(file_.string());
         const auto& metadata = reader.header().metadata;
         const auto k = metadata.find(kKeyMetadata);
-        if (k == metadata.end() || k->second != key) {
-          problem = "made for another teacher or other recipe settings";
+        if (k == metadata.end()) {
+          problem = strCat("no '", kKeyMetadata, "' in its metadata");
+        } else if (k->second != key_) {
+          problem = strCat("made for other settings: ", firstDifference(k->second, key_));
         } else {
-          const std::map<std::string, at::Tensor> tensors = checkpoint::loadSafetensors(file.string());
+          const std::map<std::string, at::Tensor> tensors = checkpoint::loadSafetensors(file_.string());
           problem = mismatch(tensors, "noise", shape, at::kFloat);
           if (problem.empty()) problem = mismatch(tensors, "samples", shape, at::kFloat);
           if (problem.empty() && conditional) problem = mismatch(tensors, "labels", {pairs}, at::kLong);
+          if (problem.empty() && conditional) {
+            const at::Tensor& labels = tensors.at("labels");
+            if (pairs > 0 && (labels.min().item<int64_t>() < 0 || labels.max().item<int64_t>() >= parts_.classes)) {
+              problem = strCat("'labels' outside [0, ", parts_.classes, ")");
+            }
+          }
           if (problem.empty()) {
             out.noise = tensors.at("noise");
             out.samples = tensors.at("samples");
@@ -106,37 +153,42 @@ std::optional<DmdPairs> loadDmdPairs(const fs::path& file, const std::string& ke
       } catch (const std::exception& e) {
         problem = e.what();
       }
-      if (problem.empty()) {
-        found[0] = 1;
-      } else {
-        TLOG_WARN0("dmd: the cached regression pairs " << file.string() << " are not used (" << problem
-                                                       << "); sampling them again");
-      }
+    }
+    if (problem.empty()) {
+      found[0] = 1;
+    } else {
+      TLOG_WARN0("dmd: the cached regression pairs " << file_.string() << " are not used (" << problem
+                                                      << "); sampling them again");
     }
   }
-  hostComm.broadcast(found, 0);
+  hostComm_.broadcast(found, 0);
   if (found[0].item<int64_t>() == 0) return std::nullopt;
-  if (hostComm.rank() != 0) {
+  if (hostComm_.rank() != 0) {
     out.noise = at::empty(shape, at::kFloat);
     out.samples = at::empty(shape, at::kFloat);
     if (conditional) out.labels = at::empty({pairs}, at::kLong);
   }
-  hostComm.broadcast(out.noise, 0);
-  hostComm.broadcast(out.samples, 0);
-  if (conditional) hostComm.broadcast(out.labels, 0);
-  TLOG_INFO0("dmd: " << pairs << " regression pairs read from " << file.string());
+  hostComm_.broadcast(out.noise, 0);
+  hostComm_.broadcast(out.samples, 0);
+  if (conditional) hostComm_.broadcast(out.labels, 0);
+  TLOG_INFO0("dmd: " << pairs << " regression pairs read from " << file_.string());
   return out;
 }
 
-void storeDmdPairs(const fs::path& file, const std::string& key, const DmdPairs& pairs, int rank) {
-  if (rank != 0 || key.empty()) return;
+void DmdPairsCache::store(const DmdPairs& pairs) {
+  if (hostComm_.rank() != 0 || key_.empty()) return;
   try {
-    fs::create_directories(file.parent_path());
+    std::error_code ec;
+    const fs::file_status status = fs::symlink_status(file_, ec);
+    if (fs::exists(status) && !fs::is_regular_file(status)) {
+      throw checkpoint::CheckpointError("something that is not a regular file is in its place");
+    }
+    fs::create_directories(file_.parent_path());
     std::map<std::string, at::Tensor> tensors{{"noise", pairs.noise}, {"samples", pairs.samples}};
     if (pairs.labels.defined()) tensors.emplace("labels", pairs.labels);
-    checkpoint::saveSafetensors(file.string(), tensors, {{kKeyMetadata, key}});
+    checkpoint::saveSafetensors(file_.string(), tensors, {{kKeyMetadata, key_}});
   } catch (const std::exception& e) {
-    TLOG_WARN0("dmd: could not keep the regression pairs in " << file.string() << " (" << e.what()
+    TLOG_WARN0("dmd: could not keep the regression pairs in " << file_.string() << " (" << e.what()
                                                               << "); a restart samples them again");
   }
 }

@@ -6,9 +6,8 @@
 #include <torch/utils.h>
 
 #include <cmath>
-#include <filesystem>
-#include <optional>
 #include <numeric>
+#include <optional>
 
 #include "common/counter_rng.h"
 #include "common/enum_names.h"
@@ -364,10 +363,8 @@ class DmdRecipe : public trainer::Recipe {
     parts.guidance = options_.guidance;
     parts.sampleShape = generatorNet_.sampleShape();
     parts.classes = generatorNet_.classes();
-    const std::string key = dmdPairsKey(parts);
-    const std::filesystem::path cache = dmdPairsCachePath(run_.runDir);
-    if (std::optional<DmdPairs> cached = loadDmdPairs(cache, key, options_.regression_pairs, parts.sampleShape,
-                                                      parts.classes > 0, *run_.hostComm)) {
+    DmdPairsCache cache(run_.runDir, parts, *run_.hostComm);
+    if (std::optional<DmdPairs> cached = cache.load()) {
       pairNoise_ = cached->noise;
       pairSamples_ = cached->samples;
       pairLabels_ = cached->labels;
@@ -381,7 +378,7 @@ class DmdRecipe : public trainer::Recipe {
     pairSamples_ = models::sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), options_.pair_steps,
                               models::guidedNoise(teacherNet_, onDevice(pairLabels_, run_.device), options_.guidance))
                        .cpu();
-    storeDmdPairs(cache, key, {pairNoise_, pairSamples_, pairLabels_}, run_.comm->rank());
+    cache.store({pairNoise_, pairSamples_, pairLabels_});
   }
 
   // The teacher's noise-prediction loss on 1024 samples of the generator as it

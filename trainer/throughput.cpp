@@ -2,14 +2,12 @@
 #include "trainer/throughput.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
 #include <chrono>
 
 #include "common/errors.h"
 #include "kernels/cpu_matmul.h"
-#include "kernels/cpu_threads.h"
 #include "sharding/mixed_precision.h"
 
 namespace tessera::trainer {
@@ -58,8 +56,7 @@ PeakFlops peakFlops(double configured, at::Device device, at::ScalarType dtype) 
     const double core = kernels::haveOnednn() ? kernels::measureCpuSgemmFlops(CpuMatmulPath::kOnednn, size, seconds) : 0;
     const double inUse = path == CpuMatmulPath::kOnednn ? core : kernels::measureCpuSgemmFlops(path, size, seconds);
     peak.matmulPath = strCat(kernels::cpuMatmulPathName(path), ", ", static_cast<int64_t>(inUse / 1e9),
-                             " GFLOP/s per rank on ", what, "; Tessera's own loops on ",
-                             kernels::parallelLoopThreads(), " of LibTorch's ", at::get_num_threads(), " threads");
+                             " GFLOP/s per rank on ", what);
     if (core > 0 && inUse < 0.5 * core) {
       peak.slowWarning = strCat("fp32 products run through ", kernels::cpuMatmulPathName(path), " at ",
                                 static_cast<int64_t>(inUse / 1e9), " GFLOP/s, ", inUse / core,

@@ -5,6 +5,7 @@
 #include "trainer/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <atomic>
 #include <chrono>
@@ -20,6 +21,7 @@
 
 #include "checkpoint/exporter.h"
 #include "diagnostics/flight_recorder.h"
+#include "kernels/cpu_threads.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
@@ -114,9 +116,8 @@ std::vector<std::string> missingExports(RunParts& run) {
   return out;
 }
 
-// Installs the stop handlers for a whole run (set-up, train loop, final save, exports) and
-// restores the previous ones after it. A first signal during the final save or the exports
-// lets them finish; a second one gets the default treatment, as during training.
+// Installs the stop handlers for the train loop and restores the previous ones after it
+// (a second signal during the final save or the exports gets the default treatment).
 // The handler runs on an alternate stack of its own, never on the interrupted thread's:
 // with the CPU products in oneDNN's JIT code (kernels/), a Ctrl-C under load was followed by
 // glibc's "corrupted size vs. prev_size" in a free inside libdnnl (5 stops in 60; none in 74
@@ -193,6 +194,9 @@ class TrainLoop {
       if (!peak_.matmulPath.empty()) TLOG_INFO0("matrix products: " << peak_.matmulPath);
       if (!peak_.slowWarning.empty()) TLOG_WARN0(peak_.slowWarning);
     }
+    // The host's optimizer, norms and EMA (all of them with sharding.cpu_offload).
+    TLOG_INFO0("CPU loops: Tessera's own on " << kernels::parallelLoopThreads() << " of LibTorch's "
+                                              << at::get_num_threads() << " threads");
     runtimeBytes_ = runtimeBytes();
     memoryWindowFirst_ = run.startStep + 1;
     windowStart_ = runStart_ = nowSec();
@@ -450,10 +454,6 @@ Trainer::Trainer(TrainConfig config, std::string resolvedYaml, std::shared_ptr<d
 Trainer::~Trainer() = default;
 
 TrainSummary Trainer::run() {
-  // SIGTERM/SIGINT stop after the current step, with a checkpoint. Installed before the
-  // set-up (data, model, checkpoint load, the MFU probe: seconds on large models), so that
-  // a preemption then is a clean stop after the first step too, not the process's end.
-  StopSignals signals;
   std::unique_ptr<RunParts> run = setUpRun(state_->config, state_->resolvedYaml, state_->comm);
   if (run->startStep > 0 && run->startStep == run->cfg.run.steps) {
     TrainSummary summary;
@@ -471,11 +471,18 @@ TrainSummary Trainer::run() {
   TrainLoop loop(*run);
   int64_t done = run->startStep;
   bool stopped = false;
-  while (done < run->cfg.run.steps && !stopped) {
-    const StepOutcome outcome = loop.trainStep(done);
-    ++done;
-    loop.periodicActions(done, outcome);
-    stopped = loop.stopsAfter(done, outcome);
+  {
+    // SIGTERM/SIGINT: stop after the current step, with a checkpoint. Not during the
+    // set-up: a signal there ends the process at once (the default), which loses nothing
+    // since the last checkpoint and is what tessera-run's teardown of the other ranks
+    // expects (SIGTERM, then SIGKILL after a grace period of seconds).
+    StopSignals signals;
+    while (done < run->cfg.run.steps && !stopped) {
+      const StepOutcome outcome = loop.trainStep(done);
+      ++done;
+      loop.periodicActions(done, outcome);
+      stopped = loop.stopsAfter(done, outcome);
+    }
   }
   return loop.finish(done, stopped);
 }

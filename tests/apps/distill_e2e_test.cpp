@@ -249,7 +249,27 @@ TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
   fs::create_directories(other + "/cache");
   fs::copy_file(cache, other + "/cache/dmd_pairs.safetensors");
   out = mustRun(launch(1) + smallDistill(teacher, other) + " --set recipe.pair_steps=8");
-  EXPECT_NE(out.find("made for another teacher or other recipe settings"), std::string::npos) << out;
+  EXPECT_NE(out.find("made for other settings: pair_steps: the file's 'pair_steps 10', this run's 'pair_steps 8'"),
+            std::string::npos) << out;
+
+  // A FIFO in the cache's place is neither read (no hang) nor written through.
+  const std::string fifo = scratch("fifo_cache");
+  fs::create_directories(fifo + "/cache");
+  ASSERT_EQ(runCommand("mkfifo " + fifo + "/cache/dmd_pairs.safetensors", 10).status, 0);
+  out = mustRun(launch(1) + smallDistill(teacher, fifo), 120);
+  EXPECT_NE(out.find("not a regular file"), std::string::npos) << out;
+  EXPECT_NE(out.find("dmd: could not keep the regression pairs in"), std::string::npos) << out;
+
+  // A resume whose teacher file is gone (the frozen teacher comes from the checkpoint):
+  // the pairs cannot be keyed, so they are sampled, and the run goes on.
+  const std::string moved = scratch("moved_teacher.safetensors"), gone = scratch("gone");
+  fs::copy_file(teacher, moved);
+  const std::string withMoved = smallDistill(teacher, gone) + " --set model.init_from=" + moved;
+  mustRun(launch(1) + withMoved + " --set run.stop_after_steps=2");
+  fs::remove(moved);
+  out = mustRun(launch(1) + withMoved);
+  EXPECT_NE(out.find("cannot be read for their key"), std::string::npos) << out;
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
 }
 
 // A single-model run's checkpoint as earlier versions wrote it — format 2, with flat

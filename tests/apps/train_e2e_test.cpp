@@ -435,36 +435,6 @@ TEST(TrainE2ETest, SigtermSavesTheCurrentStepAndResumes) {
   expectBitwiseEqualExports(full, dir, "after the preemption");
 }
 
-// SIGTERM during the set-up (after the resume decision, during the MFU probe that follows
-// it): the run still stops cleanly, after its first step with a checkpoint of it, instead of
-// ending the process with no checkpoint (the handler used to be installed only when the
-// train loop began); resumed, it ends where an uninterrupted run does.
-TEST(TrainE2ETest, SigtermDuringSetUpStopsAfterTheFirstStep) {
-  const std::string args = kResumeArgs + " --set checkpoint.every_steps=0";
-  std::string out;
-  const std::string full = uniqueDir("uninterrupted");
-  ASSERT_EQ(run(kBin + "/tessera-train" + args + " --set run.dir=" + full, &out), 0) << out;
-
-  const std::string dir = uniqueDir("preempted_at_start");
-  const fs::path log = uniqueDir("start_term.log");
-  const std::string script = kBin + "/tessera-train" + args + " --set run.dir=" + dir + " > " + log.string() +
-                             " 2>&1 & pid=$!\n" + "for i in $(seq 1 3000); do grep -q 'resume auto' " + log.string() +
-                             " 2>/dev/null && break; sleep 0.005; done\n" +
-                             "kill -TERM $pid; wait $pid; echo trainer exit $?\n";
-  const fs::path scriptFile = uniqueDir("start_term.sh");
-  std::ofstream(scriptFile) << script;
-  ASSERT_EQ(run("bash " + scriptFile.string(), &out), 0) << out;
-  const std::string logText = readText(log);
-  EXPECT_NE(out.find("trainer exit 0"), std::string::npos) << out << logText;
-  // The signal landed before the first step: the MFU line and the first step follow it.
-  ASSERT_NE(logText.find("stopping at step 1 with a checkpoint"), std::string::npos) << logText;
-  ASSERT_TRUE(fs::exists(fs::path(dir) / "checkpoints" / "step_00000001")) << logText;
-
-  ASSERT_EQ(run(kBin + "/tessera-train" + args + " --set run.dir=" + dir, &out), 0) << out;
-  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
-  expectBitwiseEqualExports(full, dir, "after a stop during the set-up");
-}
-
 // model.init_from: a run starts from another run's exported weights — one file, or a
 // sharded export (*.index.json) — each of its 2 zero3 ranks reading its own rows, and its
 // EMA starts there too; a file that does not fit the model is refused (exit 1, the file

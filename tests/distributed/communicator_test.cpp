@@ -579,11 +579,14 @@ TEST(CommunicatorTest, FactoryErrors) {
 
 // One rank with CommOptions::singleRankShortcut off (the step bench measures a GPU run's
 // collectives this way): every collective goes through gloo, the large ones through the
-// point-to-point paths, which have no peer to talk to (a receive from itself segfaulted).
+// point-to-point paths (reduce-scatter, all-gather, the split all-reduce), which have no
+// peer to talk to (a receive from itself segfaulted).
 TEST(CommunicatorTest, OneRankWithoutTheShortcutGoesThroughGloo) {
-  CommOptions options;
-  options.singleRankShortcut = false;
-  auto comm = makeCommunicator("gloo", Store::createInProcess(), 0, 1, options);
+  GlooOptions options;
+  options.comm.singleRankShortcut = false;
+  options.splitAllReduceFromBytes = 1 << 20;  // the point-to-point all-reduce for the large size
+  options.splitAllReduceBelowBytes = int64_t{1} << 30;
+  auto comm = makeGlooCommunicator(Store::createInProcess(), 0, 1, options);
   for (int64_t n : {int64_t{5}, int64_t{3} << 20}) {  // below and above the point-to-point size
     SCOPED_TRACE(strCat(n, " elements"));
     const at::Tensor values = at::arange(n, at::kFloat).remainder(1000.0f);
