@@ -3,7 +3,8 @@
 (issue 32), in one invocation on this machine: configs/dit_quick.yaml under tessera-run
 (zero3, as the main job, and no_shard, DDP's layout) against bench/dit_pytorch_ddp.py
 under torchrun (DistributedDataParallel, Debian's python3-torch), the same world size,
-global batch, model and thread count (1 per rank), interleaved repetition by repetition.
+global batch, model and thread count (1 per rank), interleaved repetition by repetition;
+PyTorch with the fastest OpenBLAS kernel this core runs (bench/fastest_blas.py).
 Tessera's figure is the steady state of its metrics.jsonl (windows after the first);
 PyTorch's the steps after its warm-up. Above 1.0x, Tessera is faster.
 
@@ -16,6 +17,8 @@ import os
 import shutil
 import subprocess
 import sys
+
+from fastest_blas import fastest_env
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,12 +66,19 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--baseline-blas", choices=["fastest", "as-given"], default="fastest",
+                        help="PyTorch's OpenBLAS kernel: the fastest this core runs (bench/fastest_blas.py), "
+                             "or the environment's")
     parser.add_argument("--python", default="/usr/bin/python3", help="the Python with torch (python3-torch)")
     args = parser.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    baseline_env = env
+    if args.baseline_blas == "fastest":
+        baseline_env, line = fastest_env(args.python, env)
+        print(line, flush=True)
     results = {"pytorch_ddp": [], "tessera_no_shard": [], "tessera_zero3": []}
     for rep in range(args.reps):
-        results["pytorch_ddp"].append(pytorch(args, env))
+        results["pytorch_ddp"].append(pytorch(args, baseline_env))
         results["tessera_no_shard"].append(tessera(args, "no_shard", env))
         results["tessera_zero3"].append(tessera(args, "zero3", env))
         print(f"rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.0f} images/s" for k, v in results.items()), flush=True)

@@ -4,7 +4,8 @@
 For each world size, runs PyTorch's DistributedDataParallel and DDP + ZeroRedundancyOptimizer
 (bench/vs_pytorch_reference.py under torchrun, Debian's python3-torch) and Tessera's
 no_shard, zero1, zero2 and zero3 (build/bin/bench_strategy_step_bench under tessera-run)
-on the same MLP, global batch, data and thread count, interleaved repetition by
+on the same MLP, global batch, data and thread count (PyTorch with the fastest OpenBLAS
+kernel this core runs: bench/fastest_blas.py), interleaved repetition by
 repetition, and prints each one's median step time (best of the repetitions) with its
 ratio to the PyTorch baseline that does the same job: no_shard against DDP, the ZeRO
 stages against DDP + ZeroRedundancyOptimizer. Below 1.0x, Tessera is faster.
@@ -17,6 +18,8 @@ import json
 import os
 import subprocess
 import sys
+
+from fastest_blas import fastest_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,6 +49,9 @@ def main():
     parser.add_argument("--widths", type=int, nargs="+", default=[1024, 2048, 2048, 1024])
     parser.add_argument("--strategies", nargs="+", default=["no_shard", "zero1", "zero2", "zero3"])
     parser.add_argument("--build", default=os.path.join(ROOT, "build"), help="Tessera's build directory")
+    parser.add_argument("--baseline-blas", choices=["fastest", "as-given"], default="fastest",
+                        help="PyTorch's OpenBLAS kernel: the fastest this core runs (bench/fastest_blas.py), "
+                             "or the environment's")
     parser.add_argument("--python", default="/usr/bin/python3",
                         help="the Python with torch (Debian's python3-torch)")
     args = parser.parse_args()
@@ -56,6 +62,10 @@ def main():
         if not os.access(path, os.X_OK):
             sys.exit(f"vs_pytorch: {path} is missing: build first (scripts/build.sh, or ./test.sh)")
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    baseline_env = env
+    if args.baseline_blas == "fastest":
+        baseline_env, line = fastest_env(args.python, env)
+        print(line, flush=True)
     common = ["--widths", *map(str, args.widths), "--global-batch", str(args.global_batch),
               "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", "1"]
     params = sum(a * b + b for a, b in zip(args.widths, args.widths[1:]))
@@ -71,7 +81,7 @@ def main():
                 out = run_json([args.python, "-m", "torch.distributed.run", "--standalone",
                                 "--nproc_per_node", str(world), "--redirects", "1", "--tee", "1",  # torchrun 1.13 on Python 3.11 cannot parse its defaults
                                 os.path.join(ROOT, "bench", "vs_pytorch_reference.py"),
-                                "--mode", mode, *common], env)
+                                "--mode", mode, *common], baseline_env)
                 best[mode] = min(best.get(mode, float("inf")), out["median_s"])
             for strategy in args.strategies:
                 out = run_json([launcher, "--standalone", "--nproc-per-node", str(world), tessera_bench,
