@@ -431,6 +431,9 @@ int main(int argc, char** argv) {
   std::string deviceName = "cpu";
   app.add_option("--device", deviceName, "Where the state lives")->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
+  // Line by line into a log file too: a run stopped by its time limit keeps what it printed
+  // (scripts/gpu-session.sh's stages).
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   if (deviceName == "cuda") {
     if (!torch::cuda::is_available()) {
       std::fprintf(stderr, "bench_checkpoint_bench: --device cuda but no CUDA device\n");

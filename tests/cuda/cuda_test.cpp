@@ -354,6 +354,7 @@ void expectOffloadTrainsAsWithout(const at::Device& dev, const std::function<std
   torch::manual_seed(3);
   const at::Tensor tokens = at::randint(m.vocab_size, {3, 2, 4, m.context}, at::TensorOptions().dtype(at::kLong).device(dev));
   const at::Tensor targets = at::randint(m.vocab_size, tokens.sizes(), tokens.options());
+  constexpr double kLr = 1e-3;  // every step's learning rate
   struct Result {
     std::vector<at::Tensor> losses;  // read at the end: an item() per step would synchronise away races
     std::map<std::string, at::Tensor> masters;
@@ -389,7 +390,7 @@ void expectOffloadTrainsAsWithout(const at::Device& dev, const std::function<std
         loss.backward();
         r.losses.push_back(loss.detach());
       }
-      EXPECT_FALSE(engine->step(1e-3).skipped);
+      EXPECT_FALSE(engine->step(kLr).skipped);
     }
     for (const dtensor::ShardedParam& p : engine->params()) r.masters[p.name] = p.master.detach().cpu().clone();
     return r;
@@ -412,7 +413,7 @@ void expectOffloadTrainsAsWithout(const at::Device& dev, const std::function<std
         // bounded by the steps, not compared; the queries' and values' thirds are.
         const int64_t e = m.embed_dim;
         const at::Tensor diff = (got - want).abs();
-        EXPECT_LE(diff.narrow(0, e, e).max().item<double>(), 2.0 * 1e-3 * static_cast<double>(tokens.size(0))) << name;
+        EXPECT_LE(diff.narrow(0, e, e).max().item<double>(), 2.0 * kLr * static_cast<double>(tokens.size(0))) << name;
         for (const int64_t part : {int64_t{0}, 2 * e}) {
           EXPECT_LT(sharding::testing::relativeError(got.narrow(0, part, e), want.narrow(0, part, e)), tolerance)
               << name << " from " << part;
