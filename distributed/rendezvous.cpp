@@ -47,9 +47,8 @@ void waitForRanks(Store& store, const std::string& key, int rank, int world, std
 
   const auto start = Clock::now();
   const auto deadline = start + timeout;
-  // A line now and then while ranks are missing (a node still starting, or gone): silence
-  // for the whole timeout looks like a hang. Not before 5 s: most rendezvous take less.
-  const auto every = std::clamp<std::chrono::milliseconds>(timeout / 5, std::chrono::seconds(5), std::chrono::seconds(30));
+  // A line now and then while ranks are missing (a node still starting, or gone).
+  const auto every = waitProgressInterval(timeout);
   auto nextLine = start + every;
   const auto missingRanks = [&] {
     std::vector<int> missing;

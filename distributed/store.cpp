@@ -91,6 +91,10 @@ bool waitForListener(const std::string& host, int port, Clock::time_point deadli
 
 }  // namespace
 
+std::chrono::milliseconds waitProgressInterval(std::chrono::milliseconds timeout) {
+  return std::clamp<std::chrono::milliseconds>(timeout / 5, std::chrono::seconds(5), std::chrono::seconds(30));
+}
+
 std::string formatDuration(std::chrono::milliseconds duration) {
   const auto ms = duration.count();
   if (ms < 1000) return strCat(ms, " ms");
@@ -178,9 +182,8 @@ void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds
   // its reply in flight on the socket, and the message names nothing.
   const auto start = Clock::now();
   const auto deadline = start + timeout;
-  // A line now and then while keys are missing: silence for the whole timeout looks like a
-  // hang. Not before 5 s: most waits take less.
-  const auto every = std::clamp<std::chrono::milliseconds>(timeout / 5, std::chrono::seconds(5), std::chrono::seconds(30));
+  // A line now and then while keys are missing.
+  const auto every = waitProgressInterval(timeout);
   auto nextLine = start + every;
   const auto missingKeys = [&] {
     std::vector<std::string> missing;

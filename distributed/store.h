@@ -60,4 +60,9 @@ class Store {
 // "2 s", "1.5 s", "250 ms": durations in messages.
 std::string formatDuration(std::chrono::milliseconds duration);
 
+// How often a wait of `timeout` that has not ended says what it waits for (Store::wait,
+// the rendezvous): timeout / 5, at least 5 s (most waits take less), at most 30 s.
+// Silence for the whole timeout looks like a hang.
+std::chrono::milliseconds waitProgressInterval(std::chrono::milliseconds timeout);
+
 }  // namespace tessera::distributed

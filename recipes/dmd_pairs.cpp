@@ -42,22 +42,14 @@ std::string digestOfFiles(const std::vector<std::string>& files) {
   return checkpoint::checksumHex(XXH3_64bits_digest(state.s));
 }
 
-std::string shapeText(const std::vector<int64_t>& shape) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
-  out << ']';
-  return out.str();
-}
-
 // Why tensors[name] is not a pairs tensor of shape `want` and dtype `dtype` ("" when it is).
 std::string mismatch(const std::map<std::string, at::Tensor>& tensors, const std::string& name,
                      const std::vector<int64_t>& want, at::ScalarType dtype) {
   const auto it = tensors.find(name);
   if (it == tensors.end()) return strCat("no tensor '", name, "'");
   if (it->second.sizes().vec() != want || it->second.scalar_type() != dtype) {
-    return strCat("'", name, "' is ", c10::toString(it->second.scalar_type()), " ", shapeText(it->second.sizes().vec()),
-                  ", not ", c10::toString(dtype), " ", shapeText(want));
+    return strCat("'", name, "' is ", c10::toString(it->second.scalar_type()), " ", it->second.sizes(),
+                  ", not ", c10::toString(dtype), " ", at::IntArrayRef(want));
   }
   if (dtype == at::kFloat && !at::isfinite(it->second).all().item<bool>()) return strCat("'", name, "' holds non-finite values");
   return "";
@@ -95,7 +87,7 @@ std::string dmdPairsKey(const DmdPairsKeyParts& p) {
   // The architecture last: a "; " inside its JSON can only split the last field.
   return strCat("version 1; weights ", digestOfFiles(checkpoint::safetensorsFiles(p.teacherInitFrom)), "; dtype ",
                 p.computeDtype, "; device ", p.device, "; seed ", p.seed, "; pairs ", p.pairs, "; pair_steps ",
-                p.pairSteps, "; guidance ", guidance.str(), "; sample_shape ", shapeText(p.sampleShape), "; classes ",
+                p.pairSteps, "; guidance ", guidance.str(), "; sample_shape ", at::IntArrayRef(p.sampleShape), "; classes ",
                 p.classes, "; teacher ", p.teacherModelJson);
 }
 
