@@ -6,6 +6,7 @@
 #include "datasets/image_dataset.h"
 #include "datasets/tensor_dataset.h"
 #include "datasets/text_dataset.h"
+#include "datasets/webdataset.h"
 #include "datasets/data_options.h"
 
 namespace tessera::datasets {
@@ -19,10 +20,11 @@ DataSpec tokenWindowSpec(int64_t context, int64_t vocabSize, bool everyPosition)
   return s;
 }
 
-std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const TokenWindows& windows) {
+std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const TokenWindows& windows, int64_t orderSeed) {
   if (data.kind == "tensors") return std::make_unique<TensorDataset>(data.path, data.eval_fraction);
   if (data.kind == "idx") return makeIdxDataset(data);
   if (data.kind == "image_folder") return makeImageFolderDataset(data);
+  if (data.kind == "webdataset") return makeWebDataset(data, orderSeed);
   return std::make_unique<TextDataset>(data.path, windows.context, data.eval_fraction,
                                        parseTokenFormat(data.kind, data.token_dtype), windows.vocabSize,
                                        windows.everyPosition);

@@ -39,17 +39,27 @@ struct DataSpec {
   std::vector<int64_t> targetShape;  // float targets: one sample's shape
 };
 
+// Samples a dataset could not read and passed over (data.on_error skip), and why the last one.
+struct SkipCount {
+  int64_t samples = 0;
+  std::string last;
+};
+
 class Dataset {
  public:
   virtual ~Dataset() = default;
   virtual int64_t trainSamples() const = 0;
   virtual int64_t evalSamples() const = 0;
   // Train samples `indices` (each in [0, trainSamples())); tessera::Error otherwise.
+  // A streaming dataset (streams() true) takes stream positions instead: the sampler hands
+  // it step * global_batch + row (SampleOrder::kStream) and it orders the samples itself.
   virtual Batch trainBatch(const std::vector<int64_t>& indices) const = 0;
   // Held-out samples [first, first + n).
   virtual Batch evalBatch(int64_t first, int64_t n) const = 0;
   virtual DataSpec spec() const = 0;
   virtual std::string describe() const = 0;  // one line for the log: file and sizes
+  virtual bool streams() const { return false; }
+  virtual SkipCount skipped() const { return {}; }
 };
 
 // The spec of token windows of `context` ids below `vocabSize`: targets are the next token
@@ -81,10 +91,11 @@ class DataFileError : public Error {
   bool configError_;
 };
 
-// The dataset data.kind names (text, tokens, tensors, idx, image_folder), read from
-// data.path (and, for images, data.labels, data.eval_path and data.eval_labels: their
-// errors are DataFileErrors naming the key); token data is cut into `windows`.
-std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const TokenWindows& windows);
+// The dataset data.kind names (text, tokens, tensors, idx, image_folder, webdataset), read
+// from data.path (and, for images, data.labels, data.eval_path and data.eval_labels: their
+// errors are DataFileErrors naming the key); token data is cut into `windows`. `orderSeed`
+// (run.seed) seeds a streaming dataset's order; the others ignore it.
+std::unique_ptr<Dataset> makeDataset(const DataOptions& data, const TokenWindows& windows, int64_t orderSeed = 0);
 
 // The seed of sample `index`'s randomness at optimizer step `step` (step -1: evaluation),
 // mixed from the run seed with splitmix64 so that neighbouring indices and steps give

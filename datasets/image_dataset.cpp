@@ -142,6 +142,60 @@ at::Tensor readIdxLabels(const std::string& path) {
 
 namespace {
 
+bool isImageFile(const fs::path& p) {
+  std::string ext = p.extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+  return ext == ".png" || ext == ".jpg" || ext == ".jpeg";
+}
+
+}  // namespace
+
+ImageFolderListing listImageFolder(const std::string& root, std::vector<std::string> classNames) {
+  ImageFolderListing out;
+  out.classNames = std::move(classNames);
+  std::error_code ec;
+  TESSERA_CHECK(fs::is_directory(root, ec), "image folder '", root, "': not a directory", relativePathNote(root));
+  const bool given = !out.classNames.empty();
+  if (given) {  // a held-out split: its class folders must be the train split's
+    for (const auto& entry : fs::directory_iterator(root)) {
+      const std::string name = entry.path().filename().string();
+      TESSERA_CHECK(!entry.is_directory() || name.front() == '.' ||
+                        std::find(out.classNames.begin(), out.classNames.end(), name) != out.classNames.end(),
+                    "image folder '", root, "': class folder '", name, "' is not a class of the train split");
+    }
+  } else {
+    for (const auto& entry : fs::directory_iterator(root)) {
+      if (entry.is_directory() && entry.path().filename().string().front() != '.') {
+        out.classNames.push_back(entry.path().filename().string());
+      }
+    }
+    std::sort(out.classNames.begin(), out.classNames.end());
+    TESSERA_CHECK(!out.classNames.empty(), "image folder '", root, "': no class sub-folders (expected ", root,
+                  "/<class>/<image>.png)");
+    TESSERA_CHECK(static_cast<int64_t>(out.classNames.size()) <= kMaxClasses, "image folder '", root, "': ",
+                  out.classNames.size(), " class folders");
+  }
+  for (size_t c = 0; c < out.classNames.size(); ++c) {
+    const fs::path dir = fs::path(root) / out.classNames[c];
+    if (given && !fs::is_directory(dir, ec)) continue;  // a held-out split may lack a class
+    std::vector<std::string> files;
+    for (const auto& entry : fs::directory_iterator(dir)) {
+      if (isImageFile(entry.path()) && entry.path().filename().string().front() != '.') files.push_back(entry.path().string());
+    }
+    std::sort(files.begin(), files.end());
+    TESSERA_CHECK(given || !files.empty(), "image folder '", root, "': class folder '", out.classNames[c],
+                  "' holds no .png, .jpg or .jpeg file");
+    for (std::string& f : files) {
+      out.files.push_back(std::move(f));
+      out.labels.push_back(static_cast<int64_t>(c));
+    }
+  }
+  TESSERA_CHECK(!out.files.empty(), "image folder '", root, "': no images");
+  return out;
+}
+
+namespace {
+
 // Where a dataset's images come from: one split's files.
 class ImageSource {
  public:
@@ -208,57 +262,17 @@ class IdxSource : public ImageSource {
   std::string path_;
 };
 
-bool isImageFile(const fs::path& p) {
-  std::string ext = p.extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
-  return ext == ".png" || ext == ".jpg" || ext == ".jpeg";
-}
-
 // A folder per class; images decoded on demand.
 class FolderSource : public ImageSource {
  public:
   // `classNames`: the classes in order (the train split's; the held-out split must use
   // the same names). Empty: this folder's sub-folders, sorted.
   FolderSource(const std::string& root, std::vector<std::string> classNames, int64_t imageSize, int channels)
-      : root_(root), classNames_(std::move(classNames)), size_(imageSize), channels_(channels) {
-    std::error_code ec;
-    TESSERA_CHECK(fs::is_directory(root, ec), "image folder '", root, "': not a directory", relativePathNote(root));
-    const bool given = !classNames_.empty();
-    if (given) {  // a held-out split: its class folders must be the train split's
-      for (const auto& entry : fs::directory_iterator(root)) {
-        const std::string name = entry.path().filename().string();
-        TESSERA_CHECK(!entry.is_directory() || name.front() == '.' ||
-                          std::find(classNames_.begin(), classNames_.end(), name) != classNames_.end(),
-                      "image folder '", root, "': class folder '", name, "' is not a class of the train split");
-      }
-    } else {
-      for (const auto& entry : fs::directory_iterator(root)) {
-        if (entry.is_directory() && entry.path().filename().string().front() != '.') {
-          classNames_.push_back(entry.path().filename().string());
-        }
-      }
-      std::sort(classNames_.begin(), classNames_.end());
-      TESSERA_CHECK(!classNames_.empty(), "image folder '", root, "': no class sub-folders (expected ", root,
-                    "/<class>/<image>.png)");
-      TESSERA_CHECK(static_cast<int64_t>(classNames_.size()) <= kMaxClasses, "image folder '", root, "': ",
-                    classNames_.size(), " class folders");
-    }
-    for (size_t c = 0; c < classNames_.size(); ++c) {
-      const fs::path dir = fs::path(root) / classNames_[c];
-      if (given && !fs::is_directory(dir, ec)) continue;  // a held-out split may lack a class
-      std::vector<std::string> files;
-      for (const auto& entry : fs::directory_iterator(dir)) {
-        if (isImageFile(entry.path()) && entry.path().filename().string().front() != '.') files.push_back(entry.path().string());
-      }
-      std::sort(files.begin(), files.end());
-      TESSERA_CHECK(given || !files.empty(), "image folder '", root, "': class folder '", classNames_[c],
-                    "' holds no .png, .jpg or .jpeg file");
-      for (std::string& f : files) {
-        files_.push_back(std::move(f));
-        labels_.push_back(static_cast<int64_t>(c));
-      }
-    }
-    TESSERA_CHECK(!files_.empty(), "image folder '", root, "': no images");
+      : root_(root), size_(imageSize), channels_(channels) {
+    ImageFolderListing listing = listImageFolder(root, std::move(classNames));
+    classNames_ = std::move(listing.classNames);
+    files_ = std::move(listing.files);
+    labels_ = std::move(listing.labels);
     if (channels_ == 0 || size_ == 0) {
       const at::Tensor first = imaging::readImage(files_.front(), channels_);
       if (channels_ == 0) channels_ = static_cast<int>(first.size(0));

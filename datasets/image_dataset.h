@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "datasets/dataset.h"
 
@@ -34,6 +35,16 @@ at::Tensor readIdxLabels(const std::string& path);
 // data.kind idx: data.path the images, data.labels the labels (data.eval_path and
 // data.eval_labels: the held-out split), resized to data.image_size when it is set.
 std::unique_ptr<Dataset> makeIdxDataset(const DataOptions& data);
+
+// The images of image folder `root` (<root>/<class>/<image>.{png,jpg,jpeg}): class folders
+// in sorted order of their names (or `classNames` when given, a held-out split's, which may
+// lack some), files sorted within each. tessera::Error naming the folder when it holds none.
+struct ImageFolderListing {
+  std::vector<std::string> classNames;
+  std::vector<std::string> files;
+  std::vector<int64_t> labels;  // the class of each file: its index in classNames
+};
+ImageFolderListing listImageFolder(const std::string& root, std::vector<std::string> classNames = {});
 
 // data.kind image_folder: data.path/<class>/<image>.{png,jpg,jpeg}, resized to
 // data.image_size (0: every image must have the first one's size) with data.channels

@@ -106,8 +106,8 @@ std::string TextDataset::describe() const {
                 " held-out windows of ", context_);
 }
 
-DistributedSampler::DistributedSampler(int64_t numSamples, int64_t globalBatch, int64_t seed, bool shuffle)
-    : numSamples_(numSamples), globalBatch_(globalBatch), seed_(seed), shuffle_(shuffle) {
+DistributedSampler::DistributedSampler(int64_t numSamples, int64_t globalBatch, int64_t seed, SampleOrder order)
+    : numSamples_(numSamples), globalBatch_(globalBatch), seed_(seed), order_(order) {
   TESSERA_CHECK(globalBatch >= 1, "DistributedSampler: global batch ", globalBatch);
   TESSERA_CHECK(numSamples >= globalBatch, "DistributedSampler: ", numSamples,
                 " samples are fewer than one global batch of ", globalBatch);
@@ -118,7 +118,7 @@ const std::vector<int64_t>& DistributedSampler::permutation(int64_t epoch) const
   if (epoch != cachedEpoch_) {
     cachedPerm_.resize(numSamples_);
     std::iota(cachedPerm_.begin(), cachedPerm_.end(), 0);
-    if (shuffle_) {
+    if (order_ == SampleOrder::kShuffled) {
       // mt19937_64 and a hand-rolled Fisher-Yates: std::shuffle's algorithm is
       // implementation-defined, and the order must not change with the toolchain.
       std::mt19937_64 rng(static_cast<uint64_t>(seed_) * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(epoch));
@@ -137,9 +137,14 @@ std::vector<int64_t> DistributedSampler::indicesFor(int64_t step, int rank, int 
   TESSERA_CHECK(globalBatch_ % worldSize == 0, "DistributedSampler: global batch ", globalBatch_,
                 " is not divisible by world size ", worldSize);
   TESSERA_CHECK(step >= 0, "DistributedSampler: step ", step, " is negative");
+  const int64_t perRank = globalBatch_ / worldSize;
+  if (order_ == SampleOrder::kStream) {  // the dataset maps positions to samples (and epochs) itself
+    std::vector<int64_t> positions(static_cast<size_t>(perRank));
+    std::iota(positions.begin(), positions.end(), step * globalBatch_ + rank * perRank);
+    return positions;
+  }
   const int64_t epoch = step / stepsPerEpoch_;
   const int64_t first = (step % stepsPerEpoch_) * globalBatch_;
-  const int64_t perRank = globalBatch_ / worldSize;
   const auto& perm = permutation(epoch);
   return std::vector<int64_t>(perm.begin() + first + rank * perRank, perm.begin() + first + (rank + 1) * perRank);
 }

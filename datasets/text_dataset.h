@@ -58,10 +58,17 @@ class TextDataset : public Dataset {
   bool everyPosition_;
 };
 
+// How a step's global batch picks its samples: a seeded permutation per epoch, the file
+// order, or stream positions step * global_batch + row for a dataset that orders itself
+// (Dataset::streams(), webdataset.h).
+enum class SampleOrder { kShuffled, kFileOrder, kStream };
+
 // Which samples each rank reads at each optimizer step.
 class DistributedSampler {
  public:
-  DistributedSampler(int64_t numSamples, int64_t globalBatch, int64_t seed, bool shuffle);
+  DistributedSampler(int64_t numSamples, int64_t globalBatch, int64_t seed, SampleOrder order);
+  DistributedSampler(int64_t numSamples, int64_t globalBatch, int64_t seed, bool shuffle)
+      : DistributedSampler(numSamples, globalBatch, seed, shuffle ? SampleOrder::kShuffled : SampleOrder::kFileOrder) {}
 
   int64_t stepsPerEpoch() const { return stepsPerEpoch_; }
   // Sample indices of global batch `step` (0-based optimizer step) for rank `rank`
@@ -71,7 +78,7 @@ class DistributedSampler {
  private:
   const std::vector<int64_t>& permutation(int64_t epoch) const;
   int64_t numSamples_, globalBatch_, seed_;
-  bool shuffle_;
+  SampleOrder order_;
   int64_t stepsPerEpoch_;
   mutable int64_t cachedEpoch_ = -1;
   mutable std::vector<int64_t> cachedPerm_;

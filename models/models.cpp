@@ -206,7 +206,7 @@ std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const dataset
   }
   if (options.arch == "dit") {
     TESSERA_CHECK_AS(ConfigError, !data.tokens && data.inputShape.size() == 3,
-                     "model.arch dit needs images (data.kind idx or image_folder)");
+                     "model.arch dit needs images (data.kind idx, image_folder or webdataset)");
     return std::make_shared<DiT>(options, data.inputShape, conditioningClasses(options, data), device);
   }
   throw ConfigError(strCat("model.arch: unknown architecture '", options.arch, "' (mlp, gpt, diffusion, dit)"));

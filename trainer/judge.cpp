@@ -35,7 +35,7 @@ double frechetDistance(const at::Tensor& a, const at::Tensor& b) {
 SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(loadExportedModel(classifierExport)) {
   mlp_ = dynamic_cast<models::FeatureMlp*>(classifier_.model.get());
   TESSERA_CHECK(mlp_ != nullptr && classifier_.description.data.classes > 0 && !classifier_.description.data.tokens,
-                classifierExport, ": not a classifier of images (model.arch mlp trained on idx or image_folder data)");
+                classifierExport, ": not a classifier of images (model.arch mlp trained on image data)");
   TESSERA_CHECK(classifier_.description.dataset.has_value(), classifierExport,
                 ": its metadata does not name the data it was trained on (the real images to compare with)");
   const datasets::DataOptions& data = *classifier_.description.dataset;

@@ -413,12 +413,13 @@ void setUpData(RunParts& run) {
   const TrainConfig& cfg = run.cfg;
   const int world = run.comm->worldSize();
   std::error_code missing;
-  if (!fs::exists(cfg.data.path, missing)) {
+  // webdataset's data.path may be a glob or brace list: the dataset names a missing shard itself.
+  if (cfg.data.kind != "webdataset" && !fs::exists(cfg.data.path, missing)) {
     throw ConfigError(
         cfg.origins.errorMessage("data.path", strCat("no file at '", cfg.data.path, "'", relativePathNote(cfg.data.path))));
   }
   try {
-    run.data = datasets::makeDataset(cfg.data, models::tokenWindows(cfg.defaults.model));
+    run.data = datasets::makeDataset(cfg.data, models::tokenWindows(cfg.defaults.model), cfg.run.seed);
   } catch (const datasets::DataFileError& e) {  // data.labels, data.eval_path, ...: at that key's line
     const std::string message = cfg.origins.errorMessage(e.key(), strCat(e.what(), relativePathNote(dataPath(cfg, e.key()))));
     if (e.configError()) throw ConfigError(message);
@@ -434,8 +435,11 @@ void setUpData(RunParts& run) {
                                                                            " training samples of data.path ",
                                                                            run.data->describe())));
   }
+  const datasets::SampleOrder order = run.data->streams() ? datasets::SampleOrder::kStream
+                                      : cfg.data.shuffle   ? datasets::SampleOrder::kShuffled
+                                                           : datasets::SampleOrder::kFileOrder;
   run.sampler = std::make_unique<datasets::DistributedSampler>(run.data->trainSamples(), cfg.data.global_batch,
-                                                              cfg.run.seed, cfg.data.shuffle);
+                                                              cfg.run.seed, order);
   run.microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
   if (cfg.data.micro_batch_asked > 0) {
     TLOG_WARN0("data.micro_batch " << cfg.data.micro_batch_asked << " does not divide the " << cfg.data.global_batch / world

@@ -351,12 +351,12 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   if (m.model.arch == "gpt" && c.data.kind == "tensors") {
     k.fail("arch", "gpt needs token data (data.kind text or tokens), not tensors", true);
   }
-  const bool images = c.data.kind == "idx" || c.data.kind == "image_folder";
+  const bool images = datasets::isImageKind(c.data.kind);
   if (m.model.arch == "diffusion" && c.data.kind != "tensors" && !images) {
-    k.fail("arch", strCat("diffusion needs data.kind tensors, idx or image_folder, not ", c.data.kind), true);
+    k.fail("arch", strCat("diffusion needs data.kind tensors, idx, image_folder or webdataset, not ", c.data.kind), true);
   }
   if (m.model.arch == "dit" && !images) {
-    k.fail("arch", strCat("dit needs images: data.kind idx or image_folder, not ", c.data.kind), true);
+    k.fail("arch", strCat("dit needs images: data.kind idx, image_folder or webdataset, not ", c.data.kind), true);
   }
   if (m.model.arch == "dit" && m.model.embed_dim % 4 != 0) {
     k.fail("embed_dim", strCat(m.model.embed_dim, ": dit's 2-D sin-cos position embedding needs a multiple of 4"), true);
@@ -482,16 +482,16 @@ void settleModels(TrainConfig& c) {
 // The image keys against each other and the data kind.
 void checkImageData(const config::ConfigSchema& s, const TrainConfig& c) {
   const datasets::DataOptions& d = c.data;
-  const bool images = d.kind == "idx" || d.kind == "image_folder";
+  const bool images = datasets::isImageKind(d.kind);
   if (d.channels == 2) throw ConfigError(s.errorMessage("data.channels", "2: images have 1 (gray) or 3 (RGB) channels"));
-  if (d.channels != 0 && d.kind != "image_folder") {
-    throw ConfigError(s.errorMessage("data.channels", strCat("applies to data.kind image_folder, not ", d.kind)));
+  if (d.channels != 0 && d.kind != "image_folder" && d.kind != "webdataset") {
+    throw ConfigError(s.errorMessage("data.channels", strCat("applies to data.kind image_folder or webdataset, not ", d.kind)));
   }
   if (d.kind == "idx" && d.labels.empty()) {
     throw ConfigError(s.errorMessage("data.labels", "data.kind idx needs the labels file (idx1) of data.path"));
   }
   if (!d.eval_path.empty() && !images) {
-    throw ConfigError(s.errorMessage("data.eval_path", strCat("applies to image data (idx, image_folder), not ", d.kind)));
+    throw ConfigError(s.errorMessage("data.eval_path", strCat("applies to image data (idx, image_folder, webdataset), not ", d.kind)));
   }
   if (d.kind == "idx" && !d.eval_path.empty() && d.eval_labels.empty()) {
     throw ConfigError(s.errorMessage("data.eval_labels", "data.eval_path needs its labels file"));
@@ -502,12 +502,12 @@ void checkImageData(const config::ConfigSchema& s, const TrainConfig& c) {
   if (!c.eval.judge.empty() && (!images || c.run.recipe != "standard" || !c.models.front().model.isDenoiser() ||
                                  !c.models.front().hasEma())) {
     throw ConfigError(s.errorMessage("eval.judge", "judges generator_ema's samples: needs a denoiser (diffusion, dit) "
-                                                   "with ema.enabled on image data (idx, image_folder), run.recipe "
+                                                   "with ema.enabled on image data (idx, image_folder, webdataset), run.recipe "
                                                    "standard"));
   }
   if ((d.image_size != 0 || d.hflip) && !images) {
     throw ConfigError(s.errorMessage(d.hflip ? "data.hflip" : "data.image_size",
-                                     strCat("applies to image data (idx, image_folder), not ", d.kind)));
+                                     strCat("applies to image data (idx, image_folder, webdataset), not ", d.kind)));
   }
 }
 

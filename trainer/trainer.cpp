@@ -232,6 +232,11 @@ class TrainLoop {
     for (const auto& [key, value] : out.extra) windowExtra_[key] += value;
     ++windowSteps_;
     if (out.result.skipped) ++skippedInRun_;
+    if (const datasets::SkipCount skipped = run_.data->skipped(); skipped.samples > dataSkipsLogged_) {
+      TLOG_WARN("data.on_error skip: passed over " << skipped.samples - dataSkipsLogged_
+                << " samples this rank could not read (" << skipped.samples << " so far); the last: " << skipped.last);
+      dataSkipsLogged_ = skipped.samples;
+    }
     const bool last = done == cfg_.run.steps;
     const bool evalNow = cfg_.run.eval_every > 0 && done % cfg_.run.eval_every == 0;
     if (done % cfg_.run.log_every == 0 || last || evalNow) logWindow(done, out, evalNow || last);
@@ -349,12 +354,15 @@ class TrainLoop {
       memoryWindowFirst_ = done + 1;
       startMemoryWindow(run_);
     }
-    const bool images = cfg_.data.kind == "idx" || cfg_.data.kind == "image_folder";
+    const bool images = datasets::isImageKind(cfg_.data.kind);
     for (const auto& [key, value] : throughputFigures(m.samplesPerSec, comm.worldSize(), trainFlopsPerSample_,
                                                       recipe_->tokensPerSample(), images, peak_.flopsPerSec)) {
       m.extra[key] = value;
     }
     if (skippedInRun_ > 0) m.extra["skipped_steps"] = static_cast<double>(skippedInRun_);
+    if (const datasets::SkipCount skipped = run_.data->skipped(); skipped.samples > 0) {
+      m.extra["data_skipped"] = static_cast<double>(skipped.samples);  // rank 0's; each rank logs its own below
+    }
     if (evaluateNow) evaluate(m.extra);
     if (metrics_) {
       metrics_->record(m);
@@ -436,7 +444,7 @@ class TrainLoop {
   TrainSummary summary_;
   double windowLoss_ = 0, windowStart_ = 0, runStart_ = 0;
   std::map<std::string, double> windowExtra_;  // the recipe's further figures, summed over the window
-  int64_t windowSteps_ = 0, skippedInRun_ = 0;
+  int64_t windowSteps_ = 0, skippedInRun_ = 0, dataSkipsLogged_ = 0;
   StragglerWatch stragglers_{cfg_.diagnostics.straggler_ratio};
   bool firstWindow_ = true;
 };

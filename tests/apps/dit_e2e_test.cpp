@@ -1,5 +1,5 @@
-// The DiT workload end to end: a class-conditional DiT on IDX images (written here: 8x8,
-// 4 classes) trains the same at 1 to 4 ranks under every strategy (flips and label drops
+// The DiT workload end to end: a class-conditional DiT on IDX images (tests/support/idx_images.h:
+// 8x8, 4 classes) trains the same at 1 to 4 ranks under every strategy (flips and label drops
 // included), resumes on another world size as if uninterrupted, and its exports carry
 // their model: tessera-sample draws from an export or a checkpoint (the same samples,
 // split over ranks or not), offline exports describe the model as the run's own do, and
@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/safetensors.h"
+#include "tests/support/idx_images.h"
 #include "tests/support/run_command.h"
 #include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
@@ -43,40 +44,10 @@ std::string launch(int ranks) {
                           "/tessera-train";
 }
 
-void putBigEndian(std::ofstream& out, uint32_t v) {
-  const char bytes[4] = {static_cast<char>(v >> 24), static_cast<char>(v >> 16), static_cast<char>(v >> 8),
-                         static_cast<char>(v)};
-  out.write(bytes, 4);
-}
-
-// 96 images of 8x8 in 4 classes, as IDX files (images, labels): class c is a bright bar at
-// row 2c over a noisy background, so that the classes differ.
-std::pair<std::string, std::string> writeIdx(const std::string& dir) {
-  fs::create_directories(dir);
-  const std::string images = dir + "/images-idx3-ubyte", labels = dir + "/labels-idx1-ubyte";
-  constexpr uint32_t kCount = 96, kSide = 8;
-  std::ofstream img(images, std::ios::binary), lab(labels, std::ios::binary);
-  putBigEndian(img, 0x803);
-  for (uint32_t d : {kCount, kSide, kSide}) putBigEndian(img, d);
-  putBigEndian(lab, 0x801);
-  putBigEndian(lab, kCount);
-  for (uint32_t i = 0; i < kCount; ++i) {
-    const uint32_t c = (i * 7) % 4;
-    lab.put(static_cast<char>(c));
-    for (uint32_t y = 0; y < kSide; ++y) {
-      for (uint32_t x = 0; x < kSide; ++x) {
-        const uint32_t background = (i * 37 + y * 11 + x * 5) % 64;
-        img.put(static_cast<char>(y == 2 * c ? 200 + (x * 7) % 50 : background));
-      }
-    }
-  }
-  return {images, labels};
-}
-
 // A small DiT run: width 20 and 2 heads (rows that do not divide over 3 or 4 ranks), flips,
 // label drops, an EMA exported; the constant learning rate lets a run be cut in two.
 std::string ditConfig(const std::string& dir) {
-  const auto [images, labels] = writeIdx(dir + "/data");
+  const auto [images, labels] = tessera::test::writeIdxImages(dir + "/data");
   const std::string path = dir + "/dit.yaml";
   std::ofstream(path) << "run: {name: dit, seed: 3, steps: 8, log_every: 4, eval_every: 8}\n"
                          "log: {per_rank_files: false}\n"

@@ -1,0 +1,275 @@
+// The tar reader and writer of WebDataset shards (see tar_file.h).
+#include "datasets/tar_file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "common/errors.h"
+#include "common/file_open.h"
+
+namespace tessera::datasets {
+namespace {
+
+constexpr int64_t kBlock = 512;
+constexpr int64_t kMaxExtendedHeader = int64_t{1} << 20;  // a pax header or GNU long name above 1 MiB is refused
+constexpr size_t kMaxName = 4096;
+
+int64_t roundUpToBlock(int64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
+
+// A local shard file, read with pread (no shared file position: safe from several threads).
+class LocalShard : public ShardSource {
+ public:
+  explicit LocalShard(std::string path) : path_(std::move(path)) {
+    fd_ = openRegularForRead(path_, LinkPolicy::kFollow);
+    if (fd_ < 0) throw Error(strCat("tar file '", path_, "': no such file"));
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) {
+      const int err = errno;
+      ::close(fd_);
+      throw Error(strCat("tar file '", path_, "': ", errnoText(err)));
+    }
+    size_ = static_cast<int64_t>(st.st_size);
+  }
+  ~LocalShard() override { ::close(fd_); }
+  LocalShard(const LocalShard&) = delete;
+  LocalShard& operator=(const LocalShard&) = delete;
+
+  const std::string& name() const override { return path_; }
+  int64_t size() const override { return size_; }
+  bool readAt(int64_t offset, char* out, int64_t size) const override {
+    int64_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::pread(fd_, out + done, static_cast<size_t>(size - done), static_cast<off_t>(offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) throw Error(strCat("tar file '", path_, "': read at byte ", offset + done, " failed: ", errnoText(errno)));
+      if (n == 0) return false;
+      done += n;
+    }
+    return true;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  int64_t size_ = 0;
+};
+
+// A numeric header field: octal ASCII (space or NUL terminated), or GNU's base-256 (the
+// first byte's top bit set) for sizes above 8 GiB. -1 when it is neither.
+int64_t numericField(const char* field, size_t width) {
+  const auto* b = reinterpret_cast<const unsigned char*>(field);
+  if (b[0] & 0x80) {
+    if (b[0] != 0x80) return -1;  // negative or beyond 63 bits
+    int64_t v = 0;
+    for (size_t i = 1; i < width; ++i) {
+      if (v > (INT64_MAX >> 8)) return -1;
+      v = (v << 8) | b[i];
+    }
+    return v;
+  }
+  size_t i = 0;
+  while (i < width && field[i] == ' ') ++i;
+  int64_t v = 0;
+  bool digits = false;
+  for (; i < width && field[i] >= '0' && field[i] <= '7'; ++i) {
+    if (v > (INT64_MAX >> 3)) return -1;
+    v = v * 8 + (field[i] - '0');
+    digits = true;
+  }
+  for (; i < width; ++i) {
+    if (field[i] != ' ' && field[i] != '\0') return -1;
+  }
+  return digits ? v : -1;
+}
+
+// A NUL-terminated (or full-width) string field.
+std::string stringField(const char* field, size_t width) { return std::string(field, strnlen(field, width)); }
+
+bool isZeroBlock(const char* block) {
+  return std::all_of(block, block + kBlock, [](char c) { return c == '\0'; });
+}
+
+// The 'path' record of a pax extended header ("<length> <key>=<value>\n" records), or "".
+std::string paxPath(const std::string& records, const std::string& path, int64_t at) {
+  std::string found;
+  size_t pos = 0;
+  while (pos < records.size()) {
+    const size_t space = records.find(' ', pos);
+    TESSERA_CHECK(space != std::string::npos && space > pos && space - pos <= 20, "tar file '", path,
+                  "': malformed pax header at byte ", at);
+    int64_t length = 0;
+    for (size_t i = pos; i < space; ++i) {
+      TESSERA_CHECK(records[i] >= '0' && records[i] <= '9', "tar file '", path, "': malformed pax header at byte ", at);
+      length = length * 10 + (records[i] - '0');
+    }
+    TESSERA_CHECK(length > static_cast<int64_t>(space - pos) + 1 &&
+                      pos + static_cast<size_t>(length) <= records.size() && records[pos + length - 1] == '\n',
+                  "tar file '", path, "': malformed pax header at byte ", at);
+    const std::string record = records.substr(space + 1, pos + static_cast<size_t>(length) - space - 2);
+    if (record.rfind("path=", 0) == 0) found = record.substr(5);
+    // 'size' overrides the header's only above 8 GiB, which the octal field cannot hold;
+    // GNU base-256 covers that for the writers Tessera meets, so the record is not needed.
+    pos += static_cast<size_t>(length);
+  }
+  return found;
+}
+
+}  // namespace
+
+std::unique_ptr<ShardSource> openShard(const std::string& path) { return std::make_unique<LocalShard>(path); }
+
+TarReader::TarReader(std::unique_ptr<ShardSource> source)
+    : source_(std::move(source)), path_(source_->name()), fileSize_(source_->size()) {}
+
+bool TarReader::next(TarMember& member) {
+  std::string longName;  // from a GNU 'L' or pax 'x' header, for the member that follows
+  int64_t firstHeader = cursor_;
+  char block[kBlock];
+  while (true) {
+    const int64_t at = cursor_;
+    if (at == fileSize_) return false;  // the end of the file at a header's place: no end blocks, still complete
+    TESSERA_CHECK(source_->readAt(at, block, kBlock), "tar file '", path_, "': truncated: the file ends at byte ",
+                  fileSize_, " inside the header at byte ", at);
+    if (isZeroBlock(block)) return false;
+    unsigned sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      sum += (i >= 148 && i < 156) ? ' ' : static_cast<unsigned char>(block[i]);
+    }
+    const int64_t stored = numericField(block + 148, 8);
+    TESSERA_CHECK(stored == static_cast<int64_t>(sum), "tar file '", path_, "': the header at byte ", at,
+                  " is damaged (checksum ", stored, ", its bytes sum to ", sum, "); not a tar file, or corrupt there");
+    const int64_t size = numericField(block + 124, 12);
+    TESSERA_CHECK(size >= 0, "tar file '", path_, "': the header at byte ", at, " has no valid size");
+    const int64_t dataAt = at + kBlock;
+    TESSERA_CHECK(size <= fileSize_ - dataAt, "tar file '", path_, "': truncated: the member at byte ", at, " holds ",
+                  size, " bytes, the file ends ", fileSize_ - dataAt, " bytes after its header");
+    cursor_ = dataAt + roundUpToBlock(size);
+    const char type = block[156];
+    if (type == 'L' || type == 'x') {
+      TESSERA_CHECK(size <= kMaxExtendedHeader, "tar file '", path_, "': the extended header at byte ", at, " holds ",
+                    size, " bytes");
+      std::string data(static_cast<size_t>(size), '\0');
+      TESSERA_CHECK(source_->readAt(dataAt, data.data(), size), "tar file '", path_, "': truncated at byte ", dataAt);
+      std::string name = type == 'L' ? std::string(data.c_str()) : paxPath(data, path_, at);
+      if (!name.empty()) longName = std::move(name);
+      continue;
+    }
+    if (type != '0' && type != '\0' && type != '7') {  // a directory, link, device or global header
+      longName.clear();
+      firstHeader = cursor_;
+      continue;
+    }
+    std::string name = longName;
+    if (name.empty()) {
+      name = stringField(block, 100);
+      // POSIX ustar ("ustar\0") keeps a prefix; old GNU headers ("ustar  ") hold times there.
+      const bool posix = std::memcmp(block + 257, "ustar\0", 6) == 0;
+      const std::string prefix = posix ? stringField(block + 345, 155) : std::string();
+      if (!prefix.empty()) name = prefix + "/" + name;
+    }
+    TESSERA_CHECK(!name.empty() && name.size() <= kMaxName, "tar file '", path_, "': the member at byte ", at,
+                  " has ", name.empty() ? "no name" : "a name longer than 4096 bytes");
+    member.name = std::move(name);
+    member.headerOffset = firstHeader;
+    member.offset = dataAt;
+    member.size = size;
+    return true;
+  }
+}
+
+std::string TarReader::readData(const TarMember& member, int64_t maxBytes) const {
+  TESSERA_CHECK(member.size <= maxBytes, "tar file '", path_, "': member '", member.name, "' at byte ",
+                member.headerOffset, " holds ", member.size, " bytes, more than the ", maxBytes, " allowed");
+  std::string data(static_cast<size_t>(member.size), '\0');
+  TESSERA_CHECK(source_->readAt(member.offset, data.data(), member.size), "tar file '", path_,
+                "': truncated inside member '", member.name, "' at byte ", member.headerOffset);
+  return data;
+}
+
+std::string readShardRange(const std::string& path, int64_t offset, int64_t size) {
+  const std::unique_ptr<ShardSource> source = openShard(path);
+  std::string data(static_cast<size_t>(size), '\0');
+  TESSERA_CHECK(source->readAt(offset, data.data(), size), "tar file '", path, "': ends before byte ", offset + size,
+                " (it was cut short after it was indexed)");
+  return data;
+}
+
+TarWriter::TarWriter(std::string path) : path_(std::move(path)), temporary_(path_ + ".partial") {
+  checkReplaceable(path_);
+  fd_ = createFreshFile(temporary_);
+}
+
+TarWriter::~TarWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(temporary_.c_str());
+  }
+}
+
+void TarWriter::write(const void* data, size_t bytes) {
+  writeAllTo(fd_, data, bytes, temporary_);
+  written_ += static_cast<int64_t>(bytes);
+}
+
+void TarWriter::add(const std::string& name, const std::string& data) {
+  TESSERA_CHECK(fd_ >= 0, "tar file '", path_, "': add after finish");
+  std::string base = name, prefix;
+  if (base.size() > 100) {  // ustar: split at a '/' into prefix (<= 155) and name (<= 100)
+    const size_t slash = name.find('/', name.size() > 101 ? name.size() - 101 : 0);
+    TESSERA_CHECK(slash != std::string::npos && slash <= 155 && name.size() - slash - 1 <= 100 && slash > 0,
+                  "tar file '", path_, "': member name '", name, "' does not fit a ustar header");
+    prefix = name.substr(0, slash);
+    base = name.substr(slash + 1);
+  }
+  TESSERA_CHECK(!base.empty() && name.find('\0') == std::string::npos, "tar file '", path_, "': member name '", name,
+                "' is not one");
+  char header[kBlock] = {};
+  std::memcpy(header, base.data(), base.size());
+  std::snprintf(header + 100, 8, "%07o", 0644);
+  std::snprintf(header + 108, 8, "%07o", 0);
+  std::snprintf(header + 116, 8, "%07o", 0);
+  TESSERA_CHECK(data.size() < (size_t{1} << 33), "tar file '", path_, "': member '", name, "' of ", data.size(),
+                " bytes is above ustar's 8 GiB");
+  std::snprintf(header + 124, 12, "%011llo", static_cast<unsigned long long>(data.size()));
+  std::snprintf(header + 136, 12, "%011o", 0);
+  header[156] = '0';
+  std::memcpy(header + 257, "ustar", 6);  // "ustar\0" then version "00"
+  header[263] = '0';
+  header[264] = '0';
+  std::memcpy(header + 345, prefix.data(), prefix.size());
+  std::memset(header + 148, ' ', 8);
+  unsigned sum = 0;
+  for (char c : header) sum += static_cast<unsigned char>(c);
+  std::snprintf(header + 148, 8, "%06o", sum);  // six digits, NUL, then the space already there
+  write(header, sizeof header);
+  write(data.data(), data.size());
+  const int64_t pad = roundUpToBlock(static_cast<int64_t>(data.size())) - static_cast<int64_t>(data.size());
+  const char zeros[kBlock] = {};
+  write(zeros, static_cast<size_t>(pad));
+}
+
+int64_t TarWriter::finish() {
+  TESSERA_CHECK(fd_ >= 0, "tar file '", path_, "': finished twice");
+  const char zeros[2 * kBlock] = {};
+  write(zeros, sizeof zeros);
+  const int fd = fd_;
+  fd_ = -1;
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(temporary_.c_str());
+    throw Error(strCat("tar file '", temporary_, "': close failed: ", errnoText(err)));
+  }
+  if (::rename(temporary_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(temporary_.c_str());
+    throw Error(strCat("cannot rename '", temporary_, "' to '", path_, "': ", errnoText(err)));
+  }
+  return written_;
+}
+
+}  // namespace tessera::datasets
