@@ -208,9 +208,39 @@ struct SampleEntry {
   std::string problem;       // non-empty: the sample is damaged (no image, no label, a bad label)
 };
 
-struct ShardIndex {
-  std::vector<SampleEntry> samples;
-  std::string problem;  // non-empty: the shard ends in damage after samples.size() whole samples
+// A shard's samples, held compactly (about 40 bytes and the key a sample): the cached
+// indexes are what a stream holds besides its buffer.
+class ShardIndex {
+ public:
+  size_t size() const { return stored_.size(); }
+  void add(const SampleEntry& e) {
+    stored_.push_back({e.headerOffset, e.imageOffset, e.imageSize, e.label});
+    keys_ += e.key;
+    keyEnds_.push_back(keys_.size());
+    if (!e.problem.empty()) problems_.emplace(stored_.size() - 1, e.problem);
+  }
+  SampleEntry at(size_t i) const {
+    const Stored& s = stored_[i];
+    SampleEntry e;
+    const size_t start = i == 0 ? 0 : keyEnds_[i - 1];
+    e.key = keys_.substr(start, keyEnds_[i] - start);
+    e.headerOffset = s.headerOffset;
+    e.imageOffset = s.imageOffset;
+    e.imageSize = s.imageSize;
+    e.label = s.label;
+    if (const auto it = problems_.find(i); it != problems_.end()) e.problem = it->second;
+    return e;
+  }
+  std::string problem;  // non-empty: the shard ends in damage after size() whole samples
+
+ private:
+  struct Stored {
+    int64_t headerOffset, imageOffset, imageSize, label;
+  };
+  std::vector<Stored> stored_;
+  std::string keys_;
+  std::vector<size_t> keyEnds_;
+  std::map<size_t, std::string> problems_;
 };
 
 // WebDataset's split of a member name into key and extension: the key is everything up to
@@ -268,7 +298,7 @@ ShardIndex indexShard(const std::string& path) {
     if (s.problem.empty() && imageMembers > 1) s.problem = "it holds more than one image";
     if (s.problem.empty() && s.imageSize < 0) s.problem = "it holds no .png, .jpg or .jpeg image";
     if (s.problem.empty() && s.label < 0) s.problem = "it holds no .cls or .json label";
-    index.samples.push_back(std::move(s));
+    index.add(s);
     open = SampleEntry{};
     imageMembers = 0;
   };
@@ -341,17 +371,18 @@ class ShardSet {
         ShardIndex index = indexShard(path);
         if (!index.problem.empty()) {
           if (!skipDamaged_) throw Error(index.problem);
-          dropped_.push_back(strCat(index.problem, " (kept its first ", index.samples.size(), " whole samples)"));
+          dropped_.push_back(strCat(index.problem, " (kept its first ", index.size(), " whole samples)"));
         }
-        for (const SampleEntry& s : index.samples) {
+        for (size_t i = 0; i < index.size(); ++i) {
+          const SampleEntry s = index.at(i);
           if (!s.problem.empty() && !skipDamaged_) throw Error(strCat(describeSample(path, s), ": ", s.problem));
           classes_ = std::max(classes_, s.label + 1);
         }
-        shard.samples = static_cast<int64_t>(index.samples.size());
+        shard.samples = static_cast<int64_t>(index.size());
         shard.verified = true;
         scanned_ += 1;
         cache_.emplace_front(static_cast<int64_t>(shards_.size()), std::make_shared<const ShardIndex>(std::move(index)));
-        if (cache_.size() > kCachedShards) cache_.pop_back();
+        if (cache_.size() > cachedShards_) cache_.pop_back();
       }
       total_ += shard.samples;
       shards_.push_back(std::move(shard));
@@ -370,19 +401,22 @@ class ShardSet {
     return c;
   }
   const std::string& path(int64_t shard) const { return shards_[static_cast<size_t>(shard)].path; }
+  // Keeps the indexes of the `n` shards read last. A buffer of B samples draws from about
+  // B / (samples per shard) + 2 shards at once; a shard that left the cache is indexed again
+  // (a header walk), which costs time, never a wrong sample.
+  void setCachedShards(size_t n) { cachedShards_ = n; }
 
   // Sample `sample` of shard `shard`, its shard indexed (and its checksum checked) when it
   // is not among the recent ones. tessera::Error naming the shard, or the sample's problem.
   SampleEntry entry(int64_t shard, int64_t sample) const {
     const std::shared_ptr<const ShardIndex> index = indexOf(shard);
     const Shard& s = shards_[static_cast<size_t>(shard)];
-    if (sample >= static_cast<int64_t>(index->samples.size())) {
+    if (sample >= static_cast<int64_t>(index->size())) {
       throw Error(index->problem.empty()
-                      ? strCat("shard '", s.path, "' holds ", index->samples.size(), " samples, its manifest says ",
-                               s.samples)
+                      ? strCat("shard '", s.path, "' holds ", index->size(), " samples, its manifest says ", s.samples)
                       : index->problem);
     }
-    const SampleEntry& e = index->samples[static_cast<size_t>(sample)];
+    const SampleEntry e = index->at(static_cast<size_t>(sample));
     if (!e.problem.empty()) throw Error(strCat(describeSample(s.path, e), ": ", e.problem));
     return e;
   }
@@ -426,16 +460,16 @@ class ShardSet {
                     hex64(s.xxh3), ": the shard changed or is damaged");
     }
     auto index = std::make_shared<const ShardIndex>(indexShard(s.path));
-    TESSERA_CHECK(!index->problem.empty() || static_cast<int64_t>(index->samples.size()) == s.samples || skipDamaged_,
-                  "shard '", s.path, "' holds ", index->samples.size(), " samples, its manifest says ", s.samples);
+    TESSERA_CHECK(!index->problem.empty() || static_cast<int64_t>(index->size()) == s.samples || skipDamaged_,
+                  "shard '", s.path, "' holds ", index->size(), " samples, its manifest says ", s.samples);
     const std::lock_guard<std::mutex> lock(mutex_);
     s.verified = true;
     cache_.emplace_front(shard, index);
-    if (cache_.size() > kCachedShards) cache_.pop_back();
+    if (cache_.size() > cachedShards_) cache_.pop_back();
     return index;
   }
 
-  static constexpr size_t kCachedShards = 16;
+  size_t cachedShards_ = 8;
   std::vector<Shard> shards_;
   std::vector<std::string> paths_;
   const char* key_;
@@ -463,6 +497,8 @@ class WebDataset : public Dataset {
         throw DataFileError("data.eval_path", e.what(), false);
       }
     }
+    const int64_t perShard = std::max<int64_t>(1, train_.size() / static_cast<int64_t>(train_.shardCount()));
+    train_.setCachedShards(static_cast<size_t>(std::clamp<int64_t>(4 + data.shuffle_buffer / perShard, 4, 256)));
     classes_ = std::max(train_.classes(), eval_ ? eval_->classes() : 0);
     TESSERA_CHECK(classes_ > 0, "data.path: the shards' labels name no class");
     // The first sample sets what data.channels and data.image_size leave open.
