@@ -341,10 +341,10 @@ std::string describeSample(const std::string& shard, const SampleEntry& s) {
 // read lately.
 class ShardSet {
  public:
-  ShardSet(std::vector<std::string> paths, bool skipDamaged, const char* key)
-      : paths_(std::move(paths)), key_(key), skipDamaged_(skipDamaged) {
+  ShardSet(const std::vector<std::string>& paths, bool skipDamaged, const char* key)
+      : key_(key), skipDamaged_(skipDamaged) {
     std::map<std::string, std::optional<ShardManifest>> manifests;
-    for (const std::string& path : paths_) {
+    for (const std::string& path : paths) {
       const std::string dir = fs::path(path).parent_path().string();
       auto it = manifests.find(dir);
       if (it == manifests.end()) it = manifests.emplace(dir, readShardManifest(dir.empty() ? "." : dir)).first;
@@ -471,7 +471,6 @@ class ShardSet {
 
   size_t cachedShards_ = 8;
   std::vector<Shard> shards_;
-  std::vector<std::string> paths_;
   const char* key_;
   bool skipDamaged_;
   int64_t total_ = 0, classes_ = 0, scanned_ = 0;

@@ -376,6 +376,7 @@ class TrainLoop {
     }
     if (firstWindow_) summary_.firstLoss = m.loss;
     firstWindow_ = false;
+    summary_.lossLogged = true;
     summary_.finalLoss = m.loss;
     if (m.extra.count("eval_loss")) {
       summary_.evalLoss = m.extra["eval_loss"];

@@ -22,6 +22,7 @@ struct TrainSummary {
   int64_t steps = 0;
   double firstLoss = 0;  // mean train loss of the first logged window
   double finalLoss = 0;  // mean train loss of the last logged window
+  bool lossLogged = false;  // a window was logged (a run stopped before run.log_every steps has none)
   // The held-out loss of the last evaluation, live and EMA weights; NaN until one ran (a run
   // stopped by a signal before its first evaluation has none).
   double evalLoss = std::numeric_limits<double>::quiet_NaN();

@@ -70,8 +70,14 @@ int main(int argc, char** argv) {
     } else {
       heldOut << "no held-out loss (the run stopped before its first evaluation)";
     }
-    TLOG_INFO0("done: " << summary.steps << " steps, loss " << summary.firstLoss << " -> " << summary.finalLoss << ", "
-                        << heldOut.str() << ", " << summary.samplesPerSec << " samples/s");
+    std::ostringstream loss;
+    if (summary.lossLogged) {
+      loss << "loss " << summary.firstLoss << " -> " << summary.finalLoss;
+    } else {
+      loss << "no loss logged (it stopped before a run.log_every window ended)";
+    }
+    TLOG_INFO0("done: " << summary.steps << " steps, " << loss.str() << ", " << heldOut.str() << ", "
+                        << summary.samplesPerSec << " samples/s");
     if (!summary.metricsPath.empty()) {  // rank 0 writes them; the line is in every rank's log file
       TLOG_INFO0("metrics: " << summary.metricsPath << "; loss curve: " << summary.lossCurvePath);
     }
