@@ -17,6 +17,7 @@ namespace {
 
 constexpr const char* kFormat = "tessera-webdataset-1";
 constexpr int64_t kMaxManifestBytes = int64_t{256} << 20;
+constexpr int64_t kMaxManifestClasses = int64_t{1} << 20;
 
 using Json = nlohmann::json;
 
@@ -34,11 +35,15 @@ int64_t nonNegative(const Json& object, const char* key, const std::string& wher
 
 }  // namespace
 
+bool ShardManifest::add(ShardEntry entry) {
+  if (!byName_.emplace(entry.name, shards.size()).second) return false;
+  shards.push_back(std::move(entry));
+  return true;
+}
+
 const ShardEntry* ShardManifest::find(const std::string& name) const {
-  for (const ShardEntry& e : shards) {
-    if (e.name == name) return &e;
-  }
-  return nullptr;
+  const auto it = byName_.find(name);
+  return it == byName_.end() ? nullptr : &shards[it->second];
 }
 
 std::optional<ShardManifest> readShardManifest(const std::string& directory) {
@@ -55,6 +60,8 @@ std::optional<ShardManifest> readShardManifest(const std::string& directory) {
                 "': format is not \"", kFormat, "\"");
   ShardManifest m;
   m.classes = nonNegative(doc, "classes", strCat("shard manifest '", path, "'"));
+  TESSERA_CHECK(m.classes <= kMaxManifestClasses, "shard manifest '", path, "': \"classes\" ", m.classes,
+                " is above ", kMaxManifestClasses);
   const Json& shards = field(doc, "shards", strCat("shard manifest '", path, "'"));
   TESSERA_CHECK(shards.is_array(), "shard manifest '", path, "': \"shards\" is not a list");
   for (size_t i = 0; i < shards.size(); ++i) {
@@ -75,8 +82,10 @@ std::optional<ShardManifest> readShardManifest(const std::string& directory) {
                       sum.get<std::string>().find_first_not_of("0123456789abcdef") == std::string::npos,
                   where, ": \"xxh3\" is not 16 hex digits");
     e.xxh3 = std::stoull(sum.get<std::string>(), nullptr, 16);
-    TESSERA_CHECK(m.find(e.name) == nullptr, where, ": shard '", e.name, "' is listed twice");
-    m.shards.push_back(std::move(e));
+    // Each sample is at least two members of a 512-byte header each.
+    TESSERA_CHECK(e.samples <= e.bytes / 1024, where, ": ", e.samples, " samples cannot fit in ", e.bytes, " bytes");
+    const std::string shardName = e.name;
+    TESSERA_CHECK(m.add(std::move(e)), where, ": shard '", shardName, "' is listed twice");
   }
   return m;
 }

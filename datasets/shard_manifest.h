@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace tessera::datasets {
@@ -27,13 +28,19 @@ struct ShardEntry {
 
 struct ShardManifest {
   int64_t classes = 0;  // largest label + 1 over the shards
-  std::vector<ShardEntry> shards;
-  const ShardEntry* find(const std::string& name) const;
+  std::vector<ShardEntry> shards;  // in order; entries come in through add()
+  // Appends `entry`; false (and nothing added) when a shard of its name is listed already.
+  bool add(ShardEntry entry);
+  const ShardEntry* find(const std::string& name) const;  // nullptr when not listed
+
+ private:
+  std::unordered_map<std::string, size_t> byName_;
 };
 
 // The manifest in `directory`, or nullopt when it has none. Throws tessera::Error naming
 // the file when one is there but is not a manifest (malformed JSON, a missing or wrong-typed
-// field, a name with a '/', a negative count).
+// field, a name with a '/', a shard listed twice, a negative count, more samples than its
+// bytes can hold, more than 2^20 classes).
 std::optional<ShardManifest> readShardManifest(const std::string& directory);
 
 // Writes `manifest` as `directory`/manifest.json (replaced by a rename).

@@ -44,7 +44,14 @@ ShardWriter::ShardWriter(std::string directory, std::string prefix, int64_t samp
   }
 }
 
-ShardWriter::~ShardWriter() = default;
+ShardWriter::~ShardWriter() {
+  if (finished_) return;
+  // Not finished (an input failed part-way): the shards written so far are removed, so the
+  // directory can be written again.
+  shard_.reset();
+  std::error_code ec;
+  for (const ShardEntry& e : manifest_.shards) fs::remove(fs::path(directory_) / e.name, ec);
+}
 
 void ShardWriter::add(const std::string& image, const std::string& extension, int64_t label) {
   TESSERA_CHECK(extension == "png" || extension == "jpg", "shards: image extension '", extension, "'");
@@ -69,7 +76,7 @@ void ShardWriter::closeShard() {
   entry.bytes = shard_->finish();
   shard_.reset();
   entry.xxh3 = fileXxh3((fs::path(directory_) / shardName_).string());
-  manifest_.shards.push_back(entry);
+  manifest_.add(entry);
   inShard_ = 0;
 }
 
@@ -77,6 +84,7 @@ ShardManifest ShardWriter::finish() {
   closeShard();
   TESSERA_CHECK(!manifest_.shards.empty(), "shard directory '", directory_, "': no samples to write");
   writeShardManifest(directory_, manifest_);
+  finished_ = true;
   return manifest_;
 }
 

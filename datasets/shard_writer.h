@@ -21,7 +21,7 @@ class ShardWriter {
   // Creates `directory` when missing; refuses one that already holds a manifest or .tar
   // files (shards of another write would be mixed with these).
   ShardWriter(std::string directory, std::string prefix, int64_t samplesPerShard);
-  ~ShardWriter();
+  ~ShardWriter();  // without finish(): removes the shards it wrote
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
 
@@ -38,6 +38,7 @@ class ShardWriter {
   std::unique_ptr<TarWriter> shard_;
   std::string shardName_;
   ShardManifest manifest_;
+  bool finished_ = false;
 };
 
 // What writeImageShards wrote.
@@ -49,8 +50,9 @@ struct ShardWriteSummary {
 // Writes the images of `data` (data.kind idx or image_folder: data.path with data.labels,
 // and data.eval_path with data.eval_labels when set) as shards of `samplesPerShard`:
 // <out>/train/ and <out>/eval/. IDX images are encoded as PNG; image files are copied as
-// they are (their class from their folder). Every input is read (or listed) before a
-// directory is created. tessera::ConfigError for another kind.
+// they are (their class from their folder). The inputs are read (IDX) or listed (folders)
+// before a directory is created; a failure part-way removes the shards written.
+// tessera::ConfigError for another kind.
 ShardWriteSummary writeImageShards(const DataOptions& data, const std::string& out, int64_t samplesPerShard);
 
 }  // namespace tessera::datasets

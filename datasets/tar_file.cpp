@@ -94,13 +94,19 @@ bool isZeroBlock(const char* block) {
   return std::all_of(block, block + kBlock, [](char c) { return c == '\0'; });
 }
 
-// The 'path' record of a pax extended header ("<length> <key>=<value>\n" records), or "".
-std::string paxPath(const std::string& records, const std::string& path, int64_t at) {
-  std::string found;
+// The records of a pax extended header ("<length> <key>=<value>\n") that matter here.
+struct PaxRecords {
+  std::string path;
+  int64_t size = -1;  // -1: none (the header's own size field holds it)
+};
+
+PaxRecords paxRecords(const std::string& records, const std::string& path, int64_t at) {
+  PaxRecords found;
   size_t pos = 0;
   while (pos < records.size()) {
     const size_t space = records.find(' ', pos);
-    TESSERA_CHECK(space != std::string::npos && space > pos && space - pos <= 20, "tar file '", path,
+    // At most 7 digits: an extended header is at most 1 MiB.
+    TESSERA_CHECK(space != std::string::npos && space > pos && space - pos <= 7, "tar file '", path,
                   "': malformed pax header at byte ", at);
     int64_t length = 0;
     for (size_t i = pos; i < space; ++i) {
@@ -111,9 +117,13 @@ std::string paxPath(const std::string& records, const std::string& path, int64_t
                       pos + static_cast<size_t>(length) <= records.size() && records[pos + length - 1] == '\n',
                   "tar file '", path, "': malformed pax header at byte ", at);
     const std::string record = records.substr(space + 1, pos + static_cast<size_t>(length) - space - 2);
-    if (record.rfind("path=", 0) == 0) found = record.substr(5);
-    // 'size' overrides the header's only above 8 GiB, which the octal field cannot hold;
-    // GNU base-256 covers that for the writers Tessera meets, so the record is not needed.
+    if (record.rfind("path=", 0) == 0) found.path = record.substr(5);
+    if (record.rfind("size=", 0) == 0) {
+      const std::string digits = record.substr(5);
+      TESSERA_CHECK(!digits.empty() && digits.size() <= 18 && digits.find_first_not_of("0123456789") == std::string::npos,
+                    "tar file '", path, "': pax header at byte ", at, " has a size that is not a number");
+      found.size = std::stoll(digits);
+    }
     pos += static_cast<size_t>(length);
   }
   return found;
@@ -128,11 +138,15 @@ TarReader::TarReader(std::unique_ptr<ShardSource> source)
 
 bool TarReader::next(TarMember& member) {
   std::string longName;  // from a GNU 'L' or pax 'x' header, for the member that follows
+  int64_t paxSize = -1;  // from a pax 'x' header: the size of the member that follows
   int64_t firstHeader = cursor_;
   char block[kBlock];
   while (true) {
     const int64_t at = cursor_;
-    if (at == fileSize_) return false;  // the end of the file at a header's place: no end blocks, still complete
+    // Every writer ends an archive with zero blocks: a file that ends at a member's boundary
+    // without them was cut short there (a copy interrupted at a block boundary).
+    TESSERA_CHECK(at < fileSize_, "tar file '", path_, "': truncated: the file ends at byte ", fileSize_,
+                  " without the blocks that end an archive (cut short at a member's boundary)");
     TESSERA_CHECK(source_->readAt(at, block, kBlock), "tar file '", path_, "': truncated: the file ends at byte ",
                   fileSize_, " inside the header at byte ", at);
     if (isZeroBlock(block)) return false;
@@ -143,24 +157,33 @@ bool TarReader::next(TarMember& member) {
     const int64_t stored = numericField(block + 148, 8);
     TESSERA_CHECK(stored == static_cast<int64_t>(sum), "tar file '", path_, "': the header at byte ", at,
                   " is damaged (checksum ", stored, ", its bytes sum to ", sum, "); not a tar file, or corrupt there");
-    const int64_t size = numericField(block + 124, 12);
+    const char type = block[156];
+    int64_t size = numericField(block + 124, 12);
+    if (paxSize >= 0 && type != 'x' && type != 'L') size = paxSize;  // pax overrides the header's field
     TESSERA_CHECK(size >= 0, "tar file '", path_, "': the header at byte ", at, " has no valid size");
     const int64_t dataAt = at + kBlock;
     TESSERA_CHECK(size <= fileSize_ - dataAt, "tar file '", path_, "': truncated: the member at byte ", at, " holds ",
                   size, " bytes, the file ends ", fileSize_ - dataAt, " bytes after its header");
     cursor_ = dataAt + roundUpToBlock(size);
-    const char type = block[156];
     if (type == 'L' || type == 'x') {
       TESSERA_CHECK(size <= kMaxExtendedHeader, "tar file '", path_, "': the extended header at byte ", at, " holds ",
                     size, " bytes");
       std::string data(static_cast<size_t>(size), '\0');
       TESSERA_CHECK(source_->readAt(dataAt, data.data(), size), "tar file '", path_, "': truncated at byte ", dataAt);
-      std::string name = type == 'L' ? std::string(data.c_str()) : paxPath(data, path_, at);
+      std::string name;
+      if (type == 'L') {
+        name = data.c_str();
+      } else {
+        PaxRecords pax = paxRecords(data, path_, at);
+        name = std::move(pax.path);
+        paxSize = pax.size;
+      }
       if (!name.empty()) longName = std::move(name);
       continue;
     }
     if (type != '0' && type != '\0' && type != '7') {  // a directory, link, device or global header
       longName.clear();
+      paxSize = -1;
       firstHeader = cursor_;
       continue;
     }

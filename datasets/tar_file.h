@@ -7,7 +7,7 @@
 // batch needs it, which needs each member's data offset in the file; libarchive's reading
 // API is a forward stream that does not expose it. The format subset is small and checked:
 // POSIX ustar and GNU headers (checksums verified, base-256 sizes), pax extended headers
-// ('path') and GNU long names, the members Python's tarfile and GNU tar write.
+// ('path', 'size') and GNU long names, the members Python's tarfile and GNU tar write.
 // Interoperability with both is tested (tests/datasets/webdataset_test.cpp).
 #pragma once
 
@@ -52,10 +52,10 @@ class TarReader {
   TarReader& operator=(const TarReader&) = delete;
 
   // The next regular file (directories, links and pax global headers are passed over);
-  // false at the end of the archive (a zero block, or the end of the file at a header's
-  // place). Throws tessera::Error naming the file and the byte offset: a header whose
-  // checksum does not match, a size that is not a number, a member whose data runs past
-  // the end of the file (a truncated shard), a file that ends inside a header.
+  // false at the end of the archive (a zero block). Throws tessera::Error naming the file
+  // and the byte offset: a header whose checksum does not match, a size that is not a
+  // number, a member whose data runs past the end of the file, a file that ends inside a
+  // header or without the zero blocks that end an archive (each a truncated shard).
   bool next(TarMember& member);
   // The data of the member next() returned last, at most `maxBytes` of it (tessera::Error
   // when it is larger).

@@ -31,7 +31,7 @@ constexpr int64_t kMaxClasses = int64_t{1} << 20;
 constexpr int64_t kMaxImageBytes = int64_t{256} << 20;
 constexpr int64_t kMaxLabelBytes = int64_t{64} << 10;
 constexpr size_t kRecentPositions = 4096;
-constexpr int kMaxSkipsPerRow = 1000;  // a row that finds no readable sample this far ahead is an error
+constexpr size_t kMaxShardPaths = 1000000;
 constexpr uint64_t kShardOrderStream = 0x7368617264ULL;  // "shard"
 constexpr uint64_t kBufferStream = 0x627566ULL;          // "buf"
 
@@ -78,7 +78,11 @@ void expandBraces(const std::string& spec, const std::string& whole, std::vector
       start = comma + 1;
     }
   }
-  for (const std::string& item : items) expandBraces(head + item + tail, whole, out);
+  for (const std::string& item : items) {
+    expandBraces(head + item + tail, whole, out);
+    TESSERA_CHECK_AS(ConfigError, out.size() <= kMaxShardPaths, "shard list '", whole, "' names more than ",
+                     kMaxShardPaths, " shards");
+  }
 }
 
 bool hasWildcard(const std::string& s) { return s.find_first_of("*?[") != std::string::npos; }
@@ -454,12 +458,17 @@ class ShardSet {
       const std::lock_guard<std::mutex> lock(mutex_);
       verify = !s.verified;
     }
-    if (verify) {
-      const uint64_t sum = fileXxh3(s.path);
-      TESSERA_CHECK(sum == s.xxh3, "shard '", s.path, "': its checksum is ", hex64(sum), ", its manifest says ",
-                    hex64(s.xxh3), ": the shard changed or is damaged");
+    std::shared_ptr<ShardIndex> index;
+    const uint64_t sum = verify ? fileXxh3(s.path) : s.xxh3;
+    if (sum != s.xxh3) {
+      // Cached as a shard without samples: each of its samples then fails at once (skip
+      // passes over them without reading the shard again).
+      index = std::make_shared<ShardIndex>();
+      index->problem = strCat("shard '", s.path, "': its checksum is ", hex64(sum), ", its manifest says ",
+                              hex64(s.xxh3), ": the shard changed or is damaged");
+    } else {
+      index = std::make_shared<ShardIndex>(indexShard(s.path));
     }
-    auto index = std::make_shared<const ShardIndex>(indexShard(s.path));
     TESSERA_CHECK(!index->problem.empty() || static_cast<int64_t>(index->size()) == s.samples || skipDamaged_,
                   "shard '", s.path, "' holds ", index->size(), " samples, its manifest says ", s.samples);
     const std::lock_guard<std::mutex> lock(mutex_);
@@ -500,14 +509,25 @@ class WebDataset : public Dataset {
     train_.setCachedShards(static_cast<size_t>(std::clamp<int64_t>(4 + data.shuffle_buffer / perShard, 4, 256)));
     classes_ = std::max(train_.classes(), eval_ ? eval_->classes() : 0);
     TESSERA_CHECK(classes_ > 0, "data.path: the shards' labels name no class");
-    // The first sample sets what data.channels and data.image_size leave open.
-    const auto [shard, sample] = train_.inOrder(0);
-    const SampleEntry first = train_.entry(shard, sample);
-    const at::Tensor image = imaging::decodeImage(readShardRange(train_.path(shard), first.imageOffset, first.imageSize),
-                                                  describeSample(train_.path(shard), first), channels_);
+    // The first readable sample (under skip; the first one under fail) sets what
+    // data.channels and data.image_size leave open.
+    at::Tensor image;
+    SampleEntry first;
+    std::string firstShard;
+    for (int64_t i = 0; !image.defined(); ++i) {
+      const auto [shard, sample] = train_.inOrder(i);
+      try {
+        first = train_.entry(shard, sample);
+        firstShard = train_.path(shard);
+        image = imaging::decodeImage(readShardRange(firstShard, first.imageOffset, first.imageSize),
+                                     describeSample(firstShard, first), channels_);
+      } catch (const Error& e) {
+        if (!skip_ || i + 1 >= train_.size()) throw;
+      }
+    }
     if (channels_ == 0) channels_ = static_cast<int>(image.size(0));
     if (size_ == 0) {
-      TESSERA_CHECK(image.size(1) == image.size(2), describeSample(train_.path(shard), first), " is ", image.size(2), "x",
+      TESSERA_CHECK(image.size(1) == image.size(2), describeSample(firstShard, first), " is ", image.size(2), "x",
                     image.size(1), ": not square; set data.image_size to resize every image");
       size_ = image.size(1);
       resize_ = false;
@@ -523,24 +543,11 @@ class WebDataset : public Dataset {
     std::vector<int64_t> labels;
     for (int64_t position : positions) {
       TESSERA_CHECK(position >= 0, "webdataset: stream position ", position);
-      for (int attempt = 0;; ++attempt) {
-        StreamOrder::Ref ref;
-        {
-          const std::lock_guard<std::mutex> lock(orderMutex_);
-          ref = order_.at(position + attempt);
-        }
-        try {
-          images.push_back(load(train_, ref.shard, ref.sample, labels));
-          break;
-        } catch (const Error& e) {
-          if (!skip_) throw;
-          TESSERA_CHECK(attempt < kMaxSkipsPerRow, "webdataset: no readable sample in the ", kMaxSkipsPerRow,
-                        " stream positions after ", position, " (data.on_error skip); the last: ", e.what());
-          const std::lock_guard<std::mutex> lock(orderMutex_);
-          skipped_.samples += 1;
-          skipped_.last = e.what();
-        }
-      }
+      images.push_back(loadSkipping(train_, labels, position, [&](int64_t p) {
+        const std::lock_guard<std::mutex> lock(orderMutex_);
+        const StreamOrder::Ref ref = order_.at(p);
+        return std::pair{ref.shard, ref.sample};
+      }, order_.samplesPerEpoch()));
     }
     return batchOf(images, labels);
   }
@@ -551,8 +558,8 @@ class WebDataset : public Dataset {
     std::vector<at::Tensor> images;
     std::vector<int64_t> labels;
     for (int64_t i = first; i < first + n; ++i) {
-      const auto [shard, sample] = eval_->inOrder(i);
-      images.push_back(load(*eval_, shard, sample, labels));
+      images.push_back(loadSkipping(*eval_, labels, i, [&](int64_t p) { return eval_->inOrder(p % evalSamples()); },
+                                    evalSamples()));
     }
     return batchOf(images, labels);
   }
@@ -583,6 +590,29 @@ class WebDataset : public Dataset {
   // The first shard, and "..." when there are more: how the log line names them.
   std::string shardsNamed() const { return train_.path(0) + (train_.shardCount() > 1 ? " ..." : ""); }
 
+  // The sample at `position` (`where(p)`: its shard and number), or under data.on_error skip
+  // the first readable one after it, each position passed over counted once; at most
+  // `limit` positions are tried (an epoch) before the error is the last one's.
+  template <typename Where>
+  at::Tensor loadSkipping(const ShardSet& set, std::vector<int64_t>& labels, int64_t position, Where where,
+                          int64_t limit) const {
+    for (int64_t p = position;; ++p) {
+      const auto [shard, sample] = where(p);
+      try {
+        return load(set, shard, sample, labels);
+      } catch (const Error& e) {
+        if (!skip_ || p - position + 1 >= limit) throw;
+        const std::lock_guard<std::mutex> lock(orderMutex_);
+        int64_t& through = &set == &train_ ? skippedTrainThrough_ : skippedEvalThrough_;
+        if (p > through) {  // rows of a batch come in order: a position passed over by two rows counts once
+          skipped_.samples += 1;
+          skipped_.last = e.what();
+          through = p;
+        }
+      }
+    }
+  }
+
   at::Tensor load(const ShardSet& set, int64_t shard, int64_t sample, std::vector<int64_t>& labels) const {
     const SampleEntry e = set.entry(shard, sample);
     const std::string what = describeSample(set.path(shard), e);
@@ -612,6 +642,7 @@ class WebDataset : public Dataset {
   mutable std::mutex orderMutex_;
   mutable StreamOrder order_;
   mutable SkipCount skipped_;
+  mutable int64_t skippedTrainThrough_ = -1, skippedEvalThrough_ = -1;  // the last position counted
   int channels_;
   int64_t size_;
   bool resize_ = true;

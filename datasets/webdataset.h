@@ -23,9 +23,10 @@
 // not its manifest's is named at start as truncated; its checksum is checked when a rank
 // first reads it. Under data.on_error fail (the default) every damaged shard or sample is
 // an error naming the shard, the key and the byte offset; under skip, a shard found
-// truncated at start is left out (or, without a manifest, kept up to its last whole sample)
-// and a sample that cannot be read or decoded gives its row to the next readable position
-// of the stream, counted (Dataset::skipped()).
+// truncated at start is left out (or, without a manifest, kept up to the sample before the
+// damage) and a sample that cannot be read or decoded gives its row to the next readable
+// position of the stream (a held-out one to the next held-out one), each position passed
+// over counted once (Dataset::skipped()).
 #pragma once
 
 #include <cstdint>

@@ -150,6 +150,14 @@ TEST(TarFileTest, DamageIsNamedWithTheFileAndByteOffset) {
   writeBytes(tar, good.substr(0, 1536 + 100));
   e = errorOf([&] { membersOf(tar); });
   EXPECT_NE(e.find("inside the header at byte 1536"), std::string::npos) << e;
+  // Cut exactly at a member's boundary: no blocks end the archive.
+  writeBytes(tar, good.substr(0, 1536));
+  e = errorOf([&] { membersOf(tar); });
+  EXPECT_NE(e.find("truncated: the file ends at byte 1536 without the blocks that end an archive"), std::string::npos)
+      << e;
+  writeBytes(tar, "");
+  e = errorOf([&] { membersOf(tar); });
+  EXPECT_NE(e.find("truncated: the file ends at byte 0"), std::string::npos) << e;
   // A flipped byte in the second header's name: its checksum no longer matches.
   std::string flipped = good;
   flipped[1536] ^= 1;
@@ -221,6 +229,16 @@ TEST(StreamOrderTest, EachEpochIsAPermutationTheSameFromAnyStart) {
     StreamOrder resumed(counts, 8, 3, true);
     for (int64_t p = start; p < std::min<int64_t>(start + 30, 135); ++p) {
       ASSERT_EQ(resumed.at(p), all[static_cast<size_t>(p)]) << "from " << start << " at " << p;
+    }
+  }
+  // Reading back within the last 4096 positions (kept) and beyond them (replayed) agrees.
+  {
+    StreamOrder big(std::vector<int64_t>(30, 200), 50, 7, true), reference(std::vector<int64_t>(30, 200), 50, 7, true);
+    std::vector<StreamOrder::Ref> expected;
+    for (int64_t p = 0; p <= 5000; ++p) expected.push_back(reference.at(p));
+    big.at(5000);  // emitted 5001: 905..5000 are the recent ones
+    for (int64_t p : {5000, 4000, 905, 904, 0, 5000}) {
+      EXPECT_EQ(big.at(p), expected[static_cast<size_t>(p)]) << p;
     }
   }
   // Reading back (a skipped row's lookahead) and jumping between epochs agree too.
@@ -390,6 +408,11 @@ TEST(WebDatasetTest, TruncatedOrChangedShardsAreNamedAndSkipCounts) {
   EXPECT_EQ(batch.size(), 2);
   EXPECT_EQ(data->skipped().samples, 10);  // position 30 passed over shard 3 to position 40
   EXPECT_NE(data->skipped().last.find(victim), std::string::npos);
+  // Rows 31 and 32 pass over the same positions again: counted once.
+  const Batch again = data->trainBatch({31, 32, 41});
+  EXPECT_EQ(again.size(), 3);
+  EXPECT_EQ(data->skipped().samples, 10);
+  EXPECT_TRUE(at::equal(again.inputs[0], batch.inputs[1]));  // both took position 40
 }
 
 TEST(ShardManifestTest, MalformedManifestsAreNamed) {
@@ -415,7 +438,7 @@ TEST(ShardManifestTest, MalformedManifestsAreNamed) {
   EXPECT_NE(errorFor(std::string(100, '[')).find("nested too deep"), std::string::npos);
   ShardManifest m;
   m.classes = 3;
-  m.shards.push_back({"a.tar", 4, 2048, 0x0123456789abcdefULL});
+  m.add({"a.tar", 4, 4096, 0x0123456789abcdefULL});
   writeShardManifest(dir, m);
   const auto back = readShardManifest(dir);
   ASSERT_TRUE(back.has_value());
@@ -423,6 +446,15 @@ TEST(ShardManifestTest, MalformedManifestsAreNamed) {
   ASSERT_EQ(back->shards.size(), 1u);
   EXPECT_EQ(back->shards[0].xxh3, 0x0123456789abcdefULL);
   EXPECT_EQ(back->shards[0].samples, 4);
+  EXPECT_EQ(back->find("a.tar"), &back->shards[0]);
+  EXPECT_NE(errorFor(head + R"({"name": "a.tar", "samples": 3, "bytes": 2048, "xxh3": "0000000000000000"}]})")
+                .find("3 samples cannot fit in 2048 bytes"),
+            std::string::npos);
+  const std::string twice = R"({"name": "a.tar", "samples": 1, "bytes": 2048, "xxh3": "0000000000000000"})";
+  EXPECT_NE(errorFor(head + twice + "," + twice + "]}").find("shard 'a.tar' is listed twice"), std::string::npos);
+  EXPECT_NE(errorFor(R"({"format": "tessera-webdataset-1", "classes": 1000000000000, "shards": []})")
+                .find("is above 1048576"),
+            std::string::npos);
 }
 
 TEST(ShardWriterTest, ImageFoldersAreCopiedAsTheyAreAndAWrittenDirectoryIsNotOverwritten) {
