@@ -59,6 +59,9 @@ class Dataset {
   virtual DataSpec spec() const = 0;
   virtual std::string describe() const = 0;  // one line for the log: file and sizes
   virtual bool streams() const { return false; }
+  // What the sample order depends on beyond the config (a shard set's names and counts),
+  // kept in checkpoints so that a resume can say when it changed; "" when nothing.
+  virtual std::string fingerprint() const { return ""; }
   virtual SkipCount skipped() const { return {}; }
 };
 

@@ -2,6 +2,7 @@
 #include "datasets/webdataset.h"
 
 #include <glob.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cctype>
@@ -405,6 +406,12 @@ class ShardSet {
     return c;
   }
   const std::string& path(int64_t shard) const { return shards_[static_cast<size_t>(shard)].path; }
+  // XXH3-64 over the shards' file names (not directories: the set may move) and counts.
+  uint64_t digest() const {
+    std::string text;
+    for (const Shard& s : shards_) text += strCat(fs::path(s.path).filename().string(), '\n', s.samples, '\n');
+    return XXH3_64bits(text.data(), text.size());
+  }
   // Keeps the indexes of the `n` shards read last. A buffer of B samples draws from about
   // B / (samples per shard) + 2 shards at once; a shard that left the cache is indexed again
   // (a header walk), which costs time, never a wrong sample.
@@ -569,6 +576,11 @@ class WebDataset : public Dataset {
     s.inputShape = {channels_, size_, size_};
     s.classes = classes_;
     return s;
+  }
+
+  std::string fingerprint() const override {
+    return strCat(train_.shardCount(), " shards, ", trainSamples(), " samples, names and counts XXH3 ",
+                  hex64(train_.digest()));
   }
 
   SkipCount skipped() const override {

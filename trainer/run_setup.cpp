@@ -345,6 +345,15 @@ bool resume(RunParts& run) {
     TLOG_WARN0("resume from " << loaded->dir << ": settings differ from the checkpoint's (this run's apply): "
                               << describeChanges(check.changed));
   }
+  if (!saved.dataFingerprint.empty() && saved.dataFingerprint != run.counters.dataFingerprint) {
+    // Legitimate (shards added, a damaged one replaced), but the order from here is not the
+    // one the uninterrupted run would have read.
+    TLOG_WARN0("resume from " << loaded->dir << ": the data differs from what it was trained on ("
+                              << saved.dataFingerprint << " then; "
+                              << (run.counters.dataFingerprint.empty() ? std::string("other data")
+                                                                       : run.counters.dataFingerprint)
+                              << " now): the samples from here are not the ones an uninterrupted run would read");
+  }
   run.startStep = saved.step;
   run.counters.skippedSteps = saved.skippedSteps;
   if (saved.worldSize != run.comm->worldSize()) {
@@ -486,6 +495,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->counters.strategy = run->strategies();
   run->counters.worldSize = world;
   run->counters.resolvedConfig = run->resolvedYaml;
+  run->counters.dataFingerprint = run->data->fingerprint();
   for (const ModelPart& part : run->models) {
     const std::string metadata = modelMetadataJson(part.cfg.model, run->data->spec(), &cfg.data);
     const ModelStateNames& names = part.cfg.names;

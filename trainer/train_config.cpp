@@ -497,7 +497,9 @@ void checkImageData(const config::ConfigSchema& s, const TrainConfig& c) {
     throw ConfigError(s.errorMessage("data.eval_labels", "data.eval_path needs its labels file"));
   }
   for (const auto& [key, set] : {std::pair{"data.labels", !d.labels.empty()}, {"data.eval_labels", !d.eval_labels.empty()}}) {
-    if (set && d.kind != "idx") throw ConfigError(s.errorMessage(key, strCat("applies to data.kind idx, not ", d.kind)));
+    if (set && d.kind != "idx") {
+      throw ConfigError(s.errorMessage(key, strCat("applies to data.kind idx, not ", d.kind, " (clear it: --set ", key, "=)")));
+    }
   }
   if (!c.eval.judge.empty() && (!images || c.run.recipe != "standard" || !c.models.front().model.isDenoiser() ||
                                  !c.models.front().hasEma())) {

@@ -16,6 +16,7 @@ std::string countersToJson(const TrainerCounters& c) {
                       {"strategy", c.strategy},
                       {"world_size", c.worldSize},
                       {"resolved_config", c.resolvedConfig}};
+  if (!c.dataFingerprint.empty()) j["data_fingerprint"] = c.dataFingerprint;
   if (!c.modelMetadata.empty()) {
     nlohmann::json models = nlohmann::json::object();
     for (const auto& [name, metadata] : c.modelMetadata) models[name] = nlohmann::json::parse(metadata);
@@ -86,6 +87,10 @@ TrainerCounters countersFromJson(const std::string& text, const std::string& sou
   c.strategy = string("strategy");
   c.worldSize = static_cast<int>(integer("world_size", 1, kMaxWorldSize));
   c.resolvedConfig = string("resolved_config");
+  if (j.contains("data_fingerprint")) {
+    c.dataFingerprint = string("data_fingerprint");
+    if (c.dataFingerprint.size() > 4096) throw Error(strCat(source, ": 'data_fingerprint' is longer than 4096 bytes"));
+  }
   c.modelMetadata = modelMetadataIn(j, source);
   // Older checkpoints' EMA counts (train_counters.h).
   if (j.contains("ema_updates")) c.legacyEmaUpdates = integer("ema_updates", 0, c.step);

@@ -19,6 +19,10 @@ struct TrainerCounters {
   std::string strategy;
   int worldSize = 1;
   std::string resolvedConfig;     // YAML text of the run that saved
+  // What the data order depends on beyond the config, for data that orders itself
+  // (Dataset::fingerprint(): a shard set's names and counts); empty for other data and in
+  // checkpoints written before it was kept.
+  std::string dataFingerprint;
   // Each model's export metadata (model_metadata.h) by the state name its tensors go by:
   // "model/", "generator/" (weights) and "ema/generator_ema" (its EMA profiles' names
   // start so). Absent from checkpoints written before exports carried it.

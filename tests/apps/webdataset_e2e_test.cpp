@@ -131,6 +131,30 @@ TEST(WebDatasetE2ETest, ATruncatedShardIsNamedUnlessSkipLeavesItOut) {
                  300);
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("train-000010.tar': no such file"), std::string::npos) << r.output;
+  // An idx config switched to shards with its label file still set: the key and the fix.
+  r = runCommand(launch(1) + args + " --set data.labels=" + dir + "/idx/labels-idx1-ubyte --set run.dir=" + dir +
+                 "/labels");
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("data.labels: applies to data.kind idx, not webdataset (clear it: --set data.labels=)"),
+            std::string::npos)
+      << r.output;
+}
+
+// The shard set is part of the data position: a resume onto other shards (one left out
+// here) goes on, saying that the samples from there are not the uninterrupted run's.
+TEST(WebDatasetE2ETest, AResumeOntoAnotherShardSetSaysSo) {
+  const std::string dir = scratch("changed");
+  const std::string shards = writeShards(dir);
+  const std::string args = ditConfig(dir, shards) + " --set run.dir=" + dir + "/run --set checkpoint.every_steps=2";
+  mustRun(launch(1) + args + " --set run.steps=4 --set run.stop_after_steps=2");
+  const std::string same = mustRun(launch(1) + args + " --set run.steps=4");
+  EXPECT_EQ(same.find("the data differs"), std::string::npos) << same;
+  const std::string out = mustRun(launch(1) + args + " --set run.steps=6 --set data.path=" + shards +
+                                  "/train/train-{000000..000008}.tar");
+  EXPECT_NE(out.find("the data differs from what it was trained on (10 shards, 96 samples, names and counts XXH3 "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("9 shards, 90 samples"), std::string::npos) << out;
 }
 
 TEST(WebDatasetE2ETest, TheShardToolRefusesToWriteOverShardsAndBadArguments) {
