@@ -16,6 +16,7 @@
 #include <vector>
 #include <filesystem>
 #include <map>
+#include <optional>
 
 #include <unistd.h>
 
@@ -325,7 +326,12 @@ class TrainLoop {
     const double stepMs = elapsed * 1000.0 / steps, waitMs = static_cast<double>(sent.waitNs) / 1e6 / steps;
     // One gather per window: each rank's peak RSS (the run's: each window's, as VmHWM
     // restarts with each memory window, and those before) and its pace, for the straggler.
-    runPeakRssMiB_ = std::max(runPeakRssMiB_, peakRssMiB());
+    // On CPU the window's memory breakdown and the run's peak come from one read of VmHWM,
+    // so the window's peak never exceeds the run's (two reads raced with the gather between).
+    std::optional<MemoryBreakdown> memory;
+    if (run_.device.is_cpu()) memory = measureMemory(run_, runtimeBytes_);
+    runPeakRssMiB_ = std::max(runPeakRssMiB_, memory ? static_cast<double>(memory->peakRss) / (1024.0 * 1024.0)
+                                                     : peakRssMiB());
     const int world = run_.hostComm->worldSize();
     // Busy at least 0: waitNs adds up every thread's waits, which may overlap (a prefetch
     // thread waiting while the step computes).
@@ -347,10 +353,9 @@ class TrainLoop {
     m.extra["comm_wait_ms"] = waitMs;
     nameStraggler(paces, stepMs, m);
     for (const auto& [key, sum] : windowExtra_) m.extra[key] = sum / steps;
-    if (run_.device.is_cpu()) {
-      const MemoryBreakdown memory = measureMemory(run_, runtimeBytes_);
-      for (const auto& [key, value] : memory.metrics()) m.extra[key] = value;
-      keepIfPeak(memory, strCat("steps ", memoryWindowFirst_, "-", done));
+    if (memory) {
+      for (const auto& [key, value] : memory->metrics()) m.extra[key] = value;
+      keepIfPeak(*memory, strCat("steps ", memoryWindowFirst_, "-", done));
       memoryWindowFirst_ = done + 1;
       startMemoryWindow(run_);
     }

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/safetensors.h"
+#include "tests/apps/train_runs.h"
 #include "tests/support/idx_images.h"
 #include "tests/support/run_command.h"
 #include "tests/support/run_files.h"
@@ -26,23 +27,16 @@
 namespace {
 
 namespace fs = std::filesystem;
+using tessera::test::emaExport;
+using tessera::test::expectCloseExports;
+using tessera::test::expectSameLosses;
+using tessera::test::mustRun;
 using tessera::test::readMetrics;
+using tessera::test::trainCommand;
 
 const std::string kBin = TESSERA_BIN_DIR;
 
 std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_dit", tag); }
-
-std::string mustRun(const std::string& command) {
-  const auto r = tessera::test::runCommand(command, 600);
-  EXPECT_EQ(r.status, 0) << command << "\n" << r.output;
-  return r.output;
-}
-
-std::string launch(int ranks) {
-  return ranks == 1 ? kBin + "/tessera-train"
-                    : kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kBin +
-                          "/tessera-train";
-}
 
 // A small DiT run: width 20 and 2 heads (rows that do not divide over 3 or 4 ranks), flips,
 // label drops, an EMA exported; the constant learning rate lets a run be cut in two.
@@ -62,38 +56,11 @@ std::string ditConfig(const std::string& dir) {
   return " --config " + path;
 }
 
-void expectSameLosses(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
-  const auto a = readMetrics(referenceDir), b = readMetrics(otherDir);
-  ASSERT_EQ(a.size(), b.size()) << what;
-  ASSERT_FALSE(a.empty()) << what;
-  for (size_t i = 0; i < a.size(); ++i) {
-    for (const char* key : {"loss", "eval_loss", "eval_loss_ema"}) {
-      if (!a[i].contains(key)) continue;
-      ASSERT_TRUE(b[i].contains(key)) << what << " " << key;
-      const double x = a[i][key], y = b[i][key];
-      EXPECT_NEAR(x, y, 1e-5 * std::abs(x)) << what << ": " << key << " at step " << a[i]["step"];
-    }
-  }
-}
-
-std::map<std::string, at::Tensor> emaExport(const std::string& runDir) {
-  return tessera::checkpoint::loadSafetensors(runDir + "/export/generator_ema.safetensors");
-}
-
-void expectCloseExports(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
-  const auto a = emaExport(referenceDir), b = emaExport(otherDir);
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (const auto& [name, tensor] : a) {
-    ASSERT_TRUE(b.count(name)) << what << ": " << name;
-    EXPECT_TRUE(at::allclose(tensor, b.at(name), 1e-4, 1e-6)) << what << ": " << name;
-  }
-}
-
 TEST(DitE2ETest, ShardedMatchesOneProcessUnderEveryStrategyAtOneToFourRanks) {
   const std::string dir = scratch("runs");
   const std::string args = ditConfig(dir);
   const std::string single = dir + "/single";
-  mustRun(launch(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
+  mustRun(trainCommand(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
   ASSERT_TRUE(readMetrics(single).back().contains("eval_loss_ema"));
   const auto exported = emaExport(single);
   // The reference's names: 2 blocks x 10, x_embedder 2, pos_embed, t_embedder 4, y_embedder 1, final_layer 4.
@@ -112,7 +79,7 @@ TEST(DitE2ETest, ShardedMatchesOneProcessUnderEveryStrategyAtOneToFourRanks) {
                         Case{4, "hybrid", " --set sharding.shard_size=2 --set data.micro_batch=3"}}) {
     const std::string what = c.strategy + " on " + std::to_string(c.ranks) + " ranks";
     const std::string runDir = dir + "/" + c.strategy;
-    mustRun(launch(c.ranks) + args + " --set sharding.strategy=" + c.strategy + c.extra + " --set run.dir=" + runDir);
+    mustRun(trainCommand(c.ranks) + args + " --set sharding.strategy=" + c.strategy + c.extra + " --set run.dir=" + runDir);
     expectSameLosses(single, runDir, what);
     expectCloseExports(single, runDir, what);
   }
@@ -122,9 +89,9 @@ TEST(DitE2ETest, ResumeOnAnotherWorldSizeEqualsUninterrupted) {
   const std::string dir = scratch("resume");
   const std::string args = ditConfig(dir);
   const std::string full = dir + "/full", cut = dir + "/cut";
-  mustRun(launch(2) + args + " --set sharding.strategy=zero3 --set run.dir=" + full);
-  mustRun(launch(2) + args + " --set sharding.strategy=zero3 --set run.stop_after_steps=4 --set run.dir=" + cut);
-  const std::string out = mustRun(launch(3) + args + " --set sharding.strategy=zero2 --set run.dir=" + cut);
+  mustRun(trainCommand(2) + args + " --set sharding.strategy=zero3 --set run.dir=" + full);
+  mustRun(trainCommand(2) + args + " --set sharding.strategy=zero3 --set run.stop_after_steps=4 --set run.dir=" + cut);
+  const std::string out = mustRun(trainCommand(3) + args + " --set sharding.strategy=zero2 --set run.dir=" + cut);
   EXPECT_NE(out.find("saved by 2 ranks with zero3; now 3 ranks with zero2"), std::string::npos) << out;
   expectCloseExports(full, cut, "2 ranks zero3 -> 3 ranks zero2");
 }
@@ -137,14 +104,14 @@ TEST(DitE2ETest, ResumeWithAnotherShapeIsAConfigErrorNamingTheKey) {
   const std::string dir = scratch("reshape");
   const std::string config = ditConfig(dir);
   const std::string runDir = dir + "/run";
-  mustRun(launch(2) + config + " --set run.stop_after_steps=4 --set run.dir=" + runDir);
+  mustRun(trainCommand(2) + config + " --set run.stop_after_steps=4 --set run.dir=" + runDir);
   struct Change {
     std::string set, key, tensor;
   };
   for (const Change& c : {Change{"model.patch_size=2", "model.patch_size 4 -> 2", "'model/x_embedder.proj.weight' saved with shape"},
                           Change{"model.mlp_ratio=4", "model.mlp_ratio 2.5 -> 4", "mlp.fc1.weight' saved with shape"},
                           Change{"data.image_size=16", "data.image_size 0 -> 16", "pos_embed' saved with shape"}}) {
-    const auto r = tessera::test::runCommand(launch(2) + config + " --set " + c.set + " --set run.dir=" + runDir, 300);
+    const auto r = tessera::test::runCommand(trainCommand(2) + config + " --set " + c.set + " --set run.dir=" + runDir, 300);
     EXPECT_EQ(r.status, 2) << c.set << "\n" << r.output;
     EXPECT_NE(r.output.find(c.key), std::string::npos) << r.output;
     EXPECT_NE(r.output.find(c.tensor), std::string::npos) << r.output;
@@ -153,14 +120,14 @@ TEST(DitE2ETest, ResumeWithAnotherShapeIsAConfigErrorNamingTheKey) {
     EXPECT_EQ(r.output.find("resumed from"), std::string::npos) << r.output;
   }
   EXPECT_TRUE(fs::exists(runDir + "/checkpoints/step_00000004"));
-  const std::string resumed = mustRun(launch(2) + config + " --set run.dir=" + runDir);
+  const std::string resumed = mustRun(trainCommand(2) + config + " --set run.dir=" + runDir);
   EXPECT_NE(resumed.find("resumed from"), std::string::npos) << resumed;
 }
 
 TEST(DitE2ETest, SamplesFromAnExportOrACheckpointSplitOverRanksOrNot) {
   const std::string dir = scratch("sample");
   const std::string runDir = dir + "/run";
-  mustRun(launch(2) + ditConfig(dir) + " --set sharding.strategy=zero3 --set run.dir=" + runDir);
+  mustRun(trainCommand(2) + ditConfig(dir) + " --set sharding.strategy=zero3 --set run.dir=" + runDir);
   const std::string weights = runDir + "/export/generator_ema.safetensors";
   const std::string request = " --classes 0,3 --per-class 3 --steps 6 --cfg 2.5 --seed 5";
   const std::string one = dir + "/one.safetensors", two = dir + "/two.safetensors", ckpt = dir + "/ckpt.safetensors";
@@ -205,8 +172,8 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
   const std::string dir = scratch("judge");
   const std::string config = ditConfig(dir);
   const std::string ditRun = dir + "/dit", classifierRun = dir + "/classifier";
-  mustRun(launch(1) + config + " --set run.dir=" + ditRun);
-  mustRun(launch(2) + config + " --set run.dir=" + classifierRun +
+  mustRun(trainCommand(1) + config + " --set run.dir=" + ditRun);
+  mustRun(trainCommand(2) + config + " --set run.dir=" + classifierRun +
           " --set model.arch=mlp --set model.hidden=[32,16] --set run.steps=30 --set checkpoint.export=[model_ema]");
   const std::string classifier = classifierRun + "/export/model_ema.safetensors";
   const std::string out = mustRun(kBin + "/tessera-sample --weights " + ditRun +
@@ -235,12 +202,12 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
 
   // eval.judge: the training run judges its generator_ema at the end; a classifier that
   // cannot be used is a config error when the run starts.
-  const std::string judged = mustRun(launch(2) + config + " --set run.steps=2 --set run.dir=" + dir + "/judged" +
+  const std::string judged = mustRun(trainCommand(2) + config + " --set run.steps=2 --set run.dir=" + dir + "/judged" +
                                      " --set eval.judge_per_class=3 --set eval.sample_steps=4 --set eval.judge=" +
                                      classifier);
   EXPECT_NE(judged.find("judge: 12 samples of generator_ema (DDIM 4 steps, guidance 1.5): accuracy "), std::string::npos)
       << judged;
-  const auto bad = tessera::test::runCommand(launch(2) + config + " --set run.dir=" + dir + "/bad_judge" +
+  const auto bad = tessera::test::runCommand(trainCommand(2) + config + " --set run.dir=" + dir + "/bad_judge" +
                                                  " --set eval.judge=" + ditRun + "/export/generator_ema.safetensors",
                                              120);
   EXPECT_EQ(bad.status, 2) << bad.output;
@@ -257,7 +224,7 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
   const std::string dir = scratch("dmd");
   const std::string config = ditConfig(dir);
   const std::string teacher = dir + "/teacher";
-  mustRun(launch(1) + config + " --set run.dir=" + teacher);
+  mustRun(trainCommand(1) + config + " --set run.dir=" + teacher);
   const std::string distill = dir + "/distill.yaml";
   std::ofstream(distill) << "recipe: {critic_steps: 2, guidance: 2.0, regression_weight: 1.0, regression_pairs: 12,"
                             " pair_steps: 4}\n"
@@ -276,8 +243,8 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
   std::ofstream(dir + "/dmd.yaml") << merged.str();
   const std::string dmdArgs = " --config " + dir + "/dmd.yaml" + args.substr(args.find(" --set run.recipe"));
   const std::string single = dir + "/single", sharded = dir + "/sharded";
-  mustRun(launch(1) + dmdArgs + " --set run.dir=" + single);
-  const std::string out = mustRun(launch(2) + dmdArgs + " --set run.dir=" + sharded);
+  mustRun(trainCommand(1) + dmdArgs + " --set run.dir=" + single);
+  const std::string out = mustRun(trainCommand(2) + dmdArgs + " --set run.dir=" + sharded);
   expectSameLosses(single, sharded, "dmd over DiTs on 2 ranks");
   for (const char* grid : {"step_00000008_generator_ema.png", "step_00000008_generator.png"}) {
     EXPECT_TRUE(fs::exists(fs::path(sharded) / "samples" / grid)) << grid << "\n" << out;
@@ -315,7 +282,7 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
 TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {
   const std::string dir = scratch("refused");
   const std::string runDir = dir + "/run";
-  mustRun(launch(1) + ditConfig(dir) + " --set run.steps=2 --set run.dir=" + runDir);
+  mustRun(trainCommand(1) + ditConfig(dir) + " --set run.steps=2 --set run.dir=" + runDir);
   const std::string weights = runDir + "/export/generator_ema.safetensors";
   const std::string noLabels = dir + "/plain.safetensors";
   tessera::checkpoint::saveSafetensors(noLabels, {{"x", at::zeros({2})}});  // no tessera.model metadata
@@ -379,7 +346,9 @@ TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {
     // A bad argument (not a bad file) is a usage error: exit 2.
     const bool argument = c.args.find("--cfg") != std::string::npos || c.args.find("--steps") != std::string::npos ||
                           c.args.find("--timesteps") != std::string::npos || c.args.find("--noise") != std::string::npos;
-    if (argument) EXPECT_EQ(r.status, 2) << c.args << "\n" << r.output;
+    if (argument) {
+      EXPECT_EQ(r.status, 2) << c.args << "\n" << r.output;
+    }
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.args << "\n" << r.output;
   }
   EXPECT_FALSE(fs::exists(dir + "/g.png"));

@@ -2,17 +2,15 @@
 // as tar shards; a DiT trained from them (a global batch that ends epochs mid-step) has the
 // one-process losses at 3 ranks, and a run stopped at step 4 on 2 ranks with zero3 and
 // resumed on 3 with zero2 ends equal to the uninterrupted run; a truncated shard is named
-// (exit 1) unless data.on_error skip leaves it out; tessera-shards refuses to write over
-// shards and bad arguments.
+// (exit 1) unless data.on_error skip leaves it out; a resume onto another shard set says so;
+// tessera-shards refuses to write over shards and bad arguments.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <string>
 
-#include "checkpoint/safetensors.h"
+#include "tests/apps/train_runs.h"
 #include "tests/support/idx_images.h"
 #include "tests/support/run_command.h"
 #include "tests/support/run_files.h"
@@ -21,24 +19,16 @@
 namespace {
 
 namespace fs = std::filesystem;
+using tessera::test::expectCloseExports;
+using tessera::test::expectSameLosses;
+using tessera::test::mustRun;
 using tessera::test::readMetrics;
+using tessera::test::trainCommand;
 using tessera::test::runCommand;
 
 const std::string kBin = TESSERA_BIN_DIR;
 
 std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_wds_e2e", tag); }
-
-std::string mustRun(const std::string& command) {
-  const auto r = runCommand(command, 600);
-  EXPECT_EQ(r.status, 0) << command << "\n" << r.output;
-  return r.output;
-}
-
-std::string launch(int ranks) {
-  return ranks == 1 ? kBin + "/tessera-train"
-                    : kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kBin +
-                          "/tessera-train";
-}
 
 // The tests' 96 IDX images as shards of 10 under dir/shards (train/ and eval/).
 std::string writeShards(const std::string& dir) {
@@ -69,42 +59,18 @@ std::string ditConfig(const std::string& dir, const std::string& shards) {
   return " --config " + path;
 }
 
-void expectSameLosses(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
-  const auto a = readMetrics(referenceDir), b = readMetrics(otherDir);
-  ASSERT_EQ(a.size(), b.size()) << what;
-  ASSERT_FALSE(a.empty()) << what;
-  for (size_t i = 0; i < a.size(); ++i) {
-    for (const char* key : {"loss", "eval_loss", "eval_loss_ema"}) {
-      if (!a[i].contains(key)) continue;
-      ASSERT_TRUE(b[i].contains(key)) << what << " " << key;
-      const double x = a[i][key], y = b[i][key];
-      EXPECT_NEAR(x, y, 1e-5 * std::abs(x)) << what << ": " << key << " at step " << a[i]["step"];
-    }
-  }
-}
-
-void expectCloseExports(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
-  const auto a = tessera::checkpoint::loadSafetensors(referenceDir + "/export/generator_ema.safetensors");
-  const auto b = tessera::checkpoint::loadSafetensors(otherDir + "/export/generator_ema.safetensors");
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (const auto& [name, tensor] : a) {
-    ASSERT_TRUE(b.count(name)) << what << ": " << name;
-    EXPECT_TRUE(at::allclose(tensor, b.at(name), 1e-4, 1e-6)) << what << ": " << name;
-  }
-}
-
 TEST(WebDatasetE2ETest, TrainsTheSameOnAnyWorldSizeAndResumesOnAnother) {
   const std::string dir = scratch("runs");
   const std::string args = ditConfig(dir, writeShards(dir));
   const std::string single = dir + "/single", three = dir + "/three", cut = dir + "/cut";
-  const std::string log = mustRun(launch(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
+  const std::string log = mustRun(trainCommand(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
   EXPECT_NE(log.find("10 shards (96 samples)"), std::string::npos) << log;
   ASSERT_TRUE(readMetrics(single).back().contains("eval_loss_ema"));
-  mustRun(launch(3) + args + " --set sharding.strategy=zero2 --set run.dir=" + three);
+  mustRun(trainCommand(3) + args + " --set sharding.strategy=zero2 --set run.dir=" + three);
   expectSameLosses(single, three, "3 ranks zero2");
   expectCloseExports(single, three, "3 ranks zero2");
-  mustRun(launch(2) + args + " --set sharding.strategy=zero3 --set run.stop_after_steps=4 --set run.dir=" + cut);
-  const std::string out = mustRun(launch(3) + args + " --set sharding.strategy=zero2 --set run.dir=" + cut);
+  mustRun(trainCommand(2) + args + " --set sharding.strategy=zero3 --set run.stop_after_steps=4 --set run.dir=" + cut);
+  const std::string out = mustRun(trainCommand(3) + args + " --set sharding.strategy=zero2 --set run.dir=" + cut);
   EXPECT_NE(out.find("saved by 2 ranks with zero3; now 3 ranks with zero2"), std::string::npos) << out;
   expectSameLosses(single, cut, "stopped at 4 on 2 ranks zero3, resumed on 3 ranks zero2");
   expectCloseExports(single, cut, "stopped at 4 on 2 ranks zero3, resumed on 3 ranks zero2");
@@ -116,23 +82,23 @@ TEST(WebDatasetE2ETest, ATruncatedShardIsNamedUnlessSkipLeavesItOut) {
   const std::string args = ditConfig(dir, shards) + " --set run.steps=2";
   const std::string victim = shards + "/train/train-000004.tar";
   fs::resize_file(victim, 3000);
-  auto r = runCommand(launch(1) + args + " --set run.dir=" + dir + "/fail", 300);
+  auto r = runCommand(trainCommand(1) + args + " --set run.dir=" + dir + "/fail", 300);
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_NE(r.output.find("shard '" + victim + "' is 3000 bytes"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("truncated at byte 3000"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("data.path"), std::string::npos) << r.output;
-  r = runCommand(launch(2) + args + " --set data.on_error=skip --set run.dir=" + dir + "/skip", 300);
+  r = runCommand(trainCommand(2) + args + " --set data.on_error=skip --set run.dir=" + dir + "/skip", 300);
   EXPECT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("10 shards (86 samples)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("data.on_error skip: shard '" + victim + "'"), std::string::npos) << r.output;
   // A shard list that names a missing shard is the config's mistake (exit 2), at its key.
-  r = runCommand(launch(1) + args + " --set data.path=" + shards + "/train/train-{000000..000010}.tar --set run.dir=" +
+  r = runCommand(trainCommand(1) + args + " --set data.path=" + shards + "/train/train-{000000..000010}.tar --set run.dir=" +
                      dir + "/missing",
                  300);
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("train-000010.tar': no such file"), std::string::npos) << r.output;
   // An idx config switched to shards with its label file still set: the key and the fix.
-  r = runCommand(launch(1) + args + " --set data.labels=" + dir + "/idx/labels-idx1-ubyte --set run.dir=" + dir +
+  r = runCommand(trainCommand(1) + args + " --set data.labels=" + dir + "/idx/labels-idx1-ubyte --set run.dir=" + dir +
                  "/labels");
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_NE(r.output.find("data.labels: applies to data.kind idx, not webdataset (clear it: --set data.labels=)"),
@@ -146,10 +112,10 @@ TEST(WebDatasetE2ETest, AResumeOntoAnotherShardSetSaysSo) {
   const std::string dir = scratch("changed");
   const std::string shards = writeShards(dir);
   const std::string args = ditConfig(dir, shards) + " --set run.dir=" + dir + "/run --set checkpoint.every_steps=2";
-  mustRun(launch(1) + args + " --set run.steps=4 --set run.stop_after_steps=2");
-  const std::string same = mustRun(launch(1) + args + " --set run.steps=4");
+  mustRun(trainCommand(1) + args + " --set run.steps=4 --set run.stop_after_steps=2");
+  const std::string same = mustRun(trainCommand(1) + args + " --set run.steps=4");
   EXPECT_EQ(same.find("the data differs"), std::string::npos) << same;
-  const std::string out = mustRun(launch(1) + args + " --set run.steps=6 --set data.path=" + shards +
+  const std::string out = mustRun(trainCommand(1) + args + " --set run.steps=6 --set data.path=" + shards +
                                   "/train/train-{000000..000008}.tar");
   EXPECT_NE(out.find("the data differs from what it was trained on (10 shards, 96 samples, names and counts XXH3 "),
             std::string::npos)
