@@ -389,6 +389,7 @@ class ShardSet {
         cache_.emplace_front(static_cast<int64_t>(shards_.size()), std::make_shared<const ShardIndex>(std::move(index)));
         if (cache_.size() > cachedShards_) cache_.pop_back();
       }
+      starts_.push_back(total_);
       total_ += shard.samples;
       shards_.push_back(std::move(shard));
     }
@@ -434,12 +435,12 @@ class ShardSet {
 
   // The sample at position `i` of the split in shard order (held-out samples).
   std::pair<int64_t, int64_t> inOrder(int64_t i) const {
-    for (size_t s = 0; s < shards_.size(); ++s) {
-      if (i < shards_[s].samples) return {static_cast<int64_t>(s), i};
-      i -= shards_[s].samples;
-    }
-    throw Error(strCat(key_, ": sample ", i, " past the end"));
+    TESSERA_CHECK(i >= 0 && i < total_, key_, ": sample ", i, " past the end");
+    // The last shard starting at or before i (shards of 0 samples share their start with the next).
+    const auto shard = std::upper_bound(starts_.begin(), starts_.end(), i) - starts_.begin() - 1;
+    return {static_cast<int64_t>(shard), i - starts_[static_cast<size_t>(shard)]};
   }
+
 
  private:
   struct Shard {
@@ -489,6 +490,7 @@ class ShardSet {
   std::vector<Shard> shards_;
   const char* key_;
   bool skipDamaged_;
+  std::vector<int64_t> starts_;  // the split position of each shard's first sample
   int64_t total_ = 0, classes_ = 0, scanned_ = 0;
   std::vector<std::string> dropped_;
   mutable std::mutex mutex_;

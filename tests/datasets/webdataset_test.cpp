@@ -390,6 +390,19 @@ TEST(WebDatasetTest, TruncatedOrChangedShardsAreNamedAndSkipCounts) {
   auto data = makeDataset(d, {}, 1);
   EXPECT_EQ(data->trainSamples(), 86);
   EXPECT_NE(data->describe().find("data.on_error skip: shard '" + victim + "'"), std::string::npos);
+  {
+    // Held out from the same shards: sample 30 of the split is the first of shard 4 (IDX
+    // image 40), the left-out shard 3 holding none.
+    DataOptions heldOut = d;
+    heldOut.eval_path = shards + "/train";
+    const auto withEval = makeDataset(heldOut, {}, 1);
+    ASSERT_EQ(withEval->evalSamples(), 86);
+    const auto [images, labels] = tessera::test::writeIdxImages(dir + "/idx");
+    const at::Tensor pixels = readIdxImages(images);
+    const Batch eval = withEval->evalBatch(29, 2);
+    EXPECT_TRUE(at::allclose(eval.inputs[0], pixels[29].to(at::kFloat).div(127.5).sub(1.0), 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(eval.inputs[1], pixels[40].to(at::kFloat).div(127.5).sub(1.0), 1e-6, 1e-6));
+  }
   // Same size, other bytes: found by the checksum when the shard is first read.
   std::string changed = good;
   changed[3000] ^= 0x40;  // inside a PNG's data
