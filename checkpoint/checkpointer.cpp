@@ -8,13 +8,13 @@
 #include <algorithm>
 #include <atomic>
 #include <filesystem>
-#include <future>
 #include <set>
 #include <thread>
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/format.h"
 #include "checkpoint/metadata.h"
+#include "checkpoint/rank_files.h"
 #include "checkpoint/reader.h"
 #include "common/errors.h"
 #include "common/trace.h"
@@ -46,11 +46,6 @@ namespace {
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 std::string mib(int64_t bytes) { return strCat(static_cast<double>(bytes) / (1 << 20), " MiB"); }
-
-// How much a writer writes before it asks the disk to start on it.
-constexpr int64_t kWritebackBytes = int64_t{8} << 20;
-// A save hands its file to the disk in segments of this size (writeRankPart's pipeline).
-constexpr int64_t kPipelineBytes = int64_t{16} << 20;
 
 }  // namespace
 
@@ -97,17 +92,12 @@ void publishRankError(const std::string& tmpDir, int rank, const std::string& wh
 }  // namespace
 
 struct Checkpointer::Job {
-  struct Source {
-    TensorInfo head;   // name, dtype, shape, placement (no chunks)
-    at::Tensor rows;   // contiguous CPU real rows of this rank, undefined when none
-    int64_t rowBegin = 0, rowEnd = 0;
-  };
   int rank = 0, world = 1;
   int64_t step = 0;
   std::string root, tmpDir, finalDir;
   std::string strategy, trainerState, rankState;
   std::vector<ComponentRecord> components;
-  std::vector<Source> sources;
+  std::vector<RankRows> sources;
   CheckpointOptions options;
   // Set by the writer thread when its write failed (error holds why): what
   // Checkpointer::writerFailed() reads while the thread may still run.
@@ -139,68 +129,7 @@ struct Checkpointer::Job {
 
   void writeRankPart() {
     hook(SavePoint::kBeforeData);
-    RankIndex index;
-    index.rank = rank;
-    index.worldSize = world;
-    index.step = step;
-    index.blockBytes = options.blockBytes;
-    index.file.name = rankDataFile(rank);
-    index.rankState = rankState;
-    File f = File::openWrite((fs::path(tmpDir) / index.file.name).string());
-    int64_t offset = 0, writebackFrom = 0;
-    // Pipelined (pipelinedChecksums()): the write of one segment (kPipelineBytes of whole
-    // blocks) runs on a thread of its own while this one checksums the next, so a save
-    // takes about the longer of hashing and writing, not their sum. Else inline, block by
-    // block, each hashed while it is in the cache. Writes stay sequential and in order (one
-    // in flight); every kWritebackBytes written, the disk is started on them, so the final
-    // fsync finds most of the file on its way.
-    const bool pipelined = pipelinedChecksums();
-    const int64_t segmentBytes = pipelined ? kPipelineBytes : options.blockBytes;
-    std::future<void> inFlight;
-    auto writeSegment = [&](const uint8_t* data, size_t n, int64_t end) {
-      auto write = [&f, &writebackFrom, data, n, end] {
-        f.writeAll(data, n);
-        if (end - writebackFrom >= kWritebackBytes) {
-          f.startWriteback(writebackFrom, end - writebackFrom);
-          writebackFrom = end;
-        }
-      };
-      if (inFlight.valid()) inFlight.get();  // rethrows the previous write's error
-      if (pipelined) {
-        inFlight = std::async(std::launch::async, write);
-      } else {
-        write();
-      }
-    };
-    for (const auto& s : sources) {
-      TensorInfo t = s.head;
-      if (s.rowEnd > s.rowBegin) {
-        ChunkInfo c;
-        c.rank = rank;
-        c.file = index.file.name;
-        c.offset = offset;
-        c.length = (s.rowEnd - s.rowBegin) * t.rowBytes();
-        c.rowBegin = s.rowBegin;
-        c.rowEnd = s.rowEnd;
-        const auto* data = static_cast<const uint8_t*>(c.length > 0 ? s.rows.data_ptr() : nullptr);
-        int64_t segmentBegin = 0;
-        for (int64_t b = 0; b < c.length; b += options.blockBytes) {
-          const int64_t n = std::min(options.blockBytes, c.length - b);
-          c.checksums.push_back(checksum(data + b, static_cast<size_t>(n)));
-          if (b + n - segmentBegin >= segmentBytes || b + n == c.length) {
-            writeSegment(data + segmentBegin, static_cast<size_t>(b + n - segmentBegin), offset + b + n);
-            segmentBegin = b + n;
-          }
-        }
-        offset += c.length;
-        t.chunks.push_back(std::move(c));
-      }
-      index.tensors.push_back(std::move(t));
-    }
-    if (inFlight.valid()) inFlight.get();
-    index.file.bytes = offset;
-    f.sync();
-    f.close();
+    const RankIndex index = writeRankData(tmpDir, rank, world, step, options.blockBytes, rankState, sources);
     hook(SavePoint::kAfterData);
     // No fsync of step_N.tmp after the rename: rank 0 may commit (rename the directory
     // away) as soon as the file appears, and an fsync of the old path would then fail
@@ -258,61 +187,15 @@ struct Checkpointer::Job {
     return out;
   }
 
-  CheckpointMetadata merge(std::vector<RankIndex>& indexes) const {
-    CheckpointMetadata md;
-    md.step = step;
-    md.worldSize = world;
-    md.strategy = strategy;
-    md.blockBytes = options.blockBytes;
-    md.components = components;
-    const auto& first = indexes[0].tensors;
-    for (const auto& idx : indexes) {
-      md.files.push_back(idx.file);
-      md.rankStates.push_back(idx.rankState);
-      TESSERA_CHECK(idx.tensors.size() == first.size(), "checkpoint step ", step, ": rank ", idx.rank, " saved ",
-                    idx.tensors.size(), " tensors, rank 0 saved ", first.size(), " (every rank must save the same entries)");
-    }
-    for (size_t i = 0; i < first.size(); ++i) {
-      TensorInfo t = first[i];
-      t.chunks.clear();
-      for (const auto& idx : indexes) {
-        const TensorInfo& o = idx.tensors[i];
-        TESSERA_CHECK(o.name == t.name && o.dtype == t.dtype && o.shape == t.shape && o.placement == t.placement,
-                      "checkpoint step ", step, ": entry ", i, " is '", o.name, "' ", dtypeName(o.dtype), " ",
-                      at::IntArrayRef(o.shape), " on rank ", idx.rank, " but '", t.name, "' ", dtypeName(t.dtype), " ",
-                      at::IntArrayRef(t.shape), " on rank 0 (every rank must save the same entries, in the same order)");
-        for (const auto& c : o.chunks) t.chunks.push_back(c);
-      }
-      md.tensors.push_back(std::move(t));
-    }
-    return md;
-  }
-
   void commit() {
     std::vector<RankIndex> indexes = collectIndexes();
-    CheckpointMetadata md = merge(indexes);
+    CheckpointMetadata md = mergeRankIndexes(indexes, {step, world, options.blockBytes, strategy, components});
     // trainer_state.json first, then metadata.json: metadata records its checksum.
-    const std::string tsPath = (fs::path(tmpDir) / kTrainerStateFile).string();
-    {
-      File f = File::openWrite(tsPath);
-      f.writeAll(trainerState.data(), trainerState.size());
-      f.sync();
-      f.close();
-    }
-    md.trainerState = {kTrainerStateFile, static_cast<int64_t>(trainerState.size())};
-    md.trainerStateChecksum = checksum(trainerState.data(), trainerState.size());
-    const std::string text = toJson(md);
-    // Whatever the loader will refuse must fail the save instead.
-    parseMetadata(text, strCat("merged metadata of step ", step));
+    writeTrainerState(tmpDir, trainerState, md);
+    const std::string text = metadataText(md);
     for (int r = 0; r < world; ++r) fs::remove(fs::path(tmpDir) / rankIndexFile(r));
     hook(SavePoint::kBeforeMetadata);
-    {
-      File f = File::openWrite((fs::path(tmpDir) / kMetadataFile).string());
-      f.writeAll(text.data(), text.size());
-      f.sync();
-      f.close();
-    }
-    syncDirectory(tmpDir);
+    writeMetadataFile(tmpDir, text);
     hook(SavePoint::kBeforeRename);
     std::string replaced;
     if (pathExists(finalDir)) {
@@ -417,30 +300,8 @@ void Checkpointer::prepareTmpDir(const std::string& tmpDir) const {
 int64_t Checkpointer::stage(const SaveRequest& request, Job& job) {
   job.hook(SavePoint::kStaging);
   int64_t bytes = 0;
-  for (const auto& e : request.entries) {
-    Job::Source s;
-    s.head.name = e.name;
-    s.head.dtype = e.spec.dtype();
-    s.head.shape = e.spec.globalShape();
-    s.head.placement = e.spec.placement();
-    const bool replicated = e.spec.placement() == dtensor::Placement::kReplicate;
-    if (!replicated || rank_ == 0) {
-      std::tie(s.rowBegin, s.rowEnd) = e.spec.localRowRange();
-      if (s.rowEnd > s.rowBegin) {
-        const int64_t bufferRows = replicated ? e.spec.globalRows() : e.spec.chunkRows();
-        at::Tensor rows = e.local.reshape({bufferRows, e.spec.rowNumel()}).narrow(0, 0, s.rowEnd - s.rowBegin);
-        if (options_.async || !rows.device().is_cpu()) {
-          // The previous save's writer is done (save() step 1): its buffers are free.
-          s.rows = staging_.bufferFor(job.sources.size(), rows);
-          s.rows.copy_(rows);
-        } else {
-          s.rows = rows.contiguous();
-        }
-        bytes += s.rows.numel() * static_cast<int64_t>(s.rows.element_size());
-      }
-    }
-    job.sources.push_back(std::move(s));
-  }
+  // The previous save's writer is done (save() step 1): the staging buffers are free.
+  job.sources = rankRowsOf(request.entries, rank_, options_.async, staging_, bytes);
   return bytes;
 }
 
@@ -450,7 +311,6 @@ int64_t Checkpointer::stage(const SaveRequest& request, Job& job) {
 int64_t Checkpointer::checkRequest(const SaveRequest& request) const {
   TESSERA_CHECK(request.step >= 0, "Checkpointer::save: negative step ", request.step);
   std::set<std::string> names;
-  int64_t stateBytes = 0, chunks = 0;
   for (const auto& e : request.entries) {
     checkEntry(e, "Checkpointer::save");
     TESSERA_CHECK(names.insert(e.name).second, "Checkpointer::save: entry '", e.name, "' appears twice");
@@ -459,10 +319,8 @@ int64_t Checkpointer::checkRequest(const SaveRequest& request) const {
     const bool replicated = e.spec.placement() == dtensor::Placement::kReplicate;
     TESSERA_CHECK(replicated || (e.spec.worldSize() == world_ && e.spec.rank() == rank_), "Checkpointer::save: entry '",
                   e.name, "' has spec ", e.spec.str(), " but this is rank ", rank_, " of ", world_);
-    stateBytes += e.spec.globalNumel() * dtypeBytes(e.spec.dtype());  // throws for dtypes the format cannot hold
-    const int64_t rows = e.spec.globalRows(), chunkRows = e.spec.chunkRows();  // both 0 for an empty tensor
-    if (rows > 0) chunks += replicated ? 1 : (rows + chunkRows - 1) / chunkRows;
   }
+  const auto [stateBytes, chunks] = stateSizeOf(request.entries);
   const int64_t blockBytes = checksumBlockBytes(options_.blockBytes, options_.maxMetadataBytes, stateBytes, chunks);
   const int64_t metadataBytes = estimateMetadataBytes(blockBytes, stateBytes, chunks);
   TESSERA_CHECK(metadataBytes <= kMaxJsonBytes, "checkpoint step ", request.step, ": ", mib(stateBytes), " of state in ",
@@ -625,7 +483,7 @@ SaveStats Checkpointer::save(const SaveRequest& request) {
   return stats;
 }
 
-SaveStats Checkpointer::save(int64_t step, const StateMap& states, const SaveOptions& options) {
+SaveRequest saveRequestOf(int64_t step, const StateMap& states, const SaveOptions& options) {
   SaveRequest request;
   request.step = step;
   request.entries = collectEntries(states);
@@ -646,7 +504,11 @@ SaveStats Checkpointer::save(int64_t step, const StateMap& states, const SaveOpt
   request.strategy = options.strategy.empty() ? describeStrategies(states) : options.strategy;
   request.trainerState = options.trainerState;
   request.rankState = options.rankState;
-  return save(request);
+  return request;
+}
+
+SaveStats Checkpointer::save(int64_t step, const StateMap& states, const SaveOptions& options) {
+  return save(saveRequestOf(step, states, options));
 }
 
 void Checkpointer::finish() {

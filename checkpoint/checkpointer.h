@@ -97,6 +97,11 @@ struct SaveOptions {
   std::string rankState = "{}";     // JSON object; every rank's is saved
 };
 
+// The request a save of Stateful components makes: their entries under "<key>/", their
+// records as the component table (less the parts and exports with no entries under
+// them, which readers refuse).
+SaveRequest saveRequestOf(int64_t step, const StateMap& states, const SaveOptions& options = {});
+
 struct SaveStats {
   int64_t step = 0;
   std::string dir;              // the final step_N directory

@@ -30,4 +30,8 @@ bool CheckpointSchedule::claimSave(int64_t done) {
   return true;
 }
 
+bool CheckpointSchedule::localSaveDue(int64_t done, int64_t localEvery) const {
+  return localEvery > 0 && done % localEvery == 0 && done < totalSteps_ && lastSaved_ != done;
+}
+
 }  // namespace tessera::trainer

@@ -25,6 +25,10 @@ class CheckpointSchedule {
   // is due (at_end, or a stop; nothing when no step ran in this invocation).
   bool finalSaveDue(int64_t done, bool stopped) const;
 
+  // After `done` steps: whether a save to the node-local tier is due (every `localEvery`
+  // steps, 0 = never), unless a persistent save covers the step or it is the last one.
+  bool localSaveDue(int64_t done, int64_t localEvery) const;
+
   // Whether step `done` still needs a save; records that it gets one. A second call for
   // the same step returns false, so a step is never saved twice.
   bool claimSave(int64_t done);

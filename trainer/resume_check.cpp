@@ -41,7 +41,7 @@ bool isModelDefault(const std::string& key) {
 }
 
 bool steersThisInvocationOnly(const std::string& key) {
-  return key == "run.dir" || key == "run.stop_after_steps" || key == "checkpoint.resume" || key.rfind("log.", 0) == 0;
+  return key == "run.dir" || key == "run.stop_after_steps" || key == "checkpoint.resume" || key == "checkpoint.local.dir" || key.rfind("log.", 0) == 0;
 }
 
 // The prefix of a models.<name>. key ("models.teacher."), "" for any other key.

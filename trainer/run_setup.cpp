@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <unistd.h>
 #include <limits>
 
 #include "checkpoint/format.h"
@@ -192,6 +193,45 @@ ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
   return part;
 }
 
+// checkpoint.local.dir, or /dev/shm/tessera-<uid>/<hash of run.dir's absolute path> (the
+// system's temporary directory where there is no /dev/shm): one directory per run, the
+// same path on every node.
+std::string localTierDir(const TrainConfig& cfg) {
+  if (!cfg.checkpoint.local.dir.empty()) return cfg.checkpoint.local.dir;
+  std::error_code ec;
+  const std::string runDir = fs::weakly_canonical(fs::absolute(cfg.run.dir), ec).string();
+  const fs::path shm = fs::is_directory("/dev/shm", ec) ? fs::path("/dev/shm") : fs::temp_directory_path(ec);
+  return (shm / strCat("tessera-", ::getuid()) / checkpoint::checksumHex(checkpoint::checksum(runDir.data(), runDir.size())))
+      .string();
+}
+
+// checkpoint.local: a step the node-local tier holds that is newer than the persistent
+// tier's newest (a run that lost a node, or crashed, between persistent saves) becomes a
+// persistent checkpoint now, before run.dir is claimed, so that it is the checkpoint this
+// start resumes. Only for resume auto into a run.dir that holds that run (a run.dir made
+// anew must not resume the steps of a deleted one). Then the tier is emptied: what is left
+// there belongs to no run that will resume.
+void promoteFromLocalTier(const TrainConfig& cfg, distributed::Communicator& comm) {
+  const std::string dir = localTierDir(cfg);
+  const fs::path runDir = cfg.run.dir;
+  const distributed::TimeoutScope timeout(cfg.diagnostics.checkpoint_timeout);  // copies wait for the disk
+  bool earlier = false;
+  if (comm.rank() == 0) {
+    std::error_code ec;
+    earlier = !findEarlierRun(runDir).empty() || fs::exists(runDir / "config.resolved.yaml", ec);
+  }
+  const bool sameRun = distributed::lowestFailingRank(&comm, earlier) == 0;  // rank 0's answer, on every rank
+  if (cfg.checkpoint.resume == "auto" && sameRun) {
+    if (const auto promoted = checkpoint::promoteLocalStep(dir, (runDir / "checkpoints").string(), &comm)) {
+      TLOG_INFO0("checkpoint.local: step " << promoted->step << " of the node-local tier (held on "
+                                           << promoted->nodesHolding << " of the nodes now running) copied to "
+                                           << promoted->dir << " (" << promoted->bytes << " bytes in "
+                                           << promoted->seconds << " s): the run resumes from it");
+    }
+  }
+  checkpoint::clearLocalTier(dir, &comm);
+}
+
 // Checkpoints are written over the group the state is sharded over, by the ranks holding
 // a full set of it (hybrid: the first replica group; the others skip). Every model of a
 // models: run is sharded over all ranks (hybrid is refused there), so the first model's
@@ -202,6 +242,17 @@ void setUpCheckpointer(RunParts& run) {
   checkpoint::CheckpointOptions options = run.cfg.checkpoint.writer;
   options.commitTimeout = run.cfg.diagnostics.checkpoint_timeout;
   run.checkpointer.emplace((run.runDir / "checkpoints").string(), first.strategy->stateCommPtr()->host(), options);
+  const LocalTierSection& local = run.cfg.checkpoint.local;
+  if (local.every_steps > 0) {
+    checkpoint::LocalTierOptions tier;
+    tier.dir = localTierDir(run.cfg);
+    tier.replicas = local.replicas;
+    tier.keepLast = local.keep_last;
+    run.localCheckpointer.emplace(tier, first.strategy->stateCommPtr()->host());
+    TLOG_INFO0("checkpoint.local: every " << local.every_steps << " steps to " << tier.dir << " on each of "
+                                          << run.localCheckpointer->layout().nodes.size() << " nodes, "
+                                          << run.localCheckpointer->replicas() << " replica(s) on other nodes");
+  }
   if (first.ema && !first.cfg.ema.options.powerStds.empty()) {
     // Post-hoc EMA snapshots (single-model form): every one kept (keep_last 0), written
     // synchronously (an async writer would keep a second staging copy of the profiles).
@@ -472,6 +523,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   const int rank = run->comm->rank();
   const int world = run->comm->worldSize();
   run->runDir = cfg.run.dir;
+  if (cfg.checkpoint.local.every_steps > 0) promoteFromLocalTier(cfg, *run->hostComm);
   // One run per run.dir: decided on rank 0 before anything is written, agreed by all.
   distributed::runOnEveryRank(run->hostComm.get(), "checking run.dir for an earlier run", [&] {
     if (rank == 0) claimRunDir(cfg);

@@ -191,6 +191,15 @@ void bindCheckpointKeys(config::ConfigSchema& s, CheckpointSection& checkpoint) 
   s.add("checkpoint.at_end", &checkpoint.at_end, "Save when the run ends or is preempted (SIGTERM)");
   s.add("checkpoint.keep_last", &checkpoint.writer.keepLast, "Newest complete checkpoints to keep (0: all)").min(0);
   s.add("checkpoint.async", &checkpoint.writer.async, "Write checkpoints in a background thread");
+  s.add("checkpoint.local.every_steps", &checkpoint.local.every_steps,
+        "Save to the node-local tier every N steps (0: off): a lost node costs the steps since the last one")
+      .min(0);
+  s.add("checkpoint.local.dir", &checkpoint.local.dir,
+        "This node's directory for the local tier (empty: /dev/shm/tessera-<uid>/<a hash of run.dir>)");
+  s.add("checkpoint.local.replicas", &checkpoint.local.replicas,
+        "Copies of each rank's local checkpoint on the next nodes (a node: the ranks sharing a host and dir)")
+      .min(0);
+  s.add("checkpoint.local.keep_last", &checkpoint.local.keep_last, "Complete local steps each node keeps").min(1);
   s.add("checkpoint.resume", &checkpoint.resume, "auto (latest complete checkpoint of run.dir), none, or a directory")
       .nonEmpty();
   s.add("checkpoint.export", &checkpoint.export_what,

@@ -88,6 +88,14 @@ struct EmaConfig {
   int64_t snapshotEvery = 0;              // ema.posthoc.snapshot_every: steps between post-hoc snapshots
 };
 
+// checkpoint.local: the node-local tier (checkpoint/local_tier.h).
+struct LocalTierSection {
+  int64_t every_steps = 0;  // save to the node-local tier every N steps (0: no local tier)
+  std::string dir;          // this node's directory ("": /dev/shm/tessera-<uid>/<run.dir's hash>)
+  int replicas = 1;         // copies of each rank's file on the next nodes
+  int keep_last = 2;        // complete local steps each node keeps
+};
+
 struct CheckpointSection {
   CheckpointSection();
   int64_t every_steps = 0;       // save every N steps (0: only at the end)
@@ -97,6 +105,7 @@ struct CheckpointSection {
   // is diagnostics.checkpoint_timeout_s.
   checkpoint::CheckpointOptions writer;
   std::string resume = "auto";   // auto | none | a checkpoint directory
+  LocalTierSection local;        // checkpoint.local.*
   std::vector<std::string> export_what = {"generator_ema"};  // exported at the end of the run
   at::ScalarType export_dtype = at::kFloat;  // fp32 | bf16 | fp16
 };

@@ -243,6 +243,7 @@ class TrainLoop {
     if (done % cfg_.run.log_every == 0 || last || evalNow) logWindow(done, out, evalNow || last);
     if (cfg_.eval.sample_every > 0 && done % cfg_.eval.sample_every == 0 && !last) writeSampleGrids(done);
     if (schedule_.periodicSaveDue(done)) saveCheckpoint(done);
+    if (run_.localCheckpointer && schedule_.localSaveDue(done, cfg_.checkpoint.local.every_steps)) saveLocal(done);
     if (run_.posthocWriter && done % run_.models.front().cfg.ema.snapshotEvery == 0) savePosthocSnapshot(done);
   }
 
@@ -287,6 +288,8 @@ class TrainLoop {
       const distributed::TimeoutScope timeout(cfg_.diagnostics.checkpoint_timeout);
       run_.checkpointer->finish();
     }
+    // The persistent tier holds the end: the local one would only fill node memory.
+    if (run_.localCheckpointer) run_.localCheckpointer->clear();
     if (!stopped) exportWeights(done);
     if (!stopped) writeSampleGrids(done);
     if (!stopped) summary_.judgement = recipe_->judgeSamples();
@@ -429,6 +432,27 @@ class TrainLoop {
     if (run_.checkpointer) run_.checkpointer->save(done, run_.states(), options);  // logs the training stall it caused
   }
 
+  // checkpoint.local: step `done` to the node-local tier and its replicas (a failure is
+  // logged there and training goes on).
+  void saveLocal(int64_t done) {
+    run_.counters.step = done;
+    checkpoint::SaveOptions options;
+    options.strategy = run_.strategies();
+    options.trainerState = countersToJson(run_.counters);
+    const checkpoint::SaveRequest request = checkpoint::saveRequestOf(done, run_.states(), options);
+    const distributed::TimeoutScope timeout(cfg_.diagnostics.checkpoint_timeout);
+    const checkpoint::LocalSaveStats stats = run_.localCheckpointer->save(request);
+    if (!stats.saved) return;
+    const std::string line = strCat("checkpoint.local: step ", done, " saved in ", stats.seconds, " s (",
+                                    stats.bytes, " bytes of this rank, ", stats.replicaBytes, " of replicas received)");
+    if (firstLocalSave_) {
+      TLOG_INFO0(line);
+    } else {
+      TLOG_DEBUG(line);
+    }
+    firstLocalSave_ = false;
+  }
+
   void exportWeights(int64_t done) {
     for (std::string& file : writeExports(run_, done, cfg_.checkpoint.export_what)) summary_.exports.push_back(std::move(file));
   }
@@ -453,6 +477,7 @@ class TrainLoop {
   int64_t windowSteps_ = 0, skippedInRun_ = 0, dataSkipsLogged_ = 0;
   StragglerWatch stragglers_{cfg_.diagnostics.straggler_ratio};
   bool firstWindow_ = true;
+  bool firstLocalSave_ = true;
 };
 
 }  // namespace

@@ -35,23 +35,32 @@ std::map<std::string, at::Tensor> exportOf(const std::string& runDir) {
   return tessera::checkpoint::loadSafetensors((fs::path(runDir) / "export" / "model_ema.safetensors").string());
 }
 
-// This test's block of six ports (each test of the suite uses its own offset in it).
+// This test's block of seven ports (each test of the suite uses its own offset in it).
 int freePort() {
-  static const int base = tessera::test::freePorts(6);
+  static const int base = tessera::test::freePorts(7);
   return base;
 }
 
+// How a node is lost: what each node's trainer gets besides kTrainArgs, the path (under
+// the test's directory) whose appearance sets off the kill, and what follows the kill.
+struct NodeLoss {
+  std::string argsA, argsB;
+  std::string killWhen = "/run/checkpoints/step_00000040";
+  std::string afterKill;
+};
+
 // Starts node A, then node B once A hosts the rendezvous on `port` (each `launch` + the
-// trainer), waits for the checkpoint of step 40, SIGKILLs what `killB` names, and waits for
-// A. A's output goes to a.log. B must not host: the store would go with it.
-CommandResult loseANode(const std::string& dir, const std::string& launch, int port, const std::string& killB) {
+// trainer), waits for loss.killWhen, SIGKILLs what `killB` names, and waits for A. A's
+// output goes to a.log. B must not host: the store would go with it.
+CommandResult loseANode(const std::string& dir, const std::string& launch, int port, const std::string& killB,
+                        const NodeLoss& loss = {}) {
   const std::string d = shellQuote(dir);
   const std::string train = kBin + "/tessera-train" + kTrainArgs + " --set run.dir=" + d + "/run";
   const std::string script =
-      "mkdir -p " + d + "; " + launch + " " + train + " > " + d + "/a.log 2>&1 & A=$!; " +
-      tessera::test::waitForListenerScript(port, 60) + launch + " " +
-      train + " > " + d + "/b.log 2>&1 & B=$!; " + "for i in $(seq 1200); do [ -d " + d +
-      "/run/checkpoints/step_00000040 ] && break; sleep 0.1; done; " + killB + "; wait $A; echo \"node A exit $?\"; "
+      "mkdir -p " + d + "; " + launch + " " + train + loss.argsA + " > " + d + "/a.log 2>&1 & A=$!; " +
+      tessera::test::waitForListenerScript(port, 60) + launch + " " + train + loss.argsB + " > " + d +
+      "/b.log 2>&1 & B=$!; " + "for i in $(seq 1200); do [ -e " + d + loss.killWhen +
+      " ] && break; sleep 0.1; done; " + killB + "; " + loss.afterKill + "; wait $A; echo \"node A exit $?\"; "
       "cat " + d + "/a.log";
   return runCommand(script, 280);
 }
@@ -88,6 +97,46 @@ TEST(ElasticE2ETest, TesseraRunGoesOnWithoutALostNode) {
                                                      "global batch \\(32\\)")))
       << r.output;
   EXPECT_NE(r.output.find("done: 300 steps"), std::string::npos) << r.output;
+  expectSameExportAsUninterrupted(dir);
+}
+
+// checkpoint.local (docs/checkpoint.md, "Node-local tier"): persistent checkpoints every
+// 100 steps, the node-local tier every 5, each node with a directory of its own. Node B
+// is killed once node A's directory holds step 30, and its directory deleted (the node's
+// memory is gone): the survivors resume from the newest local step, long before the
+// first persistent checkpoint, with B's rank files from their replicas on A, and end
+// equal to the uninterrupted run. A's directory is empty at the end.
+TEST(ElasticE2ETest, ALostNodeCostsOnlyTheStepsSinceTheLastLocalCheckpoint) {
+  const std::string dir = tessera::test::scratchPath("tessera_elastic", "local_tier");
+  const int port = freePort() + 6;
+  const std::string launch = strCat(kBin, "/tessera-run --nnodes 1:2 --nproc-per-node 2 --rdzv-endpoint 127.0.0.1:", port,
+                                    " --rdzv-id local_tier --rdzv-conf last_call_timeout=2 --max-restarts 3");
+  NodeLoss loss;
+  const std::string local = " --set checkpoint.every_steps=100 --set checkpoint.local.every_steps=5 --set run.log_every=1";
+  loss.argsA = local + " --set checkpoint.local.dir=" + shellQuote(dir + "/local_a");
+  loss.argsB = local + " --set checkpoint.local.dir=" + shellQuote(dir + "/local_b");
+  loss.killWhen = "/local_a/step_00000030/metadata.json";
+  loss.afterKill = "rm -rf " + shellQuote(dir + "/local_b");
+  // The node's ranks and launcher killed at once, as a power loss would (each rank is in a
+  // process group of its own, and a launcher killed alone has them stop with a checkpoint).
+  const CommandResult r =
+      loseANode(dir, launch, port, "kill -s KILL $(cat /proc/$B/task/*/children 2>/dev/null) $B", loss);
+  EXPECT_NE(r.output.find("node A exit 0"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("checkpoint.local: every 5 steps to " + dir + "/local_a on each of 2 nodes, 1 replica(s)"),
+            std::string::npos)
+      << r.output;
+  std::smatch promoted;
+  ASSERT_TRUE(std::regex_search(r.output, promoted,
+                                std::regex("checkpoint.local: step ([0-9]+) of the node-local tier \\(held on 1 of the "
+                                           "nodes now running\\) copied to [^ ]*/run/checkpoints/step_0*\\1 ")))
+      << r.output;
+  const int step = std::stoi(promoted[1]);
+  EXPECT_GE(step, 30) << r.output;
+  EXPECT_LT(step, 100) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("world 4 -> 2 ranks, resumed from step " + std::to_string(step))))
+      << r.output;
+  EXPECT_NE(r.output.find("done: 300 steps"), std::string::npos) << r.output;
+  EXPECT_TRUE(fs::is_empty(dir + "/local_a")) << "the local tier is cleared at the end";
   expectSameExportAsUninterrupted(dir);
 }
 

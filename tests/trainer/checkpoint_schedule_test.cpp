@@ -58,6 +58,18 @@ TEST(CheckpointScheduleTest, StopSignalStopAfterStepsAndTheEndOnTheLastStep) {
   EXPECT_EQ(savedSteps(CheckpointSchedule(20, 0, 0, 8, false), 20, 0, 8), (std::vector<int64_t>{8}));
 }
 
+TEST(CheckpointScheduleTest, LocalSavesFallBetweenPersistentOnesAndNotOnTheLastStep) {
+  CheckpointSchedule schedule(30, 0, 10, 0, true);
+  std::vector<int64_t> local;
+  for (int64_t done = 1; done <= 30; ++done) {
+    if (schedule.periodicSaveDue(done)) schedule.claimSave(done);
+    if (schedule.localSaveDue(done, 5)) local.push_back(done);
+  }
+  // 10 and 20 are persistent saves, 30 is the end's.
+  EXPECT_EQ(local, (std::vector<int64_t>{5, 15, 25}));
+  EXPECT_FALSE(CheckpointSchedule(30, 0, 0, 0, true).localSaveDue(5, 0)) << "0: no local tier";
+}
+
 TEST(CheckpointScheduleTest, NothingToSaveWhenNoStepRan) {
   CheckpointSchedule schedule(20, 20, 5, 0, true);
   EXPECT_FALSE(schedule.finalSaveDue(20, false)) << "resumed at the last step: nothing new";

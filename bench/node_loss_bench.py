@@ -1,0 +1,159 @@
+#!/usr/bin/env python3
+"""A lost node: steps lost and seconds from the failure to the next step, with the node-local
+checkpoint tier against the persistent tier alone (issue 48), in one invocation.
+
+Starts NODES launchers of RANKS ranks each (tessera-run --nnodes 1:NODES, nodes as separate
+launchers on this machine, as the elastic tests do) training configs/default.yaml with
+persistent checkpoints every 100 steps, and for the local tier checkpoint.local.every_steps 5
+with each node's own checkpoint.local.dir. Once rank 0's metrics reach --kill-at, the last
+node's launcher and ranks are SIGKILLed and its local directory deleted (its memory is gone).
+The survivors restart (last_call_timeout 2 s) and resume; the bench reports the step trained
+when the node was lost, the step resumed from, their difference (steps lost), the seconds from
+the kill to the resumed run's first step (from metrics.jsonl, written every step), and, for
+the local tier, the promotion's log line.
+
+    bench/node_loss_bench.py [--layouts 2x2 4x4] [--kill-at 33] [--build build]
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def last_step(metrics):
+    """The newest step in metrics.jsonl (0 when none)."""
+    try:
+        with open(metrics) as f:
+            steps = [json.loads(line)["step"] for line in f if line.strip().endswith("}")]
+        return steps[-1] if steps else 0
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def wait_for(predicate, seconds, what):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    sys.exit(f"node_loss_bench: timed out waiting for {what}")
+
+
+def run_case(build, nodes, ranks, local, kill_at, steps):
+    work = tempfile.mkdtemp(prefix="tessera_node_loss_")
+    port = free_port()
+    run_dir = os.path.join(work, "run")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    # A global batch both world sizes divide (before and after the loss), at least 32;
+    # micro-batches of at most 8, chosen by the trainer.
+    before, after = nodes * ranks, (nodes - 1) * ranks
+    batch = before * after // math.gcd(before, after)
+    batch *= -(-32 // batch)
+    train = [os.path.join(build, "bin", "tessera-train"), "--config", os.path.join(ROOT, "configs", "default.yaml"),
+             "--set", f"run.steps={steps}", "--set", "model.hidden=[48]", "--set", f"data.global_batch={batch}",
+             "--set", "data.micro_batch=8", "--set", "checkpoint.every_steps=100", "--set", "run.log_every=1",
+             "--set", "log.per_rank_files=false", "--set", f"run.dir={run_dir}"]
+    launchers = []
+    logs = []
+    for node in range(nodes):
+        extra = []
+        if local:
+            extra = ["--set", "checkpoint.local.every_steps=5", "--set",
+                     f"checkpoint.local.dir={os.path.join(work, f'local{node}')}"]
+        command = [os.path.join(build, "bin", "tessera-run"), "--nnodes", f"1:{nodes}", "--nproc-per-node", str(ranks),
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "node_loss", "--rdzv-conf",
+                   "last_call_timeout=2", "--max-restarts", "3"] + train + extra
+        log = open(os.path.join(work, f"node{node}.log"), "w")
+        logs.append(log)
+        launchers.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        if node == 0:
+            time.sleep(1.0)  # node 0 hosts the rendezvous
+    wait_for(lambda: last_step(metrics) >= kill_at, 600, f"step {kill_at}")
+    # The node's ranks and launcher at once, as a power loss would: each rank is in a
+    # process group of its own, and a launcher killed alone has them stop with a checkpoint.
+    victim = launchers[-1].pid
+    children = []
+    for task in os.listdir(f"/proc/{victim}/task"):
+        with open(f"/proc/{victim}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    for pid in children + [victim]:
+        os.kill(pid, signal.SIGKILL)
+    killed_at = time.time()
+    lost_step = last_step(metrics)
+    if local:
+        shutil.rmtree(os.path.join(work, f"local{nodes - 1}"), ignore_errors=True)
+    log0 = os.path.join(work, "node0.log")
+
+    def read_log():
+        with open(log0) as f:
+            return f.read()
+
+    def resumed():
+        """(step resumed from, offset of its line in node 0's log) once the restart says."""
+        text = read_log()
+        restart = text.find("restart 1 of")
+        if restart < 0:
+            return None
+        m = re.compile(r"resumed from \S+ \(step (\d+)|(resume auto: no complete checkpoint)").search(text, restart)
+        if not m:
+            return None
+        return (int(m.group(1)) if m.group(1) else 0, m.end())
+
+    resumed_step, offset = wait_for(resumed, 600, "the resume")
+    # The resumed run's first step: rank 0 logs every step with its wall-clock time.
+    first = re.compile(r"\[(\d\d):(\d\d):(\d\d\.\d+)\] \[info\] \[rank 0\] step (\d+)/")
+    step_line = wait_for(lambda: first.search(read_log(), offset), 600, "the first step after the resume")
+    h, m, sec = int(step_line.group(1)), int(step_line.group(2)), float(step_line.group(3))
+    t = time.localtime(killed_at)
+    recovery = (h * 3600 + m * 60 + sec) - (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + killed_at % 1)
+    recovery %= 86400
+    text = read_log()
+    promoted = re.search(r"checkpoint\.local: step \d+ of the node-local tier[^\n]*", text)
+    for p in launchers:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    for log in logs:
+        log.close()
+    shutil.rmtree(work, ignore_errors=True)
+    return {"layout": f"{nodes}x{ranks}", "tier": "local every 5 + persistent every 100" if local else
+            "persistent every 100", "node lost at step": lost_step, "resumed from step": resumed_step,
+            "steps lost": lost_step - resumed_step, "seconds to the next step": round(recovery, 2),
+            "promotion": promoted.group(0) if promoted else ""}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layouts", nargs="+", default=["2x2", "4x4"], help="NODESxRANKS")
+    parser.add_argument("--kill-at", type=int, default=33)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    args = parser.parse_args()
+    for layout in args.layouts:
+        nodes, ranks = (int(x) for x in layout.split("x"))
+        for local in (True, False):
+            print(json.dumps(run_case(args.build, nodes, ranks, local, args.kill_at, args.steps)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+// The node-local checkpoint tier: saves, replicas, promotion (see local_tier.h).
+#include "checkpoint/local_tier.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "checkpoint/file_io.h"
+#include "checkpoint/format.h"
+#include "checkpoint/metadata.h"
+#include "checkpoint/rank_files.h"
+#include "checkpoint/reader.h"
+#include "common/errors.h"
+#include "common/filesystem.h"
+#include "common/logging.h"
+#include "common/trace.h"
+#include "distributed/communicator.h"
+#include "distributed/string_collectives.h"
+
+namespace tessera::checkpoint {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// A replica travels in broadcasts of at most this many bytes (one buffer on the receiver).
+constexpr int64_t kReplicaPieceBytes = int64_t{64} << 20;
+// Copies on promotion go through a buffer of this size.
+constexpr int64_t kCopyBytes = int64_t{8} << 20;
+
+std::string hostName() {
+  char name[HOST_NAME_MAX + 1] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "?";
+  return name;
+}
+
+// The step directories in `dir` (complete or not), ascending: real directories named
+// step_<digits>, never links.
+std::vector<std::pair<int64_t, fs::path>> stepDirsIn(const std::string& dir) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  std::error_code ec;
+  if (!fs::is_directory(fs::symlink_status(dir, ec))) return out;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::optional<int64_t> step = parseStepDirName(entry.path().filename().string());
+    if (step && fs::is_directory(fs::symlink_status(entry.path(), ec))) out.emplace_back(*step, entry.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool isComplete(const fs::path& stepDir) {
+  std::error_code ec;
+  return fs::is_regular_file(fs::symlink_status(stepDir / kMetadataFile, ec));
+}
+
+// Removes every step directory in `dir` (a failure is logged: the next save's retention
+// or the next start tries again).
+void removeSteps(const std::string& dir) {
+  for (const auto& [step, path] : stepDirsIn(dir)) {
+    std::error_code ec;
+    removeTree(path.string(), ec);
+    if (ec) TLOG_WARN("checkpoint.local: cannot remove " << path.string() << ": " << ec.message());
+  }
+}
+
+// Copies `from` (a regular file, no link) to `to`, fsynced; returns the bytes.
+int64_t copyFile(const std::string& from, const std::string& to) {
+  const File in = File::openRead(from);
+  const int64_t size = in.size();
+  File out = File::openWrite(to);
+  std::vector<uint8_t> buffer(static_cast<size_t>(std::min(kCopyBytes, std::max<int64_t>(1, size))));
+  for (int64_t pos = 0; pos < size; pos += kCopyBytes) {
+    const size_t n = static_cast<size_t>(std::min(kCopyBytes, size - pos));
+    in.readAt(buffer.data(), n, pos, from);
+    out.writeAll(buffer.data(), n);
+  }
+  out.sync();
+  out.close();
+  return size;
+}
+
+// What one node's directory holds of one step: the checksum of its metadata (so that
+// only copies of the same save are put together) and the saved ranks whose files are
+// there at their recorded size.
+struct HeldStep {
+  int64_t step = 0;
+  uint64_t metadata = 0;
+  int savedWorld = 0;
+  std::vector<int> ranks;
+};
+
+std::vector<HeldStep> inventory(const std::string& dir) {
+  std::vector<HeldStep> out;
+  for (const auto& [step, path] : stepDirsIn(dir)) {
+    if (!isComplete(path)) continue;
+    try {
+      const std::string mdPath = (path / kMetadataFile).string();
+      const std::string text = readFileBounded(mdPath, kMaxJsonBytes);
+      const CheckpointMetadata md = parseMetadata(text, mdPath);
+      if (md.step != step) continue;
+      HeldStep held;
+      held.step = step;
+      held.metadata = checksum(text.data(), text.size());
+      held.savedWorld = md.worldSize;
+      for (int r = 0; r < md.worldSize; ++r) {
+        const FileInfo& f = md.files.at(static_cast<size_t>(r));
+        std::error_code ec;
+        const fs::path file = path / f.name;
+        if (f.name == rankDataFile(r) && fs::is_regular_file(fs::symlink_status(file, ec)) &&
+            static_cast<int64_t>(fs::file_size(file, ec)) == f.bytes && !ec) {
+          held.ranks.push_back(r);
+        }
+      }
+      if (!held.ranks.empty()) out.push_back(std::move(held));
+    } catch (const std::exception& e) {
+      TLOG_WARN("checkpoint.local: ignoring " << path.string() << ": " << e.what());
+    }
+  }
+  return out;
+}
+
+std::string inventoryJson(const std::vector<HeldStep>& held) {
+  nlohmann::json steps = nlohmann::json::array();
+  for (const HeldStep& h : held) {
+    steps.push_back({{"step", h.step}, {"metadata", h.metadata}, {"world", h.savedWorld}, {"ranks", h.ranks}});
+  }
+  return steps.dump();
+}
+
+std::vector<HeldStep> parseInventory(const std::string& text) {
+  std::vector<HeldStep> out;
+  for (const auto& s : nlohmann::json::parse(text)) {
+    HeldStep h;
+    h.step = s.at("step").get<int64_t>();
+    h.metadata = s.at("metadata").get<uint64_t>();
+    h.savedWorld = s.at("world").get<int>();
+    h.ranks = s.at("ranks").get<std::vector<int>>();
+    out.push_back(std::move(h));
+  }
+  return out;
+}
+
+}  // namespace
+
+NodeLayout discoverNodes(distributed::Communicator* comm, const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  const fs::path canonical = fs::weakly_canonical(fs::absolute(dir), ec);
+  const std::string key = hostName() + ":" + (ec ? dir : canonical.string());
+  const std::vector<std::string> keys = distributed::allGatherStrings(comm, key);
+  NodeLayout layout;
+  layout.nodeOf.assign(keys.size(), -1);
+  for (size_t r = 0; r < keys.size(); ++r) {
+    if (layout.nodeOf[r] >= 0) continue;
+    const int node = static_cast<int>(layout.nodes.size());
+    layout.nodes.emplace_back();
+    for (size_t q = r; q < keys.size(); ++q) {
+      if (keys[q] != keys[r]) continue;
+      layout.nodeOf[q] = node;
+      layout.nodes.back().push_back(static_cast<int>(q));
+    }
+  }
+  return layout;
+}
+
+std::vector<ReplicaCopy> replicaPlan(const NodeLayout& layout, int replicas) {
+  const int nodes = static_cast<int>(layout.nodes.size());
+  std::vector<ReplicaCopy> plan;
+  for (int h = 1; h <= std::min(replicas, nodes - 1); ++h) {
+    for (int i = 0; i < nodes; ++i) {
+      const auto& from = layout.nodes[static_cast<size_t>(i)];
+      const auto& to = layout.nodes[static_cast<size_t>((i + h) % nodes)];
+      for (size_t j = 0; j < from.size(); ++j) plan.push_back({from[j], to[j % to.size()]});
+    }
+  }
+  // One global order: by pair, then sender. Every rank walks its own copies in it, so the
+  // lowest pair not yet done always has both ranks at it (none waits in a cycle).
+  std::sort(plan.begin(), plan.end(), [](const ReplicaCopy& a, const ReplicaCopy& b) {
+    const auto key = [](const ReplicaCopy& c) {
+      return std::make_tuple(std::min(c.from, c.to), std::max(c.from, c.to), c.from);
+    };
+    return key(a) < key(b);
+  });
+  return plan;
+}
+
+LocalCheckpointer::LocalCheckpointer(LocalTierOptions options, std::shared_ptr<distributed::Communicator> comm)
+    : options_(std::move(options)), comm_(std::move(comm)) {
+  TESSERA_CHECK_AS(ConfigError, !options_.dir.empty(), "checkpoint.local: no directory");
+  TESSERA_CHECK_AS(ConfigError, options_.replicas >= 0, "checkpoint.local.replicas ", options_.replicas, " < 0");
+  TESSERA_CHECK_AS(ConfigError, options_.keepLast >= 1, "checkpoint.local.keep_last ", options_.keepLast, " < 1");
+  if (comm_) {
+    rank_ = comm_->rank();
+    world_ = comm_->worldSize();
+  }
+  // A directory that cannot be made (a path through a file, no permission) is every
+  // rank's configuration error, before the first save.
+  distributed::runOnEveryRank(comm_.get(), "checkpoint.local.dir", [&] {
+    std::error_code ec;
+    fs::create_directories(options_.dir, ec);
+    if (ec || !fs::is_directory(options_.dir, ec)) {
+      throw ConfigError(strCat("checkpoint.local.dir '", options_.dir, "': cannot create it: ",
+                               ec ? ec.message() : std::string("not a directory")));
+    }
+  });
+  layout_ = discoverNodes(comm_.get(), options_.dir);
+  const int nodes = static_cast<int>(layout_.nodes.size());
+  replicas_ = std::min(options_.replicas, nodes - 1);
+  plan_ = replicaPlan(layout_, replicas_);
+  if (options_.replicas > replicas_) {
+    TLOG_WARN0("checkpoint.local.replicas " << options_.replicas << ": the ranks are on " << nodes
+                                            << (nodes == 1 ? " node" : " nodes") << ", so each rank's file gets "
+                                            << replicas_ << " cop" << (replicas_ == 1 ? "y" : "ies")
+                                            << " on other nodes (a node is the ranks sharing a host and "
+                                            << options_.dir << ")");
+  }
+}
+
+std::shared_ptr<distributed::Communicator> LocalCheckpointer::pairGroup(int a, int b) {
+  const std::pair<int, int> key(std::min(a, b), std::max(a, b));
+  auto it = pairs_.find(key);
+  if (it != pairs_.end()) return it->second;
+  return pairs_[key] = comm_->split({key.first, key.second});
+}
+
+int64_t LocalCheckpointer::replicate(const std::vector<RankRows>& rows, const std::vector<RankIndex>& indexes,
+                                     const std::string& dir, std::string& error) {
+  int64_t received = 0;
+  at::Tensor buffer;
+  for (const ReplicaCopy& copy : plan_) {
+    if (copy.from != rank_ && copy.to != rank_) continue;
+    const std::shared_ptr<distributed::Communicator> pair = pairGroup(copy.from, copy.to);
+    const int root = copy.from < copy.to ? 0 : 1;
+    const bool sending = copy.from == rank_;
+    const RankIndex& index = indexes[static_cast<size_t>(copy.from)];
+    std::optional<File> out;
+    const std::string path = (fs::path(dir) / rankDataFile(copy.from)).string();
+    if (!sending && error.empty()) {
+      try {
+        out.emplace(File::openWrite(path));
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    // The file is its chunks in order: this rank's rows (sending), or the sender's chunk
+    // table's lengths (receiving).
+    size_t source = 0;
+    for (const TensorInfo& t : index.tensors) {
+      for (const ChunkInfo& c : t.chunks) {
+        at::Tensor bytes;
+        if (sending) {
+          while (rows[source].rowEnd <= rows[source].rowBegin) ++source;
+          bytes = rows[source++].rows.view({-1}).view(at::kByte);
+          TESSERA_CHECK(bytes.numel() == c.length, "checkpoint.local: rank ", rank_, "'s rows of '", t.name, "' are ",
+                        bytes.numel(), " bytes, its chunk table says ", c.length);
+        }
+        for (int64_t pos = 0; pos < c.length; pos += kReplicaPieceBytes) {
+          const int64_t n = std::min(kReplicaPieceBytes, c.length - pos);
+          at::Tensor piece;
+          if (sending) {
+            piece = bytes.narrow(0, pos, n);
+          } else {
+            if (!buffer.defined() || buffer.numel() < n) buffer = at::empty({n}, at::kByte);
+            piece = buffer.narrow(0, 0, n);
+          }
+          pair->broadcast(piece, root);
+          if (out && error.empty()) {
+            try {
+              out->writeAll(piece.data_ptr(), static_cast<size_t>(n));
+            } catch (const std::exception& e) {
+              error = e.what();
+            }
+          }
+          if (!sending) received += n;
+        }
+      }
+    }
+    if (out && error.empty()) {
+      try {
+        out->sync();
+        out->close();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    if (!error.empty()) error = strCat("replica of rank ", copy.from, " into ", path, ": ", error);
+  }
+  return received;
+}
+
+LocalSaveStats LocalCheckpointer::save(const SaveRequest& request) {
+  const auto start = Clock::now();
+  const trace::Span span("checkpoint", strCat("local checkpoint step ", request.step));
+  LocalSaveStats stats;
+  const fs::path dir = fs::path(options_.dir) / stepDirName(request.step);
+  const StateSize size = stateSizeOf(request.entries);
+  const CheckpointOptions defaults;
+  const int64_t blockBytes = checksumBlockBytes(defaults.blockBytes, defaults.maxMetadataBytes, size.bytes, size.chunks);
+  // 1. This rank's file.
+  std::string error;
+  std::vector<RankRows> rows;
+  RankIndex index;
+  try {
+    rows = rankRowsOf(request.entries, rank_, /*copy=*/false, staging_, stats.bytes);
+    // Each step is saved once per run, and a start empties the tier: nothing of another
+    // save is in `dir`.
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw Error(strCat("cannot create ", dir.string(), ": ", ec.message()));
+    index = writeRankData(dir.string(), rank_, world_, request.step, blockBytes, request.rankState, rows);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const auto failed = [&](const std::string& what) {
+    const int lowest = distributed::lowestFailingRank(comm_.get(), !error.empty());
+    if (lowest < 0) return false;
+    stats.error = error.empty() ? strCat(what, " failed on rank ", lowest, " (its log says why)") : error;
+    return true;
+  };
+  // 2. Every rank's chunk table (the agreement first: a failed rank has none).
+  if (!failed("writing a rank's file")) {
+    std::vector<RankIndex> indexes;
+    for (const std::string& text : distributed::allGatherStrings(comm_.get(), toJson(index))) {
+      indexes.push_back(parseRankIndex(text, "a rank's chunk table"));
+    }
+    const std::string trainerState = distributed::broadcastString(comm_.get(), request.trainerState, 0);
+    // 3. Replicas, then 4. the leaders' metadata and retention.
+    stats.replicaBytes = replicate(rows, indexes, dir.string(), error);
+    if (!failed("a replica")) {
+      if (layout_.leads(rank_)) {
+        try {
+          CheckpointMetadata md =
+              mergeRankIndexes(indexes, {request.step, world_, blockBytes, request.strategy, request.components});
+          writeTrainerState(dir.string(), parseTrainerState(trainerState, "SaveRequest.trainerState"), md);
+          writeMetadataFile(dir.string(), metadataText(md));
+          // Retention: the newest keep_last complete steps; anything older that never
+          // completed (a crash's remains) goes too.
+          int kept = 0;
+          const auto steps = stepDirsIn(options_.dir);
+          for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+            if (it->first > request.step) continue;
+            const bool complete = isComplete(it->second);
+            if (complete && kept < options_.keepLast) {
+              ++kept;
+              continue;
+            }
+            removeTree(it->second.string());
+          }
+        } catch (const std::exception& e) {
+          stats.error = strCat("node of rank ", rank_, ": ", e.what());
+        }
+      }
+      stats.saved = stats.error.empty();
+    }
+  }
+  stats.seconds = secondsSince(start);
+  if (!stats.saved) {
+    TLOG_WARN("checkpoint.local: step " << request.step << " was not saved in " << options_.dir << ": " << stats.error
+                                        << " (training goes on; the persistent checkpoints are as they were)");
+    if (layout_.leads(rank_) && !isComplete(dir)) {
+      std::error_code ec;
+      removeTree(dir.string(), ec);
+    }
+  }
+  return stats;
+}
+
+void LocalCheckpointer::clear() const {
+  if (layout_.leads(rank_)) removeSteps(options_.dir);
+}
+
+void clearLocalTier(const std::string& localDir, distributed::Communicator* comm) {
+  const NodeLayout layout = discoverNodes(comm, localDir);
+  if (layout.leads(comm ? comm->rank() : 0)) removeSteps(localDir);
+}
+
+std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const std::string& checkpointsDir,
+                                             distributed::Communicator* comm) {
+  const auto start = Clock::now();
+  const int rank = comm ? comm->rank() : 0;
+  // What every node holds, and the persistent tier's newest (rank 0's listing).
+  const std::vector<CheckpointRef> persistent = rank == 0 ? listCheckpoints(checkpointsDir) : std::vector<CheckpointRef>{};
+  const int64_t newestPersistent = std::stoll(distributed::broadcastString(
+      comm, std::to_string(persistent.empty() ? int64_t{-1} : persistent.back().step), 0));
+  const std::vector<std::string> texts = distributed::allGatherStrings(comm, inventoryJson(inventory(localDir)));
+  std::vector<std::vector<HeldStep>> held;
+  for (const std::string& text : texts) held.push_back(parseInventory(text));
+  // The newest complete step: for each (step, metadata) the lowest rank holding each file.
+  struct Candidate {
+    int64_t step = -1;
+    uint64_t metadata = 0;
+    std::vector<int> copier;  // by saved rank: the rank that copies its file
+    std::set<int> holders;
+  };
+  std::map<std::pair<int64_t, uint64_t>, Candidate> candidates;
+  for (size_t r = 0; r < held.size(); ++r) {
+    for (const HeldStep& h : held[r]) {
+      if (h.step <= newestPersistent) continue;
+      Candidate& c = candidates[{h.step, h.metadata}];
+      c.step = h.step;
+      c.metadata = h.metadata;
+      if (c.copier.empty()) c.copier.assign(static_cast<size_t>(h.savedWorld), -1);
+      if (static_cast<int>(c.copier.size()) != h.savedWorld) continue;  // metadata equal: cannot happen
+      c.holders.insert(static_cast<int>(r));
+      for (int saved : h.ranks) {
+        int& copier = c.copier[static_cast<size_t>(saved)];
+        if (copier < 0) copier = static_cast<int>(r);
+      }
+    }
+  }
+  const Candidate* chosen = nullptr;
+  for (auto it = candidates.rbegin(); it != candidates.rend() && chosen == nullptr; ++it) {
+    const auto& copier = it->second.copier;
+    if (std::all_of(copier.begin(), copier.end(), [](int c) { return c >= 0; })) chosen = &it->second;
+  }
+  if (chosen == nullptr) {
+    if (!candidates.empty()) {
+      TLOG_WARN0("checkpoint.local: no step newer than the persistent tier's is complete on the surviving nodes "
+                 "(their files were on the lost ones); resuming from the persistent tier");
+    }
+    return std::nullopt;
+  }
+  PromotedStep promoted;
+  promoted.step = chosen->step;
+  promoted.dir = (fs::path(checkpointsDir) / stepDirName(chosen->step)).string();
+  const std::string tmp = promoted.dir + ".tmp";
+  const fs::path source = fs::path(localDir) / stepDirName(chosen->step);
+  const int metadataCopier = *chosen->holders.begin();
+  std::set<int> nodes;
+  const NodeLayout layout = discoverNodes(comm, localDir);
+  for (int h : chosen->holders) nodes.insert(layout.nodeOf[static_cast<size_t>(h)]);
+  promoted.nodesHolding = static_cast<int>(nodes.size());
+  int64_t copied = 0;
+  try {
+    distributed::runOnEveryRank(comm, "preparing the promotion of a local checkpoint", [&] {
+      if (rank != 0) return;
+      std::error_code ec;
+      fs::create_directories(checkpointsDir, ec);
+      if (ec) throw Error(strCat("cannot create ", checkpointsDir, ": ", ec.message()));
+      removeTree(tmp);
+      fs::create_directory(tmp, ec);
+      if (ec) throw Error(strCat("cannot create ", tmp, ": ", ec.message()));
+    });
+    distributed::runOnEveryRank(comm, "copying a local checkpoint's rank files", [&] {
+      for (size_t saved = 0; saved < chosen->copier.size(); ++saved) {
+        if (chosen->copier[saved] != rank) continue;
+        const std::string name = rankDataFile(static_cast<int>(saved));
+        copied += copyFile((source / name).string(), (fs::path(tmp) / name).string());
+      }
+    });
+    distributed::runOnEveryRank(comm, "committing a local checkpoint", [&] {
+      if (rank != metadataCopier) return;
+      copied += copyFile((source / kTrainerStateFile).string(), (fs::path(tmp) / kTrainerStateFile).string());
+      copied += copyFile((source / kMetadataFile).string(), (fs::path(tmp) / kMetadataFile).string());
+      syncDirectory(tmp);
+      if (fs::exists(fs::symlink_status(promoted.dir))) removeTree(promoted.dir);  // an incomplete one
+      renamePath(tmp, promoted.dir);
+      syncDirectory(checkpointsDir);
+      writeFileAtomic((fs::path(checkpointsDir) / "latest").string(), stepDirName(chosen->step) + "\n");
+    });
+  } catch (const std::exception& e) {
+    TLOG_WARN0("checkpoint.local: step " << chosen->step << " could not be made persistent: " << e.what()
+                                         << "; resuming from the persistent tier");
+    if (rank == 0) {
+      std::error_code ec;
+      removeTree(tmp, ec);
+    }
+    return std::nullopt;
+  }
+  at::Tensor total = at::tensor({copied}, at::kLong);
+  if (comm && comm->worldSize() > 1) comm->allReduce(total);
+  promoted.bytes = total.item<int64_t>();
+  promoted.seconds = secondsSince(start);
+  return promoted;
+}
+
+}  // namespace tessera::checkpoint
