@@ -59,6 +59,8 @@ def wait_for(predicate, seconds, what):
 
 def run_case(build, nodes, ranks, local, kill_at, steps):
     work = tempfile.mkdtemp(prefix="tessera_node_loss_")
+    # Each simulated node's local tier in memory, as the default (/dev/shm) has it.
+    shm = tempfile.mkdtemp(prefix="tessera_node_loss_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     port = free_port()
     run_dir = os.path.join(work, "run")
     metrics = os.path.join(run_dir, "metrics.jsonl")
@@ -77,7 +79,7 @@ def run_case(build, nodes, ranks, local, kill_at, steps):
         extra = []
         if local:
             extra = ["--set", "checkpoint.local.every_steps=5", "--set",
-                     f"checkpoint.local.dir={os.path.join(work, f'local{node}')}"]
+                     f"checkpoint.local.dir={os.path.join(shm, f'local{node}')}"]
         command = [os.path.join(build, "bin", "tessera-run"), "--nnodes", f"1:{nodes}", "--nproc-per-node", str(ranks),
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "node_loss", "--rdzv-conf",
                    "last_call_timeout=2", "--max-restarts", "3"] + train + extra
@@ -99,33 +101,39 @@ def run_case(build, nodes, ranks, local, kill_at, steps):
     killed_at = time.time()
     lost_step = last_step(metrics)
     if local:
-        shutil.rmtree(os.path.join(work, f"local{nodes - 1}"), ignore_errors=True)
-    log0 = os.path.join(work, "node0.log")
+        shutil.rmtree(os.path.join(shm, f"local{nodes - 1}"), ignore_errors=True)
+    # After the restart, rank 0 may be on any surviving node (the rendezvous renumbers them).
+    node_logs = [os.path.join(work, f"node{n}.log") for n in range(nodes - 1)]
 
-    def read_log():
-        with open(log0) as f:
+    def read(path):
+        with open(path) as f:
             return f.read()
 
     def resumed():
-        """(step resumed from, offset of its line in node 0's log) once the restart says."""
-        text = read_log()
-        restart = text.find("restart 1 of")
-        if restart < 0:
-            return None
-        m = re.compile(r"resumed from \S+ \(step (\d+)|(resume auto: no complete checkpoint)").search(text, restart)
-        if not m:
-            return None
-        return (int(m.group(1)) if m.group(1) else 0, m.end())
+        """(step resumed from, rank 0's log, offset of the line) once the restarted rank 0 says."""
+        pattern = re.compile(r"\[rank 0\] (?:resumed from \S+ \(step (\d+)|(resume auto: no complete checkpoint))")
+        for path in node_logs:
+            text = read(path)
+            restart = text.find("restart 1 of")
+            m = pattern.search(text, restart) if restart >= 0 else None
+            if m:
+                return (int(m.group(1)) if m.group(1) else 0, path, m.end())
+        return None
 
-    resumed_step, offset = wait_for(resumed, 600, "the resume")
+    resumed_step, log0, offset = wait_for(resumed, 600, "the resume")
     # The resumed run's first step: rank 0 logs every step with its wall-clock time.
     first = re.compile(r"\[(\d\d):(\d\d):(\d\d\.\d+)\] \[info\] \[rank 0\] step (\d+)/")
-    step_line = wait_for(lambda: first.search(read_log(), offset), 600, "the first step after the resume")
+    step_line = wait_for(lambda: first.search(read(log0), offset), 600, "the first step after the resume")
     h, m, sec = int(step_line.group(1)), int(step_line.group(2)), float(step_line.group(3))
     t = time.localtime(killed_at)
     recovery = (h * 3600 + m * 60 + sec) - (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + killed_at % 1)
     recovery %= 86400
-    text = read_log()
+    back = re.compile(r"\[(\d\d):(\d\d):(\d\d\.\d+)\] \[info\] \[rank 0\] step %d/" % max(lost_step, resumed_step + 1))
+    back_line = wait_for(lambda: back.search(read(log0), offset), 600, f"step {lost_step} again")
+    h, m, sec = int(back_line.group(1)), int(back_line.group(2)), float(back_line.group(3))
+    regained = (h * 3600 + m * 60 + sec) - (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + killed_at % 1)
+    regained %= 86400
+    text = read(log0)
     promoted = re.search(r"checkpoint\.local: step \d+ of the node-local tier[^\n]*", text)
     for p in launchers:
         try:
@@ -136,10 +144,45 @@ def run_case(build, nodes, ranks, local, kill_at, steps):
     for log in logs:
         log.close()
     shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
     return {"layout": f"{nodes}x{ranks}", "tier": "local every 5 + persistent every 100" if local else
             "persistent every 100", "node lost at step": lost_step, "resumed from step": resumed_step,
             "steps lost": lost_step - resumed_step, "seconds to the next step": round(recovery, 2),
+            "seconds back at the step lost": round(regained, 2),
             "promotion": promoted.group(0) if promoted else ""}
+
+
+def overhead(build, nodes, ranks, local, steps):
+    """samples/s of an uninterrupted run (two launchers on this machine), with the local tier
+    every 5 steps or without it."""
+    work = tempfile.mkdtemp(prefix="tessera_node_loss_")
+    # Each simulated node's local tier in memory, as the default (/dev/shm) has it.
+    shm = tempfile.mkdtemp(prefix="tessera_node_loss_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    port = free_port()
+    batch = 4 * nodes * ranks
+    outputs = []
+    launchers = []
+    for node in range(nodes):
+        extra = (["--set", "checkpoint.local.every_steps=5", "--set",
+                  f"checkpoint.local.dir={os.path.join(shm, f'local{node}')}"] if local else [])
+        command = [os.path.join(build, "bin", "tessera-run"), "--nnodes", str(nodes), "--nproc-per-node", str(ranks),
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "overhead",
+                   os.path.join(build, "bin", "tessera-train"), "--config",
+                   os.path.join(ROOT, "configs", "default.yaml"), "--set", f"run.steps={steps}", "--set",
+                   "model.hidden=[48]", "--set", f"data.global_batch={batch}", "--set", "data.micro_batch=4",
+                   "--set", "checkpoint.every_steps=100", "--set", "log.per_rank_files=false",
+                   "--set", f"run.dir={os.path.join(work, 'run')}"] + extra
+        launchers.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        if node == 0:
+            time.sleep(1.0)
+    for p in launchers:
+        outputs.append(p.communicate(timeout=900)[0])
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
+    m = re.search(r"done: \d+ steps, .*?, ([0-9.]+) samples/s", "".join(outputs))
+    if not m:
+        sys.exit("node_loss_bench: no 'done:' line:\n" + "".join(outputs)[-3000:])
+    return float(m.group(1))
 
 
 def main():
@@ -148,7 +191,19 @@ def main():
     parser.add_argument("--kill-at", type=int, default=33)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--overhead", action="store_true",
+                        help="instead: samples/s of uninterrupted runs with and without the local tier")
     args = parser.parse_args()
+    if args.overhead:
+        for layout in args.layouts:
+            nodes, ranks = (int(x) for x in layout.split("x"))
+            for rep in range(2):  # interleaved, best of two each
+                without = overhead(args.build, nodes, ranks, False, args.steps)
+                with_local = overhead(args.build, nodes, ranks, True, args.steps)
+                print(json.dumps({"layout": layout, "rep": rep, "samples/s without": without,
+                                  "samples/s with local every 5": with_local,
+                                  "ratio": round(with_local / without, 3)}), flush=True)
+        return
     for layout in args.layouts:
         nodes, ranks = (int(x) for x in layout.split("x"))
         for local in (True, False):

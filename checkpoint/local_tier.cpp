@@ -47,7 +47,7 @@ std::string hostName() {
 std::vector<std::pair<int64_t, fs::path>> stepDirsIn(const std::string& dir) {
   std::vector<std::pair<int64_t, fs::path>> out;
   std::error_code ec;
-  if (!fs::is_directory(fs::symlink_status(dir, ec))) return out;
+  if (!fs::is_directory(dir, ec)) return out;  // the directory itself may be a link (to a scratch mount)
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::optional<int64_t> step = parseStepDirName(entry.path().filename().string());
     if (step && fs::is_directory(fs::symlink_status(entry.path(), ec))) out.emplace_back(*step, entry.path());
@@ -150,11 +150,20 @@ std::vector<HeldStep> parseInventory(const std::string& text) {
 
 }  // namespace
 
-NodeLayout discoverNodes(distributed::Communicator* comm, const std::string& dir) {
+namespace {
+
+// What names a node: this host and the directory as it resolves.
+std::string nodeKey(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   const fs::path canonical = fs::weakly_canonical(fs::absolute(dir), ec);
-  const std::string key = hostName() + ":" + (ec ? dir : canonical.string());
+  return hostName() + ":" + (ec ? dir : canonical.string());
+}
+
+}  // namespace
+
+NodeLayout discoverNodes(distributed::Communicator* comm, const std::string& dir) {
+  const std::string key = nodeKey(dir);
   const std::vector<std::string> keys = distributed::allGatherStrings(comm, key);
   NodeLayout layout;
   layout.nodeOf.assign(keys.size(), -1);
@@ -212,6 +221,33 @@ LocalCheckpointer::LocalCheckpointer(LocalTierOptions options, std::shared_ptr<d
     }
   });
   layout_ = discoverNodes(comm_.get(), options_.dir);
+  // A directory on a filesystem several hosts share is one directory to all of them: the
+  // nodes would overwrite each other's files. Each node's leader leaves a mark there;
+  // another host's mark refuses the directory on every rank.
+  const std::string key = nodeKey(options_.dir);
+  const fs::path mark = fs::path(options_.dir) / (".node-" + checksumHex(checksum(key.data(), key.size())));
+  if (layout_.leads(rank_)) writeFileAtomic(mark.string(), key, /*syncParent=*/false);
+  distributed::runOnEveryRank(comm_.get(), "checkpoint.local.dir", [&] {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(options_.dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      const bool writing = name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0;  // writeFileAtomic's
+      if (name.rfind(".node-", 0) != 0 || writing || entry.path() == mark) continue;
+      std::string other = "?";
+      try {
+        other = readFileBounded(entry.path().string(), 4096);
+      } catch (const std::exception&) {
+      }
+      throw ConfigError(strCat("checkpoint.local.dir '", options_.dir, "' is also the directory of node '", other,
+                               "' (storage the nodes share?): the local tier needs storage of each node's own; set "
+                               "checkpoint.local.dir to a node-local path (a mark a crash left, ",
+                               entry.path().string(), ", may be deleted)"));
+    }
+  });
+  if (layout_.leads(rank_)) {
+    std::error_code ec;
+    fs::remove(mark, ec);
+  }
   const int nodes = static_cast<int>(layout_.nodes.size());
   replicas_ = std::min(options_.replicas, nodes - 1);
   plan_ = replicaPlan(layout_, replicas_);
@@ -231,8 +267,8 @@ std::shared_ptr<distributed::Communicator> LocalCheckpointer::pairGroup(int a, i
   return pairs_[key] = comm_->split({key.first, key.second});
 }
 
-int64_t LocalCheckpointer::replicate(const std::vector<RankRows>& rows, const std::vector<RankIndex>& indexes,
-                                     const std::string& dir, std::string& error) {
+int64_t LocalCheckpointer::replicate(const std::vector<RankIndex>& indexes, const std::string& dir,
+                                     std::string& error) {
   int64_t received = 0;
   at::Tensor buffer;
   for (const ReplicaCopy& copy : plan_) {
@@ -240,58 +276,48 @@ int64_t LocalCheckpointer::replicate(const std::vector<RankRows>& rows, const st
     const std::shared_ptr<distributed::Communicator> pair = pairGroup(copy.from, copy.to);
     const int root = copy.from < copy.to ? 0 : 1;
     const bool sending = copy.from == rank_;
-    const RankIndex& index = indexes[static_cast<size_t>(copy.from)];
-    std::optional<File> out;
+    // The sender's file as it wrote it (in the page cache, or memory in /dev/shm), read
+    // back in pieces: one broadcast per piece, however many tensors it holds.
     const std::string path = (fs::path(dir) / rankDataFile(copy.from)).string();
-    if (!sending && error.empty()) {
+    const int64_t bytes = indexes[static_cast<size_t>(copy.from)].file.bytes;
+    const bool failedBefore = !error.empty();
+    std::optional<File> file;
+    if (error.empty()) {
       try {
-        out.emplace(File::openWrite(path));
+        file.emplace(sending ? File::openRead(path) : File::openWrite(path));
       } catch (const std::exception& e) {
         error = e.what();
       }
     }
-    // The file is its chunks in order: this rank's rows (sending), or the sender's chunk
-    // table's lengths (receiving).
-    size_t source = 0;
-    for (const TensorInfo& t : index.tensors) {
-      for (const ChunkInfo& c : t.chunks) {
-        at::Tensor bytes;
-        if (sending) {
-          while (rows[source].rowEnd <= rows[source].rowBegin) ++source;
-          bytes = rows[source++].rows.view({-1}).view(at::kByte);
-          TESSERA_CHECK(bytes.numel() == c.length, "checkpoint.local: rank ", rank_, "'s rows of '", t.name, "' are ",
-                        bytes.numel(), " bytes, its chunk table says ", c.length);
-        }
-        for (int64_t pos = 0; pos < c.length; pos += kReplicaPieceBytes) {
-          const int64_t n = std::min(kReplicaPieceBytes, c.length - pos);
-          at::Tensor piece;
-          if (sending) {
-            piece = bytes.narrow(0, pos, n);
-          } else {
-            if (!buffer.defined() || buffer.numel() < n) buffer = at::empty({n}, at::kByte);
-            piece = buffer.narrow(0, 0, n);
-          }
-          pair->broadcast(piece, root);
-          if (out && error.empty()) {
-            try {
-              out->writeAll(piece.data_ptr(), static_cast<size_t>(n));
-            } catch (const std::exception& e) {
-              error = e.what();
-            }
-          }
-          if (!sending) received += n;
+    for (int64_t pos = 0; pos < bytes; pos += kReplicaPieceBytes) {
+      const int64_t n = std::min(kReplicaPieceBytes, bytes - pos);
+      if (!buffer.defined() || buffer.numel() < n) buffer = at::empty({std::min(kReplicaPieceBytes, bytes)}, at::kByte);
+      at::Tensor piece = buffer.narrow(0, 0, n);
+      if (sending && file && error.empty()) {
+        try {
+          file->readAt(piece.data_ptr(), static_cast<size_t>(n), pos, path);
+        } catch (const std::exception& e) {
+          error = e.what();  // the partner still gets its pieces (of garbage): the agreement fails the save
         }
       }
+      pair->broadcast(piece, root);
+      if (!sending && file && error.empty()) {
+        try {
+          file->writeAll(piece.data_ptr(), static_cast<size_t>(n));
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+      }
+      if (!sending) received += n;
     }
-    if (out && error.empty()) {
+    if (!sending && file && error.empty()) {
       try {
-        out->sync();
-        out->close();
+        file->close();  // not fsynced, as this rank's own file (rank_files.h)
       } catch (const std::exception& e) {
         error = e.what();
       }
     }
-    if (!error.empty()) error = strCat("replica of rank ", copy.from, " into ", path, ": ", error);
+    if (!failedBefore && !error.empty()) error = strCat("replica of rank ", copy.from, " at ", path, ": ", error);
   }
   return received;
 }
@@ -301,21 +327,23 @@ LocalSaveStats LocalCheckpointer::save(const SaveRequest& request) {
   const trace::Span span("checkpoint", strCat("local checkpoint step ", request.step));
   LocalSaveStats stats;
   const fs::path dir = fs::path(options_.dir) / stepDirName(request.step);
-  const StateSize size = stateSizeOf(request.entries);
-  const CheckpointOptions defaults;
-  const int64_t blockBytes = checksumBlockBytes(defaults.blockBytes, defaults.maxMetadataBytes, size.bytes, size.chunks);
   // 1. This rank's file.
   std::string error;
   std::vector<RankRows> rows;
   RankIndex index;
+  int64_t blockBytes = 0;
   try {
+    const StateSize size = stateSizeOf(request.entries);
+    const CheckpointOptions defaults;
+    blockBytes = checksumBlockBytes(defaults.blockBytes, defaults.maxMetadataBytes, size.bytes, size.chunks);
     rows = rankRowsOf(request.entries, rank_, /*copy=*/false, staging_, stats.bytes);
     // Each step is saved once per run, and a start empties the tier: nothing of another
     // save is in `dir`.
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec) throw Error(strCat("cannot create ", dir.string(), ": ", ec.message()));
-    index = writeRankData(dir.string(), rank_, world_, request.step, blockBytes, request.rankState, rows);
+    index = writeRankData(dir.string(), rank_, world_, request.step, blockBytes, request.rankState, rows,
+                          /*durable=*/false);  // why not: rank_files.h
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -325,22 +353,36 @@ LocalSaveStats LocalCheckpointer::save(const SaveRequest& request) {
     stats.error = error.empty() ? strCat(what, " failed on rank ", lowest, " (its log says why)") : error;
     return true;
   };
-  // 2. Every rank's chunk table (the agreement first: a failed rank has none).
-  if (!failed("writing a rank's file")) {
+  // 2. Every rank's chunk table, which is also the agreement (a rank that failed sends
+  // nothing), and rank 0's trainer state after a NUL (JSON text never holds one).
+  std::string mine = error.empty() ? toJson(index) : std::string();
+  if (rank_ == 0 && error.empty()) mine += std::string(1, '\0') + request.trainerState;
+  const std::vector<std::string> gathered = distributed::allGatherStrings(comm_.get(), mine);
+  int lowestFailed = -1;
+  for (size_t r = 0; r < gathered.size() && lowestFailed < 0; ++r) {
+    if (gathered[r].empty()) lowestFailed = static_cast<int>(r);
+  }
+  if (lowestFailed >= 0) {
+    stats.error = error.empty() ? strCat("writing a rank's file failed on rank ", lowestFailed, " (its log says why)")
+                                : error;
+  } else {
     std::vector<RankIndex> indexes;
-    for (const std::string& text : distributed::allGatherStrings(comm_.get(), toJson(index))) {
-      indexes.push_back(parseRankIndex(text, "a rank's chunk table"));
+    std::string trainerState;
+    for (size_t r = 0; r < gathered.size(); ++r) {
+      const size_t nul = gathered[r].find('\0');
+      if (r == 0 && nul != std::string::npos) trainerState = gathered[r].substr(nul + 1);
+      indexes.push_back(parseRankIndex(gathered[r].substr(0, nul), "a rank's chunk table"));
     }
-    const std::string trainerState = distributed::broadcastString(comm_.get(), request.trainerState, 0);
     // 3. Replicas, then 4. the leaders' metadata and retention.
-    stats.replicaBytes = replicate(rows, indexes, dir.string(), error);
+    stats.replicaBytes = replicate(indexes, dir.string(), error);
     if (!failed("a replica")) {
       if (layout_.leads(rank_)) {
         try {
           CheckpointMetadata md =
               mergeRankIndexes(indexes, {request.step, world_, blockBytes, request.strategy, request.components});
-          writeTrainerState(dir.string(), parseTrainerState(trainerState, "SaveRequest.trainerState"), md);
-          writeMetadataFile(dir.string(), metadataText(md));
+          writeTrainerState(dir.string(), parseTrainerState(trainerState, "SaveRequest.trainerState"), md,
+                            /*durable=*/false);
+          writeMetadataFile(dir.string(), metadataText(md), /*durable=*/false);
           // Retention: the newest keep_last complete steps; anything older that never
           // completed (a crash's remains) goes too.
           int kept = 0;
@@ -355,10 +397,12 @@ LocalSaveStats LocalCheckpointer::save(const SaveRequest& request) {
             removeTree(it->second.string());
           }
         } catch (const std::exception& e) {
-          stats.error = strCat("node of rank ", rank_, ": ", e.what());
+          error = strCat("writing the metadata of ", dir.string(), ": ", e.what());
         }
       }
-      stats.saved = stats.error.empty();
+      // Agreed, so that every rank reports the save alike (a node without metadata.json
+      // does not hold the step).
+      stats.saved = !failed("a node's metadata");
     }
   }
   stats.seconds = secondsSince(start);
@@ -387,9 +431,20 @@ std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const 
   const auto start = Clock::now();
   const int rank = comm ? comm->rank() : 0;
   // What every node holds, and the persistent tier's newest (rank 0's listing).
-  const std::vector<CheckpointRef> persistent = rank == 0 ? listCheckpoints(checkpointsDir) : std::vector<CheckpointRef>{};
-  const int64_t newestPersistent = std::stoll(distributed::broadcastString(
-      comm, std::to_string(persistent.empty() ? int64_t{-1} : persistent.back().step), 0));
+  // ("?" when rank 0 could not list it: then nothing is promoted, on every rank.)
+  std::string newest = "-1";
+  if (rank == 0) {
+    try {
+      const std::vector<CheckpointRef> persistent = listCheckpoints(checkpointsDir);
+      if (!persistent.empty()) newest = std::to_string(persistent.back().step);
+    } catch (const std::exception& e) {
+      TLOG_WARN("checkpoint.local: cannot list " << checkpointsDir << ": " << e.what() << "; nothing promoted");
+      newest = "?";
+    }
+  }
+  newest = distributed::broadcastString(comm, newest, 0);
+  if (newest == "?") return std::nullopt;
+  const int64_t newestPersistent = std::stoll(newest);
   const std::vector<std::string> texts = distributed::allGatherStrings(comm, inventoryJson(inventory(localDir)));
   std::vector<std::vector<HeldStep>> held;
   for (const std::string& text : texts) held.push_back(parseInventory(text));
@@ -467,13 +522,12 @@ std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const 
       writeFileAtomic((fs::path(checkpointsDir) / "latest").string(), stepDirName(chosen->step) + "\n");
     });
   } catch (const std::exception& e) {
-    TLOG_WARN0("checkpoint.local: step " << chosen->step << " could not be made persistent: " << e.what()
-                                         << "; resuming from the persistent tier");
     if (rank == 0) {
       std::error_code ec;
       removeTree(tmp, ec);
     }
-    return std::nullopt;
+    throw Error(strCat("checkpoint.local: step ", chosen->step, " could not be made persistent in ", checkpointsDir,
+                       ": ", e.what()));
   }
   at::Tensor total = at::tensor({copied}, at::kLong);
   if (comm && comm->worldSize() > 1) comm->allReduce(total);

@@ -14,10 +14,11 @@
 //                   every rank's file and replica is written: a step directory without
 //                   it is incomplete and never used
 //
-// A save (collective): every rank writes its rank_R.bin (rank_files.h); one agreement;
-// the chunk tables all-gathered, so every node merges the same metadata; each rank's
-// file broadcast to its partner on each of the next `replicas` nodes (a two-rank group
-// per pair, pieces of 64 MiB, pairs taken in one global order so that none waits on
+// A save (collective): every rank writes its rank_R.bin (rank_files.h); the chunk tables
+// all-gathered (a rank that failed sends none: the gather is the agreement), so every
+// node merges the same metadata; each rank's
+// file read back and broadcast to its partner on each of the next `replicas` nodes (a
+// two-rank group per pair, pieces of 64 MiB, pairs taken in one global order so that none waits on
 // another); one agreement; the leaders write metadata.json and keep the newest
 // keep_last complete steps. A failure anywhere is reported and the run goes on (the
 // persistent tier is untouched): a local save never stops training.
@@ -85,7 +86,8 @@ class LocalCheckpointer {
   LocalCheckpointer(LocalTierOptions options, std::shared_ptr<distributed::Communicator> comm);
 
   // Collective. Saves the request as step_<step> in this node's directory and replicates
-  // it; never throws for a failed write (stats.error says why, on every rank).
+  // it; never throws for a failed write or copy (stats.saved is the same on every rank,
+  // stats.error says why).
   LocalSaveStats save(const SaveRequest& request);
   // Removes this node's steps (by its leader; the others return at once). The end of a
   // run, whose persistent checkpoint makes them redundant.
@@ -96,11 +98,10 @@ class LocalCheckpointer {
   int replicas() const { return replicas_; }
 
  private:
-  // Sends this rank's rows to, and receives the files of, its partners (replicaPlan);
-  // returns the bytes received. A write error here goes to `error`, the transfer goes on
-  // (the partner is in the middle of the same broadcasts).
-  int64_t replicate(const std::vector<RankRows>& rows, const std::vector<RankIndex>& indexes, const std::string& dir,
-                    std::string& error);
+  // Sends this rank's file to, and receives the files of, its partners (replicaPlan);
+  // returns the bytes received. A read or write error goes to `error` and the transfer
+  // goes on (the partner is in the middle of the same broadcasts).
+  int64_t replicate(const std::vector<RankIndex>& indexes, const std::string& dir, std::string& error);
   std::shared_ptr<distributed::Communicator> pairGroup(int a, int b);
 
   LocalTierOptions options_;
@@ -125,8 +126,8 @@ struct PromotedStep {
 // Collective over `comm`. The newest step in the nodes' local directories (`localDir`,
 // each rank its node's) that is newer than the newest checkpoint in checkpointsDir and
 // complete across the surviving nodes, copied into checkpointsDir as a committed
-// checkpoint. nullopt when there is none, or when copying failed (logged: the
-// persistent tier's newest is then what resumes).
+// checkpoint. nullopt when there is none. Throws Error on every rank when copying failed
+// (the local directories are left as they were; the persistent tier's newest resumes).
 std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const std::string& checkpointsDir,
                                              distributed::Communicator* comm);
 // Collective: every node's leader removes the step directories in its `localDir`.

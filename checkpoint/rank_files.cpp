@@ -65,7 +65,7 @@ StateSize stateSizeOf(const std::vector<StateEntry>& entries) {
 }
 
 RankIndex writeRankData(const std::string& dir, int rank, int world, int64_t step, int64_t blockBytes,
-                        const std::string& rankState, const std::vector<RankRows>& rows) {
+                        const std::string& rankState, const std::vector<RankRows>& rows, bool durable) {
   RankIndex index;
   index.rank = rank;
   index.worldSize = world;
@@ -85,9 +85,9 @@ RankIndex writeRankData(const std::string& dir, int rank, int world, int64_t ste
   const int64_t segmentBytes = pipelined ? kPipelineBytes : blockBytes;
   std::future<void> inFlight;
   auto writeSegment = [&](const uint8_t* data, size_t n, int64_t end) {
-    auto write = [&f, &writebackFrom, data, n, end] {
+    auto write = [&f, &writebackFrom, durable, data, n, end] {
       f.writeAll(data, n);
-      if (end - writebackFrom >= kWritebackBytes) {
+      if (durable && end - writebackFrom >= kWritebackBytes) {
         f.startWriteback(writebackFrom, end - writebackFrom);
         writebackFrom = end;
       }
@@ -126,7 +126,7 @@ RankIndex writeRankData(const std::string& dir, int rank, int world, int64_t ste
   }
   if (inFlight.valid()) inFlight.get();
   index.file.bytes = offset;
-  f.sync();
+  if (durable) f.sync();
   f.close();
   return index;
 }
@@ -163,10 +163,11 @@ CheckpointMetadata mergeRankIndexes(const std::vector<RankIndex>& indexes, const
   return md;
 }
 
-void writeTrainerState(const std::string& dir, const std::string& trainerState, CheckpointMetadata& md) {
+void writeTrainerState(const std::string& dir, const std::string& trainerState, CheckpointMetadata& md,
+                       bool durable) {
   File f = File::openWrite((fs::path(dir) / kTrainerStateFile).string());
   f.writeAll(trainerState.data(), trainerState.size());
-  f.sync();
+  if (durable) f.sync();
   f.close();
   md.trainerState = {kTrainerStateFile, static_cast<int64_t>(trainerState.size())};
   md.trainerStateChecksum = checksum(trainerState.data(), trainerState.size());
@@ -178,12 +179,12 @@ std::string metadataText(const CheckpointMetadata& md) {
   return text;
 }
 
-void writeMetadataFile(const std::string& dir, const std::string& text) {
+void writeMetadataFile(const std::string& dir, const std::string& text, bool durable) {
   File f = File::openWrite((fs::path(dir) / kMetadataFile).string());
   f.writeAll(text.data(), text.size());
-  f.sync();
+  if (durable) f.sync();
   f.close();
-  syncDirectory(dir);
+  if (durable) syncDirectory(dir);
 }
 
 }  // namespace tessera::checkpoint

@@ -40,11 +40,16 @@ struct StateSize {
 };
 StateSize stateSizeOf(const std::vector<StateEntry>& entries);
 
-// Writes `rows` to <dir>/rank_R.bin (checksummed per block of `blockBytes`, fsynced) and
-// returns its chunk table. Segments are written on a thread of their own while the next
-// is hashed where pipelinedChecksums() says so.
+// Writes `rows` to <dir>/rank_R.bin (checksummed per block of `blockBytes`; fsynced when
+// `durable`) and returns its chunk table. Segments are written on a thread of their own
+// while the next is hashed where pipelinedChecksums() says so.
+//
+// `durable`: the persistent tier fsyncs every file, so a committed step survives a power
+// loss. The node-local tier does not: what it guards against is another node's loss (its
+// replicas are there), a process crash keeps the page cache, and a node that loses power
+// loses /dev/shm anyway; the checksums catch a file cut short either way.
 RankIndex writeRankData(const std::string& dir, int rank, int world, int64_t step, int64_t blockBytes,
-                        const std::string& rankState, const std::vector<RankRows>& rows);
+                        const std::string& rankState, const std::vector<RankRows>& rows, bool durable = true);
 
 // What a step records besides its chunk tables.
 struct StepRecord {
@@ -59,13 +64,15 @@ struct StepRecord {
 // naming the rank when one saved other entries than rank 0.
 CheckpointMetadata mergeRankIndexes(const std::vector<RankIndex>& indexes, const StepRecord& record);
 
-// Writes <dir>/trainer_state.json (fsynced) and records its size and checksum in `md`.
-void writeTrainerState(const std::string& dir, const std::string& trainerState, CheckpointMetadata& md);
+// Writes <dir>/trainer_state.json (fsynced when `durable`) and records its size and
+// checksum in `md`.
+void writeTrainerState(const std::string& dir, const std::string& trainerState, CheckpointMetadata& md,
+                       bool durable = true);
 // metadata.json's text for `md`, parsed back first: whatever a loader would refuse fails
 // the save instead.
 std::string metadataText(const CheckpointMetadata& md);
-// Writes `text` as <dir>/metadata.json and fsyncs it and the directory: the step is then
-// complete in `dir`.
-void writeMetadataFile(const std::string& dir, const std::string& text);
+// Writes `text` as <dir>/metadata.json (and, when `durable`, fsyncs it and the directory):
+// the step is then complete in `dir`.
+void writeMetadataFile(const std::string& dir, const std::string& text, bool durable = true);
 
 }  // namespace tessera::checkpoint

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <limits>
 
@@ -213,6 +214,23 @@ std::string localTierDir(const TrainConfig& cfg) {
 // there belongs to no run that will resume.
 void promoteFromLocalTier(const TrainConfig& cfg, distributed::Communicator& comm) {
   const std::string dir = localTierDir(cfg);
+  if (cfg.checkpoint.local.dir.empty()) {
+    // The default lives in a directory every user can write: its parent must be this
+    // user's own, private and no link, or another user could read the shards or plant a
+    // step to be promoted.
+    distributed::runOnEveryRank(&comm, "checkpoint.local.dir", [&] {
+      const std::string parent = fs::path(dir).parent_path().string();
+      ::mkdir(parent.c_str(), 0700);
+      struct stat st {};
+      const bool ours = ::lstat(parent.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == ::getuid() &&
+                        (st.st_mode & 077) == 0;
+      if (!ours) {
+        throw ConfigError(strCat("checkpoint.local.dir: the default's parent ", parent,
+                                 " is not a private directory of this user (a link, another owner, or group/other "
+                                 "access): remove it, or set checkpoint.local.dir"));
+      }
+    });
+  }
   const fs::path runDir = cfg.run.dir;
   const distributed::TimeoutScope timeout(cfg.diagnostics.checkpoint_timeout);  // copies wait for the disk
   bool earlier = false;
@@ -222,11 +240,17 @@ void promoteFromLocalTier(const TrainConfig& cfg, distributed::Communicator& com
   }
   const bool sameRun = distributed::lowestFailingRank(&comm, earlier) == 0;  // rank 0's answer, on every rank
   if (cfg.checkpoint.resume == "auto" && sameRun) {
-    if (const auto promoted = checkpoint::promoteLocalStep(dir, (runDir / "checkpoints").string(), &comm)) {
-      TLOG_INFO0("checkpoint.local: step " << promoted->step << " of the node-local tier (held on "
-                                           << promoted->nodesHolding << " of the nodes now running) copied to "
-                                           << promoted->dir << " (" << promoted->bytes << " bytes in "
-                                           << promoted->seconds << " s): the run resumes from it");
+    try {
+      if (const auto promoted = checkpoint::promoteLocalStep(dir, (runDir / "checkpoints").string(), &comm)) {
+        TLOG_INFO0("checkpoint.local: step " << promoted->step << " of the node-local tier (held on "
+                                             << promoted->nodesHolding << " of the nodes now running) copied to "
+                                             << promoted->dir << " (" << promoted->bytes << " bytes in "
+                                             << promoted->seconds << " s): the run resumes from it");
+      }
+    } catch (const Error& e) {
+      // Its steps stay where they are for the next start to try again.
+      TLOG_WARN0(e.what() << "; resuming from the persistent tier, the local one left as it was");
+      return;
     }
   }
   checkpoint::clearLocalTier(dir, &comm);

@@ -68,8 +68,8 @@ struct RunParts {
   std::vector<ModelPart> models;
   // On the ranks that write checkpoints and exports: all, but hybrid's first replica group only.
   std::optional<checkpoint::Checkpointer> checkpointer;
-  std::optional<checkpoint::Checkpointer> posthocWriter;
-  std::optional<checkpoint::LocalCheckpointer> localCheckpointer;  // checkpoint.local.every_steps  // ema.posthoc: snapshots in <run.dir>/posthoc/
+  std::optional<checkpoint::Checkpointer> posthocWriter;  // ema.posthoc: snapshots in <run.dir>/posthoc/
+  std::optional<checkpoint::LocalCheckpointer> localCheckpointer;  // checkpoint.local.every_steps
 
   TrainerCounters counters;                         // what trainer_state.json holds
   int64_t startStep = 0;                            // steps done before this invocation (resume)

@@ -213,6 +213,31 @@ TEST(LocalTierTest, ADirectoryThatCannotBeMadeIsRefusedOnEveryRank) {
   EXPECT_NE(r.ranks[0].message.find("checkpoint.local.dir failed on rank 1"), std::string::npos) << r.ranks[0].message;
 }
 
+TEST(LocalTierTest, ADirectoryAnotherHostAlsoUsesIsRefused) {
+  TempDir root;
+  // Another host's node mark, as a filesystem the nodes share shows it.
+  fs::create_directories(root / "shared");
+  testing::writeText(root / "shared/.node-0123456789abcdef", "otherhost:" + root / "shared");
+  const test::MultiRankResult r = test::runRanks(2, [&](test::RankContext& ctx) {
+    LocalTierOptions options;
+    options.dir = root / "shared";
+    LocalCheckpointer local(options, ctx.comm());
+  });
+  ASSERT_FALSE(r.ok());
+  for (const auto& rank : r.ranks) {
+    EXPECT_NE(rank.message.find("is also the directory of node 'otherhost:" + root / "shared" + "'"), std::string::npos)
+        << rank.message;
+  }
+  // Its own marks are gone once a start passed the check.
+  removeTree(root / "shared/.node-0123456789abcdef");
+  test::runOnRanks(2, [&](test::RankContext& ctx) {
+    LocalTierOptions options;
+    options.dir = root / "shared";
+    LocalCheckpointer local(options, ctx.comm());
+  });
+  EXPECT_TRUE(fs::is_empty(root / "shared"));
+}
+
 TEST(LocalTierTest, OneNodeHasNoOtherNodeToCopyTo) {
   TempDir root;
   test::runOnRanks(2, [&](test::RankContext& ctx) {
