@@ -251,12 +251,13 @@ LocalCheckpointer::LocalCheckpointer(LocalTierOptions options, std::shared_ptr<d
   const int nodes = static_cast<int>(layout_.nodes.size());
   replicas_ = std::min(options_.replicas, nodes - 1);
   plan_ = replicaPlan(layout_, replicas_);
-  if (options_.replicas > replicas_) {
+  if (options_.replicas > 0 && nodes == 1) {
+    TLOG_INFO0("checkpoint.local: every rank is on one node (a node is the ranks sharing a host and "
+               << options_.dir << "): no replicas; the local tier covers the ranks' crash, not the machine's loss");
+  } else if (options_.replicas > replicas_) {
     TLOG_WARN0("checkpoint.local.replicas " << options_.replicas << ": the ranks are on " << nodes
-                                            << (nodes == 1 ? " node" : " nodes") << ", so each rank's file gets "
-                                            << replicas_ << " cop" << (replicas_ == 1 ? "y" : "ies")
-                                            << " on other nodes (a node is the ranks sharing a host and "
-                                            << options_.dir << ")");
+                                            << " nodes, so each rank's file gets " << replicas_
+                                            << " cop" << (replicas_ == 1 ? "y" : "ies") << " on other nodes");
   }
 }
 
