@@ -13,6 +13,7 @@ the kill to the resumed run's first step (from metrics.jsonl, written every step
 the local tier, the promotion's log line.
 
     bench/node_loss_bench.py [--layouts 2x2 4x4] [--kill-at 33] [--build build]
+    bench/node_loss_bench.py --overhead [--dit] [--layouts 2x2] [--steps 300]   # what local saves cost
 """
 
 import argparse
@@ -152,14 +153,13 @@ def run_case(build, nodes, ranks, local, kill_at, steps):
             "promotion": promoted.group(0) if promoted else ""}
 
 
-def overhead(build, nodes, ranks, local, steps):
-    """samples/s of an uninterrupted run (two launchers on this machine), with the local tier
-    every 5 steps or without it."""
+def overhead(build, nodes, ranks, local, steps, config_args):
+    """samples/s of an uninterrupted run (NODES launchers on this machine), with the local
+    tier every 5 steps or without it. config_args: the model and data (--set ...)."""
     work = tempfile.mkdtemp(prefix="tessera_node_loss_")
     # Each simulated node's local tier in memory, as the default (/dev/shm) has it.
     shm = tempfile.mkdtemp(prefix="tessera_node_loss_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     port = free_port()
-    batch = 4 * nodes * ranks
     outputs = []
     launchers = []
     for node in range(nodes):
@@ -167,11 +167,9 @@ def overhead(build, nodes, ranks, local, steps):
                   f"checkpoint.local.dir={os.path.join(shm, f'local{node}')}"] if local else [])
         command = [os.path.join(build, "bin", "tessera-run"), "--nnodes", str(nodes), "--nproc-per-node", str(ranks),
                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "overhead",
-                   os.path.join(build, "bin", "tessera-train"), "--config",
-                   os.path.join(ROOT, "configs", "default.yaml"), "--set", f"run.steps={steps}", "--set",
-                   "model.hidden=[48]", "--set", f"data.global_batch={batch}", "--set", "data.micro_batch=4",
-                   "--set", "checkpoint.every_steps=100", "--set", "log.per_rank_files=false",
-                   "--set", f"run.dir={os.path.join(work, 'run')}"] + extra
+                   os.path.join(build, "bin", "tessera-train")] + config_args + [
+                   "--set", f"run.steps={steps}", "--set", "checkpoint.every_steps=100",
+                   "--set", "log.per_rank_files=false", "--set", f"run.dir={os.path.join(work, 'run')}"] + extra
         launchers.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         if node == 0:
             time.sleep(1.0)
@@ -193,13 +191,21 @@ def main():
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--overhead", action="store_true",
                         help="instead: samples/s of uninterrupted runs with and without the local tier")
+    parser.add_argument("--dit", action="store_true",
+                        help="--overhead on the main job's DiT (configs/dit_quick.yaml) instead of the default MLP")
     args = parser.parse_args()
     if args.overhead:
         for layout in args.layouts:
             nodes, ranks = (int(x) for x in layout.split("x"))
             for rep in range(2):  # interleaved, best of two each
-                without = overhead(args.build, nodes, ranks, False, args.steps)
-                with_local = overhead(args.build, nodes, ranks, True, args.steps)
+                if args.dit:
+                    config = ["--config", os.path.join(ROOT, "configs", "dit_quick.yaml"), "--set", "eval.sample_every=0",
+                              "--set", "run.eval_every=0"]
+                else:
+                    config = ["--config", os.path.join(ROOT, "configs", "default.yaml"), "--set", "model.hidden=[48]",
+                              "--set", f"data.global_batch={4 * nodes * ranks}", "--set", "data.micro_batch=4"]
+                without = overhead(args.build, nodes, ranks, False, args.steps, config)
+                with_local = overhead(args.build, nodes, ranks, True, args.steps, config)
                 print(json.dumps({"layout": layout, "rep": rep, "samples/s without": without,
                                   "samples/s with local every 5": with_local,
                                   "ratio": round(with_local / without, 3)}), flush=True)

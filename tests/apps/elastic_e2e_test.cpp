@@ -60,7 +60,7 @@ CommandResult loseANode(const std::string& dir, const std::string& launch, int p
       "mkdir -p " + d + "; " + launch + " " + train + loss.argsA + " > " + d + "/a.log 2>&1 & A=$!; " +
       tessera::test::waitForListenerScript(port, 60) + launch + " " + train + loss.argsB + " > " + d +
       "/b.log 2>&1 & B=$!; " + "for i in $(seq 1200); do [ -e " + d + loss.killWhen +
-      " ] && break; sleep 0.1; done; " + killB + "; " + loss.afterKill + "; wait $A; echo \"node A exit $?\"; "
+      " ] && break; sleep 0.1; done; " + killB + "; " + (loss.afterKill.empty() ? "" : loss.afterKill + "; ") + "wait $A; echo \"node A exit $?\"; "
       "cat " + d + "/a.log";
   return runCommand(script, 280);
 }
