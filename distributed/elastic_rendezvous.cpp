@@ -37,6 +37,11 @@ using nlohmann::json;
 
 double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// exchangeDumps in an elastic round: how long no further node sends before the wait ends.
+// The nodes a failure reaches see it within a fraction of a second of each other (a
+// closed connection); a node that comes later only misses the verdict of the ones before.
+constexpr double kDumpQuietS = 1.5;
+
 // The IPv4 address of `host` (a name or a dotted address).
 sockaddr_in resolve(const std::string& host, int port) {
   addrinfo hints{};
@@ -351,11 +356,19 @@ std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t roun
     const json getRequest = {{"op", "get_dumps"}, {"run_id", options_.runId}, {"node", nodeId_}, {"round", round}};
     const auto start = Clock::now();
     RendezvousAnswer state = parseRendezvousAnswer(request(getRequest.dump(), 10), where());
-    // The other nodes fail at about the same time; a lost node never sends: wait a little.
+    // The other nodes fail at about the same time; a lost node never sends: wait a little,
+    // and in an elastic round no longer than the others keep sending (see the header).
     const int64_t expected = expectedNodes > 0 ? expectedNodes : static_cast<int64_t>(state.nodes.size());
+    auto lastNew = Clock::now();
+    int64_t seen = state.dumpNodes;
     while (state.error.empty() && state.round == round && state.dumpNodes < expected && secondsSince(start) < timeoutS) {
-      ::usleep(200 * 1000);
+      if (expectedNodes == 0 && secondsSince(lastNew) >= kDumpQuietS) break;
+      ::usleep(100 * 1000);
       state = parseRendezvousAnswer(request(getRequest.dump(), 10), where());
+      if (state.dumpNodes > seen) {
+        seen = state.dumpNodes;
+        lastNew = Clock::now();
+      }
     }
     if (!state.error.empty()) throw Error(state.error);
     all = std::move(state.dumps);
