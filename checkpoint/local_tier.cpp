@@ -99,8 +99,10 @@ struct HeldStep {
 
 std::vector<HeldStep> inventory(const std::string& dir) {
   std::vector<HeldStep> out;
-  for (const auto& [step, path] : stepDirsIn(dir)) {
-    if (!isComplete(path)) continue;
+  // The complete steps, as the persistent tier lists its own (no links; metadata.json there).
+  for (const CheckpointRef& ref : listCheckpoints(dir)) {
+    const int64_t step = ref.step;
+    const fs::path path = ref.dir;
     try {
       const std::string mdPath = (path / kMetadataFile).string();
       const std::string text = readFileBounded(mdPath, kMaxJsonBytes);

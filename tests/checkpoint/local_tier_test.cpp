@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <fstream>
 
 #include "checkpoint/metadata.h"
@@ -175,6 +177,21 @@ TEST(LocalTierTest, AReplicaOfAnotherSaveIsNotMixedIn) {
   // metadata (another run's, in the same directory names): never put together.
   std::ofstream(root / "node1/step_00000010/metadata.json", std::ios::app) << " ";
   EXPECT_FALSE(promoteAndCheck(2, root, 0, root / "checkpoints", 10).has_value());
+}
+
+TEST(LocalTierTest, PlantedFifosAndLinksAreNotHeldAndNeverWaitedOn) {
+  TempDir root;
+  saveLocally(2, root, [](int r) { return r; }, {10, 20}, /*replicas=*/1);
+  removeTree(root / "node1");
+  // Step 20: metadata.json a FIFO. Step 10: rank 1's replica a link to rank 0's file.
+  const fs::path step20 = fs::path(root / "node0") / "step_00000020";
+  fs::remove(step20 / kMetadataFile);
+  ASSERT_EQ(::mkfifo((step20 / kMetadataFile).c_str(), 0600), 0);
+  const fs::path step10 = fs::path(root / "node0") / "step_00000010";
+  fs::remove(step10 / rankDataFile(1));
+  fs::create_symlink(step10 / rankDataFile(0), step10 / rankDataFile(1));
+  EXPECT_FALSE(promoteAndCheck(2, root, 0, root / "checkpoints", 10).has_value());
+  EXPECT_FALSE(fs::exists(root / "checkpoints/step_00000010"));
 }
 
 TEST(LocalTierTest, AFailedLocalSaveIsReportedOnEveryRankAndTheNextOneWorks) {
