@@ -27,6 +27,82 @@ NoiseSchedule::NoiseSchedule(int64_t steps, double betaStart, double betaEnd) : 
   }
 }
 
+NoiseSchedule::NoiseSchedule(const ModelOptions& o) : NoiseSchedule(o.timesteps, o.beta_start, o.beta_end) {
+  TESSERA_CHECK_AS(ConfigError, o.noise_schedule == "linear" || o.noise_schedule == "cosine",
+                   "model.noise_schedule: unknown schedule '", o.noise_schedule, "' (linear, cosine)");
+  TESSERA_CHECK_AS(ConfigError, o.prediction == "eps" || o.prediction == "v", "model.prediction: unknown '",
+                   o.prediction, "' (eps, v)");
+  prediction = o.prediction == "v" ? Prediction::kVelocity : Prediction::kNoise;
+  if (o.noise_schedule == "cosine") {
+    // abar(u) = f(u) / f(0), f(u) = cos^2((u / T + s) / (1 + s) pi / 2), s = 0.008; abar_t =
+    // abar(t + 1), each beta capped at 0.999 (improved-diffusion's betas_for_alpha_bar).
+    constexpr double kOffset = 0.008, kMaxBeta = 0.999;
+    const auto f = [&](double u) {
+      const double c = std::cos((u / static_cast<double>(timesteps) + kOffset) / (1 + kOffset) * M_PI / 2);
+      return c * c;
+    };
+    double product = 1.0;
+    for (int64_t t = 0; t < timesteps; ++t) {
+      const double beta = std::min(1.0 - f(static_cast<double>(t + 1)) / f(static_cast<double>(t)), kMaxBeta);
+      product *= 1.0 - beta;
+      betas[static_cast<size_t>(t)] = beta;
+      alphaBars[static_cast<size_t>(t)] = product;
+    }
+  }
+  if (o.zero_terminal_snr) {
+    TESSERA_CHECK_AS(ConfigError, prediction == Prediction::kVelocity,
+                     "model.zero_terminal_snr needs model.prediction v: at the last timestep (abar = 0) the input is "
+                     "pure noise, and a noise prediction says nothing about the clean sample");
+    TESSERA_CHECK_AS(ConfigError, timesteps >= 2, "model.zero_terminal_snr needs model.timesteps >= 2, got ",
+                     timesteps);
+    // Lin et al. 2024, algorithm 1: sqrt(abar) shifted so that its last value is 0 and
+    // scaled so that its first stays; the betas from the ratios of consecutive abars.
+    const double first = std::sqrt(alphaBars.front()), last = std::sqrt(alphaBars.back());
+    double previous = 1.0;
+    for (size_t t = 0; t < alphaBars.size(); ++t) {
+      const double root = (std::sqrt(alphaBars[t]) - last) * first / (first - last);
+      alphaBars[t] = t + 1 == alphaBars.size() ? 0.0 : root * root;
+      betas[t] = 1.0 - alphaBars[t] / previous;
+      previous = alphaBars[t];
+    }
+  }
+}
+
+double NoiseSchedule::signal(int64_t t) const { return std::sqrt(alphaBars[static_cast<size_t>(t)]); }
+double NoiseSchedule::spread(int64_t t) const { return std::sqrt(1.0 - alphaBars[static_cast<size_t>(t)]); }
+
+namespace {
+
+// x0 and eps from an output: eps = out and x0 = (x - spread eps) / signal, or for a
+// velocity x0 = signal x - spread v and eps = spread x + signal v. C: double or a tensor.
+template <class C>
+at::Tensor cleanOf(Prediction p, const at::Tensor& x, const at::Tensor& out, const C& signal, const C& spread) {
+  return p == Prediction::kNoise ? (x - spread * out) / signal : signal * x - spread * out;
+}
+template <class C>
+at::Tensor noiseOf(Prediction p, const at::Tensor& x, const at::Tensor& out, const C& signal, const C& spread) {
+  return p == Prediction::kNoise ? out : spread * x + signal * out;
+}
+
+}  // namespace
+
+at::Tensor NoiseSchedule::cleanEstimate(const at::Tensor& x, const at::Tensor& out, double signal,
+                                        double spread) const {
+  return cleanOf(prediction, x, out, signal, spread);
+}
+at::Tensor NoiseSchedule::cleanEstimate(const at::Tensor& x, const at::Tensor& out, const at::Tensor& signal,
+                                        const at::Tensor& spread) const {
+  return cleanOf(prediction, x, out, signal, spread);
+}
+at::Tensor NoiseSchedule::noiseEstimate(const at::Tensor& x, const at::Tensor& out, double signal,
+                                        double spread) const {
+  return noiseOf(prediction, x, out, signal, spread);
+}
+at::Tensor NoiseSchedule::target(const at::Tensor& x0, const at::Tensor& eps, const at::Tensor& signal,
+                                 const at::Tensor& spread) const {
+  return prediction == Prediction::kNoise ? eps : signal * eps - spread * x0;
+}
+
 DenoiserBlock::DenoiserBlock(int64_t width, at::Device device) {
   norm_ = register_module("norm", layers::LayerNorm(width, device));
   timeProj_ = register_module("time_proj", layers::Linear(width, width, /*bias=*/true, device));
@@ -43,7 +119,7 @@ Denoiser::Denoiser(const ModelOptions& options, std::vector<int64_t> sampleShape
     : options_(options),
       sampleShape_(std::move(sampleShape)),
       features_(c10::multiply_integers(sampleShape_)),
-      schedule_(options.timesteps, options.beta_start, options.beta_end),
+      schedule_(options),
       classes_(classes) {
   TESSERA_CHECK_AS(ConfigError, features_ >= 1, options.arch, ": samples have no features (shape [",
                    sampleShape_.size(), " dims])");
@@ -121,31 +197,34 @@ at::Tensor Denoiser::losses(const datasets::Batch& batch) {
   }
   const at::Device device = clean.device();
   noise = noise.to(device);
-  const at::Tensor noisy = signal.to(device) * clean.flatten(1).to(at::kFloat) + spread.to(device) * noise;
-  const at::Tensor predicted = predictNoise(noisy.view(clean.sizes()), timesteps.to(device), labels.to(device));
-  return (predicted.flatten(1).to(at::kFloat) - noise).square().mean(1);
+  signal = signal.to(device);
+  spread = spread.to(device);
+  const at::Tensor flat = clean.flatten(1).to(at::kFloat);
+  const at::Tensor noisy = signal * flat + spread * noise;
+  const at::Tensor predicted = predict(noisy.view(clean.sizes()), timesteps.to(device), labels.to(device));
+  return (predicted.flatten(1).to(at::kFloat) - schedule_.target(flat, noise, signal, spread)).square().mean(1);
 }
 
-at::Tensor predictNoiseInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
+at::Tensor predictInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
                                const at::Tensor& labels) {
   const at::Tensor y = labels.defined() ? labels : model.noClassLabels(noisy.size(0), noisy.device());
   return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps, y},
                                [&model](const std::vector<at::Tensor>& in) {
-                                 return std::vector<at::Tensor>{model.predictNoise(in[0], in[1], in[2])};
+                                 return std::vector<at::Tensor>{model.predict(in[0], in[1], in[2])};
                                })[0];
 }
 
-NoiseFunction guidedNoise(Denoiser& model, const at::Tensor& labels, double cfg) {
+PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, double cfg) {
   return [&model, labels, cfg](const at::Tensor& x, const at::Tensor& t) {
-    const at::Tensor conditional = predictNoiseInUnits(model, x, t, labels).to(at::kFloat);
+    const at::Tensor conditional = predictInUnits(model, x, t, labels).to(at::kFloat);
     if (cfg == 1.0 || model.classes() == 0 || !labels.defined()) return conditional;
-    const at::Tensor unconditional = predictNoiseInUnits(model, x, t).to(at::kFloat);
+    const at::Tensor unconditional = predictInUnits(model, x, t).to(at::kFloat);
     return unconditional + cfg * (conditional - unconditional);
   };
 }
 
 at::Tensor sampleDdpm(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<uint64_t>& stepSeeds,
-                      const NoiseFunction& predictNoise) {
+                      const PredictFunction& predict) {
   const int64_t n = noise.size(0);
   TESSERA_CHECK(static_cast<int64_t>(stepSeeds.size()) == n, "sampleDdpm: ", stepSeeds.size(), " seeds for ", n,
                 " samples");
@@ -156,8 +235,16 @@ at::Tensor sampleDdpm(const NoiseSchedule& schedule, const at::Tensor& noise, co
   for (int64_t t = schedule.timesteps - 1; t >= 0; --t) {
     const double beta = schedule.betas[static_cast<size_t>(t)];
     const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
-    const at::Tensor eps = predictNoise(x, at::full({n}, t, at::TensorOptions().dtype(at::kLong).device(x.device())));
-    x = (x - eps.to(at::kFloat) * (beta / std::sqrt(1.0 - alphaBar))) / std::sqrt(1.0 - beta);
+    const at::Tensor out =
+        predict(x, at::full({n}, t, at::TensorOptions().dtype(at::kLong).device(x.device()))).to(at::kFloat);
+    if (schedule.prediction == Prediction::kNoise) {
+      x = (x - out * (beta / std::sqrt(1.0 - alphaBar))) / std::sqrt(1.0 - beta);
+    } else {  // the posterior mean from the clean estimate: defined at beta = 1 (a zero-terminal-SNR start)
+      const double previousBar = t == 0 ? 1.0 : schedule.alphaBars[static_cast<size_t>(t - 1)];
+      const at::Tensor x0 = schedule.cleanEstimate(x, out, std::sqrt(alphaBar), std::sqrt(1.0 - alphaBar));
+      x = x0 * (std::sqrt(previousBar) * beta / (1.0 - alphaBar)) +
+          x * (std::sqrt(1.0 - beta) * (1.0 - previousBar) / (1.0 - alphaBar));
+    }
     if (t == 0) break;
     at::Tensor z = at::empty(x.sizes(), at::kFloat);
     for (int64_t i = 0; i < n; ++i) z[i].copy_(at::randn(sampleShape, gens[static_cast<size_t>(i)], at::kFloat));
@@ -182,8 +269,8 @@ std::vector<int64_t> ddimTimesteps(int64_t timesteps, int64_t steps) {
 }
 
 at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
-                      const NoiseFunction& predictNoise) {
-  return sampleDdim(schedule, noise, ddimTimesteps(schedule.timesteps, steps), predictNoise);
+                      const PredictFunction& predict) {
+  return sampleDdim(schedule, noise, ddimTimesteps(schedule.timesteps, steps), predict);
 }
 
 void checkTimesteps(const NoiseSchedule& schedule, const std::vector<int64_t>& timesteps, const std::string& what) {
@@ -193,26 +280,25 @@ void checkTimesteps(const NoiseSchedule& schedule, const std::vector<int64_t>& t
 }
 
 at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<int64_t>& ts,
-                      const NoiseFunction& predictNoise) {
+                      const PredictFunction& predict) {
   checkTimesteps(schedule, ts, "DDIM");
   const int64_t n = noise.size(0);
   at::Tensor x = noise.to(at::kFloat);
   for (size_t k = 0; k < ts.size(); ++k) {
-    const double alphaBar = schedule.alphaBars[static_cast<size_t>(ts[k])];
-    const at::Tensor eps =
-        predictNoise(x, at::full({n}, ts[k], at::TensorOptions().dtype(at::kLong).device(x.device()))).to(at::kFloat);
-    if (k + 1 == ts.size()) return (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
-    x = sampleDdimStep(schedule, x, ts[k], ts[k + 1], eps);
+    const at::Tensor out =
+        predict(x, at::full({n}, ts[k], at::TensorOptions().dtype(at::kLong).device(x.device()))).to(at::kFloat);
+    if (k + 1 == ts.size()) return schedule.cleanEstimate(x, out, schedule.signal(ts[k]), schedule.spread(ts[k]));
+    x = sampleDdimStep(schedule, x, ts[k], ts[k + 1], out);
   }
   return x;
 }
 
 at::Tensor sampleDdimStep(const NoiseSchedule& schedule, const at::Tensor& x, int64_t t, int64_t s,
-                          const at::Tensor& eps) {
-  const double alphaBar = schedule.alphaBars[static_cast<size_t>(t)];
-  const double nextBar = schedule.alphaBars[static_cast<size_t>(s)];
-  const at::Tensor x0 = (x - std::sqrt(1.0 - alphaBar) * eps) / std::sqrt(alphaBar);
-  return std::sqrt(nextBar) * x0 + std::sqrt(1.0 - nextBar) * eps;
+                          const at::Tensor& out) {
+  const double signal = schedule.signal(t), spread = schedule.spread(t);
+  const at::Tensor x0 = schedule.cleanEstimate(x, out, signal, spread);
+  const at::Tensor eps = schedule.noiseEstimate(x, out, signal, spread);
+  return schedule.signal(s) * x0 + schedule.spread(s) * eps;
 }
 
 at::Tensor samplingNoise(const std::vector<int64_t>& sampleShape, int64_t count, uint64_t seed) {

@@ -1,11 +1,17 @@
 // Diffusion denoisers — the residual-MLP denoiser over vectors or images and the DiT
-// (models/dit.h) — their shared DDPM noise-prediction loss, classifier-free guidance and
-// the DDPM and DDIM samplers.
+// (models/dit.h) — their shared loss, classifier-free guidance and the DDPM and DDIM
+// samplers.
 //
-// Forward process (Ho et al. 2020): with a linear schedule beta_1..beta_T from
-// model.beta_start to model.beta_end and abar_t = prod_{s<=t} (1 - beta_s), a clean
-// sample x0 and noise eps ~ N(0, I) give x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps.
-// The loss of a sample is mean((eps_theta(x_t, t, y) - eps)^2) for a uniform t. A
+// Forward process (Ho et al. 2020): with betas beta_0..beta_{T-1} and abar_t =
+// prod_{s<=t} (1 - beta_s), a clean sample x0 and noise eps ~ N(0, I) give
+// x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) eps. The betas (model.noise_schedule): linear
+// from model.beta_start to model.beta_end (DDPM's), or cosine (Nichol & Dhariwal 2021);
+// model.zero_terminal_snr rescales sqrt(abar) so that abar_{T-1} = 0 (Lin et al. 2024):
+// the last timestep is pure noise, where samplers and a one-step generator start.
+// What the denoiser outputs (model.prediction): the noise eps (Ho et al.) or the velocity
+// v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (Salimans & Ho 2022), which stays meaningful
+// at abar = 0 (v = -x0 there), where a noise prediction says nothing of x0.
+// The loss of a sample is mean((output(x_t, t, y) - target)^2) for a uniform t. A
 // class-conditional denoiser sees its label y replaced by the "no class" label (= classes)
 // with probability model.class_dropout, so that one model gives both terms of
 // classifier-free guidance (Ho & Salimans 2022): e = e(x, t, none) + cfg (e(x, t, y) - e(x, t, none)).
@@ -21,7 +27,7 @@
 //   blocks.<i>   h + fc2(silu(fc1(norm(h) + time_proj(silu(temb))))), fc1: W -> 4W;
 //                names blocks.<i>.norm, .time_proj, .fc1, .fc2. Each block is a unit
 //                (sharding::Unit).
-//   out_norm     LayerNorm(W), then output_proj Linear(W, D): the predicted noise.
+//   out_norm     LayerNorm(W), then output_proj Linear(W, D): the prediction.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -33,15 +39,37 @@
 #include <vector>
 
 #include "sharding/unit.h"
+#include "models/model_options.h"
 #include "models/models.h"
 
 namespace tessera::models {
 
-// The linear beta schedule and its cumulative products (double precision, CPU).
+enum class Prediction { kNoise, kVelocity };  // model.prediction: eps | v
+
+// The forward process and what a denoiser outputs: everything the loss, the samplers and
+// DMD need to read an output (double precision, CPU).
 struct NoiseSchedule {
+  // model.timesteps, beta_start, beta_end, noise_schedule, zero_terminal_snr, prediction.
+  explicit NoiseSchedule(const ModelOptions& options);
+  // DDPM's: linear betas, noise prediction.
   NoiseSchedule(int64_t timesteps, double betaStart, double betaEnd);
+
   int64_t timesteps;
   std::vector<double> betas, alphaBars;
+  Prediction prediction = Prediction::kNoise;
+
+  // The clean sample and the noise a denoiser's output `out` estimates in x_t, with
+  // signal = sqrt(abar_t) and spread = sqrt(1 - abar_t): doubles (one timestep for the
+  // batch) or tensors that broadcast against x (a timestep per sample).
+  at::Tensor cleanEstimate(const at::Tensor& x, const at::Tensor& out, double signal, double spread) const;
+  at::Tensor cleanEstimate(const at::Tensor& x, const at::Tensor& out, const at::Tensor& signal,
+                           const at::Tensor& spread) const;
+  at::Tensor noiseEstimate(const at::Tensor& x, const at::Tensor& out, double signal, double spread) const;
+  // What the denoiser learns to output for the clean sample x0 noised by eps.
+  at::Tensor target(const at::Tensor& x0, const at::Tensor& eps, const at::Tensor& signal,
+                    const at::Tensor& spread) const;
+  double signal(int64_t t) const;  // sqrt(abar_t)
+  double spread(int64_t t) const;  // sqrt(1 - abar_t)
 };
 
 class DenoiserBlock : public torch::nn::Module {
@@ -62,11 +90,12 @@ class Denoiser : public TrainModel {
   Denoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t classes);
 
   // Noisy samples x_t [batch, sampleShape...] at timesteps t [batch] (int64) with labels
-  // [batch] (int64 in [0, classes]; classes = "no class") -> the noise predicted in them,
-  // same shape as x_t, in the compute dtype.
-  virtual at::Tensor predictNoise(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) = 0;
-  // Per-sample noise-prediction loss of clean samples batch.inputs (one noise seed each;
-  // batch.targets: their labels when the denoiser is conditional).
+  // [batch] (int64 in [0, classes]; classes = "no class") -> the denoiser's output (the noise
+  // or the velocity, schedule().prediction), same shape as x_t, in the compute dtype.
+  virtual at::Tensor predict(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) = 0;
+  // Per-sample loss of clean samples batch.inputs (one noise seed each; batch.targets:
+  // their labels when the denoiser is conditional): the output's squared error against
+  // schedule().target.
   at::Tensor losses(const datasets::Batch& batch) override;
 
   const NoiseSchedule& schedule() const { return schedule_; }
@@ -89,9 +118,9 @@ class DiffusionDenoiser : public Denoiser {
  public:
   DiffusionDenoiser(const ModelOptions& options, std::vector<int64_t> sampleShape, at::Device device = at::kCPU);
 
-  // x_t [batch, sampleShape...], t [batch] -> the predicted noise (unconditional).
+  // x_t [batch, sampleShape...], t [batch] -> the prediction (unconditional).
   at::Tensor forward(const at::Tensor& noisy, const at::Tensor& timesteps);
-  at::Tensor predictNoise(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) override {
+  at::Tensor predict(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) override {
     return forward(noisy, timesteps);
   }
   // Every linear sees each sample once.
@@ -105,48 +134,51 @@ class DiffusionDenoiser : public Denoiser {
   layers::LayerNorm outNorm_{nullptr};
 };
 
-// The denoiser's noise prediction with its root entered as a unit (zero3/hybrid gather the
-// root's parameters there; a plain call under the other strategies). Undefined labels:
+// The denoiser's output with its root entered as a unit (zero3/hybrid gather the root's
+// parameters there; a plain call under the other strategies). Undefined labels:
 // "no class".
-at::Tensor predictNoiseInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
+at::Tensor predictInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
                                const at::Tensor& labels = {});
 
-// A sampler's view of a denoiser: x_t, t -> the noise to step with (float32).
-using NoiseFunction = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+// A sampler's view of a denoiser: x_t, t -> its output to step with (float32; read through
+// the schedule's cleanEstimate and noiseEstimate).
+using PredictFunction = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
 // Classifier-free guidance of `model` for `labels` [n] (undefined: unconditional) at scale
 // `cfg`: e_u + cfg (e_c - e_u), e_u with the "no class" label, as two forwards (the
 // conditional one alone when cfg is 1 or the model is unconditional).
-NoiseFunction guidedNoise(Denoiser& model, const at::Tensor& labels, double cfg);
+PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, double cfg);
 
-// DDPM ancestral sampling from the noise `noise` [n, sampleShape...]:
-// x_{t-1} = (x_t - beta_t / sqrt(1 - abar_t) eps) / sqrt(1 - beta_t) + sqrt(beta_t) z,
-// t = T-1 ... 0 (no z after t = 0), sample i's z drawn from a CPU generator seeded with
+// DDPM ancestral sampling from the noise `noise` [n, sampleShape...]: the posterior mean
+// of x_{t-1} given x_t and the estimate x0,
+// sqrt(abar_{t-1}) beta_t / (1 - abar_t) x0 + sqrt(1 - beta_t) (1 - abar_{t-1}) / (1 - abar_t) x_t
+// (for a noise prediction, (x_t - beta_t / sqrt(1 - abar_t) eps) / sqrt(1 - beta_t)), plus
+// sqrt(beta_t) z, t = T-1 ... 0 (no z after t = 0), sample i's z drawn from a CPU generator seeded with
 // stepSeeds[i]: a sample is the same whichever batch or rank draws it.
 at::Tensor sampleDdpm(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<uint64_t>& stepSeeds,
-                      const NoiseFunction& predictNoise);
+                      const PredictFunction& predict);
 
 // DDIM's timesteps: round(linspace(T - 1, 0, steps)), rounding half to even in exact
 // integer arithmetic (as numpy's round of the linspace); steps 1: just T - 1.
 std::vector<int64_t> ddimTimesteps(int64_t timesteps, int64_t steps);
 
 // Deterministic DDIM sampling (Song et al. 2021, eta = 0) from the noise `noise` [n,
-// sampleShape...] in `steps` steps over ddimTimesteps:
-// x0 = (x_t - sqrt(1 - abar_t) eps) / sqrt(abar_t) (not clipped),
-// x_s = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps for the next timestep s, and x0 itself
+// sampleShape...] in `steps` steps over ddimTimesteps: the estimates x0 (not clipped) and
+// eps of the output at x_t (for a noise prediction x0 = (x_t - sqrt(1 - abar_t) eps) /
+// sqrt(abar_t)), x_s = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps for the next timestep s, and x0 itself
 // after the last (abar = 1). The same noise gives the same sample: the teacher's noise ->
 // sample pairs of DMD's regression loss.
 at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, int64_t steps,
-                      const NoiseFunction& predictNoise);
+                      const PredictFunction& predict);
 // The same over the given timesteps (strictly decreasing, each in [0, T)): a distilled
 // few-step generator's own (recipe.generator_timesteps).
 at::Tensor sampleDdim(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<int64_t>& timesteps,
-                      const NoiseFunction& predictNoise);
+                      const PredictFunction& predict);
 
-// One of its steps: x at timestep t, with predicted noise eps, to timestep s < t
-// (sqrt(abar_s) x0 + sqrt(1 - abar_s) eps).
+// One of its steps: x at timestep t, with the denoiser's output `out` there, to timestep
+// s < t (sqrt(abar_s) x0 + sqrt(1 - abar_s) eps).
 at::Tensor sampleDdimStep(const NoiseSchedule& schedule, const at::Tensor& x, int64_t t, int64_t s,
-                          const at::Tensor& eps);
+                          const at::Tensor& out);
 
 // Throws naming `what` unless `timesteps` is non-empty and fits the schedule
 // (timestepsProblem).

@@ -1,6 +1,7 @@
 // The DiT of Peebles & Xie (2023), "Scalable Diffusion Models with Transformers": a
-// class-conditional diffusion transformer with adaLN-Zero blocks, predicting noise only
-// (the reference's learn_sigma=False). Structure, parameter names and initialisation are
+// class-conditional diffusion transformer with adaLN-Zero blocks, predicting the noise or
+// the velocity (model.prediction, diffusion.h) without a variance (the reference's
+// learn_sigma=False). Structure, parameter names and initialisation are
 // those of facebookresearch/DiT models.py, so an export loads with strict=True into that
 // model definition (python/tessera_models.py has a copy):
 //
@@ -17,7 +18,7 @@
 // with c = t_embedder(t) + y_embedder(y). LayerNorms have no affine parameters (eps 1e-6).
 // Initialisation: linears xavier-uniform with zero biases, the patch projection as a
 // linear over [D, C p p], the label table and timestep MLP weights N(0, 0.02), every
-// adaLN modulation and the final linear zero (a fresh DiT predicts zero noise).
+// adaLN modulation and the final linear zero (a fresh DiT outputs zero).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -66,7 +67,7 @@ class DiT : public Denoiser {
 
   // x_t [N, C, H, W], t [N] int64, labels [N] int64 in [0, classes] -> noise [N, C, H, W].
   at::Tensor forward(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels);
-  at::Tensor predictNoise(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) override {
+  at::Tensor predict(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) override {
     return forward(noisy, timesteps, labels);
   }
   double forwardFlopsPerSample() const override;

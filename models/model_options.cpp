@@ -38,6 +38,17 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
       .greaterThan(0.0).lessThan(1.0);
   s.add(p + "beta_end", &m.beta_end, "diffusion: last beta of the linear noise schedule")
       .greaterThan(0.0).lessThan(1.0);
+  s.add(p + "noise_schedule", &m.noise_schedule,
+        "diffusion: the betas: linear (from beta_start to beta_end, DDPM's) or cosine (Nichol & Dhariwal 2021: "
+        "abar follows cos^2; beta_start and beta_end unused)")
+      .oneOf({"linear", "cosine"});
+  s.add(p + "zero_terminal_snr", &m.zero_terminal_snr,
+        "diffusion: rescale the schedule so that its last timestep is pure noise (abar = 0, Lin et al. 2024), where "
+        "samplers and one-step generators start; needs prediction v");
+  s.add(p + "prediction", &m.prediction,
+        "diffusion: what the denoiser outputs: eps (the noise) or v (the velocity sqrt(abar) eps - sqrt(1 - abar) "
+        "x0, Salimans & Ho 2022); exports without it are eps")
+      .oneOf({"eps", "v"});
   s.add(p + "patch_size", &m.patch_size, "dit: patch side in pixels (divides the image size)").min(1).max(kMaxWidth);
   s.add(p + "mlp_ratio", &m.mlp_ratio, "dit: width of each block's MLP over model.embed_dim").greaterThan(0.0).max(64.0);
   s.add(p + "classes", &m.classes,

@@ -30,6 +30,9 @@ struct ModelOptions {
   int64_t timesteps = 1000;             // diffusion: noise levels T
   double beta_start = 1.0e-4;           // diffusion: linear beta schedule from beta_start ...
   double beta_end = 0.02;               // ... to beta_end
+  std::string noise_schedule = "linear"; // diffusion: linear (beta_start..beta_end) | cosine (Nichol & Dhariwal)
+  bool zero_terminal_snr = false;       // diffusion: rescale so that the last timestep is pure noise
+  std::string prediction = "eps";       // diffusion: the denoiser outputs the noise (eps) or the velocity (v)
   int64_t patch_size = 4;               // dit: patch side in pixels (divides the image size)
   double mlp_ratio = 4.0;               // dit: MLP width / embed_dim
   int64_t classes = 0;                  // dit: class labels (0: the data's; 0 with unlabelled data: unconditional)

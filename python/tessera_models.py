@@ -10,9 +10,10 @@ No Tessera import and no dependency beyond torch (numpy is not needed). Models:
                                                [B, prod(target_shape)] for regression);
                                                features(x): the head's input
   arch gpt                 Gpt                 tokens [B, T] -> logits [B, T, vocab]
-  arch diffusion           DiffusionDenoiser   (x, t[, y ignored]) -> predicted noise
-  arch dit                 DiT                 (x [N,C,H,W], t [N], y [N]) -> noise
-                                               (Peebles & Xie's DiT, learn_sigma=False)
+  arch diffusion           DiffusionDenoiser   (x, t[, y ignored]) -> the noise or velocity
+  arch dit                 DiT                 (x [N,C,H,W], t [N], y [N]) -> the noise or
+                                               velocity (Peebles & Xie's DiT, learn_sigma=False)
+  (which one: the export's "prediction", read by noise_schedule())
 
 The C++ sources they transcribe: models/models.cpp (ContextMlp, FeatureMlp, Gpt),
 models/diffusion.cpp (DiffusionDenoiser, NoiseSchedule, sampleDdpm, sampleDdim),
@@ -605,17 +606,29 @@ class DiT(nn.Module):
 # ---------------------------------------------------------------------------------------
 
 class NoiseSchedule:
-    """The linear beta schedule and its cumulative products, as Python floats (doubles):
-    betas[t] = beta_start + (beta_end - beta_start) t / (T - 1) (T == 1: beta_start),
-    alpha_bars[t] = prod_{s <= t} (1 - betas[s])."""
+    """The betas and their cumulative products, as Python floats (doubles), and what the
+    denoiser outputs. linear: betas[t] = beta_start + (beta_end - beta_start) t / (T - 1)
+    (T == 1: beta_start); cosine (Nichol & Dhariwal): abar(u) = f(u) / f(0), f(u) =
+    cos^2((u / T + 0.008) / 1.008 pi / 2), betas[t] = min(1 - abar(t + 1) / abar(t), 0.999);
+    alpha_bars[t] = prod_{s <= t} (1 - betas[s]). zero_terminal_snr (Lin et al. 2024):
+    sqrt(abar) shifted and scaled so that its first value stays and its last is 0, the betas
+    from the ratios. prediction: "eps" (the noise) or "v" (the velocity
+    sqrt(abar) eps - sqrt(1 - abar) x0); clean_estimate and noise_estimate read an output."""
 
-    def __init__(self, timesteps, beta_start, beta_end):
+    def __init__(self, timesteps, beta_start, beta_end, noise_schedule="linear", zero_terminal_snr=False,
+                 prediction="eps"):
         if timesteps < 1:
             raise ValueError(f"timesteps must be >= 1, got {timesteps}")
         if not 0 < beta_start <= beta_end < 1:
             raise ValueError(f"beta_start {beta_start} and beta_end {beta_end} must satisfy "
                              "0 < beta_start <= beta_end < 1")
-        self.timesteps = timesteps
+        if noise_schedule not in ("linear", "cosine"):
+            raise ValueError(f"noise_schedule '{noise_schedule}': linear or cosine")
+        if prediction not in ("eps", "v"):
+            raise ValueError(f"prediction '{prediction}': eps or v")
+        if zero_terminal_snr and (prediction != "v" or timesteps < 2):
+            raise ValueError("zero_terminal_snr needs prediction v and timesteps >= 2")
+        self.timesteps, self.prediction = timesteps, prediction
         self.betas, self.alpha_bars = [], []
         product = 1.0
         for t in range(timesteps):
@@ -623,6 +636,33 @@ class NoiseSchedule:
             product *= 1.0 - beta
             self.betas.append(beta)
             self.alpha_bars.append(product)
+        if noise_schedule == "cosine":
+            def f(u):
+                return math.cos((u / timesteps + 0.008) / (1 + 0.008) * math.pi / 2) ** 2
+            product = 1.0
+            for t in range(timesteps):
+                beta = min(1.0 - f(t + 1) / f(t), 0.999)
+                product *= 1.0 - beta
+                self.betas[t], self.alpha_bars[t] = beta, product
+        if zero_terminal_snr:
+            first, last = math.sqrt(self.alpha_bars[0]), math.sqrt(self.alpha_bars[-1])
+            previous = 1.0
+            for t in range(timesteps):
+                root = (math.sqrt(self.alpha_bars[t]) - last) * first / (first - last)
+                self.alpha_bars[t] = 0.0 if t == timesteps - 1 else root * root
+                self.betas[t] = 1.0 - self.alpha_bars[t] / previous
+                previous = self.alpha_bars[t]
+
+    def clean_estimate(self, x, out, t):
+        """The clean sample a denoiser's output `out` at x_t estimates (float32 tensors
+        times double scalars, as Tessera computes it)."""
+        signal, spread = math.sqrt(self.alpha_bars[t]), math.sqrt(1.0 - self.alpha_bars[t])
+        return (x - spread * out) / signal if self.prediction == "eps" else signal * x - spread * out
+
+    def noise_estimate(self, x, out, t):
+        """The noise a denoiser's output `out` at x_t estimates."""
+        signal, spread = math.sqrt(self.alpha_bars[t]), math.sqrt(1.0 - self.alpha_bars[t])
+        return out if self.prediction == "eps" else spread * x + signal * out
 
 
 def ddim_timesteps(timesteps, steps):
@@ -643,10 +683,10 @@ def ddim_timesteps(timesteps, steps):
 
 
 def guided_noise(model, x, t, labels, cfg):
-    """The noise the samplers step with. An unconditional model (no `num_classes`, or 0 of
-    them: DiffusionDenoiser) or cfg == 1: model(x, t, labels), one call. Otherwise
-    classifier-free guidance from two calls, eps_u + cfg (eps_c - eps_u), eps_u with every
-    label "no class" (= num_classes)."""
+    """The output the samplers step with (the noise or the velocity, as the model predicts).
+    An unconditional model (no `num_classes`, or 0 of them: DiffusionDenoiser) or cfg == 1:
+    model(x, t, labels), one call. Otherwise classifier-free guidance from two calls,
+    out_u + cfg (out_c - out_u), out_u with every label "no class" (= num_classes)."""
     classes = getattr(model, "num_classes", 0)
     eps = model(x, t, labels).float()
     if cfg == 1 or classes == 0:
@@ -667,8 +707,9 @@ def _labels_or_unconditional(model, batch, labels):
 def sample_ddim(model, schedule, noise, labels=None, steps=50, cfg=1.0, timesteps=None):
     """Deterministic DDIM (eta = 0) from `noise` [N, ...] in `steps` steps over
     ddim_timesteps(), or over `timesteps` (decreasing: a distilled generator's
-    sample_timesteps, see sample_timesteps()): x0 = (x - sqrt(1 - abar_t) eps) / sqrt(abar_t),
-    then the next x = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps; after the last, x0 (no
+    sample_timesteps, see sample_timesteps()): the estimates x0 and eps of the
+    output at x (a noise prediction: x0 = (x - sqrt(1 - abar_t) eps) / sqrt(abar_t)), then
+    the next x = sqrt(abar_s) x0 + sqrt(1 - abar_s) eps; after the last, x0 (no
     clipping). float32 tensors times double scalars, as Tessera computes it. labels [N] in
     [0, classes] (None: "no class")."""
     x = noise.float()
@@ -680,9 +721,8 @@ def sample_ddim(model, schedule, noise, labels=None, steps=50, cfg=1.0, timestep
         if not ts or any(not 0 <= t < schedule.timesteps for t in ts) or any(b >= a for a, b in zip(ts, ts[1:])):
             raise ValueError(f"DDIM timesteps {ts}: need a decreasing list within [0, {schedule.timesteps - 1}]")
     for k, t in enumerate(ts):
-        abar = schedule.alpha_bars[t]
-        eps = guided_noise(model, x, torch.full((x.size(0),), t, dtype=torch.int64, device=x.device), labels, cfg)
-        x0 = (x - math.sqrt(1.0 - abar) * eps) / math.sqrt(abar)
+        out = guided_noise(model, x, torch.full((x.size(0),), t, dtype=torch.int64, device=x.device), labels, cfg)
+        x0, eps = schedule.clean_estimate(x, out, t), schedule.noise_estimate(x, out, t)
         if k + 1 < len(ts):
             next_bar = schedule.alpha_bars[ts[k + 1]]
             x = math.sqrt(next_bar) * x0 + math.sqrt(1.0 - next_bar) * eps
@@ -691,15 +731,23 @@ def sample_ddim(model, schedule, noise, labels=None, steps=50, cfg=1.0, timestep
 
 @torch.no_grad()
 def sample_ddpm(model, schedule, noise, labels=None, cfg=1.0, generator=None):
-    """DDPM ancestral sampling from `noise` [N, ...] over t = T-1 ... 0:
-    x = (x - eps beta_t / sqrt(1 - abar_t)) / sqrt(1 - beta_t), plus sqrt(beta_t) z for
-    t > 0 (z drawn with `generator`; Tessera's C++ random stream is not reproduced)."""
+    """DDPM ancestral sampling from `noise` [N, ...] over t = T-1 ... 0: a noise prediction
+    x = (x - eps beta_t / sqrt(1 - abar_t)) / sqrt(1 - beta_t), a velocity the posterior mean
+    sqrt(abar_{t-1}) beta_t / (1 - abar_t) x0 + sqrt(1 - beta_t) (1 - abar_{t-1}) / (1 - abar_t) x,
+    plus sqrt(beta_t) z for t > 0 (z drawn with `generator`; Tessera's C++ random stream is
+    not reproduced)."""
     x = noise.float()
     labels = _labels_or_unconditional(model, noise, labels)
     for t in range(schedule.timesteps - 1, -1, -1):
         beta, abar = schedule.betas[t], schedule.alpha_bars[t]
-        eps = guided_noise(model, x, torch.full((x.size(0),), t, dtype=torch.int64, device=x.device), labels, cfg)
-        x = (x - eps * (beta / math.sqrt(1.0 - abar))) / math.sqrt(1.0 - beta)
+        out = guided_noise(model, x, torch.full((x.size(0),), t, dtype=torch.int64, device=x.device), labels, cfg)
+        if schedule.prediction == "eps":
+            x = (x - out * (beta / math.sqrt(1.0 - abar))) / math.sqrt(1.0 - beta)
+        else:
+            previous = 1.0 if t == 0 else schedule.alpha_bars[t - 1]
+            x0 = schedule.clean_estimate(x, out, t)
+            x = x0 * (math.sqrt(previous) * beta / (1.0 - abar)) + \
+                x * (math.sqrt(1.0 - beta) * (1.0 - previous) / (1.0 - abar))
         if t > 0:
             x = x + torch.randn(x.shape, generator=generator).to(x.device) * math.sqrt(beta)
     return x
@@ -730,10 +778,15 @@ def _field(obj, key, kind, where=""):
 
 
 def noise_schedule(metadata):
-    """The NoiseSchedule of a denoiser's metadata (timesteps, beta_start, beta_end)."""
+    """The NoiseSchedule of a denoiser's metadata (timesteps, beta_start, beta_end, and
+    noise_schedule, zero_terminal_snr, prediction: an export made before them is linear,
+    without zero terminal SNR, predicting the noise)."""
+    def optional(key, kind, default):
+        return _field(metadata, key, kind) if key in metadata else default
     try:
         return NoiseSchedule(_field(metadata, "timesteps", int), _field(metadata, "beta_start", float),
-                             _field(metadata, "beta_end", float))
+                             _field(metadata, "beta_end", float), optional("noise_schedule", str, "linear"),
+                             optional("zero_terminal_snr", bool, False), optional("prediction", str, "eps"))
     except ValueError as e:
         raise ExportError(f"{METADATA_KEY}: {e}") from e
 
@@ -984,12 +1037,15 @@ _SIZE_KEYS = {
     DiffusionDenoiser: ["embed_dim", "layers", "timesteps", "beta_start", "beta_end"],
     DiT: ["embed_dim", "layers", "heads", "patch_size", "mlp_ratio", "classes", "timesteps", "beta_start", "beta_end"],
 }
+# The diffusion keys describe shows when the export has them (older exports: eps, linear).
+_SCHEDULE_KEYS = ["noise_schedule", "zero_terminal_snr", "prediction"]
 
 
 def _describe(args):
     model, metadata = load_export(args.weights)
     print(f"arch: {metadata['arch']} ({type(model).__name__})")
-    print("model: " + ", ".join(f"{k} {metadata[k]}" for k in _SIZE_KEYS[type(model)]))
+    keys = _SIZE_KEYS[type(model)] + [k for k in _SCHEDULE_KEYS if k in metadata]
+    print("model: " + ", ".join(f"{k} {metadata[k]}" for k in keys))
     print("data: " + ", ".join(f"{k} {v}" for k, v in metadata["data"].items()))
     state = model.state_dict()
     print(f"parameters: {sum(t.numel() for t in state.values())} in {len(state)} tensors")

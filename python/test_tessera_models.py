@@ -390,6 +390,71 @@ class SamplerTest(unittest.TestCase):
         self.assertAlmostEqual(s.alpha_bars[1], (1 - 1e-4) * (1 - s.betas[1]), places=15)
         self.assertEqual(tm.NoiseSchedule(1, 0.01, 0.02).betas, [0.01])
 
+    def test_cosine_and_zero_terminal_snr_schedules(self):
+        # cosine: abar_t = f(t + 1) / f(0) wherever no beta is capped (Nichol & Dhariwal).
+        f = lambda u: math.cos((u / 1000 + 0.008) / 1.008 * math.pi / 2) ** 2  # noqa: E731
+        cosine = tm.NoiseSchedule(1000, 1e-4, 0.02, "cosine")
+        for t in (0, 10, 500, 900):
+            self.assertAlmostEqual(cosine.alpha_bars[t], f(t + 1) / f(0), places=12)
+        self.assertEqual(cosine.betas[-1], 0.999)  # the last beta is capped
+        self.assertTrue(all(b <= 0.999 for b in cosine.betas))
+        # zero terminal SNR: sqrt(abar) an affine map of the original's, first kept, last 0.
+        for kind in ("linear", "cosine"):
+            base = tm.NoiseSchedule(1000, 1e-4, 0.02, kind)
+            z = tm.NoiseSchedule(1000, 1e-4, 0.02, kind, zero_terminal_snr=True, prediction="v")
+            self.assertEqual((z.alpha_bars[-1], z.betas[-1]), (0.0, 1.0))
+            self.assertAlmostEqual(z.alpha_bars[0], base.alpha_bars[0], places=15)
+            first, last = math.sqrt(base.alpha_bars[0]), math.sqrt(base.alpha_bars[-1])
+            for t in (1, 400, 998):
+                expected = (math.sqrt(base.alpha_bars[t]) - last) / (first - last) * first
+                self.assertAlmostEqual(math.sqrt(z.alpha_bars[t]), expected, places=12)
+                product = math.prod(1 - b for b in z.betas[:t + 1])
+                self.assertAlmostEqual(z.alpha_bars[t], product, places=12)
+        for bad in (dict(zero_terminal_snr=True), dict(prediction="x0"), dict(noise_schedule="sigmoid")):
+            with self.assertRaises(ValueError, msg=str(bad)):
+                tm.NoiseSchedule(1000, 1e-4, 0.02, **bad)
+
+    def test_velocity_estimates_invert_the_forward_process(self):
+        g = torch.Generator().manual_seed(4)
+        x0, eps = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+        z = tm.NoiseSchedule(100, 1e-4, 0.02, "cosine", zero_terminal_snr=True, prediction="v")
+        for t in (0, 50, 99):  # 99: abar = 0, pure noise
+            a, b = math.sqrt(z.alpha_bars[t]), math.sqrt(1 - z.alpha_bars[t])
+            x, v = a * x0 + b * eps, a * eps - b * x0
+            self.assertTrue(torch.allclose(z.clean_estimate(x, v, t), x0, atol=1e-5), t)
+            self.assertTrue(torch.allclose(z.noise_estimate(x, v, t), eps, atol=1e-5), t)
+
+    def test_exports_without_the_schedule_keys_are_linear_noise_predictors(self):
+        old = tm.noise_schedule(metadata_of({}))
+        self.assertEqual((old.prediction, old.alpha_bars), ("eps", tm.NoiseSchedule(1000, 1e-4, 0.02).alpha_bars))
+        new = tm.noise_schedule(metadata_of({}, noise_schedule="cosine", zero_terminal_snr=True, prediction="v"))
+        self.assertEqual((new.prediction, new.alpha_bars[-1]), ("v", 0.0))
+        with self.assertRaisesRegex(tm.ExportError, "zero_terminal_snr"):
+            tm.noise_schedule(metadata_of({}, zero_terminal_snr=True))
+        with self.assertRaisesRegex(tm.ExportError, "prediction"):
+            tm.noise_schedule(metadata_of({}, prediction=1))
+
+    def test_ddim_and_ddpm_from_pure_noise_with_a_velocity_oracle(self):
+        # Gaussian data N(m, s^2): the exact E[x0 | x_t] gives the exact velocity; both samplers
+        # start at abar = 0 and draw the data's distribution.
+        z = tm.NoiseSchedule(200, 1e-4, 0.05, "linear", zero_terminal_snr=True, prediction="v")
+        m, sd = 0.5, 0.3
+
+        class Oracle(nn.Module):
+            def forward(self, x, t, y):
+                abar = torch.tensor([z.alpha_bars[i] for i in t.tolist()], dtype=torch.float64).view(-1, 1)
+                x = x.double()
+                x0 = m + sd * sd * abar.sqrt() * (x - abar.sqrt() * m) / (abar * sd * sd + 1 - abar)
+                eps = torch.where(abar < 1, (x - abar.sqrt() * x0) / (1 - abar).clamp_min(1e-30).sqrt(), x)
+                return (abar.sqrt() * eps - (1 - abar).sqrt() * x0).float()
+
+        noise = torch.randn(4000, 1, generator=torch.Generator().manual_seed(7))
+        for name, out in (("ddim", tm.sample_ddim(Oracle(), z, noise, None, 100, 1.0)),
+                          ("ddpm", tm.sample_ddpm(Oracle(), z, noise, generator=torch.Generator().manual_seed(8)))):
+            self.assertTrue(torch.isfinite(out).all(), name)
+            self.assertAlmostEqual(out.mean().item(), m, delta=0.03, msg=name)
+            self.assertAlmostEqual(out.std().item(), sd, delta=0.03, msg=name)
+
     def test_ddim_with_an_oracle_returns_x0(self):
         schedule = tm.NoiseSchedule(1000, 1e-4, 0.02)
         x0 = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(3))
@@ -616,6 +681,15 @@ def _end_to_end_cases(work_dir):
         ("dit", {"arch": "dit", "patch_size": 4, "embed_dim": 32, "layers": 2, "heads": 4, "timesteps": 50},
          dict(kind="idx", path=images, labels=labels, **batch),
          {"noise": torch.randn(6, 1, 16, 16, generator=g), "labels": torch.tensor([0, 1, 2, 3, 4, 1])}),
+        # A velocity predictor on a cosine schedule that ends in pure noise: the samplers start there.
+        ("dit_v_zero_terminal_snr", {"arch": "dit", "patch_size": 2, "embed_dim": 32, "layers": 2, "heads": 4,
+                                     "timesteps": 50, "noise_schedule": "cosine", "zero_terminal_snr": True,
+                                     "prediction": "v"},
+         dict(kind="idx", path=images, labels=labels, **batch),
+         {"noise": torch.randn(6, 1, 16, 16, generator=g), "labels": torch.tensor([0, 1, 2, 3, 4, 1])}),
+        ("diffusion_v", {"arch": "diffusion", "embed_dim": 16, "layers": 2, "timesteps": 50, "prediction": "v",
+                         "zero_terminal_snr": True},
+         dict(kind="tensors", path=points, **batch), {"noise": torch.randn(6, 2, generator=g)}),
         # A few-step generator's export: both samplers take its own timesteps from the metadata.
         ("dit_sample_timesteps", {"arch": "dit", "patch_size": 4, "embed_dim": 32, "layers": 2, "heads": 4,
                                   "timesteps": 50, "sample_timesteps": [49, 30, 11]},

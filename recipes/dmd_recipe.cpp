@@ -279,10 +279,11 @@ class DmdRecipe : public trainer::Recipe {
       torch::NoGradGuard noGrad;
       const at::Tensor noisy = (signal * flatX.detach() + spread * eps.to(device)).view(x.sizes());
       const at::Tensor t = timesteps.to(device);
-      const at::Tensor teacherEps = models::guidedNoise(teacherNet_, labels, options_.guidance)(noisy, t);
-      const at::Tensor criticEps = models::predictNoiseInUnits(criticNet_, noisy, t, labels).to(at::kFloat);
-      const at::Tensor x0Teacher = (noisy.flatten(1) - spread * teacherEps.flatten(1)) / signal;
-      const at::Tensor x0Critic = (noisy.flatten(1) - spread * criticEps.flatten(1)) / signal;
+      const at::Tensor teacherOut = models::guidedPrediction(teacherNet_, labels, options_.guidance)(noisy, t);
+      const at::Tensor criticOut = models::predictInUnits(criticNet_, noisy, t, labels).to(at::kFloat);
+      const at::Tensor flatNoisy = noisy.flatten(1);
+      const at::Tensor x0Teacher = teacherNet_.schedule().cleanEstimate(flatNoisy, teacherOut.flatten(1), signal, spread);
+      const at::Tensor x0Critic = criticNet_.schedule().cleanEstimate(flatNoisy, criticOut.flatten(1), signal, spread);
       const at::Tensor scale = (flatX.detach() - x0Teacher).abs().mean(1, /*keepdim=*/true).clamp_min(1e-6);
       direction = (x0Critic - x0Teacher) / scale;
     }
@@ -304,8 +305,8 @@ class DmdRecipe : public trainer::Recipe {
       at::Tensor x = noise;
       for (size_t k = 0; k + 1 < chain_.size(); ++k) {
         const at::Tensor t = at::full({n}, chain_[k], at::TensorOptions().dtype(at::kLong).device(x.device()));
-        const at::Tensor eps = models::predictNoiseInUnits(generatorNet_, x, t, labels).to(at::kFloat);
-        x = models::sampleDdimStep(generatorNet_.schedule(), x, chain_[k], chain_[k + 1], eps);
+        const at::Tensor out = models::predictInUnits(generatorNet_, x, t, labels).to(at::kFloat);
+        x = models::sampleDdimStep(generatorNet_.schedule(), x, chain_[k], chain_[k + 1], out);
         iterates.push_back(x);
       }
       input = at::empty_like(noise);
@@ -325,9 +326,9 @@ class DmdRecipe : public trainer::Recipe {
     perSample[0] = n;
     signal = signal.view(perSample).to(noise.device());
     spread = spread.view(perSample).to(noise.device());
-    const at::Tensor eps =
-        models::predictNoiseInUnits(generatorNet_, input, timesteps.to(noise.device()), labels).to(at::kFloat);
-    return (input - spread * eps) / signal;
+    const at::Tensor out =
+        models::predictInUnits(generatorNet_, input, timesteps.to(noise.device()), labels).to(at::kFloat);
+    return generatorNet_.schedule().cleanEstimate(input, out, signal, spread);
   }
 
   // DMD's regression loss of the samples `indices` (global; `micro` their seeds): pair
@@ -376,7 +377,7 @@ class DmdRecipe : public trainer::Recipe {
     pairNoise_ = normalPerSample(seeds, generatorNet_.sampleShape());
     pairLabels_ = classesOf(generatorNet_, seeds);
     pairSamples_ = models::sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), options_.pair_steps,
-                              models::guidedNoise(teacherNet_, onDevice(pairLabels_, run_.device), options_.guidance))
+                              models::guidedPrediction(teacherNet_, onDevice(pairLabels_, run_.device), options_.guidance))
                        .cpu();
     cache.store({pairNoise_, pairSamples_, pairLabels_});
   }
@@ -415,7 +416,7 @@ class DmdRecipe : public trainer::Recipe {
 
 at::Tensor generate(models::Denoiser& model, const std::vector<int64_t>& timesteps, const at::Tensor& noise,
                     const at::Tensor& labels) {
-  return models::sampleDdim(model.schedule(), noise, timesteps, models::guidedNoise(model, labels, /*cfg=*/1.0));
+  return models::sampleDdim(model.schedule(), noise, timesteps, models::guidedPrediction(model, labels, /*cfg=*/1.0));
 }
 
 std::unique_ptr<trainer::Recipe> makeDmdRecipe(trainer::RunParts& run) { return std::make_unique<DmdRecipe>(run); }

@@ -69,12 +69,13 @@ void finishDmd(const config::ConfigSchema& schema, trainer::TrainConfig& c) {
   // generator's timesteps.
   for (size_t i = 0; i < c.models.size(); ++i) {
     const models::ModelOptions& m = c.models[i].model;
-    if (m.timesteps != generator.model.timesteps || m.beta_start != generator.model.beta_start ||
-        m.beta_end != generator.model.beta_end) {
+    const models::ModelOptions& g = generator.model;
+    if (m.timesteps != g.timesteps || m.beta_start != g.beta_start || m.beta_end != g.beta_end ||
+        m.noise_schedule != g.noise_schedule || m.zero_terminal_snr != g.zero_terminal_snr) {
       throw ConfigError(entrySchema(schema, i).errorMessage(
           "models." + c.models[i].name + ".timesteps",
-          "timesteps, beta_start and beta_end must be the generator's (dmd compares the models' estimates at the "
-          "same noise levels)"));
+          "timesteps, beta_start, beta_end, noise_schedule and zero_terminal_snr must be the generator's (dmd "
+          "compares the models' estimates at the same noise levels)"));
     }
   }
   if (dmd.min_t >= dmd.max_t) {

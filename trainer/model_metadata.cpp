@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "checkpoint/metadata.h"
+#include "checkpoint/safetensors.h"
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/limits.h"
@@ -223,6 +224,31 @@ ModelDescription checkedModelMetadata(const std::string& json, const std::string
   ModelDescription d = parseModelMetadata(json, source);
   checkSizesAgainstFile(d, source, found);
   return d;
+}
+
+std::optional<ModelDescription> exportedModelDescription(const std::string& path) {
+  const std::vector<std::string> files = checkpoint::safetensorsFiles(path);
+  if (files.empty()) return std::nullopt;
+  const checkpoint::SafetensorsReader reader(files.front());
+  const auto it = reader.header().metadata.find(kModelMetadataKey);
+  if (it == reader.header().metadata.end()) return std::nullopt;
+  return parseModelMetadata(it->second, files.front());
+}
+
+std::vector<std::string> diffusionDifferences(const models::ModelOptions& from, const models::ModelOptions& to) {
+  std::vector<std::string> out;
+  const auto compare = [&](const char* key, const auto& a, const auto& b) {
+    if (a != b) out.push_back(strCat(key, ": ", a, " in the file, ", b, " here"));
+  };
+  compare("prediction", from.prediction, to.prediction);
+  compare("noise_schedule", from.noise_schedule, to.noise_schedule);
+  compare("zero_terminal_snr", from.zero_terminal_snr, to.zero_terminal_snr);
+  compare("timesteps", from.timesteps, to.timesteps);
+  if (from.noise_schedule == "linear" || to.noise_schedule == "linear") {
+    compare("beta_start", from.beta_start, to.beta_start);
+    compare("beta_end", from.beta_end, to.beta_end);
+  }
+  return out;
 }
 
 std::map<std::string, std::vector<int64_t>> shapesUnder(const checkpoint::CheckpointMetadata& metadata,

@@ -54,6 +54,18 @@ ModelDescription checkedModelMetadata(const std::string& json, const std::string
 std::map<std::string, std::vector<int64_t>> shapesUnder(const checkpoint::CheckpointMetadata& metadata,
                                                         const std::string& prefix);
 
+// The model an export describes (`path`: a safetensors file or a sharded export's
+// *.index.json, its first file's metadata), or nothing for a file without Tessera's
+// metadata (a file from elsewhere). tessera::Error naming the file for metadata that does
+// not parse.
+std::optional<ModelDescription> exportedModelDescription(const std::string& path);
+
+// The keys that say how a denoiser's output is read (timesteps, beta_start, beta_end,
+// noise_schedule, zero_terminal_snr, prediction) whose values differ from `from` to `to`,
+// each as "key: <from> in the file, <to> here". A start from another denoiser's weights
+// (init_from) that differs in them reads its outputs otherwise than it was trained.
+std::vector<std::string> diffusionDifferences(const models::ModelOptions& from, const models::ModelOptions& to);
+
 // The metadata of the export of tensor prefix `prefix` ("model/", "ema/generator_ema/",
 // "critic/") from a run's descriptions by state name (TrainerCounters::modelMetadata):
 // the model whose weights or EMA the prefix holds; "" when none does.

@@ -456,6 +456,32 @@ void importInto(RunParts& run, const std::string& key, const std::string& file,
   }
 }
 
+// A denoiser started from an export with another parameterisation (say v where the
+// export predicts eps) would read its outputs otherwise than it learnt them: a frozen one
+// (a DMD teacher) is refused naming the keys; a trainable one is fine-tuned into the new
+// parameterisation (as Stable Diffusion 2 was from eps to v), with a warning.
+void checkInitFromParameterisation(const RunParts& run, const ModelEntry& e) {
+  std::optional<ModelDescription> exported;
+  try {
+    exported = exportedModelDescription(*e.model.init_from);
+  } catch (const std::exception&) {
+    return;  // importInto names what is wrong with the file
+  }
+  if (!exported || !exported->model.isDenoiser()) return;
+  const std::vector<std::string> differences = diffusionDifferences(exported->model, e.model);
+  if (differences.empty()) return;
+  std::string list;
+  for (const std::string& d : differences) list += (list.empty() ? "" : "; ") + e.modelKeys + d;
+  if (!e.trainable) {
+    throw ConfigError(run.cfg.origins.errorMessage(
+        e.modelKeys + "init_from",
+        strCat(*e.model.init_from, " was trained otherwise than this frozen model reads it (", list,
+               "): give the export's values")));
+  }
+  TLOG_WARN0(e.displayName << " starts from " << *e.model.init_from << ", trained with other diffusion settings ("
+                           << list << "): it is fine-tuned into this run's");
+}
+
 // A fresh run's start from files, model by model: init_from into the strategy's records
 // (each rank reads the rows it holds), the EMA then starting from those weights;
 // ema.init_from into every EMA profile. Both strict: names, shapes, floating point,
@@ -464,6 +490,7 @@ void initializeFromFiles(RunParts& run) {
   for (ModelPart& m : run.models) {
     const ModelEntry& e = m.cfg;
     if (e.model.init_from) {
+      if (e.model.isDenoiser()) checkInitFromParameterisation(run, e);
       const std::string prefix = dtensor::statePrefix(e.names.weights);
       importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix);
       m.strategy->publishParameters();

@@ -375,6 +375,11 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   }
   const std::string timesteps = models::timestepsProblem(m.model.sample_timesteps, m.model.timesteps);
   if (!timesteps.empty()) k.fail("sample_timesteps", timesteps, true);
+  if (m.model.isDenoiser() && m.model.zero_terminal_snr && m.model.prediction != "v") {
+    k.fail("zero_terminal_snr", strCat("needs ", m.modelKeys, "prediction v, not ", m.model.prediction,
+                                       ": at the last timestep the input is pure noise, and a noise prediction says "
+                                       "nothing about the clean sample there"), true);
+  }
   if (m.model.isDenoiser() && m.model.beta_start > m.model.beta_end) {
     k.fail("beta_start", strCat(m.model.beta_start, " is above ", m.modelKeys, "beta_end (", m.model.beta_end, ")"), true);
   }

@@ -237,6 +237,110 @@ TEST(DiffusionTest, SamplerWithTheExactDenoiserDrawsTheDataDistribution) {
   EXPECT_TRUE(samples.slice(0, 7, 9).equal(sampleDdpm(schedule, noise.slice(0, 7, 9), {seeds[7], seeds[8]}, exact)));
 }
 
+ModelOptions velocityOptions(const std::string& schedule) {
+  ModelOptions o = diffusionOptions();
+  o.noise_schedule = schedule;
+  o.zero_terminal_snr = true;
+  o.prediction = "v";
+  return o;
+}
+
+// Cosine betas follow abar(t + 1) / abar(0) until capped; zero terminal SNR maps sqrt(abar)
+// affinely onto [0, sqrt(abar_0)] (Lin et al. 2024), the betas the ratios of what results.
+TEST(DiffusionTest, CosineAndZeroTerminalSnrSchedules) {
+  ModelOptions o = diffusionOptions();
+  o.timesteps = 1000;
+  o.noise_schedule = "cosine";
+  const NoiseSchedule cosine(o);
+  const auto f = [](double u) { return std::pow(std::cos((u / 1000 + 0.008) / 1.008 * M_PI / 2), 2); };
+  for (int64_t t : {0, 10, 500, 900}) EXPECT_NEAR(cosine.alphaBars[static_cast<size_t>(t)], f(t + 1) / f(0), 1e-12) << t;
+  EXPECT_DOUBLE_EQ(cosine.betas.back(), 0.999);
+  EXPECT_EQ(cosine.prediction, Prediction::kNoise);
+  for (const std::string kind : {"linear", "cosine"}) {
+    ModelOptions base = o;
+    base.noise_schedule = kind;
+    ModelOptions zero = velocityOptions(kind);
+    zero.timesteps = 1000;
+    const NoiseSchedule b(base), z(zero);
+    EXPECT_EQ(z.prediction, Prediction::kVelocity);
+    EXPECT_EQ(z.alphaBars.back(), 0.0) << kind;
+    EXPECT_EQ(z.betas.back(), 1.0) << kind;
+    EXPECT_NEAR(z.alphaBars.front(), b.alphaBars.front(), 1e-15);
+    const double first = std::sqrt(b.alphaBars.front()), last = std::sqrt(b.alphaBars.back());
+    double product = 1.0;
+    for (size_t t = 0; t + 1 < z.alphaBars.size(); ++t) {
+      product *= 1.0 - z.betas[t];
+      EXPECT_NEAR(z.alphaBars[t], product, 1e-12) << kind << " t " << t;
+      EXPECT_NEAR(z.signal(static_cast<int64_t>(t)), (std::sqrt(b.alphaBars[t]) - last) / (first - last) * first, 1e-12);
+    }
+  }
+  ModelOptions noise = o;
+  noise.zero_terminal_snr = true;  // a noise prediction at abar = 0 says nothing of x0
+  EXPECT_THROW(NoiseSchedule{noise}, ConfigError);
+  noise.prediction = "x0";
+  EXPECT_THROW(NoiseSchedule{noise}, ConfigError);
+}
+
+// A velocity denoiser learns v = sqrt(abar) eps - sqrt(1 - abar) x0 of the draws the
+// noise-prediction loss makes, and its estimates invert the forward process, also at abar = 0.
+TEST(DiffusionTest, VelocityLossAndEstimates) {
+  torch::manual_seed(5);
+  auto model = initialized(std::make_shared<DiffusionDenoiser>(velocityOptions("cosine"), std::vector<int64_t>{3}));
+  datasets::Batch batch;
+  batch.inputs = torch::randn({1, 3});
+  batch.noiseSeeds = seedsFor(2, 7, 1);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(batch.noiseSeeds[0]);
+  const int64_t t = at::randint(50, {1}, gen, at::kLong).item<int64_t>();
+  const at::Tensor eps = at::randn({1, 3}, gen, at::kFloat);
+  const NoiseSchedule& s = model->schedule();
+  const at::Tensor noisy = s.signal(t) * batch.inputs + s.spread(t) * eps;
+  const at::Tensor v = s.signal(t) * eps - s.spread(t) * batch.inputs;
+  const at::Tensor expected = (model->forward(noisy, torch::full({1}, t, at::kLong)) - v).square().mean();
+  EXPECT_NEAR(model->losses(batch).item<double>(), expected.item<double>(), 1e-6);
+
+  const at::Tensor x0 = torch::randn({4, 3}), e = torch::randn({4, 3});
+  for (int64_t step : {0, 25, 49}) {  // 49: pure noise
+    const at::Tensor x = s.signal(step) * x0 + s.spread(step) * e;
+    const at::Tensor out = s.signal(step) * e - s.spread(step) * x0;
+    EXPECT_TRUE(at::allclose(s.cleanEstimate(x, out, s.signal(step), s.spread(step)), x0, 1e-5, 1e-5)) << step;
+    EXPECT_TRUE(at::allclose(s.noiseEstimate(x, out, s.signal(step), s.spread(step)), e, 1e-5, 1e-5)) << step;
+    const at::Tensor perSample = at::full({4, 1}, s.signal(step)), spread = at::full({4, 1}, s.spread(step));
+    EXPECT_TRUE(at::allclose(s.cleanEstimate(x, out, perSample, spread), x0, 1e-5, 1e-5)) << step;
+    EXPECT_TRUE(s.target(x0, e, perSample, spread).allclose(out, 1e-6, 1e-6)) << step;
+  }
+}
+
+// With the exact velocity of Gaussian data N(m, s^2) on a schedule that ends in pure noise,
+// DDPM and DDIM both start at abar = 0 and draw the data's distribution.
+TEST(DiffusionTest, SamplersStartFromPureNoiseWithAVelocityDenoiser) {
+  ModelOptions o = velocityOptions("linear");
+  o.timesteps = 200;
+  o.beta_end = 0.05;
+  const NoiseSchedule schedule(o);
+  ASSERT_EQ(schedule.alphaBars.back(), 0.0);
+  const double m = 0.5, sd = 0.3;
+  const auto exact = [&](const at::Tensor& x, const at::Tensor& t) {
+    const int64_t step = t[0].item<int64_t>();
+    const double abar = schedule.alphaBars[static_cast<size_t>(step)];
+    const at::Tensor x0 = m + sd * sd * std::sqrt(abar) * (x - std::sqrt(abar) * m) / (abar * sd * sd + 1 - abar);
+    const at::Tensor eps = abar < 1 ? (x - std::sqrt(abar) * x0) / std::sqrt(1 - abar) : x;
+    return std::sqrt(abar) * eps - std::sqrt(1 - abar) * x0;
+  };
+  constexpr int64_t kSamples = 2000;
+  std::vector<uint64_t> seeds;
+  for (int64_t i = 0; i < kSamples; ++i) seeds.push_back(datasets::noiseSeed(9, -4, i));
+  const at::Tensor noise = samplingNoise({1}, kSamples, 9);
+  for (const auto& [name, samples] : {std::pair{"ddpm", sampleDdpm(schedule, noise, seeds, exact)},
+                                      std::pair{"ddim", sampleDdim(schedule, noise, 100, exact)}}) {
+    EXPECT_TRUE(samples.isfinite().all().item<bool>()) << name;
+    EXPECT_NEAR(samples.mean().item<double>(), m, 0.03) << name;
+    EXPECT_NEAR(samples.std().item<double>(), sd, 0.03) << name;
+  }
+  // One DDIM step from pure noise is the clean estimate there: the data's mean.
+  EXPECT_TRUE(at::allclose(sampleDdim(schedule, noise, std::vector<int64_t>{199}, exact), at::full({kSamples, 1}, m),
+                           1e-6, 1e-6));
+}
+
 // The exported names are those of the equivalent PyTorch module: the weights load into it
 // with strict=True and it computes the same noise prediction (an independent
 // implementation in Python, python3-torch).

@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
       const at::Tensor x = at::randn(shape, gen, at::kFloat);
       const at::Tensor t = at::randint(denoiser->schedule().timesteps, {batch}, gen, at::kLong);
       const at::Tensor y = at::randint(denoiser->classes() + 1, {batch}, gen, at::kLong);
-      probe = {{"x", x}, {"t", t}, {"y", y}, {"out", denoiser->predictNoise(x, t, y)}};
+      probe = {{"x", x}, {"t", t}, {"y", y}, {"out", denoiser->predict(x, t, y)}};
     } else if (auto* gpt = dynamic_cast<Gpt*>(loaded.model.get())) {
       const at::Tensor tokens = at::randint(loaded.description.model.vocab_size, shape, gen, at::kLong);
       probe = {{"tokens", tokens}, {"out", gpt->forward(tokens)}};

@@ -209,6 +209,11 @@ TEST(TrainConfigTest, SampleTimestepsAreCheckedAndDmdGivesTheGeneratorItsSteps) 
   refused("/distill.yaml", "models.generator.sample_timesteps=[-1]", "models.generator.sample_timesteps");
   refused("/diffusion.yaml", "model.sample_timesteps=[99, 99]", "must decrease (99 then 99)");
   refused("/default.yaml", "model.sample_timesteps=[5]", "is a denoiser's");
+  // Pure noise at the last timestep needs a velocity predictor; dmd's models share one schedule.
+  refused("/diffusion.yaml", "model.zero_terminal_snr=true", "model.zero_terminal_snr: needs model.prediction v, not eps");
+  refused("/diffusion.yaml", "model.prediction=x0", "model.prediction");
+  refused("/diffusion.yaml", "model.noise_schedule=sigmoid", "model.noise_schedule");
+  refused("/distill.yaml", "models.critic.noise_schedule=cosine", "noise_schedule and zero_terminal_snr must be the generator's");
 }
 
 }  // namespace
