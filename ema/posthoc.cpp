@@ -249,6 +249,7 @@ PosthocResult reconstructPosthocEma(const std::string& dir, const std::string& o
       {"tessera_posthoc_sigma_rel", strCat(options.sigmaRel)},
       {"tessera_posthoc_step", strCat(result.step)},
       {"tessera_posthoc_snapshots", strCat(result.used.size())}};
+  metadata.insert(options.metadata.begin(), options.metadata.end());
   checkpoint::SafetensorsWriter writer(outPath, src.entries, metadata);
   BlockBuffers buffers;
   for (size_t k = 0; k < src.names.size(); ++k) {

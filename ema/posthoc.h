@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -45,6 +46,7 @@ struct PosthocOptions {
   double sigmaRel = 0.10;
   std::optional<int64_t> atStep;  // reconstruct the EMA at this step (default: the last snapshot's)
   bool verify = true;             // check every block's checksum
+  std::map<std::string, std::string> metadata;  // more __metadata__ for the file (the model it holds)
 };
 
 struct PosthocResult {

@@ -138,9 +138,14 @@ bool isLossCurve(const std::string& name) {
 void MetricsLog::writeLossCurve(const std::string& svgPath, const std::string& title, bool logScale) const {
   std::vector<ChartSeries> series;
   auto train = curves_.find("loss");
-  if (train != curves_.end()) series.push_back({"train loss", train->second});
+  const auto line = [](const std::string& name, const std::vector<std::pair<int64_t, double>>& points) {
+    ChartSeries s{name, {}};
+    for (const auto& [step, y] : points) s.points.emplace_back(static_cast<double>(step), y);
+    return s;
+  };
+  if (train != curves_.end()) series.push_back(line("train loss", train->second));
   for (const auto& [name, points] : curves_) {
-    if (name != "loss") series.push_back({name, points});
+    if (name != "loss") series.push_back(line(name, points));
   }
   replaceFile(svgPath, renderLineChartSvg(series, title, "step", logScale ? "loss (log scale)" : "loss", logScale));
 }
@@ -180,9 +185,8 @@ std::string renderLineChartSvg(const std::vector<ChartSeries>& series, const std
   bool any = false;
   for (const ChartSeries& s : shown) {
     for (const auto& [x, y] : s.points) {
-      const double fx = static_cast<double>(x);
-      xMin = any ? std::min(xMin, fx) : fx;
-      xMax = any ? std::max(xMax, fx) : fx;
+      xMin = any ? std::min(xMin, x) : x;
+      xMax = any ? std::max(xMax, x) : x;
       yMin = any ? std::min(yMin, y) : y;
       yMax = any ? std::max(yMax, y) : y;
       any = true;
@@ -215,7 +219,7 @@ std::string renderLineChartSvg(const std::vector<ChartSeries>& series, const std
       << "<text x=\"" << left - 6 << "\" y=\"" << py(y) + 4 << "\" text-anchor=\"end\" font-size=\"11\">" << yTick(y)
       << "</text>\n"
       << "<text x=\"" << px(x) << "\" y=\"" << H - bottom + 16 << "\" text-anchor=\"middle\" font-size=\"11\">"
-      << fixed(x, 0) << "</text>\n";
+      << fixed(x, xMax - xMin >= 10 ? 0 : xMax - xMin >= 1 ? 1 : 3) << "</text>\n";
   }
   s << "<text x=\"" << (W - right + left) / 2 << "\" y=\"" << H - 10 << "\" text-anchor=\"middle\" font-size=\"12\">"
     << xmlText(xLabel) << "</text>\n"
@@ -228,13 +232,13 @@ std::string renderLineChartSvg(const std::vector<ChartSeries>& series, const std
     const char* color = kColors[i % (sizeof(kColors) / sizeof(kColors[0]))];
     if (line.points.size() > 1) {
       s << "<polyline fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\" points=\"";
-      for (const auto& [x, y] : line.points) s << fixed(px(static_cast<double>(x)), 1) << "," << fixed(py(y), 1) << " ";
+      for (const auto& [x, y] : line.points) s << fixed(px(x), 1) << "," << fixed(py(y), 1) << " ";
       s << "\"/>\n";
     }
     // Sparse series (evaluations) get their points marked: one evaluation is one dot.
     if (line.points.size() <= 30) {
       for (const auto& [x, y] : line.points) {
-        s << "<circle cx=\"" << fixed(px(static_cast<double>(x)), 1) << "\" cy=\"" << fixed(py(y), 1)
+        s << "<circle cx=\"" << fixed(px(x), 1) << "\" cy=\"" << fixed(py(y), 1)
           << "\" r=\"3\" fill=\"" << color << "\"/>\n";
       }
     }

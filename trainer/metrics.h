@@ -68,7 +68,7 @@ bool isLossCurve(const std::string& name);
 // One line of a chart, named in its legend.
 struct ChartSeries {
   std::string name;
-  std::vector<std::pair<int64_t, double>> points;
+  std::vector<std::pair<double, double>> points;  // (x, y)
 };
 
 // "step 100/300 loss 2.1234 lr 0.003 gnorm ..." : the line a metrics record is logged as.

@@ -5,6 +5,8 @@
 // CKPT_DIR is a step_N directory, or a run's checkpoints directory (its newest complete
 // checkpoint is used). Post-hoc EMA (docs/ema.md), from a run's posthoc/ snapshots:
 //   tessera-export RUN_DIR --posthoc-ema SIGMA_REL [--at-step S] --out FILE
+//   tessera-export RUN_DIR --posthoc-ema S1,S2,... --judge CLASSIFIER [--per-class N] [--steps K]
+//                  [--cfg C] [--seed S] --out FILE      (the sweep: the judge keeps the best)
 //   tessera-export RUN_DIR --list
 // Exit status: 0 ok, 2 bad arguments, 1 failure (corruption, I/O).
 
@@ -25,6 +27,7 @@
 #include "ema/posthoc.h"
 #include "trainer/checkpoint_layout.h"
 #include "trainer/model_metadata.h"
+#include "trainer/posthoc_sweep.h"
 #include "trainer/train_counters.h"
 
 namespace ckpt = tessera::checkpoint;
@@ -56,8 +59,9 @@ struct ExportArgs {
   std::string dir, out, dtype, maxShard;
   bool noVerify = false;
   ckpt::ExportOptions options;
-  std::optional<double> posthocSigma;
+  std::vector<double> posthocSigmas;
   std::optional<int64_t> atStep;
+  tessera::trainer::PosthocSweepOptions sweep;  // with --judge
   bool list = false;
 };
 
@@ -69,9 +73,20 @@ void addOptions(CLI::App& app, ExportArgs& args) {
       ->required();
   auto* what = app.add_option("--what", args.options.what,
                               "generator_ema | generator_ema_<decay> | model | a prefix ending in '/'");
-  auto* posthoc = app.add_option("--posthoc-ema", args.posthocSigma,
+  auto* posthoc = app.add_option("--posthoc-ema", args.posthocSigmas,
                                  "Reconstruct the power-function EMA of this sigma_rel from the run's post-hoc "
-                                 "snapshots (ema.posthoc)");
+                                 "snapshots (ema.posthoc); with --judge, a comma-separated list to sweep")
+                      ->delimiter(',');
+  auto* judge = app.add_option("--judge", args.sweep.judge,
+                               "With --posthoc-ema: sample each sigma_rel's EMA, judge it with this classifier "
+                               "export (as tessera-sample --judge), keep the lowest Frechet distance as --out, and "
+                               "write <out>_sweep.tsv and <out>_sweep.svg")
+                    ->needs(posthoc);
+  app.add_option("--per-class", args.sweep.perClass, "With --judge: samples per class")->needs(judge)->check(CLI::Range(2, 100000));
+  app.add_option("--steps", args.sweep.steps, "With --judge: DDIM steps")->needs(judge)->check(CLI::Range(1, 100000));
+  app.add_option("--cfg", args.sweep.cfg, "With --judge: classifier-free guidance scale")->needs(judge)
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--seed", args.sweep.seed, "With --judge: the sampling noise's seed (as tessera-sample's)")->needs(judge);
   app.add_option("--at-step", args.atStep,
                  "With --posthoc-ema: the step to reconstruct at (default: the last snapshot)")
       ->needs(posthoc);
@@ -86,17 +101,44 @@ void addOptions(CLI::App& app, ExportArgs& args) {
   app.add_flag("--no-verify", args.noVerify, "Skip checksum verification");
 }
 
+// --posthoc-ema with --judge: each sigma_rel reconstructed, sampled and judged; the best kept.
+int sweepPosthoc(const ExportArgs& args) {
+  tessera::trainer::PosthocSweepOptions options = args.sweep;
+  options.sigmas = args.posthocSigmas;
+  options.atStep = args.atStep;
+  options.verify = args.options.verify;
+  const auto result = tessera::trainer::sweepPosthocEma(args.dir, args.out, options);
+  std::cout << "post-hoc EMA sweep at step " << result.step << " (" << options.perClass << " samples per class, DDIM "
+            << options.steps << " steps, guidance " << options.cfg << "; judged by " << options.judge << "):\n"
+            << "  sigma_rel  Frechet  accuracy\n";
+  for (size_t i = 0; i < result.points.size(); ++i) {
+    const auto& p = result.points[i];
+    std::cout << "  " << p.sigmaRel << "  " << p.judgement.frechet << "  " << p.judgement.accuracy
+              << (i == result.best ? "  <- kept" : "") << "\n";
+  }
+  std::cout << "kept sigma_rel " << result.points[result.best].sigmaRel << ": " << args.out << "\n  table: "
+            << result.table << "\n  plot:  " << result.plot << "\n";
+  return 0;
+}
+
 // --posthoc-ema: one file in the saved dtype, reconstructed from the run's snapshots.
 int reconstructPosthoc(const ExportArgs& args) {
   if (!args.dtype.empty() || !args.maxShard.empty()) {
     throw tessera::UsageError("--posthoc-ema writes one file in the saved dtype: no --dtype or --max-shard-size");
   }
+  if (!args.sweep.judge.empty()) return sweepPosthoc(args);
+  if (args.posthocSigmas.size() != 1) {
+    throw tessera::UsageError("--posthoc-ema: one sigma_rel, or a list to sweep with --judge CLASSIFIER");
+  }
   tessera::ema::PosthocOptions posthocOptions;
-  posthocOptions.sigmaRel = *args.posthocSigma;
+  posthocOptions.sigmaRel = args.posthocSigmas.front();
   posthocOptions.atStep = args.atStep;
   posthocOptions.verify = args.options.verify;
+  // The model it holds, as the run's own exports say it (tessera-sample reads it).
+  const std::string model = tessera::trainer::posthocModelMetadata(args.dir);
+  if (!model.empty()) posthocOptions.metadata[tessera::trainer::kModelMetadataKey] = model;
   const auto result = tessera::ema::reconstructPosthocEma(args.dir, args.out, posthocOptions);
-  std::cout << "reconstructed the post-hoc EMA of sigma_rel " << *args.posthocSigma << " at step " << result.step
+  std::cout << "reconstructed the post-hoc EMA of sigma_rel " << posthocOptions.sigmaRel << " at step " << result.step
             << " from " << result.used.size() << " snapshots (" << result.weights.size() << " profiles): "
             << result.tensors << " tensors (" << result.bytes << " bytes) in " << result.seconds << " s\n  " << args.out
             << "\n";
@@ -171,7 +213,7 @@ int main(int argc, char** argv) {
     if (args.list) return listPosthoc(args.dir);
     if (args.out.empty()) throw tessera::UsageError("--out is required");
     ckpt::checkOutputOutsideState(args.out, "--out", {args.dir});
-    if (args.posthocSigma) return reconstructPosthoc(args);
+    if (!args.posthocSigmas.empty()) return reconstructPosthoc(args);
     if (args.options.what.empty()) throw tessera::UsageError("give --what (or --posthoc-ema, or --list)");
     return exportWhat(args);
   });

@@ -6,6 +6,7 @@
 // bad requests are refused naming what is wrong.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -215,6 +216,75 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
   EXPECT_FALSE(fs::exists(dir + "/bad_judge/checkpoints/step_00000004")) << "trained before refusing";
 }
 
+// Post-hoc EMA picks its length by the judge: tessera-export sweeps sigma_rel over a run's
+// power-function snapshots, samples and judges each, keeps the lowest Frechet distance as
+// --out (the same file a single --posthoc-ema at that sigma_rel writes, with the model
+// description tessera-sample needs), and writes the sweep as a table and a plot.
+TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
+  const std::string dir = scratch("posthoc_sweep");
+  const std::string config = ditConfig(dir);
+  const std::string ditRun = dir + "/dit", classifierRun = dir + "/classifier";
+  mustRun(trainCommand(2) + config + " --set run.dir=" + ditRun +
+          " --set ema.posthoc.stds=[0.05,0.1] --set ema.posthoc.snapshot_every=2");
+  mustRun(trainCommand(1) + config + " --set run.dir=" + classifierRun +
+          " --set model.arch=mlp --set model.hidden=[32,16] --set run.steps=30 --set checkpoint.export=[model_ema]");
+  const std::string classifier = classifierRun + "/export/model_ema.safetensors";
+  const std::string out = dir + "/best.safetensors";
+  const std::string sweep = kBin + "/tessera-export " + ditRun + " --judge " + classifier +
+                            " --per-class 3 --steps 4 --cfg 1.5 --seed 2 --out " + out;
+  const std::string printed = mustRun(sweep + " --posthoc-ema 0.05,0.07,0.1");
+  std::ifstream tableFile(dir + "/best_sweep.tsv");
+  std::string line;
+  std::getline(tableFile, line);
+  EXPECT_EQ(line, "sigma_rel\tfrechet\taccuracy\tsamples");
+  std::vector<std::pair<double, double>> rows;  // sigma_rel, Frechet
+  while (std::getline(tableFile, line)) {
+    std::istringstream fields(line);
+    double sigma = 0, frechet = 0, accuracy = 0;
+    int64_t samples = 0;
+    fields >> sigma >> frechet >> accuracy >> samples;
+    EXPECT_EQ(samples, 12) << line;
+    EXPECT_GE(accuracy, 0.0);
+    rows.emplace_back(sigma, frechet);
+  }
+  ASSERT_EQ(rows.size(), 3u) << printed;
+  const auto best = *std::min_element(rows.begin(), rows.end(), [](auto a, auto b) { return a.second < b.second; });
+  std::ostringstream kept;
+  kept << "kept sigma_rel " << best.first << ": " << out;
+  EXPECT_NE(printed.find(kept.str()), std::string::npos) << printed;
+  EXPECT_NE(printed.find("<- kept"), std::string::npos) << printed;
+  EXPECT_GT(fs::file_size(dir + "/best_sweep.svg"), 0u);
+  EXPECT_FALSE(fs::exists(dir + "/best.candidate.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/best.best.safetensors"));
+  // The kept file is that sigma_rel's reconstruction, and it samples like a run's export.
+  std::ostringstream sigma;
+  sigma << best.first;
+  const std::string single = dir + "/single.safetensors";
+  mustRun(kBin + "/tessera-export " + ditRun + " --posthoc-ema " + sigma.str() + " --out " + single);
+  const auto a = tessera::checkpoint::loadSafetensors(out), b = tessera::checkpoint::loadSafetensors(single);
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, tensor] : a) EXPECT_TRUE(tensor.equal(b.at(name))) << name;
+  const std::string judged =
+      mustRun(kBin + "/tessera-sample --weights " + out + " --per-class 3 --steps 4 --cfg 1.5 --seed 2 --judge " + classifier);
+  EXPECT_NE(judged.find("judge: accuracy "), std::string::npos) << judged;
+  // Mistakes: a judge that is no classifier (nothing written), a sigma_rel twice, sampling
+  // options without --judge, a list without --judge.
+  fs::remove(out);
+  for (const auto& [args, expected] :
+       std::vector<std::pair<std::string, std::string>>{
+           {" --posthoc-ema 0.05,0.1 --judge " + ditRun + "/export/generator_ema.safetensors --out " + out,
+            "not a classifier of images"},
+           {" --posthoc-ema 0.05,0.05 --judge " + classifier + " --out " + out, "given twice"},
+           {" --posthoc-ema 0.05 --per-class 3 --out " + out, "--judge"},
+           {" --posthoc-ema 0.05,0.1 --out " + out, "a list to sweep with --judge"}}) {
+    const auto r = tessera::test::runCommand(kBin + "/tessera-export " + ditRun + args, 120);
+    EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << args << "\n" << r.output;
+    EXPECT_FALSE(fs::exists(out)) << args;
+    EXPECT_FALSE(fs::exists(dir + "/best.candidate.safetensors")) << args;
+  }
+}
+
 // run.recipe dmd over DiTs: a class-conditional few-step generator (DMD2's backward
 // simulation over 3 timesteps) distilled from a DiT teacher with guidance (the real
 // score's CFG) trains the same on 2 ranks (generator zero3, critic zero2, teacher zero3)
@@ -277,6 +347,54 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
     EXPECT_GT(v["image"]["height"].get<int>(), 0);
     EXPECT_GT(v["image"]["png_bytes"].get<int>(), 0);
   }
+}
+
+// A velocity teacher on a schedule that ends in pure noise: the one-step generator starts at
+// the last timestep (abar = 0, its estimate -v there, finite), sharded as in one process;
+// its export says how to read it. A frozen teacher read as a noise predictor is refused.
+TEST(DitE2ETest, DmdFromPureNoiseWithAVelocityTeacher) {
+  const std::string dir = scratch("dmd_v");
+  const std::string velocity =
+      " --set model.prediction=v --set model.zero_terminal_snr=true --set model.noise_schedule=cosine";
+  const std::string config = ditConfig(dir) + velocity;
+  const std::string teacher = dir + "/teacher";
+  mustRun(trainCommand(1) + config + " --set run.dir=" + teacher);
+  const std::string teacherExport = teacher + "/export/generator_ema.safetensors";
+  std::ofstream(dir + "/models.yaml") << "recipe: {critic_steps: 1, guidance: 2.0, regression_weight: 1.0,"
+                                         " regression_pairs: 8, pair_steps: 4}\n"
+                                         "models:\n"
+                                         "  generator: {sharding: {strategy: zero3}, ema: {enabled: true, decays: [0.9]}}\n"
+                                         "  critic: {sharding: {strategy: zero2}, ema: {enabled: false}}\n"
+                                         "  teacher: {trainable: false, sharding: {strategy: zero3}}\n";
+  std::ifstream base(dir + "/dit.yaml");
+  std::stringstream merged;
+  merged << base.rdbuf() << std::ifstream(dir + "/models.yaml").rdbuf();
+  std::ofstream(dir + "/dmd.yaml") << merged.str();
+  const std::string args = " --config " + dir + "/dmd.yaml --set run.recipe=dmd --set model.init_from=" +
+                           teacherExport + " --set eval.sample_per_class=2 --set checkpoint.export=[generator_ema]"
+                           " --set optim.lr=0.0002 --set run.steps=4";
+  const std::string single = dir + "/single", sharded = dir + "/sharded";
+  mustRun(trainCommand(1) + args + velocity + " --set run.dir=" + single);
+  mustRun(trainCommand(2) + args + velocity + " --set run.dir=" + sharded);
+  expectSameLosses(single, sharded, "dmd from pure noise on 2 ranks");
+  expectCloseExports(single, sharded, "dmd generator_ema (velocity)");
+  const std::string exported = sharded + "/export/generator_ema.safetensors";
+  const std::string out = dir + "/samples.safetensors";
+  mustRun(kBin + "/tessera-sample --weights " + exported + " --per-class 2 --seed 4 --out-tensors " + out);
+  EXPECT_TRUE(tessera::checkpoint::loadSafetensors(out).at("samples").isfinite().all().item<bool>());
+  const std::string described = mustRun(std::string(TESSERA_PYTHON3) + " " + TESSERA_SOURCE_DIR +
+                                        "/python/tessera_models.py describe --weights " + exported);
+  EXPECT_NE(described.find("prediction v"), std::string::npos) << described;
+  const auto metadata = nlohmann::json::parse(
+      tessera::checkpoint::SafetensorsReader(exported).header().metadata.at("tessera.model"));
+  EXPECT_EQ(metadata.at("sample_timesteps"), nlohmann::json::array({99})) << metadata.dump();  // pure noise
+  EXPECT_EQ(metadata.at("zero_terminal_snr"), true) << metadata.dump();
+  // The same teacher read as a noise predictor: refused, naming the keys.
+  const tessera::test::CommandResult refused =
+      tessera::test::runCommand(trainCommand(1) + args + " --set run.dir=" + dir + "/eps", 120);
+  EXPECT_EQ(refused.status, 2) << refused.output;
+  EXPECT_NE(refused.output.find("models.teacher.init_from"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("prediction: v in the file, eps here"), std::string::npos) << refused.output;
 }
 
 TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {

@@ -1,0 +1,136 @@
+// Choosing the post-hoc EMA length by the judge (see posthoc_sweep.h).
+#include "trainer/posthoc_sweep.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <numeric>
+#include <sstream>
+
+#include "checkpoint/reader.h"
+#include "common/errors.h"
+#include "common/file_open.h"
+#include "ema/posthoc.h"
+#include "models/diffusion.h"
+#include "models/sampling.h"
+#include "trainer/metrics.h"
+#include "trainer/model_loading.h"
+#include "trainer/model_metadata.h"
+#include "trainer/train_counters.h"
+
+namespace tessera::trainer {
+namespace fs = std::filesystem;
+
+std::string posthocModelMetadata(const std::string& runDir) {
+  fs::path dir(runDir);
+  if (dir.filename() == "posthoc" || (dir.filename().empty() && dir.parent_path().filename() == "posthoc")) {
+    dir = dir.filename().empty() ? dir.parent_path().parent_path() : dir.parent_path();
+  }
+  const std::string stepDir = checkpoint::checkpointOrNewestIn((dir / "checkpoints").string());
+  if (stepDir.empty()) return "";
+  checkpoint::CheckpointReader reader(stepDir);
+  const auto described = modelMetadataFromJson(reader.trainerState(), (fs::path(stepDir) / "trainer_state.json").string());
+  const std::vector<ema::PosthocSnapshot> snapshots = ema::listPosthocSnapshots(runDir);
+  if (snapshots.empty() || snapshots.front().profiles.empty()) return "";
+  // A power-function profile "<ema>_phema<sigma>" is of the model its EMA averages.
+  return modelMetadataForPrefix(described, "ema/" + snapshots.front().profiles.front().first + "/");
+}
+
+namespace {
+
+std::string withoutSuffix(const std::string& path, const std::string& suffix) {
+  return path.size() > suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0
+             ? path.substr(0, path.size() - suffix.size())
+             : path;
+}
+
+// The judge's view of one reconstruction: samples of every class from fixed noise.
+Judgement judgeExport(const std::string& file, const SampleJudge& judge, const PosthocSweepOptions& o) {
+  LoadedModel loaded = loadExportedModel(file);
+  auto* denoiser = dynamic_cast<models::Denoiser*>(loaded.model.get());
+  TESSERA_CHECK_AS(UsageError, denoiser != nullptr && denoiser->classes() > 0, file,
+                   ": the post-hoc sweep judges a class-conditional denoiser (dit), not ", loaded.description.model.arch);
+  models::SampleRequest request;
+  std::vector<int64_t> classes(static_cast<size_t>(denoiser->classes()));
+  std::iota(classes.begin(), classes.end(), 0);
+  request.labels = models::classRows(classes, o.perClass);
+  request.noise = models::samplingNoise(denoiser->sampleShape(), request.labels.size(0), static_cast<uint64_t>(o.seed));
+  request.steps = o.steps;
+  request.cfg = o.cfg;
+  const at::Tensor samples = models::drawSamples(*denoiser, request, nullptr, at::kCPU);
+  return judge.judge(samples, request.labels);
+}
+
+}  // namespace
+
+PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string& outPath,
+                                   const PosthocSweepOptions& options) {
+  TESSERA_CHECK_AS(UsageError, !options.sigmas.empty(), "--posthoc-ema: no sigma_rel to sweep");
+  std::vector<double> sorted = options.sigmas;
+  std::sort(sorted.begin(), sorted.end());
+  TESSERA_CHECK_AS(UsageError, std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                   "--posthoc-ema: a sigma_rel is given twice");
+  const std::string model = posthocModelMetadata(runDir);
+  TESSERA_CHECK_AS(UsageError, !model.empty(), runDir,
+                   ": no checkpoint of the run says which model its snapshots hold (the sweep samples from each "
+                   "reconstruction); keep a checkpoint in <run.dir>/checkpoints");
+  // The judge loads first: a classifier that cannot judge fails before any reconstruction.
+  std::optional<SampleJudge> judge;
+  try {
+    judge.emplace(options.judge);
+  } catch (const Error& e) {
+    throw UsageError(strCat("--judge ", e.what()));
+  }
+
+  PosthocSweepResult result;
+  const std::string stem = withoutSuffix(outPath, ".safetensors");
+  const std::string candidate = stem + ".candidate.safetensors", kept = stem + ".best.safetensors";
+  double bestFrechet = 0;
+  const auto removeLeftovers = [&] {
+    std::error_code ignored;
+    fs::remove(candidate, ignored);
+    fs::remove(kept, ignored);
+  };
+  try {
+  for (double sigma : options.sigmas) {
+    ema::PosthocOptions reconstruct;
+    reconstruct.sigmaRel = sigma;
+    reconstruct.atStep = options.atStep;
+    reconstruct.verify = options.verify;
+    reconstruct.metadata[kModelMetadataKey] = model;
+    result.step = ema::reconstructPosthocEma(runDir, candidate, reconstruct).step;
+    PosthocSweepPoint point{sigma, judgeExport(candidate, *judge, options)};
+    if (result.points.empty() || point.judgement.frechet < bestFrechet) {
+      bestFrechet = point.judgement.frechet;
+      result.best = result.points.size();
+      fs::rename(candidate, kept);
+    } else {
+      fs::remove(candidate);
+    }
+    result.points.push_back(point);
+  }
+  fs::rename(kept, outPath);
+  } catch (...) {
+    removeLeftovers();
+    throw;
+  }
+
+  std::ostringstream table;
+  table << "sigma_rel\tfrechet\taccuracy\tsamples\n";
+  ChartSeries frechet{"Frechet distance", {}}, accuracy{"accuracy x 100", {}};
+  for (const PosthocSweepPoint& p : result.points) {
+    table << p.sigmaRel << "\t" << p.judgement.frechet << "\t" << p.judgement.accuracy << "\t" << p.judgement.samples
+          << "\n";
+    frechet.points.emplace_back(p.sigmaRel, p.judgement.frechet);
+    accuracy.points.emplace_back(p.sigmaRel, 100 * p.judgement.accuracy);
+  }
+  for (ChartSeries* s : {&frechet, &accuracy}) std::sort(s->points.begin(), s->points.end());
+  result.table = stem + "_sweep.tsv";
+  result.plot = stem + "_sweep.svg";
+  replaceFile(result.table, table.str());
+  replaceFile(result.plot, renderLineChartSvg({frechet, accuracy},
+                                              strCat("post-hoc EMA at step ", result.step, ": the judge's scores"),
+                                              "sigma_rel", "Frechet distance / accuracy (%)"));
+  return result;
+}
+
+}  // namespace tessera::trainer

@@ -1,0 +1,52 @@
+// Post-hoc EMA's choice of the EMA length, as EDM2 makes it: the EMA of each sigma_rel in a
+// list reconstructed from a run's power-function snapshots (ema/posthoc.h), sampled and
+// judged by a classifier (judge.h); the one with the lowest Frechet distance is kept as the
+// export, beside a table and a plot of the sweep.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "trainer/judge.h"
+
+namespace tessera::trainer {
+
+// The model description a run's newest complete checkpoint recorded for its EMA (`runDir`:
+// the run directory or its posthoc/ directory), so that a post-hoc export says which model
+// it holds as the run's own exports do; "" when the run has no checkpoint that says.
+std::string posthocModelMetadata(const std::string& runDir);
+
+struct PosthocSweepOptions {
+  std::vector<double> sigmas;     // sigma_rel values to reconstruct and judge
+  std::optional<int64_t> atStep;  // default: the last snapshot's step
+  bool verify = true;
+  std::string judge;              // the classifier export (judge.h)
+  int64_t perClass = 100;         // samples per class, from the noise of `seed` (as tessera-sample draws)
+  int64_t steps = 50;             // DDIM steps
+  double cfg = 2.0;               // classifier-free guidance
+  int64_t seed = 1;
+};
+
+struct PosthocSweepPoint {
+  double sigmaRel = 0;
+  Judgement judgement;
+};
+
+struct PosthocSweepResult {
+  int64_t step = 0;
+  std::vector<PosthocSweepPoint> points;  // in the order asked
+  size_t best = 0;                        // index of the lowest Frechet distance
+  std::string table, plot;                // the .tsv and .svg written beside outPath
+};
+
+// Reconstructs, samples and judges each sigma_rel in turn (one reconstruction on disk at a
+// time, beside outPath), keeps the best as outPath, and writes <outPath without
+// .safetensors>_sweep.tsv and _sweep.svg (Frechet distance and accuracy against sigma_rel).
+// UsageError for an empty list, a duplicate sigma or a run whose snapshots hold no model
+// description to sample with.
+PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string& outPath,
+                                   const PosthocSweepOptions& options);
+
+}  // namespace tessera::trainer
