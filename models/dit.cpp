@@ -80,6 +80,15 @@ at::Tensor PatchEmbedImpl::forward(const at::Tensor& images) {
   return kernels::linear(patches, weight.reshape({weight.size(0), -1}), bias);
 }
 
+SeamConvImpl::SeamConvImpl(int64_t channels, at::Device device) {
+  weight = registerDeferred("weight", {channels, channels, 3, 3}, dtensor::ParamInit::constant(0.0), device);
+  bias = registerDeferred("bias", {channels}, dtensor::ParamInit::constant(0.0), device);
+}
+
+at::Tensor SeamConvImpl::forward(const at::Tensor& images) {
+  return images + at::conv2d(images, weight, bias, /*stride=*/1, /*padding=*/1);
+}
+
 DiTBlock::DiTBlock(int64_t width, int64_t heads, int64_t mlpWidth, at::Device device) : heads_(heads) {
   auto attn = container(*this, "attn");
   qkv_ = attn->register_module("qkv", xavierLinear(width, 3 * width, device));
@@ -143,6 +152,7 @@ DiT::DiT(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t 
   auto final = container(*this, "final_layer");
   finalLinear_ = final->register_module("linear", zeroLinear(width, patch_ * patch_ * channels, device));
   finalModulation_ = container(*final, "adaLN_modulation")->register_module("1", zeroLinear(width, 2 * width, device));
+  if (options.final_conv) finalConv_ = register_module("final_conv", SeamConv(channels, device));
 }
 
 at::Tensor DiT::forward(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) {
@@ -160,9 +170,10 @@ at::Tensor DiT::forward(const at::Tensor& noisy, const at::Tensor& timesteps, co
   x = finalLinear_->forward(modulate(plainLayerNorm(x), mod[0], mod[1]));
   // Unpatchify: [N, h, w, p, p, C] -> [N, C, h p, w p].
   const int64_t channels = sampleShape_[0];
-  return x.reshape({n, grid_, grid_, patch_, patch_, channels})
-      .permute({0, 5, 1, 3, 2, 4})
-      .reshape({n, channels, grid_ * patch_, grid_ * patch_});
+  const at::Tensor images = x.reshape({n, grid_, grid_, patch_, patch_, channels})
+                                .permute({0, 5, 1, 3, 2, 4})
+                                .reshape({n, channels, grid_ * patch_, grid_ * patch_});
+  return finalConv_ ? finalConv_->forward(images) : images;
 }
 
 double DiTBlock::forwardFlops(int64_t tokens) const {
@@ -180,6 +191,7 @@ double DiT::forwardFlopsPerSample() const {
   double total = t * 2.0 * static_cast<double>(xEmbedder_->weight.numel()) + layers::matmulFlops(*timeIn_) +
                  layers::matmulFlops(*timeOut_) + layers::matmulFlops(*finalModulation_) +
                  t * layers::matmulFlops(*finalLinear_);
+  if (finalConv_) total += 2.0 * static_cast<double>(finalConv_->weight.numel() * grid_ * grid_ * patch_ * patch_);
   for (const auto& module : modules(/*include_self=*/false)) {
     if (const auto* block = dynamic_cast<const DiTBlock*>(module.get())) total += block->forwardFlops(tokens);
   }

@@ -15,6 +15,8 @@
 //                           attn.qkv, attn.proj, mlp.fc1, mlp.fc2 (tanh GELU). Each block is a
 //                           unit (sharding::Unit) called with (x, c).
 //   final_layer             modulate(LN(x)) -> linear -> [N, T, p*p*C] -> unpatchified
+//   final_conv              (model.final_conv) y + conv3x3(y) over the unpatchified y, zero at
+//                           first: U-ViT's (Bao et al. 2023) remedy for patch seams
 // with c = t_embedder(t) + y_embedder(y). LayerNorms have no affine parameters (eps 1e-6).
 // Initialisation: linears xavier-uniform with zero biases, the patch projection as a
 // linear over [D, C p p], the label table and timestep MLP weights N(0, 0.02), every
@@ -45,6 +47,16 @@ class PatchEmbedImpl : public layers::DeferredModule {
   int64_t patch_;
 };
 TORCH_MODULE(PatchEmbed);
+
+// A 3x3 convolution, stride 1, padding 1, from C channels to C, weight [C, C, 3, 3] and
+// bias [C] starting at zero.
+class SeamConvImpl : public layers::DeferredModule {
+ public:
+  SeamConvImpl(int64_t channels, at::Device device);
+  at::Tensor forward(const at::Tensor& images);  // [N, C, H, W] -> the same plus its convolution
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(SeamConv);
 
 class DiTBlock : public torch::nn::Module {
  public:
@@ -80,6 +92,7 @@ class DiT : public Denoiser {
   layers::Embedding labelTable_{nullptr};
   sharding::UnitList<DiTBlock> blocks_{nullptr};
   layers::Linear finalLinear_{nullptr}, finalModulation_{nullptr};
+  SeamConv finalConv_{nullptr};  // model.final_conv
 };
 
 }  // namespace tessera::models

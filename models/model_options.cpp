@@ -51,6 +51,9 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
       .oneOf({"eps", "v"});
   s.add(p + "patch_size", &m.patch_size, "dit: patch side in pixels (divides the image size)").min(1).max(kMaxWidth);
   s.add(p + "mlp_ratio", &m.mlp_ratio, "dit: width of each block's MLP over model.embed_dim").greaterThan(0.0).max(64.0);
+  s.add(p + "final_conv", &m.final_conv,
+        "dit: add a 3x3 convolution (zero-initialised, residual) over the unpatchified output, as U-ViT does, so that "
+        "neighbouring patches' pixels inform each other: it smooths the seams between patches");
   s.add(p + "classes", &m.classes,
         "dit: class labels the model is conditioned on (0: the data's classes; unconditional without labels)")
       .min(0).max(1 << 20);

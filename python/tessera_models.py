@@ -532,10 +532,12 @@ class DiT(nn.Module):
     """DiT with adaLN-Zero blocks, learn_sigma=False (out_channels = in_channels).
     forward(x [N,C,H,W], t [N] int64, y [N] int64 in [0, classes]) -> predicted noise
     [N,C,H,W]; y == classes is the unconditional label. Modules are created in the
-    reference's order, so a seeded construction draws what the reference draws."""
+    reference's order, so a seeded construction draws what the reference draws.
+    final_conv (Tessera's model.final_conv, not the reference's): the unpatchified output y
+    becomes y + conv3x3(y) (U-ViT's remedy for patch seams), the convolution zero at first."""
 
     def __init__(self, input_size=28, patch_size=4, in_channels=1, hidden_size=128, depth=6, num_heads=4,
-                 mlp_ratio=4.0, num_classes=10):
+                 mlp_ratio=4.0, num_classes=10, final_conv=False):
         super().__init__()
         if input_size % patch_size:
             raise ValueError(f"dit: image size {input_size} is not a multiple of patch_size {patch_size}")
@@ -551,6 +553,7 @@ class DiT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.final_conv = nn.Conv2d(self.out_channels, self.out_channels, 3, padding=1) if final_conv else None
         self.initialize_weights()
 
     def initialize_weights(self):
@@ -583,6 +586,9 @@ class DiT(nn.Module):
         nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
         nn.init.constant_(self.final_layer.linear.weight, 0)
         nn.init.constant_(self.final_layer.linear.bias, 0)
+        if self.final_conv is not None:
+            nn.init.constant_(self.final_conv.weight, 0)
+            nn.init.constant_(self.final_conv.bias, 0)
 
     def unpatchify(self, x):
         c = self.out_channels
@@ -598,7 +604,8 @@ class DiT(nn.Module):
         c = self.t_embedder(t) + self.y_embedder(y)
         for block in self.blocks:
             x = block(x, c)
-        return self.unpatchify(self.final_layer(x, c))
+        out = self.unpatchify(self.final_layer(x, c))
+        return out if self.final_conv is None else out + self.final_conv(out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -825,7 +832,8 @@ def _build(metadata):
         return DiT(input_size=input_shape[1], patch_size=_field(metadata, "patch_size", int),
                    in_channels=input_shape[0], hidden_size=_field(metadata, "embed_dim", int),
                    depth=_field(metadata, "layers", int), num_heads=_field(metadata, "heads", int),
-                   mlp_ratio=_field(metadata, "mlp_ratio", float), num_classes=_field(metadata, "classes", int))
+                   mlp_ratio=_field(metadata, "mlp_ratio", float), num_classes=_field(metadata, "classes", int),
+                   final_conv=_field(metadata, "final_conv", bool) if "final_conv" in metadata else False)
     raise ExportError(f"{METADATA_KEY}: unknown arch '{arch}' (mlp, gpt, diffusion, dit)")
 
 
@@ -1038,7 +1046,7 @@ _SIZE_KEYS = {
     DiT: ["embed_dim", "layers", "heads", "patch_size", "mlp_ratio", "classes", "timesteps", "beta_start", "beta_end"],
 }
 # The diffusion keys describe shows when the export has them (older exports: eps, linear).
-_SCHEDULE_KEYS = ["noise_schedule", "zero_terminal_snr", "prediction"]
+_SCHEDULE_KEYS = ["final_conv", "noise_schedule", "zero_terminal_snr", "prediction"]
 
 
 def _describe(args):

@@ -684,7 +684,7 @@ def _end_to_end_cases(work_dir):
         # A velocity predictor on a cosine schedule that ends in pure noise: the samplers start there.
         ("dit_v_zero_terminal_snr", {"arch": "dit", "patch_size": 2, "embed_dim": 32, "layers": 2, "heads": 4,
                                      "timesteps": 50, "noise_schedule": "cosine", "zero_terminal_snr": True,
-                                     "prediction": "v"},
+                                     "prediction": "v", "final_conv": True},
          dict(kind="idx", path=images, labels=labels, **batch),
          {"noise": torch.randn(6, 1, 16, 16, generator=g), "labels": torch.tensor([0, 1, 2, 3, 4, 1])}),
         ("diffusion_v", {"arch": "diffusion", "embed_dim": 16, "layers": 2, "timesteps": 50, "prediction": "v",

@@ -341,6 +341,40 @@ TEST(DiffusionTest, SamplersStartFromPureNoiseWithAVelocityDenoiser) {
                            1e-6, 1e-6));
 }
 
+// model.final_conv: a zero-initialised residual 3x3 convolution named final_conv over the
+// DiT's unpatchified output. A fresh model still outputs zero; once the convolution is
+// non-zero, each output pixel depends on its neighbours across the patch border.
+TEST(DiTTest, FinalConvSmoothsAcrossPatchBorders) {
+  ModelOptions o;
+  o.arch = "dit";
+  o.embed_dim = 16;
+  o.layers = 1;
+  o.heads = 2;
+  o.patch_size = 4;
+  o.timesteps = 50;
+  const auto plain = initialized(makeModel(o, floatSpec({1, 8, 8}, /*classes=*/3)));
+  o.final_conv = true;
+  const auto withConv = initialized(makeModel(o, floatSpec({1, 8, 8}, /*classes=*/3)));
+  auto namesOf = [](torch::nn::Module& m) { return names(m); };
+  std::set<std::string> expected = namesOf(*plain);
+  expected.insert({"final_conv.weight", "final_conv.bias"});
+  EXPECT_EQ(namesOf(*withConv), expected);
+  auto* dit = dynamic_cast<Denoiser*>(withConv.get());
+  ASSERT_NE(dit, nullptr);
+  const at::Tensor x = torch::randn({2, 1, 8, 8}), t = torch::tensor(std::vector<int64_t>{3, 40});
+  const at::Tensor y = torch::tensor(std::vector<int64_t>{0, 3});
+  EXPECT_TRUE(dit->predict(x, t, y).eq(0).all().item<bool>());  // adaLN-Zero and a zero convolution
+  torch::NoGradGuard noGrad;
+  for (auto& item : withConv->named_parameters()) {
+    if (item.key() == "final_layer.linear.bias") item.value().fill_(0.5);  // every pixel of every patch 0.5
+    if (item.key() == "final_conv.weight") item.value().fill_(0.1);
+  }
+  const at::Tensor out = dit->predict(x, t, y);
+  // Inside the image: 0.5 + 0.1 * 9 * 0.5; at a corner only 4 neighbours exist.
+  EXPECT_NEAR(out[0][0][3][4].item<double>(), 0.95, 1e-6);
+  EXPECT_NEAR(out[0][0][0][0].item<double>(), 0.7, 1e-6);
+}
+
 // The exported names are those of the equivalent PyTorch module: the weights load into it
 // with strict=True and it computes the same noise prediction (an independent
 // implementation in Python, python3-torch).
