@@ -165,6 +165,35 @@ TEST(DitE2ETest, SamplesFromAnExportOrACheckpointSplitOverRanksOrNot) {
   EXPECT_TRUE(a.at("samples").equal(tessera::checkpoint::loadSafetensors(fromOffline).at("samples")));
 }
 
+// Exports written before the diffusion keys existed (no noise_schedule, zero_terminal_snr
+// or prediction in their metadata) are linear-schedule noise predictors: they sample as
+// they did, and the same weights declared velocity predictors sample otherwise.
+TEST(DitE2ETest, ExportsWithoutTheDiffusionKeysSampleAsNoisePredictors) {
+  const std::string dir = scratch("old_export");
+  const std::string runDir = dir + "/run";
+  mustRun(trainCommand(1) + ditConfig(dir) + " --set run.dir=" + runDir);
+  const std::string current = runDir + "/export/generator_ema.safetensors";
+  const auto tensors = tessera::checkpoint::loadSafetensors(current);
+  auto metadata = tessera::checkpoint::SafetensorsReader(current).header().metadata;
+  auto model = nlohmann::json::parse(metadata.at("tessera.model"));
+  ASSERT_EQ(model.at("prediction"), "eps");
+  const std::string old = dir + "/old.safetensors", velocity = dir + "/velocity.safetensors";
+  for (const char* key : {"noise_schedule", "zero_terminal_snr", "prediction"}) model.erase(key);
+  metadata["tessera.model"] = model.dump();
+  tessera::checkpoint::saveSafetensors(old, tensors, metadata);
+  model["prediction"] = "v";
+  metadata["tessera.model"] = model.dump();
+  tessera::checkpoint::saveSafetensors(velocity, tensors, metadata);
+  const auto sample = [&](const std::string& weights) {
+    const std::string out = weights + ".samples.safetensors";
+    mustRun(kBin + "/tessera-sample --weights " + weights + " --per-class 2 --steps 5 --seed 3 --out-tensors " + out);
+    return tessera::checkpoint::loadSafetensors(out).at("samples");
+  };
+  const at::Tensor now = sample(current);
+  EXPECT_TRUE(now.equal(sample(old)));
+  EXPECT_FALSE(at::allclose(now, sample(velocity)));
+}
+
 // A classifier trained by Tessera on the same images judges the DiT's samples: the accuracy
 // of its predictions against the classes asked for, and the Frechet distance of its
 // features to the held-out images' (with the scale: its own accuracy on real images, and
