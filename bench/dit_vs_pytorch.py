@@ -40,7 +40,11 @@ def tessera(args, strategy, env):
              "--set", f"run.dir={run_dir}", "--set", f"run.steps={args.steps}", "--set", f"run.log_every={args.steps // 5}",
              "--set", f"run.eval_every={args.steps}", "--set", "checkpoint.every_steps=0", "--set", "checkpoint.at_end=false",
              "--set", "checkpoint.export=[]", "--set", f"sharding.strategy={strategy}", "--set", "log.per_rank_files=false",
-             "--set", "eval.sample_per_class=1", "--set", "eval.sample_steps=1"], env)
+             "--set", "eval.sample_per_class=1", "--set", "eval.sample_steps=1",
+             # the baseline's loss: noise prediction on DDPM's linear schedule (the main job
+             # predicts the velocity now; the step's cost is the same)
+             "--set", "model.prediction=eps", "--set", "model.noise_schedule=linear",
+             "--set", "model.zero_terminal_snr=false"], env)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             windows = [json.loads(line) for line in f]
         steady = [w["samples_per_sec"] for w in windows[1:]]

@@ -34,6 +34,9 @@ NoiseSchedule::NoiseSchedule(const ModelOptions& o) : NoiseSchedule(o.timesteps,
                    o.prediction, "' (eps, v)");
   prediction = o.prediction == "v" ? Prediction::kVelocity : Prediction::kNoise;
   if (o.noise_schedule == "cosine") {
+    TESSERA_CHECK_AS(ConfigError, prediction == Prediction::kVelocity,
+                     "model.noise_schedule cosine needs model.prediction v: its last abar (2e-9) makes a noise "
+                     "prediction's clean estimate multiply every error by 20000");
     // abar(u) = f(u) / f(0), f(u) = cos^2((u / T + s) / (1 + s) pi / 2), s = 0.008; abar_t =
     // abar(t + 1), each beta capped at 0.999 (improved-diffusion's betas_for_alpha_bar).
     constexpr double kOffset = 0.008, kMaxBeta = 0.999;

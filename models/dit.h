@@ -77,7 +77,8 @@ class DiT : public Denoiser {
   // sampleShape [C, H, W] with H == W divisible by model.patch_size.
   DiT(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t classes, at::Device device = at::kCPU);
 
-  // x_t [N, C, H, W], t [N] int64, labels [N] int64 in [0, classes] -> noise [N, C, H, W].
+  // x_t [N, C, H, W], t [N] int64, labels [N] int64 in [0, classes] -> the output [N, C, H, W]
+  // (the noise or the velocity: model.prediction).
   at::Tensor forward(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels);
   at::Tensor predict(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) override {
     return forward(noisy, timesteps, labels);

@@ -43,7 +43,7 @@ struct ModelOptions {
   int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
   std::optional<std::string> init_from; // safetensors file or *.index.json to start from (fresh runs)
 
-  // A diffusion denoiser (diffusion, dit): trained on noise prediction, sampled, distilled.
+  // A diffusion denoiser (diffusion, dit): trained to predict the noise or the velocity, sampled, distilled.
   bool isDenoiser() const { return arch == "diffusion" || arch == "dit"; }
 };
 

@@ -530,9 +530,10 @@ class FinalLayer(nn.Module):
 
 class DiT(nn.Module):
     """DiT with adaLN-Zero blocks, learn_sigma=False (out_channels = in_channels).
-    forward(x [N,C,H,W], t [N] int64, y [N] int64 in [0, classes]) -> predicted noise
-    [N,C,H,W]; y == classes is the unconditional label. Modules are created in the
-    reference's order, so a seeded construction draws what the reference draws.
+    forward(x [N,C,H,W], t [N] int64, y [N] int64 in [0, classes]) -> the predicted noise or
+    velocity [N,C,H,W] (the export's "prediction"); y == classes is the unconditional label.
+    Modules are created in the reference's order, so a seeded construction draws what the
+    reference draws (without final_conv, whose Conv2d draws too before it is zeroed).
     final_conv (Tessera's model.final_conv, not the reference's): the unpatchified output y
     becomes y + conv3x3(y) (U-ViT's remedy for patch seams), the convolution zero at first."""
 
@@ -635,6 +636,8 @@ class NoiseSchedule:
             raise ValueError(f"prediction '{prediction}': eps or v")
         if zero_terminal_snr and (prediction != "v" or timesteps < 2):
             raise ValueError("zero_terminal_snr needs prediction v and timesteps >= 2")
+        if noise_schedule == "cosine" and prediction != "v":
+            raise ValueError("noise_schedule cosine needs prediction v")
         self.timesteps, self.prediction = timesteps, prediction
         self.betas, self.alpha_bars = [], []
         product = 1.0

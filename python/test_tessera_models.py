@@ -393,14 +393,14 @@ class SamplerTest(unittest.TestCase):
     def test_cosine_and_zero_terminal_snr_schedules(self):
         # cosine: abar_t = f(t + 1) / f(0) wherever no beta is capped (Nichol & Dhariwal).
         f = lambda u: math.cos((u / 1000 + 0.008) / 1.008 * math.pi / 2) ** 2  # noqa: E731
-        cosine = tm.NoiseSchedule(1000, 1e-4, 0.02, "cosine")
+        cosine = tm.NoiseSchedule(1000, 1e-4, 0.02, "cosine", prediction="v")
         for t in (0, 10, 500, 900):
             self.assertAlmostEqual(cosine.alpha_bars[t], f(t + 1) / f(0), places=12)
         self.assertEqual(cosine.betas[-1], 0.999)  # the last beta is capped
         self.assertTrue(all(b <= 0.999 for b in cosine.betas))
         # zero terminal SNR: sqrt(abar) an affine map of the original's, first kept, last 0.
         for kind in ("linear", "cosine"):
-            base = tm.NoiseSchedule(1000, 1e-4, 0.02, kind)
+            base = tm.NoiseSchedule(1000, 1e-4, 0.02, kind, prediction="v")
             z = tm.NoiseSchedule(1000, 1e-4, 0.02, kind, zero_terminal_snr=True, prediction="v")
             self.assertEqual((z.alpha_bars[-1], z.betas[-1]), (0.0, 1.0))
             self.assertAlmostEqual(z.alpha_bars[0], base.alpha_bars[0], places=15)
@@ -410,7 +410,8 @@ class SamplerTest(unittest.TestCase):
                 self.assertAlmostEqual(math.sqrt(z.alpha_bars[t]), expected, places=12)
                 product = math.prod(1 - b for b in z.betas[:t + 1])
                 self.assertAlmostEqual(z.alpha_bars[t], product, places=12)
-        for bad in (dict(zero_terminal_snr=True), dict(prediction="x0"), dict(noise_schedule="sigmoid")):
+        for bad in (dict(zero_terminal_snr=True), dict(prediction="x0"), dict(noise_schedule="sigmoid"),
+                    dict(noise_schedule="cosine")):
             with self.assertRaises(ValueError, msg=str(bad)):
                 tm.NoiseSchedule(1000, 1e-4, 0.02, **bad)
 

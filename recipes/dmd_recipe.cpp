@@ -382,7 +382,7 @@ class DmdRecipe : public trainer::Recipe {
     cache.store({pairNoise_, pairSamples_, pairLabels_});
   }
 
-  // The teacher's noise-prediction loss on 1024 samples of the generator as it
+  // The teacher's diffusion loss (of its model.prediction) on 1024 samples of the generator as it
   // is now (fixed noise: comparable from one evaluation to the next), split over the ranks.
   double teacherLossOfSamples() {
     torch::NoGradGuard noGrad;

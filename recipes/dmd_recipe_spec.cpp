@@ -70,10 +70,15 @@ void finishDmd(const config::ConfigSchema& schema, trainer::TrainConfig& c) {
   for (size_t i = 0; i < c.models.size(); ++i) {
     const models::ModelOptions& m = c.models[i].model;
     const models::ModelOptions& g = generator.model;
-    if (m.timesteps != g.timesteps || m.beta_start != g.beta_start || m.beta_end != g.beta_end ||
-        m.noise_schedule != g.noise_schedule || m.zero_terminal_snr != g.zero_terminal_snr) {
+    const char* differs = m.timesteps != g.timesteps             ? "timesteps"
+                          : m.beta_start != g.beta_start         ? "beta_start"
+                          : m.beta_end != g.beta_end             ? "beta_end"
+                          : m.noise_schedule != g.noise_schedule ? "noise_schedule"
+                          : m.zero_terminal_snr != g.zero_terminal_snr ? "zero_terminal_snr"
+                                                                       : nullptr;
+    if (differs != nullptr) {
       throw ConfigError(entrySchema(schema, i).errorMessage(
-          "models." + c.models[i].name + ".timesteps",
+          "models." + c.models[i].name + "." + differs,
           "timesteps, beta_start, beta_end, noise_schedule and zero_terminal_snr must be the generator's (dmd "
           "compares the models' estimates at the same noise levels)"));
     }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <type_traits>
 
 #include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
@@ -237,8 +238,15 @@ std::optional<ModelDescription> exportedModelDescription(const std::string& path
 
 std::vector<std::string> diffusionDifferences(const models::ModelOptions& from, const models::ModelOptions& to) {
   std::vector<std::string> out;
+  const auto text = [](const auto& value) {
+    if constexpr (std::is_same_v<std::decay_t<decltype(value)>, bool>) {
+      return std::string(value ? "true" : "false");
+    } else {
+      return strCat(value);
+    }
+  };
   const auto compare = [&](const char* key, const auto& a, const auto& b) {
-    if (a != b) out.push_back(strCat(key, ": ", a, " in the file, ", b, " here"));
+    if (a != b) out.push_back(strCat(key, ": ", text(a), " in the file, ", text(b), " here"));
   };
   compare("prediction", from.prediction, to.prediction);
   compare("noise_schedule", from.noise_schedule, to.noise_schedule);

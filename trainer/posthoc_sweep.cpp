@@ -2,6 +2,7 @@
 #include "trainer/posthoc_sweep.h"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <numeric>
 #include <sstream>
@@ -83,34 +84,39 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
 
   PosthocSweepResult result;
   const std::string stem = withoutSuffix(outPath, ".safetensors");
-  const std::string candidate = stem + ".candidate.safetensors", kept = stem + ".best.safetensors";
+  // Working files beside --out, never a file that is already there (it might be the user's).
+  const std::string candidate = stem + ".sweep_candidate.safetensors", kept = stem + ".sweep_best.safetensors";
+  for (const std::string& path : {candidate, kept}) {
+    std::error_code ignored;
+    TESSERA_CHECK_AS(UsageError, !fs::exists(fs::symlink_status(path, ignored)), "--out ", outPath, ": ", path,
+                     " exists (the sweep's working file): remove it or choose another --out");
+  }
   double bestFrechet = 0;
-  const auto removeLeftovers = [&] {
+  try {
+    for (double sigma : options.sigmas) {
+      ema::PosthocOptions reconstruct;
+      reconstruct.sigmaRel = sigma;
+      reconstruct.atStep = options.atStep;
+      reconstruct.verify = options.verify;
+      reconstruct.metadata[kModelMetadataKey] = model;
+      result.step = ema::reconstructPosthocEma(runDir, candidate, reconstruct).step;
+      PosthocSweepPoint point{sigma, judgeExport(candidate, *judge, options)};
+      // A distance that is not finite (samples gone to NaN) is never the best.
+      if (std::isfinite(point.judgement.frechet) && (!fs::exists(kept) || point.judgement.frechet < bestFrechet)) {
+        bestFrechet = point.judgement.frechet;
+        result.best = result.points.size();
+        fs::rename(candidate, kept);
+      } else {
+        fs::remove(candidate);
+      }
+      result.points.push_back(point);
+    }
+    TESSERA_CHECK(fs::exists(kept), "--posthoc-ema: no sigma_rel gave samples with a finite Frechet distance");
+    fs::rename(kept, outPath);
+  } catch (...) {  // no working file left behind
     std::error_code ignored;
     fs::remove(candidate, ignored);
     fs::remove(kept, ignored);
-  };
-  try {
-  for (double sigma : options.sigmas) {
-    ema::PosthocOptions reconstruct;
-    reconstruct.sigmaRel = sigma;
-    reconstruct.atStep = options.atStep;
-    reconstruct.verify = options.verify;
-    reconstruct.metadata[kModelMetadataKey] = model;
-    result.step = ema::reconstructPosthocEma(runDir, candidate, reconstruct).step;
-    PosthocSweepPoint point{sigma, judgeExport(candidate, *judge, options)};
-    if (result.points.empty() || point.judgement.frechet < bestFrechet) {
-      bestFrechet = point.judgement.frechet;
-      result.best = result.points.size();
-      fs::rename(candidate, kept);
-    } else {
-      fs::remove(candidate);
-    }
-    result.points.push_back(point);
-  }
-  fs::rename(kept, outPath);
-  } catch (...) {
-    removeLeftovers();
     throw;
   }
 

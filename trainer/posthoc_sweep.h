@@ -41,8 +41,8 @@ struct PosthocSweepResult {
   std::string table, plot;                // the .tsv and .svg written beside outPath
 };
 
-// Reconstructs, samples and judges each sigma_rel in turn (one reconstruction on disk at a
-// time, beside outPath), keeps the best as outPath, and writes <outPath without
+// Reconstructs, samples and judges each sigma_rel in turn (beside outPath: the one being
+// judged and the best so far), keeps the best as outPath (a non-finite distance never), and writes <outPath without
 // .safetensors>_sweep.tsv and _sweep.svg (Frechet distance and accuracy against sigma_rel).
 // UsageError for an empty list, a duplicate sigma or a run whose snapshots hold no model
 // description to sample with.

@@ -464,8 +464,11 @@ void checkInitFromParameterisation(const RunParts& run, const ModelEntry& e) {
   std::optional<ModelDescription> exported;
   try {
     exported = exportedModelDescription(*e.model.init_from);
-  } catch (const std::exception&) {
-    return;  // importInto names what is wrong with the file
+  } catch (const std::exception& error) {
+    // A file that cannot be opened is importInto's to name; metadata that does not parse
+    // leaves a frozen model's parameterisation unknown.
+    if (e.trainable) return;
+    throw ConfigError(run.cfg.origins.errorMessage(e.modelKeys + "init_from", error.what()));
   }
   if (!exported || !exported->model.isDenoiser()) return;
   const std::vector<std::string> differences = diffusionDifferences(exported->model, e.model);

@@ -375,6 +375,14 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   }
   const std::string timesteps = models::timestepsProblem(m.model.sample_timesteps, m.model.timesteps);
   if (!timesteps.empty()) k.fail("sample_timesteps", timesteps, true);
+  if (m.model.isDenoiser() && m.model.noise_schedule == "cosine" && m.model.prediction != "v") {
+    k.fail("noise_schedule", strCat("cosine needs ", m.modelKeys, "prediction v, not ", m.model.prediction,
+                                    ": its last abar (2e-9) makes a noise prediction's clean estimate multiply every "
+                                    "error by 20000"), true);
+  }
+  if (m.model.isDenoiser() && m.model.zero_terminal_snr && m.model.timesteps < 2) {
+    k.fail("zero_terminal_snr", "needs model.timesteps >= 2 (the first timestep keeps its noise level, the last is pure noise)", true);
+  }
   if (m.model.isDenoiser() && m.model.zero_terminal_snr && m.model.prediction != "v") {
     k.fail("zero_terminal_snr", strCat("needs ", m.modelKeys, "prediction v, not ", m.model.prediction,
                                        ": at the last timestep the input is pure noise, and a noise prediction says "

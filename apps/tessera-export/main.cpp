@@ -11,9 +11,11 @@
 // Exit status: 0 ok, 2 bad arguments, 1 failure (corruption, I/O).
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <iostream>
 #include <optional>
+#include <sstream>
 
 #include "checkpoint/exporter.h"
 #include "checkpoint/file_io.h"
@@ -59,11 +61,35 @@ struct ExportArgs {
   std::string dir, out, dtype, maxShard;
   bool noVerify = false;
   ckpt::ExportOptions options;
-  std::vector<double> posthocSigmas;
+  std::string posthocList;           // --posthoc-ema as given: one sigma_rel or a comma-separated list
+  std::vector<double> posthocSigmas;  // ... parsed
   std::optional<int64_t> atStep;
   tessera::trainer::PosthocSweepOptions sweep;  // with --judge
   bool list = false;
 };
+
+// --posthoc-ema's "0.05" or "0.05,0.07,0.1" (one value per argument: a list is one word, so
+// the run directory after it stays the positional argument).
+std::vector<double> parseSigmaList(const std::string& text) {
+  std::vector<double> out;
+  std::stringstream items(text);
+  std::string item;
+  while (std::getline(items, item, ',')) {
+    size_t used = 0;
+    double value = 0;
+    try {
+      value = std::stod(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || !std::isfinite(value)) {
+      throw tessera::UsageError(tessera::strCat("--posthoc-ema ", text, ": '", item, "' is not a number"));
+    }
+    out.push_back(value);
+  }
+  if (out.empty() || text.back() == ',') throw tessera::UsageError(tessera::strCat("--posthoc-ema ", text, ": no sigma_rel"));
+  return out;
+}
 
 // Declares the options and which ones exclude each other.
 void addOptions(CLI::App& app, ExportArgs& args) {
@@ -73,10 +99,10 @@ void addOptions(CLI::App& app, ExportArgs& args) {
       ->required();
   auto* what = app.add_option("--what", args.options.what,
                               "generator_ema | generator_ema_<decay> | model | a prefix ending in '/'");
-  auto* posthoc = app.add_option("--posthoc-ema", args.posthocSigmas,
+  auto* posthoc = app.add_option("--posthoc-ema", args.posthocList,
                                  "Reconstruct the power-function EMA of this sigma_rel from the run's post-hoc "
                                  "snapshots (ema.posthoc); with --judge, a comma-separated list to sweep")
-                      ->delimiter(',');
+                      ;
   auto* judge = app.add_option("--judge", args.sweep.judge,
                                "With --posthoc-ema: sample each sigma_rel's EMA, judge it with this classifier "
                                "export (as tessera-sample --judge), keep the lowest Frechet distance as --out, and "
@@ -135,7 +161,13 @@ int reconstructPosthoc(const ExportArgs& args) {
   posthocOptions.atStep = args.atStep;
   posthocOptions.verify = args.options.verify;
   // The model it holds, as the run's own exports say it (tessera-sample reads it).
-  const std::string model = tessera::trainer::posthocModelMetadata(args.dir);
+  std::string model;
+  try {
+    model = tessera::trainer::posthocModelMetadata(args.dir);
+  } catch (const std::exception& e) {  // the snapshots alone make the file; it just cannot say its model
+    std::cerr << "tessera-export: warning: the run's checkpoints do not say which model the snapshots hold (" << e.what()
+              << "); the file will carry no model description\n";
+  }
   if (!model.empty()) posthocOptions.metadata[tessera::trainer::kModelMetadataKey] = model;
   const auto result = tessera::ema::reconstructPosthocEma(args.dir, args.out, posthocOptions);
   std::cout << "reconstructed the post-hoc EMA of sigma_rel " << posthocOptions.sigmaRel << " at step " << result.step
@@ -212,8 +244,13 @@ int main(int argc, char** argv) {
     args.options.verify = !args.noVerify;
     if (args.list) return listPosthoc(args.dir);
     if (args.out.empty()) throw tessera::UsageError("--out is required");
-    ckpt::checkOutputOutsideState(args.out, "--out", {args.dir});
-    if (!args.posthocSigmas.empty()) return reconstructPosthoc(args);
+    std::vector<std::string> inputs{args.dir};
+    if (!args.sweep.judge.empty()) inputs.push_back(args.sweep.judge);
+    ckpt::checkOutputOutsideState(args.out, "--out", inputs);
+    if (!args.posthocList.empty()) {
+      args.posthocSigmas = parseSigmaList(args.posthocList);
+      return reconstructPosthoc(args);
+    }
     if (args.options.what.empty()) throw tessera::UsageError("give --what (or --posthoc-ema, or --list)");
     return exportWhat(args);
   });

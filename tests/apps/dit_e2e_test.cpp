@@ -283,8 +283,8 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
   EXPECT_NE(printed.find(kept.str()), std::string::npos) << printed;
   EXPECT_NE(printed.find("<- kept"), std::string::npos) << printed;
   EXPECT_GT(fs::file_size(dir + "/best_sweep.svg"), 0u);
-  EXPECT_FALSE(fs::exists(dir + "/best.candidate.safetensors"));
-  EXPECT_FALSE(fs::exists(dir + "/best.best.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/best.sweep_candidate.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/best.sweep_best.safetensors"));
   // The kept file is that sigma_rel's reconstruction, and it samples like a run's export.
   std::ostringstream sigma;
   sigma << best.first;
@@ -310,8 +310,18 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
     EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(expected), std::string::npos) << args << "\n" << r.output;
     EXPECT_FALSE(fs::exists(out)) << args;
-    EXPECT_FALSE(fs::exists(dir + "/best.candidate.safetensors")) << args;
+    EXPECT_FALSE(fs::exists(dir + "/best.sweep_candidate.safetensors")) << args;
   }
+  // A working file that is already there is the user's: refused, left as it was.
+  std::ofstream(dir + "/best.sweep_best.safetensors") << "mine";
+  const auto r = tessera::test::runCommand(sweep + " --posthoc-ema 0.05,0.1", 120);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("exists (the sweep's working file)"), std::string::npos) << r.output;
+  std::ifstream mine(dir + "/best.sweep_best.safetensors");
+  std::string content((std::istreambuf_iterator<char>(mine)), {});
+  EXPECT_EQ(content, "mine");
+  // The run directory after --posthoc-ema is the positional argument, not a second sigma_rel.
+  mustRun(kBin + "/tessera-export --posthoc-ema 0.05 " + ditRun + " --out " + dir + "/positional.safetensors");
 }
 
 // run.recipe dmd over DiTs: a class-conditional few-step generator (DMD2's backward

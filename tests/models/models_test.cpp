@@ -251,11 +251,12 @@ TEST(DiffusionTest, CosineAndZeroTerminalSnrSchedules) {
   ModelOptions o = diffusionOptions();
   o.timesteps = 1000;
   o.noise_schedule = "cosine";
+  o.prediction = "v";
   const NoiseSchedule cosine(o);
   const auto f = [](double u) { return std::pow(std::cos((u / 1000 + 0.008) / 1.008 * M_PI / 2), 2); };
   for (int64_t t : {0, 10, 500, 900}) EXPECT_NEAR(cosine.alphaBars[static_cast<size_t>(t)], f(t + 1) / f(0), 1e-12) << t;
   EXPECT_DOUBLE_EQ(cosine.betas.back(), 0.999);
-  EXPECT_EQ(cosine.prediction, Prediction::kNoise);
+  EXPECT_EQ(cosine.prediction, Prediction::kVelocity);
   for (const std::string kind : {"linear", "cosine"}) {
     ModelOptions base = o;
     base.noise_schedule = kind;
@@ -275,8 +276,15 @@ TEST(DiffusionTest, CosineAndZeroTerminalSnrSchedules) {
     }
   }
   ModelOptions noise = o;
+  noise.noise_schedule = "linear";
+  noise.prediction = "eps";
   noise.zero_terminal_snr = true;  // a noise prediction at abar = 0 says nothing of x0
   EXPECT_THROW(NoiseSchedule{noise}, ConfigError);
+  noise.zero_terminal_snr = false;
+  noise.noise_schedule = "cosine";  // abar_999 = 2e-9: a factor 20000 on every error
+  EXPECT_THROW(NoiseSchedule{noise}, ConfigError);
+  noise.noise_schedule = "linear";
+  EXPECT_NO_THROW(NoiseSchedule{noise});
   noise.prediction = "x0";
   EXPECT_THROW(NoiseSchedule{noise}, ConfigError);
 }

@@ -213,6 +213,7 @@ TEST(TrainConfigTest, SampleTimestepsAreCheckedAndDmdGivesTheGeneratorItsSteps) 
   refused("/diffusion.yaml", "model.zero_terminal_snr=true", "model.zero_terminal_snr: needs model.prediction v, not eps");
   refused("/diffusion.yaml", "model.prediction=x0", "model.prediction");
   refused("/diffusion.yaml", "model.noise_schedule=sigmoid", "model.noise_schedule");
+  refused("/diffusion.yaml", "model.noise_schedule=cosine", "model.noise_schedule: cosine needs model.prediction v");
   refused("/distill.yaml", "models.critic.noise_schedule=cosine", "noise_schedule and zero_terminal_snr must be the generator's");
 }
 
