@@ -772,16 +772,23 @@ TEST(HostileInputRound3Test, DataFileErrorsNameTheirOwnKey) {
   EXPECT_EQ(out.find("data.path"), std::string::npos) << out;
   // In the file: the line of the key that named the file.
   const std::string config = tessera::test::scratchPath("tessera_hostile", "data_keys.yaml");
+  int keyLine = 0;  // 1-based, wherever the shipped config has the key
   {
     std::ifstream in(dit);
     std::ofstream outFile(config);
+    int number = 0;
     for (std::string line; std::getline(in, line);) {
-      if (line.find("eval_labels:") != std::string::npos) line = "  eval_labels: " + junk;
+      ++number;
+      if (line.find("eval_labels:") != std::string::npos) {
+        line = "  eval_labels: " + junk;
+        keyLine = number;
+      }
       outFile << line << "\n";
     }
   }
+  ASSERT_GT(keyLine, 0) << dit << " has no eval_labels key";
   expectRefused(kTrain + " --config " + config + " --set log.per_rank_files=false --set run.dir=" + run + "_file",
-                {config + ":33:", "data.eval_labels"}, 1);
+                {config + ":" + std::to_string(keyLine) + ":", "data.eval_labels"}, 1);
 }
 
 }  // namespace
