@@ -261,14 +261,14 @@ class DmdRecipe : public trainer::Recipe {
     at::Tensor signal = at::empty({n, 1}, at::kFloat), spread = at::empty({n, 1}, at::kFloat);
     std::vector<int64_t> flatShape{c10::multiply_integers(shape)};
     at::Tensor eps = at::empty({n, flatShape[0]}, at::kFloat);
-    const std::vector<double>& alphaBars = generatorNet_.schedule().alphaBars;
+    const models::NoiseSchedule& schedule = generatorNet_.schedule();
     for (int64_t i = 0; i < n; ++i) {
       at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(noiseSeeds[static_cast<size_t>(i)]);
       const int64_t t = at::randint(minT_, maxT_ + 1, {1}, gen, at::kLong).item<int64_t>();
       eps[i].copy_(at::randn(flatShape, gen, at::kFloat));
       timesteps[i] = t;
-      signal[i] = std::sqrt(alphaBars[static_cast<size_t>(t)]);
-      spread[i] = std::sqrt(1.0 - alphaBars[static_cast<size_t>(t)]);
+      signal[i] = schedule.signal(t);
+      spread[i] = schedule.spread(t);
     }
     const at::Device device = run_.device;
     signal = signal.to(device);
@@ -296,7 +296,6 @@ class DmdRecipe : public trainer::Recipe {
   // without gradients, from `noise`). Every rank runs every step of the chain, whichever
   // steps its samples ask for: under zero3 each forward is collective.
   at::Tensor generateAtSteps(const at::Tensor& noise, const at::Tensor& labels, const std::vector<int64_t>& steps) {
-    const std::vector<double>& alphaBars = generatorNet_.schedule().alphaBars;
     const auto n = static_cast<int64_t>(steps.size());
     at::Tensor input = noise, timesteps = at::full({n}, chain_[0], at::kLong);
     if (chain_.size() > 1) {
@@ -318,9 +317,9 @@ class DmdRecipe : public trainer::Recipe {
     }
     at::Tensor signal = at::empty({n}, at::kFloat), spread = at::empty({n}, at::kFloat);
     for (int64_t i = 0; i < n; ++i) {
-      const double alphaBar = alphaBars[static_cast<size_t>(chain_[static_cast<size_t>(steps[static_cast<size_t>(i)])])];
-      signal[i] = std::sqrt(alphaBar);
-      spread[i] = std::sqrt(1.0 - alphaBar);
+      const int64_t t = chain_[static_cast<size_t>(steps[static_cast<size_t>(i)])];
+      signal[i] = generatorNet_.schedule().signal(t);
+      spread[i] = generatorNet_.schedule().spread(t);
     }
     std::vector<int64_t> perSample(static_cast<size_t>(noise.dim()), 1);
     perSample[0] = n;
