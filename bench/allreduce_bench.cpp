@@ -1,13 +1,14 @@
-// All-reduce over gloo (issue 18): Gloo's own allreduce (LibTorch 1.13) against the split
-// all-reduce (point-to-point reduce-scatter + all-gather) for a range of sizes, on the
-// same ranks in the same run, to place GlooOptions::splitAllReduceFromBytes and
-// splitAllReduceBelowBytes. Run under
+// All-reduce on one host (issues 18, 45): Gloo's own allreduce (LibTorch 1.13) against the
+// split all-reduce (point-to-point reduce-scatter + all-gather) and the shared-memory
+// backend (shm_communicator.h), for a range of sizes, on the same ranks in the same run:
+// to place GlooOptions::splitAllReduceFromBytes and splitAllReduceBelowBytes, and to
+// measure what shm saves over gloo's TCP loopback. Run under
 // tessera-run, one process per rank:
 //
 //   tessera-run --standalone --nproc-per-node 2 build/bin/bench_allreduce_bench
 //
 // Prints, on rank 0, the median time of each (rank 0's clock, after a barrier) and the
-// ratio split / Gloo: below 1, the split one is faster. (GlooOptions::
+// ratios split / Gloo and shm / Gloo: below 1, faster than Gloo. (GlooOptions::
 // splitAllReduceFromBytes / splitAllReduceBelowBytes choose the split one for a range of
 // sizes; empty by default, from this bench's figures.)
 #include <ATen/ATen.h>
@@ -24,6 +25,7 @@
 #include "distributed/gloo_communicator.h"
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
+#include "distributed/shm_communicator.h"
 
 namespace {
 
@@ -48,7 +50,7 @@ double medianAllReduceSeconds(tessera::distributed::Communicator& comm, const at
 int main(int argc, char** argv) {
   return tessera::runMain("bench_allreduce_bench", [&]() -> int {
     using namespace tessera;
-    CLI::App app{"Gloo's allreduce against the split all-reduce (reduce-scatter + all-gather)"};
+    CLI::App app{"Gloo's allreduce against the split all-reduce (reduce-scatter + all-gather) and shm's"};
     int reps = 15, threads = 1;
     std::vector<int64_t> kib{4, 16, 64, 256, 1024, 4096, 8192, 16384, 65536};
     app.add_option("--reps", reps, "timed repetitions per size")->capture_default_str()->check(CLI::PositiveNumber);
@@ -69,15 +71,23 @@ int main(int argc, char** argv) {
     };
     auto gloo = make("bench_gloo_allreduce", false);
     auto split = make("bench_split_allreduce", true);
+    distributed::ShmOptions shmOptions;
+    shmOptions.comm.name = "bench_shm_allreduce";
+    auto shm = distributed::makeShmCommunicator(runtime->store(), rank, world, shmOptions);
     if (rank == 0) {
       std::printf("fp32 all-reduce (AVG), %d ranks, median of %d\n\n", world, reps);
-      std::printf("| size | Gloo allreduce | split (reduce-scatter + all-gather) | split / Gloo |\n|---|---|---|---|\n");
+      std::printf("| size | Gloo allreduce | split (reduce-scatter + all-gather) | shm | split / Gloo | shm / Gloo |\n"
+                  "|---|---|---|---|---|---|\n");
     }
     for (int64_t k : kib) {
       const at::Tensor t = at::randn({k * 1024 / 4});
       const double g = medianAllReduceSeconds(*gloo, t, reps);
       const double s = medianAllReduceSeconds(*split, t, reps);
-      if (rank == 0) std::printf("| %lld KiB | %.3f ms | %.3f ms | %.2fx |\n", static_cast<long long>(k), g * 1e3, s * 1e3, s / g);
+      const double m = medianAllReduceSeconds(*shm, t, reps);
+      if (rank == 0) {
+        std::printf("| %lld KiB | %.3f ms | %.3f ms | %.3f ms | %.2fx | %.2fx |\n", static_cast<long long>(k), g * 1e3,
+                    s * 1e3, m * 1e3, s / g, m / g);
+      }
       std::fflush(stdout);
     }
     return 0;

@@ -14,6 +14,7 @@
 #include "common/trace.h"
 #include "diagnostics/flight_recorder.h"
 #include "distributed/gloo_communicator.h"
+#include "distributed/shm_communicator.h"
 #include "distributed/store.h"
 #if defined(TESSERA_WITH_NCCL)
 #include "distributed/nccl_communicator.h"
@@ -552,6 +553,11 @@ std::shared_ptr<Communicator> makeCommunicator(const std::string& backend, std::
     gloo.comm = options;
     return makeGlooCommunicator(std::move(store), rank, world, gloo);
   }
+  if (backend == "shm") {
+    ShmOptions shm;
+    shm.comm = options;
+    return makeShmCommunicator(std::move(store), rank, world, shm);
+  }
   if (backend == "nccl") {
 #if defined(TESSERA_WITH_NCCL)
     NcclOptions nccl;
@@ -563,7 +569,7 @@ std::shared_ptr<Communicator> makeCommunicator(const std::string& backend, std::
         "(configure with -DTESSERA_WITH_CUDA=ON); this build has the CPU backend 'gloo' only");
 #endif
   }
-  throw ConfigError(strCat("makeCommunicator: unknown backend '", backend, "' (gloo | nccl)"));
+  throw ConfigError(strCat("makeCommunicator: unknown backend '", backend, "' (gloo | shm | nccl)"));
 }
 
 void allReduceHostTensor(Communicator& comm, const at::Tensor& t, ReduceOp op) {

@@ -2,13 +2,14 @@
 //
 // Collectives over the ranks of one group, on LibTorch tensors only (no c10d, gloo or
 // NCCL type appears here). Backends: gloo (CPU tensors, c10d ProcessGroupGloo; see
-// gloo_communicator.h) and nccl (CUDA tensors, NCCL called directly; see
+// gloo_communicator.h), shm (CPU tensors, ranks on one host, shared memory; see
+// shm_communicator.h) and nccl (CUDA tensors, NCCL called directly; see
 // nccl_communicator.h). Contracts common to every call below:
 //
 // - Collective: every rank of the group calls the same operations in the same order,
 //   with the same sizes and dtypes. A rank that does not shows up as a TimeoutError on
 //   the others after CommOptions::timeout, never as a hang.
-// - Buffers are contiguous, on the backend's device (CPU for gloo, the communicator's
+// - Buffers are contiguous, on the backend's device (CPU for gloo and shm, the communicator's
 //   CUDA device for nccl), of any dtype (reductions: see ReduceOp). Shapes are free:
 //   only element counts matter ("flat" = any shape, numel N x chunk).
 // - Equal sizes: all-gather, reduce-scatter and gather move equal-size chunks; chunk r
@@ -257,7 +258,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::shared_ptr<diagnostics::FlightRing> flight_;  // null when the recorder is off
 };
 
-// Creates a communicator over `store` ("gloo" or "nccl"); every rank of the group calls it
+// Creates a communicator over `store` ("gloo", "shm" or "nccl"); every rank of the group calls it
 // with the same backend and options.name. Throws ConfigError for an unknown backend and
 // for "nccl" in a build without CUDA (TESSERA_WITH_CUDA=OFF).
 std::shared_ptr<Communicator> makeCommunicator(const std::string& backend, std::shared_ptr<Store> store, int rank,

@@ -7,6 +7,7 @@
 #include "common/logging.h"
 #include "distributed/gloo_communicator.h"
 #include "distributed/rendezvous.h"
+#include "distributed/shm_communicator.h"
 #if defined(TESSERA_WITH_NCCL)
 #include "distributed/nccl_communicator.h"
 #endif
@@ -16,9 +17,14 @@ namespace tessera::distributed {
 std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   std::string backend = options.backend;
-  if (backend == "auto") backend = ncclAvailable() && at::hasCUDA() ? "nccl" : "gloo";
-  if (backend != "gloo" && backend != "nccl") {
-    throw ConfigError(strCat("Runtime::init: unknown backend '", options.backend, "' (gloo | nccl | auto)"));
+  if (backend == "auto") backend = ncclAvailable() && at::hasCUDA() ? "nccl" : "cpu";
+  if (backend != "gloo" && backend != "shm" && backend != "cpu" && backend != "nccl") {
+    throw ConfigError(
+        strCat("Runtime::init: unknown backend '", options.backend, "' (gloo | shm | cpu | nccl | auto)"));
+  }
+  if (backend == "shm" && !env.singleNode()) {
+    throw ConfigError(strCat("Runtime::init: backend 'shm' needs every rank on one host, but ", env.local_world_size,
+                             " of ", env.world_size, " ranks run on this one (use gloo across hosts)"));
   }
   if (backend == "nccl" && !ncclAvailable()) {
     // Fail before rendezvous, with makeCommunicator's explanation.
@@ -32,15 +38,35 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
   rendezvousOptions.timeout = options.rendezvousTimeout;
   runtime->store_ = rendezvous(env, rendezvousOptions);
 
-  GlooOptions gloo;
-  gloo.comm.timeout = options.commTimeout;
-  gloo.comm.checkCollectives = options.checkCollectives;
-  gloo.comm.name = "world_cpu";
-  // Loopback is always right on one machine; across machines c10d's default device (the
-  // host name's address, or $GLOO_SOCKET_IFNAME) is.
-  gloo.hostname = env.singleNode() ? "127.0.0.1" : "";
-  runtime->cpuComm_ = makeGlooCommunicator(runtime->store_, env.rank, env.world_size, gloo);
-  if (backend == "gloo") {
+  // The CPU communicator: shared memory when every rank is on this host (asked for, or
+  // "cpu" and it can be set up), else gloo.
+  if (backend == "shm" || (backend == "cpu" && env.singleNode() && env.world_size > 1)) {
+    ShmOptions shm;
+    shm.comm.timeout = options.commTimeout;
+    shm.comm.checkCollectives = options.checkCollectives;
+    shm.comm.name = "world_cpu";
+    try {
+      runtime->cpuComm_ = makeShmCommunicator(runtime->store_, env.rank, env.world_size, shm);
+    } catch (const TimeoutError&) {
+      throw;  // a rank missing: gloo would miss it too
+    } catch (const Error& e) {
+      if (backend == "shm") throw;
+      // Every rank got the same error (ShmCommunicator agrees on it), so all fall back.
+      TLOG_WARN0("Runtime: no shared memory between the ranks of this host (" << e.what()
+                                                                              << "); collectives go over gloo");
+    }
+  }
+  if (!runtime->cpuComm_) {
+    GlooOptions gloo;
+    gloo.comm.timeout = options.commTimeout;
+    gloo.comm.checkCollectives = options.checkCollectives;
+    gloo.comm.name = "world_cpu";
+    // Loopback is always right on one machine; across machines c10d's default device (the
+    // host name's address, or $GLOO_SOCKET_IFNAME) is.
+    gloo.hostname = env.singleNode() ? "127.0.0.1" : "";
+    runtime->cpuComm_ = makeGlooCommunicator(runtime->store_, env.rank, env.world_size, gloo);
+  }
+  if (backend != "nccl") {
     runtime->comm_ = runtime->cpuComm_;
   } else {
 #if defined(TESSERA_WITH_NCCL)

@@ -1,6 +1,6 @@
 // Runtime: one process's view of the distributed job, set up in one call from the rank
-// environment: rendezvous (store), the main communicator, and a CPU (gloo) communicator
-// that is always there, also in GPU runs, for checkpoint and export traffic.
+// environment: rendezvous (store), the main communicator, and a CPU communicator (shm or
+// gloo) that is always there, also in GPU runs, for checkpoint and export traffic.
 //
 //   auto env = RankEnv::fromEnvironment();          // torchrun, tessera-run, srun, mpirun
 //   auto runtime = Runtime::init(env);              // or: auto comm = initProcessGroup(env);
@@ -18,8 +18,11 @@
 namespace tessera::distributed {
 
 struct RuntimeOptions {
-  // "gloo" (CPU tensors), "nccl" (CUDA tensors; needs a TESSERA_WITH_CUDA build), or
-  // "auto": nccl when this build has it and a CUDA device is present, else gloo.
+  // "gloo" (CPU tensors, TCP), "shm" (CPU tensors, every rank on this host, shared memory:
+  // shm_communicator.h), "cpu" (shm when every rank is on this host and the segment can be
+  // set up, else gloo, with a warning when shm was possible but failed), "nccl" (CUDA
+  // tensors; needs a TESSERA_WITH_CUDA build), or "auto": nccl when this build has it and a
+  // CUDA device is present, else "cpu".
   std::string backend = "gloo";
   // Store host + all ranks arriving; then each communicator's creation.
   std::chrono::milliseconds rendezvousTimeout = std::chrono::seconds(300);
@@ -39,8 +42,8 @@ class Runtime {
   const std::shared_ptr<Store>& store() const { return store_; }
   // The backend's world communicator (options.backend).
   const std::shared_ptr<Communicator>& comm() const { return comm_; }
-  // A gloo world communicator: the same object as comm() when the backend is gloo, else
-  // comm()'s host twin (comm()->host(); its subgroups have theirs).
+  // A CPU world communicator (shm or gloo): the same object as comm() unless the backend
+  // is nccl, then comm()'s host twin (comm()->host(); its subgroups have theirs; gloo).
   const std::shared_ptr<Communicator>& cpuComm() const { return cpuComm_; }
   // Seconds from init() to all ranks past rendezvous and connected.
   double startupSeconds() const { return startupSeconds_; }

@@ -103,8 +103,17 @@ distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distrib
                     " GPUs visible (NCCL refuses two ranks on one GPU; use gloo)"));
     }
     options.backend = "nccl";
+  } else if (cfg.run.backend == "shm") {
+    auto refuse = [&](const std::string& why) { throw ConfigError(cfg.origins.errorMessage("run.backend", why)); };
+    if (cuda) refuse("shm moves CPU tensors; run.device is cuda (use auto, nccl or gloo)");
+    if (!env.singleNode()) {
+      refuse(strCat("shm needs every rank on one host: ", env.local_world_size, " of ", env.world_size,
+                    " ranks run on this one (use gloo or auto)"));
+    }
+    options.backend = "shm";
   } else if (cfg.run.backend == "auto") {
-    options.backend = cuda && distributed::ncclAvailable() && gpuPerRank ? "nccl" : "gloo";
+    // On the CPU: shm on one host (gloo if it cannot be set up), gloo across hosts.
+    options.backend = cuda ? (distributed::ncclAvailable() && gpuPerRank ? "nccl" : "gloo") : "cpu";
   } else {
     options.backend = "gloo";
   }
@@ -188,8 +197,9 @@ ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
   TLOG_INFO0("run " << run.cfg.run.name << ": " << entry.displayName << " "
                     << m.arch << ": " << numParams << " parameters" << (entry.trainable ? "" : " (frozen)")
                     << "; strategy " << sharding::strategyKindName(entry.sharding.strategy) << " over "
-                    << run.comm->worldSize()
-                    << " ranks; resident " << part.strategy->residentBytes().str() << "; peak RSS so far "
+                    << run.comm->worldSize() << " ranks ("
+                    << (run.comm->worldSize() > 1 ? run.comm->backendName() : std::string("one process"))
+                    << "); resident " << part.strategy->residentBytes().str() << "; peak RSS so far "
                     << peakRssMiB() << " MiB");
   return part;
 }

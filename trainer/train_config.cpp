@@ -137,9 +137,10 @@ void bindRunKeys(config::ConfigSchema& s, RunOptions& run) {
   s.add("run.device", &run.device, "Where the model trains: cpu, or cuda (each rank's GPU: LOCAL_RANK modulo the GPUs)")
       .oneOf({"cpu", "cuda"});
   s.add("run.backend", &run.backend,
-        "How parameters and gradients travel: auto (nccl for cuda when each rank of a node has a GPU of its own, "
-        "else gloo), nccl (cuda only), or gloo; checkpoints and agreement always go over gloo")
-      .oneOf({"auto", "nccl", "gloo"});
+        "How parameters and gradients travel: auto (nccl for cuda when each rank of a node has a GPU of its own; "
+        "on the CPU, shm when every rank runs on one host, else gloo), nccl (cuda only), shm (cpu only, every rank "
+        "on one host: shared memory), or gloo (TCP); checkpoints and agreement go over shm or gloo")
+      .oneOf({"auto", "nccl", "shm", "gloo"});
   std::string recipes;
   std::vector<std::string> recipeNames;
   for (const RecipeSpec* spec : recipeSpecs()) {

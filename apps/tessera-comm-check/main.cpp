@@ -34,7 +34,8 @@ int main(int argc, char** argv) {
     CLI::App app{"Tessera: check rendezvous and collectives on every rank"};
     std::string backend = "gloo";
     double timeoutSeconds = 60;
-    app.add_option("--backend", backend, "gloo | nccl | auto")->check(CLI::IsMember({"gloo", "nccl", "auto"}));
+    app.add_option("--backend", backend, "gloo | shm (ranks on one host) | nccl | auto")
+        ->check(CLI::IsMember({"gloo", "shm", "nccl", "auto"}));
     app.add_option("--timeout", timeoutSeconds, "Rendezvous and collective timeout in seconds")->check(CLI::PositiveNumber);
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
 

@@ -99,6 +99,27 @@ TEST(TrainE2ETest, TwoRanksMatchOneProcessForEveryStrategy) {
       << out;
 }
 
+// On one host the ranks exchange through shared memory (run.backend auto -> shm): the
+// same bits as gloo's TCP loopback at two ranks (sums of two in either order), and the
+// log names the backend.
+TEST(TrainE2ETest, SharedMemoryAndGlooTrainTheSameBits) {
+  const std::string shmDir = uniqueDir("shm"), glooDir = uniqueDir("gloo");
+  std::string shmLog, glooLog;
+  ASSERT_EQ(run(kLaunch2 + kArgs + " --set run.dir=" + shmDir, &shmLog), 0) << shmLog;
+  ASSERT_EQ(run(kLaunch2 + kArgs + " --set run.dir=" + glooDir + " --set run.backend=gloo", &glooLog), 0) << glooLog;
+  EXPECT_NE(shmLog.find("over 2 ranks (shm)"), std::string::npos) << shmLog;
+  EXPECT_NE(glooLog.find("over 2 ranks (gloo)"), std::string::npos) << glooLog;
+  const auto a = readMetrics(shmDir), b = readMetrics(glooDir);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    for (const char* key : {"loss", "eval_loss", "eval_loss_ema", "grad_norm"}) {
+      if (!a[i].contains(key)) continue;
+      ASSERT_TRUE(b[i].contains(key)) << key;
+      EXPECT_EQ(a[i][key].get<double>(), b[i][key].get<double>()) << key << " at step " << a[i]["step"];
+    }
+  }
+}
+
 // data.kind tokens: the GPL-3 text rewritten as uint16 token ids trains exactly like
 // the text itself (same samples, same order, same losses).
 // fp32 products go through oneDNN (kernels/cpu_matmul.h), named at start with their speed;

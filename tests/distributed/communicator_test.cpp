@@ -1,4 +1,4 @@
-// Collectives on the gloo backend for world sizes 1-4, as threads and as processes:
+// Collectives on the gloo and shm backends for world sizes 1-4, as threads and as processes:
 // sizes that do not divide by the world size, empty shards, every ReduceOp, in-place
 // forms, async handles, dtypes, the byte counters, and timeouts instead of hangs.
 #include <ATen/ATen.h>
@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <limits>
+#include <string>
 #include <tuple>
 
 #include "common/errors.h"
@@ -46,12 +47,14 @@ at::Tensor globalTensor(int64_t length, int64_t cols = 3) {
   return (at::arange(length * cols, at::kFloat) * 0.5f + 1.0f).view({length, cols});
 }
 
-class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, HarnessMode>> {
+// (world size, ranks as threads or processes, backend of ctx.comm())
+class CollectivesTest : public ::testing::TestWithParam<std::tuple<int, HarnessMode, std::string>> {
  protected:
   int world() const { return std::get<0>(GetParam()); }
   HarnessOptions options() const {
     HarnessOptions o;
     o.mode = std::get<1>(GetParam());
+    o.backend = std::get<2>(GetParam());
     o.timeout = std::chrono::seconds(60);
     o.commTimeout = std::chrono::seconds(20);
     return o;
@@ -161,7 +164,10 @@ TEST_P(CollectivesTest, AllReduceEveryOpAndDtype) {
 // The split all-reduce (point-to-point reduce-scatter + all-gather) against Gloo's own, on
 // two communicators forced to one or the other: every op, floating dtypes, lengths that do
 // not divide by the world size (padded) and that do; every rank ends bitwise equal.
-TEST_P(CollectivesTest, SplitAllReduceMatchesGlooAllReduce) {
+// gloo's own options: instantiated for the gloo backend only.
+class GlooCollectivesTest : public CollectivesTest {};
+
+TEST_P(GlooCollectivesTest, SplitAllReduceMatchesGlooAllReduce) {
   runOnRanks(world(), [](RankContext& ctx) {
     GlooOptions splitOptions = ctx.glooOptions("split");
     splitOptions.splitAllReduceFromBytes = 0;
@@ -316,14 +322,26 @@ TEST_P(CollectivesTest, AnyDtypeMovesAsBytes) {
   }, options());
 }
 
-std::string paramName(const ::testing::TestParamInfo<std::tuple<int, HarnessMode>>& info) {
-  return strCat("World", std::get<0>(info.param), std::get<1>(info.param) == HarnessMode::kThreads ? "Threads"
-                                                                                                  : "Processes");
+std::string paramName(const ::testing::TestParamInfo<std::tuple<int, HarnessMode, std::string>>& info) {
+  return strCat("World", std::get<0>(info.param),
+                std::get<1>(info.param) == HarnessMode::kThreads ? "Threads" : "Processes");
 }
 
 INSTANTIATE_TEST_SUITE_P(Gloo, CollectivesTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4),
-                                            ::testing::Values(HarnessMode::kThreads, HarnessMode::kProcesses)),
+                                            ::testing::Values(HarnessMode::kThreads, HarnessMode::kProcesses),
+                                            ::testing::Values(std::string("gloo"))),
+                         paramName);
+INSTANTIATE_TEST_SUITE_P(Gloo, GlooCollectivesTest,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(HarnessMode::kThreads, HarnessMode::kProcesses),
+                                            ::testing::Values(std::string("gloo"))),
+                         paramName);
+// The same contracts on the shared-memory backend (its own cases: shm_communicator_test.cpp).
+INSTANTIATE_TEST_SUITE_P(Shm, CollectivesTest,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(HarnessMode::kThreads, HarnessMode::kProcesses),
+                                            ::testing::Values(std::string("shm"))),
                          paramName);
 
 // ---- argument checks, timeouts, sub-communicators ---------------------------------

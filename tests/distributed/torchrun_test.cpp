@@ -88,5 +88,17 @@ TEST(TorchrunTest, StandaloneThreeRanks) {
   expectAllRanksOk(result, 3);
 }
 
+// The shared-memory backend under torchrun: ranks started by another launcher find each
+// other's segment and processes.
+TEST(TorchrunTest, StandaloneThreeRanksOverSharedMemory) {
+  const std::string python = pythonWithTorch();
+  if (python.empty()) GTEST_SKIP() << "no python3 with torch (apt install python3-torch)";
+  const auto result = run(strCat("timeout 120 ", kCleanEnv, python,
+                                 " -m torch.distributed.run --standalone --nproc_per_node 3", kTorchrunStreams,
+                                 "--no_python ", kCommCheck, " --backend shm --timeout 60"));
+  expectAllRanksOk(result, 3);
+  EXPECT_NE(result.output.find("(shm backend"), std::string::npos) << result.output;
+}
+
 }  // namespace
 }  // namespace tessera

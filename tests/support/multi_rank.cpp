@@ -16,6 +16,8 @@
 #include <mutex>
 #include <thread>
 
+#include "distributed/shm_communicator.h"
+
 namespace tessera::test {
 namespace {
 
@@ -103,7 +105,7 @@ MultiRankResult runThreads(int world, const std::function<void(RankContext&)>& b
     // The thread owns copies of everything it touches, so a straggler that is detached
     // after the timeout never reads this frame.
     threads.emplace_back([run, store, body, r, world, options]() {
-      RankContext ctx(r, world, HarnessMode::kThreads, store, options.commTimeout, run->cancelled);
+      RankContext ctx(r, world, HarnessMode::kThreads, store, options.commTimeout, run->cancelled, options.backend);
       const std::string error = runBody(body, ctx);
       std::lock_guard<std::mutex> lock(run->mutex);
       auto& outcome = run->outcomes[static_cast<size_t>(r)];
@@ -175,7 +177,7 @@ void writeAll(int fd, const std::string& data) {
   try {
     auto store = distributed::Store::createTcp("127.0.0.1", port, /*isServer=*/false, options.commTimeout);
     auto cancelled = std::make_shared<std::atomic<bool>>(false);
-    RankContext ctx(rank, world, HarnessMode::kProcesses, store, options.commTimeout, cancelled);
+    RankContext ctx(rank, world, HarnessMode::kProcesses, store, options.commTimeout, cancelled, options.backend);
     error = runBody(body, ctx);
   } catch (...) {
     error = describeCurrentException();
@@ -321,16 +323,25 @@ MultiRankResult runProcesses(int world, const std::function<void(RankContext&)>&
 const char* harnessModeName(HarnessMode mode) { return mode == HarnessMode::kThreads ? "threads" : "processes"; }
 
 RankContext::RankContext(int rank_, int world_, HarnessMode mode_, std::shared_ptr<distributed::Store> store_,
-                         std::chrono::milliseconds commTimeout, std::shared_ptr<const std::atomic<bool>> cancelled)
+                         std::chrono::milliseconds commTimeout, std::shared_ptr<const std::atomic<bool>> cancelled,
+                         std::string backend)
     : rank(rank_),
       world(world_),
       mode(mode_),
       store(std::move(store_)),
       commTimeout_(commTimeout),
-      cancelled_(std::move(cancelled)) {}
+      cancelled_(std::move(cancelled)),
+      backend_(std::move(backend)) {}
 
 const std::shared_ptr<distributed::Communicator>& RankContext::comm() {
-  if (!comm_) comm_ = distributed::makeGlooCommunicator(store, rank, world, glooOptions("world"));
+  if (comm_) return comm_;
+  if (backend_ == "shm") {
+    distributed::ShmOptions options;
+    options.comm = glooOptions("world").comm;
+    comm_ = distributed::makeShmCommunicator(store, rank, world, options);
+  } else {
+    comm_ = distributed::makeGlooCommunicator(store, rank, world, glooOptions("world"));
+  }
   return comm_;
 }
 

@@ -44,12 +44,15 @@ struct HarnessOptions {
   std::chrono::milliseconds timeout = std::chrono::seconds(60);
   // Every collective of ctx.comm() and its creation.
   std::chrono::milliseconds commTimeout = std::chrono::seconds(20);
+  // ctx.comm()'s backend: "gloo" (loopback) or "shm".
+  std::string backend = "gloo";
 };
 
 class RankContext {
  public:
   RankContext(int rank, int world, HarnessMode mode, std::shared_ptr<distributed::Store> store,
-              std::chrono::milliseconds commTimeout, std::shared_ptr<const std::atomic<bool>> cancelled);
+              std::chrono::milliseconds commTimeout, std::shared_ptr<const std::atomic<bool>> cancelled,
+              std::string backend = "gloo");
 
   const int rank;
   const int world;
@@ -57,8 +60,8 @@ class RankContext {
   // Shared by all ranks of this run (in-process or TCP client); fresh for every run.
   const std::shared_ptr<distributed::Store> store;
 
-  // The world gloo communicator (loopback, commTimeout), created on the first call:
-  // every rank must call it.
+  // The world communicator (HarnessOptions::backend; gloo over loopback by default;
+  // commTimeout), created on the first call: every rank must call it.
   const std::shared_ptr<distributed::Communicator>& comm();
   // Options for more gloo communicators over `store` (give each its own name).
   distributed::GlooOptions glooOptions(const std::string& name) const;
@@ -69,6 +72,7 @@ class RankContext {
  private:
   std::chrono::milliseconds commTimeout_;
   std::shared_ptr<const std::atomic<bool>> cancelled_;
+  std::string backend_;
   std::shared_ptr<distributed::Communicator> comm_;
 };
 

@@ -36,8 +36,24 @@ TEST(TrainConfigTest, RunBackendPicksTheCommunicator) {
   auto backendOf = [&](std::vector<std::string> overrides) {
     return runtimeOptions(loadTrainConfig(kConfigs + "/default.yaml", overrides, 2).config, env).backend;
   };
-  EXPECT_EQ(backendOf({}), "gloo");
+  // auto on the CPU: "cpu" (Runtime: shm on one host when it can be set up, else gloo).
+  EXPECT_EQ(backendOf({}), "cpu");
   EXPECT_EQ(backendOf({"run.backend=gloo"}), "gloo");
+  EXPECT_EQ(backendOf({"run.backend=shm"}), "shm");
+  auto refusedBecause = [&](std::vector<std::string> overrides, const std::string& why) {
+    try {
+      backendOf(std::move(overrides));
+      ADD_FAILURE() << "accepted; expected: " << why;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("run.backend"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  };
+  refusedBecause({"run.backend=shm", "run.device=cuda"}, "shm moves CPU tensors");
+  env.world_size = 4;  // two nodes of 2
+  refusedBecause({"run.backend=shm"}, "shm needs every rank on one host: 2 of 4 ranks");
+  EXPECT_EQ(backendOf({}), "cpu");  // Runtime picks gloo across hosts
+  env.world_size = 2;
   try {
     backendOf({"run.backend=nccl"});
     ADD_FAILURE() << "nccl for a CPU run";
