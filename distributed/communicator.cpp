@@ -82,6 +82,9 @@ void checkPair(const char* method, const char* flatName, const at::Tensor& flat,
 void checkReduceOp(const char* method, const at::Tensor& t, ReduceOp op) {
   TESSERA_CHECK_AS(UsageError, op != ReduceOp::kAvg || at::isFloatingType(t.scalar_type()), "Communicator::", method,
                    ": ReduceOp avg needs a floating-point tensor, got ", shapeOf(t));
+  TESSERA_CHECK_AS(UsageError, (op != ReduceOp::kMax && op != ReduceOp::kMin) || !at::isComplexType(t.scalar_type()),
+                   "Communicator::", method, ": ReduceOp ", reduceOpName(op), " needs an ordered dtype, got ",
+                   shapeOf(t));
 }
 
 // A group of one rank: every operation is local, handled by Communicator itself (the

@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <mutex>
 #include <new>
@@ -26,6 +27,7 @@
 
 #include "common/errors.h"
 #include "common/logging.h"
+#include "distributed/gloo_communicator.h"
 #include "distributed/rendezvous.h"
 
 namespace tessera::distributed {
@@ -76,7 +78,15 @@ void futexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-bool processVisible(int32_t pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+// The process exists and has not exited (a zombie, not yet reaped by its launcher, has).
+bool processVisible(int32_t pid) {
+  if (pid <= 0 || (kill(pid, 0) != 0 && errno != EPERM)) return false;
+  std::ifstream stat(strCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no /proc: kill()'s answer
+  const size_t close = line.rfind(')');        // "pid (comm) state ...": comm may hold spaces
+  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+}
 
 // The mapped segment; the name is unlinked once every rank has it open.
 class Segment {
@@ -95,7 +105,13 @@ class Segment {
                          " (a container's /dev/shm is often 64 MiB: raise it, e.g. docker run --shm-size, or set "
                          "run.backend: gloo)"));
     }
-    auto segment = map(fd, name, bytes);
+    std::unique_ptr<Segment> segment;
+    try {
+      segment = map(fd, name, bytes);
+    } catch (const Error&) {
+      shm_unlink(name.c_str());
+      throw;
+    }
     auto* header = new (segment->base_) SegmentHeader();
     header->magic = kMagic;
     header->world = world;
@@ -196,7 +212,6 @@ void reduceInto(const at::Tensor& out, const std::vector<at::Tensor>& parts, Red
 // One operation's state, shared by its handle and the queue.
 struct ShmOp {
   std::function<void()> run;  // dropped after it ran (releases the tensors)
-  bool started = false;
   bool done = false;
   std::exception_ptr error;
 };
@@ -205,7 +220,7 @@ struct ShmOp {
 // waits for an operation at the head of the queue.
 class Executor {
  public:
-  explicit Executor(std::shared_ptr<CommHealth> health) : health_(std::move(health)) {
+  Executor() {
     worker_ = std::thread([this] { workLoop(); });
   }
   ~Executor() { shutdown(); }
@@ -277,7 +292,6 @@ class Executor {
   // Called with the lock held; runs `op` without it.
   void runLocked(std::unique_lock<std::mutex>& lock, const std::shared_ptr<ShmOp>& op) {
     running_ = true;
-    op->started = true;
     std::function<void()> run = std::move(op->run);
     lock.unlock();
     std::exception_ptr error;
@@ -294,7 +308,6 @@ class Executor {
     changed_.notify_all();
   }
 
-  std::shared_ptr<CommHealth> health_;
   std::mutex mutex_;
   std::condition_variable changed_;
   std::deque<std::shared_ptr<ShmOp>> queue_;
@@ -359,8 +372,14 @@ class ShmCommunicator final : public Communicator {
       }
     }
     if (segment_) segment_->rank(rank).pid.store(static_cast<int32_t>(getpid()));
-    agree(prefix + "/shm/attached", failure);
-    if (rank == 0) shm_unlink(name.c_str());  // every rank has it open: no name left behind
+    // Every rank has it open, or has failed: either way no name is left behind.
+    try {
+      agree(prefix + "/shm/attached", failure);
+    } catch (...) {
+      if (rank == 0 && segment_) shm_unlink(name.c_str());
+      throw;
+    }
+    if (rank == 0) shm_unlink(name.c_str());
     std::string unseen;
     for (int r = 0; r < world && unseen.empty(); ++r) {
       if (!processVisible(segment_->rank(r).pid.load())) {
@@ -369,7 +388,7 @@ class ShmCommunicator final : public Communicator {
       }
     }
     agree(prefix + "/shm/visible", unseen);
-    executor_ = std::make_shared<Executor>(health());
+    executor_ = std::make_shared<Executor>();
     TLOG_DEBUG("ShmCommunicator: " << describe() << " ready (" << segmentBytes(world, options.slotBytes)
                                    << " bytes of shared memory)");
   }
@@ -471,7 +490,20 @@ class ShmCommunicator final : public Communicator {
   std::shared_ptr<Communicator> doSplit(const std::vector<int>& ranks, int subRank, const std::string& name) override {
     ShmOptions sub = shm_;
     sub.comm.name = name;
-    return std::make_shared<ShmCommunicator>(store_, subRank, static_cast<int>(ranks.size()), sub);
+    const int size = static_cast<int>(ranks.size());
+    try {
+      return std::make_shared<ShmCommunicator>(store_, subRank, size, sub);
+    } catch (const TimeoutError&) {
+      throw;
+    } catch (const Error& e) {
+      // Every member got this error (creation agrees on it), so all take gloo: a full
+      // /dev/shm (each group reserves members x slotBytes) does not stop the run.
+      TLOG_WARN("ShmCommunicator: subgroup '" << name << "' over gloo: " << e.what());
+      GlooOptions gloo;
+      gloo.comm = sub.comm;
+      gloo.hostname = "127.0.0.1";
+      return makeGlooCommunicator(store_, subRank, size, gloo);
+    }
   }
 
  private:
@@ -502,16 +534,25 @@ class ShmCommunicator final : public Communicator {
     auto run = [this, what = std::move(what), body = std::move(body), keep = std::move(keep),
                 timeout = opTimeout()]() {
       current_ = {what, Clock::now() + timeout, timeout};
+      // Whatever failed (a timeout, a peer gone, LibTorch refusing a reduction, memory),
+      // the peers must stop waiting for this rank and later calls must fail at once.
       try {
         body();
-      } catch (const Error& e) {
-        segment_->rank(rank()).gaveUp.store(1);
-        wake();
-        markCommBroken(health(), e.what());
+      } catch (const std::exception& e) {
+        giveUp(e.what());
+        throw;
+      } catch (...) {
+        giveUp(what + ": unknown exception");
         throw;
       }
     };
     return std::make_shared<ShmHandle>(executor_, executor_->submit(std::move(run)));
+  }
+
+  void giveUp(const std::string& why) {
+    segment_->rank(rank()).gaveUp.store(1);
+    wake();
+    markCommBroken(health(), why);
   }
 
   // One piece of an operation: steps (1)-(5) of shm_communicator.h.
@@ -552,7 +593,20 @@ class ShmCommunicator final : public Communicator {
 #endif
     }
     SegmentHeader& h = segment_->header();
-    auto nextCheck = Clock::now() + kLivenessEvery;
+    const auto start = Clock::now();
+    auto nextCheck = start + kLivenessEvery;
+    // A line now and then while a rank is missing (as gloo's waits say): a stopped or stuck
+    // rank otherwise leaves the others silent for the whole timeout.
+    const auto every = std::clamp<std::chrono::milliseconds>(current_.timeout / 5, std::chrono::seconds(1),
+                                                             std::chrono::seconds(30));
+    auto nextLine = start + every;
+    const auto missingRanks = [&] {
+      std::string missing;
+      for (int r = 0; r < worldSize(); ++r) {
+        if (!ready(r)) missing += strCat(missing.empty() ? "" : ", ", r);
+      }
+      return missing;
+    };
     while (true) {
       h.sleepers.fetch_add(1);
       const uint32_t seen = h.futexWord.load();
@@ -579,12 +633,16 @@ class ShmCommunicator final : public Communicator {
         nextCheck = now + kLivenessEvery;
       }
       if (now >= current_.deadline) {
-        std::string missing;
-        for (int r = 0; r < worldSize(); ++r) {
-          if (!ready(r)) missing += strCat(missing.empty() ? "" : ", ", r);
-        }
-        throw TimeoutError(strCat(current_.what, ": timed out after ", current_.timeout.count(),
-                                  " ms waiting for rank(s) ", missing, " ", waitingFor));
+        throw TimeoutError(strCat("ShmCommunicator: timed out after ", formatDuration(current_.timeout), ": ",
+                                  current_.what, ", waiting for rank(s) ", missingRanks(), " ", waitingFor));
+      }
+      if (now >= nextLine) {
+        TLOG_WARN("ShmCommunicator: " << current_.what << " has waited "
+                  << formatDuration(std::chrono::duration_cast<std::chrono::milliseconds>(now - start))
+                  << " for the other ranks (timeout " << formatDuration(current_.timeout)
+                  << "): one has not joined it (rank(s) " << missingRanks()
+                  << ": stopped, stuck or slow); at the timeout the run stops and tessera-run's verdict names it");
+        nextLine = now + every;
       }
     }
   }

@@ -156,8 +156,10 @@ TEST_P(CollectivesTest, AllReduceEveryOpAndDtype) {
     for (int i = 0; i < 3; ++i) EXPECT_EQ(flags[i].item<bool>(), i < n) << i;
     at::Tensor empty = at::zeros({0});
     comm.allReduce(empty);
-    // Integers have no average.
+    // Integers have no average; complex numbers no maximum.
     EXPECT_THROW(comm.allReduce(longs, ReduceOp::kAvg), UsageError);
+    at::Tensor complex = at::zeros({2}, at::kComplexFloat);
+    EXPECT_THROW(comm.allReduce(complex, ReduceOp::kMax), UsageError);
   }, options());
 }
 
