@@ -83,11 +83,18 @@ int main(int argc, char** argv) {
     bool torchAllocator = false;
     app.add_flag("--torch-allocator", torchAllocator,
                  "keep LibTorch's CPU allocator (default: the caching host allocator tessera-train runs with)");
+    std::string backend = "cpu";
+    app.add_option("--backend", backend, "cpu (shm on one host, else gloo), shm or gloo")
+        ->check(CLI::IsMember({"cpu", "shm", "gloo"}))
+        ->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     if (!torchAllocator) sharding::useCachingHostAllocator();
 
     at::set_num_threads(threads);
-    auto runtime = distributed::Runtime::init(distributed::RankEnv::fromEnvironment());
+    // As tessera-train's run.backend auto on the CPU: shm on one host, else gloo.
+    distributed::RuntimeOptions runtimeOptions;
+    runtimeOptions.backend = backend;
+    auto runtime = distributed::Runtime::init(distributed::RankEnv::fromEnvironment(), runtimeOptions);
     auto comm = runtime->comm();
     const int rank = comm->rank(), world = comm->worldSize();
     if (globalBatch % world != 0) throw UsageError(strCat("--global-batch ", globalBatch, " is not a multiple of the ", world, " ranks"));

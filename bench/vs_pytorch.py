@@ -70,7 +70,7 @@ def main():
               "--warmup", str(args.warmup), "--steps", str(args.steps), "--threads", "1"]
     params = sum(a * b + b for a, b in zip(args.widths, args.widths[1:]))
     print(f"MLP {'-'.join(map(str, args.widths))} ({params / 1e6:.1f}M parameters), global batch "
-          f"{args.global_batch}, AdamW, 1 thread per rank, gloo; median step time of {args.steps} steps "
+          f"{args.global_batch}, AdamW, 1 thread per rank; Tessera over shm (its default on one host), PyTorch over gloo; median step time of {args.steps} steps "
           f"after {args.warmup}, best of {args.reps} repetitions", flush=True)
 
     for world in args.worlds:
