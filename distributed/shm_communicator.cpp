@@ -402,18 +402,7 @@ class ShmCommunicator final : public Communicator {
 
  protected:
   std::shared_ptr<CommHandle> doAllGatherInto(const at::Tensor& flat_out, const at::Tensor& local_in) override {
-    const int64_t k = tensorBytes(local_in);
-    auto* out = static_cast<uint8_t*>(flat_out.data_ptr());
-    const auto* in = static_cast<const uint8_t*>(local_in.data_ptr());
-    return submit(describeOp("allGatherInto", flat_out), [=] {
-      for (int64_t off = 0; off < k; off += slotBytes()) {
-        const int64_t n = std::min(slotBytes(), k - off);
-        piece([&](uint8_t* slot) { std::memcpy(slot, in + off, n); },
-              [&] {
-                for (int r = 0; r < worldSize(); ++r) std::memcpy(out + r * k + off, slotOf(r), n);
-              });
-      }
-    }, {flat_out, local_in});
+    return gather(describeOp("allGatherInto", flat_out), flat_out, local_in, /*reads=*/true);
   }
 
   std::shared_ptr<CommHandle> doReduceScatter(const at::Tensor& local_out, const at::Tensor& flat_in,
@@ -467,20 +456,7 @@ class ShmCommunicator final : public Communicator {
   }
 
   std::shared_ptr<CommHandle> doGatherToRoot(const at::Tensor& out, const at::Tensor& local_in, int root) override {
-    const int64_t k = tensorBytes(local_in);
-    const bool isRoot = rank() == root;
-    auto* dst = isRoot ? static_cast<uint8_t*>(out.data_ptr()) : nullptr;
-    const auto* in = static_cast<const uint8_t*>(local_in.data_ptr());
-    return submit(describeOp("gatherToRoot", local_in), [=] {
-      for (int64_t off = 0; off < k; off += slotBytes()) {
-        const int64_t n = std::min(slotBytes(), k - off);
-        piece([&](uint8_t* slot) { std::memcpy(slot, in + off, n); },
-              [&] {
-                if (!isRoot) return;
-                for (int r = 0; r < worldSize(); ++r) std::memcpy(dst + r * k + off, slotOf(r), n);
-              });
-      }
-    }, {out, local_in});
+    return gather(describeOp("gatherToRoot", local_in), out, local_in, /*reads=*/rank() == root);
   }
 
   std::shared_ptr<CommHandle> doBarrier() override {
@@ -517,6 +493,24 @@ class ShmCommunicator final : public Communicator {
       const std::string answer = store_->get(strCat(key, "/", r), options().timeout);
       if (answer != "ok") throw Error(strCat("ShmCommunicator: creating ", describe(), ": rank ", r, ": ", answer));
     }
+  }
+
+  // Every rank's local_in into chunk r of `out`, on the ranks that `reads` (all of them for
+  // an all-gather, the root for a gather; elsewhere `out` may be undefined).
+  std::shared_ptr<CommHandle> gather(std::string what, const at::Tensor& out, const at::Tensor& local_in, bool reads) {
+    const int64_t k = tensorBytes(local_in);
+    auto* dst = reads ? static_cast<uint8_t*>(out.data_ptr()) : nullptr;
+    const auto* in = static_cast<const uint8_t*>(local_in.data_ptr());
+    return submit(std::move(what), [=] {
+      for (int64_t off = 0; off < k; off += slotBytes()) {
+        const int64_t n = std::min(slotBytes(), k - off);
+        piece([&](uint8_t* slot) { std::memcpy(slot, in + off, n); },
+              [&] {
+                if (dst == nullptr) return;
+                for (int r = 0; r < worldSize(); ++r) std::memcpy(dst + r * k + off, slotOf(r), n);
+              });
+      }
+    }, {out, local_in});
   }
 
   // Views of `n` elements at byte `offset` of every rank's slot, in rank order.
