@@ -217,10 +217,12 @@ at::Tensor predictInUnits(Denoiser& model, const at::Tensor& noisy, const at::Te
                                })[0];
 }
 
-PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, double cfg) {
-  return [&model, labels, cfg](const at::Tensor& x, const at::Tensor& t) {
+PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, double cfg, GuidanceInterval interval) {
+  return [&model, labels, cfg, interval](const at::Tensor& x, const at::Tensor& t) {
     const at::Tensor conditional = predictInUnits(model, x, t, labels).to(at::kFloat);
     if (cfg == 1.0 || model.classes() == 0 || !labels.defined()) return conditional;
+    // The samplers step every sample at one timestep.
+    if (t.numel() > 0 && !interval.contains(t.reshape({-1})[0].item<int64_t>())) return conditional;
     const at::Tensor unconditional = predictInUnits(model, x, t).to(at::kFloat);
     return unconditional + cfg * (conditional - unconditional);
   };

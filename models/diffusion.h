@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "sharding/unit.h"
@@ -144,10 +145,21 @@ at::Tensor predictInUnits(Denoiser& model, const at::Tensor& noisy, const at::Te
 // the schedule's cleanEstimate and noiseEstimate).
 using PredictFunction = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
+// The timesteps [first, last] where guidance applies (Kynkaanniemi et al. 2024, "Applying
+// guidance in a limited interval": at the noisiest steps it mostly removes diversity, at
+// the cleanest it changes little). The default, [0, max], is every timestep.
+struct GuidanceInterval {
+  int64_t first = 0;
+  int64_t last = std::numeric_limits<int64_t>::max();
+  bool contains(int64_t t) const { return t >= first && t <= last; }
+};
+
 // Classifier-free guidance of `model` for `labels` [n] (undefined: unconditional) at scale
 // `cfg`: e_u + cfg (e_c - e_u), e_u with the "no class" label, as two forwards (the
-// conditional one alone when cfg is 1 or the model is unconditional).
-PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, double cfg);
+// conditional one alone when cfg is 1, the model is unconditional, or the timestep is
+// outside `interval`).
+PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, double cfg,
+                                 GuidanceInterval interval = {});
 
 // DDPM ancestral sampling from the noise `noise` [n, sampleShape...]: the posterior mean
 // of x_{t-1} given x_t and the estimate x0,

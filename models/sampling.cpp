@@ -53,7 +53,7 @@ at::Tensor drawSamples(Denoiser& model, const SampleRequest& request, distribute
 
   c10::NoGradGuard noGrad;
   const at::Tensor labels = request.labels.defined() ? request.labels.slice(0, begin, end).to(device) : at::Tensor();
-  const PredictFunction predict = guidedPrediction(model, labels, request.cfg);
+  const PredictFunction predict = guidedPrediction(model, labels, request.cfg, request.cfgInterval);
   const at::Tensor start = noise.slice(0, begin, end).to(device);
   at::Tensor mine;
   if (request.sampler == "ddim") {

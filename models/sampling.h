@@ -26,6 +26,7 @@ struct SampleRequest {
   int64_t steps = 50;           // ddim: denoising steps, evenly spaced (ddimTimesteps) ...
   std::vector<int64_t> timesteps; // ... or these (decreasing; a few-step generator's own)
   double cfg = 1.0;             // classifier-free guidance scale (1: the conditional model alone)
+  GuidanceInterval cfgInterval; // the timesteps where cfg applies (default: all)
   int64_t seed = 0;             // ddpm: sample i's step noise comes from noiseSeed(seed, -4, i)
 };
 

@@ -205,6 +205,7 @@ void FullyShardState::onGradReady(FsdpUnit& u, size_t j) {
 }
 
 void FullyShardState::reduce(FsdpUnit& u) {
+  if (u.reducedInPlace()) return;
   pending_.makeRoom();  // before the new job allocates its buffers
   pending_.push(u.startReduce());
 }

@@ -54,9 +54,19 @@ void FsdpUnit::adoptRecords(std::vector<dtensor::ShardedParam*> records) {
   c10::NoGradGuard noGrad;
   for (size_t k = 0; k < params_.size(); ++k) {
     const at::Tensor& param = params_[k]->moduleParam;
+    if (mastersAreParams()) {
+      // The parameter is a view of its master slot, which the optimizer updates in place
+      // (its own version counter: autograd does not see those updates, as in a plain loop).
+      param.set_data(layout_->slot(masterChunk_, k).view(param.sizes()));
+      continue;
+    }
     param.set_data(dtensor::deferredTensor(param.sizes().vec(), deviceOptions(ctx_.paramDtype)));
     paramBytes_ += static_cast<int64_t>(storageBytes(k));
   }
+}
+
+bool FsdpUnit::mastersAreParams() const {
+  return ctx_.shardComm->worldSize() == 1 && ctx_.offload == nullptr && ctx_.paramDtype == at::kFloat;
 }
 
 size_t FsdpUnit::storageBytes(size_t k) const {
@@ -87,7 +97,9 @@ void FsdpUnit::unshard() {
   }
   const trace::Tag tag(traceName());
   HostOffload* offload = ctx_.offload;
-  if (ctx_.shardComm->worldSize() == 1) {
+  if (mastersAreParams()) {
+    // The parameters are the masters: nothing to gather or copy.
+  } else if (ctx_.shardComm->worldSize() == 1) {
     // One rank in the shard group: the shard is the whole flat parameter. Cast straight
     // into the parameters (allocated on the compute stream, which uses them).
     growStorages();
@@ -129,7 +141,7 @@ void FsdpUnit::reshard() {
     gather_->wait();  // never leave a collective unwaited
     gather_.reset();
     flat_ = at::Tensor();
-  } else if (sharded_ != ShardedState::kSharded) {
+  } else if (sharded_ != ShardedState::kSharded && !mastersAreParams()) {
     // Storage the upload may still be writing: the compute stream, which reuses freed
     // blocks, waits for it first.
     if (uploaded_) ctx_.offload->waitOn(*uploaded_);
@@ -154,6 +166,7 @@ void FsdpUnit::postForward(bool reshardNow) {
 
 bool FsdpUnit::preBackward() {
   waitForUnshard();
+  if (gradientsInShard()) attachGradientsToShard();
   if (training_ == TrainingState::kPreBackward || training_ == TrainingState::kPostBackward) return false;
   training_ = TrainingState::kPreBackward;
   trace::setThreadDetail("backward " + traceName());
@@ -178,6 +191,31 @@ void FsdpUnit::postBackward() {
   training_ = TrainingState::kPostBackward;
   endSpan("backward ");
   if (!hasFrozenParams()) reshard();
+}
+
+bool FsdpUnit::gradientsInShard() const {
+  return mastersAreParams() && ctx_.replicaComm == nullptr && ctx_.reduceDtype == at::kFloat;
+}
+
+void FsdpUnit::attachGradientsToShard() {
+  c10::NoGradGuard noGrad;
+  if (!gradShard_.defined()) gradShard_ = at::zeros({gradLayout_->chunkNumel()}, deviceOptions(at::kFloat));
+  for (size_t j = 0; j < trainable_.size(); ++j) {
+    const at::Tensor& param = trainableParam(j);
+    const at::Tensor slot = gradLayout_->slot(gradShard_, j);
+    if (param.grad().defined() && param.grad().data_ptr() == slot.data_ptr()) continue;
+    // A gradient from before (none, or one the caller set) joins the shard, then autograd
+    // adds into the slot in place.
+    if (param.grad().defined()) slot.add_(param.grad().reshape(slot.sizes()));
+    param.mutable_grad() = slot.view(param.sizes());
+  }
+}
+
+bool FsdpUnit::reducedInPlace() {
+  if (!gradientsInShard()) return false;
+  attachGradientsToShard();  // a unit no gradient reached: its shard is zeros, as a reduce would make it
+  reduced_ = true;
+  return true;
 }
 
 ReduceJob FsdpUnit::startReduce() {
@@ -257,6 +295,7 @@ int64_t FsdpUnit::reduceBytes() const {
 }
 
 int64_t FsdpUnit::unshardedBytes() const {
+  if (mastersAreParams()) return 0;  // the masters' storage: nothing gathered
   int64_t bytes = 0;
   for (const dtensor::ShardedParam* p : params_) bytes += static_cast<int64_t>(p->moduleParam.storage().nbytes());
   if (flat_.defined()) bytes += static_cast<int64_t>(flat_.storage().nbytes());

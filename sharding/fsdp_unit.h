@@ -92,6 +92,10 @@ class FsdpUnit {
   bool gatherIsFree() const;
   // A gather issued ahead of use (forward or backward prefetch): unshard(), unless the
   // gather is free.
+  // One rank in the shard group, no offload and fp32 compute: the module's parameters are
+  // views of their masters (as DataParallelStrategy's are at fp32), so a gather is a no-op
+  // and the optimizer's update is what the next forward reads. paramBytes() is then 0.
+  bool mastersAreParams() const;
   void prefetch() {
     if (!gatherIsFree()) unshard();
   }
@@ -110,6 +114,11 @@ class FsdpUnit {
   // Every gradient is in: frees the parameters (unless a frozen member is held: no gradient
   // says when its last user ran) before the reduction allocates its buffers.
   void postBackward();
+  // At one rank with the masters as parameters (no replicas, fp32 gradients), autograd
+  // accumulates each gradient straight into its slot of the gradient shard (the parameter's
+  // grad is that view, attached before the unit's backward): nothing is packed, reduced or
+  // added. True, and marks the unit reduced, in that case; false otherwise.
+  bool reducedInPlace();
   // Packs the full gradients (zeros where one is missing), frees them and issues the
   // reduce-scatter (kAvg over the shard group: the one division by N).
   ReduceJob startReduce();
@@ -176,6 +185,10 @@ class FsdpUnit {
   std::vector<at::Tensor> paddedViews_;
   // Bytes of parameter k's storage while gathered: its padded full tensor.
   size_t storageBytes(size_t k) const;
+  bool gradientsInShard() const;  // reducedInPlace()'s case
+  // Makes each trainable parameter's grad its slot of the gradient shard (allocated as zeros
+  // when there is none yet).
+  void attachGradientsToShard();
   // Gives every parameter its gathered storage (paddedViews_ made the first time).
   void growStorages();
   at::TensorOptions deviceOptions(at::ScalarType dtype) const { return at::TensorOptions().dtype(dtype).device(device_); }

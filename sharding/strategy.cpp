@@ -356,10 +356,17 @@ ResidentBytes ShardingStrategy::residentBytes() const {
   ResidentBytes bytes;
   StorageCounter counter;
   const auto parameters = module_.parameters(/*recurse=*/true);
+  const auto countMasters = [&] {
+    for (const dtensor::ShardedParam& p : params_) (p.trainable ? bytes.optimizer : bytes.params) += counter.add(p.master);
+  };
+  // zero3's masters are the optimizer's, also where (one rank, fp32) the module's
+  // parameters are views of them; data parallel's fp32 masters are the parameters.
+  const bool mastersFirst = kind_ == StrategyKind::kZero3 || kind_ == StrategyKind::kHybrid;
+  if (mastersFirst) countMasters();
   for (const at::Tensor& p : parameters) bytes.params += counter.add(p);
   for (const at::Tensor& p : parameters) bytes.grads += counter.add(p.grad());
   for (const at::Tensor& g : heldGradShards_) bytes.grads += counter.add(g);
-  for (const dtensor::ShardedParam& p : params_) (p.trainable ? bytes.optimizer : bytes.params) += counter.add(p.master);
+  if (!mastersFirst) countMasters();
   for (const dtensor::ShardedParam& p : params_) {
     if (!p.trainable) continue;
     for (const std::string& key : optimizer_.stateNames()) bytes.optimizer += counter.add(optimizer_.state(p, key));

@@ -3,7 +3,7 @@
 //   tessera-sample --weights EXPORT | --checkpoint DIR --what NAME
 //                  [--classes 0,3,7|all] [--per-class N] [--sampler ddim|ddpm]
 //                  [--steps K | --timesteps T0,T1,...]
-//                  [--cfg SCALE] [--seed S] [--noise FILE] [--out GRID.png] [--out-tensors FILE]
+//                  [--cfg SCALE] [--cfg-interval FIRST,LAST] [--seed S] [--noise FILE] [--out GRID.png] [--out-tensors FILE]
 //                  [--judge CLASSIFIER]
 // The export's metadata says which model it is (no config needed) and, for a distilled
 // few-step generator, the timesteps it samples at (model.sample_timesteps: the default
@@ -150,6 +150,12 @@ int main(int argc, char** argv) {
                           ->delimiter(',')
                           ->excludes(steps);
     app.add_option("--cfg", args.request.cfg, "Classifier-free guidance scale (1: none)")->check(CLI::Range(0.0, 100.0));
+    std::vector<int64_t> cfgInterval;
+    app.add_option("--cfg-interval", cfgInterval,
+                   "FIRST,LAST: guide only at timesteps in [FIRST, LAST] (default: all; the noisiest steps' guidance "
+                   "mostly costs diversity)")
+        ->delimiter(',')
+        ->expected(2);
     app.add_option("--seed", args.request.seed, "Seed of the starting noise (and DDPM's step noise)");
     auto* noise = app.add_option("--noise", args.noise, "Start from this noise: safetensors 'noise' [N, ...], 'labels' [N]");
     noise->excludes(classes);
@@ -188,6 +194,14 @@ int main(int argc, char** argv) {
                                        ", not a denoiser (diffusion, dit): nothing to sample"));
     }
     startingPoint(args, *model, args.request);
+    if (!cfgInterval.empty()) {
+      const int64_t last = model->schedule().timesteps - 1;
+      if (cfgInterval.size() != 2 || cfgInterval[0] < 0 || cfgInterval[0] > cfgInterval[1] || cfgInterval[1] > last) {
+        throw UsageError(tessera::strCat("--cfg-interval: give FIRST,LAST with 0 <= FIRST <= LAST <= ", last,
+                                         " (the model's timesteps)"));
+      }
+      args.request.cfgInterval = {cfgInterval[0], cfgInterval[1]};
+    }
     if (steps->count() > 0 && args.request.steps > model->schedule().timesteps) {
       throw UsageError(tessera::strCat("--steps: ", args.request.steps, " steps for ", model->schedule().timesteps,
                                        " timesteps (at most one step per timestep)"));

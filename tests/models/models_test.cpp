@@ -383,6 +383,39 @@ TEST(DiTTest, FinalConvSmoothsAcrossPatchBorders) {
   EXPECT_NEAR(out[0][0][0][0].item<double>(), 0.7, 1e-6);
 }
 
+// Guidance only inside its interval: e_u + cfg (e_c - e_u) at the timesteps in [first,
+// last], the conditional output alone outside it; the default interval guides everywhere.
+TEST(DiffusionTest, GuidanceAppliesOnlyInItsInterval) {
+  ModelOptions o;
+  o.arch = "dit";
+  o.embed_dim = 16;
+  o.layers = 1;
+  o.heads = 2;
+  o.patch_size = 4;
+  o.timesteps = 50;
+  const auto model = initialized(makeModel(o, floatSpec({1, 8, 8}, /*classes=*/3)));
+  {
+    torch::NoGradGuard noGrad;
+    torch::manual_seed(5);
+    for (auto& item : model->named_parameters()) item.value().normal_(0, 0.3);  // past adaLN-Zero's zeros
+  }
+  auto* dit = dynamic_cast<Denoiser*>(model.get());
+  ASSERT_NE(dit, nullptr);
+  torch::NoGradGuard noGrad;
+  const at::Tensor x = torch::randn({2, 1, 8, 8}), y = torch::tensor(std::vector<int64_t>{0, 2});
+  const auto at = [](int64_t t) { return at::full({2}, t, at::kLong); };
+  const auto expected = [&](int64_t t, double cfg) {
+    const at::Tensor c = predictInUnits(*dit, x, at(t), y), u = predictInUnits(*dit, x, at(t));
+    return u + cfg * (c - u);
+  };
+  ASSERT_GT((expected(30, 3.0) - expected(30, 1.0)).abs().max().item<double>(), 1e-3) << "guidance changes nothing";
+  const PredictFunction inside = guidedPrediction(*dit, y, 3.0, GuidanceInterval{10, 30});
+  for (int64_t t : {10, 20, 30}) EXPECT_TRUE(at::allclose(inside(x, at(t)), expected(t, 3.0))) << "t " << t;
+  for (int64_t t : {0, 9, 31, 49}) EXPECT_TRUE(at::allclose(inside(x, at(t)), expected(t, 1.0))) << "t " << t;
+  const PredictFunction everywhere = guidedPrediction(*dit, y, 3.0);
+  for (int64_t t : {0, 49}) EXPECT_TRUE(at::allclose(everywhere(x, at(t)), expected(t, 3.0))) << "t " << t;
+}
+
 // The exported names are those of the equivalent PyTorch module: the weights load into it
 // with strict=True and it computes the same noise prediction (an independent
 // implementation in Python, python3-torch).
