@@ -217,6 +217,12 @@ at::Tensor predictInUnits(Denoiser& model, const at::Tensor& noisy, const at::Te
                                })[0];
 }
 
+GuidanceInterval makeGuidanceInterval(const std::vector<int64_t>& interval) {
+  const std::string problem = guidanceIntervalProblem(interval, std::numeric_limits<int64_t>::max());
+  TESSERA_CHECK_AS(UsageError, problem.empty(), "guidance interval ", problem);
+  return interval.empty() ? GuidanceInterval{} : GuidanceInterval{interval[0], interval[1]};
+}
+
 PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, double cfg, GuidanceInterval interval) {
   return [&model, labels, cfg, interval](const at::Tensor& x, const at::Tensor& t) {
     const at::Tensor conditional = predictInUnits(model, x, t, labels).to(at::kFloat);

@@ -154,6 +154,9 @@ struct GuidanceInterval {
   bool contains(int64_t t) const { return t >= first && t <= last; }
 };
 
+// The interval [interval[0], interval[1]] (checked by guidanceIntervalProblem); empty: every timestep.
+GuidanceInterval makeGuidanceInterval(const std::vector<int64_t>& interval);
+
 // Classifier-free guidance of `model` for `labels` [n] (undefined: unconditional) at scale
 // `cfg`: e_u + cfg (e_c - e_u), e_u with the "no class" label, as two forwards (the
 // conditional one alone when cfg is 1, the model is unconditional, or the timestep is

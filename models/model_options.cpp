@@ -20,6 +20,17 @@ std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t sche
   return "";
 }
 
+std::string guidanceIntervalProblem(const std::vector<int64_t>& interval, int64_t scheduleSteps) {
+  if (interval.empty()) return "";
+  if (interval.size() != 2 || interval[0] < 0 || interval[0] > interval[1] || interval[1] >= scheduleSteps) {
+    std::string given;
+    for (size_t k = 0; k < interval.size(); ++k) given += (k > 0 ? "," : "") + std::to_string(interval[k]);
+    return strCat("[", given, "] is not FIRST,LAST with 0 <= FIRST <= LAST <= ", scheduleSteps - 1,
+                  " (the schedule's timesteps)");
+  }
+  return "";
+}
+
 void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& m) {
   s.add(p + "arch", &m.arch,
         "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors), "

@@ -51,6 +51,9 @@ struct ModelOptions {
 // noise levels (each in [0, scheduleSteps), strictly decreasing), or "" when nothing is:
 // the one rule for model.sample_timesteps and the samplers' explicit timesteps.
 std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t scheduleSteps);
+// What is wrong with `interval` as the timesteps [FIRST, LAST] where guidance applies
+// (two of them, 0 <= FIRST <= LAST < scheduleSteps; empty: every timestep), or "".
+std::string guidanceIntervalProblem(const std::vector<int64_t>& interval, int64_t scheduleSteps);
 
 // The keys of a model (arch and its shape) under `prefix`: at the top level ("model."), in
 // every models: entry ("models.<name>.model."), and in an export's metadata ("", see

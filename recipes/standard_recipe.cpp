@@ -233,18 +233,21 @@ class StandardRecipe : public trainer::Recipe {
                         [&] { samples = models::drawSamples(model, request, run_.hostComm.get(), run_.device); });
     if (run_.comm->rank() != 0) return "";
     const trainer::Judgement j = judge_->judge(samples, request.labels);
+    const std::vector<int64_t>& interval = run_.cfg.eval.sample_cfg_interval;
+    const std::string where = interval.empty() ? "" : strCat(" at t in [", interval[0], ", ", interval[1], "]");
     return strCat("judge: ", j.samples, " samples of ", part_.cfg.names.ema, " (DDIM ", request.steps, " steps, guidance ",
-                  request.cfg, "): accuracy ", j.accuracy, " (real images: ", j.realAccuracy, "), Frechet distance ",
+                  request.cfg, where, "): accuracy ", j.accuracy, " (real images: ", j.realAccuracy, "), Frechet distance ",
                   j.frechet, " (", j.samples, " real images: ", j.realFrechet, ")");
   }
 
  private:
   // The grids' and the judge's samples: `perClass` of each class, DDIM at eval.sample_steps
-  // (at most the model's timesteps) with guidance eval.sample_cfg.
+  // (at most the model's timesteps) with guidance eval.sample_cfg in eval.sample_cfg_interval.
   models::SampleRequest evalRequest(const models::Denoiser& model, int64_t perClass) const {
     models::SampleRequest request = models::gridRequest(model, perClass, run_.cfg.run.seed);
     request.steps = std::min(run_.cfg.eval.sample_steps, model.schedule().timesteps);
     request.cfg = run_.cfg.eval.sample_cfg;
+    request.cfgInterval = models::makeGuidanceInterval(run_.cfg.eval.sample_cfg_interval);
     return request;
   }
 

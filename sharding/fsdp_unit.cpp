@@ -98,7 +98,7 @@ void FsdpUnit::unshard() {
   const trace::Tag tag(traceName());
   HostOffload* offload = ctx_.offload;
   if (mastersAreParams()) {
-    // The parameters are the masters: nothing to gather or copy.
+    // The parameters are views of the masters: nothing to gather or copy.
   } else if (ctx_.shardComm->worldSize() == 1) {
     // One rank in the shard group: the shard is the whole flat parameter. Cast straight
     // into the parameters (allocated on the compute stream, which uses them).
@@ -198,16 +198,28 @@ bool FsdpUnit::gradientsInShard() const {
 }
 
 void FsdpUnit::attachGradientsToShard() {
+  if (trainable_.empty()) return;
   c10::NoGradGuard noGrad;
-  if (!gradShard_.defined()) gradShard_ = at::zeros({gradLayout_->chunkNumel()}, deviceOptions(at::kFloat));
+  if (!gradShard_.defined()) {
+    gradShard_ = at::zeros({gradLayout_->chunkNumel()}, deviceOptions(at::kFloat));
+    attached_.assign(trainable_.size(), false);
+  }
   for (size_t j = 0; j < trainable_.size(); ++j) {
     const at::Tensor& param = trainableParam(j);
     const at::Tensor slot = gradLayout_->slot(gradShard_, j);
-    if (param.grad().defined() && param.grad().data_ptr() == slot.data_ptr()) continue;
-    // A gradient from before (none, or one the caller set) joins the shard, then autograd
-    // adds into the slot in place.
-    if (param.grad().defined()) slot.add_(param.grad().reshape(slot.sizes()));
+    const at::Tensor grad = param.grad();
+    if (grad.defined() && grad.data_ptr() == slot.data_ptr()) continue;
+    if (grad.defined()) {
+      // A gradient that replaced the slot's view (autograd does so with create_graph, or
+      // the caller did) holds the slot's sum already; one from before the attach joins it.
+      if (attached_[j]) {
+        slot.copy_(grad.reshape(slot.sizes()));
+      } else {
+        slot.add_(grad.reshape(slot.sizes()));
+      }
+    }
     param.mutable_grad() = slot.view(param.sizes());
+    attached_[j] = true;
   }
 }
 

@@ -83,26 +83,29 @@ class FsdpUnit {
   // Issues the all-gather of the masters, cast to the compute dtype (kSharded ->
   // kUnsharding; a unit without parameters is kUnsharded at once). No-op otherwise. With
   // one rank in the shard group there is nothing to gather: the masters are cast straight
-  // into the parameters' storage (no gather buffer), queued on the device like a gather.
+  // into the parameters' storage (no gather buffer), queued on the device like a gather;
+  // with mastersAreParams() nothing is cast either.
   void unshard();
   // Whether gathering this unit hides nothing: one rank in the shard group and no upload
   // (the "gather" is a cast queued in stream order). Such a unit is neither prefetched nor
   // kept from its forward into its backward: it would only be held earlier and longer
   // (FSDP2 at one rank likewise materialises a unit only when it runs).
   bool gatherIsFree() const;
+  // One rank in the shard group, no offload and fp32 compute: the module's parameters are
+  // views of their masters (as DataParallelStrategy's are at fp32), so unshard() and
+  // reshard() copy and free nothing and the optimizer's update is what the next forward
+  // reads. paramBytes() is then 0.
+  bool mastersAreParams() const;
   // A gather issued ahead of use (forward or backward prefetch): unshard(), unless the
   // gather is free.
-  // One rank in the shard group, no offload and fp32 compute: the module's parameters are
-  // views of their masters (as DataParallelStrategy's are at fp32), so a gather is a no-op
-  // and the optimizer's update is what the next forward reads. paramBytes() is then 0.
-  bool mastersAreParams() const;
   void prefetch() {
     if (!gatherIsFree()) unshard();
   }
   // Waits for the gather and copies the full parameters into the module's (regrown)
   // storage: kUnsharded. Gathers now when nothing was issued.
   void waitForUnshard();
-  // Frees the parameters' storage (kSharded); a gather in flight is waited for first.
+  // Frees the parameters' storage (kSharded; not with mastersAreParams(): it is the
+  // masters'); a gather in flight is waited for first.
   void reshard();
   void preForward();
   void postForward(bool reshardNow);
@@ -136,6 +139,7 @@ class FsdpUnit {
   // Drops the gradient shard (zeroGrad).
   void clearGradients() {
     gradShard_ = at::Tensor();
+    attached_.clear();
     pendingHostGrads_.clear();
   }
 
@@ -149,7 +153,8 @@ class FsdpUnit {
   size_t trainableCount() const { return trainable_.size(); }
   bool hasFrozenParams() const { return trainable_.size() < params_.size(); }
   const at::Tensor& trainableParam(size_t j) const { return params_[trainable_[j]]->moduleParam; }
-  // Whether any trainable parameter holds a full (unreduced) gradient.
+  // Whether any trainable parameter holds a full (unreduced) gradient, or (reducedInPlace's
+  // case) a view of its slot of the gradient shard.
   bool hasLocalGradients() const;
   // Reduced in this backward already.
   bool reduced() const { return reduced_; }
@@ -174,6 +179,7 @@ class FsdpUnit {
   std::vector<size_t> trainable_;       // slot j of gradLayout_ is params_[trainable_[j]]
   std::unique_ptr<dtensor::FlatLayout> gradLayout_;
   at::Tensor gradShard_;                // fp32 reduced gradients, accumulating
+  std::vector<bool> attached_;          // reducedInPlace's case: trainable j's grad was made its slot
   std::vector<at::Tensor> pendingHostGrads_;  // CPU offload: later micro-batches' shards, landing
   int64_t paramBytes_ = 0, gatherBytes_ = 0;
 

@@ -57,6 +57,9 @@ Judgement judgeExport(const std::string& file, const SampleJudge& judge, const P
   request.noise = models::samplingNoise(denoiser->sampleShape(), request.labels.size(0), static_cast<uint64_t>(o.seed));
   request.steps = o.steps;
   request.cfg = o.cfg;
+  const std::string interval = models::guidanceIntervalProblem(o.cfgInterval, denoiser->schedule().timesteps);
+  TESSERA_CHECK_AS(UsageError, interval.empty(), "--cfg-interval: ", interval);
+  request.cfgInterval = models::makeGuidanceInterval(o.cfgInterval);
   const at::Tensor samples = models::drawSamples(*denoiser, request, nullptr, at::kCPU);
   return judge.judge(samples, request.labels);
 }

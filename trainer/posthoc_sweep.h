@@ -26,6 +26,7 @@ struct PosthocSweepOptions {
   int64_t perClass = 100;         // samples per class, from the noise of `seed` (as tessera-sample draws)
   int64_t steps = 50;             // DDIM steps
   double cfg = 2.0;               // classifier-free guidance
+  std::vector<int64_t> cfgInterval;  // [first, last] timesteps where it applies (empty: all)
   int64_t seed = 1;
 };
 

@@ -237,6 +237,9 @@ void bindEvalKeys(config::ConfigSchema& s, EvalSection& e) {
       .min(1).max(kMaxWidth);
   s.add("eval.sample_cfg", &e.sample_cfg, "Classifier-free guidance scale of the grids' samples (1: none)")
       .min(0.0).max(100.0);
+  s.add("eval.sample_cfg_interval", &e.sample_cfg_interval,
+        "FIRST, LAST: the timesteps where eval.sample_cfg applies, the conditional output alone elsewhere (empty: "
+        "every timestep)");
   s.add("eval.judge", &e.judge,
         "A classifier export (model.arch mlp on the same images): at the end, its accuracy on generator_ema's samples "
         "and the Frechet distance of its features to the held-out images' (\"\": none)");
@@ -615,6 +618,8 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
       throw ConfigError(s.errorMessage("eval.sample_steps", strCat(c.eval.sample_steps, " DDIM steps, more than the ",
                                                                    m.model.timesteps, " of model.timesteps")));
     }
+    const std::string interval = models::guidanceIntervalProblem(c.eval.sample_cfg_interval, m.model.timesteps);
+    if (m.model.isDenoiser() && !interval.empty()) throw ConfigError(s.errorMessage("eval.sample_cfg_interval", interval));
   }
   if (c.profile.start_step > 0 && c.profile.start_step > c.run.steps - (c.profile.steps - 1)) {
     throw ConfigError(s.errorMessage("profile.start_step",

@@ -47,6 +47,7 @@ struct EvalSection {
   int64_t sample_per_class = 8;  // grid columns: samples of each class (unconditional: the whole grid / 10 rows)
   int64_t sample_steps = 50;     // DDIM steps
   double sample_cfg = 1.5;       // classifier-free guidance scale
+  std::vector<int64_t> sample_cfg_interval;  // [first, last] timesteps where it applies (empty: all)
   std::string judge;             // a classifier export: judge generator_ema's samples at the end ("": no)
   int64_t judge_per_class = 100; // samples of each class it judges
 };

@@ -6,7 +6,7 @@
 // checkpoint is used). Post-hoc EMA (docs/ema.md), from a run's posthoc/ snapshots:
 //   tessera-export RUN_DIR --posthoc-ema SIGMA_REL [--at-step S] --out FILE
 //   tessera-export RUN_DIR --posthoc-ema S1,S2,... --judge CLASSIFIER [--per-class N] [--steps K]
-//                  [--cfg C] [--seed S] --out FILE      (the sweep: the judge keeps the best)
+//                  [--cfg C] [--cfg-interval F,L] [--seed S] --out FILE  (the sweep: the judge keeps the best)
 //   tessera-export RUN_DIR --list
 // Exit status: 0 ok, 2 bad arguments, 1 failure (corruption, I/O).
 
@@ -112,6 +112,11 @@ void addOptions(CLI::App& app, ExportArgs& args) {
   app.add_option("--steps", args.sweep.steps, "With --judge: DDIM steps")->needs(judge)->check(CLI::Range(1, 100000));
   app.add_option("--cfg", args.sweep.cfg, "With --judge: classifier-free guidance scale")->needs(judge)
       ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--cfg-interval", args.sweep.cfgInterval,
+                 "With --judge: FIRST,LAST, the timesteps where the guidance applies (as tessera-sample's)")
+      ->needs(judge)
+      ->delimiter(',')
+      ->expected(2);
   app.add_option("--seed", args.sweep.seed, "With --judge: the sampling noise's seed (as tessera-sample's)")->needs(judge);
   app.add_option("--at-step", args.atStep,
                  "With --posthoc-ema: the step to reconstruct at (default: the last snapshot)")
@@ -135,7 +140,11 @@ int sweepPosthoc(const ExportArgs& args) {
   options.verify = args.options.verify;
   const auto result = tessera::trainer::sweepPosthocEma(args.dir, args.out, options);
   std::cout << "post-hoc EMA sweep at step " << result.step << " (" << options.perClass << " samples per class, DDIM "
-            << options.steps << " steps, guidance " << options.cfg << "; judged by " << options.judge << "):\n"
+            << options.steps << " steps, guidance " << options.cfg
+            << (options.cfgInterval.empty() ? std::string()
+                                            : tessera::strCat(" at t in [", options.cfgInterval[0], ", ",
+                                                              options.cfgInterval[1], "]"))
+            << "; judged by " << options.judge << "):\n"
             << "  sigma_rel  Frechet  accuracy\n";
   for (size_t i = 0; i < result.points.size(); ++i) {
     const auto& p = result.points[i];

@@ -194,14 +194,10 @@ int main(int argc, char** argv) {
                                        ", not a denoiser (diffusion, dit): nothing to sample"));
     }
     startingPoint(args, *model, args.request);
-    if (!cfgInterval.empty()) {
-      const int64_t last = model->schedule().timesteps - 1;
-      if (cfgInterval.size() != 2 || cfgInterval[0] < 0 || cfgInterval[0] > cfgInterval[1] || cfgInterval[1] > last) {
-        throw UsageError(tessera::strCat("--cfg-interval: give FIRST,LAST with 0 <= FIRST <= LAST <= ", last,
-                                         " (the model's timesteps)"));
-      }
-      args.request.cfgInterval = {cfgInterval[0], cfgInterval[1]};
-    }
+    const std::string intervalProblem =
+        tessera::models::guidanceIntervalProblem(cfgInterval, model->schedule().timesteps);
+    if (!intervalProblem.empty()) throw UsageError("--cfg-interval: " + intervalProblem);
+    args.request.cfgInterval = tessera::models::makeGuidanceInterval(cfgInterval);
     if (steps->count() > 0 && args.request.steps > model->schedule().timesteps) {
       throw UsageError(tessera::strCat("--steps: ", args.request.steps, " steps for ", model->schedule().timesteps,
                                        " timesteps (at most one step per timestep)"));

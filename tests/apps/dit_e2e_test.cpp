@@ -234,9 +234,16 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
   // cannot be used is a config error when the run starts.
   const std::string judged = mustRun(trainCommand(2) + config + " --set run.steps=2 --set run.dir=" + dir + "/judged" +
                                      " --set eval.judge_per_class=3 --set eval.sample_steps=4 --set eval.judge=" +
-                                     classifier);
-  EXPECT_NE(judged.find("judge: 12 samples of generator_ema (DDIM 4 steps, guidance 1.5): accuracy "), std::string::npos)
+                                     classifier + " --set eval.sample_cfg_interval=[0,60]");
+  EXPECT_NE(judged.find("judge: 12 samples of generator_ema (DDIM 4 steps, guidance 1.5 at t in [0, 60]): accuracy "),
+            std::string::npos)
       << judged;
+  const auto badInterval = tessera::test::runCommand(trainCommand(1) + config + " --set run.dir=" + dir +
+                                                         "/bad_interval --set eval.sample_cfg_interval=[60,0]",
+                                                     120);
+  EXPECT_EQ(badInterval.status, 2) << badInterval.output;
+  EXPECT_NE(badInterval.output.find("eval.sample_cfg_interval"), std::string::npos) << badInterval.output;
+  EXPECT_NE(badInterval.output.find("[60,0] is not FIRST,LAST"), std::string::npos) << badInterval.output;
   const auto bad = tessera::test::runCommand(trainCommand(2) + config + " --set run.dir=" + dir + "/bad_judge" +
                                                  " --set eval.judge=" + ditRun + "/export/generator_ema.safetensors",
                                              120);
@@ -260,8 +267,9 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
   const std::string classifier = classifierRun + "/export/model_ema.safetensors";
   const std::string out = dir + "/best.safetensors";
   const std::string sweep = kBin + "/tessera-export " + ditRun + " --judge " + classifier +
-                            " --per-class 3 --steps 4 --cfg 1.5 --seed 2 --out " + out;
+                            " --per-class 3 --steps 4 --cfg 1.5 --cfg-interval 10,80 --seed 2 --out " + out;
   const std::string printed = mustRun(sweep + " --posthoc-ema 0.05,0.07,0.1");
+  EXPECT_NE(printed.find("guidance 1.5 at t in [10, 80]; judged by"), std::string::npos) << printed;
   std::ifstream tableFile(dir + "/best_sweep.tsv");
   std::string line;
   std::getline(tableFile, line);
@@ -305,7 +313,9 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
             "not a classifier of images"},
            {" --posthoc-ema 0.05,0.05 --judge " + classifier + " --out " + out, "given twice"},
            {" --posthoc-ema 0.05 --per-class 3 --out " + out, "--judge"},
-           {" --posthoc-ema 0.05,0.1 --out " + out, "a list to sweep with --judge"}}) {
+           {" --posthoc-ema 0.05,0.1 --out " + out, "a list to sweep with --judge"},
+           {" --posthoc-ema 0.05,0.1 --judge " + classifier + " --cfg-interval 10,100 --out " + out,
+            "--cfg-interval: [10,100] is not FIRST,LAST with 0 <= FIRST <= LAST <= 99"}}) {
     const auto r = tessera::test::runCommand(kBin + "/tessera-export " + ditRun + args, 120);
     EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(expected), std::string::npos) << args << "\n" << r.output;
@@ -494,7 +504,8 @@ TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {
            Case{"--weights " + weights + " --noise " + nanNoise + " --out " + dir + "/g.png", "NaN or Inf"},
            Case{"--weights " + weights + " --noise " + hugeNoise + " --out " + dir + "/g.png", "not standard normal"},
            Case{"--weights " + weights + " --cfg nan --out " + dir + "/g.png", "--cfg"},
-           Case{"--weights " + weights + " --cfg-interval 50,10 --out " + dir + "/g.png", "0 <= FIRST <= LAST <= 99"},
+           Case{"--weights " + weights + " --cfg-interval 50,10 --out " + dir + "/g.png",
+                "--cfg-interval: [50,10] is not FIRST,LAST with 0 <= FIRST <= LAST <= 99"},
            Case{"--weights " + weights + " --cfg-interval 0,100 --out " + dir + "/g.png", "--cfg-interval"},
            Case{"--weights " + weights + " --cfg-interval 5 --out " + dir + "/g.png", "--cfg-interval"},
            Case{"--weights " + weights + " --timesteps= --out " + dir + "/g.png", "--timesteps"},

@@ -467,7 +467,7 @@ TEST(FullyShardParityEdgeTest, WrappedModulesBelowMinUnitParamsStayWithTheRoot) 
 
 TEST(FullyShardAccumulationTest, SyncEveryMicroBatchOrOnlyTheLast) {
   useOneThread();
-  for (int world : {2, 3}) {
+  for (int world : {1, 2, 3}) {  // 1: autograd accumulates into the gradient shard in place
     for (bool last : {false, true}) {
       for (ModelKind model : {ModelKind::kTransformer, ModelKind::kMlp}) {
         RunConfig c;
@@ -477,6 +477,47 @@ TEST(FullyShardAccumulationTest, SyncEveryMicroBatchOrOnlyTheLast) {
         c.syncLastOnly = last;
         expectParity(c);
       }
+    }
+  }
+}
+
+// At one rank each parameter's grad is a view of its slot of the gradient shard. A gradient
+// that replaces the view between micro-batches (the caller's, or autograd's under
+// create_graph) already holds the slot's sum: it is taken as it is, not added again.
+TEST(FullyShardAccumulationTest, OneRankGradientsReplacedBetweenMicroBatchesCountOnce) {
+  useOneThread();
+  const Data data = makeData(ModelKind::kWide, 1, 8);
+  std::vector<std::map<std::string, at::Tensor>> masters;
+  for (int how = 0; how < 3; ++how) {  // 0: left alone; 1: replaced by a copy; 2: create_graph
+    runOnRanks(1, [&](RankContext& ctx) {
+      AnyModel m = buildModel(ModelKind::kWide);
+      StrategyOptions o;
+      o.wrap = m.units;
+      o.strategy = sharding::StrategyKind::kZero3;
+      o.optimizer = adamw();
+      FullyShardStrategy engine(*m.module, ctx.comm(), o);
+      const int micro = 3;
+      for (int mb = 0; mb < micro; ++mb) {
+        const at::Tensor loss = m.loss(rankSlice(data.x[0], mb, micro), rankSlice(data.y[0], mb, micro)) / micro;
+        if (how == 2 && mb == 1) {
+          loss.backward({}, /*retain_graph=*/true, /*create_graph=*/true);
+        } else {
+          loss.backward();
+        }
+        if (how == 1 && mb == 1) {
+          for (auto& p : m.module->parameters()) p.mutable_grad() = p.grad().clone();
+        }
+      }
+      engine.step(1e-2);
+      std::map<std::string, at::Tensor> got;
+      for (const dtensor::ShardedParam& p : engine.params()) got[p.name] = p.master.clone();
+      masters.push_back(got);
+    });
+  }
+  ASSERT_EQ(masters.size(), 3u);
+  for (int how : {1, 2}) {
+    for (const auto& [name, want] : masters[0]) {
+      EXPECT_TRUE(at::allclose(masters[static_cast<size_t>(how)].at(name), want, 1e-6, 1e-7)) << "case " << how << " " << name;
     }
   }
 }
