@@ -132,6 +132,18 @@ ModelOptions diffusionOptions() {
   return o;
 }
 
+// A DiT of one block, 16 wide, on 8x8 images in 4x4 patches, 50 timesteps.
+ModelOptions smallDitOptions() {
+  ModelOptions o;
+  o.arch = "dit";
+  o.embed_dim = 16;
+  o.layers = 1;
+  o.heads = 2;
+  o.patch_size = 4;
+  o.timesteps = 50;
+  return o;
+}
+
 datasets::DataSpec floatSpec(std::vector<int64_t> inputShape, int64_t classes = 0, std::vector<int64_t> targetShape = {}) {
   datasets::DataSpec s;
   s.inputShape = std::move(inputShape);
@@ -353,13 +365,7 @@ TEST(DiffusionTest, SamplersStartFromPureNoiseWithAVelocityDenoiser) {
 // DiT's unpatchified output. A fresh model still outputs zero; once the convolution is
 // non-zero, each output pixel depends on its neighbours across the patch border.
 TEST(DiTTest, FinalConvSmoothsAcrossPatchBorders) {
-  ModelOptions o;
-  o.arch = "dit";
-  o.embed_dim = 16;
-  o.layers = 1;
-  o.heads = 2;
-  o.patch_size = 4;
-  o.timesteps = 50;
+  ModelOptions o = smallDitOptions();
   const auto plain = initialized(makeModel(o, floatSpec({1, 8, 8}, /*classes=*/3)));
   o.final_conv = true;
   const auto withConv = initialized(makeModel(o, floatSpec({1, 8, 8}, /*classes=*/3)));
@@ -386,14 +392,7 @@ TEST(DiTTest, FinalConvSmoothsAcrossPatchBorders) {
 // Guidance only inside its interval: e_u + cfg (e_c - e_u) at the timesteps in [first,
 // last], the conditional output alone outside it; the default interval guides everywhere.
 TEST(DiffusionTest, GuidanceAppliesOnlyInItsInterval) {
-  ModelOptions o;
-  o.arch = "dit";
-  o.embed_dim = 16;
-  o.layers = 1;
-  o.heads = 2;
-  o.patch_size = 4;
-  o.timesteps = 50;
-  const auto model = initialized(makeModel(o, floatSpec({1, 8, 8}, /*classes=*/3)));
+  const auto model = initialized(makeModel(smallDitOptions(), floatSpec({1, 8, 8}, /*classes=*/3)));
   {
     torch::NoGradGuard noGrad;
     torch::manual_seed(5);
