@@ -31,6 +31,10 @@ std::string guidanceIntervalProblem(const std::vector<int64_t>& interval, int64_
   return "";
 }
 
+std::string guidanceIntervalText(const std::vector<int64_t>& interval) {
+  return interval.size() == 2 ? strCat(" at t in [", interval[0], ", ", interval[1], "]") : "";
+}
+
 void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& m) {
   s.add(p + "arch", &m.arch,
         "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors), "

@@ -54,6 +54,8 @@ std::string timestepsProblem(const std::vector<int64_t>& timesteps, int64_t sche
 // What is wrong with `interval` as the timesteps [FIRST, LAST] where guidance applies
 // (two of them, 0 <= FIRST <= LAST < scheduleSteps; empty: every timestep), or "".
 std::string guidanceIntervalProblem(const std::vector<int64_t>& interval, int64_t scheduleSteps);
+// " at t in [FIRST, LAST]" for a log line; "" for an empty interval (every timestep).
+std::string guidanceIntervalText(const std::vector<int64_t>& interval);
 
 // The keys of a model (arch and its shape) under `prefix`: at the top level ("model."), in
 // every models: entry ("models.<name>.model."), and in an export's metadata ("", see

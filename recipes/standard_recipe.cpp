@@ -233,10 +233,8 @@ class StandardRecipe : public trainer::Recipe {
                         [&] { samples = models::drawSamples(model, request, run_.hostComm.get(), run_.device); });
     if (run_.comm->rank() != 0) return "";
     const trainer::Judgement j = judge_->judge(samples, request.labels);
-    const std::vector<int64_t>& interval = run_.cfg.eval.sample_cfg_interval;
-    const std::string where = interval.empty() ? "" : strCat(" at t in [", interval[0], ", ", interval[1], "]");
     return strCat("judge: ", j.samples, " samples of ", part_.cfg.names.ema, " (DDIM ", request.steps, " steps, guidance ",
-                  request.cfg, where, "): accuracy ", j.accuracy, " (real images: ", j.realAccuracy, "), Frechet distance ",
+                  request.cfg, models::guidanceIntervalText(run_.cfg.eval.sample_cfg_interval), "): accuracy ", j.accuracy, " (real images: ", j.realAccuracy, "), Frechet distance ",
                   j.frechet, " (", j.samples, " real images: ", j.realFrechet, ")");
   }
 

@@ -27,6 +27,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "ema/posthoc.h"
+#include "models/model_options.h"
 #include "trainer/checkpoint_layout.h"
 #include "trainer/model_metadata.h"
 #include "trainer/posthoc_sweep.h"
@@ -141,10 +142,7 @@ int sweepPosthoc(const ExportArgs& args) {
   const auto result = tessera::trainer::sweepPosthocEma(args.dir, args.out, options);
   std::cout << "post-hoc EMA sweep at step " << result.step << " (" << options.perClass << " samples per class, DDIM "
             << options.steps << " steps, guidance " << options.cfg
-            << (options.cfgInterval.empty() ? std::string()
-                                            : tessera::strCat(" at t in [", options.cfgInterval[0], ", ",
-                                                              options.cfgInterval[1], "]"))
-            << "; judged by " << options.judge << "):\n"
+            << tessera::models::guidanceIntervalText(options.cfgInterval) << "; judged by " << options.judge << "):\n"
             << "  sigma_rel  Frechet  accuracy\n";
   for (size_t i = 0; i < result.points.size(); ++i) {
     const auto& p = result.points[i];
