@@ -37,8 +37,9 @@ int64_t declaredIdxBytes(const std::string& bytes, int dims) {
   if (bytes.size() < header || bigEndian32(bytes, 0) != (0x0800u | static_cast<uint32_t>(dims))) return 0;
   int64_t count = 1;
   for (int d = 0; d < dims; ++d) {
-    count *= std::max<int64_t>(1, bigEndian32(bytes, 4 + 4 * static_cast<size_t>(d)));
-    if (count > kMaxFileBytes) return 0;
+    const int64_t size = std::max<int64_t>(1, bigEndian32(bytes, 4 + 4 * static_cast<size_t>(d)));
+    if (count > kMaxFileBytes / size) return 0;  // count * size > kMaxFileBytes, checked before it can overflow
+    count *= size;
   }
   return static_cast<int64_t>(header) + count;
 }
