@@ -118,40 +118,27 @@ std::vector<std::string> missingExports(RunParts& run) {
 }
 
 // Installs the stop handlers for the train loop and restores the previous ones after it
-// (a second signal during the final save or the exports gets the default treatment).
-// The handler runs on an alternate stack of its own, never on the interrupted thread's:
-// with the CPU products in oneDNN's JIT code (kernels/), a Ctrl-C under load was followed by
-// glibc's "corrupted size vs. prev_size" in a free inside libdnnl (5 stops in 60; none in 74
-// since this stack). The cause is not proven; a handler frame over data a JIT kernel keeps
-// below its stack pointer is the suspect this rules out.
+// (a second signal during the final save or the exports gets the default treatment). They run
+// on tessera-train's signal thread (common/signal_thread.h), never inside a oneDNN product.
 class StopSignals {
  public:
   StopSignals() {
     g_stopRequested = false;
-    stack_.resize(std::max<size_t>(SIGSTKSZ, 64 * 1024));
-    stack_t alternate{};
-    alternate.ss_sp = stack_.data();
-    alternate.ss_size = stack_.size();
-    haveAlternate_ = ::sigaltstack(&alternate, &previousStack_) == 0;
     struct sigaction action{};
     action.sa_handler = onStopSignal;
     sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESTART | (haveAlternate_ ? SA_ONSTACK : 0);
+    action.sa_flags = SA_RESTART;
     ::sigaction(SIGTERM, &action, &previousTerm_);
     ::sigaction(SIGINT, &action, &previousInt_);
   }
   ~StopSignals() {
     ::sigaction(SIGTERM, &previousTerm_, nullptr);
     ::sigaction(SIGINT, &previousInt_, nullptr);
-    if (haveAlternate_) ::sigaltstack(&previousStack_, nullptr);
   }
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
 
  private:
-  std::vector<char> stack_;
-  bool haveAlternate_ = false;
-  stack_t previousStack_{};
   struct sigaction previousTerm_{};
   struct sigaction previousInt_{};
 };

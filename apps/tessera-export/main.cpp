@@ -25,6 +25,7 @@
 #include "common/app_main.h"
 #include "common/command_line.h"
 #include "common/errors.h"
+#include "common/signal_thread.h"
 #include "common/logging.h"
 #include "ema/posthoc.h"
 #include "models/model_options.h"
@@ -238,6 +239,7 @@ int exportWhat(const ExportArgs& args) {
 
 int main(int argc, char** argv) {
   return tessera::runMain("tessera-export", [&]() -> int {
+    tessera::routeSignalsToOwnThread();  // before any thread starts: no handler runs inside a oneDNN product
     CLI::App app{"Tessera: export consolidated safetensors from a sharded checkpoint"};
     ExportArgs args;
     addOptions(app, args);

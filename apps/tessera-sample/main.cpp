@@ -24,6 +24,7 @@
 #include "common/app_main.h"
 #include "common/command_line.h"
 #include "common/errors.h"
+#include "common/signal_thread.h"
 #include "distributed/communicator.h"
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
@@ -133,6 +134,7 @@ void checkOutputPath(const std::string& path, const std::string& option, const s
 
 int main(int argc, char** argv) {
   return tessera::runMain("tessera-sample", [&]() -> int {
+    tessera::routeSignalsToOwnThread();  // before any thread starts: no handler runs inside a oneDNN product
     CLI::App app{"Tessera: sample a trained denoiser into a PNG grid and/or a safetensors file"};
     SampleArgs args;
     auto* weights = app.add_option("--weights", args.weights, "An export (.safetensors or a sharded export's index)");

@@ -12,6 +12,7 @@
 #include "common/app_main.h"
 #include "common/command_line.h"
 #include "common/errors.h"
+#include "common/signal_thread.h"
 #include "common/logging.h"
 #include "distributed/rank_env.h"
 #include "distributed/runtime.h"
@@ -24,6 +25,7 @@
 int main(int argc, char** argv) {
   tessera::sharding::useCachingHostAllocator();
   return tessera::runMain("tessera-train", [&]() -> int {
+    tessera::routeSignalsToOwnThread();  // before any thread starts: no handler runs inside a oneDNN product
     CLI::App app{"Tessera: run one YAML-configured training job on this rank"};
     std::string configFile;
     std::vector<std::string> overrides;
