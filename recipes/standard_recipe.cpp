@@ -44,7 +44,9 @@ at::Tensor lossesOf(models::TrainModel& model, datasets::Batch batch, at::Device
 void forEachMicroBatch(const trainer::RunParts& run, trainer::ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn) {
   const auto micro = static_cast<size_t>(run.cfg.data.micro_batch);
   for (int64_t m = 0; m < run.microBatches; ++m) {
-    if (!part.cfg.reduceEveryMicroBatch) part.strategy->setRequiresGradientSync(m + 1 == run.microBatches);
+    const bool last = m + 1 == run.microBatches;
+    if (!part.cfg.reduceEveryMicroBatch) part.strategy->setRequiresGradientSync(last);
+    part.strategy->setReshardAfterBackward(last);  // the root's next gather would bring the same values
     fn(static_cast<size_t>(m) * micro, static_cast<size_t>(m + 1) * micro);
   }
 }

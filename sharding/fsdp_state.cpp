@@ -200,7 +200,7 @@ void FullyShardState::preBackward(FsdpUnit& u) {
 void FullyShardState::onGradReady(FsdpUnit& u, size_t j) {
   queueEndOfBackward();
   if (!u.gradReady(j)) return;
-  u.postBackward();
+  u.postBackward(reshardsAfterBackward(u));
   if (sync_) reduce(u);
 }
 
@@ -229,7 +229,7 @@ void FullyShardState::endBackward() {
   }
   pending_.drain();
   for (auto& u : units_) {
-    u->reshard();
+    if (reshardsAfterBackward(*u)) u->reshard();
     u->endBackward();
   }
   if (onBackwardEnd) onBackwardEnd();

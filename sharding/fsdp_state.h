@@ -54,6 +54,8 @@ class FullyShardState {
   // The unit of `module`, or null when it is none of this state's.
   FsdpUnit* unitOf(const torch::nn::Module& module) const;
   void setGradientSync(bool sync) { sync_ = sync; }
+  // false: the root stays gathered after backward (ShardingStrategy::setReshardAfterBackward).
+  void setReshardRootAfterBackward(bool reshard) { reshardRootAfterBackward_ = reshard; }
   int64_t unshardedBytes() const;
   int64_t peakBytes() const { return peak_; }
   void resetPeak() { peak_ = unshardedBytes(); }
@@ -80,6 +82,8 @@ class FullyShardState {
   void reduce(FsdpUnit& u);
   void queueEndOfBackward();
   void endBackward();
+  // Whether `u`'s parameters are freed when its backward is over.
+  bool reshardsAfterBackward(const FsdpUnit& u) const { return reshardRootAfterBackward_ || !u.isRoot(); }
 
   const FullyShardOptions& options_;
   UnitContext context_;
@@ -95,6 +99,7 @@ class FullyShardState {
   int forwardDepth_ = 0;  // units entered and not yet left: 1 inside the root only
   bool endOfBackwardQueued_ = false;
   bool sync_ = true;
+  bool reshardRootAfterBackward_ = true;
   int64_t peak_ = 0;
   InflightCollectives<ReduceJob> pending_;
   std::unique_ptr<UnitStorageAllocator> storageAllocator_;

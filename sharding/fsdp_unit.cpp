@@ -187,10 +187,10 @@ bool FsdpUnit::gradReady(size_t j) {
   return ++readyCount_ == trainable_.size();
 }
 
-void FsdpUnit::postBackward() {
+void FsdpUnit::postBackward(bool reshardNow) {
   training_ = TrainingState::kPostBackward;
   endSpan("backward ");
-  if (!hasFrozenParams()) reshard();
+  if (reshardNow && !hasFrozenParams()) reshard();
 }
 
 bool FsdpUnit::gradientsInShard() const {

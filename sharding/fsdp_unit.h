@@ -114,9 +114,9 @@ class FsdpUnit {
   bool preBackward();
   // Trainable member j's gradient has arrived; true when it was the last one missing.
   bool gradReady(size_t j);
-  // Every gradient is in: frees the parameters (unless a frozen member is held: no gradient
-  // says when its last user ran) before the reduction allocates its buffers.
-  void postBackward();
+  // Every gradient is in: with `reshardNow`, frees the parameters (unless a frozen member is
+  // held: no gradient says when its last user ran) before the reduction allocates its buffers.
+  void postBackward(bool reshardNow);
   // At one rank with the masters as parameters (no replicas, fp32 gradients), autograd
   // accumulates each gradient straight into its slot of the gradient shard (the parameter's
   // grad is that view, attached before the unit's backward): nothing is packed, reduced or

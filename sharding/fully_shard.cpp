@@ -152,6 +152,7 @@ int64_t FullyShardStrategy::unshardedParamBytes() const { return state_->unshard
 int64_t FullyShardStrategy::peakUnshardedParamBytes() const { return state_->peakBytes(); }
 void FullyShardStrategy::resetPeak() { state_->resetPeak(); }
 void FullyShardStrategy::setRequiresGradientSync(bool sync) { state_->setGradientSync(sync); }
+void FullyShardStrategy::setReshardAfterBackward(bool reshard) { state_->setReshardRootAfterBackward(reshard); }
 
 void FullyShardStrategy::gatherFullParameters() {
   for (const auto& u : state_->units()) u->unshard();

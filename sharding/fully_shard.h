@@ -68,6 +68,7 @@ class FullyShardStrategy final : public ShardingStrategy {
   // before the last); true (default): every backward reduce-scatters into the gradient
   // shards. step() reduces whatever is still unsharded, so no gradient is lost.
   void setRequiresGradientSync(bool sync) override;
+  void setReshardAfterBackward(bool reshard) override;
 
   // Swaps the masters (the owned layout is theirs) and reshards: fn's forward gathers the
   // swapped values; restored and resharded afterwards.

@@ -144,6 +144,7 @@ void ShardingStrategy::zeroGrad() {
 }
 
 void ShardingStrategy::setRequiresGradientSync(bool /*sync*/) {}
+void ShardingStrategy::setReshardAfterBackward(bool /*reshard*/) {}
 
 void ShardingStrategy::withSwappedParameters(const std::function<at::Tensor(const dtensor::ShardedParam&)>& ownedValue,
                                              const std::function<void()>& fn) {

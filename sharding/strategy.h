@@ -213,6 +213,13 @@ class ShardingStrategy : public dtensor::Stateful {
   // hybrid reduce during backward and skip that while false; zero1 reduces once per step
   // anyway, so for it this changes nothing.
   virtual void setRequiresGradientSync(bool sync);
+  // false: the root unit stays gathered after the backward passes that follow, for the next
+  // micro-batch of the same step (FSDP2's set_reshard_after_backward on the root module: its
+  // next forward gathers nothing). The other units reshard as always, and the root is
+  // gathered through every forward and backward anyway, so the peak does not grow. true
+  // (default): reshard. publishParameters() (the step) reshards it whatever this says; zero3
+  // and hybrid honour it, the other strategies hold their parameters whole anyway.
+  virtual void setReshardAfterBackward(bool reshard);
 
   // Runs `fn` with the module computing from other parameter values, then restores the
   // live values exactly, also when fn throws. `ownedValue(p)` is p's replacement in its

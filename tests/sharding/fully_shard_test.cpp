@@ -230,6 +230,7 @@ struct RunConfig {
   int64_t batch = 24;  // global; divisible by 1-4 ranks x 2 micro-batches
   int micro = 1;       // micro-batches per step
   bool syncLastOnly = false;
+  bool keepRootGathered = false;  // setReshardAfterBackward(false) but for the last micro-batch
   at::ScalarType paramDtype = at::kFloat;
 };
 
@@ -259,6 +260,7 @@ std::vector<RankRun> runSharded(const RunConfig& c) {
       double loss = 0;
       for (int mb = 0; mb < c.micro; ++mb) {
         engine.setRequiresGradientSync(!c.syncLastOnly || mb == c.micro - 1);
+        engine.setReshardAfterBackward(!c.keepRootGathered || mb == c.micro - 1);
         at::Tensor l = m.loss(rankSlice(x, mb, c.micro), rankSlice(y, mb, c.micro)) / c.micro;
         l.backward();
         loss += l.item<double>();
@@ -305,7 +307,8 @@ std::string describe(const RunConfig& c) {
                                                          : "layers-only";
   return strCat(model, " ", c.strategy, " N=", c.world, " prefetch=", c.fsdp.prefetch,
                 " reshard_after_forward=", c.fsdp.reshardAfterForward, " micro=", c.micro,
-                c.syncLastOnly ? " (sync last)" : "", c.fsdp.activationCheckpointing ? " ac" : "",
+                c.syncLastOnly ? " (sync last)" : "", c.keepRootGathered ? " (root kept gathered)" : "",
+                c.fsdp.activationCheckpointing ? " ac" : "",
                 c.fsdp.shardSize ? strCat(" shard_size=", c.fsdp.shardSize) : "");
 }
 
@@ -520,6 +523,66 @@ TEST(FullyShardAccumulationTest, OneRankGradientsReplacedBetweenMicroBatchesCoun
       EXPECT_TRUE(at::allclose(masters[static_cast<size_t>(how)].at(name), want, 1e-6, 1e-7)) << "case " << how << " " << name;
     }
   }
+}
+
+// setReshardAfterBackward(false) before every micro-batch but the last: the same training,
+// with or without gradient sync at every micro-batch, hybrid too.
+TEST(FullyShardAccumulationTest, RootKeptGatheredBetweenMicroBatchesTrainsTheSame) {
+  useOneThread();
+  for (int world : {1, 2, 3}) {
+    for (ModelKind model : {ModelKind::kTransformer, ModelKind::kMlp}) {
+      RunConfig c;
+      c.model = model;
+      c.world = world;
+      c.micro = 2;
+      c.keepRootGathered = true;
+      expectParity(c);
+      c.syncLastOnly = true;
+      expectParity(c);
+    }
+  }
+  RunConfig hybrid;
+  hybrid.world = 4;
+  hybrid.fsdp.shardSize = 2;
+  hybrid.micro = 2;
+  hybrid.keepRootGathered = true;
+  hybrid.strategy = "hybrid";
+  expectParity(hybrid);
+}
+
+// What it saves: the root's all-gather of every micro-batch but the first. The root stays
+// gathered between the micro-batches (the children reshard as always) and the step frees it.
+TEST(FullyShardAccumulationTest, RootKeptGatheredIsGatheredOncePerStep) {
+  useOneThread();
+  const Data data = makeData(ModelKind::kWide, 1, 8);
+  std::map<bool, int64_t> gathers;
+  for (bool keep : {false, true}) {
+    runOnRanks(2, [&](RankContext& ctx) {
+      AnyModel m = buildModel(ModelKind::kWide);
+      StrategyOptions o;
+      o.wrap = m.units;
+      o.strategy = sharding::StrategyKind::kZero3;
+      o.optimizer = adamw();
+      FullyShardStrategy engine(*m.module, ctx.comm(), o);
+      const int64_t rootBytes = engine.unitParamBytes(engine.unitCount() - 1);  // the root is the last unit
+      ASSERT_GT(rootBytes, 0);
+      ctx.comm()->resetStats();
+      const int micro = 3;
+      for (int mb = 0; mb < micro; ++mb) {
+        engine.setReshardAfterBackward(!keep || mb == micro - 1);
+        (m.loss(rankSlice(rankSlice(data.x[0], ctx.rank, 2), mb, micro),
+                rankSlice(rankSlice(data.y[0], ctx.rank, 2), mb, micro)) / micro).backward();
+        EXPECT_EQ(engine.unshardedParamBytes(), keep && mb < micro - 1 ? rootBytes : 0) << "micro-batch " << mb;
+      }
+      if (ctx.rank == 0) gathers[keep] = ctx.comm()->stats()[distributed::CommOp::kAllGather].calls;
+      engine.setReshardAfterBackward(false);  // forgotten at the last micro-batch: the step still frees the root
+      (m.loss(rankSlice(data.x[0], ctx.rank, 2), rankSlice(data.y[0], ctx.rank, 2))).backward();
+      EXPECT_EQ(engine.unshardedParamBytes(), rootBytes);
+      ASSERT_FALSE(engine.step(kLr).skipped);
+      EXPECT_EQ(engine.unshardedParamBytes(), 0);
+    });
+  }
+  EXPECT_EQ(gathers.at(false) - gathers.at(true), 2) << "one root gather saved per micro-batch after the first";
 }
 
 TEST(FullyShardAccumulationTest, NoSyncReducesOnceAtTheLastMicroBatch) {
