@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs the main job: configs/dit_quick.yaml, a small
 # class-conditional DiT learning Fashion-MNIST on 2 CPU ranks started by tessera-run (zero3,
-# EMA), stopped halfway and resumed, exported, drawn as a sample grid (~3 minutes). Extra
+# EMA), stopped halfway and resumed, exported, drawn as a sample grid (2.5-4 minutes). Extra
 # arguments go to tessera-train (e.g. ./run.sh --set run.steps=200).
 set -euo pipefail
 cd "$(dirname "$0")"

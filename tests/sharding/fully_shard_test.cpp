@@ -468,17 +468,23 @@ TEST(FullyShardParityEdgeTest, WrappedModulesBelowMinUnitParamsStayWithTheRoot) 
   }
 }
 
-TEST(FullyShardAccumulationTest, SyncEveryMicroBatchOrOnlyTheLast) {
+// Gradient sync at every micro-batch or only the last, and the root resharded after every
+// backward or kept gathered for the step's next micro-batch (setReshardAfterBackward(false)
+// before every micro-batch but the last): the same training as one process.
+TEST(FullyShardAccumulationTest, SyncEveryMicroBatchOrOnlyTheLastRootKeptOrNot) {
   useOneThread();
   for (int world : {1, 2, 3}) {  // 1: autograd accumulates into the gradient shard in place
     for (bool last : {false, true}) {
-      for (ModelKind model : {ModelKind::kTransformer, ModelKind::kMlp}) {
-        RunConfig c;
-        c.model = model;
-        c.world = world;
-        c.micro = 2;
-        c.syncLastOnly = last;
-        expectParity(c);
+      for (bool keepRoot : {false, true}) {
+        for (ModelKind model : {ModelKind::kTransformer, ModelKind::kMlp}) {
+          RunConfig c;
+          c.model = model;
+          c.world = world;
+          c.micro = 2;
+          c.syncLastOnly = last;
+          c.keepRootGathered = keepRoot;
+          expectParity(c);
+        }
       }
     }
   }
@@ -525,22 +531,9 @@ TEST(FullyShardAccumulationTest, OneRankGradientsReplacedBetweenMicroBatchesCoun
   }
 }
 
-// setReshardAfterBackward(false) before every micro-batch but the last: the same training,
-// with or without gradient sync at every micro-batch, hybrid too.
-TEST(FullyShardAccumulationTest, RootKeptGatheredBetweenMicroBatchesTrainsTheSame) {
+// The root kept gathered between micro-batches under hybrid (shard groups of 2, replicas).
+TEST(FullyShardAccumulationTest, RootKeptGatheredUnderHybrid) {
   useOneThread();
-  for (int world : {1, 2, 3}) {
-    for (ModelKind model : {ModelKind::kTransformer, ModelKind::kMlp}) {
-      RunConfig c;
-      c.model = model;
-      c.world = world;
-      c.micro = 2;
-      c.keepRootGathered = true;
-      expectParity(c);
-      c.syncLastOnly = true;
-      expectParity(c);
-    }
-  }
   RunConfig hybrid;
   hybrid.world = 4;
   hybrid.fsdp.shardSize = 2;
