@@ -45,7 +45,8 @@ std::string withoutSuffix(const std::string& path, const std::string& suffix) {
 }
 
 // The judge's view of one reconstruction: samples of every class from fixed noise.
-Judgement judgeExport(const std::string& file, const SampleJudge& judge, const PosthocSweepOptions& o) {
+Judgement judgeExport(const std::string& file, const SampleJudge& judge, const PosthocSweepOptions& o,
+                      std::string* sampler) {
   LoadedModel loaded = loadExportedModel(file);
   auto* denoiser = dynamic_cast<models::Denoiser*>(loaded.model.get());
   TESSERA_CHECK_AS(UsageError, denoiser != nullptr && denoiser->classes() > 0, file,
@@ -55,7 +56,18 @@ Judgement judgeExport(const std::string& file, const SampleJudge& judge, const P
   std::iota(classes.begin(), classes.end(), 0);
   request.labels = models::classRows(classes, o.perClass);
   request.noise = models::samplingNoise(denoiser->sampleShape(), request.labels.size(0), static_cast<uint64_t>(o.seed));
-  request.steps = o.steps;
+  // As tessera-sample: a model with its own timesteps samples at them unless told the steps.
+  const std::vector<int64_t>& own = loaded.description.model.sample_timesteps;
+  if (!o.steps && !own.empty()) {
+    models::checkTimesteps(denoiser->schedule(), own, file + ": model.sample_timesteps");
+    request.timesteps = own;
+    std::string list;
+    for (int64_t t : own) list += strCat(list.empty() ? "" : ", ", t);
+    *sampler = "DDIM at the model's timesteps " + list;
+  } else {
+    request.steps = o.steps.value_or(50);
+    *sampler = strCat("DDIM ", request.steps, " steps");
+  }
   request.cfg = o.cfg;
   const std::string interval = models::guidanceIntervalProblem(o.cfgInterval, denoiser->schedule().timesteps);
   TESSERA_CHECK_AS(UsageError, interval.empty(), "--cfg-interval: ", interval);
@@ -103,7 +115,7 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
       reconstruct.verify = options.verify;
       reconstruct.metadata[kModelMetadataKey] = model;
       result.step = ema::reconstructPosthocEma(runDir, candidate, reconstruct).step;
-      PosthocSweepPoint point{sigma, judgeExport(candidate, *judge, options)};
+      PosthocSweepPoint point{sigma, judgeExport(candidate, *judge, options, &result.sampler)};
       // A distance that is not finite (samples gone to NaN) is never the best.
       if (std::isfinite(point.judgement.frechet) && (!fs::exists(kept) || point.judgement.frechet < bestFrechet)) {
         bestFrechet = point.judgement.frechet;

@@ -24,7 +24,8 @@ struct PosthocSweepOptions {
   bool verify = true;
   std::string judge;              // the classifier export (judge.h)
   int64_t perClass = 100;         // samples per class, from the noise of `seed` (as tessera-sample draws)
-  int64_t steps = 50;             // DDIM steps
+  std::optional<int64_t> steps;   // DDIM steps; unset: the model's sample_timesteps (a distilled
+                                  // generator's), or 50 evenly spaced when it has none
   double cfg = 2.0;               // classifier-free guidance
   std::vector<int64_t> cfgInterval;  // [first, last] timesteps where it applies (empty: all)
   int64_t seed = 1;
@@ -39,6 +40,7 @@ struct PosthocSweepResult {
   int64_t step = 0;
   std::vector<PosthocSweepPoint> points;  // in the order asked
   size_t best = 0;                        // index of the lowest Frechet distance
+  std::string sampler;                    // how it sampled: "DDIM 50 steps", "DDIM at the model's timesteps 999"
   std::string table, plot;                // the .tsv and .svg written beside outPath
 };
 

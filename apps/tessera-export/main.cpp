@@ -111,7 +111,7 @@ void addOptions(CLI::App& app, ExportArgs& args) {
                                "write <out>_sweep.tsv and <out>_sweep.svg")
                     ->needs(posthoc);
   app.add_option("--per-class", args.sweep.perClass, "With --judge: samples per class")->needs(judge)->check(CLI::Range(2, 100000));
-  app.add_option("--steps", args.sweep.steps, "With --judge: DDIM steps")->needs(judge)->check(CLI::Range(1, 100000));
+  app.add_option("--steps", args.sweep.steps, "With --judge: DDIM steps (default: the model's sample_timesteps, or 50)")->needs(judge)->check(CLI::Range(1, 100000));
   app.add_option("--cfg", args.sweep.cfg, "With --judge: classifier-free guidance scale")->needs(judge)
       ->check(CLI::Range(0.0, 100.0));
   app.add_option("--cfg-interval", args.sweep.cfgInterval,
@@ -141,8 +141,8 @@ int sweepPosthoc(const ExportArgs& args) {
   options.atStep = args.atStep;
   options.verify = args.options.verify;
   const auto result = tessera::trainer::sweepPosthocEma(args.dir, args.out, options);
-  std::cout << "post-hoc EMA sweep at step " << result.step << " (" << options.perClass << " samples per class, DDIM "
-            << options.steps << " steps, guidance " << options.cfg
+  std::cout << "post-hoc EMA sweep at step " << result.step << " (" << options.perClass << " samples per class, "
+            << result.sampler << ", guidance " << options.cfg
             << tessera::models::guidanceIntervalText(options.cfgInterval) << "; judged by " << options.judge << "):\n"
             << "  sigma_rel  Frechet  accuracy\n";
   for (size_t i = 0; i < result.points.size(); ++i) {

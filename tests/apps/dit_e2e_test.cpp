@@ -261,7 +261,7 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
   const std::string config = ditConfig(dir);
   const std::string ditRun = dir + "/dit", classifierRun = dir + "/classifier";
   mustRun(trainCommand(2) + config + " --set run.dir=" + ditRun +
-          " --set ema.posthoc.stds=[0.05,0.1] --set ema.posthoc.snapshot_every=2");
+          " --set ema.posthoc.stds=[0.05,0.1] --set ema.posthoc.snapshot_every=2 --set model.sample_timesteps=[99,49]");
   mustRun(trainCommand(1) + config + " --set run.dir=" + classifierRun +
           " --set model.arch=mlp --set model.hidden=[32,16] --set run.steps=30 --set checkpoint.export=[model_ema]");
   const std::string classifier = classifierRun + "/export/model_ema.safetensors";
@@ -269,7 +269,11 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
   const std::string sweep = kBin + "/tessera-export " + ditRun + " --judge " + classifier +
                             " --per-class 3 --steps 4 --cfg 1.5 --cfg-interval 10,80 --seed 2 --out " + out;
   const std::string printed = mustRun(sweep + " --posthoc-ema 0.05,0.07,0.1");
-  EXPECT_NE(printed.find("guidance 1.5 at t in [10, 80]; judged by"), std::string::npos) << printed;
+  EXPECT_NE(printed.find("DDIM 4 steps, guidance 1.5 at t in [10, 80]; judged by"), std::string::npos) << printed;
+  // Without --steps it samples at the model's own timesteps, as tessera-sample does.
+  const std::string ownSteps = mustRun(kBin + "/tessera-export " + ditRun + " --judge " + classifier +
+                                       " --per-class 2 --posthoc-ema 0.05,0.1 --out " + dir + "/own_steps.safetensors");
+  EXPECT_NE(ownSteps.find("DDIM at the model's timesteps 99, 49, guidance 2"), std::string::npos) << ownSteps;
   std::ifstream tableFile(dir + "/best_sweep.tsv");
   std::string line;
   std::getline(tableFile, line);
