@@ -221,6 +221,15 @@ optim::OptimizerOptions adamw() {
   return o;
 }
 
+// zero3 over the model's units with the tests' AdamW.
+StrategyOptions zero3Options(const AnyModel& m) {
+  StrategyOptions o;
+  o.wrap = m.units;
+  o.strategy = sharding::StrategyKind::kZero3;
+  o.optimizer = adamw();
+  return o;
+}
+
 struct RunConfig {
   ModelKind model = ModelKind::kTransformer;
   int world = 2;
@@ -500,10 +509,7 @@ TEST(FullyShardAccumulationTest, OneRankGradientsReplacedBetweenMicroBatchesCoun
   for (int how = 0; how < 3; ++how) {  // 0: left alone; 1: replaced by a copy; 2: create_graph
     runOnRanks(1, [&](RankContext& ctx) {
       AnyModel m = buildModel(ModelKind::kWide);
-      StrategyOptions o;
-      o.wrap = m.units;
-      o.strategy = sharding::StrategyKind::kZero3;
-      o.optimizer = adamw();
+      const StrategyOptions o = zero3Options(m);
       FullyShardStrategy engine(*m.module, ctx.comm(), o);
       const int micro = 3;
       for (int mb = 0; mb < micro; ++mb) {
@@ -552,10 +558,7 @@ TEST(FullyShardAccumulationTest, RootKeptGatheredIsGatheredOncePerStep) {
   for (bool keep : {false, true}) {
     runOnRanks(2, [&](RankContext& ctx) {
       AnyModel m = buildModel(ModelKind::kWide);
-      StrategyOptions o;
-      o.wrap = m.units;
-      o.strategy = sharding::StrategyKind::kZero3;
-      o.optimizer = adamw();
+      const StrategyOptions o = zero3Options(m);
       FullyShardStrategy engine(*m.module, ctx.comm(), o);
       const int64_t rootBytes = engine.unitParamBytes(engine.unitCount() - 1);  // the root is the last unit
       ASSERT_GT(rootBytes, 0);
@@ -686,10 +689,7 @@ TEST(FullyShardProcessTest, ForkedRanksMatchReference) {
     const auto reference = runReference(c);
     AnyModel m = buildModel(c.model);
     loadParamValues(*m.module, init);
-    StrategyOptions o;
-    o.wrap = m.units;
-    o.strategy = sharding::StrategyKind::kZero3;
-    o.optimizer = adamw();
+    const StrategyOptions o = zero3Options(m);
     FullyShardStrategy engine(*m.module, ctx.comm(), o);
     for (int t = 0; t < c.steps; ++t) {
       engine.zeroGrad();
@@ -779,10 +779,7 @@ TEST(FullyShardLifecycleTest, ParameterObjectsStayTheSameAndStorageIsFreed) {
   const Data data = makeData(ModelKind::kTransformer, 3, 8);
   runOnRanks(2, [&](RankContext& ctx) {
     AnyModel m = buildModel(ModelKind::kTransformer);
-    StrategyOptions o;
-    o.wrap = m.units;
-    o.strategy = sharding::StrategyKind::kZero3;
-    o.optimizer = adamw();
+    const StrategyOptions o = zero3Options(m);
     FullyShardStrategy engine(*m.module, ctx.comm(), o);
     ASSERT_EQ(engine.unitCount(), 4u);
     EXPECT_EQ(engine.unitName(0), "blocks.0");
@@ -1120,10 +1117,7 @@ std::vector<StepMeasure> measureSteps(int world, bool reshardAfterForward) {
   std::vector<StepMeasure> out(static_cast<size_t>(world));
   runOnRanks(world, [&](RankContext& ctx) {
     AnyModel m = buildModel(ModelKind::kWide);
-    StrategyOptions o;
-    o.wrap = m.units;
-    o.strategy = sharding::StrategyKind::kZero3;
-    o.optimizer = adamw();
+    const StrategyOptions o = zero3Options(m);
     FullyShardOptions f;
     f.reshardAfterForward = reshardAfterForward;
     FullyShardStrategy engine(*m.module, ctx.comm(), o, f);
