@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/errors.h"
@@ -131,6 +132,10 @@ DiT::DiT(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t 
   TESSERA_CHECK_AS(ConfigError, width % 4 == 0 && width % options.heads == 0, "dit: model.embed_dim ", width,
                    " must be a multiple of 4 and of model.heads (", options.heads, ")");
   grid_ = side / patch_;
+  overlap_ = options.patch_overlap;
+  TESSERA_CHECK_AS(ConfigError, overlap_ >= 0 && 2 * overlap_ <= patch_, "dit: model.patch_overlap ", overlap_,
+                   " must be between 0 and half of model.patch_size ", patch_);
+  window_ = patch_ + 2 * overlap_;
   xEmbedder_ = container(*this, "x_embedder")->register_module("proj", PatchEmbed(channels, width, patch_, device));
   // A buffer: fixed, the same on every rank, saved with the weights (and with each EMA,
   // which copies buffers), never trained — the reference's frozen parameter.
@@ -150,7 +155,21 @@ DiT::DiT(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t 
   const auto mlpWidth = static_cast<int64_t>(static_cast<double>(width) * options.mlp_ratio);  // int() as the reference
   for (int64_t i = 0; i < options.layers; ++i) blocks_->emplace_back(width, options.heads, mlpWidth, device);
   auto final = container(*this, "final_layer");
-  finalLinear_ = final->register_module("linear", zeroLinear(width, patch_ * patch_ * channels, device));
+  finalLinear_ = final->register_module("linear", zeroLinear(width, window_ * window_ * channels, device));
+  if (overlap_ > 0) {
+    // Not buffers: derived from the options, so neither saved nor averaged by the EMA.
+    const double ramp = static_cast<double>(2 * overlap_);
+    at::Tensor edge = at::empty({window_}, at::kFloat);
+    for (int64_t i = 0; i < window_; ++i) {
+      const double fromEdge = static_cast<double>(std::min(i, window_ - 1 - i)) + 0.5;
+      edge[i] = std::min(1.0, fromEdge / ramp);
+    }
+    blendWeights_ = at::outer(edge, edge).reshape({1, window_ * window_}).expand({channels, -1}).reshape({-1, 1});
+    blendNorm_ = at::col2im(blendWeights_.expand({-1, grid_ * grid_}).unsqueeze(0), {side, side}, {window_, window_},
+                            {1, 1}, {overlap_, overlap_}, {patch_, patch_});
+    blendWeights_ = blendWeights_.to(device);
+    blendNorm_ = blendNorm_.to(device);
+  }
   finalModulation_ = container(*final, "adaLN_modulation")->register_module("1", zeroLinear(width, 2 * width, device));
   if (options.final_conv) finalConv_ = register_module("final_conv", SeamConv(channels, device));
 }
@@ -170,10 +189,24 @@ at::Tensor DiT::forward(const at::Tensor& noisy, const at::Tensor& timesteps, co
   x = finalLinear_->forward(modulate(plainLayerNorm(x), mod[0], mod[1]));
   // Unpatchify: [N, h, w, p, p, C] -> [N, C, h p, w p].
   const int64_t channels = sampleShape_[0];
-  const at::Tensor images = x.reshape({n, grid_, grid_, patch_, patch_, channels})
-                                .permute({0, 5, 1, 3, 2, 4})
-                                .reshape({n, channels, grid_ * patch_, grid_ * patch_});
+  const at::Tensor images = overlap_ > 0 ? blendWindows(x)
+                                         : x.reshape({n, grid_, grid_, patch_, patch_, channels})
+                                               .permute({0, 5, 1, 3, 2, 4})
+                                               .reshape({n, channels, grid_ * patch_, grid_ * patch_});
   return finalConv_ ? finalConv_->forward(images) : images;
+}
+
+at::Tensor DiT::blendWindows(const at::Tensor& windows) const {
+  const int64_t n = windows.size(0), channels = sampleShape_[0], side = grid_ * patch_;
+  // [N, T, k, k, C] -> [N, C k k, T]: col2im's columns, one window per patch in row-major
+  // order, which is the order of the windows' top-left corners (stride p, padding m).
+  const at::Tensor columns = windows.reshape({n, grid_ * grid_, window_, window_, channels})
+                                 .permute({0, 4, 2, 3, 1})
+                                 .reshape({n, channels * window_ * window_, grid_ * grid_});
+  const auto like = [&](const at::Tensor& t) { return t.to(windows.device(), windows.scalar_type()); };
+  return at::col2im(columns * like(blendWeights_), {side, side}, {window_, window_}, {1, 1}, {overlap_, overlap_},
+                    {patch_, patch_}) /
+         like(blendNorm_);
 }
 
 double DiTBlock::forwardFlops(int64_t tokens) const {

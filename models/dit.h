@@ -14,7 +14,9 @@
 //                           the shifts, scales and gates from adaLN_modulation.1(silu(c));
 //                           attn.qkv, attn.proj, mlp.fc1, mlp.fc2 (tanh GELU). Each block is a
 //                           unit (sharding::Unit) called with (x, c).
-//   final_layer             modulate(LN(x)) -> linear -> [N, T, p*p*C] -> unpatchified
+//   final_layer             modulate(LN(x)) -> linear -> [N, T, p*p*C] -> unpatchified; with
+//                           model.patch_overlap m the linear predicts a (p+2m)^2 window per
+//                           patch, and overlapping windows are blended (see blendWindows)
 //   final_conv              (model.final_conv) y + conv3x3(y) over the unpatchified y, zero at
 //                           first: U-ViT's (Bao et al. 2023) remedy for patch seams
 // with c = t_embedder(t) + y_embedder(y). LayerNorms have no affine parameters (eps 1e-6).
@@ -86,7 +88,13 @@ class DiT : public Denoiser {
   double forwardFlopsPerSample() const override;
 
  private:
-  int64_t patch_, grid_;
+  // Sums each patch's (p + 2m)^2 output window [N, T, k*k*C] into the image [N, C, H, W],
+  // weighted by blendWeights_ (1 in the middle, falling linearly over the 2m pixels a window
+  // shares with its neighbour) and divided by blendNorm_ (the weights' sum at each pixel):
+  // each pixel is a weighted mean of the windows over it, so no window ends at a hard edge.
+  at::Tensor blendWindows(const at::Tensor& windows) const;
+
+  int64_t patch_, grid_, overlap_, window_;  // window_ = patch_ + 2 overlap_
   PatchEmbed xEmbedder_{nullptr};
   at::Tensor posEmbed_;
   layers::Linear timeIn_{nullptr}, timeOut_{nullptr};
@@ -94,6 +102,7 @@ class DiT : public Denoiser {
   sharding::UnitList<DiTBlock> blocks_{nullptr};
   layers::Linear finalLinear_{nullptr}, finalModulation_{nullptr};
   SeamConv finalConv_{nullptr};  // model.final_conv
+  at::Tensor blendWeights_, blendNorm_;  // model.patch_overlap > 0: [C k k, 1] and [1, C, H, W]
 };
 
 }  // namespace tessera::models

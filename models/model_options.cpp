@@ -69,6 +69,12 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
   s.add(p + "final_conv", &m.final_conv,
         "dit: add a 3x3 convolution (zero-initialised, residual) over the unpatchified output, as U-ViT does, so that "
         "neighbouring patches' pixels inform each other: it smooths the seams between patches");
+  s.add(p + "patch_overlap", &m.patch_overlap,
+        "dit: pixels by which each patch's output window reaches into its neighbours on every side (0: none); the "
+        "final linear predicts (patch_size + 2 overlap)^2 pixels per patch and overlapping windows are blended with "
+        "weights that fall linearly to their edges, so that no seam is left between patches. At most "
+        "model.patch_size / 2")
+      .min(0).max(kMaxWidth);
   s.add(p + "classes", &m.classes,
         "dit: class labels the model is conditioned on (0: the data's classes; unconditional without labels)")
       .min(0).max(1 << 20);

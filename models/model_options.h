@@ -36,6 +36,7 @@ struct ModelOptions {
   int64_t patch_size = 4;               // dit: patch side in pixels (divides the image size)
   double mlp_ratio = 4.0;               // dit: MLP width / embed_dim
   bool final_conv = false;              // dit: a 3x3 convolution over the unpatchified output (U-ViT's)
+  int64_t patch_overlap = 0;            // dit: pixels each patch's output window reaches into its neighbours
   int64_t classes = 0;                  // dit: class labels (0: the data's; 0 with unlabelled data: unconditional)
   double class_dropout = 0.1;           // dit: probability a training label is replaced by "no class" (CFG)
   std::vector<int64_t> sample_timesteps; // denoisers: DDIM's timesteps when a sampler is not told the steps

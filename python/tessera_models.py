@@ -520,6 +520,8 @@ class FinalLayer(nn.Module):
     def __init__(self, hidden_size, patch_size, out_channels):
         super().__init__()
         self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        # patch_size: the side of each token's output window (the patch, or with
+        # patch_overlap m the patch plus m on every side).
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
@@ -535,13 +537,19 @@ class DiT(nn.Module):
     Modules are created in the reference's order, so a seeded construction draws what the
     reference draws (without final_conv, whose Conv2d draws too before it is zeroed).
     final_conv (Tessera's model.final_conv, not the reference's): the unpatchified output y
-    becomes y + conv3x3(y) (U-ViT's remedy for patch seams), the convolution zero at first."""
+    becomes y + conv3x3(y) (U-ViT's remedy for patch seams), the convolution zero at first.
+    patch_overlap m (Tessera's model.patch_overlap, 0 <= m <= patch_size / 2): each token
+    predicts a (p + 2m)^2 window centred on its patch; the windows are weighted by a
+    window that is 1 inside and falls linearly over the 2m pixels neighbours share, summed
+    (F.fold) and divided by the weights' sum at each pixel."""
 
     def __init__(self, input_size=28, patch_size=4, in_channels=1, hidden_size=128, depth=6, num_heads=4,
-                 mlp_ratio=4.0, num_classes=10, final_conv=False):
+                 mlp_ratio=4.0, num_classes=10, final_conv=False, patch_overlap=0):
         super().__init__()
         if input_size % patch_size:
             raise ValueError(f"dit: image size {input_size} is not a multiple of patch_size {patch_size}")
+        if not 0 <= 2 * patch_overlap <= patch_size:
+            raise ValueError(f"dit: patch_overlap {patch_overlap} must be between 0 and half of patch_size {patch_size}")
         self.in_channels = in_channels
         self.out_channels = in_channels
         self.patch_size = patch_size
@@ -553,7 +561,15 @@ class DiT(nn.Module):
         num_patches = self.x_embedder.num_patches
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio) for _ in range(depth)])
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.patch_overlap, self.window = patch_overlap, patch_size + 2 * patch_overlap
+        self.final_layer = FinalLayer(hidden_size, self.window, self.out_channels)
+        if patch_overlap:
+            ramp, k = 2 * patch_overlap, self.window
+            edge = torch.tensor([min(1.0, (min(i, k - 1 - i) + 0.5) / ramp) for i in range(k)])
+            weights = torch.outer(edge, edge).reshape(1, k * k).expand(in_channels, -1).reshape(1, -1, 1)
+            self.register_buffer("blend_weights", weights, persistent=False)
+            self.register_buffer("blend_norm", F.fold(weights.expand(-1, -1, num_patches), (input_size, input_size), k,
+                                                      padding=patch_overlap, stride=patch_size), persistent=False)
         self.final_conv = nn.Conv2d(self.out_channels, self.out_channels, 3, padding=1) if final_conv else None
         self.initialize_weights()
 
@@ -596,6 +612,11 @@ class DiT(nn.Module):
         p = self.x_embedder.patch_size[0]
         h = w = int(x.shape[1] ** 0.5)
         assert h * w == x.shape[1]
+        if self.patch_overlap:
+            k = self.window
+            columns = x.reshape(x.shape[0], h * w, k, k, c).permute(0, 4, 2, 3, 1).reshape(x.shape[0], c * k * k, h * w)
+            return F.fold(columns * self.blend_weights, (h * p, h * p), k, padding=self.patch_overlap,
+                          stride=p) / self.blend_norm
         x = x.reshape(shape=(x.shape[0], h, w, p, p, c))
         x = torch.einsum("nhwpqc->nchpwq", x)
         return x.reshape(shape=(x.shape[0], c, h * p, h * p))
@@ -836,7 +857,8 @@ def _build(metadata):
                    in_channels=input_shape[0], hidden_size=_field(metadata, "embed_dim", int),
                    depth=_field(metadata, "layers", int), num_heads=_field(metadata, "heads", int),
                    mlp_ratio=_field(metadata, "mlp_ratio", float), num_classes=_field(metadata, "classes", int),
-                   final_conv=_field(metadata, "final_conv", bool) if "final_conv" in metadata else False)
+                   final_conv=_field(metadata, "final_conv", bool) if "final_conv" in metadata else False,
+                   patch_overlap=_field(metadata, "patch_overlap", int) if "patch_overlap" in metadata else 0)
     raise ExportError(f"{METADATA_KEY}: unknown arch '{arch}' (mlp, gpt, diffusion, dit)")
 
 
@@ -849,6 +871,7 @@ def _check_ranges(metadata):
     arch = _field(metadata, "arch", str)
     for key, low, high in (("vocab_size", 2, 1 << 31), ("context", 1, _MAX_WIDTH), ("embed_dim", 1, _MAX_WIDTH),
                            ("layers", 1, _MAX_LAYERS), ("heads", 1, _MAX_WIDTH), ("patch_size", 1, _MAX_WIDTH),
+                           ("patch_overlap", 0, _MAX_WIDTH),
                            ("timesteps", 1, _MAX_WIDTH), ("classes", 0, 1 << 20)):
         if key in metadata:
             value = _field(metadata, key, int)

@@ -150,6 +150,23 @@ class DiTReferenceTest(unittest.TestCase):
         patches = x.reshape(2, 3, 4, 2, 4, 2).permute(0, 2, 4, 3, 5, 1).reshape(2, 16, 12)  # (p, q, c) order
         self.assertTrue(torch.equal(model.unpatchify(patches), x))
 
+    def test_patch_overlap_blends_neighbouring_windows(self):
+        # The figures of Tessera's DiTTest.PatchOverlapBlendsNeighbouringWindows: patch 4,
+        # overlap 1 on 8x8, windows of 6 rows weighted [0.25, 0.75, 1, 1, 0.75, 0.25], each
+        # window predicting its own row index: rows 1, 2, 3, 3, 2, 2, 3, 4.
+        model = tm.DiT(input_size=8, patch_size=4, in_channels=2, hidden_size=16, depth=1, num_heads=2,
+                       num_classes=3, patch_overlap=1)
+        self.assertEqual(set(model.state_dict()), set(tm.DiT(input_size=8, patch_size=4, in_channels=2,
+                                                             hidden_size=16, depth=1, num_heads=2,
+                                                             num_classes=3).state_dict()))
+        self.assertEqual(list(model.final_layer.linear.weight.shape), [6 * 6 * 2, 16])
+        windows = torch.arange(6.0).view(6, 1, 1).expand(6, 6, 2).reshape(1, 1, -1).expand(2, 4, -1)
+        rows = torch.tensor([1.0, 2, 3, 3, 2, 2, 3, 4]).view(1, 1, 8, 1).expand(2, 2, 8, 8)
+        self.assertTrue(torch.allclose(model.unpatchify(windows), rows, atol=1e-6))
+        self.assertTrue(torch.allclose(model.unpatchify(torch.full((2, 4, 72), 0.5)), torch.full((2, 2, 8, 8), 0.5)))
+        with self.assertRaises(ValueError):
+            tm.DiT(input_size=8, patch_size=4, in_channels=2, hidden_size=16, depth=1, num_heads=2, patch_overlap=3)
+
 
 def multihead_attention(qkv, proj, heads, causal):
     """torch.nn.MultiheadAttention with the weights of a fused qkv and proj Linear."""
@@ -691,9 +708,10 @@ def _end_to_end_cases(work_dir):
         ("diffusion_v", {"arch": "diffusion", "embed_dim": 16, "layers": 2, "timesteps": 50, "prediction": "v",
                          "zero_terminal_snr": True},
          dict(kind="tensors", path=points, **batch), {"noise": torch.randn(6, 2, generator=g)}),
-        # A few-step generator's export: both samplers take its own timesteps from the metadata.
+        # A few-step generator's export: both samplers take its own timesteps from the metadata;
+        # its patches' output windows overlap (model.patch_overlap).
         ("dit_sample_timesteps", {"arch": "dit", "patch_size": 4, "embed_dim": 32, "layers": 2, "heads": 4,
-                                  "timesteps": 50, "sample_timesteps": [49, 30, 11]},
+                                  "timesteps": 50, "sample_timesteps": [49, 30, 11], "patch_overlap": 2},
          dict(kind="idx", path=images, labels=labels, **batch),
          {"noise": torch.randn(6, 1, 16, 16, generator=g), "labels": torch.tensor([0, 1, 2, 3, 4, 1])}),
     ]

@@ -389,6 +389,47 @@ TEST(DiTTest, FinalConvSmoothsAcrossPatchBorders) {
   EXPECT_NEAR(out[0][0][0][0].item<double>(), 0.7, 1e-6);
 }
 
+// model.patch_overlap m: the final linear predicts a (p + 2m)^2 window per patch, centred on
+// it, and each pixel is the weighted mean of the windows over it (weights 1 inside, falling
+// linearly over the 2m shared pixels). Patch 4, m 1 on an 8x8 image: windows of 6 rows
+// starting at rows -1 and 3, weights [0.25, 0.75, 1, 1, 0.75, 0.25]. With every window
+// predicting its own row index i, row y of the image is the weighted mean of the i that
+// cover it: rows 0-2 see window 0 alone (1, 2, 3), row 3 (0.75 x 4 + 0.25 x 0) = 3, row 4
+// (0.25 x 5 + 0.75 x 1) = 2, rows 5-6 see window 1 alone (2, 3), row 7 window 1's 4.
+TEST(DiTTest, PatchOverlapBlendsNeighbouringWindows) {
+  ModelOptions o = smallDitOptions();
+  o.patch_overlap = 1;
+  const auto model = initialized(makeModel(o, floatSpec({2, 8, 8}, /*classes=*/3)));
+  auto* dit = dynamic_cast<Denoiser*>(model.get());
+  ASSERT_NE(dit, nullptr);
+  std::set<std::string> expected = names(*initialized(makeModel(smallDitOptions(), floatSpec({2, 8, 8}, 3))));
+  EXPECT_EQ(names(*model), expected);  // the reference's names: only the final linear's rows change
+  const at::Tensor x = torch::randn({2, 2, 8, 8}), t = torch::tensor(std::vector<int64_t>{3, 40});
+  const at::Tensor y = torch::tensor(std::vector<int64_t>{0, 3});
+  EXPECT_TRUE(dit->predict(x, t, y).eq(0).all().item<bool>());  // adaLN-Zero and a zero final linear
+  torch::NoGradGuard noGrad;
+  constexpr int64_t kWindow = 6, kChannels = 2;
+  for (auto& item : model->named_parameters()) {
+    if (item.key() == "final_layer.linear.weight") {
+      EXPECT_EQ(item.value().sizes(), (at::IntArrayRef{kWindow * kWindow * kChannels, 16}));
+    }
+    if (item.key() != "final_layer.linear.bias") continue;
+    // The window's pixels in (row, column, channel) order, as the reference unpatchifies.
+    item.value().copy_(at::arange(kWindow, at::kFloat).view({kWindow, 1, 1}).expand({kWindow, kWindow, kChannels}).reshape(-1));
+  }
+  const at::Tensor rows = at::tensor({1.0F, 2.0F, 3.0F, 3.0F, 2.0F, 2.0F, 3.0F, 4.0F}).view({1, 1, 8, 1});
+  EXPECT_TRUE(at::allclose(dit->predict(x, t, y), rows.expand({2, kChannels, 8, 8}), 1e-6, 1e-6))
+      << dit->predict(x, t, y)[0][0];
+  // With the bias 0.5 everywhere, every pixel is 0.5: the weights are normalised at the borders too.
+  for (auto& item : model->named_parameters()) {
+    if (item.key() == "final_layer.linear.bias") item.value().fill_(0.5);
+  }
+  EXPECT_TRUE(at::allclose(dit->predict(x, t, y), at::full({2, kChannels, 8, 8}, 0.5), 1e-6, 1e-6));
+  // More than half the patch would let a pixel see windows two patches away: refused.
+  o.patch_overlap = 3;
+  EXPECT_THROW(makeModel(o, floatSpec({2, 8, 8}, 3)), ConfigError);
+}
+
 // Guidance only inside its interval: e_u + cfg (e_c - e_u) at the timesteps in [first,
 // last], the conditional output alone outside it; the default interval guides everywhere.
 TEST(DiffusionTest, GuidanceAppliesOnlyInItsInterval) {
