@@ -227,11 +227,23 @@ PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, doub
   return [&model, labels, cfg, interval](const at::Tensor& x, const at::Tensor& t) {
     const at::Tensor conditional = predictInUnits(model, x, t, labels).to(at::kFloat);
     if (cfg == 1.0 || model.classes() == 0 || !labels.defined()) return conditional;
-    // The samplers step every sample at one timestep.
     if (t.numel() > 0 && !interval.contains(t.reshape({-1})[0].item<int64_t>())) return conditional;
     const at::Tensor unconditional = predictInUnits(model, x, t).to(at::kFloat);
     return unconditional + cfg * (conditional - unconditional);
   };
+}
+
+at::Tensor guidedPredictionPerSample(Denoiser& model, const at::Tensor& x, const at::Tensor& t, const at::Tensor& labels,
+                                     double cfg, GuidanceInterval interval) {
+  const at::Tensor conditional = predictInUnits(model, x, t, labels).to(at::kFloat);
+  if (cfg == 1.0 || model.classes() == 0 || !labels.defined()) return conditional;
+  // Both forwards whatever timesteps this rank drew: under zero3 each is collective.
+  const at::Tensor unconditional = predictInUnits(model, x, t).to(at::kFloat);
+  const at::Tensor guided = unconditional + cfg * (conditional - unconditional);
+  std::vector<int64_t> perSample(static_cast<size_t>(conditional.dim()), 1);
+  perSample[0] = conditional.size(0);
+  const at::Tensor inside = ((t >= interval.first) & (t <= interval.last)).reshape(perSample);
+  return at::where(inside, guided, conditional);
 }
 
 at::Tensor sampleDdpm(const NoiseSchedule& schedule, const at::Tensor& noise, const std::vector<uint64_t>& stepSeeds,

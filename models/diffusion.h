@@ -160,9 +160,16 @@ GuidanceInterval makeGuidanceInterval(const std::vector<int64_t>& interval);
 // Classifier-free guidance of `model` for `labels` [n] (undefined: unconditional) at scale
 // `cfg`: e_u + cfg (e_c - e_u), e_u with the "no class" label, as two forwards (the
 // conditional one alone when cfg is 1, the model is unconditional, or the timestep is
-// outside `interval`).
+// outside `interval`). The samplers step every sample at one timestep: the first sample's
+// decides for all.
 PredictFunction guidedPrediction(Denoiser& model, const at::Tensor& labels, double cfg,
                                  GuidanceInterval interval = {});
+
+// The same guidance where each sample has a timestep of its own, t [n] (DMD's real score at
+// drawn noise levels): sample i is guided where `interval` contains t[i]. Both forwards
+// always run, so that every rank makes the same collectives under zero3.
+at::Tensor guidedPredictionPerSample(Denoiser& model, const at::Tensor& x, const at::Tensor& t, const at::Tensor& labels,
+                                     double cfg, GuidanceInterval interval = {});
 
 // DDPM ancestral sampling from the noise `noise` [n, sampleShape...]: the posterior mean
 // of x_{t-1} given x_t and the estimate x0,

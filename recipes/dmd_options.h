@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace tessera::recipes {
 
@@ -15,6 +16,7 @@ struct DmdOptions {
   int64_t regression_pairs = 1024;  // noise -> teacher sample pairs it regresses on
   int64_t pair_steps = 50;          // DDIM steps the teacher takes for each pair
   double guidance = 1.0;            // class-conditional models: the teacher's CFG scale (real score, pairs)
+  std::vector<int64_t> guidance_interval;  // [first, last] timesteps where it applies (empty: all)
 };
 
 // The recipe's name, under which the config keeps its DmdOptions.

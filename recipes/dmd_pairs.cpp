@@ -12,6 +12,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "common/logging.h"
+#include "models/model_options.h"
 
 namespace tessera::recipes {
 namespace fs = std::filesystem;
@@ -87,7 +88,7 @@ std::string dmdPairsKey(const DmdPairsKeyParts& p) {
   // The architecture last: a "; " inside its JSON can only split the last field.
   return strCat("version 1; weights ", digestOfFiles(checkpoint::safetensorsFiles(p.teacherInitFrom)), "; dtype ",
                 p.computeDtype, "; device ", p.device, "; seed ", p.seed, "; pairs ", p.pairs, "; pair_steps ",
-                p.pairSteps, "; guidance ", guidance.str(), "; sample_shape ", at::IntArrayRef(p.sampleShape), "; classes ",
+                p.pairSteps, "; guidance ", guidance.str(), models::guidanceIntervalText(p.guidanceInterval), "; sample_shape ", at::IntArrayRef(p.sampleShape), "; classes ",
                 p.classes, "; teacher ", p.teacherModelJson);
 }
 

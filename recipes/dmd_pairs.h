@@ -34,6 +34,7 @@ struct DmdPairsKeyParts {
   std::string computeDtype, device;         // the teacher's param dtype, where it runs
   int64_t seed = 0, pairs = 0, pairSteps = 0;
   double guidance = 1.0;
+  std::vector<int64_t> guidanceInterval;    // recipe.guidance_interval (empty: every timestep)
   std::vector<int64_t> sampleShape;
   int64_t classes = 0;
 };

@@ -279,7 +279,8 @@ class DmdRecipe : public trainer::Recipe {
       torch::NoGradGuard noGrad;
       const at::Tensor noisy = (signal * flatX.detach() + spread * eps.to(device)).view(x.sizes());
       const at::Tensor t = timesteps.to(device);
-      const at::Tensor teacherOut = models::guidedPrediction(teacherNet_, labels, options_.guidance)(noisy, t);
+      const at::Tensor teacherOut = models::guidedPredictionPerSample(teacherNet_, noisy, t, labels, options_.guidance,
+                                                                      models::makeGuidanceInterval(options_.guidance_interval));
       const at::Tensor criticOut = models::predictInUnits(criticNet_, noisy, t, labels).to(at::kFloat);
       const at::Tensor flatNoisy = noisy.flatten(1);
       const at::Tensor x0Teacher = teacherNet_.schedule().cleanEstimate(flatNoisy, teacherOut.flatten(1), signal, spread);
@@ -361,6 +362,7 @@ class DmdRecipe : public trainer::Recipe {
     parts.pairs = options_.regression_pairs;
     parts.pairSteps = options_.pair_steps;
     parts.guidance = options_.guidance;
+    parts.guidanceInterval = options_.guidance_interval;
     parts.sampleShape = generatorNet_.sampleShape();
     parts.classes = generatorNet_.classes();
     DmdPairsCache cache(run_.runDir, parts, *run_.hostComm);
@@ -376,7 +378,8 @@ class DmdRecipe : public trainer::Recipe {
     pairNoise_ = normalPerSample(seeds, generatorNet_.sampleShape());
     pairLabels_ = classesOf(generatorNet_, seeds);
     pairSamples_ = models::sampleDdim(teacherNet_.schedule(), pairNoise_.to(run_.device), options_.pair_steps,
-                              models::guidedPrediction(teacherNet_, onDevice(pairLabels_, run_.device), options_.guidance))
+                              models::guidedPrediction(teacherNet_, onDevice(pairLabels_, run_.device), options_.guidance,
+                                                       models::makeGuidanceInterval(options_.guidance_interval)))
                        .cpu();
     cache.store({pairNoise_, pairSamples_, pairLabels_});
   }

@@ -6,6 +6,7 @@
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/limits.h"
+#include "models/model_options.h"
 #include "recipes/dmd_options.h"
 #include "trainer/recipe_spec.h"
 #include "recipes/recipes.h"
@@ -87,6 +88,8 @@ void finishDmd(const config::ConfigSchema& schema, trainer::TrainConfig& c) {
     throw ConfigError(schema.errorMessage("recipe.min_t", strCat(dmd.min_t, " is not below recipe.max_t (",
                                                                  dmd.max_t, ")")));
   }
+  const std::string interval = models::guidanceIntervalProblem(dmd.guidance_interval, generator.model.timesteps);
+  if (!interval.empty()) throw ConfigError(schema.errorMessage("recipe.guidance_interval", interval));
   if (dmd.regression_weight > 0 && dmd.pair_steps > generator.model.timesteps) {
     throw ConfigError(schema.errorMessage("recipe.pair_steps", strCat(dmd.pair_steps, " is more than the teacher's ",
                                                                       generator.model.timesteps, " timesteps")));
@@ -121,6 +124,9 @@ void bindDmdKeys(config::ConfigSchema& s, trainer::TrainConfig& c) {
         "Class-conditional models (dit): the teacher's classifier-free guidance scale, in the real score and the "
         "regression pairs (DMD's real-score CFG; 1: none)")
       .min(0.0).max(100.0);
+  s.add("recipe.guidance_interval", &recipe.guidance_interval,
+        "[FIRST, LAST]: the teacher is guided only at the timesteps in that range, its conditional output alone "
+        "elsewhere (as tessera-sample --cfg-interval; the teacher's sampler setting). Empty: every timestep");
 }
 
 }  // namespace

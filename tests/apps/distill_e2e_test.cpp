@@ -251,6 +251,13 @@ TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
   out = mustRun(launch(1) + smallDistill(teacher, other) + " --set recipe.pair_steps=8");
   EXPECT_NE(out.find("made for other settings: pair_steps: the file's 'pair_steps 10', this run's 'pair_steps 8'"),
             std::string::npos) << out;
+  // The guidance interval is part of the key (the pairs are the guided teacher's samples).
+  const std::string interval = scratch("other_interval");
+  fs::create_directories(interval + "/cache");
+  fs::copy_file(cache, interval + "/cache/dmd_pairs.safetensors");
+  out = mustRun(launch(1) + smallDistill(teacher, interval) + " --set recipe.guidance_interval=[0,50] --set run.steps=2");
+  EXPECT_NE(out.find("made for other settings: guidance: the file's 'guidance 1', this run's 'guidance 1 at t in [0, 50]'"),
+            std::string::npos) << out;
 
   // A FIFO in the cache's place is neither read (no hang) nor written through.
   const std::string fifo = scratch("fifo_cache");

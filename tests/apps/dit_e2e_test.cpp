@@ -413,8 +413,8 @@ TEST(DitE2ETest, DmdFromPureNoiseWithAVelocityTeacher) {
   const std::string teacher = dir + "/teacher";
   mustRun(trainCommand(1) + config + " --set run.dir=" + teacher);
   const std::string teacherExport = teacher + "/export/generator_ema.safetensors";
-  std::ofstream(dir + "/models.yaml") << "recipe: {critic_steps: 1, guidance: 2.0, regression_weight: 1.0,"
-                                         " regression_pairs: 8, pair_steps: 4}\n"
+  std::ofstream(dir + "/models.yaml") << "recipe: {critic_steps: 1, guidance: 2.0, guidance_interval: [0, 60],"
+                                         " regression_weight: 1.0, regression_pairs: 8, pair_steps: 4}\n"
                                          "models:\n"
                                          "  generator: {sharding: {strategy: zero3}, ema: {enabled: true, decays: [0.9]}}\n"
                                          "  critic: {sharding: {strategy: zero2}, ema: {enabled: false}}\n"

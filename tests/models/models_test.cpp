@@ -456,6 +456,33 @@ TEST(DiffusionTest, GuidanceAppliesOnlyInItsInterval) {
   for (int64_t t : {0, 49}) EXPECT_TRUE(at::allclose(everywhere(x, at(t)), expected(t, 3.0))) << "t " << t;
 }
 
+// DMD's real score draws a timestep per sample: each sample is guided where its own
+// timestep is in the interval, whatever the others' are.
+TEST(DiffusionTest, PerSampleGuidanceFollowsEachSamplesTimestep) {
+  const auto model = initialized(makeModel(smallDitOptions(), floatSpec({1, 8, 8}, /*classes=*/3)));
+  {
+    torch::NoGradGuard noGrad;
+    torch::manual_seed(6);
+    for (auto& item : model->named_parameters()) item.value().normal_(0, 0.3);  // past adaLN-Zero's zeros
+  }
+  auto* dit = dynamic_cast<Denoiser*>(model.get());
+  ASSERT_NE(dit, nullptr);
+  torch::NoGradGuard noGrad;
+  const at::Tensor x = torch::randn({4, 1, 8, 8}), y = torch::tensor(std::vector<int64_t>{0, 2, 1, 0});
+  const at::Tensor t = torch::tensor(std::vector<int64_t>{5, 20, 40, 30});
+  const at::Tensor c = predictInUnits(*dit, x, t, y), u = predictInUnits(*dit, x, t);
+  const at::Tensor guided = u + 3.0 * (c - u);
+  ASSERT_GT((guided - c).abs().max().item<double>(), 1e-3) << "guidance changes nothing";
+  const at::Tensor out = guidedPredictionPerSample(*dit, x, t, y, 3.0, GuidanceInterval{10, 30});
+  const std::vector<bool> inside{false, true, false, true};
+  for (int64_t i = 0; i < 4; ++i) {
+    const at::Tensor want = inside[static_cast<size_t>(i)] ? guided[i] : c[i];
+    EXPECT_TRUE(at::allclose(out[i], want)) << "sample " << i << " at t " << t[i].item<int64_t>();
+  }
+  EXPECT_TRUE(at::allclose(guidedPredictionPerSample(*dit, x, t, y, 3.0), guided));  // every timestep
+  EXPECT_TRUE(at::allclose(guidedPredictionPerSample(*dit, x, t, y, 1.0, GuidanceInterval{10, 30}), c));
+}
+
 // The exported names are those of the equivalent PyTorch module: the weights load into it
 // with strict=True and it computes the same noise prediction (an independent
 // implementation in Python, python3-torch).

@@ -181,6 +181,19 @@ TEST(TrainConfigTest, RecipesOwnTheirSpecs) {
   const TrainConfig distill = loadTrainConfig(kConfigs + "/distill.yaml", {"recipe.critic_steps=3"}, 2).config;
   EXPECT_EQ(recipeOptions<recipes::DmdOptions>(distill, recipes::kDmdRecipe).critic_steps, 3);
   EXPECT_EQ(recipeOptions<recipes::DmdOptions>(distill, recipes::kDmdRecipe).min_t, recipes::DmdOptions().min_t);
+  const TrainConfig guided = loadTrainConfig(kConfigs + "/distill.yaml", {"recipe.guidance_interval=[0,99]"}, 2).config;
+  EXPECT_EQ(recipeOptions<recipes::DmdOptions>(guided, recipes::kDmdRecipe).guidance_interval,
+            (std::vector<int64_t>{0, 99}));
+  for (const char* bad : {"recipe.guidance_interval=[0,100000]", "recipe.guidance_interval=[50,10]",
+                          "recipe.guidance_interval=[5]"}) {
+    try {
+      loadTrainConfig(kConfigs + "/distill.yaml", {bad}, 2);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("recipe.guidance_interval"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("is not FIRST,LAST"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_EQ(recipeSpec("dmd").maxUpdatesPerRunStep("generator"), 1);
   EXPECT_EQ(recipeSpec("standard").maxUpdatesPerRunStep("model"), 1);
   EXPECT_THROW(recipeSpec("gan"), ConfigError);
