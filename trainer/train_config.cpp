@@ -374,6 +374,10 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   if (m.model.arch == "dit" && m.model.embed_dim % 4 != 0) {
     k.fail("embed_dim", strCat(m.model.embed_dim, ": dit's 2-D sin-cos position embedding needs a multiple of 4"), true);
   }
+  if (m.model.arch == "dit" && (m.model.patch_overlap < 0 || 2 * m.model.patch_overlap > m.model.patch_size)) {
+    k.fail("patch_overlap", strCat(m.model.patch_overlap, " must be between 0 and half of ", m.modelKeys, "patch_size (",
+                                   m.model.patch_size, "): a window reaches at most the middle of its neighbour"), true);
+  }
   if (!m.model.sample_timesteps.empty() && !m.model.isDenoiser()) {
     k.fail("sample_timesteps", "is a denoiser's (diffusion, dit)", true);
   }

@@ -244,6 +244,10 @@ TEST(TrainConfigTest, SampleTimestepsAreCheckedAndDmdGivesTheGeneratorItsSteps) 
   refused("/diffusion.yaml", "model.noise_schedule=sigmoid", "model.noise_schedule");
   refused("/diffusion.yaml", "model.noise_schedule=cosine", "model.noise_schedule: cosine needs model.prediction v");
   refused("/distill.yaml", "models.critic.noise_schedule=cosine", "noise_schedule and zero_terminal_snr must be the generator's");
+  // The DiT's own limits, named at the key's line or --set before any model is built.
+  refused("/dit_quick.yaml", "model.patch_overlap=3", "model.patch_overlap: 3 must be between 0 and half of model.patch_size (4)");
+  refused("/dit_quick.yaml", "model.patch_size=2", "dit_quick.yaml:");  // the overlap of 2 set in the file, at its line
+  refused("/dit_quick.yaml", "model.patch_size=2", "model.patch_overlap: 2 must be between 0 and half of model.patch_size (2)");
 }
 
 }  // namespace
