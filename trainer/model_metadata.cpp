@@ -259,6 +259,19 @@ std::vector<std::string> diffusionDifferences(const models::ModelOptions& from, 
   return out;
 }
 
+std::vector<std::string> modelDifferences(const ModelDescription& file, const models::ModelOptions& options,
+                                          const datasets::DataSpec& data) {
+  const json theirs = json::parse(modelMetadataJson(file.model, file.data));
+  const json mine = json::parse(modelMetadataJson(options, data));
+  std::vector<std::string> out;
+  for (const auto& [key, value] : mine.items()) {
+    if (key == "data") continue;
+    const json other = theirs.contains(key) ? theirs.at(key) : json();
+    if (other != value) out.push_back(strCat(key, ": ", other.dump(), " in the file, ", value.dump(), " here"));
+  }
+  return out;
+}
+
 std::map<std::string, std::vector<int64_t>> shapesUnder(const checkpoint::CheckpointMetadata& metadata,
                                                         const std::string& prefix) {
   std::map<std::string, std::vector<int64_t>> found;

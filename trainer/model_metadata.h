@@ -66,6 +66,12 @@ std::optional<ModelDescription> exportedModelDescription(const std::string& path
 // (init_from) that differs in them reads its outputs otherwise than it was trained.
 std::vector<std::string> diffusionDifferences(const models::ModelOptions& from, const models::ModelOptions& to);
 
+// The model keys (those modelMetadataJson writes, the data's shape left out) whose values
+// differ between an export's description `file` and a model of `options` for `data`, each
+// as "key: <file's> in the file, <this> here": the likely cause when its tensors do not fit.
+std::vector<std::string> modelDifferences(const ModelDescription& file, const models::ModelOptions& options,
+                                          const datasets::DataSpec& data);
+
 // The metadata of the export of tensor prefix `prefix` ("model/", "ema/generator_ema/",
 // "critic/") from a run's descriptions by state name (TrainerCounters::modelMetadata):
 // the model whose weights or EMA the prefix holds; "" when none does.

@@ -495,6 +495,23 @@ void checkInitFromParameterisation(const RunParts& run, const ModelEntry& e) {
                            << list << "): it is fine-tuned into this run's");
 }
 
+// When init_from's tensors do not fit: the model settings its export was made with that
+// differ from this model's ("" when it records none, or none differ).
+std::string initFromDifferences(const RunParts& run, const ModelEntry& e) {
+  std::optional<ModelDescription> exported;
+  try {
+    exported = exportedModelDescription(*e.model.init_from);
+  } catch (const std::exception&) {
+    return "";  // the import's own error already names what is wrong with the file
+  }
+  if (!exported) return "";
+  std::string list;
+  for (const std::string& d : modelDifferences(*exported, e.model, run.data->spec())) {
+    list += (list.empty() ? "" : "; ") + e.modelKeys + d;
+  }
+  return list.empty() ? "" : strCat("\nthe file was exported from a model with other settings: ", list);
+}
+
 // A fresh run's start from files, model by model: init_from into the strategy's records
 // (each rank reads the rows it holds), the EMA then starting from those weights;
 // ema.init_from into every EMA profile. Both strict: names, shapes, floating point,
@@ -505,7 +522,11 @@ void initializeFromFiles(RunParts& run) {
     if (e.model.init_from) {
       if (e.model.isDenoiser()) checkInitFromParameterisation(run, e);
       const std::string prefix = dtensor::statePrefix(e.names.weights);
-      importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix);
+      try {
+        importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix);
+      } catch (const ConfigError& error) {
+        throw ConfigError(strCat(error.what(), initFromDifferences(run, e)));
+      }
       m.strategy->publishParameters();
       if (m.ema) m.ema->resetFromLive();
       TLOG_INFO0(e.displayName << " initialised from " << *e.model.init_from);

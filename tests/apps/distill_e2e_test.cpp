@@ -363,9 +363,12 @@ TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
                     {"models.student.trainable", "'student' would never be used"});
   expectConfigError(config + " --set models.teacher.timesteps=100",
                     {"models.teacher.timesteps", "must be the generator's"});
-  // init_from whose tensors do not fit: a wider teacher than the file.
+  // init_from whose tensors do not fit: a narrower teacher than the file; the setting that
+  // differs from the export's is named.
   expectConfigError(config + " --set models.teacher.embed_dim=32",
-                    {"models.teacher.init_from: ", teacher, "does not match the model", "shape mismatch"});
+                    {"models.teacher.init_from: ", teacher, "does not match the model", "shape mismatch",
+                     "the file was exported from a model with other settings: models.teacher.embed_dim: 64 in the "
+                     "file, 32 here"});
   // --set for a model the config does not name; a bad name; the recipe's roles.
   expectConfigError(config + " --set models.critc.optim.lr=1", {"models.critc.optim.lr", "no entry 'critc'"});
   expectConfigError(" --config " + configWith("bad_name", good + "  9lives: {}\n"), {"models.9lives", "identifiers"});
