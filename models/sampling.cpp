@@ -30,6 +30,14 @@ SampleRequest gridRequest(const Denoiser& model, int64_t perClass, int64_t runSe
   return request;
 }
 
+bool useOwnTimesteps(SampleRequest& request, const Denoiser& model, const std::vector<int64_t>& own,
+                     const std::string& source) {
+  if (own.empty()) return false;
+  checkTimesteps(model.schedule(), own, source);
+  request.timesteps = own;
+  return true;
+}
+
 at::Tensor drawSamples(Denoiser& model, const SampleRequest& request, distributed::Communicator* comm,
                        at::Device device) {
   const at::Tensor& noise = request.noise;

@@ -38,6 +38,14 @@ at::Tensor classRows(const std::vector<int64_t>& classes, int64_t perClass);
 // that one grid after another shows the same samples getting better.
 SampleRequest gridRequest(const Denoiser& model, int64_t perClass, int64_t runSeed);
 
+// A request that names neither steps nor timesteps, for a model that carries its own (a
+// distilled generator's model.sample_timesteps, `own`, read from `source`): samples at
+// them, checked against the model's schedule (an error names `source`). Returns whether
+// it does (false: `own` is empty, the request keeps its steps). tessera-sample and the
+// post-hoc sweep sample a distilled export as it was trained through here.
+bool useOwnTimesteps(SampleRequest& request, const Denoiser& model, const std::vector<int64_t>& own,
+                     const std::string& source);
+
 // The request's samples, the final iterates before any clamping ([N, sampleShape...]
 // float32, CPU, on every rank). With a communicator of several ranks and N >= ranks, rank
 // r draws rows [r N / ranks, (r + 1) N / ranks) and the rows are gathered (a sample does

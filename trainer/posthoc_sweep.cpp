@@ -57,12 +57,10 @@ Judgement judgeExport(const std::string& file, const SampleJudge& judge, const P
   request.labels = models::classRows(classes, o.perClass);
   request.noise = models::samplingNoise(denoiser->sampleShape(), request.labels.size(0), static_cast<uint64_t>(o.seed));
   // As tessera-sample: a model with its own timesteps samples at them unless told the steps.
-  const std::vector<int64_t>& own = loaded.description.model.sample_timesteps;
-  if (!o.steps && !own.empty()) {
-    models::checkTimesteps(denoiser->schedule(), own, file + ": model.sample_timesteps");
-    request.timesteps = own;
+  if (!o.steps && models::useOwnTimesteps(request, *denoiser, loaded.description.model.sample_timesteps,
+                                          file + ": model.sample_timesteps")) {
     std::string list;
-    for (int64_t t : own) list += strCat(list.empty() ? "" : ", ", t);
+    for (int64_t t : request.timesteps) list += strCat(list.empty() ? "" : ", ", t);
     *sampler = "DDIM at the model's timesteps " + list;
   } else {
     request.steps = o.steps.value_or(50);

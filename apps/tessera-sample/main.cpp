@@ -206,13 +206,11 @@ int main(int argc, char** argv) {
     }
     // A distilled generator samples at its own timesteps unless told otherwise. Either
     // list is checked here, where the error can name where it came from.
-    const std::vector<int64_t>& own = loaded.description.model.sample_timesteps;
     if (timesteps->count() > 0) {
       tessera::models::checkTimesteps(model->schedule(), args.request.timesteps, "--timesteps");
-    } else if (steps->count() == 0 && args.request.sampler == "ddim" && !own.empty()) {
-      tessera::models::checkTimesteps(model->schedule(), own,
+    } else if (steps->count() == 0 && args.request.sampler == "ddim") {
+      tessera::models::useOwnTimesteps(args.request, *model, loaded.description.model.sample_timesteps,
                                        (args.weights.empty() ? args.checkpoint : args.weights) + ": model.sample_timesteps");
-      args.request.timesteps = own;
     }
     // The judge loads (and reads its real images) before sampling: a bad classifier fails fast.
     std::optional<tessera::trainer::SampleJudge> judge;
