@@ -88,8 +88,9 @@ std::string dmdPairsKey(const DmdPairsKeyParts& p) {
   // The architecture last: a "; " inside its JSON can only split the last field.
   return strCat("version 1; weights ", digestOfFiles(checkpoint::safetensorsFiles(p.teacherInitFrom)), "; dtype ",
                 p.computeDtype, "; device ", p.device, "; seed ", p.seed, "; pairs ", p.pairs, "; pair_steps ",
-                p.pairSteps, "; guidance ", guidance.str(), models::guidanceIntervalText(p.guidanceInterval), "; sample_shape ", at::IntArrayRef(p.sampleShape), "; classes ",
-                p.classes, "; teacher ", p.teacherModelJson);
+                p.pairSteps, "; guidance ", guidance.str(), models::guidanceIntervalText(p.guidanceInterval),
+                "; sample_shape ", at::IntArrayRef(p.sampleShape), "; classes ", p.classes, "; teacher ",
+                p.teacherModelJson);
 }
 
 DmdPairsCache::DmdPairsCache(const fs::path& runDir, const DmdPairsKeyParts& parts, distributed::Communicator& hostComm)
