@@ -430,15 +430,20 @@ TEST(DiTTest, PatchOverlapBlendsNeighbouringWindows) {
   EXPECT_THROW(makeModel(o, floatSpec({2, 8, 8}, 3)), ConfigError);
 }
 
+// A small class-conditional DiT (3 classes, 1x8x8) whose weights are drawn with `seed`
+// past adaLN-Zero's zeros, so that its conditional and unconditional outputs differ.
+std::shared_ptr<TrainModel> guidableDit(uint64_t seed) {
+  const auto model = initialized(makeModel(smallDitOptions(), floatSpec({1, 8, 8}, /*classes=*/3)));
+  torch::NoGradGuard noGrad;
+  torch::manual_seed(seed);
+  for (auto& item : model->named_parameters()) item.value().normal_(0, 0.3);
+  return model;
+}
+
 // Guidance only inside its interval: e_u + cfg (e_c - e_u) at the timesteps in [first,
 // last], the conditional output alone outside it; the default interval guides everywhere.
 TEST(DiffusionTest, GuidanceAppliesOnlyInItsInterval) {
-  const auto model = initialized(makeModel(smallDitOptions(), floatSpec({1, 8, 8}, /*classes=*/3)));
-  {
-    torch::NoGradGuard noGrad;
-    torch::manual_seed(5);
-    for (auto& item : model->named_parameters()) item.value().normal_(0, 0.3);  // past adaLN-Zero's zeros
-  }
+  const auto model = guidableDit(5);
   auto* dit = dynamic_cast<Denoiser*>(model.get());
   ASSERT_NE(dit, nullptr);
   torch::NoGradGuard noGrad;
@@ -459,12 +464,7 @@ TEST(DiffusionTest, GuidanceAppliesOnlyInItsInterval) {
 // DMD's real score draws a timestep per sample: each sample is guided where its own
 // timestep is in the interval, whatever the others' are.
 TEST(DiffusionTest, PerSampleGuidanceFollowsEachSamplesTimestep) {
-  const auto model = initialized(makeModel(smallDitOptions(), floatSpec({1, 8, 8}, /*classes=*/3)));
-  {
-    torch::NoGradGuard noGrad;
-    torch::manual_seed(6);
-    for (auto& item : model->named_parameters()) item.value().normal_(0, 0.3);  // past adaLN-Zero's zeros
-  }
+  const auto model = guidableDit(6);
   auto* dit = dynamic_cast<Denoiser*>(model.get());
   ASSERT_NE(dit, nullptr);
   torch::NoGradGuard noGrad;
