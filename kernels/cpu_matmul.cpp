@@ -1,4 +1,5 @@
-// fp32 CPU matrix products through oneDNN's sgemm, with their backward (see cpu_matmul.h).
+// fp32 CPU matrix products through oneDNN's sgemm, or in bf16 through its matmul, with their
+// backward (see cpu_matmul.h).
 #include "kernels/cpu_matmul.h"
 
 #include <ATen/ATen.h>
@@ -6,11 +7,14 @@
 #include <dlfcn.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <unordered_map>
 
 #ifdef TESSERA_HAVE_ONEDNN
 #include <oneapi/dnnl/dnnl.h>
+#include <oneapi/dnnl/dnnl.hpp>
 #endif
 
 #include "common/errors.h"
@@ -36,9 +40,11 @@ CpuMatmulPath readPath() {
 #endif
 }
 
-// Whether fp32 products of these tensors go through oneDNN.
-bool onednnTakes(std::initializer_list<const at::Tensor*> tensors) {
-  if (cpuMatmulPath() != CpuMatmulPath::kOnednn) return false;
+std::atomic<at::ScalarType> linearDtype{at::kFloat};
+
+// Whether these (defined) tensors are non-empty fp32 CPU tensors: the products Tessera's own
+// paths take; everything else is LibTorch's.
+bool fp32Cpu(std::initializer_list<const at::Tensor*> tensors) {
   for (const at::Tensor* t : tensors) {
     if (!t->defined()) continue;
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || t->layout() != at::kStrided || t->numel() == 0) {
@@ -46,6 +52,11 @@ bool onednnTakes(std::initializer_list<const at::Tensor*> tensors) {
     }
   }
   return true;
+}
+
+// Whether fp32 products of these tensors go through oneDNN's sgemm.
+bool onednnTakes(std::initializer_list<const at::Tensor*> tensors) {
+  return cpuMatmulPath() == CpuMatmulPath::kOnednn && fp32Cpu(tensors);
 }
 
 // C[i] = op(A[i]) op(B[i]) + beta C[i] for `batch` row-major matrices: op(A) is m x k, op(B)
@@ -86,6 +97,119 @@ at::Tensor product(const at::Tensor& a, bool transA, const at::Tensor& b, bool t
   sgemmBatch(transA, transB, batch, m, n, k, a.data_ptr<float>(), b.data_ptr<float>(), 0.0f, out.data_ptr<float>());
   return out;
 }
+
+#ifdef TESSERA_HAVE_ONEDNN
+const dnnl::engine& cpuEngine() {
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// A bf16 matrix as oneDNN reads it: row-major, or the transpose of a row-major matrix (a
+// `.t()` view), through its strides; any other layout is copied first.
+struct Bf16Operand {
+  at::Tensor tensor;
+  dnnl::memory::desc desc;
+};
+
+Bf16Operand bf16Operand(const at::Tensor& t) {
+  using dnnl::memory;
+  const int64_t rows = t.size(0), cols = t.size(1);
+  if (t.is_contiguous()) return {t, memory::desc({rows, cols}, memory::data_type::bf16, memory::dims{cols, 1})};
+  if (t.t().is_contiguous()) return {t, memory::desc({rows, cols}, memory::data_type::bf16, memory::dims{1, rows})};
+  const at::Tensor copy = t.contiguous();
+  return {copy, memory::desc({rows, cols}, memory::data_type::bf16, memory::dims{cols, 1})};
+}
+
+dnnl::matmul::primitive_desc bf16MatmulDesc(const dnnl::memory::desc& a, const dnnl::memory::desc& b,
+                                            const dnnl::memory::desc* bias, const dnnl::memory::desc& out) {
+  // oneDNN caches the primitives it creates, so building one per call costs microseconds.
+  const dnnl::matmul::desc desc = bias != nullptr ? dnnl::matmul::desc(a, b, *bias, out) : dnnl::matmul::desc(a, b, out);
+  return dnnl::matmul::primitive_desc(desc, cpuEngine());
+}
+#endif
+
+// out = a b (+ bias) in fp32 for bf16 matrices a [m, k] and b [k, n] (either may be a `.t()`
+// view), accumulated in fp32; bias fp32 [n] or undefined.
+at::Tensor bf16Product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias) {
+  const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
+  at::Tensor out = at::empty({m, n}, a.options().dtype(at::kFloat));
+#ifdef TESSERA_HAVE_ONEDNN
+  using dnnl::memory;
+  const Bf16Operand left = bf16Operand(a), right = bf16Operand(b);
+  const memory::desc outDesc({m, n}, memory::data_type::f32, memory::dims{n, 1});
+  const memory::desc biasDesc({1, n}, memory::data_type::f32, memory::dims{n, 1});
+  const at::Tensor biasRow = bias.defined() ? bias.contiguous() : at::Tensor();
+  try {
+    const auto pd = bf16MatmulDesc(left.desc, right.desc, bias.defined() ? &biasDesc : nullptr, outDesc);
+    const dnnl::engine& engine = cpuEngine();
+    thread_local dnnl::stream stream(cpuEngine());
+    std::unordered_map<int, memory> args{
+        {DNNL_ARG_SRC, memory(left.desc, engine, left.tensor.data_ptr())},
+        {DNNL_ARG_WEIGHTS, memory(right.desc, engine, right.tensor.data_ptr())},
+        {DNNL_ARG_DST, memory(outDesc, engine, out.data_ptr())}};
+    if (bias.defined()) args.emplace(DNNL_ARG_BIAS, memory(biasDesc, engine, biasRow.data_ptr()));
+    dnnl::matmul(pd).execute(stream, args);
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    throw Error(strCat("oneDNN bf16 matmul of ", m, "x", k, " by ", k, "x", n, " failed: ", e.what()));
+  }
+#else
+  out.copy_(at::mm(a, b));  // LibTorch's bf16 product, rounded to bf16 before the copy
+  if (bias.defined()) out.add_(bias);
+#endif
+  return out;
+}
+
+// y = x W^T (+ b) with bf16 copies of x and W, fp32 out; the backward multiplies a bf16 copy
+// of the output gradient by the same copies. The copies, not x and W, are saved: half the
+// bytes an fp32 linear keeps for its backward.
+at::Tensor bf16LinearForward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                             const at::Tensor& bias) {
+  const int64_t in = weight.size(1), out = weight.size(0);
+  const at::Tensor rows = x.reshape({-1, in}).to(at::kBFloat16).contiguous();
+  const at::Tensor w = weight.to(at::kBFloat16).contiguous();
+  const at::Tensor y = bf16Product(rows, w.t(), bias);
+  ctx->save_for_backward({rows, w});
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = out;
+  return y.view(shape);
+}
+
+variable_list bf16LinearBackward(AutogradContext* ctx, const at::Tensor& gradOut, bool hasBias) {
+  const auto saved = ctx->get_saved_variables();
+  const at::Tensor& rows = saved[0];
+  const at::Tensor& w = saved[1];
+  const at::Tensor g = gradOut.reshape({-1, w.size(0)});
+  const at::Tensor g16 = g.to(at::kBFloat16).contiguous();
+  variable_list grads(hasBias ? 3 : 2);
+  if (ctx->needs_input_grad(0)) {
+    std::vector<int64_t> shape = gradOut.sizes().vec();
+    shape.back() = w.size(1);
+    grads[0] = bf16Product(g16, w, at::Tensor()).view(shape);
+  }
+  if (ctx->needs_input_grad(1)) grads[1] = bf16Product(g16.t(), rows, at::Tensor());
+  if (hasBias && ctx->needs_input_grad(2)) grads[2] = g.sum(0);
+  return grads;
+}
+
+struct Bf16Linear : public torch::autograd::Function<Bf16Linear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias) {
+    return bf16LinearForward(ctx, x, weight, bias);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return bf16LinearBackward(ctx, grads[0], true);
+  }
+};
+
+struct Bf16LinearNoBias : public torch::autograd::Function<Bf16LinearNoBias> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    return bf16LinearForward(ctx, x, weight, at::Tensor());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return bf16LinearBackward(ctx, grads[0], false);
+  }
+};
 
 // y = x W^T (+ b), saving what the backward needs. Two autograd functions share it: one
 // with a bias and one without, since an undefined tensor cannot be an autograd input.
@@ -204,7 +328,35 @@ std::string cpuMatmulPathName(CpuMatmulPath path) {
   return core.empty() ? "LibTorch (its BLAS)" : strCat("LibTorch (OpenBLAS, ", core, " kernel)");
 }
 
+void setCpuLinearDtype(at::ScalarType dtype) {
+  if (dtype != at::kFloat && dtype != at::kBFloat16) {
+    throw ConfigError(strCat("CPU Linear products in ", dtype, ": expected fp32 or bf16"));
+  }
+  linearDtype.store(dtype);
+}
+
+at::ScalarType cpuLinearDtype() { return linearDtype.load(); }
+
+std::string bf16MatmulKernel() {
+#ifdef TESSERA_HAVE_ONEDNN
+  using dnnl::memory;
+  const memory::desc square({256, 256}, memory::data_type::bf16, memory::dims{256, 1});
+  const memory::desc out({256, 256}, memory::data_type::f32, memory::dims{256, 1});
+  try {
+    return bf16MatmulDesc(square, square, nullptr, out).impl_info_str();
+  } catch (const dnnl::error& e) {
+    return strCat("none (", e.what(), ")");
+  }
+#else
+  return "";
+#endif
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (cpuLinearDtype() == at::kBFloat16 && fp32Cpu({&x, &weight, &bias}) && weight.dim() == 2 && x.dim() >= 1 &&
+      x.size(-1) == weight.size(1) && (!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)))) {
+    return bias.defined() ? Bf16Linear::apply(x, weight, bias) : Bf16LinearNoBias::apply(x, weight);
+  }
   if (!onednnTakes({&x, &weight, &bias}) || weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) {
     return at::linear(x, weight, bias);  // also the one to name a shape mismatch
   }
@@ -219,6 +371,27 @@ at::Tensor batchedMatmul(const at::Tensor& a, const at::Tensor& b) {
   return OnednnBatchedMatmul::apply(a, b);
 }
 
+namespace {
+
+// FLOP/s of `once`, an [m, k] x [k, n] product, after a warm-up call (kernels chosen and
+// compiled, pages touched), timed for at least `seconds`.
+template <typename Product>
+double timedFlops(const Product& once, int64_t m, int64_t n, int64_t k, double seconds) {
+  once();
+  const auto start = std::chrono::steady_clock::now();
+  int64_t reps = 0;
+  double elapsed = 0;
+  while (reps < 2 || elapsed < seconds) {
+    once();
+    ++reps;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) * static_cast<double>(reps) /
+         elapsed;
+}
+
+}  // namespace
+
 double measureCpuSgemmFlops(CpuMatmulPath path, int64_t m, int64_t n, int64_t k, double seconds) {
   const at::Tensor a = at::randn({m, k});
   const at::Tensor b = at::randn({k, n});
@@ -230,17 +403,13 @@ double measureCpuSgemmFlops(CpuMatmulPath path, int64_t m, int64_t n, int64_t k,
       at::mm_out(c, a, b);
     }
   };
-  once();  // warm-up: kernels chosen (oneDNN compiles its kernel for this core), pages touched
-  const auto start = std::chrono::steady_clock::now();
-  int64_t reps = 0;
-  double elapsed = 0;
-  while (reps < 2 || elapsed < seconds) {
-    once();
-    ++reps;
-    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) * static_cast<double>(reps) /
-         elapsed;
+  return timedFlops(once, m, n, k, seconds);
+}
+
+double measureCpuBf16Flops(int64_t m, int64_t n, int64_t k, double seconds) {
+  const at::Tensor a = at::randn({m, k}).to(at::kBFloat16);
+  const at::Tensor b = at::randn({k, n}).to(at::kBFloat16);
+  return timedFlops([&] { (void)bf16Product(a, b, at::Tensor()); }, m, n, k, seconds);
 }
 
 }  // namespace tessera::kernels

@@ -8,6 +8,12 @@
 //
 // TESSERA_CPU_MATMUL=aten sends fp32 products to LibTorch as well: benchmarks compare the two
 // paths in one run with it (tests and CI never set it).
+//
+// setCpuLinearDtype(bf16) (tessera-train's run.matmul_dtype) multiplies the fp32 Linear layers
+// in bf16 instead: bf16 copies of the input, weight and output gradient go through oneDNN's
+// matmul, which accumulates and writes fp32, so everything around the products (norms,
+// activations, masters, the optimizer) stays fp32. On cores with AVX512-BF16 or AMX that is
+// about twice the fp32 products' speed; attention's small per-head products stay fp32.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,8 +36,17 @@ std::string cpuMatmulPathName(CpuMatmulPath path);
 // or "" when the loaded BLAS is not OpenBLAS.
 std::string openblasCoreName();
 
+// The dtype fp32 CPU Linear products are multiplied in, process-wide: at::kFloat (the default)
+// or at::kBFloat16; any other throws tessera::ConfigError.
+void setCpuLinearDtype(at::ScalarType dtype);
+at::ScalarType cpuLinearDtype();
+// oneDNN's name for the kernel bf16 products run on this core ("brg:avx512_core_bf16",
+// "brg:avx512_core_amx", or a reference kernel's name where the core has no bf16 or
+// AVX-512 instructions); "" in a build without oneDNN.
+std::string bf16MatmulKernel();
+
 // y = x W^T + b as at::linear (x [..., in], W [out, in], b [out] or undefined), with its
-// backward, through cpuMatmulPath() for fp32 CPU tensors.
+// backward, through cpuMatmulPath() for fp32 CPU tensors, in cpuLinearDtype().
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias);
 // a @ b for a [..., M, K] and b [..., K, N] with the same leading dimensions (attention's
 // products), with its backward, through cpuMatmulPath() for fp32 CPU tensors.
@@ -43,5 +58,8 @@ double measureCpuSgemmFlops(CpuMatmulPath path, int64_t m, int64_t n, int64_t k,
 inline double measureCpuSgemmFlops(CpuMatmulPath path, int64_t size, double seconds) {
   return measureCpuSgemmFlops(path, size, size, size, seconds);
 }
+// FLOP/s of the bf16 products setCpuLinearDtype(bf16) uses ([m, k] x [k, n], fp32 out), timed
+// the same way.
+double measureCpuBf16Flops(int64_t m, int64_t n, int64_t k, double seconds);
 
 }  // namespace tessera::kernels

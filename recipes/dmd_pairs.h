@@ -31,7 +31,7 @@ struct DmdPairsKeyParts {
   std::string teacherModelJson;             // its architecture (model metadata JSON)
   std::string teacherInitFrom;              // model.init_from ("" if none)
   bool teacherTrainable = false;
-  std::string computeDtype, device;         // the teacher's param dtype, where it runs
+  std::string computeDtype, device;         // the teacher's param dtype (and run.matmul_dtype when bf16), where it runs
   int64_t seed = 0, pairs = 0, pairSteps = 0;
   double guidance = 1.0;
   std::vector<int64_t> guidanceInterval;    // recipe.guidance_interval (empty: every timestep)

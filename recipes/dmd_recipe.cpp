@@ -357,6 +357,7 @@ class DmdRecipe : public trainer::Recipe {
     parts.teacherInitFrom = teacher_.cfg.model.init_from.value_or("");
     parts.teacherTrainable = teacher_.cfg.trainable;
     parts.computeDtype = enumName(sharding::kFloatDtypeNames, teacher_.cfg.sharding.paramDtype);
+    if (run_.cfg.run.matmul_dtype != "fp32") parts.computeDtype += strCat(", Linear products ", run_.cfg.run.matmul_dtype);
     parts.device = run_.device.str();
     parts.seed = run_.cfg.run.seed;
     parts.pairs = options_.regression_pairs;

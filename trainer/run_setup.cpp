@@ -22,6 +22,7 @@
 #include "datasets/dataset.h"
 #include "diagnostics/flight_recorder.h"
 #include "distributed/communicator.h"
+#include "kernels/cpu_matmul.h"
 #include "ema/strategy_ema.h"
 #include "sharding/mixed_precision.h"
 #include "models/layers.h"
@@ -140,6 +141,12 @@ void checkComputeDtypes(const TrainConfig& cfg, at::Device device) {
                  device.is_cpu() ? "bf16, or run.device: cuda" : "another dtype")));
     }
   }
+}
+
+// run.matmul_dtype: the dtype fp32 Linear products multiply in on the CPU, for this process
+// (finishTrainConfig refused it for other devices).
+void setCpuMatmulDtype(const TrainConfig& cfg) {
+  kernels::setCpuLinearDtype(cfg.run.matmul_dtype == "bf16" ? at::kBFloat16 : at::kFloat);
 }
 
 // The seed a model's initial values are drawn with: run.seed, mixed with the model's salt
@@ -622,6 +629,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   run->device = trainingDevice(cfg);
   checkComputeDtypes(cfg, run->device);
+  setCpuMatmulDtype(cfg);
   setUpData(*run);
   for (const ModelEntry& entry : cfg.models) run->models.push_back(buildModel(*run, entry));
 

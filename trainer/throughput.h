@@ -26,7 +26,9 @@ double measureMatmulFlops(at::Device device, at::ScalarType dtype, int64_t size,
 // `configured` (run.peak_flops) when > 0; else the probe on the run's device and compute
 // dtype: 1024-square products on a CPU (the rank's own threads), 8192-square on a GPU. On a
 // CPU in fp32 the probe is oneDNN's sgemm, which runs at the core's speed whatever kernel
-// the loaded BLAS picked, so MFU is against the core, not against a slow kernel.
+// the loaded BLAS picked, so MFU is against the core, not against a slow kernel; with the
+// Linear products in bf16 (run.matmul_dtype, kernels::cpuLinearDtype()) it is oneDNN's bf16
+// matmul, and a warning says so when that runs no faster than fp32 on this core.
 PeakFlops peakFlops(double configured, at::Device device, at::ScalarType dtype);
 
 // The throughput figures of a logged window: samples/s over all ranks -> per rank, tokens/s

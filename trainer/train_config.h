@@ -39,6 +39,7 @@ struct RunOptions {
   std::string backend = "auto";   // auto | nccl | gloo: how parameters and gradients travel (commBackend)
   std::string recipe = "standard";  // standard (the one `model`) | dmd (models generator, critic, teacher)
   double peak_flops = 0;          // a rank's peak FLOP/s for MFU; 0 = measured at start by a matrix-product probe
+  std::string matmul_dtype = "fp32";  // fp32 | bf16: what fp32 Linear layers multiply in on the CPU (kernels/cpu_matmul.h)
 };
 
 // Pictures during training (image denoisers: diffusion or dit on idx / image_folder data).

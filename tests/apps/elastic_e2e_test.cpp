@@ -158,6 +158,8 @@ TEST(ElasticE2ETest, ALostNodeCostsOnlyTheStepsSinceTheLastLocalCheckpoint) {
 // waits; A sees it waiting, stops its ranks (they save a checkpoint) and both start round
 // 2 on 4 ranks, resumed from that checkpoint. A global batch of 24 and micro-batches of at
 // most 8: 12 samples per rank on 2 ranks (micro-batches of 6, chosen automatically), 6 on 4.
+// A's ranks are paused (SIGSTOP) from its checkpoint at step 40 until A's launcher has seen B
+// waiting: on a fast machine the 300 steps were otherwise over before B had started.
 TEST(ElasticE2ETest, ANodeThatComesLaterJoinsAtARestart) {
   const std::string dir = tessera::test::scratchPath("tessera_elastic", "joins");
   const std::string d = shellQuote(dir);
@@ -166,10 +168,11 @@ TEST(ElasticE2ETest, ANodeThatComesLaterJoinsAtARestart) {
   const std::string args = " --set data.global_batch=24 --set data.micro_batch=8";
   const std::string train = kBin + "/tessera-train" + kTrainArgs + args + " --set run.dir=" + d + "/run";
   const CommandResult r = runCommand(
-      "mkdir -p " + d + "; " + launch + " " + train + " > " + d + "/a.log 2>&1 & A=$!; " + "for i in $(seq 1200); do [ -d " +
-          d + "/run/checkpoints/step_00000040 ] && break; sleep 0.1; done; " + launch + " " + train + " > " + d +
-          "/b.log 2>&1 & B=$!; wait $A; echo \"node A exit $?\"; wait $B; echo \"node B exit $?\"; cat " + d +
-          "/a.log " + d + "/b.log",
+      "mkdir -p " + d + "; " + launch + " " + train + " > " + d + "/a.log 2>&1 & A=$!; " + "for i in $(seq 6000); do [ -d " +
+          d + "/run/checkpoints/step_00000040 ] && break; sleep 0.02; done; R=$(pgrep -P $A); kill -STOP $R; " + launch +
+          " " + train + " > " + d + "/b.log 2>&1 & B=$!; for i in $(seq 300); do grep -q 'waits to join' " + d +
+          "/a.log && break; sleep 0.1; done; kill -CONT $R; wait $A; echo \"node A exit $?\"; wait $B; "
+          "echo \"node B exit $?\"; cat " + d + "/a.log " + d + "/b.log",
       280);
   EXPECT_NE(r.output.find("node A exit 0"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("node B exit 0"), std::string::npos) << r.output;

@@ -1,12 +1,14 @@
 // The oneDNN matrix products (kernels/cpu_matmul.h) equal LibTorch's, forward and backward,
 // for the shapes the models use and shapes that fit no kernel's blocking: inputs of 2 to 4
-// dimensions, no bias, frozen weights, inputs without gradients, transposed (strided) views.
+// dimensions, no bias, frozen weights, inputs without gradients, transposed (strided) views;
+// in bf16 (setCpuLinearDtype) they equal fp32 products of the bf16-rounded operands.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
 
 #include <tuple>
 
+#include "common/errors.h"
 #include "kernels/cpu_matmul.h"
 
 namespace {
@@ -108,8 +110,81 @@ TEST(CpuMatmulTest, OtherTensorsTakeLibTorchsProduct) {
   EXPECT_THROW(tessera::kernels::batchedMatmul(at::randn({2, 3, 4}), at::randn({2, 5, 6})), c10::Error);
 }
 
+// The Linear products in bf16 for the scope of one test; fp32 again after it.
+struct Bf16Linears {
+  Bf16Linears() { tessera::kernels::setCpuLinearDtype(at::kBFloat16); }
+  ~Bf16Linears() { tessera::kernels::setCpuLinearDtype(at::kFloat); }
+};
+
+at::Tensor roundedToBf16(const at::Tensor& t) { return t.to(at::kBFloat16).to(at::kDouble); }
+
+// In bf16 the products are those of the operands rounded to bf16, accumulated in fp32 and
+// returned in fp32: forward, dx (the output gradient rounded too), dW; the bias and its
+// gradient stay fp32. The reference is the same rounded operands multiplied in double.
+TEST_P(LinearShapes, InBf16EqualTheProductsOfBf16RoundedOperands) {
+  const auto& [inputShape, out, withBias] = GetParam();
+  at::manual_seed(6);
+  const int64_t in = inputShape.back();
+  const at::Tensor x0 = at::randn(inputShape), w0 = at::randn({out, in}), b0 = at::randn({out});
+  const at::Tensor upstream = at::randn(at::linear(x0, w0).sizes());
+  at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+  at::Tensor b = withBias ? b0.clone().requires_grad_(true) : at::Tensor();
+  at::Tensor y;
+  {
+    Bf16Linears bf16;
+    EXPECT_EQ(tessera::kernels::cpuLinearDtype(), at::kBFloat16);
+    y = tessera::kernels::linear(x, w, b);
+    y.backward(upstream);
+  }
+  EXPECT_EQ(y.scalar_type(), at::kFloat);
+  EXPECT_EQ(w.grad().scalar_type(), at::kFloat);
+  const at::Tensor xr = roundedToBf16(x0), wr = roundedToBf16(w0), gr = roundedToBf16(upstream);
+  const at::Tensor yRef = at::linear(xr, wr, withBias ? b0.to(at::kDouble) : at::Tensor());
+  // Without oneDNN the product is LibTorch's bf16 one, whose output is rounded to bf16 too.
+  const double tolerance = tessera::kernels::haveOnednn() ? 1e-5 : 1e-2;
+  const auto close = [&](const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+    const double scale = 1.0 + want.abs().max().item<double>();
+    EXPECT_TRUE(at::allclose(got.to(at::kDouble), want, tolerance, tolerance * scale))
+        << what << ": max difference " << (got.to(at::kDouble) - want).abs().max().item<double>();
+  };
+  close(y, yRef, "y");
+  const at::Tensor g2 = gr.reshape({-1, out});
+  close(x.grad(), g2.mm(wr).view(x0.sizes()), "dx");
+  close(w.grad(), g2.t().mm(xr.reshape({-1, in})), "dW");
+  if (withBias) close(b.grad(), upstream.reshape({-1, out}).sum(0).to(at::kDouble), "db (fp32)");
+  // And it is not the fp32 product: the rounding shows (so the path was taken).
+  if (x0.numel() > 100) {
+    EXPECT_GT((y - at::linear(x0, w0, withBias ? b0 : at::Tensor())).abs().max().item<double>(), 1e-4);
+  }
+}
+
+TEST(CpuMatmulTest, Bf16LinearsLeaveOtherProductsAsTheyWere) {
+  at::manual_seed(7);
+  const at::Tensor x = at::randn({5, 8}), w = at::randn({3, 8});
+  const at::Tensor q = at::randn({2, 4, 6}), k = at::randn({2, 6, 4});
+  const at::Tensor fp32Attention = tessera::kernels::batchedMatmul(q, k);
+  Bf16Linears bf16;
+  // bf16 and double tensors: LibTorch's own products, bit for bit.
+  for (const auto dtype : {at::kBFloat16, at::kDouble}) {
+    const at::Tensor xd = x.to(dtype), wd = w.to(dtype);
+    EXPECT_TRUE(at::equal(tessera::kernels::linear(xd, wd, {}), at::linear(xd, wd))) << dtype;
+  }
+  // Attention's products stay fp32.
+  EXPECT_TRUE(at::equal(tessera::kernels::batchedMatmul(q, k), fp32Attention));
+  // A shape mismatch is still LibTorch's error naming the shapes.
+  EXPECT_THROW(tessera::kernels::linear(x, at::randn({3, 7}), {}), c10::Error);
+  EXPECT_THROW(tessera::kernels::linear(x, w, at::randn({4})), c10::Error);
+}
+
+TEST(CpuMatmulTest, OnlyFp32AndBf16AreLinearDtypes) {
+  EXPECT_THROW(tessera::kernels::setCpuLinearDtype(at::kHalf), tessera::ConfigError);
+  EXPECT_EQ(tessera::kernels::cpuLinearDtype(), at::kFloat);
+}
+
 TEST(CpuMatmulTest, TheProbeMeasuresBothPaths) {
+  EXPECT_GT(tessera::kernels::measureCpuBf16Flops(64, 64, 64, 0.01), 1e6);
   if (tessera::kernels::haveOnednn()) {
+    EXPECT_NE(tessera::kernels::bf16MatmulKernel(), "");
     EXPECT_GT(tessera::kernels::measureCpuSgemmFlops(CpuMatmulPath::kOnednn, 64, 0.01), 1e6);
   }
   EXPECT_GT(tessera::kernels::measureCpuSgemmFlops(CpuMatmulPath::kAten, 64, 0.01), 1e6);

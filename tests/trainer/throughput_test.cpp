@@ -97,5 +97,20 @@ TEST(ThroughputTest, MatmulProbeMeasuresARate) {
   EXPECT_EQ(bf16.matmulPath, "");
 }
 
+// run.matmul_dtype bf16: fp32 parameters whose Linear products run in bf16. The peak is then
+// oneDNN's bf16 matmul, named with its kernel and its speed against fp32's.
+TEST(ThroughputTest, Bf16LinearsAreMeasuredAgainstTheBf16Probe) {
+  tessera::kernels::setCpuLinearDtype(at::kBFloat16);
+  const PeakFlops peak = peakFlops(0, at::kCPU, at::kFloat);
+  tessera::kernels::setCpuLinearDtype(at::kFloat);
+  EXPECT_GT(peak.flopsPerSec, 1e8);
+  EXPECT_NE(peak.source.find("1024x1024 bf16 matrix products through oneDNN (run.matmul_dtype bf16"),
+            std::string::npos)
+      << peak.source;
+  EXPECT_NE(peak.matmulPath.find("Linear layers in bf16 through oneDNN's matmul (kernel "), std::string::npos)
+      << peak.matmulPath;
+  EXPECT_NE(peak.matmulPath.find("x fp32's "), std::string::npos) << peak.matmulPath;
+}
+
 }  // namespace
 }  // namespace tessera::trainer

@@ -7,6 +7,8 @@
 
 #include <fstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/errors.h"
 #include "recipes/dmd_options.h"
@@ -111,6 +113,25 @@ TEST(TrainConfigTest, CpuOffloadIsForFullySharding) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("sharding.cpu_offload"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("zero2"), std::string::npos) << e.what();
+  }
+}
+
+// run.matmul_dtype: fp32 (the default) or bf16 Linear products on the CPU; another value,
+// or bf16 asked of a GPU run (whose products are LibTorch's), is an error naming the key.
+TEST(TrainConfigTest, MatmulDtypeIsForTheCpu) {
+  EXPECT_EQ(loadTrainConfig(kConfigs + "/default.yaml", {}, 2).config.run.matmul_dtype, "fp32");
+  EXPECT_EQ(loadTrainConfig(kConfigs + "/default.yaml", {"run.matmul_dtype=bf16"}, 2).config.run.matmul_dtype, "bf16");
+  for (const auto& [overrides, expected] :
+       std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"run.matmul_dtype=fp16"}, "run.matmul_dtype"},
+           {{"run.matmul_dtype=bf16", "run.device=cuda"}, "bf16 Linear products are for run.device cpu, not cuda"}}) {
+    try {
+      loadTrainConfig(kConfigs + "/default.yaml", overrides, 2);
+      FAIL() << overrides.front() << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("run.matmul_dtype"), std::string::npos) << e.what();
+    }
   }
 }
 
