@@ -144,9 +144,20 @@ void checkComputeDtypes(const TrainConfig& cfg, at::Device device) {
 }
 
 // run.matmul_dtype: the dtype fp32 Linear products multiply in on the CPU, for this process
-// (finishTrainConfig refused it for other devices).
-void setCpuMatmulDtype(const TrainConfig& cfg) {
+// (finishTrainConfig refused it for other devices). A CPU model whose parameters are bf16
+// computes everything in bf16, which LibTorch 1.13's element-wise kernels do slower than
+// fp32: the log points at the key that multiplies in bf16 and keeps the rest fp32.
+void setCpuMatmulDtype(const TrainConfig& cfg, at::Device device) {
   kernels::setCpuLinearDtype(cfg.run.matmul_dtype == "bf16" ? at::kBFloat16 : at::kFloat);
+  for (const ModelEntry& m : cfg.models) {
+    if (device.is_cpu() && m.sharding.paramDtype == at::kBFloat16) {
+      TLOG_WARN0(m.sectionKeys << "sharding.param_dtype bf16 on the CPU: every operation runs in bf16, which this "
+                                  "LibTorch's element-wise kernels do more slowly than fp32 (docs/benchmarks.md); for "
+                                  "speed, sharding.param_dtype: fp32 with run.matmul_dtype: bf16 multiplies in bf16 "
+                                  "and keeps the rest fp32");
+      return;
+    }
+  }
 }
 
 // The seed a model's initial values are drawn with: run.seed, mixed with the model's salt
@@ -629,7 +640,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   run->device = trainingDevice(cfg);
   checkComputeDtypes(cfg, run->device);
-  setCpuMatmulDtype(cfg);
+  setCpuMatmulDtype(cfg, run->device);
   setUpData(*run);
   for (const ModelEntry& entry : cfg.models) run->models.push_back(buildModel(*run, entry));
 

@@ -27,6 +27,7 @@
 #include "common/errors.h"
 #include "common/signal_thread.h"
 #include "common/logging.h"
+#include "distributed/rank_env.h"
 #include "ema/posthoc.h"
 #include "models/model_options.h"
 #include "trainer/checkpoint_layout.h"
@@ -244,6 +245,13 @@ int main(int argc, char** argv) {
     ExportArgs args;
     addOptions(app, args);
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
+    // A single-process tool: started as several ranks (under tessera-run, torchrun, srun -n N)
+    // every rank would write the same --out, and one read another's half-written file.
+    const auto env = tessera::distributed::RankEnv::fromEnvironment();
+    if (env.world_size > 1) {
+      throw tessera::UsageError(tessera::strCat("tessera-export runs as one process, but this is ", env.describe(),
+                                                ": run it without tessera-run, torchrun or srun -n N"));
+    }
     tessera::log::LogOptions logOptions;
     logOptions.rank = -1;  // a single-process tool: no rank prefix
     logOptions.level = "warn";

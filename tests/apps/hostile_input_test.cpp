@@ -405,6 +405,11 @@ TEST_F(HostileInputTest, EveryDtypeValueSavesResumesAndExports) {
     const std::string out =
         expectSuccess(kTrain + " --config " + kConfig + kShortRun + c.sets + " --set run.steps=4 --set run.dir=" + run);
     EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+    // bf16 parameters on the CPU: the log says what is faster there.
+    const bool bf16Params = c.sets.find("param_dtype=bf16") != std::string::npos;
+    EXPECT_EQ(out.find("sharding.param_dtype bf16 on the CPU: every operation runs in bf16") != std::string::npos,
+              bf16Params)
+        << out;
     expectSuccess(kBin + "/tessera-ckpt verify " + run + "/checkpoints/step_00000004");
     const std::string exported = readText(run + "/export/model_ema.safetensors");
     EXPECT_NE(exported.substr(0, 4096).find(c.exported), std::string::npos) << "export dtype";
@@ -654,6 +659,13 @@ TEST_F(HostileInputTest, MessagesNameTheFileOrKey) {
   // An unknown --what is a usage error like the others (exit 2), naming what exists.
   expectRefused(kBin + "/tessera-export " + stepDir(run) + " --what nothing_here --out " + scratch("n.safetensors"),
                 {"--what", "nothing_here", "model"}, 2);
+  // Started as rank 0 of 2 (under tessera-run or torchrun): refused before writing, since
+  // every rank would write the same --out.
+  const std::string twice = scratch("twice.safetensors");
+  expectRefused("env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 " +
+                    kBin + "/tessera-export " + stepDir(run) + " --what model --out " + twice,
+                {"tessera-export runs as one process", "rank 0/2", "without tessera-run"}, 2);
+  EXPECT_FALSE(fs::exists(twice));
 }
 
 }  // namespace
