@@ -169,9 +169,25 @@ std::string xmlText(const std::string& text) {
 
 }  // namespace
 
+namespace {
+// The size of one chart of renderLineChartSvg, in SVG units.
+constexpr int kChartWidth = 720, kChartHeight = 420;
+}  // namespace
+
+std::string stackChartsSvg(const std::vector<std::string>& charts) {
+  std::ostringstream svg;
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << kChartWidth << "\" height=\""
+      << kChartHeight * static_cast<int>(charts.size()) << "\">\n";
+  for (size_t i = 0; i < charts.size(); ++i) {
+    svg << "<g transform=\"translate(0," << kChartHeight * static_cast<int>(i) << ")\">\n" << charts[i] << "</g>\n";
+  }
+  svg << "</svg>\n";
+  return svg.str();
+}
+
 std::string renderLineChartSvg(const std::vector<ChartSeries>& series, const std::string& title,
                                const std::string& xLabel, const std::string& yLabel, bool logScale) {
-  const double W = 720, H = 420, left = 70, right = 190, top = 40, bottom = 50;
+  const double W = kChartWidth, H = kChartHeight, left = 70, right = 190, top = 40, bottom = 50;
   // What is drawn: on a log axis, the positive finite points; on a linear one, the finite.
   std::vector<ChartSeries> shown;
   for (const ChartSeries& s : series) {

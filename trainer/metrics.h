@@ -79,6 +79,9 @@ std::string formatStepLine(const StepMetrics& m, int64_t totalSteps);
 // few dozen lines of SVG need no plotting library, and none is packaged for C++ in Debian.
 std::string renderLineChartSvg(const std::vector<ChartSeries>& series, const std::string& title,
                                const std::string& xLabel, const std::string& yLabel, bool logScale = false);
+// Charts of renderLineChartSvg one above the other in one SVG: for figures whose ranges are
+// too far apart to share a y axis (a Frechet distance of 30 and an accuracy of 84%).
+std::string stackChartsSvg(const std::vector<std::string>& charts);
 
 // Peak resident set size of this process in MiB (VmHWM from /proc/self/status).
 double peakRssMiB();

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <iterator>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -329,7 +330,16 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
   kept << "kept sigma_rel " << best.first << ": " << out;
   EXPECT_NE(printed.find(kept.str()), std::string::npos) << printed;
   EXPECT_NE(printed.find("<- kept"), std::string::npos) << printed;
-  EXPECT_GT(fs::file_size(dir + "/best_sweep.svg"), 0u);
+  // The plot: Frechet distance and accuracy each in a chart of its own (on one axis the two
+  // were flat lines 50 units apart), one line each.
+  std::ifstream plotFile(dir + "/best_sweep.svg");
+  const std::string plot((std::istreambuf_iterator<char>(plotFile)), std::istreambuf_iterator<char>());
+  EXPECT_NE(plot.find(">Frechet distance (lower is better)</text>"), std::string::npos) << plot;
+  EXPECT_NE(plot.find(">accuracy (%)</text>"), std::string::npos) << plot;
+  EXPECT_NE(plot.find("translate(0,420)"), std::string::npos) << plot;
+  size_t lines = 0;
+  for (size_t at = plot.find("<polyline"); at != std::string::npos; at = plot.find("<polyline", at + 1)) ++lines;
+  EXPECT_EQ(lines, 2u) << plot;
   EXPECT_FALSE(fs::exists(dir + "/best.sweep_candidate.safetensors"));
   EXPECT_FALSE(fs::exists(dir + "/best.sweep_best.safetensors"));
   // The kept file is that sigma_rel's reconstruction, and it samples like a run's export.
