@@ -133,6 +133,11 @@ dnnl::matmul::primitive_desc bf16MatmulDesc(const dnnl::memory::desc& a, const d
 at::Tensor bf16Product(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias) {
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   at::Tensor out = at::empty({m, n}, a.options().dtype(at::kFloat));
+  if (!haveOnednnBf16()) {
+    out.copy_(at::mm(a, b));  // LibTorch's bf16 product, rounded to bf16 before the copy
+    if (bias.defined()) out.add_(bias);
+    return out;
+  }
 #ifdef TESSERA_HAVE_ONEDNN
   using dnnl::memory;
   const Bf16Operand left = bf16Operand(a), right = bf16Operand(b);
@@ -153,9 +158,6 @@ at::Tensor bf16Product(const at::Tensor& a, const at::Tensor& b, const at::Tenso
   } catch (const dnnl::error& e) {
     throw Error(strCat("oneDNN bf16 matmul of ", m, "x", k, " by ", k, "x", n, " failed: ", e.what()));
   }
-#else
-  out.copy_(at::mm(a, b));  // LibTorch's bf16 product, rounded to bf16 before the copy
-  if (bias.defined()) out.add_(bias);
 #endif
   return out;
 }
@@ -192,27 +194,7 @@ variable_list bf16LinearBackward(AutogradContext* ctx, const at::Tensor& gradOut
   return grads;
 }
 
-struct Bf16Linear : public torch::autograd::Function<Bf16Linear> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias) {
-    return bf16LinearForward(ctx, x, weight, bias);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return bf16LinearBackward(ctx, grads[0], true);
-  }
-};
-
-struct Bf16LinearNoBias : public torch::autograd::Function<Bf16LinearNoBias> {
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
-    return bf16LinearForward(ctx, x, weight, at::Tensor());
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return bf16LinearBackward(ctx, grads[0], false);
-  }
-};
-
-// y = x W^T (+ b), saving what the backward needs. Two autograd functions share it: one
-// with a bias and one without, since an undefined tensor cannot be an autograd input.
+// y = x W^T (+ b) through oneDNN's sgemm, saving what the backward needs.
 at::Tensor linearForward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   const int64_t in = weight.size(1);
   const int64_t out = weight.size(0);
@@ -249,24 +231,34 @@ variable_list linearBackward(AutogradContext* ctx, const at::Tensor& gradOut, bo
   return grads;
 }
 
-struct OnednnLinear : public torch::autograd::Function<OnednnLinear> {
+// A linear's forward and backward as autograd functions: one with a bias and one without,
+// since an undefined tensor cannot be an autograd input. `Forward` and `Backward` are the
+// fp32 (oneDNN sgemm) or the bf16 pair above.
+using LinearForward = at::Tensor (*)(AutogradContext*, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using LinearBackward = variable_list (*)(AutogradContext*, const at::Tensor&, bool);
+
+template <LinearForward Forward, LinearBackward Backward>
+struct LinearWithBias : public torch::autograd::Function<LinearWithBias<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias) {
-    return linearForward(ctx, x, weight, bias);
+    return Forward(ctx, x, weight, bias);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return linearBackward(ctx, grads[0], true);
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return Backward(ctx, grads[0], true); }
 };
 
-struct OnednnLinearNoBias : public torch::autograd::Function<OnednnLinearNoBias> {
+template <LinearForward Forward, LinearBackward Backward>
+struct LinearNoBias : public torch::autograd::Function<LinearNoBias<Forward, Backward>> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
-    return linearForward(ctx, x, weight, at::Tensor());
+    return Forward(ctx, x, weight, at::Tensor());
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return linearBackward(ctx, grads[0], false);
-  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) { return Backward(ctx, grads[0], false); }
 };
+
+template <LinearForward Forward, LinearBackward Backward>
+at::Tensor applyLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  return bias.defined() ? LinearWithBias<Forward, Backward>::apply(x, weight, bias)
+                        : LinearNoBias<Forward, Backward>::apply(x, weight);
+}
 
 struct OnednnBatchedMatmul : public torch::autograd::Function<OnednnBatchedMatmul> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
@@ -337,30 +329,47 @@ void setCpuLinearDtype(at::ScalarType dtype) {
 
 at::ScalarType cpuLinearDtype() { return linearDtype.load(); }
 
-std::string bf16MatmulKernel() {
+namespace {
+
+// The kernel oneDNN picks for bf16 products on this core; "" where it has none.
+std::string onednnBf16Kernel() {
 #ifdef TESSERA_HAVE_ONEDNN
   using dnnl::memory;
   const memory::desc square({256, 256}, memory::data_type::bf16, memory::dims{256, 1});
   const memory::desc out({256, 256}, memory::data_type::f32, memory::dims{256, 1});
   try {
     return bf16MatmulDesc(square, square, nullptr, out).impl_info_str();
-  } catch (const dnnl::error& e) {
-    return strCat("none (", e.what(), ")");
+  } catch (const dnnl::error&) {
+    return "";  // unimplemented: no bf16 support below AVX-512
   }
 #else
   return "";
 #endif
 }
 
+}  // namespace
+
+bool haveOnednnBf16() {
+  static const bool have = cpuMatmulPath() == CpuMatmulPath::kOnednn && !onednnBf16Kernel().empty();
+  return have;
+}
+
+std::string bf16MatmulKernel() {
+  if (haveOnednnBf16()) return "oneDNN's matmul, kernel " + onednnBf16Kernel();
+  if (!haveOnednn()) return "LibTorch's bf16 product (a build without oneDNN)";
+  return cpuMatmulPath() == CpuMatmulPath::kAten ? "LibTorch's bf16 product (TESSERA_CPU_MATMUL=aten)"
+                                                 : "LibTorch's bf16 product (oneDNN has no bf16 kernel for this core)";
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (cpuLinearDtype() == at::kBFloat16 && fp32Cpu({&x, &weight, &bias}) && weight.dim() == 2 && x.dim() >= 1 &&
       x.size(-1) == weight.size(1) && (!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)))) {
-    return bias.defined() ? Bf16Linear::apply(x, weight, bias) : Bf16LinearNoBias::apply(x, weight);
+    return applyLinear<bf16LinearForward, bf16LinearBackward>(x, weight, bias);
   }
   if (!onednnTakes({&x, &weight, &bias}) || weight.dim() != 2 || x.dim() < 1 || x.size(-1) != weight.size(1)) {
     return at::linear(x, weight, bias);  // also the one to name a shape mismatch
   }
-  return bias.defined() ? OnednnLinear::apply(x, weight, bias) : OnednnLinearNoBias::apply(x, weight);
+  return applyLinear<linearForward, linearBackward>(x, weight, bias);
 }
 
 at::Tensor batchedMatmul(const at::Tensor& a, const at::Tensor& b) {

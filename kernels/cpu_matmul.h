@@ -40,9 +40,12 @@ std::string openblasCoreName();
 // or at::kBFloat16; any other throws tessera::ConfigError.
 void setCpuLinearDtype(at::ScalarType dtype);
 at::ScalarType cpuLinearDtype();
-// oneDNN's name for the kernel bf16 products run on this core ("brg:avx512_core_bf16",
-// "brg:avx512_core_amx", or a reference kernel's name where the core has no bf16 or
-// AVX-512 instructions); "" in a build without oneDNN.
+// Whether bf16 products go through oneDNN: it needs AVX-512 at least. Elsewhere (and in a
+// build without oneDNN, or under TESSERA_CPU_MATMUL=aten) they are LibTorch's own, slower
+// than fp32 and with their output rounded to bf16.
+bool haveOnednnBf16();
+// What bf16 products run on: "oneDNN's matmul, kernel brg:avx512_core_bf16" (or _amx, ...),
+// or "LibTorch's bf16 product (...)" where oneDNN has none.
 std::string bf16MatmulKernel();
 
 // y = x W^T + b as at::linear (x [..., in], W [out, in], b [out] or undefined), with its

@@ -56,19 +56,19 @@ PeakFlops peakFlops(double configured, at::Device device, at::ScalarType dtype) 
                             ? kernels::measureCpuSgemmFlops(kernels::CpuMatmulPath::kOnednn, size, seconds)
                             : measureMatmulFlops(device, at::kFloat, size, seconds);
     const std::string bf16What = strCat(size, "x", size, " bf16 matrix products");
-    peak.matmulPath = strCat("Linear layers in bf16 through oneDNN's matmul (kernel ", kernels::bf16MatmulKernel(),
-                             ", fp32 accumulation), ", static_cast<int64_t>(bf16 / 1e9), " GFLOP/s per rank on ",
-                             bf16What, ", ", bf16 / fp32, "x fp32's ", static_cast<int64_t>(fp32 / 1e9));
+    peak.matmulPath = strCat("Linear layers in bf16 (", kernels::bf16MatmulKernel(), ", fp32 accumulation), ",
+                             static_cast<int64_t>(bf16 / 1e9), " GFLOP/s per rank on ", bf16What, ", ", bf16 / fp32,
+                             "x fp32's ", static_cast<int64_t>(fp32 / 1e9));
     if (bf16 < fp32) {
       peak.slowWarning = strCat("bf16 products run at ", static_cast<int64_t>(bf16 / 1e9),
                                 " GFLOP/s, below fp32's ", static_cast<int64_t>(fp32 / 1e9),
-                                " on this core (no bf16 instructions: kernel ", kernels::bf16MatmulKernel(),
+                                " on this core (", kernels::bf16MatmulKernel(),
                                 "); run.matmul_dtype: fp32 is faster here");
     }
     if (configured <= 0) {
       peak.flopsPerSec = bf16;
-      peak.source = strCat("measured by ", bf16What, " through oneDNN (run.matmul_dtype bf16; set run.peak_flops for "
-                           "the hardware's datasheet figure)");
+      peak.source = strCat("measured by ", bf16What, " (run.matmul_dtype bf16; set run.peak_flops for the "
+                           "hardware's datasheet figure)");
     }
   } else if (device.is_cpu() && dtype == at::kFloat) {
     using kernels::CpuMatmulPath;
