@@ -3,7 +3,8 @@
 # given --set overrides under tessera-run into runs/ablation_NAME, then judges its
 # generator_ema as the docs do (1000 samples: 100 per class, seed 1, DDIM 50 steps, guidance
 # 2) with the Fashion-MNIST classifier (configs/fashion_classifier.yaml, trained first), and
-# prints the training time, the accuracy and the Frechet distance.
+# prints the training time, the accuracy and the Frechet distance, and each class's accuracy
+# beside the classifier's on real images of that class.
 #   bench/dit_ablation.sh NAME CONFIG NPROC [--set KEY=VALUE ...]
 #   e.g. bench/dit_ablation.sh v_cosine configs/dit_quick.yaml 2 --set model.prediction=v \
 #          --set model.zero_terminal_snr=true --set model.noise_schedule=cosine
@@ -27,3 +28,4 @@ trained=$(date +%s)
 accuracy=$(sed -n 's/.*judge: accuracy \([0-9.]*\).*/\1/p' "$dir.judge.log" | head -1)
 frechet=$(sed -n 's/.*judge: Frechet distance \([0-9.]*\).*/\1/p' "$dir.judge.log" | head -1)
 echo "$name: trained in $((trained - start)) s; accuracy $accuracy, Frechet distance $frechet ($*)"
+sed -n 's/.*judge: per class asked for, accuracy (the classifier on real ones): /  per class (real images): /p' "$dir.judge.log" | head -1

@@ -237,7 +237,7 @@ class StandardRecipe : public trainer::Recipe {
     const trainer::Judgement j = judge_->judge(samples, request.labels);
     return strCat("judge: ", j.samples, " samples of ", part_.cfg.names.ema, " (DDIM ", request.steps, " steps, guidance ",
                   request.cfg, models::guidanceIntervalText(run_.cfg.eval.sample_cfg_interval), "): accuracy ", j.accuracy, " (real images: ", j.realAccuracy, "), Frechet distance ",
-                  j.frechet, " (", j.samples, " real images: ", j.realFrechet, ")");
+                  j.frechet, " (", j.samples, " real images: ", j.realFrechet, "); ", trainer::perClassText(j));
   }
 
  private:

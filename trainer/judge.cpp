@@ -3,6 +3,9 @@
 
 #include <c10/core/GradMode.h>
 
+#include <iomanip>
+#include <sstream>
+
 #include "common/errors.h"
 #include "datasets/dataset.h"
 #include "models/models.h"
@@ -48,15 +51,21 @@ SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(load
   const int64_t n = dataset->evalSamples();
   TESSERA_CHECK(n >= 2, classifierExport, ": its data (", dataset->describe(), ") holds out ", n, " images");
   std::vector<at::Tensor> features;
-  int64_t correct = 0;
+  const int64_t classes = classifier_.description.data.classes;
+  at::Tensor count = at::zeros({classes}, at::kLong), correct = at::zeros({classes}, at::kLong);
   for (int64_t begin = 0; begin < n; begin += kBatch) {
     const datasets::Batch batch = dataset->evalBatch(begin, std::min(kBatch, n - begin));
     features.push_back(featuresOf(batch.inputs));
     c10::NoGradGuard noGrad;
-    correct += mlp_->forward(batch.inputs).argmax(1).eq(batch.targets).sum().item<int64_t>();
+    const at::Tensor targets = batch.targets.to(at::kLong);
+    const at::Tensor hit = mlp_->forward(batch.inputs).argmax(1).eq(targets).to(at::kLong);
+    count += at::bincount(targets, {}, classes);
+    correct += at::bincount(targets, hit, classes).to(at::kLong);
   }
   realFeatures_ = at::cat(features);
-  realAccuracy_ = static_cast<double>(correct) / static_cast<double>(n);
+  realAccuracy_ = static_cast<double>(correct.sum().item<int64_t>()) / static_cast<double>(n);
+  realCount_.assign(count.data_ptr<int64_t>(), count.data_ptr<int64_t>() + classes);
+  realCorrect_.assign(correct.data_ptr<int64_t>(), correct.data_ptr<int64_t>() + classes);
   realSource_ = strCat("the ", n, " held-out images of ", data.eval_path.empty() ? data.path : data.eval_path);
 }
 
@@ -78,8 +87,21 @@ Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels
   j.samples = samples.size(0);
   j.realImages = realFeatures_.size(0);
   j.realSource = realSource_;
-  const at::Tensor predicted = mlp_->forward(images).argmax(1);
-  j.accuracy = predicted.eq(labels.to(at::kLong)).to(at::kDouble).mean().item<double>();
+  const at::Tensor asked = labels.to(at::kLong);
+  const at::Tensor hit = mlp_->forward(images).argmax(1).eq(asked);
+  j.accuracy = hit.to(at::kDouble).mean().item<double>();
+  const at::Tensor classes = std::get<0>(at::_unique(asked, /*sorted=*/true));
+  for (int64_t i = 0; i < classes.size(0); ++i) {
+    ClassScore c;
+    c.label = classes[i].item<int64_t>();
+    const at::Tensor mine = asked.eq(c.label);
+    c.samples = mine.sum().item<int64_t>();
+    c.accuracy = static_cast<double>(hit.logical_and(mine).sum().item<int64_t>()) / static_cast<double>(c.samples);
+    if (c.label >= 0 && c.label < static_cast<int64_t>(realCount_.size()) && realCount_[c.label] > 0) {
+      c.realAccuracy = static_cast<double>(realCorrect_[c.label]) / static_cast<double>(realCount_[c.label]);
+    }
+    j.perClass.push_back(c);
+  }
   j.frechet = frechetDistance(featuresOf(images), realFeatures_);
   j.realAccuracy = realAccuracy_;
   const int64_t n = samples.size(0);
@@ -87,6 +109,17 @@ Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels
     j.realFrechet = frechetDistance(realFeatures_.slice(0, 0, n), realFeatures_.slice(0, n));
   }
   return j;
+}
+
+std::string perClassText(const Judgement& j) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(2) << "per class asked for, accuracy (the classifier on real ones):";
+  for (size_t i = 0; i < j.perClass.size(); ++i) {
+    const ClassScore& c = j.perClass[i];
+    out << (i ? ", " : " ") << c.label << " " << c.accuracy;
+    if (c.realAccuracy >= 0) out << " (" << c.realAccuracy << ")";
+  }
+  return out.str();
 }
 
 }  // namespace tessera::trainer

@@ -10,6 +10,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "trainer/model_loading.h"
 
@@ -18,6 +19,14 @@ class FeatureMlp;
 }  // namespace tessera::models
 
 namespace tessera::trainer {
+
+// One class's share of a judgement: a class the model draws badly hides in the mean.
+struct ClassScore {
+  int64_t label = 0;
+  int64_t samples = 0;       // samples asked for this class
+  double accuracy = 0;       // the fraction of them classified as it
+  double realAccuracy = -1;  // the classifier on the held-out real images of it (-1: none held out)
+};
 
 struct Judgement {
   double accuracy = 0;      // fraction of samples classified as their label
@@ -30,7 +39,11 @@ struct Judgement {
   // perfect samples would score at this sample count; -1 when there are too few).
   double realAccuracy = 0;
   double realFrechet = -1;
+  std::vector<ClassScore> perClass;  // each class asked for, in label order
 };
+
+// "per class asked for, accuracy (the classifier on real ones): 0 0.97 (0.86), 1 ...".
+std::string perClassText(const Judgement& j);
 
 // ||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2) of features [n, d] (n >= 2
 // each), in double precision; the matrix square roots by symmetric eigendecomposition.
@@ -50,6 +63,7 @@ class SampleJudge {
   models::FeatureMlp* mlp_ = nullptr;
   at::Tensor realFeatures_;
   double realAccuracy_ = 0;
+  std::vector<int64_t> realCount_, realCorrect_;  // per class, over the held-out images
   std::string realSource_;
 };
 

@@ -237,6 +237,7 @@ int main(int argc, char** argv) {
                 << "judge: Frechet distance " << j.frechet << " to " << j.realSource;
       if (j.realFrechet >= 0) std::cout << " (" << j.samples << " real images score " << j.realFrechet << ")";
       std::cout << "\n";
+      std::cout << "judge: " << tessera::trainer::perClassText(j) << "\n";
     }
     return 0;
   });

@@ -13,6 +13,7 @@
 #include <functional>
 #include <iterator>
 #include <fstream>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -268,6 +269,27 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
   EXPECT_NE(out.find("to the 24 held-out images of " + dir + "/data/images-idx3-ubyte (12 real images score "),
             std::string::npos)
       << out;
+  // Each class's share: the 4 classes asked for, 3 samples each, whose accuracies average to
+  // the overall one; beside each, the classifier's accuracy on the real images of that class
+  // where the 24 held-out images have any.
+  const std::string perClassHead = "judge: per class asked for, accuracy (the classifier on real ones): ";
+  const auto perClassAt = out.find(perClassHead);
+  ASSERT_NE(perClassAt, std::string::npos) << out;
+  const auto perClassFrom = perClassAt + perClassHead.size();
+  const std::string perClassLine = out.substr(perClassFrom, out.find('\n', perClassFrom) - perClassFrom);
+  const std::regex entry(R"((\d+) (\d\.\d\d)(?: \((\d\.\d\d)\))?)");
+  double sum = 0;
+  int64_t label = 0;
+  for (auto it = std::sregex_iterator(perClassLine.begin(), perClassLine.end(), entry); it != std::sregex_iterator();
+       ++it, ++label) {
+    EXPECT_EQ(std::stoll((*it)[1]), label) << perClassLine;
+    const double share = std::stod((*it)[2]);
+    EXPECT_TRUE(share == 0.0 || share == 0.33 || share == 0.67 || share == 1.0) << perClassLine;
+    if ((*it)[3].matched) EXPECT_LE(std::stod((*it)[3]), 1.0) << perClassLine;
+    sum += share;
+  }
+  EXPECT_EQ(label, 4) << perClassLine;
+  EXPECT_NEAR(sum / 4, accuracy, 0.01) << out;
 
   const auto r = tessera::test::runCommand(kBin + "/tessera-sample --weights " + ditRun +
                                                "/export/generator_ema.safetensors --judge " + ditRun +

@@ -1,6 +1,6 @@
 // The sample judge's Frechet distance against closed forms: identical feature sets score
 // 0, a shift by v scores |v|^2, isotropic spreads a and b in d dimensions score
-// d (a - b)^2; inputs it cannot judge are refused.
+// d (a - b)^2; inputs it cannot judge are refused. The per-class line's form.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -30,6 +30,14 @@ TEST(FrechetDistanceTest, IsotropicSpreadsScoreTheDimensionTimesTheirSquaredDiff
 TEST(FrechetDistanceTest, RefusesTooFewSamplesOrDifferentWidths) {
   EXPECT_THROW(frechetDistance(at::randn({1, 3}), at::randn({5, 3})), Error);
   EXPECT_THROW(frechetDistance(at::randn({5, 3}), at::randn({5, 4})), Error);
+}
+
+// The per-class line a user reads to find the class a model draws badly: every class asked
+// for with its accuracy, and the classifier's own on real images where any were held out.
+TEST(JudgementTest, PerClassTextNamesEveryClassWithItsScale) {
+  Judgement j;
+  j.perClass = {{0, 100, 0.97, 0.861}, {5, 100, 0.4, 0.97}, {9, 3, 1.0 / 3, -1}};
+  EXPECT_EQ(perClassText(j), "per class asked for, accuracy (the classifier on real ones): 0 0.97 (0.86), 5 0.40 (0.97), 9 0.33");
 }
 
 }  // namespace
