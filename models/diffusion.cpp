@@ -7,6 +7,7 @@
 #include <c10/util/accumulate.h>
 #include <torch/nn/modules/activation.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/errors.h"
@@ -183,6 +184,8 @@ at::Tensor Denoiser::losses(const datasets::Batch& batch) {
   at::Tensor timesteps = at::empty({n}, at::kLong);
   at::Tensor noise = at::empty({n, features_}, at::kFloat);
   at::Tensor signal = at::empty({n, 1}, at::kFloat), spread = at::empty({n, 1}, at::kFloat);
+  const bool minSnr = options_.loss_weighting == "min_snr";
+  at::Tensor weight = minSnr ? at::empty({n}, at::kFloat) : at::Tensor();
   at::Tensor labels =
       conditional ? batch.targets.to(at::kCPU, at::kLong).reshape({n}).clone() : noClassLabels(n, at::kCPU);
   for (int64_t i = 0; i < n; ++i) {
@@ -193,6 +196,10 @@ at::Tensor Denoiser::losses(const datasets::Batch& batch) {
     timesteps[i] = step;
     signal[i] = std::sqrt(schedule_.alphaBars[static_cast<size_t>(step)]);
     spread[i] = std::sqrt(1.0 - schedule_.alphaBars[static_cast<size_t>(step)]);
+    if (minSnr) {
+      weight[i] = minSnrLossWeight(schedule_.alphaBars[static_cast<size_t>(step)], schedule_.prediction,
+                                   options_.min_snr_gamma);
+    }
     if (conditional && options_.class_dropout > 0 &&
         at::rand({1}, gen, at::kDouble).item<double>() < options_.class_dropout) {
       labels[i] = classes_;
@@ -205,7 +212,16 @@ at::Tensor Denoiser::losses(const datasets::Batch& batch) {
   const at::Tensor flat = clean.flatten(1).to(at::kFloat);
   const at::Tensor noisy = signal * flat + spread * noise;
   const at::Tensor predicted = predict(noisy.view(clean.sizes()), timesteps.to(device), labels.to(device));
-  return (predicted.flatten(1).to(at::kFloat) - schedule_.target(flat, noise, signal, spread)).square().mean(1);
+  const at::Tensor loss = (predicted.flatten(1).to(at::kFloat) - schedule_.target(flat, noise, signal, spread)).square().mean(1);
+  return minSnr ? loss * weight.to(device) : loss;
+}
+
+double minSnrLossWeight(double alphaBar, Prediction prediction, double gamma) {
+  TESSERA_CHECK(alphaBar >= 0 && alphaBar < 1 && gamma > 0, "minSnrLossWeight: abar ", alphaBar, " and gamma ", gamma,
+                " (needs 0 <= abar < 1, gamma > 0)");
+  const double snr = alphaBar / (1 - alphaBar);
+  if (prediction == Prediction::kVelocity) return std::min(snr, gamma) / (snr + 1);
+  return snr <= gamma ? 1.0 : gamma / snr;
 }
 
 at::Tensor predictInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,

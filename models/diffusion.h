@@ -11,7 +11,8 @@
 // What the denoiser outputs (model.prediction): the noise eps (Ho et al.) or the velocity
 // v = sqrt(abar_t) eps - sqrt(1 - abar_t) x0 (Salimans & Ho 2022), which stays meaningful
 // at abar = 0 (v = -x0 there), where a noise prediction says nothing of x0.
-// The loss of a sample is mean((output(x_t, t, y) - target)^2) for a uniform t. A
+// The loss of a sample is w(t) mean((output(x_t, t, y) - target)^2) for a uniform t, with
+// w = 1 (model.loss_weighting uniform) or min-SNR-gamma's weight (minSnrLossWeight). A
 // class-conditional denoiser sees its label y replaced by the "no class" label (= classes)
 // with probability model.class_dropout, so that one model gives both terms of
 // classifier-free guidance (Ho & Salimans 2022): e = e(x, t, none) + cfg (e(x, t, y) - e(x, t, none)).
@@ -72,6 +73,13 @@ struct NoiseSchedule {
   double signal(int64_t t) const;  // sqrt(abar_t)
   double spread(int64_t t) const;  // sqrt(1 - abar_t)
 };
+
+// Min-SNR-gamma's weight of a timestep's loss (Hang et al. 2023) for the output `prediction`
+// at abar_t = `alphaBar`: the clean-sample error counts min(SNR, gamma) times, SNR = abar /
+// (1 - abar). A velocity's squared error is (SNR + 1) times the clean sample's, a noise's
+// SNR times, so the weights are min(SNR, gamma) / (SNR + 1) and min(SNR, gamma) / SNR
+// (1 where SNR <= gamma, pure noise included).
+double minSnrLossWeight(double alphaBar, Prediction prediction, double gamma);
 
 class DenoiserBlock : public torch::nn::Module {
  public:

@@ -64,6 +64,13 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
         "diffusion: what the denoiser outputs: eps (the noise) or v (the velocity sqrt(abar) eps - sqrt(1 - abar) "
         "x0, Salimans & Ho 2022); exports without it are eps")
       .oneOf({"eps", "v"});
+  s.add(p + "loss_weighting", &m.loss_weighting,
+        "diffusion: how each timestep's loss counts in training: uniform (the squared error of the output as it is) "
+        "or min_snr (Hang et al. 2023: weighted so that the clean-sample error counts min(SNR, min_snr_gamma) "
+        "times, which keeps the near-clean timesteps from dominating the gradient)")
+      .oneOf({"uniform", "min_snr"});
+  s.add(p + "min_snr_gamma", &m.min_snr_gamma, "diffusion: the SNR at which loss_weighting min_snr clamps")
+      .greaterThan(0.0).max(1e6);
   s.add(p + "patch_size", &m.patch_size, "dit: patch side in pixels (divides the image size)").min(1).max(kMaxWidth);
   s.add(p + "mlp_ratio", &m.mlp_ratio, "dit: width of each block's MLP over model.embed_dim").greaterThan(0.0).max(64.0);
   s.add(p + "final_conv", &m.final_conv,

@@ -33,6 +33,8 @@ struct ModelOptions {
   std::string noise_schedule = "linear"; // diffusion: linear (beta_start..beta_end) | cosine (Nichol & Dhariwal)
   bool zero_terminal_snr = false;       // diffusion: rescale so that the last timestep is pure noise
   std::string prediction = "eps";       // diffusion: the denoiser outputs the noise (eps) or the velocity (v)
+  std::string loss_weighting = "uniform"; // diffusion: each timestep's loss as it is, or min_snr (Hang et al. 2023)
+  double min_snr_gamma = 5.0;           // diffusion: min_snr's clamp of the signal-to-noise ratio
   int64_t patch_size = 4;               // dit: patch side in pixels (divides the image size)
   double mlp_ratio = 4.0;               // dit: MLP width / embed_dim
   bool final_conv = false;              // dit: a 3x3 convolution over the unpatchified output (U-ViT's)

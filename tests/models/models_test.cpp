@@ -330,6 +330,56 @@ TEST(DiffusionTest, VelocityLossAndEstimates) {
   }
 }
 
+// Min-SNR-gamma (model.loss_weighting: min_snr): the weighted loss of either output is the
+// clean-sample error times min(SNR, gamma), whatever the output's own scale, and the loss a
+// model returns is its uniform loss times the weight of the timestep it drew.
+TEST(DiffusionTest, MinSnrWeightsTheCleanSampleErrorByTheClampedSnr) {
+  torch::manual_seed(6);
+  const double gamma = 5.0;
+  for (const std::string prediction : {"eps", "v"}) {
+    ModelOptions o = velocityOptions("cosine");
+    o.prediction = prediction;
+    o.zero_terminal_snr = prediction == "v";
+    o.noise_schedule = prediction == "v" ? "cosine" : "linear";
+    o.timesteps = 1000;
+    const NoiseSchedule s(o);
+    const at::Tensor x0 = torch::randn({64, 3}), e = torch::randn({64, 3}), out = torch::randn({64, 3});
+    for (int64_t t : {0, 20, 100, 400, 800, 998}) {
+      const double abar = s.alphaBars[static_cast<size_t>(t)], snr = abar / (1 - abar);
+      const at::Tensor sig = at::full({64, 1}, s.signal(t)), spr = at::full({64, 1}, s.spread(t));
+      const at::Tensor x = sig * x0 + spr * e;
+      const double outputError = (out - s.target(x0, e, sig, spr)).square().mean().item<double>();
+      const double cleanError = (s.cleanEstimate(x, out, sig, spr) - x0).square().mean().item<double>();
+      const double w = minSnrLossWeight(abar, s.prediction, gamma);
+      EXPECT_NEAR(w * outputError, std::min(snr, gamma) * cleanError, 1e-4 * std::min(snr, gamma) * cleanError)
+          << prediction << " t " << t << " snr " << snr;
+      EXPECT_LE(w, 1.0 + 1e-12) << prediction << " t " << t;
+    }
+    EXPECT_EQ(minSnrLossWeight(0.0, s.prediction, gamma), prediction == "v" ? 0.0 : 1.0);  // pure noise
+  }
+  EXPECT_THROW(minSnrLossWeight(1.0, Prediction::kVelocity, gamma), Error);
+
+  ModelOptions uniform = velocityOptions("cosine"), weighted = uniform;
+  weighted.loss_weighting = "min_snr";
+  weighted.min_snr_gamma = gamma;
+  // The same initialisation seed: the same weights, so only the weighting differs.
+  auto a = initialized(std::make_shared<DiffusionDenoiser>(uniform, std::vector<int64_t>{3}), 7);
+  auto b = initialized(std::make_shared<DiffusionDenoiser>(weighted, std::vector<int64_t>{3}), 7);
+  ASSERT_EQ(a->parameters().size(), b->parameters().size());
+  for (size_t i = 0; i < a->parameters().size(); ++i) ASSERT_TRUE(a->parameters()[i].equal(b->parameters()[i]));
+  datasets::Batch batch;
+  batch.inputs = torch::randn({8, 3});
+  batch.noiseSeeds = seedsFor(3, 0, 8);
+  const at::Tensor plain = a->losses(batch), scaled = b->losses(batch);
+  for (int64_t i = 0; i < 8; ++i) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(batch.noiseSeeds[static_cast<size_t>(i)]);
+    const int64_t t = at::randint(a->schedule().timesteps, {1}, gen, at::kLong).item<int64_t>();
+    const double w = minSnrLossWeight(a->schedule().alphaBars[static_cast<size_t>(t)], Prediction::kVelocity, gamma);
+    EXPECT_NEAR(scaled[i].item<double>(), w * plain[i].item<double>(), 1e-6 * plain[i].item<double>() + 1e-9) << i;
+  }
+  EXPECT_FALSE(at::allclose(plain, scaled));
+}
+
 // With the exact velocity of Gaussian data N(m, s^2) on a schedule that ends in pure noise,
 // DDPM and DDIM both start at abar = 0 and draw the data's distribution.
 TEST(DiffusionTest, SamplersStartFromPureNoiseWithAVelocityDenoiser) {
