@@ -10,6 +10,7 @@
 #include "checkpoint/reader.h"
 #include "common/errors.h"
 #include "common/file_open.h"
+#include "distributed/communicator.h"
 #include "ema/posthoc.h"
 #include "models/diffusion.h"
 #include "models/sampling.h"
@@ -44,40 +45,40 @@ std::string withoutSuffix(const std::string& path, const std::string& suffix) {
              : path;
 }
 
-// The judge's view of one reconstruction: samples of every class from fixed noise.
-Judgement judgeExport(const std::string& file, const SampleJudge& judge, const PosthocSweepOptions& o,
-                      std::string* sampler) {
+// One reconstruction, loaded, and the request the judge's samples are drawn with: every
+// class from fixed noise, at the sweep's sampler.
+LoadedModel loadForSampling(const std::string& file, const PosthocSweepOptions& o, models::SampleRequest* request,
+                            std::string* sampler) {
   LoadedModel loaded = loadExportedModel(file);
   auto* denoiser = dynamic_cast<models::Denoiser*>(loaded.model.get());
   TESSERA_CHECK_AS(UsageError, denoiser != nullptr && denoiser->classes() > 0, file,
                    ": the post-hoc sweep judges a class-conditional denoiser (dit), not ", loaded.description.model.arch);
-  models::SampleRequest request;
+  *request = models::SampleRequest{};
   std::vector<int64_t> classes(static_cast<size_t>(denoiser->classes()));
   std::iota(classes.begin(), classes.end(), 0);
-  request.labels = models::classRows(classes, o.perClass);
-  request.noise = models::samplingNoise(denoiser->sampleShape(), request.labels.size(0), static_cast<uint64_t>(o.seed));
+  request->labels = models::classRows(classes, o.perClass);
+  request->noise = models::samplingNoise(denoiser->sampleShape(), request->labels.size(0), static_cast<uint64_t>(o.seed));
   // As tessera-sample: a model with its own timesteps samples at them unless told the steps.
-  if (!o.steps && models::useOwnTimesteps(request, *denoiser, loaded.description.model.sample_timesteps,
+  if (!o.steps && models::useOwnTimesteps(*request, *denoiser, loaded.description.model.sample_timesteps,
                                           file + ": model.sample_timesteps")) {
     std::string list;
-    for (int64_t t : request.timesteps) list += strCat(list.empty() ? "" : ", ", t);
+    for (int64_t t : request->timesteps) list += strCat(list.empty() ? "" : ", ", t);
     *sampler = "DDIM at the model's timesteps " + list;
   } else {
-    request.steps = o.steps.value_or(50);
-    *sampler = strCat("DDIM ", request.steps, " steps");
+    request->steps = o.steps.value_or(50);
+    *sampler = strCat("DDIM ", request->steps, " steps");
   }
-  request.cfg = o.cfg;
+  request->cfg = o.cfg;
   const std::string interval = models::guidanceIntervalProblem(o.cfgInterval, denoiser->schedule().timesteps);
   TESSERA_CHECK_AS(UsageError, interval.empty(), "--cfg-interval: ", interval);
-  request.cfgInterval = models::makeGuidanceInterval(o.cfgInterval);
-  const at::Tensor samples = models::drawSamples(*denoiser, request, nullptr, at::kCPU);
-  return judge.judge(samples, request.labels);
+  request->cfgInterval = models::makeGuidanceInterval(o.cfgInterval);
+  return loaded;
 }
 
 }  // namespace
 
 PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string& outPath,
-                                   const PosthocSweepOptions& options) {
+                                   const PosthocSweepOptions& options, distributed::Communicator* comm) {
   TESSERA_CHECK_AS(UsageError, !options.sigmas.empty(), "--posthoc-ema: no sigma_rel to sweep");
   std::vector<double> sorted = options.sigmas;
   std::sort(sorted.begin(), sorted.end());
@@ -87,51 +88,78 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
   TESSERA_CHECK_AS(UsageError, !model.empty(), runDir,
                    ": no checkpoint of the run says which model its snapshots hold (the sweep samples from each "
                    "reconstruction); keep a checkpoint in <run.dir>/checkpoints");
+  const bool writer = comm == nullptr || comm->rank() == 0;
   // The judge loads first: a classifier that cannot judge fails before any reconstruction.
   std::optional<SampleJudge> judge;
-  try {
-    judge.emplace(options.judge);
-  } catch (const Error& e) {
-    throw UsageError(strCat("--judge ", e.what()));
-  }
+  distributed::runOnEveryRank(comm, "loading the judge", [&] {
+    if (!writer) return;
+    try {
+      judge.emplace(options.judge);
+    } catch (const Error& e) {
+      throw UsageError(strCat("--judge ", e.what()));
+    }
+  });
 
   PosthocSweepResult result;
   const std::string stem = withoutSuffix(outPath, ".safetensors");
   // Working files beside --out, never a file that is already there (it might be the user's).
   const std::string candidate = stem + ".sweep_candidate.safetensors", kept = stem + ".sweep_best.safetensors";
-  for (const std::string& path : {candidate, kept}) {
-    std::error_code ignored;
-    TESSERA_CHECK_AS(UsageError, !fs::exists(fs::symlink_status(path, ignored)), "--out ", outPath, ": ", path,
-                     " exists (the sweep's working file): remove it or choose another --out");
-  }
+  distributed::runOnEveryRank(comm, "checking --out", [&] {
+    for (const std::string& path : {candidate, kept}) {
+      std::error_code ignored;
+      TESSERA_CHECK_AS(UsageError, !writer || !fs::exists(fs::symlink_status(path, ignored)), "--out ", outPath, ": ",
+                       path, " exists (the sweep's working file): remove it or choose another --out");
+    }
+  });
   double bestFrechet = 0;
   try {
     for (double sigma : options.sigmas) {
-      ema::PosthocOptions reconstruct;
-      reconstruct.sigmaRel = sigma;
-      reconstruct.atStep = options.atStep;
-      reconstruct.verify = options.verify;
-      reconstruct.metadata[kModelMetadataKey] = model;
-      result.step = ema::reconstructPosthocEma(runDir, candidate, reconstruct).step;
-      PosthocSweepPoint point{sigma, judgeExport(candidate, *judge, options, &result.sampler)};
-      // A distance that is not finite (samples gone to NaN) is never the best.
-      if (std::isfinite(point.judgement.frechet) && (!fs::exists(kept) || point.judgement.frechet < bestFrechet)) {
-        bestFrechet = point.judgement.frechet;
-        result.best = result.points.size();
-        fs::rename(candidate, kept);
-      } else {
-        fs::remove(candidate);
-      }
-      result.points.push_back(point);
+      distributed::runOnEveryRank(comm, strCat("reconstructing sigma_rel ", sigma), [&] {
+        if (!writer) return;
+        ema::PosthocOptions reconstruct;
+        reconstruct.sigmaRel = sigma;
+        reconstruct.atStep = options.atStep;
+        reconstruct.verify = options.verify;
+        reconstruct.metadata[kModelMetadataKey] = model;
+        result.step = ema::reconstructPosthocEma(runDir, candidate, reconstruct).step;
+      });
+      // Every rank reads the candidate and draws its share; the samples gather on rank 0,
+      // which judges them and keeps or drops the candidate while the others go on.
+      models::SampleRequest request;
+      LoadedModel loaded;
+      distributed::runOnEveryRank(comm, strCat("reading sigma_rel ", sigma, "'s reconstruction ", candidate), [&] {
+        loaded = loadForSampling(candidate, options, &request, &result.sampler);
+      });
+      const at::Tensor samples =
+          models::drawSamples(dynamic_cast<models::Denoiser&>(*loaded.model), request, comm, at::kCPU);
+      distributed::runOnEveryRank(comm, strCat("judging sigma_rel ", sigma), [&] {
+        if (!writer) return;
+        PosthocSweepPoint point{sigma, judge->judge(samples, request.labels)};
+        // A distance that is not finite (samples gone to NaN) is never the best.
+        if (std::isfinite(point.judgement.frechet) && (!fs::exists(kept) || point.judgement.frechet < bestFrechet)) {
+          bestFrechet = point.judgement.frechet;
+          result.best = result.points.size();
+          fs::rename(candidate, kept);
+        } else {
+          fs::remove(candidate);
+        }
+        result.points.push_back(point);
+      });
     }
-    TESSERA_CHECK(fs::exists(kept), "--posthoc-ema: no sigma_rel gave samples with a finite Frechet distance");
-    fs::rename(kept, outPath);
+    distributed::runOnEveryRank(comm, "keeping the best", [&] {
+      if (!writer) return;
+      TESSERA_CHECK(fs::exists(kept), "--posthoc-ema: no sigma_rel gave samples with a finite Frechet distance");
+      fs::rename(kept, outPath);
+    });
   } catch (...) {  // no working file left behind
-    std::error_code ignored;
-    fs::remove(candidate, ignored);
-    fs::remove(kept, ignored);
+    if (writer) {
+      std::error_code ignored;
+      fs::remove(candidate, ignored);
+      fs::remove(kept, ignored);
+    }
     throw;
   }
+  if (!writer) return result;
 
   std::ostringstream table;
   table << "sigma_rel\tfrechet\taccuracy\tsamples\n";

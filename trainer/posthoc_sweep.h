@@ -11,6 +11,10 @@
 
 #include "trainer/judge.h"
 
+namespace tessera::distributed {
+class Communicator;
+}  // namespace tessera::distributed
+
 namespace tessera::trainer {
 
 // The model description a run's newest complete checkpoint recorded for its EMA (`runDir`:
@@ -49,7 +53,12 @@ struct PosthocSweepResult {
 // .safetensors>_sweep.tsv and _sweep.svg (Frechet distance and accuracy against sigma_rel).
 // UsageError for an empty list, a duplicate sigma or a run whose snapshots hold no model
 // description to sample with.
+// With a communicator of several ranks (tessera-export under a launcher) the samples are
+// split over the ranks as tessera-sample splits them; rank 0 alone reconstructs, judges and
+// writes, the others read the run directory and each candidate beside outPath (one host,
+// or a shared file system), and a failure on any rank stops every rank. Every rank calls
+// it; the result is rank 0's (the others' holds no points).
 PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string& outPath,
-                                   const PosthocSweepOptions& options);
+                                   const PosthocSweepOptions& options, distributed::Communicator* comm = nullptr);
 
 }  // namespace tessera::trainer

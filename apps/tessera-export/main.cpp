@@ -6,7 +6,8 @@
 // checkpoint is used). Post-hoc EMA (docs/ema.md), from a run's posthoc/ snapshots:
 //   tessera-export RUN_DIR --posthoc-ema SIGMA_REL [--at-step S] --out FILE
 //   tessera-export RUN_DIR --posthoc-ema S1,S2,... --judge CLASSIFIER [--per-class N] [--steps K]
-//                  [--cfg C] [--cfg-interval F,L] [--seed S] --out FILE  (the sweep: the judge keeps the best)
+//                  [--cfg C] [--cfg-interval F,L] [--seed S] --out FILE  (the sweep: the judge keeps the best;
+//                  under tessera-run its samples are split over the ranks)
 //   tessera-export RUN_DIR --list
 // Exit status: 0 ok, 2 bad arguments, 1 failure (corruption, I/O).
 
@@ -28,6 +29,7 @@
 #include "common/signal_thread.h"
 #include "common/logging.h"
 #include "distributed/rank_env.h"
+#include "distributed/runtime.h"
 #include "ema/posthoc.h"
 #include "models/model_options.h"
 #include "trainer/checkpoint_layout.h"
@@ -136,12 +138,19 @@ void addOptions(CLI::App& app, ExportArgs& args) {
 }
 
 // --posthoc-ema with --judge: each sigma_rel reconstructed, sampled and judged; the best kept.
+// Under a launcher (tessera-run, torchrun, srun -n N) the samples are split over the ranks;
+// rank 0 alone writes and prints.
 int sweepPosthoc(const ExportArgs& args) {
   tessera::trainer::PosthocSweepOptions options = args.sweep;
   options.sigmas = args.posthocSigmas;
   options.atStep = args.atStep;
   options.verify = args.options.verify;
-  const auto result = tessera::trainer::sweepPosthocEma(args.dir, args.out, options);
+  const auto env = tessera::distributed::RankEnv::fromEnvironment();
+  std::shared_ptr<tessera::distributed::Runtime> runtime;
+  if (env.world_size > 1) runtime = tessera::distributed::Runtime::init(env);
+  const auto result =
+      tessera::trainer::sweepPosthocEma(args.dir, args.out, options, runtime ? runtime->comm().get() : nullptr);
+  if (env.rank != 0) return 0;
   std::cout << "post-hoc EMA sweep at step " << result.step << " (" << options.perClass << " samples per class, "
             << result.sampler << ", guidance " << options.cfg
             << tessera::models::guidanceIntervalText(options.cfgInterval) << "; judged by " << options.judge << "):\n"
@@ -245,15 +254,17 @@ int main(int argc, char** argv) {
     ExportArgs args;
     addOptions(app, args);
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
-    // A single-process tool: started as several ranks (under tessera-run, torchrun, srun -n N)
-    // every rank would write the same --out, and one read another's half-written file.
+    // A single-process tool but for the post-hoc sweep, which splits its samples over ranks:
+    // started as several ranks otherwise, every rank would write the same --out, and one
+    // read another's half-written file.
     const auto env = tessera::distributed::RankEnv::fromEnvironment();
-    if (env.world_size > 1) {
-      throw tessera::UsageError(tessera::strCat("tessera-export runs as one process, but this is ", env.describe(),
-                                                ": run it without tessera-run, torchrun or srun -n N"));
+    if (env.world_size > 1 && (args.posthocList.empty() || args.sweep.judge.empty())) {
+      throw tessera::UsageError(tessera::strCat("tessera-export runs as one process (only the post-hoc sweep, "
+                                                "--posthoc-ema S1,S2,... --judge, runs as ranks), but this is ",
+                                                env.describe(), ": run it without tessera-run, torchrun or srun -n N"));
     }
     tessera::log::LogOptions logOptions;
-    logOptions.rank = -1;  // a single-process tool: no rank prefix
+    logOptions.rank = env.world_size > 1 ? env.rank : -1;  // a single process: no rank prefix
     logOptions.level = "warn";
     tessera::log::init(logOptions);
     if (!args.dtype.empty()) args.options.dtype = ckpt::parseExportDtype(args.dtype);

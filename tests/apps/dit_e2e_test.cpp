@@ -413,6 +413,40 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
   EXPECT_EQ(content, "mine");
   // The run directory after --posthoc-ema is the positional argument, not a second sigma_rel.
   mustRun(kBin + "/tessera-export --posthoc-ema 0.05 " + ditRun + " --out " + dir + "/positional.safetensors");
+
+  // Under tessera-run the samples are split over the ranks: the same table (the samples
+  // equal up to the batch split's rounding), the same sigma_rel kept, the same file; only
+  // rank 0 prints and writes.
+  const std::string launch = kBin + "/tessera-run --standalone --nproc-per-node 3 ";
+  const std::string ranked = dir + "/ranked.safetensors";
+  const std::string rankedPrinted = mustRun(launch + kBin + "/tessera-export " + ditRun + " --judge " + classifier +
+                                            " --per-class 3 --steps 4 --cfg 1.5 --cfg-interval 10,80 --seed 2 --out " +
+                                            ranked + " --posthoc-ema 0.05,0.07,0.1");
+  EXPECT_NE(rankedPrinted.find("[rank 0]: kept sigma_rel " + sigma.str() + ": " + ranked), std::string::npos)
+      << rankedPrinted;
+  EXPECT_EQ(rankedPrinted.find("[rank 1]: kept"), std::string::npos) << rankedPrinted;
+  std::ifstream rankedTable(dir + "/ranked_sweep.tsv");
+  std::getline(rankedTable, line);
+  for (const auto& [sigmaRel, frechet] : rows) {
+    ASSERT_TRUE(std::getline(rankedTable, line));
+    std::istringstream fields(line);
+    double s = 0, f = 0;
+    fields >> s >> f;
+    EXPECT_EQ(s, sigmaRel) << line;
+    EXPECT_NEAR(f, frechet, 1e-3 * frechet + 1e-6) << line;
+  }
+  const auto c = tessera::checkpoint::loadSafetensors(ranked);
+  for (const auto& [name, tensor] : c) EXPECT_TRUE(tensor.equal(b.at(name))) << name;
+  // A judge that fails on rank 0 stops every rank (no rank left waiting), nothing written.
+  const auto failed = tessera::test::runCommand(launch + kBin + "/tessera-export " + ditRun + " --posthoc-ema 0.05,0.1 --judge " +
+                                                    ditRun + "/export/generator_ema.safetensors --out " + dir + "/failed.safetensors",
+                                                120);
+  EXPECT_NE(failed.status, 0) << failed.output;
+  EXPECT_NE(failed.output.find("not a classifier of images"), std::string::npos) << failed.output;
+  EXPECT_NE(failed.output.find("loading the judge failed on rank 0 (its log has the reason)"), std::string::npos)
+      << failed.output;
+  EXPECT_FALSE(fs::exists(dir + "/failed.safetensors"));
+  EXPECT_FALSE(fs::exists(dir + "/failed.sweep_candidate.safetensors"));
 }
 
 // run.recipe dmd over DiTs: a class-conditional few-step generator (DMD2's backward
