@@ -2,6 +2,7 @@
 #include "trainer/posthoc_sweep.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <numeric>
@@ -75,6 +76,9 @@ LoadedModel loadForSampling(const std::string& file, const PosthocSweepOptions& 
   return loaded;
 }
 
+// How long the other ranks wait for rank 0's reconstruction or judgement of one sigma_rel.
+constexpr std::chrono::minutes kRankZeroWork{30};
+
 }  // namespace
 
 PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string& outPath,
@@ -114,6 +118,10 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
   double bestFrechet = 0;
   try {
     for (double sigma : options.sigmas) {
+      // The other ranks wait while rank 0 alone reconstructs (and below, judges): minutes for
+      // a large model's many snapshots, so longer than a collective's usual 5.
+      std::optional<distributed::TimeoutScope> rankZeroWork;
+      rankZeroWork.emplace(kRankZeroWork);
       distributed::runOnEveryRank(comm, strCat("reconstructing sigma_rel ", sigma), [&] {
         if (!writer) return;
         ema::PosthocOptions reconstruct;
@@ -125,6 +133,7 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
       });
       // Every rank reads the candidate and draws its share; the samples gather on rank 0,
       // which judges them and keeps or drops the candidate while the others go on.
+      rankZeroWork.reset();
       models::SampleRequest request;
       LoadedModel loaded;
       distributed::runOnEveryRank(comm, strCat("reading sigma_rel ", sigma, "'s reconstruction ", candidate), [&] {
@@ -132,6 +141,7 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
       });
       const at::Tensor samples =
           models::drawSamples(dynamic_cast<models::Denoiser&>(*loaded.model), request, comm, at::kCPU);
+      rankZeroWork.emplace(kRankZeroWork);
       distributed::runOnEveryRank(comm, strCat("judging sigma_rel ", sigma), [&] {
         if (!writer) return;
         PosthocSweepPoint point{sigma, judge->judge(samples, request.labels)};
