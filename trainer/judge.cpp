@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include <iomanip>
+#include <utility>
 #include <sstream>
 
 #include "common/errors.h"
@@ -21,6 +22,13 @@ at::Tensor sqrtSymmetric(const at::Tensor& m) {
 }
 
 constexpr int64_t kBatch = 1000;
+
+// How many of `targets` [n] each class holds, and how many of those `hit` [n] (bool) marks:
+// two int64 tensors of at least `classes` entries (more where a target is above them).
+std::pair<at::Tensor, at::Tensor> hitsPerClass(const at::Tensor& targets, const at::Tensor& hit, int64_t classes) {
+  const at::Tensor t = targets.to(at::kLong);
+  return {at::bincount(t, {}, classes), at::bincount(t, hit.to(at::kDouble), classes).to(at::kLong)};
+}
 
 }  // namespace
 
@@ -57,10 +65,10 @@ SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(load
     const datasets::Batch batch = dataset->evalBatch(begin, std::min(kBatch, n - begin));
     features.push_back(featuresOf(batch.inputs));
     c10::NoGradGuard noGrad;
-    const at::Tensor targets = batch.targets.to(at::kLong);
-    const at::Tensor hit = mlp_->forward(batch.inputs).argmax(1).eq(targets).to(at::kLong);
-    count += at::bincount(targets, {}, classes);
-    correct += at::bincount(targets, hit, classes).to(at::kLong);
+    const auto [inBatch, hitInBatch] =
+        hitsPerClass(batch.targets, mlp_->forward(batch.inputs).argmax(1).eq(batch.targets.to(at::kLong)), classes);
+    count += inBatch;
+    correct += hitInBatch;
   }
   realFeatures_ = at::cat(features);
   realAccuracy_ = static_cast<double>(correct.sum().item<int64_t>()) / static_cast<double>(n);
@@ -90,15 +98,15 @@ Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels
   const at::Tensor asked = labels.to(at::kLong);
   const at::Tensor hit = mlp_->forward(images).argmax(1).eq(asked);
   j.accuracy = hit.to(at::kDouble).mean().item<double>();
-  const at::Tensor classes = std::get<0>(at::_unique(asked, /*sorted=*/true));
-  for (int64_t i = 0; i < classes.size(0); ++i) {
+  const auto [count, correct] = hitsPerClass(asked, hit, static_cast<int64_t>(realCount_.size()));
+  for (int64_t label = 0; label < count.size(0); ++label) {
     ClassScore c;
-    c.label = classes[i].item<int64_t>();
-    const at::Tensor mine = asked.eq(c.label);
-    c.samples = mine.sum().item<int64_t>();
-    c.accuracy = static_cast<double>(hit.logical_and(mine).sum().item<int64_t>()) / static_cast<double>(c.samples);
-    if (c.label >= 0 && c.label < static_cast<int64_t>(realCount_.size()) && realCount_[c.label] > 0) {
-      c.realAccuracy = static_cast<double>(realCorrect_[c.label]) / static_cast<double>(realCount_[c.label]);
+    c.label = label;
+    c.samples = count[label].item<int64_t>();
+    if (c.samples == 0) continue;  // not asked for
+    c.accuracy = static_cast<double>(correct[label].item<int64_t>()) / static_cast<double>(c.samples);
+    if (label < static_cast<int64_t>(realCount_.size()) && realCount_[label] > 0) {
+      c.realAccuracy = static_cast<double>(realCorrect_[label]) / static_cast<double>(realCount_[label]);
     }
     j.perClass.push_back(c);
   }
