@@ -36,7 +36,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--embed-dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=2)  # configs/dit_quick.yaml
     parser.add_argument("--patch-size", type=int, default=4)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=20)
