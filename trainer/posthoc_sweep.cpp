@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include "checkpoint/reader.h"
@@ -120,8 +121,7 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
     for (double sigma : options.sigmas) {
       // The other ranks wait while rank 0 alone reconstructs (and below, judges): minutes for
       // a large model's many snapshots, so longer than a collective's usual 5.
-      std::optional<distributed::TimeoutScope> rankZeroWork;
-      rankZeroWork.emplace(kRankZeroWork);
+      std::optional<distributed::TimeoutScope> rankZeroWork(std::in_place, kRankZeroWork);
       distributed::runOnEveryRank(comm, strCat("reconstructing sigma_rel ", sigma), [&] {
         if (!writer) return;
         ema::PosthocOptions reconstruct;
