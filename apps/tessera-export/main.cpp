@@ -178,6 +178,9 @@ int reconstructPosthoc(const ExportArgs& args) {
   posthocOptions.sigmaRel = args.posthocSigmas.front();
   posthocOptions.atStep = args.atStep;
   posthocOptions.verify = args.options.verify;
+  // Snapshots that are missing or cannot be combined fail here, with the reconstruction's own
+  // message and no warning about their model before it.
+  tessera::ema::listPosthocSnapshots(args.dir);
   // The model it holds, as the run's own exports say it (tessera-sample reads it).
   std::string model;
   try {

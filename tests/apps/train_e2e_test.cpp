@@ -781,4 +781,16 @@ TEST(TrainE2ETest, PosthocEmaSnapshotsReconstructOffline) {
   EXPECT_EQ(run(kBin + "/tessera-train" + kArgs + " --set run.dir=" + dir + "_bad --set ema.posthoc.stds=[0.05]", &out), 2)
       << out;
   EXPECT_NE(out.find("ema.posthoc.snapshot_every"), std::string::npos) << out;
+  // A run with checkpoints and no snapshots: the one reason, not a warning about the
+  // snapshots' model before it.
+  const std::string noSnapshots = dir + "_nosnap";
+  fs::create_directories(noSnapshots);
+  fs::copy(dir + "/checkpoints", noSnapshots + "/checkpoints", fs::copy_options::recursive);
+  EXPECT_EQ(run(kBin + "/tessera-export " + noSnapshots + " --posthoc-ema 0.1 --out " + noSnapshots + "/x.safetensors",
+                &out),
+            2)
+      << out;
+  EXPECT_NE(out.find("no post-hoc EMA snapshots in " + noSnapshots), std::string::npos) << out;
+  EXPECT_EQ(out.find("warning"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(noSnapshots + "/x.safetensors"));
 }
