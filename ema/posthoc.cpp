@@ -101,14 +101,18 @@ std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir) {
   return out;
 }
 
+void checkPosthocSigma(double sigmaRel) {
+  if (!validPowerEmaStd(sigmaRel)) {
+    throw UsageError(strCat("--posthoc-ema ", sigmaRel, ": sigma_rel must be in [", kMinPowerEmaStd, ", ",
+                            kMaxPowerEmaStd, ")"));
+  }
+}
+
 namespace {
 
 // The sigma_rel checked, and the snapshots at or before the step to reconstruct at.
 PosthocResult selectSnapshots(const std::string& dir, const PosthocOptions& options) {
-  if (!validPowerEmaStd(options.sigmaRel)) {
-    throw UsageError(strCat("--posthoc-ema ", options.sigmaRel, ": sigma_rel must be in [", kMinPowerEmaStd, ", ",
-                            kMaxPowerEmaStd, ")"));
-  }
+  checkPosthocSigma(options.sigmaRel);
   const std::vector<PosthocSnapshot> all = listPosthocSnapshots(dir);
   PosthocResult result;
   result.step = options.atStep.value_or(all.back().step);

@@ -42,6 +42,10 @@ struct PosthocSnapshot {
 // or than its name says ("..._phema0.05"); UsageError when there is no snapshot.
 std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir);
 
+// Throws UsageError naming `--posthoc-ema SIGMA` when a power-function EMA of that
+// sigma_rel cannot exist (out of [kMinPowerEmaStd, kMaxPowerEmaStd), or NaN).
+void checkPosthocSigma(double sigmaRel);
+
 struct PosthocOptions {
   double sigmaRel = 0.10;
   std::optional<int64_t> atStep;  // reconstruct the EMA at this step (default: the last snapshot's)

@@ -4,6 +4,7 @@
 #include <c10/core/GradMode.h>
 
 #include <iomanip>
+#include <limits>
 #include <utility>
 #include <sstream>
 
@@ -36,6 +37,11 @@ double frechetDistance(const at::Tensor& a, const at::Tensor& b) {
   TESSERA_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(0) >= 2 && b.size(0) >= 2,
                 "Frechet distance: needs features [n >= 2, d] of the same width, got ", a.sizes(), " and ", b.sizes());
   const at::Tensor x = a.to(at::kDouble), y = b.to(at::kDouble);
+  // Samples gone to NaN have NaN features, on which LAPACK's eigh may throw or return
+  // anything: their distance is NaN (the post-hoc sweep never keeps it).
+  if (!x.isfinite().all().item<bool>() || !y.isfinite().all().item<bool>()) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
   const at::Tensor muX = x.mean(0), muY = y.mean(0);
   const at::Tensor covX = at::cov(x.t()), covY = at::cov(y.t());
   const at::Tensor rootX = sqrtSymmetric(covX);

@@ -46,7 +46,8 @@ struct Judgement {
 std::string perClassText(const Judgement& j);
 
 // ||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a^1/2 S_b S_a^1/2)^1/2) of features [n, d] (n >= 2
-// each), in double precision; the matrix square roots by symmetric eigendecomposition.
+// each), in double precision; the matrix square roots by symmetric eigendecomposition. NaN
+// when a feature is not finite.
 double frechetDistance(const at::Tensor& a, const at::Tensor& b);
 
 class SampleJudge {

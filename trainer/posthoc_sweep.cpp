@@ -68,6 +68,9 @@ LoadedModel loadForSampling(const std::string& file, const PosthocSweepOptions& 
     *sampler = "DDIM at the model's timesteps " + list;
   } else {
     request->steps = o.steps.value_or(50);
+    TESSERA_CHECK_AS(UsageError, request->steps <= denoiser->schedule().timesteps, "--steps ", request->steps,
+                     o.steps ? "" : " (the default)", ": more steps than the model's ",
+                     denoiser->schedule().timesteps, " timesteps");
     *sampler = strCat("DDIM ", request->steps, " steps");
   }
   request->cfg = o.cfg;
@@ -85,11 +88,16 @@ constexpr std::chrono::minutes kRankZeroWork{30};
 PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string& outPath,
                                    const PosthocSweepOptions& options, distributed::Communicator* comm) {
   TESSERA_CHECK_AS(UsageError, !options.sigmas.empty(), "--posthoc-ema: no sigma_rel to sweep");
+  // Every number checked before the first reconstruction, not when its turn comes minutes later.
+  for (double sigma : options.sigmas) ema::checkPosthocSigma(sigma);
+  TESSERA_CHECK_AS(UsageError, std::isfinite(options.cfg), "--cfg: ", options.cfg, " is not a number");
   std::vector<double> sorted = options.sigmas;
   std::sort(sorted.begin(), sorted.end());
   TESSERA_CHECK_AS(UsageError, std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
                    "--posthoc-ema: a sigma_rel is given twice");
-  const std::string model = posthocModelMetadata(runDir);
+  std::string model;
+  distributed::runOnEveryRank(comm, "reading the run's model description",
+                              [&] { model = posthocModelMetadata(runDir); });
   TESSERA_CHECK_AS(UsageError, !model.empty(), runDir,
                    ": no checkpoint of the run says which model its snapshots hold (the sweep samples from each "
                    "reconstruction); keep a checkpoint in <run.dir>/checkpoints");
@@ -110,9 +118,16 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
   // Working files beside --out, never a file that is already there (it might be the user's).
   const std::string candidate = stem + ".sweep_candidate.safetensors", kept = stem + ".sweep_best.safetensors";
   distributed::runOnEveryRank(comm, "checking --out", [&] {
+    if (!writer) return;
+    // The best is renamed over --out at the very end: a directory or a FIFO there fails now.
+    try {
+      checkReplaceable(outPath);
+    } catch (const Error& e) {
+      throw UsageError(strCat("--out ", e.what()));
+    }
     for (const std::string& path : {candidate, kept}) {
       std::error_code ignored;
-      TESSERA_CHECK_AS(UsageError, !writer || !fs::exists(fs::symlink_status(path, ignored)), "--out ", outPath, ": ",
+      TESSERA_CHECK_AS(UsageError, !fs::exists(fs::symlink_status(path, ignored)), "--out ", outPath, ": ",
                        path, " exists (the sweep's working file): remove it or choose another --out");
     }
   });

@@ -297,6 +297,16 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
                                            120);
   EXPECT_TRUE(r.refused()) << r.output;
   EXPECT_NE(r.output.find("not a classifier of images"), std::string::npos) << r.output;
+  // Under tessera-run the judge loads on rank 0 only; the others learn of its failure at
+  // once, before they draw their share of the samples.
+  const auto ranked = tessera::test::runCommand(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin +
+                                                    "/tessera-sample --weights " + ditRun +
+                                                    "/export/generator_ema.safetensors --judge " + ditRun +
+                                                    "/export/generator_ema.safetensors",
+                                                120);
+  EXPECT_NE(ranked.status, 0) << ranked.output;
+  EXPECT_NE(ranked.output.find("loading the judge failed on rank 0 (its log has the reason)"), std::string::npos)
+      << ranked.output;
 
   // eval.judge: the training run judges its generator_ema at the end; a classifier that
   // cannot be used is a config error when the run starts.
@@ -386,8 +396,11 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
       mustRun(kBin + "/tessera-sample --weights " + out + " --per-class 3 --steps 4 --cfg 1.5 --seed 2 --judge " + classifier);
   EXPECT_NE(judged.find("judge: accuracy "), std::string::npos) << judged;
   // Mistakes: a judge that is no classifier (nothing written), a sigma_rel twice, sampling
-  // options without --judge, a list without --judge.
+  // options without --judge, a list without --judge; numbers and an --out that would fail
+  // only after the first sigma_rel's work (a sigma_rel out of range later in the list, NaN
+  // guidance, more steps than timesteps, a directory to rename the best over) refused first.
   fs::remove(out);
+  fs::create_directories(dir + "/a_directory");
   for (const auto& [args, expected] :
        std::vector<std::pair<std::string, std::string>>{
            {" --posthoc-ema 0.05,0.1 --judge " + ditRun + "/export/generator_ema.safetensors --out " + out,
@@ -396,7 +409,13 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
            {" --posthoc-ema 0.05 --per-class 3 --out " + out, "--judge"},
            {" --posthoc-ema 0.05,0.1 --out " + out, "a list to sweep with --judge"},
            {" --posthoc-ema 0.05,0.1 --judge " + classifier + " --cfg-interval 10,100 --out " + out,
-            "--cfg-interval: [10,100] is not FIRST,LAST with 0 <= FIRST <= LAST <= 99"}}) {
+            "--cfg-interval: [10,100] is not FIRST,LAST with 0 <= FIRST <= LAST <= 99"},
+           {" --posthoc-ema 0.05,0.5 --judge " + classifier + " --out " + out, "--posthoc-ema 0.5: sigma_rel must be in"},
+           {" --posthoc-ema 0.05,0.1 --judge " + classifier + " --cfg nan --out " + out, "--cfg: nan is not a number"},
+           {" --posthoc-ema 0.05,0.1 --judge " + classifier + " --steps 200 --out " + out,
+            "--steps 200: more steps than"},
+           {" --posthoc-ema 0.05,0.1 --judge " + classifier + " --out " + dir + "/a_directory",
+            "is a directory, not a regular file"}}) {
     const auto r = tessera::test::runCommand(kBin + "/tessera-export " + ditRun + args, 120);
     EXPECT_EQ(r.status, 2) << args << "\n" << r.output;
     EXPECT_NE(r.output.find(expected), std::string::npos) << args << "\n" << r.output;

@@ -5,6 +5,9 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <limits>
+
 #include "common/errors.h"
 #include "trainer/judge.h"
 
@@ -30,6 +33,17 @@ TEST(FrechetDistanceTest, IsotropicSpreadsScoreTheDimensionTimesTheirSquaredDiff
 TEST(FrechetDistanceTest, RefusesTooFewSamplesOrDifferentWidths) {
   EXPECT_THROW(frechetDistance(at::randn({1, 3}), at::randn({5, 3})), Error);
   EXPECT_THROW(frechetDistance(at::randn({5, 3}), at::randn({5, 4})), Error);
+}
+
+// Samples gone to NaN (or inf) give a NaN distance, which the post-hoc sweep never keeps,
+// not an exception from the eigendecomposition that would end the sweep.
+TEST(FrechetDistanceTest, NonFiniteFeaturesScoreNaN) {
+  const at::Tensor real = at::randn({50, 3}, at::kDouble);
+  at::Tensor samples = at::randn({50, 3}, at::kDouble);
+  samples[7][1] = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(frechetDistance(samples, real)));
+  samples = at::full({50, 3}, std::numeric_limits<double>::infinity(), at::kDouble);
+  EXPECT_TRUE(std::isnan(frechetDistance(real, samples)));
 }
 
 // The per-class line a user reads to find the class a model draws badly: every class asked
