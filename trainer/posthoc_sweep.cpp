@@ -41,6 +41,8 @@ std::string posthocModelMetadata(const std::string& runDir) {
 
 namespace {
 
+constexpr int64_t kDefaultSteps = 50;  // DDIM's steps when neither --steps nor the model names them
+
 std::string withoutSuffix(const std::string& path, const std::string& suffix) {
   return path.size() > suffix.size() && path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0
              ? path.substr(0, path.size() - suffix.size())
@@ -67,10 +69,7 @@ LoadedModel loadForSampling(const std::string& file, const PosthocSweepOptions& 
     for (int64_t t : request->timesteps) list += strCat(list.empty() ? "" : ", ", t);
     *sampler = "DDIM at the model's timesteps " + list;
   } else {
-    request->steps = o.steps.value_or(50);
-    TESSERA_CHECK_AS(UsageError, request->steps <= denoiser->schedule().timesteps, "--steps ", request->steps,
-                     o.steps ? "" : " (the default)", ": more steps than the model's ",
-                     denoiser->schedule().timesteps, " timesteps");
+    request->steps = o.steps.value_or(kDefaultSteps);
     *sampler = strCat("DDIM ", request->steps, " steps");
   }
   request->cfg = o.cfg;
@@ -101,6 +100,14 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
   TESSERA_CHECK_AS(UsageError, !model.empty(), runDir,
                    ": no checkpoint of the run says which model its snapshots hold (the sweep samples from each "
                    "reconstruction); keep a checkpoint in <run.dir>/checkpoints");
+  // Checked against the model the snapshots hold before any reconstruction (a model with its
+  // own sample_timesteps samples at them unless --steps is given).
+  const models::ModelOptions described = parseModelMetadata(model, runDir).model;
+  if (options.steps || described.sample_timesteps.empty()) {
+    const int64_t steps = options.steps.value_or(kDefaultSteps);
+    TESSERA_CHECK_AS(UsageError, steps <= described.timesteps, "--steps ", steps, options.steps ? "" : " (the default)",
+                     ": more steps than the model's ", described.timesteps, " timesteps");
+  }
   const bool writer = comm == nullptr || comm->rank() == 0;
   // The judge loads first: a classifier that cannot judge fails before any reconstruction.
   std::optional<SampleJudge> judge;
