@@ -178,14 +178,13 @@ int reconstructPosthoc(const ExportArgs& args) {
   posthocOptions.sigmaRel = args.posthocSigmas.front();
   posthocOptions.atStep = args.atStep;
   posthocOptions.verify = args.options.verify;
-  // Snapshots that are missing or cannot be combined fail here, with the reconstruction's own
-  // message and no warning about their model before it.
-  tessera::ema::listPosthocSnapshots(args.dir);
   // The model it holds, as the run's own exports say it (tessera-sample reads it).
   std::string model;
   try {
     model = tessera::trainer::posthocModelMetadata(args.dir);
   } catch (const std::exception& e) {  // the snapshots alone make the file; it just cannot say its model
+    // Unless they are missing or cannot be combined: then the reconstruction's own error, alone.
+    tessera::ema::listPosthocSnapshots(args.dir);
     std::cerr << "tessera-export: warning: the run's checkpoints do not say which model the snapshots hold (" << e.what()
               << "); the file will carry no model description\n";
   }

@@ -214,9 +214,11 @@ int main(int argc, char** argv) {
     }
     // The judge loads (and reads its real images) before sampling: a bad classifier fails fast.
     std::optional<tessera::trainer::SampleJudge> judge;
-    tessera::distributed::runOnEveryRank(comm, "loading the judge", [&] {
-      if (!args.judge.empty() && env.rank == 0) judge.emplace(args.judge);
-    });
+    if (!args.judge.empty()) {
+      tessera::distributed::runOnEveryRank(comm, "loading the judge", [&] {
+        if (env.rank == 0) judge.emplace(args.judge);
+      });
+    }
     const at::Tensor samples = tessera::models::drawSamples(*model, args.request, comm, at::kCPU);
     if (env.rank != 0) return 0;
     if (!args.outTensors.empty()) {
