@@ -6,10 +6,15 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <cstdint>
+#include <type_traits>
+
 namespace tessera::kernels {
 namespace avx2 {
 void geluTanhForward(const float* x, float* y, int64_t n);
 void geluTanhBackward(const float* x, const float* gradOut, float* gradIn, int64_t n);
+void geluTanhForwardBf16(const uint16_t* x, uint16_t* y, int64_t n);
+void geluTanhBackwardBf16(const uint16_t* x, const uint16_t* gradOut, uint16_t* gradIn, int64_t n);
 }  // namespace avx2
 
 namespace {
@@ -28,29 +33,66 @@ bool coreHasAvx2() {
 #endif
 }
 
+// A tensor's elements as the loops take them: fp32, or bf16 as its bits.
+template <typename T>
+T* elements(const at::Tensor& t) {
+  if constexpr (std::is_same_v<std::remove_const_t<T>, float>) {
+    return t.data_ptr<float>();
+  } else {
+    return reinterpret_cast<T*>(t.data_ptr<at::BFloat16>());
+  }
+}
+
+// The loops over fp32 (T = float) or bf16 (T = uint16_t) tensors, in chunks on LibTorch's threads.
+template <typename T>
+void forwardLoop(const at::Tensor& x, const at::Tensor& y) {
+  const T* in = elements<const T>(x);
+  T* out = elements<T>(y);
+  at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    if constexpr (std::is_same_v<T, float>) {
+      avx2::geluTanhForward(in + begin, out + begin, end - begin);
+    } else {
+      avx2::geluTanhForwardBf16(in + begin, out + begin, end - begin);
+    }
+  });
+}
+
+template <typename T>
+void backwardLoop(const at::Tensor& x, const at::Tensor& g, const at::Tensor& dx) {
+  const T* in = elements<const T>(x);
+  const T* gradOut = elements<const T>(g);
+  T* gradIn = elements<T>(dx);
+  at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    if constexpr (std::is_same_v<T, float>) {
+      avx2::geluTanhBackward(in + begin, gradOut + begin, gradIn + begin, end - begin);
+    } else {
+      avx2::geluTanhBackwardBf16(in + begin, gradOut + begin, gradIn + begin, end - begin);
+    }
+  });
+}
+
 struct FusedGeluTanh : public torch::autograd::Function<FusedGeluTanh> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input) {
     const at::Tensor x = input.contiguous();
     at::Tensor y = at::empty_like(x);
-    const float* in = x.data_ptr<float>();
-    float* out = y.data_ptr<float>();
-    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      avx2::geluTanhForward(in + begin, out + begin, end - begin);
-    });
+    if (x.scalar_type() == at::kFloat) {
+      forwardLoop<float>(x, y);
+    } else {
+      forwardLoop<uint16_t>(x, y);
+    }
     ctx->save_for_backward({x});
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const at::Tensor x = ctx->get_saved_variables()[0];
-    const at::Tensor g = grads[0].contiguous();
+    const at::Tensor g = grads[0].to(x.scalar_type()).contiguous();
     at::Tensor dx = at::empty_like(x);
-    const float* in = x.data_ptr<float>();
-    const float* gradOut = g.data_ptr<float>();
-    float* gradIn = dx.data_ptr<float>();
-    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-      avx2::geluTanhBackward(in + begin, gradOut + begin, gradIn + begin, end - begin);
-    });
+    if (x.scalar_type() == at::kFloat) {
+      backwardLoop<float>(x, g, dx);
+    } else {
+      backwardLoop<uint16_t>(x, g, dx);
+    }
     return {dx};
   }
 };
@@ -58,7 +100,8 @@ struct FusedGeluTanh : public torch::autograd::Function<FusedGeluTanh> {
 }  // namespace
 
 at::Tensor geluTanh(const at::Tensor& x) {
-  if (!coreHasAvx2() || !x.device().is_cpu() || x.scalar_type() != at::kFloat || x.layout() != at::kStrided) {
+  if (!coreHasAvx2() || !x.device().is_cpu() || (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) ||
+      x.layout() != at::kStrided) {
     return at::gelu(x, "tanh");
   }
   return FusedGeluTanh::apply(x);

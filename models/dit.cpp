@@ -10,6 +10,7 @@
 #include "common/errors.h"
 #include "kernels/cpu_matmul.h"
 #include "kernels/gelu.h"
+#include "kernels/layer_norm.h"
 
 namespace tessera::models {
 namespace {
@@ -50,7 +51,7 @@ at::Tensor modulate(const at::Tensor& x, const at::Tensor& shift, const at::Tens
   return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1);
 }
 
-at::Tensor plainLayerNorm(const at::Tensor& x) { return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6); }
+at::Tensor plainLayerNorm(const at::Tensor& x) { return kernels::layerNorm(x, at::Tensor(), at::Tensor(), 1e-6); }
 
 // The reference's timestep_embedding: [cos(t f), sin(t f)], f_k = exp(-ln(10000) k / half),
 // in float32 in its order of operations.

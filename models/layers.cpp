@@ -7,6 +7,7 @@
 
 #include "common/errors.h"
 #include "kernels/cpu_matmul.h"
+#include "kernels/layer_norm.h"
 
 namespace tessera::models::layers {
 
@@ -42,7 +43,7 @@ LayerNormImpl::LayerNormImpl(int64_t dim, at::Device device) {
 }
 
 at::Tensor LayerNormImpl::forward(const at::Tensor& x) {
-  return at::layer_norm(x, {weight.size(0)}, weight, bias, 1e-5);
+  return kernels::layerNorm(x, weight, bias, 1e-5);
 }
 
 std::map<std::string, dtensor::ParamInit> declaredInits(const torch::nn::Module& root) {

@@ -145,16 +145,17 @@ void checkComputeDtypes(const TrainConfig& cfg, at::Device device) {
 
 // run.matmul_dtype: the dtype fp32 Linear products multiply in on the CPU, for this process
 // (finishTrainConfig refused it for other devices). A CPU model whose parameters are bf16
-// computes everything in bf16, which LibTorch 1.13's element-wise kernels do slower than
-// fp32: the log points at the key that multiplies in bf16 and keeps the rest fp32.
+// computes in bf16: the built-in models' norms and GELU widen to fp32 inside (kernels/), so
+// that is faster than fp32 where oneDNN multiplies bf16 (AVX-512 and up), and slower where
+// the products are LibTorch's own bf16 loops: there the log says what is faster.
 void setCpuMatmulDtype(const TrainConfig& cfg, at::Device device) {
   kernels::setCpuLinearDtype(cfg.run.matmul_dtype == "bf16" ? at::kBFloat16 : at::kFloat);
+  if (!device.is_cpu() || kernels::haveOnednnBf16()) return;
   for (const ModelEntry& m : cfg.models) {
-    if (device.is_cpu() && m.sharding.paramDtype == at::kBFloat16) {
-      TLOG_WARN0(m.sectionKeys << "sharding.param_dtype bf16 on the CPU: every operation runs in bf16, which this "
-                                  "LibTorch's element-wise kernels do more slowly than fp32 (docs/benchmarks.md); for "
-                                  "speed, sharding.param_dtype: fp32 with run.matmul_dtype: bf16 multiplies in bf16 "
-                                  "and keeps the rest fp32");
+    if (m.sharding.paramDtype == at::kBFloat16) {
+      TLOG_WARN0(m.sectionKeys << "sharding.param_dtype bf16 on the CPU: its matrix products run on "
+                               << kernels::bf16MatmulKernel()
+                               << ", slower than fp32 (docs/benchmarks.md); sharding.param_dtype: fp32 is faster here");
       return;
     }
   }

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -58,9 +59,51 @@ TEST(GeluTanhTest, ViewsAndOtherDtypesTakeTheirPath) {
   const at::Tensor strided = x.t();  // not contiguous: copied, then fused
   EXPECT_TRUE(at::allclose(tessera::kernels::geluTanh(strided), at::gelu(strided, "tanh"), 2e-6, 1e-6));
   EXPECT_EQ(tessera::kernels::geluTanh(strided).sizes(), strided.sizes());
-  const at::Tensor half = x.to(at::kBFloat16), wide = x.to(at::kDouble);
-  EXPECT_TRUE(at::equal(tessera::kernels::geluTanh(half), at::gelu(half, "tanh")));
+  const at::Tensor wide = x.to(at::kDouble);
   EXPECT_TRUE(at::equal(tessera::kernels::geluTanh(wide), at::gelu(wide, "tanh")));
+}
+
+// bf16 (sharding.param_dtype bf16's activations): the fused loop computes in fp32 and rounds
+// once, as LibTorch's bf16 GELU does: against LibTorch's fp32 GELU of the widened input,
+// rounded to bf16, forward and backward, on lengths that fill no vector evenly; NaN stays
+// NaN and infinities are kept.
+TEST(GeluTanhTest, Bf16IsTheFp32FunctionRoundedOnce) {
+  at::manual_seed(10);
+  for (const int64_t n : {1, 7, 8, 33, 100003}) {
+    const at::Tensor x0 = (at::randn({n}) * 4).to(at::kBFloat16);
+    const at::Tensor upstream = at::randn({n}).to(at::kBFloat16);
+    const at::Tensor x = x0.clone().requires_grad_(true), xRef = x0.to(at::kFloat).requires_grad_(true);
+    const at::Tensor y = tessera::kernels::geluTanh(x), yRef = at::gelu(xRef, "tanh");
+    y.backward(upstream);
+    yRef.backward(upstream.to(at::kFloat));
+    ASSERT_EQ(y.scalar_type(), at::kBFloat16);
+    ASSERT_EQ(x.grad().scalar_type(), at::kBFloat16);
+    // Rounding to bf16 is off by half a bf16 step (2^-8 of the value) at most, and the two fp32
+    // computations by 2e-6 of the largest value (the fp32 test's bound): together the most
+    // the result may differ from LibTorch's fp32 one. Away from tiny values (where the fp32
+    // difference is a sizeable part of the value) nearly all are the rounded reference itself.
+    const auto check = [n](const at::Tensor& got, const at::Tensor& reference, const char* what) {
+      const at::Tensor gotF = got.to(at::kFloat), bound = reference.abs() * (1.0 / 256) + 2e-6 * (1 + reference.abs().max());
+      EXPECT_TRUE(((gotF - reference).abs() <= bound).all().item<bool>()) << what << " " << n;
+      const at::Tensor sizeable = reference.abs() > 1e-2;
+      const int64_t off = (got.ne(reference.to(at::kBFloat16)) & sizeable).sum().item<int64_t>();
+      EXPECT_LE(off, std::max<int64_t>(1, sizeable.sum().item<int64_t>() / 100)) << what << " " << n;
+    };
+    check(y, yRef, "forward");
+    check(x.grad(), xRef.grad(), "backward");
+  }
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const at::Tensor edges = at::tensor({0.0f, 30.0f, -30.0f, 3e38f, inf, nan, 1.0f, -1.0f, 0.5f}).to(at::kBFloat16);
+  const at::Tensor y = tessera::kernels::geluTanh(edges).to(at::kFloat);
+  const auto v = y.accessor<float, 1>();
+  EXPECT_EQ(v[0], 0.0f);
+  EXPECT_EQ(v[1], 30.0f);
+  EXPECT_NEAR(v[2], 0.0f, 1e-30f);
+  EXPECT_EQ(v[3], at::tensor({3e38f}).to(at::kBFloat16).item<float>());
+  EXPECT_EQ(v[4], inf);
+  EXPECT_TRUE(std::isnan(v[5]));
+  // The same rounding as c10::BFloat16 (round to nearest, ties to even) on ordinary values.
+  EXPECT_TRUE(at::equal(tessera::kernels::geluTanh(edges.slice(0, 6)), at::gelu(edges.slice(0, 6).to(at::kFloat), "tanh").to(at::kBFloat16)));
 }
 
 }  // namespace
