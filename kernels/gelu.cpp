@@ -13,8 +13,9 @@ namespace tessera::kernels {
 namespace avx2 {
 void geluTanhForward(const float* x, float* y, int64_t n);
 void geluTanhBackward(const float* x, const float* gradOut, float* gradIn, int64_t n);
-void geluTanhForwardBf16(const uint16_t* x, uint16_t* y, int64_t n);
-void geluTanhBackwardBf16(const uint16_t* x, const uint16_t* gradOut, uint16_t* gradIn, int64_t n);
+// bf16 as its bits:
+void geluTanhForward(const uint16_t* x, uint16_t* y, int64_t n);
+void geluTanhBackward(const uint16_t* x, const uint16_t* gradOut, uint16_t* gradIn, int64_t n);
 }  // namespace avx2
 
 namespace {
@@ -49,11 +50,7 @@ void forwardLoop(const at::Tensor& x, const at::Tensor& y) {
   const T* in = elements<const T>(x);
   T* out = elements<T>(y);
   at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    if constexpr (std::is_same_v<T, float>) {
-      avx2::geluTanhForward(in + begin, out + begin, end - begin);
-    } else {
-      avx2::geluTanhForwardBf16(in + begin, out + begin, end - begin);
-    }
+    avx2::geluTanhForward(in + begin, out + begin, end - begin);
   });
 }
 
@@ -63,11 +60,7 @@ void backwardLoop(const at::Tensor& x, const at::Tensor& g, const at::Tensor& dx
   const T* gradOut = elements<const T>(g);
   T* gradIn = elements<T>(dx);
   at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    if constexpr (std::is_same_v<T, float>) {
-      avx2::geluTanhBackward(in + begin, gradOut + begin, gradIn + begin, end - begin);
-    } else {
-      avx2::geluTanhBackwardBf16(in + begin, gradOut + begin, gradIn + begin, end - begin);
-    }
+    avx2::geluTanhBackward(in + begin, gradOut + begin, gradIn + begin, end - begin);
   });
 }
 

@@ -107,10 +107,10 @@ void geluTanhForward(const float* x, float* y, int64_t n) { map8(n, x, static_ca
 void geluTanhBackward(const float* x, const float* gradOut, float* gradIn, int64_t n) {
   map8(n, x, gradOut, gradIn, backwardBody);
 }
-void geluTanhForwardBf16(const uint16_t* x, uint16_t* y, int64_t n) {
+void geluTanhForward(const uint16_t* x, uint16_t* y, int64_t n) {
   map8(n, x, static_cast<const uint16_t*>(nullptr), y, forwardBody);
 }
-void geluTanhBackwardBf16(const uint16_t* x, const uint16_t* gradOut, uint16_t* gradIn, int64_t n) {
+void geluTanhBackward(const uint16_t* x, const uint16_t* gradOut, uint16_t* gradIn, int64_t n) {
   map8(n, x, gradOut, gradIn, backwardBody);
 }
 

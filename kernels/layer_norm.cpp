@@ -67,14 +67,14 @@ struct Bf16LayerNorm : public torch::autograd::Function<Bf16LayerNorm> {
 
 at::Tensor layerNorm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
   const bool affine = weight.defined() && bias.defined();
-  const bool bf16Cpu = x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.layout() == at::kStrided &&
-                       x.dim() >= 1 && weight.defined() == bias.defined() &&
-                       (!affine || (weight.scalar_type() == at::kBFloat16 && bias.scalar_type() == at::kBFloat16 &&
-                                    weight.device().is_cpu() && bias.device().is_cpu()));
-  if (!bf16Cpu) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);  // also the one to name a bad shape
-  if (affine && (weight.dim() != 1 || weight.size(0) != x.size(-1) || bias.sizes() != weight.sizes())) {
-    return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
-  }
+  const auto bf16CpuVector = [&](const at::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.layout() == at::kStrided && t.dim() == 1 &&
+           t.size(0) == x.size(-1);
+  };
+  const bool ours = x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.layout() == at::kStrided &&
+                    x.dim() >= 1 &&
+                    (affine ? bf16CpuVector(weight) && bf16CpuVector(bias) : !weight.defined() && !bias.defined());
+  if (!ours) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);  // also the one to name a bad shape
   return affine ? Bf16LayerNormAffine::apply(x, weight, bias, eps) : Bf16LayerNorm::apply(x, eps);
 }
 

@@ -103,7 +103,8 @@ TEST(GeluTanhTest, Bf16IsTheFp32FunctionRoundedOnce) {
   EXPECT_EQ(v[4], inf);
   EXPECT_TRUE(std::isnan(v[5]));
   // The same rounding as c10::BFloat16 (round to nearest, ties to even) on ordinary values.
-  EXPECT_TRUE(at::equal(tessera::kernels::geluTanh(edges.slice(0, 6)), at::gelu(edges.slice(0, 6).to(at::kFloat), "tanh").to(at::kBFloat16)));
+  const at::Tensor ordinary = edges.slice(/*dim=*/0, /*start=*/6);
+  EXPECT_TRUE(at::equal(tessera::kernels::geluTanh(ordinary), at::gelu(ordinary.to(at::kFloat), "tanh").to(at::kBFloat16)));
 }
 
 }  // namespace

@@ -39,7 +39,8 @@ TEST(LayerNormTest, Bf16IsTheFp32KernelRoundedOnce) {
       const at::Tensor w = affine ? (at::randn({width}) + 1).to(at::kBFloat16) : at::Tensor();
       const at::Tensor b = affine ? at::randn({width}).to(at::kBFloat16) : at::Tensor();
       const at::Tensor upstream = at::randn({5, 3, width}).to(at::kBFloat16);
-      const Result got = run([](auto x, auto w, auto b) { return tessera::kernels::layerNorm(x, w, b, 1e-6); }, x, w, b, upstream);
+      const auto ours = [](auto x, auto w, auto b) { return tessera::kernels::layerNorm(x, w, b, 1e-6); };
+      const Result got = run(ours, x, w, b, upstream);
       // The reference: the same input widened, LibTorch's fp32 kernels, each result rounded once.
       const auto widen = [](const at::Tensor& t) { return t.defined() ? t.to(at::kFloat) : t; };
       const Result fp32 = run([](auto x, auto w, auto b) { return at::layer_norm(x, {x.size(-1)}, w, b, 1e-6); },
@@ -79,7 +80,8 @@ TEST(LayerNormTest, ViewsAndOtherDtypesTakeTheirPath) {
   EXPECT_TRUE(at::equal(tessera::kernels::layerNorm(wide, {}, {}, 1e-5), at::layer_norm(wide, {12}, {}, {}, 1e-5)));
   // A weight of the wrong width is LibTorch's error, naming the shapes.
   try {
-    (void)tessera::kernels::layerNorm(base.to(at::kBFloat16), at::ones({5}, at::kBFloat16), at::zeros({5}, at::kBFloat16), 1e-5);
+    const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
+    (void)tessera::kernels::layerNorm(base.to(at::kBFloat16), at::ones({5}, bf16), at::zeros({5}, bf16), 1e-5);
     FAIL() << "a weight of 5 over rows of 12 was accepted";
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("12"), std::string::npos) << e.what();
