@@ -354,6 +354,15 @@ bool haveOnednnBf16() {
   return have;
 }
 
+bool coreHasBf16Instructions() {
+#if defined(__x86_64__)
+  static const bool has = __builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
 std::string bf16MatmulKernel() {
   if (haveOnednnBf16()) return "oneDNN's matmul, kernel " + onednnBf16Kernel();
   if (!haveOnednn()) return "LibTorch's bf16 product (a build without oneDNN)";

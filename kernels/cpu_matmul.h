@@ -44,6 +44,10 @@ at::ScalarType cpuLinearDtype();
 // build without oneDNN, or under TESSERA_CPU_MATMUL=aten) they are LibTorch's own, slower
 // than fp32 and with their output rounded to bf16.
 bool haveOnednnBf16();
+// Whether the core multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16): where it does not,
+// bf16 products are emulated (AVX-512) or LibTorch's own loops, and bf16 parameters have not
+// been measured faster than fp32.
+bool coreHasBf16Instructions();
 // What bf16 products run on: "oneDNN's matmul, kernel brg:avx512_core_bf16" (or _amx, ...),
 // or "LibTorch's bf16 product (...)" where oneDNN has none.
 std::string bf16MatmulKernel();

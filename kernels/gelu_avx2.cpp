@@ -10,8 +10,8 @@
 // (2x slower, and slower still on shuffled data).
 //
 // Each loop also reads and writes bf16 (sharding.param_dtype bf16's activations), computing in
-// fp32 as LibTorch's bf16 GELU does, at about the fp32 loop's speed: LibTorch 1.13's bf16 tanh
-// GELU runs at half its slow fp32 one.
+// fp32 and rounding once, at about the fp32 loop's speed: LibTorch 1.13's bf16 tanh GELU runs
+// at half its slow fp32 one and rounds its intermediates to bf16.
 #include <immintrin.h>
 
 #include <cstdint>

@@ -31,6 +31,7 @@ variable_list bf16Backward(AutogradContext* ctx, const at::Tensor& gradOut, bool
   const at::Tensor& x = saved[0];
   const std::array<bool, 3> mask{ctx->needs_input_grad(0), affine && ctx->needs_input_grad(1),
                                  affine && ctx->needs_input_grad(2)};
+  // The upstream gradient may be a view: LibTorch's backward takes any strides (tested).
   const auto [dx, dw, db] = at::native_layer_norm_backward(gradOut.to(at::kFloat), x.to(at::kFloat), {x.size(-1)},
                                                            saved[1], saved[2], widened(saved[3]), widened(saved[4]), mask);
   const auto narrow = [&](const at::Tensor& g) { return g.defined() ? g.to(x.scalar_type()) : g; };

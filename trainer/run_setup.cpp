@@ -145,17 +145,18 @@ void checkComputeDtypes(const TrainConfig& cfg, at::Device device) {
 
 // run.matmul_dtype: the dtype fp32 Linear products multiply in on the CPU, for this process
 // (finishTrainConfig refused it for other devices). A CPU model whose parameters are bf16
-// computes in bf16: the built-in models' norms and GELU widen to fp32 inside (kernels/), so
-// that is faster than fp32 where oneDNN multiplies bf16 (AVX-512 and up), and slower where
-// the products are LibTorch's own bf16 loops: there the log says what is faster.
+// computes in bf16 (its products are LibTorch's bf16 ones; the built-in models' norms and GELU
+// widen to fp32 inside, kernels/): faster than fp32 on a core with bf16 instructions, and not
+// measured so elsewhere, where the log says so.
 void setCpuMatmulDtype(const TrainConfig& cfg, at::Device device) {
   kernels::setCpuLinearDtype(cfg.run.matmul_dtype == "bf16" ? at::kBFloat16 : at::kFloat);
-  if (!device.is_cpu() || kernels::haveOnednnBf16()) return;
+  if (!device.is_cpu() || kernels::coreHasBf16Instructions()) return;
   for (const ModelEntry& m : cfg.models) {
     if (m.sharding.paramDtype == at::kBFloat16) {
-      TLOG_WARN0(m.sectionKeys << "sharding.param_dtype bf16 on the CPU: its matrix products run on "
-                               << kernels::bf16MatmulKernel()
-                               << ", slower than fp32 (docs/benchmarks.md); sharding.param_dtype: fp32 is faster here");
+      TLOG_WARN0(m.sectionKeys << "sharding.param_dtype bf16 on the CPU: this core has no bf16 instructions "
+                                  "(AVX512-BF16 or AMX), so its bf16 products are emulated or LibTorch's own loops, "
+                                  "slower than fp32 below AVX-512 (docs/benchmarks.md); sharding.param_dtype: fp32 "
+                                  "may well be faster here");
       return;
     }
   }

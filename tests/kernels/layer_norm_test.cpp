@@ -1,7 +1,8 @@
 // kernels::layerNorm (kernels/layer_norm.h): in bf16 on the CPU it equals LibTorch's fp32
 // layer_norm of the widened input rounded to bf16, forward and backward, with and without the
-// affine part, on rows that fill no vector evenly and on views, and is no further from the
-// exact result than LibTorch's own bf16 kernel; fp32 and other dtypes are at::layer_norm itself.
+// affine part, on rows that fill no vector evenly, on a transposed input and a transposed
+// upstream gradient, and is no further from the exact result than LibTorch's own bf16 kernel;
+// fp32 and other dtypes are at::layer_norm itself.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -73,6 +74,19 @@ TEST(LayerNormTest, ViewsAndOtherDtypesTakeTheirPath) {
   const at::Tensor view = base.to(at::kBFloat16).t();
   EXPECT_TRUE(at::equal(tessera::kernels::layerNorm(view, at::Tensor(), at::Tensor(), 1e-5),
                         at::layer_norm(view.to(at::kFloat), {9}, {}, {}, 1e-5).to(at::kBFloat16)));
+  // An upstream gradient that is a transposed view (as a permute after the norm gives): the
+  // same gradients as a contiguous copy of it.
+  {
+    const at::Tensor square = at::randn({16, 16}).to(at::kBFloat16);
+    const at::Tensor w = (at::randn({16}) + 1).to(at::kBFloat16), b = at::randn({16}).to(at::kBFloat16);
+    const at::Tensor upstream = at::randn({16, 16}).to(at::kBFloat16).t();
+    ASSERT_FALSE(upstream.is_contiguous());
+    const auto ours = [](auto x, auto w, auto b) { return tessera::kernels::layerNorm(x, w, b, 1e-5); };
+    const Result viewed = run(ours, square, w, b, upstream), copied = run(ours, square, w, b, upstream.contiguous());
+    EXPECT_TRUE(at::equal(viewed.dx, copied.dx));
+    EXPECT_TRUE(at::equal(viewed.dw, copied.dw));
+    EXPECT_TRUE(at::equal(viewed.db, copied.db));
+  }
   // fp32 and fp64 are LibTorch's kernels, bit for bit.
   const at::Tensor w = at::randn({12}), b = at::randn({12});
   EXPECT_TRUE(at::equal(tessera::kernels::layerNorm(base, w, b, 1e-5), at::layer_norm(base, {12}, w, b, 1e-5)));
