@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <utility>
 #include <vector>
 
 #include "checkpoint/exporter.h"
@@ -20,15 +21,29 @@
 namespace tessera::trainer {
 namespace {
 
+// A model of `description`, built without storage (its shapes can be matched against a file
+// before any is allocated).
+LoadedModel unmaterialised(ModelDescription description, at::Device device) {
+  LoadedModel out;
+  out.description = std::move(description);
+  out.model = models::makeModel(out.description.model, out.description.data, device);
+  return out;
+}
+
+// Materialised as zeros, frozen, in eval mode.
+void materialiseFrozen(LoadedModel& loaded, const std::function<void()>& fill) {
+  dtensor::materializeAll(*loaded.model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
+  fill();
+  for (auto& p : loaded.model->parameters()) p.set_requires_grad(false);
+  loaded.model->eval();
+}
+
 // Builds the model `metadataJson` describes and fills its parameters with `read(name)`:
 // strict on names (`found`: what the source holds, by name) and shapes.
 LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& source,
                          const std::map<std::string, std::vector<int64_t>>& found,
                          const std::function<at::Tensor(const std::string&)>& read, at::Device device) {
-  LoadedModel out;
-  out.description = checkedModelMetadata(metadataJson, source, found);
-  // Built without storage: the shapes are matched against the file before any is allocated.
-  out.model = models::makeModel(out.description.model, out.description.data, device);
+  LoadedModel out = unmaterialised(checkedModelMetadata(metadataJson, source, found), device);
   // Parameters and buffers: what a state_dict holds.
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& p : out.model->named_parameters()) tensors.emplace_back(p.key(), p.value());
@@ -38,21 +53,26 @@ LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& sou
   const checkpoint::MatchReport report = checkpoint::matchTensors(found, expected);
   TESSERA_CHECK(report.ok(/*strict=*/true), source, ": does not fit the ", out.description.model.arch,
                 " its metadata describes:\n", report.str());
-  dtensor::materializeAll(*out.model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
-  c10::NoGradGuard noGrad;
-  for (const auto& [name, tensor] : tensors) {
-    const at::Tensor value = read(name);
-    TESSERA_CHECK(value.is_floating_point(), source, ": tensor '", name, "' is ", value.scalar_type(),
-                  ", not floating point");
-    TESSERA_CHECK(value.isfinite().all().item<bool>(), source, ": tensor '", name, "' holds NaN or Inf");
-    tensor.copy_(value);
-  }
-  for (auto& p : out.model->parameters()) p.set_requires_grad(false);
-  out.model->eval();
+  materialiseFrozen(out, [&] {
+    c10::NoGradGuard noGrad;
+    for (const auto& [name, tensor] : tensors) {
+      const at::Tensor value = read(name);
+      TESSERA_CHECK(value.is_floating_point(), source, ": tensor '", name, "' is ", value.scalar_type(),
+                    ", not floating point");
+      TESSERA_CHECK(value.isfinite().all().item<bool>(), source, ": tensor '", name, "' holds NaN or Inf");
+      tensor.copy_(value);
+    }
+  });
   return out;
 }
 
 }  // namespace
+
+LoadedModel buildDescribedModel(const std::string& metadataJson, const std::string& source, at::Device device) {
+  LoadedModel out = unmaterialised(parseModelMetadata(metadataJson, source), device);
+  materialiseFrozen(out, [] {});
+  return out;
+}
 
 LoadedModel loadExportedModel(const std::string& path, at::Device device) {
   const checkpoint::SafetensorsSet files(path);

@@ -23,6 +23,12 @@ struct LoadedModel {
 // reduced-precision export is loaded into fp32.
 LoadedModel loadExportedModel(const std::string& path, at::Device device = at::kCPU);
 
+// The model `metadataJson` describes (`source` names where it came from, for errors), every
+// parameter and buffer materialised as zeros, in eval mode, no gradients: a model whose values
+// come from elsewhere (another rank's broadcast).
+LoadedModel buildDescribedModel(const std::string& metadataJson, const std::string& source,
+                                at::Device device = at::kCPU);
+
 // The same from a checkpoint: `what` (model, generator_ema, an export name; see
 // checkpoint::resolveExportPrefix and checkpointExportNames) of checkpoint directory `dir` (a step directory, or a
 // run's checkpoints directory: its newest complete checkpoint), described by the

@@ -1,6 +1,8 @@
 // Choosing the post-hoc EMA length by the judge (see posthoc_sweep.h).
 #include "trainer/posthoc_sweep.h"
 
+#include <c10/core/GradMode.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -13,6 +15,7 @@
 #include "common/errors.h"
 #include "common/file_open.h"
 #include "distributed/communicator.h"
+#include "distributed/string_collectives.h"
 #include "ema/posthoc.h"
 #include "models/diffusion.h"
 #include "models/sampling.h"
@@ -49,11 +52,10 @@ std::string withoutSuffix(const std::string& path, const std::string& suffix) {
              : path;
 }
 
-// One reconstruction, loaded, and the request the judge's samples are drawn with: every
-// class from fixed noise, at the sweep's sampler.
-LoadedModel loadForSampling(const std::string& file, const PosthocSweepOptions& o, models::SampleRequest* request,
-                            std::string* sampler) {
-  LoadedModel loaded = loadExportedModel(file);
+// The request the judge's samples of one reconstruction (`file`, for errors) are drawn with:
+// every class from fixed noise, at the sweep's sampler.
+void requestSamples(const LoadedModel& loaded, const std::string& file, const PosthocSweepOptions& o,
+                    models::SampleRequest* request, std::string* sampler) {
   auto* denoiser = dynamic_cast<models::Denoiser*>(loaded.model.get());
   TESSERA_CHECK_AS(UsageError, denoiser != nullptr && denoiser->classes() > 0, file,
                    ": the post-hoc sweep judges a class-conditional denoiser (dit), not ", loaded.description.model.arch);
@@ -76,7 +78,15 @@ LoadedModel loadForSampling(const std::string& file, const PosthocSweepOptions& 
   const std::string interval = models::guidanceIntervalProblem(o.cfgInterval, denoiser->schedule().timesteps);
   TESSERA_CHECK_AS(UsageError, interval.empty(), "--cfg-interval: ", interval);
   request->cfgInterval = models::makeGuidanceInterval(o.cfgInterval);
-  return loaded;
+}
+
+// Rank 0's model on every rank: its parameters and buffers broadcast into the others' model of
+// the same description, so that only rank 0 reads files.
+void broadcastWeights(distributed::Communicator* comm, torch::nn::Module& model) {
+  if (comm == nullptr || comm->worldSize() == 1) return;
+  c10::NoGradGuard noGrad;
+  for (const auto& p : model.named_parameters()) comm->broadcast(p.value(), 0);
+  for (const auto& b : model.named_buffers()) comm->broadcast(b.value(), 0);
 }
 
 // How long the other ranks wait for rank 0's reconstruction or judgement of one sigma_rel.
@@ -94,9 +104,15 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
   std::sort(sorted.begin(), sorted.end());
   TESSERA_CHECK_AS(UsageError, std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
                    "--posthoc-ema: a sigma_rel is given twice");
+  // Rank 0 alone reads the run directory and writes beside --out; the other ranks are sent what
+  // they need (the model description, each reconstruction's weights), so they may be on
+  // another node without the run's files.
+  const bool writer = comm == nullptr || comm->rank() == 0;
   std::string model;
-  distributed::runOnEveryRank(comm, "reading the run's model description",
-                              [&] { model = posthocModelMetadata(runDir); });
+  distributed::runOnEveryRank(comm, "reading the run's model description", [&] {
+    if (writer) model = posthocModelMetadata(runDir);
+  });
+  model = distributed::broadcastString(comm, model, 0);
   TESSERA_CHECK_AS(UsageError, !model.empty(), runDir,
                    ": no checkpoint of the run says which model its snapshots hold (the sweep samples from each "
                    "reconstruction); keep a checkpoint in <run.dir>/checkpoints");
@@ -108,7 +124,6 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
     TESSERA_CHECK_AS(UsageError, steps <= described.timesteps, "--steps ", steps, options.steps ? "" : " (the default)",
                      ": more steps than the model's ", described.timesteps, " timesteps");
   }
-  const bool writer = comm == nullptr || comm->rank() == 0;
   // The judge loads first: a classifier that cannot judge fails before any reconstruction.
   std::optional<SampleJudge> judge;
   distributed::runOnEveryRank(comm, "loading the judge", [&] {
@@ -153,14 +168,17 @@ PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string&
         reconstruct.metadata[kModelMetadataKey] = model;
         result.step = ema::reconstructPosthocEma(runDir, candidate, reconstruct).step;
       });
-      // Every rank reads the candidate and draws its share; the samples gather on rank 0,
-      // which judges them and keeps or drops the candidate while the others go on.
+      // Rank 0 reads the candidate and sends its weights; every rank draws its share, the
+      // samples gather on rank 0, which judges them and keeps or drops the candidate while
+      // the others go on.
       rankZeroWork.reset();
       models::SampleRequest request;
       LoadedModel loaded;
       distributed::runOnEveryRank(comm, strCat("reading sigma_rel ", sigma, "'s reconstruction ", candidate), [&] {
-        loaded = loadForSampling(candidate, options, &request, &result.sampler);
+        loaded = writer ? loadExportedModel(candidate) : buildDescribedModel(model, runDir + " (from rank 0)");
+        requestSamples(loaded, candidate, options, &request, &result.sampler);
       });
+      broadcastWeights(comm, *loaded.model);
       const at::Tensor samples =
           models::drawSamples(dynamic_cast<models::Denoiser&>(*loaded.model), request, comm, at::kCPU);
       rankZeroWork.emplace(kRankZeroWork);

@@ -54,10 +54,11 @@ struct PosthocSweepResult {
 // UsageError for an empty list, a duplicate sigma or a run whose snapshots hold no model
 // description to sample with.
 // With a communicator of several ranks (tessera-export under a launcher) the samples are
-// split over the ranks as tessera-sample splits them; rank 0 alone reconstructs, judges and
-// writes, the others read the run directory and each candidate beside outPath (one host,
-// or a shared file system), and a failure on any rank stops every rank. Every rank calls
-// it; the result is rank 0's (the others' holds no points).
+// split over the ranks as tessera-sample splits them; rank 0 alone reads the run directory,
+// reconstructs, judges and writes, and broadcasts the model description and each
+// reconstruction's weights to the others (which need no file: they may be on nodes without
+// a shared file system); a failure on any rank stops every rank. Every rank calls it; the
+// result is rank 0's (the others' holds no points).
 PosthocSweepResult sweepPosthocEma(const std::string& runDir, const std::string& outPath,
                                    const PosthocSweepOptions& options, distributed::Communicator* comm = nullptr);
 

@@ -285,7 +285,9 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
     EXPECT_EQ(std::stoll((*it)[1]), label) << perClassLine;
     const double share = std::stod((*it)[2]);
     EXPECT_TRUE(share == 0.0 || share == 0.33 || share == 0.67 || share == 1.0) << perClassLine;
-    if ((*it)[3].matched) EXPECT_LE(std::stod((*it)[3]), 1.0) << perClassLine;
+    if ((*it)[3].matched) {
+      EXPECT_LE(std::stod((*it)[3]), 1.0) << perClassLine;
+    }
     sum += share;
   }
   EXPECT_EQ(label, 4) << perClassLine;
@@ -456,6 +458,23 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
   }
   const auto c = tessera::checkpoint::loadSafetensors(ranked);
   for (const auto& [name, tensor] : c) EXPECT_TRUE(tensor.equal(b.at(name))) << name;
+  // Ranks other than 0 need none of the run's files (nodes without a shared file system):
+  // started in an empty directory, every path relative to the test's, they are sent the
+  // model and each reconstruction by rank 0, and the sweep keeps the same file.
+  const std::string elsewhere = dir + "/elsewhere", wrapper = dir + "/rank_cwd.sh";
+  fs::create_directories(elsewhere);
+  std::ofstream(wrapper) << "#!/bin/sh\nif [ \"$RANK\" != 0 ]; then cd \"$1\" || exit 1; fi\nshift\nexec \"$@\"\n";
+  fs::permissions(wrapper, fs::perms::owner_all);
+  const std::string remote = mustRun("cd " + dir + " && " + launch + wrapper + " " + elsewhere + " " + kBin +
+                                     "/tessera-export dit --judge classifier/export/model_ema.safetensors --per-class 3"
+                                     " --steps 4 --cfg 1.5 --cfg-interval 10,80 --seed 2 --out remote.safetensors"
+                                     " --posthoc-ema 0.05,0.07,0.1");
+  EXPECT_NE(remote.find("[rank 0]: kept sigma_rel " + sigma.str() + ": remote.safetensors"), std::string::npos)
+      << remote;
+  const auto d = tessera::checkpoint::loadSafetensors(dir + "/remote.safetensors");
+  ASSERT_EQ(d.size(), b.size());
+  for (const auto& [name, tensor] : d) EXPECT_TRUE(tensor.equal(b.at(name))) << name;
+  EXPECT_TRUE(fs::is_empty(elsewhere)) << "a rank wrote outside rank 0's directory";
   // A judge that fails on rank 0 stops every rank (no rank left waiting), nothing written.
   const auto failed = tessera::test::runCommand(launch + kBin + "/tessera-export " + ditRun + " --posthoc-ema 0.05,0.1 --judge " +
                                                     ditRun + "/export/generator_ema.safetensors --out " + dir + "/failed.safetensors",
