@@ -7,7 +7,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <cstdint>
-#include <type_traits>
 
 namespace tessera::kernels {
 namespace avx2 {
@@ -34,14 +33,11 @@ bool coreHasAvx2() {
 #endif
 }
 
-// A tensor's elements as the loops take them: fp32, or bf16 as its bits.
+// A tensor's elements as the loops take them: fp32, or bf16 as its bits (geluTanh passes only
+// those two dtypes).
 template <typename T>
 T* elements(const at::Tensor& t) {
-  if constexpr (std::is_same_v<std::remove_const_t<T>, float>) {
-    return t.data_ptr<float>();
-  } else {
-    return reinterpret_cast<T*>(t.data_ptr<at::BFloat16>());
-  }
+  return static_cast<T*>(t.data_ptr());
 }
 
 // The loops over fp32 (T = float) or bf16 (T = uint16_t) tensors, in chunks on LibTorch's threads.

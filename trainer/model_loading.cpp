@@ -30,12 +30,15 @@ LoadedModel unmaterialised(ModelDescription description, at::Device device) {
   return out;
 }
 
-// Materialised as zeros, frozen, in eval mode.
-void materialiseFrozen(LoadedModel& loaded, const std::function<void()>& fill) {
-  dtensor::materializeAll(*loaded.model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
-  fill();
-  for (auto& p : loaded.model->parameters()) p.set_requires_grad(false);
-  loaded.model->eval();
+// Storage for every parameter and buffer, zeros until they are filled.
+void materialiseZeros(models::TrainModel& model) {
+  dtensor::materializeAll(model, [](const std::string&, int64_t, const at::Tensor& rows) { rows.zero_(); });
+}
+
+// Loaded models sample: no gradients, eval mode.
+void freeze(models::TrainModel& model) {
+  for (auto& p : model.parameters()) p.set_requires_grad(false);
+  model.eval();
 }
 
 // Builds the model `metadataJson` describes and fills its parameters with `read(name)`:
@@ -53,16 +56,16 @@ LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& sou
   const checkpoint::MatchReport report = checkpoint::matchTensors(found, expected);
   TESSERA_CHECK(report.ok(/*strict=*/true), source, ": does not fit the ", out.description.model.arch,
                 " its metadata describes:\n", report.str());
-  materialiseFrozen(out, [&] {
-    c10::NoGradGuard noGrad;
-    for (const auto& [name, tensor] : tensors) {
-      const at::Tensor value = read(name);
-      TESSERA_CHECK(value.is_floating_point(), source, ": tensor '", name, "' is ", value.scalar_type(),
-                    ", not floating point");
-      TESSERA_CHECK(value.isfinite().all().item<bool>(), source, ": tensor '", name, "' holds NaN or Inf");
-      tensor.copy_(value);
-    }
-  });
+  materialiseZeros(*out.model);
+  c10::NoGradGuard noGrad;
+  for (const auto& [name, tensor] : tensors) {
+    const at::Tensor value = read(name);
+    TESSERA_CHECK(value.is_floating_point(), source, ": tensor '", name, "' is ", value.scalar_type(),
+                  ", not floating point");
+    TESSERA_CHECK(value.isfinite().all().item<bool>(), source, ": tensor '", name, "' holds NaN or Inf");
+    tensor.copy_(value);
+  }
+  freeze(*out.model);
   return out;
 }
 
@@ -70,7 +73,8 @@ LoadedModel buildAndLoad(const std::string& metadataJson, const std::string& sou
 
 LoadedModel buildDescribedModel(const std::string& metadataJson, const std::string& source, at::Device device) {
   LoadedModel out = unmaterialised(parseModelMetadata(metadataJson, source), device);
-  materialiseFrozen(out, [] {});
+  materialiseZeros(*out.model);
+  freeze(*out.model);
   return out;
 }
 

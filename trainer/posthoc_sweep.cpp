@@ -1,8 +1,6 @@
 // Choosing the post-hoc EMA length by the judge (see posthoc_sweep.h).
 #include "trainer/posthoc_sweep.h"
 
-#include <c10/core/GradMode.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -19,6 +17,7 @@
 #include "ema/posthoc.h"
 #include "models/diffusion.h"
 #include "models/sampling.h"
+#include "sharding/tensor_sync.h"
 #include "trainer/metrics.h"
 #include "trainer/model_loading.h"
 #include "trainer/model_metadata.h"
@@ -81,12 +80,12 @@ void requestSamples(const LoadedModel& loaded, const std::string& file, const Po
 }
 
 // Rank 0's model on every rank: its parameters and buffers broadcast into the others' model of
-// the same description, so that only rank 0 reads files.
+// the same description (in buffers of 64 MiB), so that only rank 0 reads files.
 void broadcastWeights(distributed::Communicator* comm, torch::nn::Module& model) {
-  if (comm == nullptr || comm->worldSize() == 1) return;
-  c10::NoGradGuard noGrad;
-  for (const auto& p : model.named_parameters()) comm->broadcast(p.value(), 0);
-  for (const auto& b : model.named_buffers()) comm->broadcast(b.value(), 0);
+  if (comm == nullptr) return;
+  std::vector<at::Tensor> tensors = model.parameters();
+  for (const at::Tensor& b : model.buffers()) tensors.push_back(b);
+  sharding::broadcastCoalesced(tensors, *comm, /*root=*/0, int64_t{64} << 20);
 }
 
 // How long the other ranks wait for rank 0's reconstruction or judgement of one sigma_rel.
