@@ -54,6 +54,7 @@
 #include "sharding/fully_shard.h"
 #include "sharding/strategy.h"
 #include "models/dit.h"
+#include "models/gpt.h"
 #include "models/models.h"
 
 namespace {

@@ -259,19 +259,10 @@ Checkpointer::~Checkpointer() {
 
 bool Checkpointer::writerFailed() const { return job_ && job_->failed.load(); }
 
-double Checkpointer::lastWriteSeconds() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return lastWriteSeconds_;
-}
-
 std::string Checkpointer::waitLocal() {
   if (writer_.joinable()) writer_.join();
   if (!job_) return "";
   std::string error = job_->error;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    lastWriteSeconds_ = job_->seconds;
-  }
   if (error.empty()) {
     TLOG_INFO0("checkpoint step " << job_->step << " committed to " << job_->finalDir << " (this rank's write took "
                                   << job_->seconds << " s)");

@@ -23,7 +23,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -141,10 +140,6 @@ class Checkpointer {
   // of at the next save.
   bool writerFailed() const;
 
-  const std::string& checkpointsDir() const { return root_; }
-  const CheckpointOptions& options() const { return options_; }
-  // Seconds the last finished write took on this rank (data, plus the commit on rank 0).
-  double lastWriteSeconds() const;
 
   struct Job;  // one rank's write of one step (checkpointer.cpp)
 
@@ -172,8 +167,6 @@ class Checkpointer {
   std::shared_ptr<Job> job_;
   StagingBuffers staging_;  // reused by every save; the in-flight job reads them
   int64_t inFlightStep_ = -1;
-  mutable std::mutex mutex_;
-  double lastWriteSeconds_ = 0;
 };
 
 }  // namespace tessera::checkpoint

@@ -30,9 +30,6 @@ class File {
   // without following a link planted there (createFreshFile).
   static File openWrite(const std::string& path);
 
-  bool isOpen() const { return fd_ >= 0; }
-  const std::string& path() const { return path_; }
-  int fd() const { return fd_; }
 
   // Writes all bytes at the current position (retries short writes and EINTR).
   void writeAll(const void* data, size_t bytes);

@@ -40,13 +40,6 @@ at::ScalarType parseDtypeName(const std::string& name, const std::string& where)
   throw CheckpointError(strCat(where, ": unknown dtype '", name, "'"));
 }
 
-bool isKnownDtypeName(const std::string& name) {
-  for (const auto& row : kDtypes) {
-    if (name == row.name) return true;
-  }
-  return false;
-}
-
 int64_t dtypeBytes(at::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
 
 uint64_t checksum(const void* data, size_t bytes) { return XXH3_64bits(data, bytes); }

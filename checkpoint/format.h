@@ -27,8 +27,6 @@ class CheckpointError : public Error {
 std::string dtypeName(at::ScalarType dtype);
 // Inverse of dtypeName; throws CheckpointError naming `where` for an unknown name.
 at::ScalarType parseDtypeName(const std::string& name, const std::string& where);
-// True when `name` is a dtype this build can read.
-bool isKnownDtypeName(const std::string& name);
 // Bytes per element.
 int64_t dtypeBytes(at::ScalarType dtype);
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <climits>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -42,15 +43,66 @@ std::string hostName() {
   return name;
 }
 
-// The step directories in `dir` (complete or not), ascending: real directories named
-// step_<digits>, never links.
-std::vector<std::pair<int64_t, fs::path>> stepDirsIn(const std::string& dir) {
+// The owner a step directory's tier_owner.json names, or nullopt when it has none (or an
+// unreadable one): a directory the tier did not write.
+std::optional<std::string> stepOwner(const fs::path& stepDir) {
+  try {
+    const std::string text = readFileBounded((stepDir / kTierOwnerFile).string(), 64 << 10, LinkPolicy::kRefuse);
+    const nlohmann::json j = nlohmann::json::parse(text);
+    if (j.is_object() && j.contains("owner") && j.at("owner").is_string()) return j.at("owner").get<std::string>();
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+// Makes step directory `dir`, marked as `owner`'s, or finds it made by another rank of the
+// node: each rank builds it aside (dir.<rank>.tmp, the mark inside) and renames it into
+// place, so that no rank ever sees the directory without its mark. Error when `dir` is
+// there and not `owner`'s (another run's, or not the tier's): it is left as it is.
+void claimStepDir(const fs::path& dir, const std::string& owner, int64_t step, int rank) {
+  std::error_code ec;
+  if (!fs::exists(fs::symlink_status(dir, ec))) {
+    const fs::path aside = strCat(dir.string(), ".", rank, ".tmp");
+    removeTree(aside.string(), ec);
+    fs::create_directories(aside, ec);
+    if (ec) throw Error(strCat("cannot create ", aside.string(), ": ", ec.message()));
+    File f = File::openWrite((aside / kTierOwnerFile).string());
+    const std::string text = nlohmann::json{{"owner", owner}, {"step", step}}.dump();
+    f.writeAll(text.data(), text.size());
+    f.close();
+    // Another rank's may have got there first: then this one goes (the two are the same).
+    if (::rename(aside.c_str(), dir.c_str()) != 0) removeTree(aside.string(), ec);
+  }
+  const std::optional<std::string> by = fs::is_directory(fs::symlink_status(dir, ec)) ? stepOwner(dir) : std::nullopt;
+  if (!by || *by != owner) {
+    throw Error(strCat(dir.string(), " exists and is not this run's (",
+                       by ? strCat("written for ", quote(*by)) : std::string("not written by the local tier"),
+                       "): left as it is"));
+  }
+}
+
+// `owner`'s step directories in `dir` (complete or not), ascending: real directories named
+// step_<digits>, never links, whose tier_owner.json names `owner`. The other step
+// directories are listed in `others` (when given) with why they are not the owner's.
+std::vector<std::pair<int64_t, fs::path>> ownedStepDirs(const std::string& dir, const std::string& owner,
+                                                        std::vector<std::string>* others = nullptr) {
   std::vector<std::pair<int64_t, fs::path>> out;
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return out;  // the directory itself may be a link (to a scratch mount)
+  if (!fs::is_directory(fs::symlink_status(dir, ec))) return out;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::optional<int64_t> step = parseStepDirName(entry.path().filename().string());
-    if (step && fs::is_directory(fs::symlink_status(entry.path(), ec))) out.emplace_back(*step, entry.path());
+    if (!step) continue;
+    if (!fs::is_directory(fs::symlink_status(entry.path(), ec))) {
+      if (others) others->push_back(strCat(entry.path().string(), " (not a directory: a link or a file)"));
+      continue;
+    }
+    const std::optional<std::string> by = stepOwner(entry.path());
+    if (by && *by == owner) {
+      out.emplace_back(*step, entry.path());
+    } else if (others) {
+      others->push_back(by ? strCat(entry.path().string(), " (written for ", quote(*by), ")")
+                           : strCat(entry.path().string(), " (not written by the local tier)"));
+    }
   }
   std::sort(out.begin(), out.end());
   return out;
@@ -61,10 +113,10 @@ bool isComplete(const fs::path& stepDir) {
   return fs::is_regular_file(fs::symlink_status(stepDir / kMetadataFile, ec));
 }
 
-// Removes every step directory in `dir` (a failure is logged: the next save's retention
-// or the next start tries again).
-void removeSteps(const std::string& dir) {
-  for (const auto& [step, path] : stepDirsIn(dir)) {
+// Removes `owner`'s step directories in `dir` (a failure is logged: the next save's
+// retention or the next start tries again).
+void removeSteps(const std::string& dir, const std::string& owner) {
+  for (const auto& [step, path] : ownedStepDirs(dir, owner)) {
     std::error_code ec;
     removeTree(path.string(), ec);
     if (ec) TLOG_WARN("checkpoint.local: cannot remove " << path.string() << ": " << ec.message());
@@ -87,27 +139,31 @@ int64_t copyFile(const std::string& from, const std::string& to) {
   return size;
 }
 
-// What one node's directory holds of one step: the checksum of its metadata (so that
-// only copies of the same save are put together) and the saved ranks whose files are
-// there at their recorded size.
+// What one node's directory holds of one of its owner's steps: the checksum of its metadata
+// (so that only copies of the same save are put together), the saved ranks whose files are
+// there with every checksum right, and whether its trainer state is intact (what the rank
+// that copies the metadata needs).
 struct HeldStep {
   int64_t step = 0;
   uint64_t metadata = 0;
   int savedWorld = 0;
   std::vector<int> ranks;
+  bool trainerState = false;
 };
 
-std::vector<HeldStep> inventory(const std::string& dir) {
+// Only steps newer than `after` are looked at (older ones would not be promoted): each of
+// their files is read once to verify it.
+std::vector<HeldStep> inventory(const std::string& dir, const std::string& owner, int64_t after) {
   std::vector<HeldStep> out;
-  // The complete steps, as the persistent tier lists its own (no links; metadata.json there).
-  for (const CheckpointRef& ref : listCheckpoints(dir)) {
-    const int64_t step = ref.step;
-    const fs::path path = ref.dir;
+  std::vector<std::string> others;
+  for (const auto& [step, path] : ownedStepDirs(dir, owner, &others)) {
+    if (step <= after || !isComplete(path)) continue;
     try {
+      CheckpointReader reader(path.string());
+      const CheckpointMetadata& md = reader.metadata();
+      if (md.step != step) continue;
       const std::string mdPath = (path / kMetadataFile).string();
       const std::string text = readFileBounded(mdPath, kMaxJsonBytes);
-      const CheckpointMetadata md = parseMetadata(text, mdPath);
-      if (md.step != step) continue;
       HeldStep held;
       held.step = step;
       held.metadata = checksum(text.data(), text.size());
@@ -116,23 +172,34 @@ std::vector<HeldStep> inventory(const std::string& dir) {
         const FileInfo& f = md.files.at(static_cast<size_t>(r));
         std::error_code ec;
         const fs::path file = path / f.name;
-        if (f.name == rankDataFile(r) && fs::is_regular_file(fs::symlink_status(file, ec)) &&
-            static_cast<int64_t>(fs::file_size(file, ec)) == f.bytes && !ec) {
+        if (f.name != rankDataFile(r) || !fs::is_regular_file(fs::symlink_status(file, ec))) continue;
+        try {
+          reader.verifyFile(f.name);
           held.ranks.push_back(r);
+        } catch (const std::exception& e) {
+          TLOG_WARN("checkpoint.local: " << file.string() << " is not used: " << e.what());
         }
+      }
+      try {
+        reader.trainerState(/*verify=*/true);
+        held.trainerState = true;
+      } catch (const std::exception& e) {
+        TLOG_WARN("checkpoint.local: " << (path / kTrainerStateFile).string() << " is not used: " << e.what());
       }
       if (!held.ranks.empty()) out.push_back(std::move(held));
     } catch (const std::exception& e) {
       TLOG_WARN("checkpoint.local: ignoring " << path.string() << ": " << e.what());
     }
   }
+  for (const std::string& other : others) TLOG_WARN("checkpoint.local: left alone: " << other);
   return out;
 }
 
 std::string inventoryJson(const std::vector<HeldStep>& held) {
   nlohmann::json steps = nlohmann::json::array();
   for (const HeldStep& h : held) {
-    steps.push_back({{"step", h.step}, {"metadata", h.metadata}, {"world", h.savedWorld}, {"ranks", h.ranks}});
+    steps.push_back({{"step", h.step}, {"metadata", h.metadata}, {"world", h.savedWorld}, {"ranks", h.ranks},
+                     {"state", h.trainerState}});
   }
   return steps.dump();
 }
@@ -145,12 +212,42 @@ std::vector<HeldStep> parseInventory(const std::string& text) {
     h.metadata = s.at("metadata").get<uint64_t>();
     h.savedWorld = s.at("world").get<int>();
     h.ranks = s.at("ranks").get<std::vector<int>>();
+    h.trainerState = s.at("state").get<bool>();
     out.push_back(std::move(h));
   }
   return out;
 }
 
+// Whether `dir` or a directory above it is a checkpoint step directory or a checkpoints
+// directory (holding `latest`): "" when neither, else which.
+std::string checkpointsAbove(const fs::path& dir) {
+  std::error_code ec;
+  for (fs::path d = dir; !d.empty(); d = d.parent_path()) {
+    if (fs::is_regular_file(d / "latest", ec)) return strCat("the checkpoints directory ", d.string());
+    const std::string name = d.filename().string();
+    if (d != dir && (parseStepDirName(name) || fs::is_regular_file(d / kMetadataFile, ec))) {
+      return strCat("the checkpoint ", d.string());
+    }
+    if (d == d.parent_path()) break;
+  }
+  return "";
+}
+
 }  // namespace
+
+void checkLocalTierDirectory(const std::string& dir, const std::string& key) {
+  std::error_code ec;
+  if (fs::is_symlink(fs::symlink_status(dir, ec))) {
+    throw ConfigError(strCat(key, " ", quote(dir), " is a symbolic link: the local tier deletes what it wrote in its "
+                             "directory and never follows a link there; give the directory itself"));
+  }
+  const fs::path resolved = fs::weakly_canonical(fs::absolute(dir), ec);
+  const std::string inside = checkpointsAbove(ec ? fs::absolute(dir) : resolved);
+  if (!inside.empty()) {
+    throw ConfigError(strCat(key, " ", quote(dir), " is in ", inside, ": the local tier keeps and deletes steps of "
+                             "its own there; give it a directory of its own"));
+  }
+}
 
 namespace {
 
@@ -208,6 +305,8 @@ LocalCheckpointer::LocalCheckpointer(LocalTierOptions options, std::shared_ptr<d
   TESSERA_CHECK_AS(ConfigError, !options_.dir.empty(), "checkpoint.local: no directory");
   TESSERA_CHECK_AS(ConfigError, options_.replicas >= 0, "checkpoint.local.replicas ", options_.replicas, " < 0");
   TESSERA_CHECK_AS(ConfigError, options_.keepLast >= 1, "checkpoint.local.keep_last ", options_.keepLast, " < 1");
+  distributed::runOnEveryRank(comm_.get(), "checkpoint.local.dir",
+                              [&] { checkLocalTierDirectory(options_.dir, "checkpoint.local.dir"); });
   if (comm_) {
     rank_ = comm_->rank();
     world_ = comm_->worldSize();
@@ -340,11 +439,9 @@ LocalSaveStats LocalCheckpointer::save(const SaveRequest& request) {
     const CheckpointOptions defaults;
     blockBytes = checksumBlockBytes(defaults.blockBytes, defaults.maxMetadataBytes, size.bytes, size.chunks);
     rows = rankRowsOf(request.entries, rank_, /*copy=*/false, staging_, stats.bytes);
-    // Each step is saved once per run, and a start empties the tier: nothing of another
-    // save is in `dir`.
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) throw Error(strCat("cannot create ", dir.string(), ": ", ec.message()));
+    // Each step is saved once per run, and a start empties the tier of the run's steps. A
+    // step directory there already is another run's (or not the tier's): never written into.
+    claimStepDir(dir, options_.owner, request.step, rank_);
     index = writeRankData(dir.string(), rank_, world_, request.step, blockBytes, request.rankState, rows,
                           /*durable=*/false);  // why not: rank_files.h
   } catch (const std::exception& e) {
@@ -389,7 +486,7 @@ LocalSaveStats LocalCheckpointer::save(const SaveRequest& request) {
           // Retention: the newest keep_last complete steps; anything older that never
           // completed (a crash's remains) goes too.
           int kept = 0;
-          const auto steps = stepDirsIn(options_.dir);
+          const auto steps = ownedStepDirs(options_.dir, options_.owner);
           for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
             if (it->first > request.step) continue;
             const bool complete = isComplete(it->second);
@@ -421,16 +518,16 @@ LocalSaveStats LocalCheckpointer::save(const SaveRequest& request) {
 }
 
 void LocalCheckpointer::clear() const {
-  if (layout_.leads(rank_)) removeSteps(options_.dir);
+  if (layout_.leads(rank_)) removeSteps(options_.dir, options_.owner);
 }
 
-void clearLocalTier(const std::string& localDir, distributed::Communicator* comm) {
+void clearLocalTier(const std::string& localDir, const std::string& owner, distributed::Communicator* comm) {
   const NodeLayout layout = discoverNodes(comm, localDir);
-  if (layout.leads(comm ? comm->rank() : 0)) removeSteps(localDir);
+  if (layout.leads(comm ? comm->rank() : 0)) removeSteps(localDir, owner);
 }
 
-std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const std::string& checkpointsDir,
-                                             distributed::Communicator* comm) {
+std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const std::string& owner,
+                                             const std::string& checkpointsDir, distributed::Communicator* comm) {
   const auto start = Clock::now();
   const int rank = comm ? comm->rank() : 0;
   // What every node holds, and the persistent tier's newest (rank 0's listing).
@@ -448,7 +545,8 @@ std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const 
   newest = distributed::broadcastString(comm, newest, 0);
   if (newest == "?") return std::nullopt;
   const int64_t newestPersistent = std::stoll(newest);
-  const std::vector<std::string> texts = distributed::allGatherStrings(comm, inventoryJson(inventory(localDir)));
+  const std::vector<std::string> texts =
+      distributed::allGatherStrings(comm, inventoryJson(inventory(localDir, owner, newestPersistent)));
   std::vector<std::vector<HeldStep>> held;
   for (const std::string& text : texts) held.push_back(parseInventory(text));
   // The newest complete step: for each (step, metadata) the lowest rank holding each file.
@@ -467,7 +565,7 @@ std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const 
       c.metadata = h.metadata;
       if (c.copier.empty()) c.copier.assign(static_cast<size_t>(h.savedWorld), -1);
       if (static_cast<int>(c.copier.size()) != h.savedWorld) continue;  // metadata equal: cannot happen
-      c.holders.insert(static_cast<int>(r));
+      if (h.trainerState) c.holders.insert(static_cast<int>(r));
       for (int saved : h.ranks) {
         int& copier = c.copier[static_cast<size_t>(saved)];
         if (copier < 0) copier = static_cast<int>(r);
@@ -477,7 +575,9 @@ std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const 
   const Candidate* chosen = nullptr;
   for (auto it = candidates.rbegin(); it != candidates.rend() && chosen == nullptr; ++it) {
     const auto& copier = it->second.copier;
-    if (std::all_of(copier.begin(), copier.end(), [](int c) { return c >= 0; })) chosen = &it->second;
+    if (!it->second.holders.empty() && std::all_of(copier.begin(), copier.end(), [](int c) { return c >= 0; })) {
+      chosen = &it->second;
+    }
   }
   if (chosen == nullptr) {
     if (!candidates.empty()) {

@@ -8,11 +8,17 @@
 // simulated node's own directory.
 //
 // On disk, in each node's directory:
-//   step_00000035/  rank_R.bin of this node's ranks and of the ranks it holds replicas
-//                   of, trainer_state.json, and metadata.json (the step's full metadata,
-//                   the same on every node), written last by the node's leader once
-//                   every rank's file and replica is written: a step directory without
-//                   it is incomplete and never used
+//   step_00000035/  tier_owner.json (written first: the run that owns the step, the
+//                   identity LocalTierOptions::owner gives), rank_R.bin of this node's ranks
+//                   and of the ranks it holds replicas of, trainer_state.json, and
+//                   metadata.json (the step's full metadata, the same on every node), written
+//                   last by the node's leader once every rank's file and replica is written:
+//                   a step directory without it is incomplete and never used
+//
+// The tier reads, promotes and deletes only the step directories it wrote for its owner:
+// a step of another run that shares the directory, a checkpoint it did not write, a link
+// or a file are left where they are (and said so). Its directory is never a link, nor in
+// a run's checkpoints (checkLocalTierDirectory).
 //
 // A save (collective): every rank writes its rank_R.bin (rank_files.h); the chunk tables
 // all-gathered (a rank that failed sends none: the gather is the agreement), so every
@@ -24,10 +30,11 @@
 // persistent tier is untouched): a local save never stops training.
 //
 // A resume (promoteLocalStep, collective): every rank reports what its node's directory
-// holds; the newest step newer than the persistent tier's newest whose every rank file is
-// held by some surviving node (with the same metadata) is copied into the persistent
-// directory as an ordinary checkpoint (step_N.tmp, then the rename), which the usual
-// resume then loads, verifying every checksum.
+// holds of its owner's steps, each rank file's checksums verified; the newest step newer
+// than the persistent tier's newest whose every rank file is held intact by some surviving
+// node (with the same metadata) is copied into the persistent directory as an ordinary
+// checkpoint (step_N.tmp, then the rename), which the usual resume then loads. The tier
+// is emptied (clearLocalTier) only once the run that resumes has been accepted.
 #pragma once
 
 #include <cstdint>
@@ -49,10 +56,21 @@ class Communicator;
 namespace tessera::checkpoint {
 
 struct LocalTierOptions {
-  std::string dir;   // this node's directory (created)
+  std::string dir;   // this node's directory (created; not a link, not in a run's checkpoints)
   int replicas = 1;  // copies of each rank's file on the next nodes (at most nodes - 1)
   int keepLast = 2;  // complete steps each node keeps (>= 1)
+  // Who the steps belong to (a run: its canonical run.dir): recorded in every step the
+  // tier writes; only such steps are read, promoted or deleted.
+  std::string owner;
 };
+
+// The file in each step directory that says which owner wrote it.
+inline constexpr char kTierOwnerFile[] = "tier_owner.json";
+
+// ConfigError naming `key` (the config key or option the directory came from) when `dir`
+// is a symbolic link, or lies in a checkpoints directory (one holding `latest`, or inside
+// a checkpoint step directory): the tier must not delete what a persistent tier owns.
+void checkLocalTierDirectory(const std::string& dir, const std::string& key);
 
 // The nodes of a group: ranks that share a host and a directory. Nodes are ordered by
 // their lowest rank; each node's ranks ascend.
@@ -128,9 +146,11 @@ struct PromotedStep {
 // complete across the surviving nodes, copied into checkpointsDir as a committed
 // checkpoint. nullopt when there is none. Throws Error on every rank when copying failed
 // (the local directories are left as they were; the persistent tier's newest resumes).
-std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const std::string& checkpointsDir,
-                                             distributed::Communicator* comm);
-// Collective: every node's leader removes the step directories in its `localDir`.
-void clearLocalTier(const std::string& localDir, distributed::Communicator* comm);
+// Only `owner`'s steps are candidates; another owner's are left alone and named in the log.
+std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const std::string& owner,
+                                             const std::string& checkpointsDir, distributed::Communicator* comm);
+// Collective: every node's leader removes `owner`'s step directories in its `localDir`
+// (nothing else).
+void clearLocalTier(const std::string& localDir, const std::string& owner, distributed::Communicator* comm);
 
 }  // namespace tessera::checkpoint

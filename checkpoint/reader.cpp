@@ -218,6 +218,22 @@ std::string CheckpointReader::trainerState(bool verify) {
   return parseTrainerState(text, path);
 }
 
+void CheckpointReader::verifyFile(const std::string& name) {
+  file(name, "(file list)");
+  const int64_t B = metadata_.blockBytes;
+  const int64_t piece = std::max<int64_t>(1, kReadBytes / B) * B;  // whole blocks: no edge reads
+  std::vector<uint8_t> buffer;
+  for (const auto& t : metadata_.tensors) {
+    for (const ChunkInfo& c : t.chunks) {
+      if (c.file != name) continue;
+      buffer.resize(static_cast<size_t>(std::min(piece, std::max<int64_t>(1, c.length))));
+      for (int64_t pos = 0; pos < c.length; pos += piece) {
+        readChunkRange(t, c, pos, std::min(c.length, pos + piece), buffer.data(), /*verify=*/true);
+      }
+    }
+  }
+}
+
 void CheckpointReader::verifyAll() {
   for (const auto& f : metadata_.files) file(f.name, "(file list)");
   for (const auto& t : metadata_.tensors) streamTensor(t, [](const void*, int64_t) {}, true);

@@ -43,7 +43,6 @@ class CheckpointReader {
   // (CheckpointError "... is not a complete checkpoint").
   explicit CheckpointReader(std::string dir);
 
-  const std::string& dir() const { return dir_; }
   const CheckpointMetadata& metadata() const { return metadata_; }
   // The tensor's metadata; CheckpointError naming the checkpoint when absent.
   const TensorInfo& tensor(const std::string& name) const;
@@ -61,6 +60,9 @@ class CheckpointReader {
   // Reads every block of every chunk and the trainer state, checking every checksum and
   // file size. Throws at the first problem.
   void verifyAll();
+  // The same for the chunks in one of its files (rank_R.bin): what a rank that holds only
+  // that file can vouch for.
+  void verifyFile(const std::string& name);
   // trainer_state.json, checked against its recorded size and checksum.
   std::string trainerState(bool verify = true);
 

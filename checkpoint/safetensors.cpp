@@ -341,4 +341,19 @@ void SafetensorsReader::readRows(const SafetensorsEntry& e, int64_t rowBegin, in
   if (n > 0) file_.readAt(dst, static_cast<size_t>(n), header_.dataOffset() + e.begin + rowBegin * rowBytes, "tensor '" + e.name + "'");
 }
 
+std::string safetensorsLayoutProblem(const SafetensorsHeader& header, const SafetensorsLayout& layout) {
+  for (const SafetensorsEntry& e : header.tensors) {
+    const auto it = layout.find(e.name);
+    if (it == layout.end()) return strCat("a tensor ", quote(e.name), " it should not have");
+    if (e.shape != it->second.first || e.dtype != it->second.second) {
+      return strCat(quote(e.name), " is ", dtypeName(e.dtype), " ", at::IntArrayRef(e.shape), ", not ",
+                    dtypeName(it->second.second), " ", at::IntArrayRef(it->second.first));
+    }
+  }
+  for (const auto& [name, expected] : layout) {
+    if (header.find(name) == nullptr) return strCat("no tensor ", quote(name));
+  }
+  return "";
+}
+
 }  // namespace tessera::checkpoint

@@ -55,6 +55,14 @@ struct SafetensorsHeader {
   const SafetensorsEntry* find(const std::string& name) const;
 };
 
+// What a file must hold, by tensor name: its shape and dtype.
+using SafetensorsLayout = std::map<std::string, std::pair<std::vector<int64_t>, at::ScalarType>>;
+// What is wrong with `header` as a file of exactly the tensors of `layout` (no other
+// tensor, each of its shape and dtype), "" when nothing is: checked before any data is read
+// (a cache file with an extra tensor of 8 GiB is refused without reading it). Names from
+// the file are quoted.
+std::string safetensorsLayoutProblem(const SafetensorsHeader& header, const SafetensorsLayout& layout);
+
 // Validates a header held in data[0, size) of a file of fileSize bytes (size may be the
 // whole file or just its first 8 + N bytes). Throws CheckpointError naming `source` for
 // a header length that is absurd or past the end of the file, invalid JSON, unknown
@@ -91,8 +99,6 @@ class SafetensorsWriter {
   // Writes a whole tensor (contiguous CPU, the planned dtype and numel).
   void writeTensor(const at::Tensor& t);
   void finish();
-  const std::vector<SafetensorsEntry>& tensors() const { return tensors_; }
-  int64_t fileBytes() const { return headerSize_ + dataBytes_; }
 
  private:
   std::string path_;

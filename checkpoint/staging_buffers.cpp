@@ -18,12 +18,6 @@ at::Tensor StagingBuffers::bufferFor(size_t slot, const at::Tensor& source) {
   return s.bytes.narrow(0, 0, need).view(source.scalar_type()).view(source.sizes());
 }
 
-int64_t StagingBuffers::heldBytes() const {
-  int64_t total = 0;
-  for (const auto& s : slots_) total += s.bytes.defined() ? s.bytes.numel() : 0;
-  return total;
-}
-
 int64_t StagingBuffers::takeAllocatedBytes() {
   const int64_t out = allocated_;
   allocated_ = 0;

@@ -20,8 +20,6 @@ class StagingBuffers {
   // slot `slot`'s buffer from an earlier call when it is large enough and pinned alike,
   // a new one otherwise. The caller must be done with the previous contents.
   at::Tensor bufferFor(size_t slot, const at::Tensor& source);
-  // Bytes held in all slots.
-  int64_t heldBytes() const;
   // Bytes allocated since the last takeAllocatedBytes() (0 when every slot was reused).
   int64_t takeAllocatedBytes();
 

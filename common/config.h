@@ -13,7 +13,8 @@
 //
 // Every error is a tessera::ConfigError whose message names the key path and, for
 // YAML input, the file, line and column (1-based); apps exit with status 2 on it.
-// yaml-cpp stays inside config.cpp.
+// yaml-cpp stays inside the schema's files (config.cpp, config_values.cpp,
+// config_loading.cpp and their private config_internal.h).
 #pragma once
 
 #include <array>
@@ -177,8 +178,8 @@ class ConfigSchema {
   std::string errorMessage(const std::string& path, const std::string& what) const;
 
   std::vector<FieldInfo> fields() const;
+  // Every section path ("ema", "ema.posthoc", named ones: "models") with its doc.
   std::map<std::string, std::string> sections() const;
-  bool hasKey(const std::string& path) const;
 
   // The known key closest to `path` by edit distance ("" if none is close).
   std::string closestKey(const std::string& path) const;

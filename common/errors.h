@@ -8,6 +8,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace tessera {
@@ -49,6 +50,36 @@ std::string concat(Args&&... args) {
 template <typename... Args>
 std::string strCat(Args&&... args) {
   return detail::concat(std::forward<Args>(args)...);
+}
+
+// Text from outside the program (a shard's member name, a label, a key, a path) as a
+// message shows it: in single quotes, with control characters, quotes and backslashes
+// escaped (\n, \x1b, \', \\), so that no input can end a message early or forge a log
+// line of its own; longer than `maxBytes`, cut and marked "...".
+inline std::string quote(std::string_view text, size_t maxBytes = 256) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out = "'";
+  for (size_t i = 0; i < text.size() && i < maxBytes; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c == '\\' || c == '\'') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c < 0x20 || c == 0x7f) {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  if (text.size() > maxBytes) out += "...";
+  return out + "'";
 }
 
 }  // namespace tessera

@@ -127,28 +127,19 @@ Level parseLevel(const std::string& name) {
   throw ConfigError(strCat("log level '", name, "' is not one of trace, debug, info, warn, error, off"));
 }
 
-const char* levelName(Level level) {
-  switch (level) {
-    case Level::kTrace: return "trace";
-    case Level::kDebug: return "debug";
-    case Level::kInfo: return "info";
-    case Level::kWarn: return "warn";
-    case Level::kError: return "error";
-    case Level::kOff: return "off";
-  }
-  return "info";
-}
 
 void init(const LogOptions& options) {
+  // TESSERA_LOG_LEVEL, when set, wins over the program's level (log.level, a tool's
+  // default): one variable turns every program's detail up or down.
   Level lvl = Level::kInfo;
-  if (!options.level.empty()) {
-    lvl = parseLevel(options.level);
-  } else if (const char* env = std::getenv("TESSERA_LOG_LEVEL"); env && *env) {
+  if (const char* env = std::getenv("TESSERA_LOG_LEVEL"); env && *env) {
     try {
       lvl = parseLevel(env);
     } catch (const ConfigError& e) {
       throw ConfigError(strCat("TESSERA_LOG_LEVEL: ", e.what()));
     }
+  } else if (!options.level.empty()) {
+    lvl = parseLevel(options.level);
   }
   Loggers loggers = makeLoggers(options);
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -169,7 +160,6 @@ void adoptRank(int rank) {
 }
 
 Level level() { current(); return static_cast<Level>(g_level.load()); }
-void setLevel(Level lvl) { g_level = static_cast<int>(lvl); }
 int rank() { return g_rank.load(); }
 bool enabled(Level lvl) { return lvl != Level::kOff && static_cast<int>(lvl) >= static_cast<int>(level()); }
 

@@ -17,7 +17,7 @@ enum class Level { kTrace = 0, kDebug, kInfo, kWarn, kError, kOff };
 
 struct LogOptions {
   int rank = 0;             // printed as "[rank N]"; -1 prints no prefix (single-process tools)
-  std::string level = "";   // trace|debug|info|warn|error|off; "" = TESSERA_LOG_LEVEL or info
+  std::string level = "";   // trace|debug|info|warn|error|off ("" = info); TESSERA_LOG_LEVEL wins when set
   std::string file = "";    // also append every line to this file ("" = console only)
   bool console = true;      // write to stderr
 };
@@ -28,10 +28,8 @@ void init(const LogOptions& options);
 
 // Parses "trace|debug|info|warn|warning|error|off" (case-insensitive).
 Level parseLevel(const std::string& name);
-const char* levelName(Level level);
 
 Level level();
-void setLevel(Level level);
 int rank();
 bool enabled(Level level);
 

@@ -155,14 +155,14 @@ ImageFolderListing listImageFolder(const std::string& root, std::vector<std::str
   ImageFolderListing out;
   out.classNames = std::move(classNames);
   std::error_code ec;
-  TESSERA_CHECK(fs::is_directory(root, ec), "image folder '", root, "': not a directory", relativePathNote(root));
+  TESSERA_CHECK(fs::is_directory(root, ec), "image folder ", quote(root), ": not a directory", relativePathNote(root));
   const bool given = !out.classNames.empty();
   if (given) {  // a held-out split: its class folders must be the train split's
     for (const auto& entry : fs::directory_iterator(root)) {
       const std::string name = entry.path().filename().string();
       TESSERA_CHECK(!entry.is_directory() || name.front() == '.' ||
                         std::find(out.classNames.begin(), out.classNames.end(), name) != out.classNames.end(),
-                    "image folder '", root, "': class folder '", name, "' is not a class of the train split");
+                    "image folder ", quote(root), ": class folder ", quote(name), " is not a class of the train split");
     }
   } else {
     for (const auto& entry : fs::directory_iterator(root)) {
@@ -171,9 +171,9 @@ ImageFolderListing listImageFolder(const std::string& root, std::vector<std::str
       }
     }
     std::sort(out.classNames.begin(), out.classNames.end());
-    TESSERA_CHECK(!out.classNames.empty(), "image folder '", root, "': no class sub-folders (expected ", root,
+    TESSERA_CHECK(!out.classNames.empty(), "image folder ", quote(root), ": no class sub-folders (expected ", root,
                   "/<class>/<image>.png)");
-    TESSERA_CHECK(static_cast<int64_t>(out.classNames.size()) <= kMaxClasses, "image folder '", root, "': ",
+    TESSERA_CHECK(static_cast<int64_t>(out.classNames.size()) <= kMaxClasses, "image folder ", quote(root), ": ",
                   out.classNames.size(), " class folders");
   }
   for (size_t c = 0; c < out.classNames.size(); ++c) {
@@ -184,14 +184,14 @@ ImageFolderListing listImageFolder(const std::string& root, std::vector<std::str
       if (isImageFile(entry.path()) && entry.path().filename().string().front() != '.') files.push_back(entry.path().string());
     }
     std::sort(files.begin(), files.end());
-    TESSERA_CHECK(given || !files.empty(), "image folder '", root, "': class folder '", out.classNames[c],
-                  "' holds no .png, .jpg or .jpeg file");
+    TESSERA_CHECK(given || !files.empty(), "image folder ", quote(root), ": class folder ", quote(out.classNames[c]),
+                  " holds no .png, .jpg or .jpeg file");
     for (std::string& f : files) {
       out.files.push_back(std::move(f));
       out.labels.push_back(static_cast<int64_t>(c));
     }
   }
-  TESSERA_CHECK(!out.files.empty(), "image folder '", root, "': no images");
+  TESSERA_CHECK(!out.files.empty(), "image folder ", quote(root), ": no images");
   return out;
 }
 
@@ -243,24 +243,26 @@ class IdxSource : public ImageSource {
                                               " labels for the ", images_.size(0), " images of '", imagesPath, "'"),
                           false);
     }
-    if (imageSize > 0 && (images_.size(2) != imageSize || images_.size(3) != imageSize)) {
-      std::vector<at::Tensor> resized;
-      for (int64_t i = 0; i < images_.size(0); ++i) resized.push_back(imaging::resizeImage(images_[i], imageSize, imageSize));
-      images_ = at::stack(resized);
-    }
+    // Resized when a batch asks, as image folders are: the whole file resized at once would
+    // hold every image at data.image_size (the run checks a batch's size before it starts).
+    if (imageSize > 0 && (images_.size(2) != imageSize || images_.size(3) != imageSize)) resizeTo_ = imageSize;
   }
   int64_t size() const override { return images_.size(0); }
-  at::Tensor pixels(int64_t i) const override { return images_[i]; }
+  at::Tensor pixels(int64_t i) const override {
+    return resizeTo_ > 0 ? imaging::resizeImage(images_[i], resizeTo_, resizeTo_) : images_[i];
+  }
   int64_t label(int64_t i) const override { return labels_[i].item<int64_t>(); }
   std::string describe() const override {
-    return strCat(path_, " (", images_.size(0), " images ", images_.size(1), "x", images_.size(2), "x", images_.size(3), ")");
+    const int64_t h = resizeTo_ > 0 ? resizeTo_ : images_.size(2), w = resizeTo_ > 0 ? resizeTo_ : images_.size(3);
+    return strCat(path_, " (", images_.size(0), " images ", images_.size(1), "x", h, "x", w, ")");
   }
   at::Tensor allLabels() const { return labels_; }
 
  private:
-  at::Tensor images_;  // [N, 1, H, W] uint8
+  at::Tensor images_;  // [N, 1, H, W] uint8, as stored
   at::Tensor labels_;  // [N] int64
   std::string path_;
+  int64_t resizeTo_ = 0;  // data.image_size when it differs from the stored size
 };
 
 // A folder per class; images decoded on demand.
@@ -278,7 +280,7 @@ class FolderSource : public ImageSource {
       const at::Tensor first = imaging::readImage(files_.front(), channels_);
       if (channels_ == 0) channels_ = static_cast<int>(first.size(0));
       if (size_ == 0) {
-        TESSERA_CHECK(first.size(1) == first.size(2), "image '", files_.front(), "' is ", first.size(2), "x",
+        TESSERA_CHECK(first.size(1) == first.size(2), "image ", quote(files_.front()), " is ", first.size(2), "x",
                       first.size(1), ": not square; set data.image_size to resize every image");
         size_ = first.size(1);
         resize_ = false;
@@ -292,10 +294,10 @@ class FolderSource : public ImageSource {
     try {
       image = imaging::readImage(file, channels_);
     } catch (const Error& e) {
-      throw Error(strCat(e.what(), " (sample ", i, " of image folder '", root_, "')"));
+      throw Error(strCat(e.what(), " (sample ", i, " of image folder ", quote(root_), ")"));
     }
     if (resize_) return imaging::resizeImage(image, size_, size_);
-    TESSERA_CHECK(image.size(1) == size_ && image.size(2) == size_, "image '", file, "' (sample ", i, ") is ",
+    TESSERA_CHECK(image.size(1) == size_ && image.size(2) == size_, "image ", quote(file), " (sample ", i, ") is ",
                   image.size(2), "x", image.size(1), ", not the ", size_, "x", size_,
                   " of the first; set data.image_size to resize every image");
     return image;

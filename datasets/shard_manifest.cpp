@@ -54,18 +54,18 @@ std::optional<ShardManifest> readShardManifest(const std::string& directory) {
   // Nesting is refused past depth 4 while parsing: a manifest is an object of an array of objects.
   const Json doc = Json::parse(
       text, [](int depth, Json::parse_event_t, Json&) { return depth <= 4; }, /*allow_exceptions=*/false);
-  TESSERA_CHECK(doc.is_object(), "shard manifest '", path, "': not a JSON object (malformed, or nested too deep)");
-  const Json& format = field(doc, "format", strCat("shard manifest '", path, "'"));
+  TESSERA_CHECK(doc.is_object(), "shard manifest ", quote(path), ": not a JSON object (malformed, or nested too deep)");
+  const Json& format = field(doc, "format", strCat("shard manifest ", quote(path), ""));
   TESSERA_CHECK(format.is_string() && format.get<std::string>() == kFormat, "shard manifest '", path,
                 "': format is not \"", kFormat, "\"");
   ShardManifest m;
-  m.classes = nonNegative(doc, "classes", strCat("shard manifest '", path, "'"));
-  TESSERA_CHECK(m.classes <= kMaxManifestClasses, "shard manifest '", path, "': \"classes\" ", m.classes,
+  m.classes = nonNegative(doc, "classes", strCat("shard manifest ", quote(path), ""));
+  TESSERA_CHECK(m.classes <= kMaxManifestClasses, "shard manifest ", quote(path), ": \"classes\" ", m.classes,
                 " is above ", kMaxManifestClasses);
-  const Json& shards = field(doc, "shards", strCat("shard manifest '", path, "'"));
-  TESSERA_CHECK(shards.is_array(), "shard manifest '", path, "': \"shards\" is not a list");
+  const Json& shards = field(doc, "shards", strCat("shard manifest ", quote(path), ""));
+  TESSERA_CHECK(shards.is_array(), "shard manifest ", quote(path), ": \"shards\" is not a list");
   for (size_t i = 0; i < shards.size(); ++i) {
-    const std::string where = strCat("shard manifest '", path, "', shards[", i, "]");
+    const std::string where = strCat("shard manifest ", quote(path), ", shards[", i, "]");
     const Json& s = shards[i];
     TESSERA_CHECK(s.is_object(), where, ": not an object");
     ShardEntry e;
@@ -85,7 +85,7 @@ std::optional<ShardManifest> readShardManifest(const std::string& directory) {
     // Each sample is at least two members of a 512-byte header each.
     TESSERA_CHECK(e.samples <= e.bytes / 1024, where, ": ", e.samples, " samples cannot fit in ", e.bytes, " bytes");
     const std::string shardName = e.name;
-    TESSERA_CHECK(m.add(std::move(e)), where, ": shard '", shardName, "' is listed twice");
+    TESSERA_CHECK(m.add(std::move(e)), where, ": shard ", quote(shardName), " is listed twice");
   }
   return m;
 }

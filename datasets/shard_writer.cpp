@@ -1,6 +1,8 @@
 // Writing WebDataset shards and their manifest (see shard_writer.h).
 #include "datasets/shard_writer.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -33,24 +35,29 @@ ShardWriter::ShardWriter(std::string directory, std::string prefix, int64_t samp
   TESSERA_CHECK_AS(ConfigError, samplesPerShard_ >= 1, "shards: ", samplesPerShard_, " samples per shard");
   std::error_code ec;
   fs::create_directories(directory_, ec);
-  TESSERA_CHECK(!ec && fs::is_directory(directory_), "shard directory '", directory_, "': cannot create it",
+  TESSERA_CHECK(!ec && fs::is_directory(directory_), "shard directory ", quote(directory_), ": cannot create it",
                 ec ? strCat(" (", ec.message(), ")") : std::string());
   // Shards already there (a manifest, or the .tar files of an earlier write) would mix with these.
   for (const auto& entry : fs::directory_iterator(directory_)) {
     const std::string name = entry.path().filename().string();
     TESSERA_CHECK_AS(ConfigError, name != kShardManifestName && entry.path().extension() != ".tar",
-                     "shard directory '", directory_, "' already holds shards ('", name,
+                     "shard directory ", quote(directory_), " already holds shards ('", name,
                      "'); remove them or write to another directory");
   }
 }
 
 ShardWriter::~ShardWriter() {
-  if (finished_) return;
   // Not finished (an input failed part-way): the shards written so far are removed, so the
   // directory can be written again.
+  if (!finished_) discard();
+}
+
+void ShardWriter::discard() {
   shard_.reset();
   std::error_code ec;
   for (const ShardEntry& e : manifest_.shards) fs::remove(fs::path(directory_) / e.name, ec);
+  if (finished_) fs::remove(fs::path(directory_) / kShardManifestName, ec);
+  finished_ = true;
 }
 
 void ShardWriter::add(const std::string& image, const std::string& extension, int64_t label) {
@@ -82,7 +89,7 @@ void ShardWriter::closeShard() {
 
 ShardManifest ShardWriter::finish() {
   closeShard();
-  TESSERA_CHECK(!manifest_.shards.empty(), "shard directory '", directory_, "': no samples to write");
+  TESSERA_CHECK(!manifest_.shards.empty(), "shard directory ", quote(directory_), ": no samples to write");
   writeShardManifest(directory_, manifest_);
   finished_ = true;
   return manifest_;
@@ -109,8 +116,31 @@ SplitSource readSplit(const DataOptions& data, const std::string& images, const 
                   source.classes.size(0), " labels for the ", source.pixels.size(0), " images of '", images, "'");
   } else {
     source.listing = listImageFolder(images, classNames);
+    // Every file within what a shard member may hold, before anything is written.
+    for (const std::string& file : source.listing.files) {
+      std::error_code ec;
+      const auto bytes = static_cast<int64_t>(fs::file_size(file, ec));
+      TESSERA_CHECK(!ec, "image ", quote(file), ": ", ec.message());
+      TESSERA_CHECK(bytes <= kMaxImageFileBytes, "image ", quote(file), " holds ", bytes, " bytes, more than the ",
+                    kMaxImageFileBytes, " a shard member may (nothing was written)");
+    }
   }
   return source;
+}
+
+// `out` may be neither empty nor where the inputs are read from: shards written into an
+// input folder would become part of it.
+void checkOutputDirectory(const DataOptions& data, const std::string& out) {
+  TESSERA_CHECK_AS(UsageError, !out.empty(), "--out is empty: name the directory to write train/ and eval/ into");
+  std::error_code ec;
+  const fs::path target = fs::weakly_canonical(fs::absolute(out), ec);
+  for (const std::string& input : {data.path, data.eval_path}) {
+    if (input.empty() || !fs::is_directory(input, ec)) continue;
+    const fs::path folder = fs::weakly_canonical(fs::absolute(input), ec);
+    const auto mismatch = std::mismatch(folder.begin(), folder.end(), target.begin(), target.end());
+    TESSERA_CHECK_AS(UsageError, mismatch.first != folder.end(), "--out ", quote(out), " is in the input folder ",
+                     quote(input), ": the shards would become part of the images they are made of; write elsewhere");
+  }
 }
 
 // The split's samples into `writer`: IDX images encoded as PNG, image files as they are.
@@ -138,6 +168,7 @@ ShardWriteSummary writeImageShards(const DataOptions& data, const std::string& o
   TESSERA_CHECK_AS(ConfigError, data.kind != "idx" || !data.labels.empty(), "data.kind idx needs its labels file");
   TESSERA_CHECK_AS(ConfigError, data.kind != "idx" || data.eval_path.empty() || !data.eval_labels.empty(),
                    "the held-out IDX images need their labels file");
+  checkOutputDirectory(data, out);
   const SplitSource train = readSplit(data, data.path, data.labels, {});
   std::optional<SplitSource> eval;
   if (!data.eval_path.empty()) eval = readSplit(data, data.eval_path, data.eval_labels, train.listing.classNames);
@@ -148,7 +179,12 @@ ShardWriteSummary writeImageShards(const DataOptions& data, const std::string& o
   std::unique_ptr<ShardWriter> evalWriter;
   if (eval) evalWriter = std::make_unique<ShardWriter>(summary.evalDirectory, "eval", samplesPerShard);
   summary.train = writeSplit(train, trainWriter);
-  if (eval) summary.eval = writeSplit(*eval, *evalWriter);
+  try {
+    if (eval) summary.eval = writeSplit(*eval, *evalWriter);
+  } catch (...) {
+    trainWriter.discard();  // the corrected command can then write train/ again
+    throw;
+  }
   return summary;
 }
 

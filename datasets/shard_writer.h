@@ -29,6 +29,9 @@ class ShardWriter {
   void add(const std::string& image, const std::string& extension, int64_t label);
   // Closes the last shard and writes the manifest; returns it.
   ShardManifest finish();
+  // Removes what it wrote, finished or not (the manifest too): a write of several splits
+  // that failed in a later one leaves none behind.
+  void discard();
 
  private:
   void closeShard();

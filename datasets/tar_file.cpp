@@ -26,12 +26,12 @@ class LocalShard : public ShardSource {
  public:
   explicit LocalShard(std::string path) : path_(std::move(path)) {
     fd_ = openRegularForRead(path_, LinkPolicy::kFollow);
-    if (fd_ < 0) throw Error(strCat("tar file '", path_, "': no such file"));
+    if (fd_ < 0) throw Error(strCat("tar file ", quote(path_), ": no such file"));
     struct stat st {};
     if (::fstat(fd_, &st) != 0) {
       const int err = errno;
       ::close(fd_);
-      throw Error(strCat("tar file '", path_, "': ", errnoText(err)));
+      throw Error(strCat("tar file ", quote(path_), ": ", errnoText(err)));
     }
     size_ = static_cast<int64_t>(st.st_size);
   }
@@ -46,7 +46,7 @@ class LocalShard : public ShardSource {
     while (done < size) {
       const ssize_t n = ::pread(fd_, out + done, static_cast<size_t>(size - done), static_cast<off_t>(offset + done));
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) throw Error(strCat("tar file '", path_, "': read at byte ", offset + done, " failed: ", errnoText(errno)));
+      if (n < 0) throw Error(strCat("tar file ", quote(path_), ": read at byte ", offset + done, " failed: ", errnoText(errno)));
       if (n == 0) return false;
       done += n;
     }
@@ -106,22 +106,22 @@ PaxRecords paxRecords(const std::string& records, const std::string& path, int64
   while (pos < records.size()) {
     const size_t space = records.find(' ', pos);
     // At most 7 digits: an extended header is at most 1 MiB.
-    TESSERA_CHECK(space != std::string::npos && space > pos && space - pos <= 7, "tar file '", path,
-                  "': malformed pax header at byte ", at);
+    TESSERA_CHECK(space != std::string::npos && space > pos && space - pos <= 7, "tar file ", quote(path),
+                  ": malformed pax header at byte ", at);
     int64_t length = 0;
     for (size_t i = pos; i < space; ++i) {
-      TESSERA_CHECK(records[i] >= '0' && records[i] <= '9', "tar file '", path, "': malformed pax header at byte ", at);
+      TESSERA_CHECK(records[i] >= '0' && records[i] <= '9', "tar file ", quote(path), ": malformed pax header at byte ", at);
       length = length * 10 + (records[i] - '0');
     }
     TESSERA_CHECK(length > static_cast<int64_t>(space - pos) + 1 &&
                       pos + static_cast<size_t>(length) <= records.size() && records[pos + length - 1] == '\n',
-                  "tar file '", path, "': malformed pax header at byte ", at);
+                  "tar file ", quote(path), ": malformed pax header at byte ", at);
     const std::string record = records.substr(space + 1, pos + static_cast<size_t>(length) - space - 2);
     if (record.rfind("path=", 0) == 0) found.path = record.substr(5);
     if (record.rfind("size=", 0) == 0) {
       const std::string digits = record.substr(5);
       TESSERA_CHECK(!digits.empty() && digits.size() <= 18 && digits.find_first_not_of("0123456789") == std::string::npos,
-                    "tar file '", path, "': pax header at byte ", at, " has a size that is not a number");
+                    "tar file ", quote(path), ": pax header at byte ", at, " has a size that is not a number");
       found.size = std::stoll(digits);
     }
     pos += static_cast<size_t>(length);
@@ -145,9 +145,9 @@ bool TarReader::next(TarMember& member) {
     const int64_t at = cursor_;
     // Every writer ends an archive with zero blocks: a file that ends at a member's boundary
     // without them was cut short there (a copy interrupted at a block boundary).
-    TESSERA_CHECK(at < fileSize_, "tar file '", path_, "': truncated: the file ends at byte ", fileSize_,
+    TESSERA_CHECK(at < fileSize_, "tar file ", quote(path_), ": truncated: the file ends at byte ", fileSize_,
                   " without the blocks that end an archive (cut short at a member's boundary)");
-    TESSERA_CHECK(source_->readAt(at, block, kBlock), "tar file '", path_, "': truncated: the file ends at byte ",
+    TESSERA_CHECK(source_->readAt(at, block, kBlock), "tar file ", quote(path_), ": truncated: the file ends at byte ",
                   fileSize_, " inside the header at byte ", at);
     if (isZeroBlock(block)) return false;
     unsigned sum = 0;
@@ -155,21 +155,21 @@ bool TarReader::next(TarMember& member) {
       sum += (i >= 148 && i < 156) ? ' ' : static_cast<unsigned char>(block[i]);
     }
     const int64_t stored = numericField(block + 148, 8);
-    TESSERA_CHECK(stored == static_cast<int64_t>(sum), "tar file '", path_, "': the header at byte ", at,
+    TESSERA_CHECK(stored == static_cast<int64_t>(sum), "tar file ", quote(path_), ": the header at byte ", at,
                   " is damaged (checksum ", stored, ", its bytes sum to ", sum, "); not a tar file, or corrupt there");
     const char type = block[156];
     int64_t size = numericField(block + 124, 12);
     if (paxSize >= 0 && type != 'x' && type != 'L') size = paxSize;  // pax overrides the header's field
-    TESSERA_CHECK(size >= 0, "tar file '", path_, "': the header at byte ", at, " has no valid size");
+    TESSERA_CHECK(size >= 0, "tar file ", quote(path_), ": the header at byte ", at, " has no valid size");
     const int64_t dataAt = at + kBlock;
-    TESSERA_CHECK(size <= fileSize_ - dataAt, "tar file '", path_, "': truncated: the member at byte ", at, " holds ",
+    TESSERA_CHECK(size <= fileSize_ - dataAt, "tar file ", quote(path_), ": truncated: the member at byte ", at, " holds ",
                   size, " bytes, the file ends ", fileSize_ - dataAt, " bytes after its header");
     cursor_ = dataAt + roundUpToBlock(size);
     if (type == 'L' || type == 'x') {
-      TESSERA_CHECK(size <= kMaxExtendedHeader, "tar file '", path_, "': the extended header at byte ", at, " holds ",
+      TESSERA_CHECK(size <= kMaxExtendedHeader, "tar file ", quote(path_), ": the extended header at byte ", at, " holds ",
                     size, " bytes");
       std::string data(static_cast<size_t>(size), '\0');
-      TESSERA_CHECK(source_->readAt(dataAt, data.data(), size), "tar file '", path_, "': truncated at byte ", dataAt);
+      TESSERA_CHECK(source_->readAt(dataAt, data.data(), size), "tar file ", quote(path_), ": truncated at byte ", dataAt);
       std::string name;
       if (type == 'L') {
         name = data.c_str();
@@ -195,7 +195,7 @@ bool TarReader::next(TarMember& member) {
       const std::string prefix = posix ? stringField(block + 345, 155) : std::string();
       if (!prefix.empty()) name = prefix + "/" + name;
     }
-    TESSERA_CHECK(!name.empty() && name.size() <= kMaxName, "tar file '", path_, "': the member at byte ", at,
+    TESSERA_CHECK(!name.empty() && name.size() <= kMaxName, "tar file ", quote(path_), ": the member at byte ", at,
                   " has ", name.empty() ? "no name" : "a name longer than 4096 bytes");
     member.name = std::move(name);
     member.headerOffset = firstHeader;
@@ -206,18 +206,18 @@ bool TarReader::next(TarMember& member) {
 }
 
 std::string TarReader::readData(const TarMember& member, int64_t maxBytes) const {
-  TESSERA_CHECK(member.size <= maxBytes, "tar file '", path_, "': member '", member.name, "' at byte ",
+  TESSERA_CHECK(member.size <= maxBytes, "tar file ", quote(path_), ": member ", quote(member.name), " at byte ",
                 member.headerOffset, " holds ", member.size, " bytes, more than the ", maxBytes, " allowed");
   std::string data(static_cast<size_t>(member.size), '\0');
-  TESSERA_CHECK(source_->readAt(member.offset, data.data(), member.size), "tar file '", path_,
-                "': truncated inside member '", member.name, "' at byte ", member.headerOffset);
+  TESSERA_CHECK(source_->readAt(member.offset, data.data(), member.size), "tar file ", quote(path_),
+                ": truncated inside member ", quote(member.name), " at byte ", member.headerOffset);
   return data;
 }
 
 std::string readShardRange(const std::string& path, int64_t offset, int64_t size) {
   const std::unique_ptr<ShardSource> source = openShard(path);
   std::string data(static_cast<size_t>(size), '\0');
-  TESSERA_CHECK(source->readAt(offset, data.data(), size), "tar file '", path, "': ends before byte ", offset + size,
+  TESSERA_CHECK(source->readAt(offset, data.data(), size), "tar file ", quote(path), ": ends before byte ", offset + size,
                 " (it was cut short after it was indexed)");
   return data;
 }
@@ -240,23 +240,23 @@ void TarWriter::write(const void* data, size_t bytes) {
 }
 
 void TarWriter::add(const std::string& name, const std::string& data) {
-  TESSERA_CHECK(fd_ >= 0, "tar file '", path_, "': add after finish");
+  TESSERA_CHECK(fd_ >= 0, "tar file ", quote(path_), ": add after finish");
   std::string base = name, prefix;
   if (base.size() > 100) {  // ustar: split at a '/' into prefix (<= 155) and name (<= 100)
     const size_t slash = name.find('/', name.size() > 101 ? name.size() - 101 : 0);
     TESSERA_CHECK(slash != std::string::npos && slash <= 155 && name.size() - slash - 1 <= 100 && slash > 0,
-                  "tar file '", path_, "': member name '", name, "' does not fit a ustar header");
+                  "tar file ", quote(path_), ": member name ", quote(name), " does not fit a ustar header");
     prefix = name.substr(0, slash);
     base = name.substr(slash + 1);
   }
-  TESSERA_CHECK(!base.empty() && name.find('\0') == std::string::npos, "tar file '", path_, "': member name '", name,
-                "' is not one");
+  TESSERA_CHECK(!base.empty() && name.find('\0') == std::string::npos, "tar file ", quote(path_), ": member name ", quote(name),
+                " is not one");
   char header[kBlock] = {};
   std::memcpy(header, base.data(), base.size());
   std::snprintf(header + 100, 8, "%07o", 0644);
   std::snprintf(header + 108, 8, "%07o", 0);
   std::snprintf(header + 116, 8, "%07o", 0);
-  TESSERA_CHECK(data.size() < (size_t{1} << 33), "tar file '", path_, "': member '", name, "' of ", data.size(),
+  TESSERA_CHECK(data.size() < (size_t{1} << 33), "tar file ", quote(path_), ": member ", quote(name), " of ", data.size(),
                 " bytes is above ustar's 8 GiB");
   std::snprintf(header + 124, 12, "%011llo", static_cast<unsigned long long>(data.size()));
   std::snprintf(header + 136, 12, "%011o", 0);
@@ -277,7 +277,7 @@ void TarWriter::add(const std::string& name, const std::string& data) {
 }
 
 int64_t TarWriter::finish() {
-  TESSERA_CHECK(fd_ >= 0, "tar file '", path_, "': finished twice");
+  TESSERA_CHECK(fd_ >= 0, "tar file ", quote(path_), ": finished twice");
   const char zeros[2 * kBlock] = {};
   write(zeros, sizeof zeros);
   const int fd = fd_;
@@ -285,12 +285,12 @@ int64_t TarWriter::finish() {
   if (::close(fd) != 0) {
     const int err = errno;
     ::unlink(temporary_.c_str());
-    throw Error(strCat("tar file '", temporary_, "': close failed: ", errnoText(err)));
+    throw Error(strCat("tar file ", quote(temporary_), ": close failed: ", errnoText(err)));
   }
   if (::rename(temporary_.c_str(), path_.c_str()) != 0) {
     const int err = errno;
     ::unlink(temporary_.c_str());
-    throw Error(strCat("cannot rename '", temporary_, "' to '", path_, "': ", errnoText(err)));
+    throw Error(strCat("cannot rename ", quote(temporary_), " to ", quote(path_), ": ", errnoText(err)));
   }
   return written_;
 }

@@ -61,7 +61,6 @@ class TarReader {
   // when it is larger).
   std::string readData(const TarMember& member, int64_t maxBytes) const;
 
-  int64_t fileSize() const { return fileSize_; }
 
  private:
   std::unique_ptr<ShardSource> source_;

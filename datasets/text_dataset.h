@@ -40,8 +40,6 @@ class TextDataset : public Dataset {
   int64_t trainSamples() const override { return trainEnd_ - context_; }
   int64_t evalSamples() const override { return static_cast<int64_t>(tokens_.size()) - trainEnd_ - context_; }
   int64_t tokens() const { return static_cast<int64_t>(tokens_.size()); }
-  int64_t context() const { return context_; }
-  const std::string& path() const { return path_; }
 
   Batch trainBatch(const std::vector<int64_t>& indices) const override;
   Batch evalBatch(int64_t first, int64_t n) const override;

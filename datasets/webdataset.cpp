@@ -98,9 +98,9 @@ std::vector<std::string> expandShardPaths(const std::string& spec) {
       const std::string name = entry.path().filename().string();
       if (entry.path().extension() == ".tar" && name.front() != '.') paths.push_back(entry.path().string());
     }
-    TESSERA_CHECK_AS(ConfigError, !ec, "shard directory '", spec, "': ", ec.message());
+    TESSERA_CHECK_AS(ConfigError, !ec, "shard directory ", quote(spec), ": ", ec.message());
     std::sort(paths.begin(), paths.end());
-    TESSERA_CHECK_AS(ConfigError, !paths.empty(), "shard directory '", spec, "' holds no .tar file",
+    TESSERA_CHECK_AS(ConfigError, !paths.empty(), "shard directory ", quote(spec), " holds no .tar file",
                      relativePathNote(spec));
     return paths;
   }
@@ -108,7 +108,7 @@ std::vector<std::string> expandShardPaths(const std::string& spec) {
   expandBraces(spec, spec, patterns);
   for (const std::string& pattern : patterns) {
     if (!hasWildcard(pattern)) {
-      TESSERA_CHECK_AS(ConfigError, fs::exists(pattern, ec), "shard '", pattern, "': no such file",
+      TESSERA_CHECK_AS(ConfigError, fs::exists(pattern, ec), "shard ", quote(pattern), ": no such file",
                        patterns.size() > 1 ? strCat(" (one of '", spec, "')") : std::string(),
                        relativePathNote(pattern));
       paths.push_back(pattern);
@@ -119,8 +119,8 @@ std::vector<std::string> expandShardPaths(const std::string& spec) {
     std::vector<std::string> matched;
     for (size_t i = 0; status == 0 && i < found.gl_pathc; ++i) matched.push_back(found.gl_pathv[i]);
     globfree(&found);
-    TESSERA_CHECK_AS(ConfigError, status == 0 || status == GLOB_NOMATCH, "shards '", pattern, "': cannot list them");
-    TESSERA_CHECK_AS(ConfigError, !matched.empty(), "shards '", pattern, "': no file matches",
+    TESSERA_CHECK_AS(ConfigError, status == 0 || status == GLOB_NOMATCH, "shards ", quote(pattern), ": cannot list them");
+    TESSERA_CHECK_AS(ConfigError, !matched.empty(), "shards ", quote(pattern), ": no file matches",
                      relativePathNote(pattern));
     std::sort(matched.begin(), matched.end());
     paths.insert(paths.end(), matched.begin(), matched.end());
@@ -237,6 +237,15 @@ class ShardIndex {
     return e;
   }
   std::string problem;  // non-empty: the shard ends in damage after size() whole samples
+  int64_t nonSamples = 0;  // groups of members that are no sample (LICENSE.txt, hidden files), passed over
+
+  // XXH3-64 of what the index says of each sample (key, where its image is, its label):
+  // another shard under the same name and count differs here.
+  uint64_t contentDigest() const {
+    std::string text = keys_;
+    for (const Stored& s : stored_) text += strCat('\n', s.imageOffset, ' ', s.imageSize, ' ', s.label);
+    return XXH3_64bits(text.data(), text.size());
+  }
 
  private:
   struct Stored {
@@ -269,7 +278,7 @@ int64_t parseLabel(const std::string& data, const std::string& ext, std::string&
     const std::string text = data.substr(a, b - a);
     if (text.empty() || text.size() > 7 ||
         !std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c); })) {
-      problem = strCat("its .cls is not a class number (\"", text.substr(0, 20), "\")");
+      problem = strCat("its .cls is not a class number (", quote(text, 20), ")");
       return -1;
     }
     const int64_t label = std::stoll(text);
@@ -280,9 +289,11 @@ int64_t parseLabel(const std::string& data, const std::string& ext, std::string&
       data, [](int depth, nlohmann::json::parse_event_t, nlohmann::json&) { return depth <= 8; }, false);
   for (const char* field : {"label", "cls"}) {
     if (doc.is_object() && doc.contains(field) && doc[field].is_number_integer()) {
-      const int64_t label = doc[field].get<int64_t>();
-      if (label >= 0 && label < kMaxClasses) return label;
-      problem = strCat("its .json ", field, " ", label, " is not a class number below ", kMaxClasses);
+      // As written (2^64-1 is not "-1"): an unsigned value past int64 is out of range too.
+      const bool fits = !doc[field].is_number_unsigned() || doc[field].get<uint64_t>() < uint64_t(kMaxClasses);
+      const int64_t label = fits ? doc[field].get<int64_t>() : -1;
+      if (fits && label >= 0 && label < kMaxClasses) return label;
+      problem = strCat("its .json ", field, " ", doc[field].dump(), " is not a class number below ", kMaxClasses);
       return -1;
     }
   }
@@ -292,6 +303,13 @@ int64_t parseLabel(const std::string& data, const std::string& ext, std::string&
 
 // Walks shard `path`'s headers into its samples (reading only the small label members).
 // A damage in the archive itself ends the walk with ShardIndex::problem set.
+//
+// Which members are read, as WebDataset's own readers do: members are grouped by key (the
+// name up to the first '.' of its last path component); a group with an image (.png,
+// .jpg, .jpeg) or a class label (.cls, or .json with "label" or "cls") is a sample, and a
+// sample needs both. A group with neither (LICENSE.txt, dataset_info.json, README.md) is
+// no sample and is passed over, as are hidden members (a last path component starting with
+// '.') and members without an extension.
 ShardIndex indexShard(const std::string& path) {
   ShardIndex index;
   TarReader tar(path);
@@ -300,6 +318,11 @@ ShardIndex indexShard(const std::string& path) {
   const auto close = [&] {
     if (open.key.empty()) return;
     SampleEntry& s = open;
+    if (imageMembers == 0 && s.label < 0) {  // no image, no label: not a sample
+      ++index.nonSamples;
+      open = SampleEntry{};
+      return;
+    }
     if (s.problem.empty() && imageMembers > 1) s.problem = "it holds more than one image";
     if (s.problem.empty() && s.imageSize < 0) s.problem = "it holds no .png, .jpg or .jpeg image";
     if (s.problem.empty() && s.label < 0) s.problem = "it holds no .cls or .json label";
@@ -311,7 +334,10 @@ ShardIndex indexShard(const std::string& path) {
     TarMember m;
     while (tar.next(m)) {
       auto [key, ext] = keyAndExtension(m.name);
-      if (ext.empty() || key.empty()) continue;  // not part of a sample (WebDataset ignores such members too)
+      const size_t slash = m.name.rfind('/');
+      const bool hidden = m.name.size() > (slash == std::string::npos ? 0 : slash + 1) &&
+                          m.name[slash == std::string::npos ? 0 : slash + 1] == '.';
+      if (ext.empty() || key.empty() || hidden) continue;  // not part of a sample (WebDataset ignores such members too)
       if (open.key != key) {
         close();
         open.key = key;
@@ -339,7 +365,7 @@ ShardIndex indexShard(const std::string& path) {
 }
 
 std::string describeSample(const std::string& shard, const SampleEntry& s) {
-  return strCat("sample '", s.key, "' of shard '", shard, "' (its header at byte ", s.headerOffset, ")");
+  return strCat("sample ", quote(s.key), " of shard ", quote(shard), " (its header at byte ", s.headerOffset, ")");
 }
 
 // One split's shards: their paths, manifests, sample counts, and the indexes of the shards
@@ -360,12 +386,13 @@ class ShardSet {
       if (entry != nullptr) {
         shard.expectedBytes = entry->bytes;
         shard.xxh3 = entry->xxh3;
+        shard.content = entry->xxh3;
         shard.samples = entry->samples;
         std::error_code ec;
         const auto size = static_cast<int64_t>(fs::file_size(path, ec));
-        TESSERA_CHECK(!ec, "shard '", path, "': ", ec.message());
+        TESSERA_CHECK(!ec, "shard ", quote(path), ": ", ec.message());
         if (size != entry->bytes) {
-          const std::string what = strCat("shard '", path, "' is ", size, " bytes, its manifest says ", entry->bytes,
+          const std::string what = strCat("shard ", quote(path), " is ", size, " bytes, its manifest says ", entry->bytes,
                                           size < entry->bytes ? strCat(": truncated at byte ", size) : ": changed since");
           if (!skipDamaged_) throw Error(what);
           dropped_.push_back(what);
@@ -384,8 +411,10 @@ class ShardSet {
           classes_ = std::max(classes_, s.label + 1);
         }
         shard.samples = static_cast<int64_t>(index.size());
+        shard.content = index.contentDigest();
         shard.verified = true;
         scanned_ += 1;
+        nonSamples_ += index.nonSamples;
         cache_.emplace_front(static_cast<int64_t>(shards_.size()), std::make_shared<const ShardIndex>(std::move(index)));
         if (cache_.size() > cachedShards_) cache_.pop_back();
       }
@@ -413,6 +442,15 @@ class ShardSet {
     for (const Shard& s : shards_) text += strCat(fs::path(s.path).filename().string(), '\n', s.samples, '\n');
     return XXH3_64bits(text.data(), text.size());
   }
+  // XXH3-64 over what each shard holds: its manifest's checksum of the file, or for a shard
+  // scanned without one, its samples' keys, places and labels. A shard replaced by another
+  // of the same name and count changes it.
+  uint64_t contentDigest() const {
+    std::string text;
+    for (const Shard& s : shards_) text += strCat(hex64(s.content), '\n');
+    return XXH3_64bits(text.data(), text.size());
+  }
+  int64_t nonSamples() const { return nonSamples_; }
   // Keeps the indexes of the `n` shards read last. A buffer of B samples draws from about
   // B / (samples per shard) + 2 shards at once; a shard that left the cache is indexed again
   // (a header walk), which costs time, never a wrong sample.
@@ -425,7 +463,7 @@ class ShardSet {
     const Shard& s = shards_[static_cast<size_t>(shard)];
     if (sample >= static_cast<int64_t>(index->size())) {
       throw Error(index->problem.empty()
-                      ? strCat("shard '", s.path, "' holds ", index->size(), " samples, its manifest says ", s.samples)
+                      ? strCat("shard ", quote(s.path), " holds ", index->size(), " samples, its manifest says ", s.samples)
                       : index->problem);
     }
     const SampleEntry e = index->at(static_cast<size_t>(sample));
@@ -447,6 +485,7 @@ class ShardSet {
     std::string path;
     int64_t samples = 0, expectedBytes = -1;
     uint64_t xxh3 = 0;
+    uint64_t content = 0;  // contentDigest's part: the manifest's xxh3, or the scan's digest
     mutable bool verified = false;  // checksum checked (or no manifest to check against); under mutex_
   };
 
@@ -472,7 +511,7 @@ class ShardSet {
       // Cached as a shard without samples: each of its samples then fails at once (skip
       // passes over them without reading the shard again).
       index = std::make_shared<ShardIndex>();
-      index->problem = strCat("shard '", s.path, "': its checksum is ", hex64(sum), ", its manifest says ",
+      index->problem = strCat("shard ", quote(s.path), ": its checksum is ", hex64(sum), ", its manifest says ",
                               hex64(s.xxh3), ": the shard changed or is damaged");
     } else {
       index = std::make_shared<ShardIndex>(indexShard(s.path));
@@ -491,7 +530,7 @@ class ShardSet {
   const char* key_;
   bool skipDamaged_;
   std::vector<int64_t> starts_;  // the split position of each shard's first sample
-  int64_t total_ = 0, classes_ = 0, scanned_ = 0;
+  int64_t total_ = 0, classes_ = 0, scanned_ = 0, nonSamples_ = 0;
   std::vector<std::string> dropped_;
   mutable std::mutex mutex_;
   mutable std::list<std::pair<int64_t, std::shared_ptr<const ShardIndex>>> cache_;
@@ -516,7 +555,15 @@ class WebDataset : public Dataset {
     }
     const int64_t perShard = std::max<int64_t>(1, train_.size() / static_cast<int64_t>(train_.shardCount()));
     train_.setCachedShards(static_cast<size_t>(std::clamp<int64_t>(4 + data.shuffle_buffer / perShard, 4, 256)));
-    classes_ = std::max(train_.classes(), eval_ ? eval_->classes() : 0);
+    // The model is sized by the training shards' classes; held-out shards naming a class
+    // they never do would quietly widen it (IDX data refuses this too).
+    if (eval_ && eval_->classes() > train_.classes()) {
+      throw DataFileError("data.eval_path",
+                          strCat("the held-out shards name class ", eval_->classes() - 1, ", which the training shards "
+                                 "of data.path never do (", train_.classes(), " classes)"),
+                          true);
+    }
+    classes_ = train_.classes();
     TESSERA_CHECK(classes_ > 0, "data.path: the shards' labels name no class");
     // The first readable sample (under skip; the first one under fail) sets what
     // data.channels and data.image_size leave open.
@@ -580,9 +627,11 @@ class WebDataset : public Dataset {
     return s;
   }
 
+  // The names and counts part comes first and as it always read: a checkpoint written before
+  // the contents were fingerprinted holds that part alone (run_setup.cpp compares so).
   std::string fingerprint() const override {
     return strCat(train_.shardCount(), " shards, ", trainSamples(), " samples, names and counts XXH3 ",
-                  hex64(train_.digest()));
+                  hex64(train_.digest()), "; contents XXH3 ", hex64(train_.contentDigest()));
   }
 
   SkipCount skipped() const override {
@@ -596,6 +645,9 @@ class WebDataset : public Dataset {
                                  : std::string(", no held-out shards (data.eval_path)"),
                            "; ", classes_, " classes, ", channels_, "x", size_, "x", size_);
     if (train_.scanned() > 0) d += strCat("; ", train_.scanned(), " shards without a manifest entry were scanned");
+    if (train_.nonSamples() > 0) {
+      d += strCat("; ", train_.nonSamples(), " groups of members that are no sample (no image, no label) passed over");
+    }
     for (const std::string& dropped : train_.dropped()) d += strCat("; data.on_error skip: ", dropped);
     return d;
   }

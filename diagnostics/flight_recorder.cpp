@@ -113,8 +113,6 @@ std::string FlightRing::toJson(int64_t nowNs) const {
 namespace flight {
 namespace {
 
-std::atomic<int> g_capacity{2000};
-
 // One dump at a time: a failing collective's thread and the SIGTERM watcher may dump at
 // once, and both write the same files (through the same temporary names).
 std::mutex g_dumpMutex;
@@ -170,14 +168,10 @@ extern "C" void onFlightSignal(int sig) {
 
 }  // namespace
 
-void setCapacity(int entries) { g_capacity.store(std::max(0, entries), std::memory_order_relaxed); }
-int capacity() { return g_capacity.load(std::memory_order_relaxed); }
-
 std::shared_ptr<FlightRing> openRing(const std::string& group, const std::string& backend, int rank,
-                                     const std::vector<int>& members) {
-  const int entries = capacity();
-  if (entries == 0) return nullptr;
-  auto ring = std::make_shared<FlightRing>(group, backend, rank, members, entries);
+                                     const std::vector<int>& members, int capacity) {
+  if (capacity <= 0) return nullptr;
+  auto ring = std::make_shared<FlightRing>(group, backend, rank, members, capacity);
   std::lock_guard<std::mutex> lock(g_mutex);
   g_rings.erase(std::remove_if(g_rings.begin(), g_rings.end(), [](const auto& w) { return w.expired(); }),
                 g_rings.end());

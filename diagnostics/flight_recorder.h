@@ -74,15 +74,11 @@ class FlightRing {
 // The process-wide recorder.
 namespace flight {
 
-// Entries each new ring keeps (diagnostics.flight_entries); 0 turns recording off (rings
-// are then not created). Default 2000.
-void setCapacity(int entries);
-int capacity();
-
-// A ring for a new communicator, registered for dumps while it lives; nullptr when
-// recording is off.
+// A ring of `capacity` entries for a new communicator (its CommOptions::flightEntries,
+// diagnostics.flight_entries), registered for dumps while it lives; nullptr for a capacity
+// of 0 (recording off).
 std::shared_ptr<FlightRing> openRing(const std::string& group, const std::string& backend, int rank,
-                                     const std::vector<int>& members);
+                                     const std::vector<int>& members, int capacity);
 
 // Where dumps go: every path in `files` is (re)written on each dump. `rank` and
 // `worldSize` label the dump. Until called, dumps are not written.

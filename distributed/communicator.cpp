@@ -319,7 +319,7 @@ std::chrono::milliseconds Communicator::opTimeout() const {
 
 const std::shared_ptr<diagnostics::FlightRing>& Communicator::flightRing() {
   // Opened at the first operation: split() sets the members after construction.
-  std::call_once(flightOnce_, [this] { flight_ = diagnostics::flight::openRing(options_.name, backendName(), rank_, members_); });
+  std::call_once(flightOnce_, [this] { flight_ = diagnostics::flight::openRing(options_.name, backendName(), rank_, members_, options_.flightEntries); });
   return flight_;
 }
 

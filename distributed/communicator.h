@@ -87,6 +87,9 @@ struct CommOptions {
   // collective per operation: for debugging (diagnostics.check_collectives; PyTorch's
   // TORCH_DISTRIBUTED_DEBUG=DETAIL).
   bool checkCollectives = false;
+  // Operations the flight recorder remembers for a dump (diagnostics/flight_recorder.h;
+  // diagnostics.flight_entries); 0: none recorded.
+  int flightEntries = 2000;
 };
 
 struct CommOpStats {

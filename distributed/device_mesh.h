@@ -35,7 +35,6 @@ class DeviceMesh {
   // {N} for 1-D, {replicate, shard} for 2-D.
   std::vector<int> shape() const;
   int replicateSize() const { return replicate_; }
-  int shardSize() const { return shard_; }
   int replicaIndex() const { return world_->rank() / shard_; }
   int shardIndex() const { return world_->rank() % shard_; }
 

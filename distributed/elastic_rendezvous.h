@@ -67,7 +67,6 @@ class ElasticRendezvous {
   ElasticRendezvous& operator=(const ElasticRendezvous&) = delete;
 
   bool hostsServer() const { return server_ != nullptr; }
-  const ElasticOptions& options() const { return options_; }
 
   // Joins the next round (the first, or the one after `previous`) and waits until it
   // closes. `interrupted` is polled while waiting (a signal to the launcher). Throws

@@ -14,6 +14,19 @@
 
 namespace tessera::distributed {
 
+namespace {
+
+// What every communicator of the runtime is given.
+CommOptions commOptionsOf(const RuntimeOptions& options) {
+  CommOptions comm;
+  comm.timeout = options.commTimeout;
+  comm.checkCollectives = options.checkCollectives;
+  comm.flightEntries = options.flightEntries;
+  return comm;
+}
+
+}  // namespace
+
 std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   std::string backend = options.backend;
@@ -42,8 +55,7 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
   // "cpu" and it can be set up), else gloo.
   if (backend == "shm" || (backend == "cpu" && env.singleNode() && env.world_size > 1)) {
     ShmOptions shm;
-    shm.comm.timeout = options.commTimeout;
-    shm.comm.checkCollectives = options.checkCollectives;
+    shm.comm = commOptionsOf(options);
     shm.comm.name = "world_cpu";
     try {
       runtime->cpuComm_ = makeShmCommunicator(runtime->store_, env.rank, env.world_size, shm);
@@ -58,8 +70,7 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
   }
   if (!runtime->cpuComm_) {
     GlooOptions gloo;
-    gloo.comm.timeout = options.commTimeout;
-    gloo.comm.checkCollectives = options.checkCollectives;
+    gloo.comm = commOptionsOf(options);
     gloo.comm.name = "world_cpu";
     // Loopback is always right on one machine; across machines c10d's default device (the
     // host name's address, or $GLOO_SOCKET_IFNAME) is.
@@ -71,8 +82,7 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
   } else {
 #if defined(TESSERA_WITH_NCCL)
     NcclOptions nccl;
-    nccl.comm.timeout = options.commTimeout;
-    nccl.comm.checkCollectives = options.checkCollectives;
+    nccl.comm = commOptionsOf(options);
     nccl.comm.name = "world_nccl";
     // This rank's GPU, as trainer::trainingDevice picks it: LOCAL_RANK modulo the GPUs.
     const int gpus = static_cast<int>(at::getNumGPUs());

@@ -30,6 +30,8 @@ struct RuntimeOptions {
   std::chrono::milliseconds commTimeout = std::chrono::seconds(300);
   // CommOptions::checkCollectives of every communicator.
   bool checkCollectives = false;
+  // CommOptions::flightEntries of every communicator.
+  int flightEntries = 2000;
 };
 
 class Runtime {
@@ -38,7 +40,6 @@ class Runtime {
   // naming missing ranks, ConfigError for an unknown or unavailable backend.
   static std::shared_ptr<Runtime> init(const RankEnv& env, const RuntimeOptions& options = {});
 
-  const RankEnv& env() const { return env_; }
   const std::shared_ptr<Store>& store() const { return store_; }
   // The backend's world communicator (options.backend).
   const std::shared_ptr<Communicator>& comm() const { return comm_; }

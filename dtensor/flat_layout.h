@@ -28,8 +28,6 @@ class FlatLayout {
   explicit FlatLayout(std::vector<ShardSpec> specs);
 
   size_t size() const { return specs_.size(); }
-  const ShardSpec& spec(size_t i) const { return specs_.at(i); }
-  bool sharded() const { return sharded_; }
   // Chunks in the flat buffer: the world size when sharded, 1 when replicated.
   int chunks() const { return chunks_; }
   int64_t chunkNumel() const { return chunkNumel_; }

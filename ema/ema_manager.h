@@ -88,13 +88,12 @@ class ShardedModelEMAManager : public dtensor::Stateful {
   // sigma_rel and gamma of power profile `profile`.
   double powerStd(size_t profile) const;
   double powerGamma(size_t profile) const;
-  std::string stateName(size_t decayIndex) const;  // "generator_ema", "generator_ema_0.9999"
-  // "<prefix>_<decay>" (%g), the name every decay answers to, e.g. "generator_ema_0.999";
+  std::string stateName(size_t decayIndex) const;  // "model_ema", "model_ema_0.9999"
+  // "<prefix>_<decay>" (%g), the name every decay answers to, e.g. "model_ema_0.999";
   // "<prefix>_phema<sigma_rel>" for a power profile.
   std::string decayName(size_t decayIndex) const;
   // Index of a profile by any of its names; throws for an unknown name.
   size_t decayIndexOf(const std::string& name) const;
-  const EmaOptions& options() const { return options_; }
   int64_t updateCount() const { return updates_; }
   void setUpdateCount(int64_t k) { updates_ = k; }
 
@@ -128,7 +127,7 @@ class ShardedModelEMAManager : public dtensor::Stateful {
   std::string componentKind() const override { return "ema"; }
   // Each profile: stateName(d) -> "<stateName(d)>/".
   std::map<std::string, std::string> componentParts() const override;
-  // The count entry's name ("generator_ema.updates").
+  // The count entry's name ("model_ema.updates").
   std::string updateCountName() const { return stateName(0) + ".updates"; }
 
   // Bytes of EMA state on this rank (all decays).

@@ -9,8 +9,10 @@
 
 namespace tessera::ema {
 
-// The name of a run's EMA (EmaOptions::prefix unless a program picks another).
-inline constexpr char kDefaultEmaPrefix[] = "generator_ema";
+// The name of an EMA when its program picks none (EmaOptions::prefix): timm's and
+// AveragedModel users' "model_ema". The trainer names each EMA after its model
+// (trainer/train_config.h, ModelStateNames).
+inline constexpr char kDefaultEmaPrefix[] = "model_ema";
 
 struct EmaProfileName {
   std::string state;  // where its tensors live in checkpoints: "<prefix>" for the first decay

@@ -21,7 +21,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
   try {
     const auto c = countersFromJson(tessera::checkpoint::parseTrainerState(text, "fuzz"), "fuzz trainer_state.json");
-    const int64_t emaUpdates = c.legacyEmaUpdates.value_or(0);
+    const int64_t emaUpdates = c.formerEmaCounts.single.value_or(0);
     if (c.step < 0 || emaUpdates < 0 || emaUpdates > c.step || c.skippedSteps > c.step || c.worldSize < 1 ||
         c.globalBatch < 1) {
       std::abort();  // accepted a value the trainer cannot use

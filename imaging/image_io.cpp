@@ -98,7 +98,7 @@ at::Tensor decodeImage(const std::string& data, const std::string& what, int cha
 }
 
 at::Tensor readImage(const std::string& path, int channels) {
-  return decodeImage(readRegularFile(path, kMaxFileBytes), path, channels);
+  return decodeImage(readRegularFile(path, kMaxFileBytes), quote(path), channels);
 }
 
 std::string encodePng(const at::Tensor& image) {

@@ -347,4 +347,10 @@ at::Tensor samplingNoise(const std::vector<int64_t>& sampleShape, int64_t count,
   return at::randn(shape, gen, at::kFloat);
 }
 
+std::shared_ptr<TrainModel> makeDiffusionDenoiser(const ModelOptions& options, const datasets::DataSpec& data,
+                                                  c10::Device device) {
+  TESSERA_CHECK_AS(ConfigError, !data.tokens, "model.arch diffusion needs float tensors or images");
+  return std::make_shared<DiffusionDenoiser>(options, data.inputShape, device);
+}
+
 }  // namespace tessera::models

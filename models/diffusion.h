@@ -41,8 +41,9 @@
 #include <vector>
 
 #include "sharding/unit.h"
+#include "models/layers.h"
 #include "models/model_options.h"
-#include "models/models.h"
+#include "models/train_model.h"
 
 namespace tessera::models {
 

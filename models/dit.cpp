@@ -232,4 +232,10 @@ double DiT::forwardFlopsPerSample() const {
   return total;
 }
 
+std::shared_ptr<TrainModel> makeDit(const ModelOptions& options, const datasets::DataSpec& data, c10::Device device) {
+  TESSERA_CHECK_AS(ConfigError, !data.tokens && data.inputShape.size() == 3,
+                   "model.arch dit needs images (data.kind idx, image_folder or webdataset)");
+  return std::make_shared<DiT>(options, data.inputShape, conditioningClasses(options, data), device);
+}
+
 }  // namespace tessera::models

@@ -5,6 +5,7 @@
 #include "common/errors.h"
 #include "common/limits.h"
 #include "datasets/dataset.h"
+#include "models/architecture.h"
 
 namespace tessera::models {
 
@@ -35,11 +36,19 @@ std::string guidanceIntervalText(const std::vector<int64_t>& interval) {
   return interval.size() == 2 ? strCat(" at t in [", interval[0], ", ", interval[1], "]") : "";
 }
 
+bool ModelOptions::isDenoiser() const {
+  const ArchitectureSpec* spec = findArchitecture(arch);
+  return spec != nullptr && spec->denoiser;
+}
+
 void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& m) {
-  s.add(p + "arch", &m.arch,
-        "Model architecture: mlp (token windows or tensors), gpt (tokens), diffusion (a denoiser over tensors), "
-        "dit (a class-conditional diffusion transformer over images)")
-      .oneOf({"mlp", "gpt", "diffusion", "dit"});
+  std::string doc = "Model architecture:";
+  std::vector<std::string> names;
+  for (const ArchitectureSpec* spec : architectures()) {
+    doc += strCat(names.empty() ? " " : "; ", spec->name, " (", spec->description, ")");
+    names.push_back(spec->name);
+  }
+  s.add(p + "arch", &m.arch, doc).oneOf(names);
   s.add(p + "vocab_size", &m.vocab_size, "Vocabulary size (256 for byte-level text)").min(2).max(kMaxVocab);
   s.add(p + "context", &m.context, "Context length in tokens").min(1).max(kMaxWidth);
   s.add(p + "embed_dim", &m.embed_dim, "Token embedding width; diffusion: the denoiser's width").min(1).max(kMaxWidth);
@@ -95,6 +104,18 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
   s.add(p + "init_from", &m.init_from,
         "Safetensors file or sharded export (*.index.json) to start the model from (fresh runs; each rank reads "
         "its rows)");
+}
+
+const std::vector<std::string>& modelKeyNames() {
+  static const std::vector<std::string> names = [] {
+    config::ConfigSchema schema;
+    ModelOptions unused;
+    bindModelKeys(schema, "", unused);
+    std::vector<std::string> out;
+    for (const auto& field : schema.fields()) out.push_back(field.path);
+    return out;
+  }();
+  return names;
 }
 
 int64_t conditioningClasses(const ModelOptions& options, const datasets::DataSpec& data) {

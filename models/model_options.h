@@ -18,7 +18,7 @@ struct DataSpec;
 namespace tessera::models {
 
 struct ModelOptions {
-  std::string arch = "mlp";             // mlp | gpt | diffusion | dit
+  std::string arch = "mlp";             // an architecture's name (architecture.h): mlp | gpt | diffusion | dit
   int64_t vocab_size = 256;             // byte-level text: 256
   int64_t context = 16;                 // tokens of context the model sees
   int64_t embed_dim = 32;               // token embedding width
@@ -46,8 +46,9 @@ struct ModelOptions {
   int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
   std::optional<std::string> init_from; // safetensors file or *.index.json to start from (fresh runs)
 
-  // A diffusion denoiser (diffusion, dit): trained to predict the noise or the velocity, sampled, distilled.
-  bool isDenoiser() const { return arch == "diffusion" || arch == "dit"; }
+  // A diffusion denoiser (diffusion, dit): trained to predict the noise or the velocity,
+  // sampled, distilled (its architecture says so; false for a name that is none).
+  bool isDenoiser() const;
 };
 
 // What is wrong with `timesteps` as DDIM's timesteps over a schedule of `scheduleSteps`
@@ -64,6 +65,9 @@ std::string guidanceIntervalText(const std::vector<int64_t>& interval);
 // every models: entry ("models.<name>.model."), and in an export's metadata ("", see
 // model_metadata.h), with the same docs and constraints.
 void bindModelKeys(config::ConfigSchema& schema, const std::string& prefix, ModelOptions& model);
+
+// The names of the model keys (bindModelKeys' without a prefix: "arch", "embed_dim", ...).
+const std::vector<std::string>& modelKeyNames();
 
 // The labels a class-conditional model (dit) is conditioned on: model.classes, or the
 // data's when it is 0 (0 for unlabelled data: unconditional). ConfigError when

@@ -1,220 +1,31 @@
-// Built-in models (see models.h).
+// Built-in models by architecture (see models.h).
 #include "models/models.h"
 
-#include <ATen/ATen.h>
-#include <c10/util/accumulate.h>
-#include <torch/version.h>
-#include <torch/nn/functional/loss.h>
-
-#include <cmath>
-#include <limits>
-
 #include "common/errors.h"
-#include "kernels/cpu_matmul.h"
-#include "models/diffusion.h"
-#include "models/dit.h"
+#include "dtensor/param_init.h"
+#include "models/architecture.h"
+#include "models/layers.h"
 
 namespace tessera::models {
-namespace {
-
-// [Linear -> activation] for each hidden layer (each a unit).
-at::Tensor runHiddenLayers(sharding::UnitList<layers::Linear>& hidden, at::Tensor x, const std::string& activation) {
-  for (auto& layer : *hidden) {
-    x = layer->forward(x);
-    x = activation == "relu" ? at::relu(x) : at::gelu(x);
-  }
-  return x;
-}
-
-at::Tensor crossEntropyEach(const at::Tensor& logits, const at::Tensor& targets) {
-  namespace F = torch::nn::functional;
-  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), targets.reshape({-1}),
-                          F::CrossEntropyFuncOptions().reduction(torch::kNone));
-}
-
-}  // namespace
-
-at::Tensor NextTokenModel::losses(const datasets::Batch& batch) {
-  return crossEntropyEach(trainingLogits(batch.inputs), batch.targets);
-}
-
-ContextMlp::ContextMlp(const ModelOptions& options, at::Device device) : options_(options) {
-  embed_ = register_module("embed", layers::Embedding(options.vocab_size, options.embed_dim, device));
-  layers_ = register_module("layers", sharding::UnitList<layers::Linear>());
-  int64_t width = options.context * options.embed_dim;
-  for (int64_t hidden : options.hidden) {
-    layers_->emplace_back(width, hidden, /*bias=*/true, device);
-    width = hidden;
-  }
-  head_ = register_module("head", layers::Linear(width, options.vocab_size, /*bias=*/true, device));
-}
-
-at::Tensor ContextMlp::nextTokenLogits(const at::Tensor& tokens) {
-  TESSERA_CHECK(tokens.dim() == 2 && tokens.size(1) == options_.context, "ContextMlp: expected tokens [batch, ",
-                options_.context, "], got ", tokens.sizes());
-  return head_->forward(runHiddenLayers(layers_, embed_->forward(tokens).flatten(1), options_.activation));
-}
-
-FeatureMlp::FeatureMlp(const ModelOptions& options, const datasets::DataSpec& data, at::Device device)
-    : options_(options), data_(data) {
-  TESSERA_CHECK_AS(ConfigError, data.hasTargets, "model.arch mlp on tensor data needs 'targets' in the data file");
-  layers_ = register_module("layers", sharding::UnitList<layers::Linear>());
-  int64_t width = c10::multiply_integers(data.inputShape);
-  for (int64_t hidden : options.hidden) {
-    layers_->emplace_back(width, hidden, /*bias=*/true, device);
-    width = hidden;
-  }
-  const int64_t out = data.classes > 0 ? data.classes : c10::multiply_integers(data.targetShape);
-  head_ = register_module("head", layers::Linear(width, out, /*bias=*/true, device));
-}
-
-at::Tensor FeatureMlp::features(const at::Tensor& inputs) {
-  const auto dtype = head_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
-  return runHiddenLayers(layers_, inputs.flatten(1).to(dtype), options_.activation);
-}
-
-double ContextMlp::forwardFlopsPerSample() const { return layers::linearFlops(*this); }
-
-double FeatureMlp::forwardFlopsPerSample() const { return layers::linearFlops(*this); }
-
-at::Tensor FeatureMlp::forward(const at::Tensor& inputs) { return head_->forward(features(inputs)); }
-
-at::Tensor FeatureMlp::losses(const datasets::Batch& batch) {
-  const at::Tensor out = forward(batch.inputs);
-  if (data_.classes > 0) return crossEntropyEach(out, batch.targets);
-  // Per-sample mean-squared error; targets [n] (one value each) or [n, ...].
-  return (out.to(at::kFloat) - batch.targets.reshape({batch.targets.size(0), -1})).square().mean(1);
-}
-
-namespace {
-
-// GPT-2's initial distributions (nanoGPT's _init_weights): weights N(0, 0.02), biases 0.
-void gpt2Init(layers::LinearImpl& linear, double std) {
-  linear.setInit("weight", dtensor::ParamInit::normal(0.0, std));
-  if (linear.bias.defined()) linear.setInit("bias", dtensor::ParamInit::constant(0.0));
-}
-
-constexpr double kGpt2Std = 0.02;
-
-}  // namespace
-
-GptBlock::GptBlock(int64_t width, int64_t heads, int64_t layers, at::Device device) : heads_(heads) {
-  ln1_ = register_module("ln_1", layers::LayerNorm(width, device));
-  auto attn = register_module("attn", std::make_shared<torch::nn::Module>());
-  attnIn_ = attn->register_module("c_attn", layers::Linear(width, 3 * width, /*bias=*/true, device));
-  attnOut_ = attn->register_module("c_proj", layers::Linear(width, width, /*bias=*/true, device));
-  ln2_ = register_module("ln_2", layers::LayerNorm(width, device));
-  auto mlp = register_module("mlp", std::make_shared<torch::nn::Module>());
-  mlpIn_ = mlp->register_module("c_fc", layers::Linear(width, 4 * width, /*bias=*/true, device));
-  mlpOut_ = mlp->register_module("c_proj", layers::Linear(4 * width, width, /*bias=*/true, device));
-  // The residual projections are scaled down by the depth (GPT-2).
-  const double residualStd = kGpt2Std / std::sqrt(2.0 * static_cast<double>(std::max<int64_t>(layers, 1)));
-  gpt2Init(*attnIn_, kGpt2Std);
-  gpt2Init(*attnOut_, residualStd);
-  gpt2Init(*mlpIn_, kGpt2Std);
-  gpt2Init(*mlpOut_, residualStd);
-}
-
-at::Tensor GptBlock::forward(const at::Tensor& x) {
-  const int64_t batch = x.size(0), time = x.size(1), width = x.size(2), headDim = width / heads_;
-  // Causal self-attention: [batch, heads, time, headDim] queries, keys and values.
-  const auto qkv = attnIn_->forward(ln1_->forward(x)).chunk(3, /*dim=*/2);
-  auto split = [&](const at::Tensor& t) { return t.view({batch, time, heads_, headDim}).transpose(1, 2); };
-  const at::Tensor q = split(qkv[0]), k = split(qkv[1]), v = split(qkv[2]);
-#if TORCH_VERSION_MAJOR >= 2
-  // PyTorch 2's fused attention (flash / memory-efficient kernels on GPUs): the same
-  // softmax(q k^T / sqrt(d) + causal mask) v without materialising the scores.
-  const at::Tensor attended = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true)
-                                  .transpose(1, 2)
-                                  .reshape({batch, time, width});
-#else
-  at::Tensor scores = kernels::batchedMatmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(headDim));
-  const at::Tensor future = at::ones({time, time}, x.options().dtype(at::kBool)).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
-  const at::Tensor attended = kernels::batchedMatmul(at::softmax(scores, -1), v).transpose(1, 2).reshape({batch, time, width});
-#endif
-  const at::Tensor h = x + attnOut_->forward(attended);
-  return h + mlpOut_->forward(at::gelu(mlpIn_->forward(ln2_->forward(h))));
-}
-
-Gpt::Gpt(const ModelOptions& options, at::Device device) : options_(options) {
-  TESSERA_CHECK_AS(ConfigError, options.embed_dim % options.heads == 0, "model.embed_dim ", options.embed_dim,
-                   " is not divisible by model.heads ", options.heads);
-  wte_ = register_module("wte", layers::Embedding(options.vocab_size, options.embed_dim, device));
-  wpe_ = register_module("wpe", layers::Embedding(options.context, options.embed_dim, device));
-  wte_->setInit("weight", dtensor::ParamInit::normal(0.0, kGpt2Std));
-  wpe_->setInit("weight", dtensor::ParamInit::normal(0.0, kGpt2Std));
-  blocks_ = register_module("h", sharding::UnitList<GptBlock>());
-  for (int64_t i = 0; i < options.layers; ++i) blocks_->emplace_back(options.embed_dim, options.heads, options.layers, device);
-  lnF_ = register_module("ln_f", layers::LayerNorm(options.embed_dim, device));
-  if (!options.tie_head) {
-    lmHead_ = register_module("lm_head", layers::Linear(options.embed_dim, options.vocab_size, /*bias=*/false, device));
-    gpt2Init(*lmHead_, kGpt2Std);
-  }
-}
-
-at::Tensor Gpt::forward(const at::Tensor& tokens) {
-  TESSERA_CHECK(tokens.dim() == 2 && tokens.size(1) >= 1 && tokens.size(1) <= options_.context,
-                "Gpt: expected tokens [batch, 1..", options_.context, "], got ", tokens.sizes());
-  const at::Tensor positions = at::arange(tokens.size(1), tokens.options());
-  at::Tensor x = wte_->forward(tokens) + wpe_->forward(positions);
-  for (auto& block : *blocks_) x = block->forward(x);
-  x = lnF_->forward(x);
-  return options_.tie_head ? kernels::linear(x, wte_->weight, {}) : lmHead_->forward(x);
-}
-
-double GptBlock::forwardFlops(int64_t time) const {
-  const double t = static_cast<double>(time), width = static_cast<double>(attnOut_->weight.size(0));
-  return t * layers::linearFlops(*this) + 2.0 * 2.0 * t * t * width;
-}
-
-double Gpt::forwardFlopsPerSample() const {
-  // Every position of the window: the blocks, then the head (the tied one is a product with
-  // wte's transpose, the same count).
-  double total = 0;
-  for (const auto& module : modules(/*include_self=*/false)) {
-    if (const auto* block = dynamic_cast<const GptBlock*>(module.get())) total += block->forwardFlops(options_.context);
-  }
-  return total + static_cast<double>(options_.context) * 2.0 * static_cast<double>(options_.embed_dim) *
-                     static_cast<double>(options_.vocab_size);
-}
-
-at::Tensor Gpt::nextTokenLogits(const at::Tensor& tokens) { return forward(tokens).select(1, tokens.size(1) - 1); }
 
 datasets::DataSpec tokenDataSpec(const ModelOptions& options) {
   return datasets::tokenWindowSpec(options.context, options.vocab_size, predictsEveryPosition(options));
 }
 
-bool predictsEveryPosition(const ModelOptions& options) { return options.arch == "gpt"; }
+bool predictsEveryPosition(const ModelOptions& options) { return architecture(options.arch).predictsEveryPosition; }
 
 datasets::TokenWindows tokenWindows(const ModelOptions& options) {
   return {options.context, options.vocab_size, predictsEveryPosition(options)};
 }
 
 std::shared_ptr<TrainModel> makeModel(const ModelOptions& options, const datasets::DataSpec& data, at::Device device) {
-  if (options.arch == "mlp") {
-    if (data.tokens) return std::make_shared<ContextMlp>(options, device);
-    return std::make_shared<FeatureMlp>(options, data, device);
-  }
-  if (options.arch == "gpt") {
-    TESSERA_CHECK_AS(ConfigError, data.tokens, "model.arch gpt needs token data (data.kind text or tokens)");
-    return std::make_shared<Gpt>(options, device);
-  }
-  if (options.arch == "diffusion") {
-    TESSERA_CHECK_AS(ConfigError, !data.tokens, "model.arch diffusion needs float tensors or images");
-    return std::make_shared<DiffusionDenoiser>(options, data.inputShape, device);
-  }
-  if (options.arch == "dit") {
-    TESSERA_CHECK_AS(ConfigError, !data.tokens && data.inputShape.size() == 3,
-                     "model.arch dit needs images (data.kind idx, image_folder or webdataset)");
-    return std::make_shared<DiT>(options, data.inputShape, conditioningClasses(options, data), device);
-  }
-  throw ConfigError(strCat("model.arch: unknown architecture '", options.arch, "' (mlp, gpt, diffusion, dit)"));
+  const ArchitectureSpec& spec = architecture(options.arch);
+  TESSERA_CHECK(spec.make != nullptr, "makeModel: model.arch ", spec.name, " has no factory in this build");
+  return spec.make(options, data, device);
 }
 
 void initializeModel(torch::nn::Module& model, uint64_t seed) {
   dtensor::materializeAll(model, layers::initializerOf(model, seed));
 }
-
 
 }  // namespace tessera::models

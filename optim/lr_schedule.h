@@ -39,7 +39,6 @@ class LrSchedule {
   // Step: baseLr * gamma^floor((step - warmupSteps) / stepSize).
   double lrAt(int64_t step) const;
 
-  const LrScheduleOptions& options() const { return options_; }
 
  private:
   LrScheduleOptions options_;

@@ -68,7 +68,6 @@ class ShardedOptimizer : public dtensor::Stateful {
   void step(double lr);
 
   size_t size() const { return slots_.size(); }
-  const OptimizerOptions& options() const { return options_; }
 
   // State names this optimizer keeps ("exp_avg", "exp_avg_sq"; "momentum_buffer"; none).
   std::vector<std::string> stateNames() const;

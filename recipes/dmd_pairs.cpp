@@ -43,19 +43,6 @@ std::string digestOfFiles(const std::vector<std::string>& files) {
   return checkpoint::checksumHex(XXH3_64bits_digest(state.s));
 }
 
-// Why tensors[name] is not a pairs tensor of shape `want` and dtype `dtype` ("" when it is).
-std::string mismatch(const std::map<std::string, at::Tensor>& tensors, const std::string& name,
-                     const std::vector<int64_t>& want, at::ScalarType dtype) {
-  const auto it = tensors.find(name);
-  if (it == tensors.end()) return strCat("no tensor '", name, "'");
-  if (it->second.sizes().vec() != want || it->second.scalar_type() != dtype) {
-    return strCat("'", name, "' is ", c10::toString(it->second.scalar_type()), " ", it->second.sizes(),
-                  ", not ", c10::toString(dtype), " ", at::IntArrayRef(want));
-  }
-  if (dtype == at::kFloat && !at::isfinite(it->second).all().item<bool>()) return strCat("'", name, "' holds non-finite values");
-  return "";
-}
-
 // The first "field value" of two keys that differs, as "field: file's value vs this run's".
 std::string firstDifference(const std::string& file, const std::string& mine) {
   auto fields = [](const std::string& key) {
@@ -128,22 +115,27 @@ std::optional<DmdPairs> DmdPairsCache::load() {
         } else if (k->second != key_) {
           problem = strCat("made for other settings: ", firstDifference(k->second, key_));
         } else {
-          const std::map<std::string, at::Tensor> tensors = checkpoint::loadSafetensors(file_.string());
-          problem = mismatch(tensors, "noise", shape, at::kFloat);
-          if (problem.empty()) problem = mismatch(tensors, "samples", shape, at::kFloat);
-          if (problem.empty() && conditional) problem = mismatch(tensors, "labels", {pairs}, at::kLong);
-          if (problem.empty() && conditional) {
-            const at::Tensor& labels = tensors.at("labels");
-            if (pairs > 0 && (labels.min().item<int64_t>() < 0 || labels.max().item<int64_t>() >= parts_.classes)) {
+          // Exactly the pairs' tensors, before any data is read.
+          checkpoint::SafetensorsLayout want = {{"noise", {shape, at::kFloat}}, {"samples", {shape, at::kFloat}}};
+          if (conditional) want["labels"] = {{pairs}, at::kLong};
+          problem = checkpoint::safetensorsLayoutProblem(reader.header(), want);
+          if (problem.empty()) {
+            out.noise = reader.read("noise");
+            out.samples = reader.read("samples");
+            if (conditional) out.labels = reader.read("labels");
+            for (const char* name : {"noise", "samples"}) {
+              const at::Tensor& t = std::string(name) == "noise" ? out.noise : out.samples;
+              if (problem.empty() && !at::isfinite(t).all().item<bool>()) problem = strCat("'", name, "' holds non-finite values");
+            }
+            if (problem.empty() && conditional && pairs > 0 &&
+                (out.labels.min().item<int64_t>() < 0 || out.labels.max().item<int64_t>() >= parts_.classes)) {
               problem = strCat("'labels' outside [0, ", parts_.classes, ")");
             }
-          }
-          if (problem.empty()) {
-            out.noise = tensors.at("noise");
-            out.samples = tensors.at("samples");
-            if (conditional) out.labels = tensors.at("labels");
+            if (!problem.empty()) out = DmdPairs{};
           }
         }
+      } catch (const c10::Error& e) {
+        problem = e.what_without_backtrace();  // LibTorch's words, without its stack
       } catch (const std::exception& e) {
         problem = e.what();
       }

@@ -60,7 +60,6 @@ class DmdPairsCache {
   // failure to write is a warning (the next start samples them again).
   void store(const DmdPairs& pairs);
 
-  const std::filesystem::path& file() const { return file_; }
 
  private:
   std::filesystem::path file_;

@@ -21,6 +21,7 @@
 #include "recipes/dmd_recipe.h"
 #include "trainer/judge.h"
 #include "models/models.h"
+#include "models/mlp.h"
 #include "trainer/recipe.h"
 #include "recipes/recipe_steps.h"
 #include "recipes/recipes.h"

@@ -21,7 +21,8 @@ int64_t oneUpdate(const std::string&) { return 1; }
 }  // namespace
 
 const trainer::RecipeSpec& standardRecipeSpec() {
-  static const trainer::RecipeSpec spec{"standard", "the model on the data", finishStandard, oneUpdate, "model", nullptr};
+  static const trainer::RecipeSpec spec{"standard", "the model on the data", finishStandard, oneUpdate, "model",
+                                        nullptr, /*bindKeys=*/nullptr, /*judgesSamples=*/true};
   return spec;
 }
 

@@ -23,4 +23,8 @@ fi
 export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-5G}
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$PWD}
 export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
+# Precompiled headers (cmake/TesseraCompileOptions.cmake): ccache caches their builds and
+# the files that use them only when told not to fuss over the macros and times of a
+# precompiled header's build (ccache's manual, "Precompiled headers").
+export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}
 cmake --build "$BUILD_DIR" -j "${TESSERA_BUILD_JOBS:-$(nproc)}" ${targets[@]+"${targets[@]}"}

@@ -35,6 +35,7 @@ case "${1:-}" in
 esac
 
 missing=()
+SUDO=""   # "sudo -n" when not root and something must be installed (never from the environment)
 for pkg in "${PACKAGES[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
     missing+=("$pkg")
@@ -45,7 +46,6 @@ if [ ${#missing[@]} -eq 0 ]; then
   echo "setup: all ${#PACKAGES[@]} packages present"
 else
   echo "setup: installing ${missing[*]}"
-  SUDO=""
   if [ "$(id -u)" -ne 0 ]; then
     if command -v sudo >/dev/null 2>&1; then
       SUDO="sudo -n"
@@ -67,7 +67,7 @@ case "$blas_link" in
     echo "setup: pointing libblas.so.3 at OpenBLAS (was: ${blas_link:-none})"
     alt=$(ls /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 2>/dev/null || true)
     if [ -n "$alt" ]; then
-      ${SUDO:-} update-alternatives --set libblas.so.3-x86_64-linux-gnu "$alt"
+      $SUDO update-alternatives --set libblas.so.3-x86_64-linux-gnu "$alt"
     fi
     ;;
 esac

@@ -90,10 +90,6 @@ FsdpUnit* FullyShardState::unitOf(const torch::nn::Module& module) const {
   return it == byModule_.end() ? nullptr : it->second;
 }
 
-c10::Allocator* FullyShardState::originalAllocator() const {
-  return storageAllocator_ ? storageAllocator_->inner() : nullptr;
-}
-
 // ---- forward --------------------------------------------------------------------------
 
 std::vector<at::Tensor> FullyShardState::runUnit(FsdpUnit& u, const std::vector<at::Tensor>& inputs,

@@ -62,8 +62,6 @@ class FullyShardState {
   void sample();
   // The gradient shards alive now (the strategy counts them as held).
   std::vector<at::Tensor> gradShards() const;
-  // The allocator every claimed storage had before (the strategy gives it back).
-  c10::Allocator* originalAllocator() const;
 
   // Called at the end of every backward (the strategy refreshes what it counts as held).
   std::function<void()> onBackwardEnd;

@@ -56,7 +56,6 @@ class FullyShardStrategy final : public ShardingStrategy {
       : FullyShardStrategy(module, std::move(comm), options, options.fullyShard) {}
   ~FullyShardStrategy() override;
 
-  const FullyShardOptions& fsdpOptions() const { return fsdp_; }
 
   // Reshards every unit (the next forward gathers the updated masters; casting to the
   // compute dtype happens in the gather). Collective only through the waits of gathers

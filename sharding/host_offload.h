@@ -24,7 +24,6 @@ class HostOffload {
   // `device`: where the model computes (its parameters' device).
   explicit HostOffload(at::Device device);
 
-  at::Device device() const { return device_; }
   // Options of the host tensors: fp32 on the CPU, pinned when the device is a GPU.
   at::TensorOptions hostOptions() const;
 

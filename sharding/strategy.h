@@ -166,7 +166,6 @@ class ShardingStrategy : public dtensor::Stateful {
   ShardingStrategy& operator=(const ShardingStrategy&) = delete;
 
   StrategyKind kind() const { return kind_; }
-  const StrategyOptions& options() const { return options_; }
   distributed::Communicator& comm() const { return *comm_; }
   // The group the records' specs are laid out over: comm(), or hybrid's shard group (each
   // replica group then holds the same shards).

@@ -1,27 +1,24 @@
 // Save and stop decisions of a run (see checkpoint_schedule.h).
 #include "trainer/checkpoint_schedule.h"
 
+#include "trainer/train_config.h"
+
 namespace tessera::trainer {
 
-CheckpointSchedule::CheckpointSchedule(int64_t totalSteps, int64_t startStep, int64_t everySteps,
-                                       int64_t stopAfterSteps, bool atEnd)
-    : totalSteps_(totalSteps),
-      startStep_(startStep),
-      everySteps_(everySteps),
-      stopAfterSteps_(stopAfterSteps),
-      atEnd_(atEnd) {}
+CheckpointSchedule::CheckpointSchedule(const RunOptions& run, const CheckpointSection& checkpoint, int64_t startStep)
+    : run_(run), checkpoint_(checkpoint), startStep_(startStep) {}
 
 bool CheckpointSchedule::stopsAfter(int64_t done, bool stopSignalled) const {
-  if (done >= totalSteps_) return false;
-  return stopSignalled || (stopAfterSteps_ > 0 && done - startStep_ >= stopAfterSteps_);
+  if (done >= run_.steps) return false;
+  return stopSignalled || (run_.stop_after_steps > 0 && done - startStep_ >= run_.stop_after_steps);
 }
 
 bool CheckpointSchedule::periodicSaveDue(int64_t done) const {
-  return everySteps_ > 0 && done % everySteps_ == 0 && done < totalSteps_;
+  return checkpoint_.every_steps > 0 && done % checkpoint_.every_steps == 0 && done < run_.steps;
 }
 
 bool CheckpointSchedule::finalSaveDue(int64_t done, bool stopped) const {
-  return (atEnd_ || stopped) && done > startStep_;
+  return (checkpoint_.at_end || stopped) && done > startStep_;
 }
 
 bool CheckpointSchedule::claimSave(int64_t done) {
@@ -30,8 +27,9 @@ bool CheckpointSchedule::claimSave(int64_t done) {
   return true;
 }
 
-bool CheckpointSchedule::localSaveDue(int64_t done, int64_t localEvery) const {
-  return localEvery > 0 && done % localEvery == 0 && done < totalSteps_ && lastSaved_ != done;
+bool CheckpointSchedule::localSaveDue(int64_t done) const {
+  const int64_t every = checkpoint_.local.every_steps;
+  return every > 0 && done % every == 0 && done < run_.steps && lastSaved_ != done;
 }
 
 }  // namespace tessera::trainer

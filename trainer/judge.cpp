@@ -11,6 +11,7 @@
 #include "common/errors.h"
 #include "datasets/dataset.h"
 #include "models/models.h"
+#include "models/mlp.h"
 
 namespace tessera::trainer {
 namespace {

@@ -15,7 +15,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "dtensor/param_init.h"
-#include "trainer/checkpoint_layout.h"
+#include "checkpoint/formats_1_2.h"
 #include "trainer/train_counters.h"
 
 namespace tessera::trainer {
@@ -97,7 +97,7 @@ LoadedModel loadCheckpointModel(const std::string& dir, const std::string& what,
   TESSERA_CHECK(!stepDir.empty(), dir, " is neither a complete checkpoint (no ", checkpoint::kMetadataFile,
                 ") nor a directory holding one");
   checkpoint::CheckpointReader reader(stepDir);
-  const std::string prefix = checkpoint::resolveExportPrefix(reader.metadata(), what, checkpointExportNames(reader.metadata()));
+  const std::string prefix = checkpoint::resolveExportPrefix(reader.metadata(), what, checkpoint::checkpointExportNames(reader.metadata()));
   const std::string stateFile = (std::filesystem::path(stepDir) / "trainer_state.json").string();
   const std::string metadata = modelMetadataForPrefix(modelMetadataFromJson(reader.trainerState(), stateFile), prefix);
   TESSERA_CHECK(!metadata.empty(), stepDir, ": its trainer_state.json does not describe the model under '", prefix,

@@ -14,6 +14,7 @@
 #include "common/config.h"
 #include "common/errors.h"
 #include "common/limits.h"
+#include "models/architecture.h"
 
 namespace tessera::trainer {
 namespace {
@@ -87,7 +88,9 @@ datasets::DataOptions parseDataset(const json& j, const std::string& source) {
 
 std::string modelMetadataJson(const models::ModelOptions& options, const datasets::DataSpec& data, const datasets::DataOptions* dataset) {
   models::ModelOptions resolved = options;
-  if (resolved.arch == "dit") resolved.classes = models::conditioningClasses(options, data);
+  if (const models::ArchitectureSpec* spec = models::findArchitecture(resolved.arch); spec && spec->resolve) {
+    spec->resolve(resolved, data);
+  }
   config::ConfigSchema schema;
   models::bindModelKeys(schema, "", resolved);
   json out = json::object();
@@ -171,44 +174,24 @@ std::string modelMetadataForPrefix(const std::map<std::string, std::string>& byS
 namespace {
 
 // Metadata is input like any other: before a model is built from it, its sizes must be
-// ones the file's tensors could hold. Every block has at least one tensor, every width is
-// some tensor's dimension, and the inputs fit in memory. (The schema has already bounded
-// each key on its own: kMaxLayers, kMaxWidth.)
+// ones the file's tensors could hold (its architecture's fileProblem: every block has at
+// least one tensor, every width is some tensor's dimension), and the inputs fit in memory.
+// (The schema has already bounded each key on its own: kMaxLayers, kMaxWidth.)
 void checkSizesAgainstFile(const ModelDescription& d, const std::string& source,
                            const std::map<std::string, std::vector<int64_t>>& found) {
-  int64_t largestDim = 0;
-  for (const auto& [name, shape] : found) {
-    for (int64_t dim : shape) largestDim = std::max(largestDim, dim);
-  }
-  const models::ModelOptions& m = d.model;
-  const bool blocks = m.arch == "gpt" || m.arch == "dit" || m.arch == "diffusion";
-  TESSERA_CHECK(!blocks || m.layers <= static_cast<int64_t>(found.size()), source, ": metadata '", kModelMetadataKey,
-                "' says layers ", m.layers, ", but the file holds only ", found.size(), " tensors");
-  if (m.arch == "gpt" || m.arch == "dit") {
-    TESSERA_CHECK(m.embed_dim <= largestDim, source, ": metadata '", kModelMetadataKey, "' says embed_dim ", m.embed_dim,
-                  ", wider than any tensor of the file (largest dimension ", largestDim, ")");
-  }
-  if (m.arch == "mlp") {
-    for (int64_t width : m.hidden) {
-      TESSERA_CHECK(width <= largestDim, source, ": metadata '", kModelMetadataKey, "' has a hidden width ", width,
-                    ", wider than any tensor of the file (largest dimension ", largestDim, ")");
-    }
-  }
-  // dit builds its positional table (tokens x embed_dim) at once; the file holds it too.
-  int64_t fileElements = 0;
+  models::FileShapes file;
+  file.tensors = static_cast<int64_t>(found.size());
   for (const auto& [name, shape] : found) {
     int64_t n = 1;
-    for (int64_t dim : shape) n = boundedProduct(n, dim, kMaxCounter);
-    fileElements = n < 0 ? kMaxCounter : std::min(kMaxCounter, fileElements + n);
+    for (int64_t dim : shape) {
+      file.largestDim = std::max(file.largestDim, dim);
+      n = boundedProduct(n, dim, kMaxCounter);
+    }
+    file.elements = n < 0 ? kMaxCounter : std::min(kMaxCounter, file.elements + n);
   }
-  const std::vector<int64_t>& in = d.data.inputShape;
-  if (m.arch == "dit" && in.size() == 3 && m.patch_size > 0) {
-    const int64_t grid = in[1] / m.patch_size;
-    const int64_t table = boundedProduct(boundedProduct(grid, grid, kMaxCounter), m.embed_dim, kMaxCounter);
-    TESSERA_CHECK(table >= 0 && table <= fileElements, source, ": metadata says ", grid, " x ", grid,
-                  " patches of width ", m.embed_dim, " (data.input_shape ", at::IntArrayRef(in), ", model.patch_size ",
-                  m.patch_size, "), more than the ", fileElements, " values the file holds");
-  }
+  const models::ArchitectureSpec& spec = models::architecture(d.model.arch);
+  const std::string problem = spec.fileProblem ? spec.fileProblem(d.model, d.data, file) : std::string();
+  TESSERA_CHECK(problem.empty(), source, ": metadata '", kModelMetadataKey, "' ", problem);
   constexpr int64_t kMaxSampleElements = int64_t{1} << 28;  // one input or target: 1 GiB of fp32
   for (const auto& [key, shape] : {std::pair{"input_shape", d.data.inputShape}, std::pair{"target_shape", d.data.targetShape}}) {
     int64_t elements = 1;

@@ -1,8 +1,9 @@
 // A recipe (run.recipe) as the trainer finds it by name: its own keys (bound into a
 // struct of its own), what it asks of a run's configuration (the models it trains, checked
 // with those keys when the config is loaded), how many optimizer updates each model takes per run step, and how to build
-// its training code (recipe.h) over a run's parts. The trainer names no recipe: each
-// recipe owns its spec (recipes/), and a program adds the ones it offers with addRecipe()
+// its training code (recipe.h) over a run's parts. The trainer names no recipe but the
+// default of run.recipe ("standard"): each recipe owns its spec (recipes/), and a program
+// adds the ones it offers with addRecipe()
 // before it loads a config (recipes::addBuiltinRecipes() adds standard and dmd), as
 // torchtitan registers its train specs. Free of LibTorch models, so the config reader
 // builds (and is fuzzed) without them.
@@ -41,6 +42,9 @@ struct RecipeSpec {
   // Registers the recipe's own keys (recipe.*) with the schema, bound into a struct of its
   // own that `config` keeps for it (trainer::recipeOptions); null: it has none.
   void (*bindKeys)(config::ConfigSchema& schema, TrainConfig& config) = nullptr;
+  // Whether its samplingModel's samples can be judged at the end (eval.judge: its
+  // Recipe::judgeSamples does so).
+  bool judgesSamples = false;
 };
 
 // Adds `spec` to run.recipe's choices; adding a name again replaces its spec. Thread-safe;

@@ -22,9 +22,11 @@ struct ResumeCheck {
 };
 
 // Compares the resolved YAML a checkpoint was saved with (trainer_state.json) with the one
-// of this run. Keys that only steer this invocation (run.dir, run.stop_after_steps,
-// checkpoint.resume, log.*) are left out, and so are a frozen model's optim. and ema. keys
-// (it has no such state); a models: entry only one side has is one change.
+// of this run. Left out: keys that only steer this invocation (run.dir,
+// run.stop_after_steps, checkpoint.resume, checkpoint.local.dir, log.*); the optim. and ema.
+// keys of a model frozen on both sides (it has no such state); and in a models: run the
+// top-level model., optim., sharding. and ema. keys (each entry's own are compared). A
+// models: entry only one side has is one change.
 ResumeCheck compareWithSaved(const std::string& savedYaml, const std::string& currentYaml);
 
 // "a -> b, c -> d" for messages.

@@ -25,6 +25,7 @@
 #include "kernels/cpu_matmul.h"
 #include "ema/strategy_ema.h"
 #include "sharding/mixed_precision.h"
+#include "models/architecture.h"
 #include "models/layers.h"
 #include "trainer/metrics.h"
 #include "trainer/model_metadata.h"
@@ -67,8 +68,10 @@ std::string RunParts::strategies() const {
 
 namespace {
 
-// run.device: the CPU, or this rank's CUDA device (LOCAL_RANK modulo the devices visible,
-// so ranks of a node spread over its GPUs and share them when there are fewer).
+// run.device: the CPU, or this rank's CUDA device (its local rank, as the launcher gave it:
+// torchrun's LOCAL_RANK, srun's SLURM_LOCALID, mpirun's, modulo the devices visible, so
+// ranks of a node spread over its GPUs and share them when there are fewer; the nccl
+// communicator picks the same one).
 at::Device trainingDevice(const TrainConfig& cfg) {
   if (cfg.run.device == "cpu") return at::kCPU;
   if (!torch::cuda::is_available()) {
@@ -76,16 +79,14 @@ at::Device trainingDevice(const TrainConfig& cfg) {
         "run.device", "cuda, but no CUDA device is usable here (a CPU-only LibTorch, or no GPU visible); "
                       "build with scripts/gpu-build.sh on a GPU machine, or set run.device: cpu"));
   }
-  const char* localRank = std::getenv("LOCAL_RANK");
-  const int64_t index = (localRank != nullptr ? std::atoll(localRank) : 0) % torch::cuda::device_count();
+  const int64_t index = distributed::RankEnv::fromEnvironment().local_rank % torch::cuda::device_count();
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
 }
 
 }  // namespace
 
 void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env) {
-  diagnostics::flight::setCapacity(static_cast<int>(cfg.diagnostics.flight_entries));
-  if (cfg.diagnostics.flight_entries == 0) return;
+  if (cfg.diagnostics.runtime.flightEntries == 0) return;
   diagnostics::flight::setDumpFiles(diagnostics::flight::dumpFilesFor(cfg.run.dir, env.rank), env.rank, env.world_size);
   diagnostics::flight::installSignalHandlers();
 }
@@ -228,7 +229,7 @@ ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
 // system's temporary directory where there is no /dev/shm): one directory per run, the
 // same path on every node.
 std::string localTierDir(const TrainConfig& cfg) {
-  if (!cfg.checkpoint.local.dir.empty()) return cfg.checkpoint.local.dir;
+  if (!cfg.checkpoint.local.tier.dir.empty()) return cfg.checkpoint.local.tier.dir;
   std::error_code ec;
   const std::string runDir = fs::weakly_canonical(fs::absolute(cfg.run.dir), ec).string();
   const fs::path shm = fs::is_directory("/dev/shm", ec) ? fs::path("/dev/shm") : fs::temp_directory_path(ec);
@@ -236,20 +237,25 @@ std::string localTierDir(const TrainConfig& cfg) {
       .string();
 }
 
-// checkpoint.local: a step the node-local tier holds that is newer than the persistent
-// tier's newest (a run that lost a node, or crashed, between persistent saves) becomes a
-// persistent checkpoint now, before run.dir is claimed, so that it is the checkpoint this
-// start resumes. Only for resume auto into a run.dir that holds that run (a run.dir made
-// anew must not resume the steps of a deleted one). Then the tier is emptied: what is left
-// there belongs to no run that will resume.
-void promoteFromLocalTier(const TrainConfig& cfg, distributed::Communicator& comm) {
-  const std::string dir = localTierDir(cfg);
-  if (cfg.checkpoint.local.dir.empty()) {
-    // The default lives in a directory every user can write: its parent must be this
-    // user's own, private and no link, or another user could read the shards or plant a
-    // step to be promoted.
-    distributed::runOnEveryRank(&comm, "checkpoint.local.dir", [&] {
-      const std::string parent = fs::path(dir).parent_path().string();
+// The node-local tier's options: checkpoint.local's, its directory resolved, and the run
+// as the owner of the steps it writes (run.dir as it resolves: one run per run.dir).
+checkpoint::LocalTierOptions localTierOptions(const TrainConfig& cfg) {
+  checkpoint::LocalTierOptions tier = cfg.checkpoint.local.tier;
+  tier.dir = localTierDir(cfg);
+  std::error_code ec;
+  tier.owner = fs::weakly_canonical(fs::absolute(cfg.run.dir), ec).string();
+  return tier;
+}
+
+// The tier's directory is one of its own: never a link, never in a checkpoints directory
+// (checkpoint::checkLocalTierDirectory), nor where this run keeps its checkpoints and
+// post-hoc snapshots; the default's parent is this user's own and private, or another
+// user could read the shards or plant a step to be promoted. ConfigError on every rank.
+void checkLocalTierDir(const TrainConfig& cfg, const checkpoint::LocalTierOptions& tier,
+                       distributed::Communicator& comm) {
+  distributed::runOnEveryRank(&comm, "checkpoint.local.dir", [&] {
+    if (cfg.checkpoint.local.tier.dir.empty()) {
+      const std::string parent = fs::path(tier.dir).parent_path().string();
       ::mkdir(parent.c_str(), 0700);
       struct stat st {};
       const bool ours = ::lstat(parent.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == ::getuid() &&
@@ -259,8 +265,30 @@ void promoteFromLocalTier(const TrainConfig& cfg, distributed::Communicator& com
                                  " is not a private directory of this user (a link, another owner, or group/other "
                                  "access): remove it, or set checkpoint.local.dir"));
       }
-    });
-  }
+    }
+    checkpoint::checkLocalTierDirectory(tier.dir, "checkpoint.local.dir");
+    std::error_code ec;
+    const fs::path dir = fs::weakly_canonical(fs::absolute(tier.dir), ec);
+    for (const char* kept : {"checkpoints", "posthoc"}) {
+      const fs::path runs = fs::weakly_canonical(fs::absolute(cfg.run.dir) / kept, ec);
+      const auto mismatch = std::mismatch(runs.begin(), runs.end(), dir.begin(), dir.end());
+      if (mismatch.first == runs.end()) {
+        throw ConfigError(cfg.origins.errorMessage(
+            "checkpoint.local.dir", strCat(quote(tier.dir), " is in ", runs.string(), ", where this run keeps its ",
+                                           kept, ": give the local tier a directory of its own")));
+      }
+    }
+  });
+}
+
+// checkpoint.local: a step the node-local tier holds for this run that is newer than the
+// persistent tier's newest (a run that lost a node, or crashed, between persistent saves)
+// becomes a persistent checkpoint now, before run.dir is claimed, so that it is the
+// checkpoint this start resumes. Only for resume auto into a run.dir that holds that run (a
+// run.dir made anew must not resume the steps of a deleted one). Nothing is deleted here:
+// the tier is emptied of the run's steps once the run has been accepted (setUpRun).
+void promoteFromLocalTier(const TrainConfig& cfg, const checkpoint::LocalTierOptions& tier,
+                          distributed::Communicator& comm) {
   const fs::path runDir = cfg.run.dir;
   const distributed::TimeoutScope timeout(cfg.diagnostics.checkpoint_timeout);  // copies wait for the disk
   bool earlier = false;
@@ -269,21 +297,18 @@ void promoteFromLocalTier(const TrainConfig& cfg, distributed::Communicator& com
     earlier = !findEarlierRun(runDir).empty() || fs::exists(runDir / "config.resolved.yaml", ec);
   }
   const bool sameRun = distributed::lowestFailingRank(&comm, earlier) == 0;  // rank 0's answer, on every rank
-  if (cfg.checkpoint.resume == "auto" && sameRun) {
-    try {
-      if (const auto promoted = checkpoint::promoteLocalStep(dir, (runDir / "checkpoints").string(), &comm)) {
-        TLOG_INFO0("checkpoint.local: step " << promoted->step << " of the node-local tier (held on "
-                                             << promoted->nodesHolding << " of the nodes now running) copied to "
-                                             << promoted->dir << " (" << promoted->bytes << " bytes in "
-                                             << promoted->seconds << " s): the run resumes from it");
-      }
-    } catch (const Error& e) {
-      // Its steps stay where they are for the next start to try again.
-      TLOG_WARN0(e.what() << "; resuming from the persistent tier, the local one left as it was");
-      return;
+  if (cfg.checkpoint.resume != "auto" || !sameRun) return;
+  try {
+    if (const auto promoted = checkpoint::promoteLocalStep(tier.dir, tier.owner, (runDir / "checkpoints").string(), &comm)) {
+      TLOG_INFO0("checkpoint.local: step " << promoted->step << " of the node-local tier (held on "
+                                           << promoted->nodesHolding << " of the nodes now running) copied to "
+                                           << promoted->dir << " (" << promoted->bytes << " bytes in "
+                                           << promoted->seconds << " s): the run resumes from it");
     }
+  } catch (const Error& e) {
+    // Its steps stay where they are for the next start to try again.
+    TLOG_WARN0(e.what() << "; resuming from the persistent tier, the local one left as it was");
   }
-  checkpoint::clearLocalTier(dir, &comm);
 }
 
 // Checkpoints are written over the group the state is sharded over, by the ranks holding
@@ -298,10 +323,7 @@ void setUpCheckpointer(RunParts& run) {
   run.checkpointer.emplace((run.runDir / "checkpoints").string(), first.strategy->stateCommPtr()->host(), options);
   const LocalTierSection& local = run.cfg.checkpoint.local;
   if (local.every_steps > 0) {
-    checkpoint::LocalTierOptions tier;
-    tier.dir = localTierDir(run.cfg);
-    tier.replicas = local.replicas;
-    tier.keepLast = local.keep_last;
+    const checkpoint::LocalTierOptions tier = localTierOptions(run.cfg);
     run.localCheckpointer.emplace(tier, first.strategy->stateCommPtr()->host());
     TLOG_INFO0("checkpoint.local: every " << local.every_steps << " steps to " << tier.dir << " on each of "
                                           << run.localCheckpointer->layout().nodes.size() << " nodes, "
@@ -314,6 +336,37 @@ void setUpCheckpointer(RunParts& run) {
     posthoc.commitTimeout = options.commitTimeout;
     run.posthocWriter.emplace((run.runDir / "posthoc").string(), first.strategy->stateCommPtr()->host(), posthoc);
   }
+}
+
+// How the data this run's models are sized for differs from the data the models of
+// checkpoint `dir` were trained on (its trainer_state.json's model metadata: their
+// classes and sample shape), "" when it does not or cannot be told: a resume onto data with
+// more classes is said so, not as a tensor's shape.
+std::string dataAgainst(const RunParts& run, const std::string& dir) {
+  std::map<std::string, std::string> saved;
+  try {
+    saved = modelMetadataFromJson(checkpoint::CheckpointReader(dir).trainerState(), dir + "/trainer_state.json");
+  } catch (const std::exception&) {
+    return "";
+  }
+  for (const auto& [prefix, mine] : run.counters.modelMetadata) {
+    const auto it = saved.find(prefix);
+    if (it == saved.end()) continue;
+    try {
+      const ModelDescription before = parseModelMetadata(it->second, dir);
+      const ModelDescription now = parseModelMetadata(mine, "this run");
+      if (before.data.classes != now.data.classes) {
+        return strCat("the data has ", now.data.classes, " classes (data.path), the checkpoint's ", prefix,
+                      " was trained on ", before.data.classes);
+      }
+      if (before.data.inputShape != now.data.inputShape) {
+        return strCat("the data's samples are ", at::IntArrayRef(now.data.inputShape), " (data.path, data.image_size), "
+                      "the checkpoint's ", prefix, " was trained on ", at::IntArrayRef(before.data.inputShape));
+      }
+    } catch (const std::exception&) {
+    }
+  }
+  return "";
 }
 
 // The settings of this run that differ from those checkpoint `dir` was saved with (its
@@ -337,9 +390,13 @@ ResumeCheck settingsAgainst(const RunParts& run, const std::string& dir) {
 // what the user changed to get there (model.patch_size, data.image_size, ema.decays, ...).
 [[noreturn]] void refuseLayout(const RunParts& run, const checkpoint::LoadPlanError& e) {
   const ResumeCheck check = settingsAgainst(run, e.dir());
+  const std::string data = dataAgainst(run, e.dir());
   std::string cause;
   if (!check.uncomparable.empty()) {
     cause = strCat("its settings could not be read (", check.uncomparable, ")");
+  } else if (!data.empty()) {
+    cause = strCat(data, check.changed.empty() ? std::string()
+                                              : strCat("; settings differ too: ", describeChanges(check.changed)));
   } else if (check.changed.empty()) {
     cause = "no setting differs from the checkpoint's (was it written by another version of the model's code?)";
   } else {
@@ -367,11 +424,12 @@ void checkLoadedCounts(RunParts& run, const checkpoint::LoadResult& loaded, cons
     const std::string countEntry = dtensor::statePrefix(dtensor::kEmaKey) + m.ema->updateCountName();
     const auto& missing = loaded.missingOptional;
     if (std::find(missing.begin(), missing.end(), countEntry) != missing.end()) {
-      const bool single = run.models.size() == 1 && saved.legacyEmaUpdates.has_value();
-      auto of = saved.legacyEmaUpdatesOf.find(m.cfg.names.ema);
-      TESSERA_CHECK(single || of != saved.legacyEmaUpdatesOf.end(), loaded.dir, ": no update count of ",
+      const checkpoint::FormerEmaCounts& former = saved.formerEmaCounts;
+      const bool single = run.models.size() == 1 && former.single.has_value();
+      auto of = former.byName.find(m.cfg.names.ema);
+      TESSERA_CHECK(single || of != former.byName.end(), loaded.dir, ": no update count of ",
                     m.cfg.names.ema, " (neither the tensor ", countEntry, " nor ", stateFile, "'s ema_updates)");
-      m.ema->setUpdateCount(single ? *saved.legacyEmaUpdates : of->second);
+      m.ema->setUpdateCount(single ? *former.single : of->second);
     }
     TESSERA_CHECK(m.ema->updateCount() <= saved.step, loaded.dir, ": ", countEntry, " is ", m.ema->updateCount(),
                   ", more updates than the checkpoint's ", saved.step, " steps");
@@ -384,16 +442,8 @@ void checkLoadedCounts(RunParts& run, const checkpoint::LoadResult& loaded, cons
 void checkTrainerState(const checkpoint::LoadResult& loaded) {
   const std::string file = loaded.dir + "/trainer_state.json";
   const TrainerCounters saved = countersFromJson(loaded.trainerState, file);
-  if (saved.legacyEmaUpdatesOf.empty()) return;
-  const checkpoint::CheckpointReader reader(loaded.dir);
-  const checkpoint::CheckpointMetadata& md = reader.metadata();
-  for (const auto& [name, count] : saved.legacyEmaUpdatesOf) {
-    const std::string prefix = dtensor::statePrefix(dtensor::kEmaKey) + name + "/";
-    const bool held = std::any_of(md.tensors.begin(), md.tensors.end(),
-                                  [&](const checkpoint::TensorInfo& t) { return t.name.rfind(prefix, 0) == 0; });
-    TESSERA_CHECK(held, file, ": 'ema_updates_of.", name, "' counts updates of an EMA the checkpoint does not hold (no ",
-                  prefix, " tensors)");
-  }
+  if (saved.formerEmaCounts.byName.empty()) return;
+  checkpoint::checkFormerEmaCountsHeld(saved.formerEmaCounts, checkpoint::CheckpointReader(loaded.dir).metadata(), file);
 }
 
 // checkpoint.resume: loads the newest complete checkpoint ("auto", falling back to older
@@ -450,7 +500,11 @@ bool resume(RunParts& run) {
     TLOG_WARN0("resume from " << loaded->dir << ": settings differ from the checkpoint's (this run's apply): "
                               << describeChanges(check.changed));
   }
-  if (!saved.dataFingerprint.empty() && saved.dataFingerprint != run.counters.dataFingerprint) {
+  // A checkpoint written before the shards' contents were fingerprinted holds the part
+  // before "; " alone (Dataset::fingerprint): it is compared so far.
+  const std::string& now = run.counters.dataFingerprint;
+  const bool sameData = saved.dataFingerprint == now || now.rfind(saved.dataFingerprint + "; ", 0) == 0;
+  if (!saved.dataFingerprint.empty() && !sameData) {
     // Legitimate (shards added, a damaged one replaced), but the order from here is not the
     // one the uninterrupted run would have read.
     TLOG_WARN0("resume from " << loaded->dir << ": the data differs from what it was trained on ("
@@ -615,6 +669,50 @@ void setUpData(RunParts& run) {
                      << run.microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
 }
 
+// Sizes from outside (the data's classes and image size, the config's widths and batches)
+// are checked against the memory a rank of this node may use before anything is built: a
+// million classes or 16384-pixel images are a ConfigError naming the keys, not an
+// allocator's message at the end of a run. The largest tensors each model's architecture
+// plans (models::ArchitectureSpec::planned), a micro-batch of inputs, and the pictures an
+// image denoiser draws (the sample grids, the judge's samples).
+void checkPlannedMemory(const RunParts& run) {
+  const TrainConfig& cfg = run.cfg;
+  const datasets::DataSpec data = run.data->spec();
+  const double pages = static_cast<double>(::sysconf(_SC_PHYS_PAGES)), pageBytes = static_cast<double>(::sysconf(_SC_PAGE_SIZE));
+  if (pages <= 0 || pageBytes <= 0) return;
+  const int localRanks = std::max(1, distributed::RankEnv::fromEnvironment().local_world_size);
+  const double budget = pages * pageBytes / localRanks;
+  double sample = 4.0;  // an fp32 input
+  for (int64_t dim : data.inputShape) sample *= static_cast<double>(dim);
+  const double micro = static_cast<double>(cfg.data.micro_batch);
+  std::vector<models::PlannedTensor> planned{
+      {"a micro-batch of inputs", micro * sample, "data.image_size, data.micro_batch"}};
+  for (const ModelEntry& m : cfg.models) {
+    const models::ArchitectureSpec& spec = models::architecture(m.model.arch);
+    if (spec.planned) {
+      for (models::PlannedTensor& p : spec.planned(m.model, data, cfg.data.micro_batch)) planned.push_back(std::move(p));
+    }
+  }
+  const ModelEntry& first = cfg.models.front();
+  if (first.model.isDenoiser() && data.inputShape.size() == 3) {
+    const double rows = static_cast<double>(data.classes > 0 ? data.classes : 10);
+    planned.push_back({"a sample grid", rows * static_cast<double>(cfg.eval.sample_per_class) * sample,
+                       "eval.sample_per_class, data.path (its classes)"});
+    if (!cfg.eval.judge.empty()) {
+      planned.push_back({"the judge's samples", rows * static_cast<double>(cfg.eval.judge_per_class) * sample,
+                         "eval.judge_per_class, data.path (its classes)"});
+    }
+  }
+  for (const models::PlannedTensor& p : planned) {
+    if (p.bytes <= budget) continue;
+    const std::string key = p.keys.substr(0, p.keys.find_first_of(", ("));
+    throw ConfigError(cfg.origins.errorMessage(
+        key, strCat(p.what, " would take ", std::llround(p.bytes / (1 << 20)), " MiB, more than the ",
+                    std::llround(budget / (1 << 20)), " MiB of memory each of the ", localRanks,
+                    " ranks of this machine has (sized by ", p.keys, "; data: ", run.data->describe(), ")")));
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
@@ -626,9 +724,14 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->hostComm = run->comm->host();
   const TrainConfig& cfg = run->cfg;
   const int rank = run->comm->rank();
+  for (const std::string& warning : cfg.warnings) TLOG_WARN0(warning);
   const int world = run->comm->worldSize();
   run->runDir = cfg.run.dir;
-  if (cfg.checkpoint.local.every_steps > 0) promoteFromLocalTier(cfg, *run->hostComm);
+  const bool localTier = cfg.checkpoint.local.every_steps > 0;
+  if (localTier) {
+    checkLocalTierDir(cfg, localTierOptions(cfg), *run->hostComm);
+    promoteFromLocalTier(cfg, localTierOptions(cfg), *run->hostComm);
+  }
   // One run per run.dir: decided on rank 0 before anything is written, agreed by all.
   distributed::runOnEveryRank(run->hostComm.get(), "checking run.dir for an earlier run", [&] {
     if (rank == 0) claimRunDir(cfg);
@@ -644,6 +747,7 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   checkComputeDtypes(cfg, run->device);
   setCpuMatmulDtype(cfg, run->device);
   setUpData(*run);
+  checkPlannedMemory(*run);
   for (const ModelEntry& entry : cfg.models) run->models.push_back(buildModel(*run, entry));
 
   // Checkpointer and resume.
@@ -654,6 +758,13 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->counters.worldSize = world;
   run->counters.resolvedConfig = run->resolvedYaml;
   run->counters.dataFingerprint = run->data->fingerprint();
+  // The names the config gives the run's exports are those its components answer to: the
+  // config's checks and the exports at the end read one list (runExportNames).
+  std::map<std::string, std::string> exportNames;
+  for (const ExportName& n : runExportNames(cfg)) exportNames[n.name] = n.prefix;
+  const std::map<std::string, std::string> components = checkpoint::collectExportNames(run->states());
+  TESSERA_CHECK(exportNames == components, "setUpRun: the run's export names (", exportNames.size(),
+                ") differ from its components' (", components.size(), "): runExportNames is out of date");
   for (const ModelPart& part : run->models) {
     const std::string metadata = modelMetadataJson(part.cfg.model, run->data->spec(), &cfg.data);
     const ModelStateNames& names = part.cfg.names;
@@ -666,6 +777,12 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   if (run->startStep > cfg.run.steps) {
     throw ConfigError(cfg.origins.errorMessage(
         "run.steps", strCat(cfg.run.steps, " is below the step the run resumes from (", run->startStep, ")")));
+  }
+  if (localTier) {
+    // The run is accepted and resumed: what the tier holds of it is superseded by the
+    // persistent tier (a promoted step is there now). Another run's steps stay.
+    const checkpoint::LocalTierOptions tier = localTierOptions(cfg);
+    checkpoint::clearLocalTier(tier.dir, tier.owner, run->hostComm.get());
   }
   return run;
 }

@@ -8,8 +8,11 @@
 #include "common/errors.h"
 #include "common/limits.h"
 #include "ema/power_ema.h"
+#include "checkpoint/formats_1_2.h"
+#include "dtensor/stateful.h"
 #include "ema/profile_names.h"
 #include "sharding/mixed_precision.h"
+#include "models/architecture.h"
 #include "trainer/recipe_spec.h"
 
 namespace tessera::trainer {
@@ -200,12 +203,12 @@ void bindCheckpointKeys(config::ConfigSchema& s, CheckpointSection& checkpoint) 
   s.add("checkpoint.local.every_steps", &checkpoint.local.every_steps,
         "Save to the node-local tier every N steps (0: off): a lost node costs the steps since the last one")
       .min(0);
-  s.add("checkpoint.local.dir", &checkpoint.local.dir,
+  s.add("checkpoint.local.dir", &checkpoint.local.tier.dir,
         "This node's directory for the local tier (empty: /dev/shm/tessera-<uid>/<a hash of run.dir>)");
-  s.add("checkpoint.local.replicas", &checkpoint.local.replicas,
+  s.add("checkpoint.local.replicas", &checkpoint.local.tier.replicas,
         "Copies of each rank's local checkpoint on the next nodes (a node: the ranks sharing a host and dir)")
       .min(0);
-  s.add("checkpoint.local.keep_last", &checkpoint.local.keep_last, "Complete local steps each node keeps").min(1);
+  s.add("checkpoint.local.keep_last", &checkpoint.local.tier.keepLast, "Complete local steps each node keeps").min(1);
   s.add("checkpoint.resume", &checkpoint.resume, "auto (latest complete checkpoint of run.dir), none, or a directory")
       .nonEmpty();
   s.add("checkpoint.export", &checkpoint.export_what,
@@ -264,7 +267,7 @@ void bindProfileKeys(config::ConfigSchema& s, ProfileSection& p) {
 // diagnostics.*: the flight recorder and the timeouts.
 void bindDiagnosticsKeys(config::ConfigSchema& s, DiagnosticsSection& d) {
   s.describeSection("diagnostics", "When a run goes wrong: the flight recorder and the timeouts");
-  s.add("diagnostics.flight_entries", &d.flight_entries,
+  s.add("diagnostics.flight_entries", &d.runtime.flightEntries,
         "Collectives each communicator remembers for <run.dir>/flight/rank_N.json, written on a timeout, an error, "
         "SIGTERM or SIGUSR1 (tessera-flight reads them); 0 = off")
       .min(0)
@@ -311,11 +314,13 @@ void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
 
 namespace {
 
-// The names a model's state and exports go by (see ModelStateNames).
+// The names a model's state and exports go by (see ModelStateNames). A single denoiser's
+// EMA is "generator_ema", what users of a diffusion run export for inference; any other
+// single model's follows the model ("model_ema", checkpoint/formats_1_2.h for its old name).
 ModelStateNames stateNames(const ModelEntry& m, bool singleModelForm) {
   if (!singleModelForm) return {m.name, "optim/" + m.name, m.name + "_ema", ""};
-  if (m.model.isDenoiser()) return {"model", "optim", ema::kDefaultEmaPrefix, ""};
-  return {"model", "optim", "model_ema", ema::kDefaultEmaPrefix};
+  if (m.model.isDenoiser()) return {"model", "optim", "generator_ema", ""};
+  return {"model", "optim", "model_ema", checkpoint::kFormerSingleModelEma};
 }
 
 // A model's keys as checks see them: the schema that knows where each was set.
@@ -329,7 +334,7 @@ struct ModelKeys {
 };
 
 // The checks of one model's keys against each other and the run's.
-void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
+void validateModel(const ModelKeys& k, TrainConfig& c, int worldSize) {
   const ModelEntry& m = k.entry;
   const optim::OptimizerOptions& o = m.sharding.optimizer;
   if (!m.trainable && !m.model.init_from) {
@@ -363,78 +368,48 @@ void validateModel(const ModelKeys& k, const TrainConfig& c, int worldSize) {
   if (m.sharding.strategy == sharding::StrategyKind::kHybrid && shardSize > 0 && worldSize % shardSize != 0) {
     k.fail("sharding.shard_size", strCat(shardSize, " does not divide the world size (", worldSize, ")"));
   }
-  if ((m.model.arch == "gpt" || m.model.arch == "dit") && m.model.embed_dim % m.model.heads != 0) {
-    k.fail("heads", strCat(m.model.heads, " does not divide ", m.modelKeys, "embed_dim (", m.model.embed_dim, ")"), true);
+  // The architecture's own checks, and its keys: one that it does not read, set to other
+  // than its default, is a mistake (model.loss_weighting on an mlp), not a value to ignore.
+  // One exception: model.arch switched by --set on a config written for another
+  // architecture (a classifier trained from a DiT's config) leaves that config's keys
+  // behind; they are named in a warning and ignored.
+  std::vector<std::string> changed;
+  for (const std::string& key : k.schema.changedKeys(m.modelKeys)) changed.push_back(key.substr(m.modelKeys.size()));
+  const models::ArchitectureContext context{c.data.kind, m.modelKeys};
+  const auto fromSet = [&](const std::string& key) {
+    return k.schema.locationOf(m.modelKeys + key).source.rfind("--set", 0) == 0;
+  };
+  std::vector<std::string> leftBehind;
+  for (const models::KeyProblem& p : models::architectureProblems(m.model, context, changed)) {
+    if (!p.unread || !fromSet("arch")) k.fail(p.key, p.what, /*modelKey=*/true);
+    leftBehind.push_back(m.modelKeys + p.key);
   }
-  if (m.model.arch == "gpt" && c.data.kind == "tensors") {
-    k.fail("arch", "gpt needs token data (data.kind text or tokens), not tensors", true);
-  }
-  const bool images = datasets::isImageKind(c.data.kind);
-  if (m.model.arch == "diffusion" && c.data.kind != "tensors" && !images) {
-    k.fail("arch", strCat("diffusion needs data.kind tensors, idx, image_folder or webdataset, not ", c.data.kind), true);
-  }
-  if (m.model.arch == "dit" && !images) {
-    k.fail("arch", strCat("dit needs images: data.kind idx, image_folder or webdataset, not ", c.data.kind), true);
-  }
-  if (m.model.arch == "dit" && m.model.embed_dim % 4 != 0) {
-    k.fail("embed_dim", strCat(m.model.embed_dim, ": dit's 2-D sin-cos position embedding needs a multiple of 4"), true);
-  }
-  if (m.model.arch == "dit" && (m.model.patch_overlap < 0 || 2 * m.model.patch_overlap > m.model.patch_size)) {
-    k.fail("patch_overlap", strCat(m.model.patch_overlap, " must be between 0 and half of ", m.modelKeys, "patch_size (",
-                                   m.model.patch_size, "): a window reaches at most the middle of its neighbour"), true);
-  }
-  if (!m.model.sample_timesteps.empty() && !m.model.isDenoiser()) {
-    k.fail("sample_timesteps", "is a denoiser's (diffusion, dit)", true);
-  }
-  const std::string timesteps = models::timestepsProblem(m.model.sample_timesteps, m.model.timesteps);
-  if (!timesteps.empty()) k.fail("sample_timesteps", timesteps, true);
-  if (m.model.isDenoiser() && m.model.noise_schedule == "cosine" && m.model.prediction != "v") {
-    k.fail("noise_schedule", strCat("cosine needs ", m.modelKeys, "prediction v, not ", m.model.prediction,
-                                    ": its last abar (2e-9) makes a noise prediction's clean estimate multiply every "
-                                    "error by 20000"), true);
-  }
-  if (m.model.isDenoiser() && m.model.zero_terminal_snr && m.model.timesteps < 2) {
-    k.fail("zero_terminal_snr", "needs model.timesteps >= 2 (the first timestep keeps its noise level, the last is pure noise)", true);
-  }
-  if (m.model.isDenoiser() && m.model.zero_terminal_snr && m.model.prediction != "v") {
-    k.fail("zero_terminal_snr", strCat("needs ", m.modelKeys, "prediction v, not ", m.model.prediction,
-                                       ": at the last timestep the input is pure noise, and a noise prediction says "
-                                       "nothing about the clean sample there"), true);
-  }
-  if (m.model.isDenoiser() && m.model.beta_start > m.model.beta_end) {
-    k.fail("beta_start", strCat(m.model.beta_start, " is above ", m.modelKeys, "beta_end (", m.model.beta_end, ")"), true);
+  if (!leftBehind.empty()) {
+    std::string keys;
+    for (const std::string& key : leftBehind) keys += (keys.empty() ? "" : ", ") + key;
+    c.warnings.push_back(strCat(m.modelKeys, "arch ", m.model.arch, " (--set) does not read ", keys,
+                                ", which the config sets for another architecture: they are ignored"));
   }
 }
 
-// checkpoint.export names what the run has: a model (single-model form: "model") or one
-// of the EMA profiles, by any of its names. Checked before training, not when the
-// exports are written at the end.
+// checkpoint.export names what the run has (runExportNames): a model (single-model form:
+// "model") or one of the EMA profiles, by any of its names. Checked before training, not
+// when the exports are written at the end.
 void checkExportNames(const config::ConfigSchema& s, const TrainConfig& c) {
-  std::vector<std::string> known;
-  for (const ModelEntry& m : c.models) {
-    known.push_back(m.names.weights);
-    if (!m.hasEma()) continue;
-    for (const std::string& ema : {m.names.ema, m.names.formerEma}) {
-      if (ema.empty()) continue;
-      for (const auto& n : ema::emaProfileNames(ema, m.ema.options.decays, m.ema.options.powerStds)) {
-        known.push_back(n.state);
-        if (n.alias != n.state) known.push_back(n.alias);
-      }
-    }
-  }
+  const std::vector<ExportName> names = runExportNames(c);
   // Two things under one name (a model "generator_ema" beside the generator's EMA) would
   // export one as the other.
-  for (size_t i = 0; i < known.size(); ++i) {
-    if (std::find(known.begin(), known.begin() + static_cast<std::ptrdiff_t>(i), known[i]) !=
-        known.begin() + static_cast<std::ptrdiff_t>(i)) {
-      throw ConfigError(strCat("two things this run can export are named '", known[i], "' (models, their EMAs and ",
+  for (size_t i = 0; i < names.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (names[j].name != names[i].name) continue;
+      throw ConfigError(strCat("two things this run can export are named '", names[i].name, "' (models, their EMAs and ",
                                "the EMAs' <name>_<decay> names must all differ): rename the model or change the decay"));
     }
   }
   for (const auto& what : c.checkpoint.export_what) {
-    if (std::find(known.begin(), known.end(), what) != known.end()) continue;
+    if (std::any_of(names.begin(), names.end(), [&](const ExportName& n) { return n.name == what; })) continue;
     std::string list;
-    for (const auto& k : known) list += (list.empty() ? "" : ", ") + k;
+    for (const ExportName& n : names) list += (list.empty() ? "" : ", ") + n.name;
     const bool emaOff = c.singleModelForm && what.find("_ema") != std::string::npos && !c.models.front().hasEma();
     throw ConfigError(s.errorMessage("checkpoint.export", strCat("'", what, "' is not something this run has",
                                                                  emaOff ? " (ema.enabled is false)" : "",
@@ -513,7 +488,6 @@ void settleModels(TrainConfig& c) {
   }
 }
 
-// model.samples draws with the EMA of the model the recipe samples from.
 // The image keys against each other and the data kind.
 void checkImageData(const config::ConfigSchema& s, const TrainConfig& c) {
   const datasets::DataOptions& d = c.data;
@@ -536,8 +510,8 @@ void checkImageData(const config::ConfigSchema& s, const TrainConfig& c) {
       throw ConfigError(s.errorMessage(key, strCat("applies to data.kind idx, not ", d.kind, " (clear it: --set ", key, "=)")));
     }
   }
-  if (!c.eval.judge.empty() && (!images || c.run.recipe != "standard" || !c.models.front().model.isDenoiser() ||
-                                 !c.models.front().hasEma())) {
+  if (!c.eval.judge.empty() && (!images || !recipeSpec(c.run.recipe).judgesSamples ||
+                                 !c.models.front().model.isDenoiser() || !c.models.front().hasEma())) {
     throw ConfigError(s.errorMessage("eval.judge", "judges generator_ema's samples: needs a denoiser (diffusion, dit) "
                                                    "with ema.enabled on image data (idx, image_folder, webdataset), run.recipe "
                                                    "standard"));
@@ -562,6 +536,27 @@ void checkSamples(const config::ConfigSchema& s, const TrainConfig& c) {
 }
 
 }  // namespace
+
+std::vector<ExportName> runExportNames(const TrainConfig& c) {
+  std::vector<ExportName> out;
+  for (const ModelEntry& m : c.models) {
+    out.push_back({m.names.weights, dtensor::statePrefix(m.names.weights)});
+    if (!m.hasEma()) continue;
+    const ema::EmaOptions& e = m.ema.options;
+    const auto profiles = ema::emaProfileNames(m.names.ema, e.decays, e.powerStds);
+    const auto former = m.names.formerEma.empty() ? decltype(profiles){}
+                                                  : ema::emaProfileNames(m.names.formerEma, e.decays, e.powerStds);
+    for (size_t i = 0; i < profiles.size(); ++i) {
+      const std::string prefix = dtensor::statePrefix(dtensor::kEmaKey) + profiles[i].state + "/";
+      for (const ema::EmaProfileName* n : {&profiles[i], former.empty() ? nullptr : &former[i]}) {
+        if (n == nullptr) continue;
+        out.push_back({n->state, prefix});
+        if (n->alias != n->state) out.push_back({n->alias, prefix});
+      }
+    }
+  }
+  return out;
+}
 
 ModelEntry::ModelEntry() {
   // The trainer's defaults where they differ from the library's: wrapped modules under a

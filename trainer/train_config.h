@@ -3,6 +3,7 @@
 // checks that), and configs/default.yaml is the main job's config.
 #pragma once
 
+#include <any>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "checkpoint/checkpointer.h"
+#include "checkpoint/local_tier.h"
 #include "common/key_origins.h"
 #include "distributed/runtime.h"
 #include "ema/ema_manager.h"
@@ -36,7 +38,7 @@ struct RunOptions {
   int64_t stop_after_steps = 0;   // stop (with a checkpoint) after this many steps of this invocation; 0 = run to the end
   int64_t eval_every = 0;         // held-out loss (live and EMA weights) every N steps; 0 = at the end only
   std::string device = "cpu";     // cpu | cuda (this rank's GPU: LOCAL_RANK modulo the GPUs visible)
-  std::string backend = "auto";   // auto | nccl | gloo: how parameters and gradients travel (commBackend)
+  std::string backend = "auto";   // auto | nccl | shm | gloo: how parameters and gradients travel (runtimeOptions)
   std::string recipe = "standard";  // standard (the one `model`) | dmd (models generator, critic, teacher)
   double peak_flops = 0;          // a rank's peak FLOP/s for MFU; 0 = measured at start by a matrix-product probe
   std::string matmul_dtype = "fp32";  // fp32 | bf16: what fp32 Linear layers multiply in on the CPU (kernels/cpu_matmul.h)
@@ -69,12 +71,12 @@ struct ProfileSection {
 // When a run goes wrong (docs/troubleshooting.md): the flight recorder and the timeouts.
 struct DiagnosticsSection {
   DiagnosticsSection();
-  int64_t flight_entries = 2000;  // collectives each communicator remembers for a dump; 0 = off
   double straggler_ratio = 1.3;   // a rank busy longer than this times the others is named (0: never)
   // startup_timeout_s (rendezvous and set-up: every rank arrived), collective_timeout_s
   // (one collective of a step, and every other one not below; the trainer's 100 s: see the
-  // constructor) and check_collectives (agree on every collective before it runs),
-  // bound into the runtime's options; its backend follows run.backend (runtimeOptions()).
+  // constructor), check_collectives (agree on every collective before it runs) and
+  // flight_entries (collectives each communicator remembers for a dump; 0 = off), bound
+  // into the runtime's options; its backend follows run.backend (runtimeOptions()).
   distributed::RuntimeOptions runtime;
   // checkpoint_timeout_s: a collective of a checkpoint save or load, or of an export (they
   // wait for file writes), and how long rank 0 waits for the others' parts of a save.
@@ -93,9 +95,9 @@ struct EmaConfig {
 // checkpoint.local: the node-local tier (checkpoint/local_tier.h).
 struct LocalTierSection {
   int64_t every_steps = 0;  // save to the node-local tier every N steps (0: no local tier)
-  std::string dir;          // this node's directory ("": /dev/shm/tessera-<uid>/<run.dir's hash>)
-  int replicas = 1;         // copies of each rank's file on the next nodes
-  int keep_last = 2;        // complete local steps each node keeps
+  // checkpoint.local.dir ("": /dev/shm/tessera-<uid>/<run.dir's hash>), replicas and
+  // keep_last, bound into the library's options (the run fills in the rest: localTierOptions).
+  checkpoint::LocalTierOptions tier;
 };
 
 struct CheckpointSection {
@@ -159,8 +161,8 @@ struct TrainConfig {
   datasets::DataOptions data;
   CheckpointSection checkpoint;
   // Each recipe's own keys, bound by its RecipeSpec::bindKeys into a struct of the
-  // recipe's, kept here by recipe name (recipeOptions<T>()).
-  std::map<std::string, std::shared_ptr<void>> recipeKeys;
+  // recipe's, kept here by recipe name (recipeOptions<T>(): a checked cast).
+  std::map<std::string, std::any> recipeKeys;
   // The top-level model, sharding, optim and ema sections: the one model of the
   // single-model form, or the defaults every models: entry inherits.
   ModelEntry defaults;
@@ -172,22 +174,37 @@ struct TrainConfig {
   // Where each key's value was written (file:line:column or --set), for the checks made
   // once the run starts: a data file that is missing names the line or the --set.
   config::KeyOrigins origins;
+  // What the checks found worth saying but not refusing; the run logs them at its start.
+  std::vector<std::string> warnings;
 };
 
 // The struct recipe `recipe` binds its keys into, made on first use (by its bindKeys).
+// std::bad_any_cast when `recipe` keeps another type.
 template <typename T>
 T& recipeOptions(TrainConfig& config, const std::string& recipe) {
-  std::shared_ptr<void>& slot = config.recipeKeys[recipe];
-  if (!slot) slot = std::make_shared<T>();
-  return *std::static_pointer_cast<T>(slot);
+  std::any& slot = config.recipeKeys[recipe];
+  if (!slot.has_value()) slot = T{};
+  return std::any_cast<T&>(slot);
 }
 // The same, read-only; its defaults when the recipe bound no keys into this config.
 template <typename T>
 const T& recipeOptions(const TrainConfig& config, const std::string& recipe) {
   static const T defaults;
   const auto it = config.recipeKeys.find(recipe);
-  return it == config.recipeKeys.end() || !it->second ? defaults : *std::static_pointer_cast<const T>(it->second);
+  return it == config.recipeKeys.end() || !it->second.has_value() ? defaults : std::any_cast<const T&>(it->second);
 }
+
+// One thing a run can export (checkpoint.export) and the state prefix its tensors live under:
+// a model's weights ("model" -> "model/") or an EMA profile by each of its names
+// ("generator_ema", "generator_ema_0.9999" -> "ema/generator_ema/").
+struct ExportName {
+  std::string name;
+  std::string prefix;
+};
+// Every name the run's config gives its exports, in the models' order: the one list the
+// config's checks, the exports at the end, and the export metadata read
+// (checkpoint::collectExportNames of the run's components is the same, checked at set-up).
+std::vector<ExportName> runExportNames(const TrainConfig& config);
 
 // Registers every key of `config` with `schema` (the variables are bound by pointer),
 // each added recipe's own keys too (RecipeSpec::bindKeys).

@@ -92,15 +92,7 @@ TrainerCounters countersFromJson(const std::string& text, const std::string& sou
     if (c.dataFingerprint.size() > 4096) throw Error(strCat(source, ": 'data_fingerprint' is longer than 4096 bytes"));
   }
   c.modelMetadata = modelMetadataIn(j, source);
-  // Older checkpoints' EMA counts (train_counters.h).
-  if (j.contains("ema_updates")) c.legacyEmaUpdates = integer("ema_updates", 0, c.step);
-  if (j.contains("ema_updates_of")) {
-    const nlohmann::json& of = j.at("ema_updates_of");
-    if (!of.is_object()) throw Error(strCat(source, ": 'ema_updates_of' must be an object, got ", of.type_name()));
-    for (const auto& [name, count] : of.items()) {
-      c.legacyEmaUpdatesOf[name] = integerValue(count, "ema_updates_of." + name, 0, c.step);
-    }
-  }
+  c.formerEmaCounts = checkpoint::formerEmaCounts(text, source, c.step);  // older checkpoints' (train_counters.h)
   return c;
 }
 

@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 
+#include "checkpoint/formats_1_2.h"
+
 namespace tessera::trainer {
 
 // Counters that are not tensors: where the run is and what it was started with.
@@ -27,11 +29,9 @@ struct TrainerCounters {
   // "model/", "generator/" (weights) and "ema/generator_ema" (its EMA profiles' names
   // start so). Absent from checkpoints written before exports carried it.
   std::map<std::string, std::string> modelMetadata;
-  // Checkpoints written before each EMA saved its own update count held it here: the
-  // single-model form's ("ema_updates"), a models: run's by EMA name ("ema_updates_of").
-  // Read when present (and checked), never written.
-  std::optional<int64_t> legacyEmaUpdates;
-  std::map<std::string, int64_t> legacyEmaUpdatesOf;
+  // Checkpoints written before each EMA saved its own update count held it here
+  // (checkpoint/formats_1_2.h). Read when present (and checked), never written.
+  checkpoint::FormerEmaCounts formerEmaCounts;
 };
 
 std::string countersToJson(const TrainerCounters& c);

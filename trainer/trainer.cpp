@@ -71,11 +71,13 @@ extern "C" void onStopSignal(int signal) {
   }
 }
 
-// Exports `names` (checkpoint.export_what's) of step `done` to <run.dir>/export/<name>.safetensors:
+// Exports `names` (checkpoint.export's) of step `done` to <run.dir>/export/<name>.safetensors:
 // consolidated, gathered one tensor at a time to rank 0 over the state group. Collective;
 // returns the files written (rank 0; empty elsewhere).
 std::vector<std::string> writeExports(RunParts& run, int64_t done, const std::vector<std::string>& names) {
-  const checkpoint::StateMap states = run.states();
+  const std::vector<dtensor::StateEntry> entries = checkpoint::collectEntries(run.states());
+  std::map<std::string, std::string> exportNames;
+  for (const ExportName& n : runExportNames(run.cfg)) exportNames[n.name] = n.prefix;
   const distributed::TimeoutScope timeout(run.cfg.diagnostics.checkpoint_timeout);
   sharding::ShardingStrategy& writer = *run.models.front().strategy;  // every model's state group (run_setup.h)
   const int rank = run.comm->rank();
@@ -85,19 +87,19 @@ std::vector<std::string> writeExports(RunParts& run, int64_t done, const std::ve
     options.what = what;
     options.dtype = run.cfg.checkpoint.export_dtype;
     options.metadata["tessera_step"] = std::to_string(done);
-    const std::string model = modelMetadataForPrefix(run.counters.modelMetadata, checkpoint::exportPrefix(what, checkpoint::collectExportNames(states)));
+    const std::string model = modelMetadataForPrefix(run.counters.modelMetadata, checkpoint::exportPrefix(what, exportNames));
     if (!model.empty()) options.metadata[kModelMetadataKey] = model;
     const std::string out = (run.runDir / "export" / (what + ".safetensors")).string();
     if (rank == 0) fs::create_directories(run.runDir / "export");
     if (writer.firstReplica()) {  // rank 0 of the state group (global rank 0) writes; logs what it wrote
-      checkpoint::exportOnline(states, writer.stateCommPtr()->host().get(), out, options);
+      checkpoint::exportOnline(entries, exportNames, writer.stateCommPtr()->host().get(), out, options);
     }
     if (rank == 0) written.push_back(out);
   }
   return written;
 }
 
-// The exports of checkpoint.export_what that rank 0 does not find in <run.dir>/export (a
+// The exports of checkpoint.export that rank 0 does not find in <run.dir>/export (a
 // run stopped between its final checkpoint and its exports, or an export name added
 // since), agreed by every rank.
 std::vector<std::string> missingExports(RunParts& run) {
@@ -163,8 +165,7 @@ class TrainLoop {
       : run_(run),
         cfg_(run.cfg),
         recipe_(makeRecipeOf(run)),
-        schedule_(run.cfg.run.steps, run.startStep, run.cfg.checkpoint.every_steps, run.cfg.run.stop_after_steps,
-                  run.cfg.checkpoint.at_end),
+        schedule_(run.cfg.run, run.cfg.checkpoint, run.startStep),
         profile_(run.cfg.profile, *run.hostComm, run.runDir) {
     trace::nameThisThread("main");
     if (run.comm->rank() == 0) {
@@ -230,7 +231,7 @@ class TrainLoop {
     if (done % cfg_.run.log_every == 0 || last || evalNow) logWindow(done, out, evalNow || last);
     if (cfg_.eval.sample_every > 0 && done % cfg_.eval.sample_every == 0 && !last) writeSampleGrids(done);
     if (schedule_.periodicSaveDue(done)) saveCheckpoint(done);
-    if (run_.localCheckpointer && schedule_.localSaveDue(done, cfg_.checkpoint.local.every_steps)) saveLocal(done);
+    if (run_.localCheckpointer && schedule_.localSaveDue(done)) saveLocal(done);
     if (run_.posthocWriter && done % run_.models.front().cfg.ema.snapshotEvery == 0) savePosthocSnapshot(done);
   }
 

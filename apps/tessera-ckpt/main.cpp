@@ -20,7 +20,7 @@
 #include "common/command_line.h"
 #include "common/errors.h"
 #include "common/logging.h"
-#include "trainer/checkpoint_layout.h"
+#include "checkpoint/formats_1_2.h"
 
 namespace ckpt = tessera::checkpoint;
 
@@ -75,7 +75,7 @@ void printComponents(const ckpt::CheckpointMetadata& md) {
     std::cout << std::left << std::setw(12) << kind << " " << name << "  " << n.tensors << " tensors, " << human(n.bytes)
               << (of.empty() ? "" : "; of " + of) << (also.empty() ? "" : "; also exported as " + also) << "\n";
   };
-  for (const auto& c : tessera::trainer::checkpointComponents(md)) {
+  for (const auto& c : tessera::checkpoint::checkpointComponents(md)) {
     if (c.parts.empty()) line(c.kind, c.key, c.prefix(), c.of, c.exports);
     for (const auto& [part, prefix] : c.parts) line(c.kind, part, prefix, c.of, c.exports);
   }
@@ -130,7 +130,7 @@ int main(int argc, char** argv) {
                 << "tensors      " << md.tensors.size() << " (" << human(s.tensorBytes) << "; files "
                 << human(s.fileBytes) << ")\n";
       printComponents(md);
-      for (const auto& [name, prefix] : tessera::trainer::checkpointExportNames(md)) {
+      for (const auto& [name, prefix] : tessera::checkpoint::checkpointExportNames(md)) {
         std::cout << "export name  " << name << " -> " << prefix << "\n";
       }
       for (const auto& t : md.tensors) {

@@ -32,7 +32,7 @@
 #include "distributed/runtime.h"
 #include "ema/posthoc.h"
 #include "models/model_options.h"
-#include "trainer/checkpoint_layout.h"
+#include "checkpoint/formats_1_2.h"
 #include "trainer/model_metadata.h"
 #include "trainer/posthoc_sweep.h"
 #include "trainer/train_counters.h"
@@ -217,7 +217,7 @@ void resolveWhat(const std::string& stepDir, ckpt::ExportOptions& options) {
   std::string prefix;
   try {
     prefix = ckpt::resolveExportPrefix(reader.metadata(), options.what,
-                                       tessera::trainer::checkpointExportNames(reader.metadata()));
+                                       tessera::checkpoint::checkpointExportNames(reader.metadata()));
   } catch (const ckpt::CheckpointError& e) {  // what the user asked for is not there: their mistake
     throw tessera::UsageError(tessera::strCat("--what ", options.what, ": ", e.what()));
   }

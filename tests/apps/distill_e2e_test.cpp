@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -266,6 +267,36 @@ TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
   out = mustRun(launch(1) + smallDistill(teacher, fifo), 120);
   EXPECT_NE(out.find("not a regular file"), std::string::npos) << out;
   EXPECT_NE(out.find("dmd: could not keep the regression pairs in"), std::string::npos) << out;
+
+  // Round 4, class 4: a cache with the right key and an extra tensor of 8 GiB (a sparse
+  // file) is refused from its header at once, in the file's words, before any data is read.
+  const std::string extra = scratch("extra_tensor");
+  fs::create_directories(extra + "/cache");
+  {
+    std::ifstream in(cache, std::ios::binary);
+    uint64_t headerBytes = 0;
+    in.read(reinterpret_cast<char*>(&headerBytes), 8);
+    std::string header(headerBytes, '\0');
+    in.read(header.data(), static_cast<std::streamsize>(headerBytes));
+    const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    nlohmann::json j = nlohmann::json::parse(header);
+    const int64_t end = static_cast<int64_t>(data.size());
+    const int64_t huge = int64_t{8} << 30;
+    j["extra"] = {{"dtype", "F32"}, {"shape", {huge / 4}}, {"data_offsets", {end, end + huge}}};
+    std::string text = j.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');
+    std::ofstream out(extra + "/cache/dmd_pairs.safetensors", std::ios::binary);
+    const uint64_t n = text.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << text << data;
+  }
+  fs::resize_file(extra + "/cache/dmd_pairs.safetensors", fs::file_size(extra + "/cache/dmd_pairs.safetensors") +
+                                                             (uint64_t{8} << 30));  // sparse: no disk used
+  const CommandResult refused = runCommand(launch(1) + smallDistill(teacher, extra) + " --set run.steps=2", 120);
+  EXPECT_EQ(refused.status, 0) << refused.output;
+  EXPECT_NE(refused.output.find("are not used (a tensor 'extra' it should not have)"), std::string::npos)
+      << refused.output;
+  EXPECT_EQ(refused.output.find("frame #"), std::string::npos) << refused.output;
 
   // A resume whose teacher file is gone (the frozen teacher comes from the checkpoint):
   // the pairs cannot be keyed, so they are sampled, and the run goes on.

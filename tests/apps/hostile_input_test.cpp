@@ -8,7 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -803,6 +805,112 @@ TEST(HostileInputRound3Test, DataFileErrorsNameTheirOwnKey) {
   ASSERT_GT(keyLine, 0) << dit << " has no eval_labels key";
   expectRefused(kTrain + " --config " + config + " --set log.per_rank_files=false --set run.dir=" + run + "_file",
                 {config + ":" + std::to_string(keyLine) + ":", "data.eval_labels"}, 1);
+}
+
+// Round 4, class 1: the node-local tier never deletes what it did not write. A run killed
+// between local saves; a refused start (--resume none into its run.dir) leaves its tier as
+// it was; one flipped byte in the newest local step, and the intact step before it is the
+// one promoted; a step another run left in the shared directory is never touched; the
+// tier pointed at a run's checkpoints or through a link is refused before anything is
+// deleted.
+TEST_F(HostileInputTest, TheLocalTierNeverDeletesWhatItDidNotWrite) {
+  const std::string run = scratch("tier_run"), tier = scratch("tier");
+  const std::string train = kTrain + " --config " + kConfig + " --set log.per_rank_files=false --set run.dir=" + run +
+                            " --set optim.schedule.kind=constant --set checkpoint.every_steps=0" +
+                            " --set checkpoint.local.every_steps=2 --set checkpoint.local.keep_last=1000" +
+                            " --set checkpoint.local.dir=" + tier;
+  // Killed once the tier holds step 4 (and whatever steps came before the kill), before any
+  // persistent save.
+  const CommandResult killed = runCommand(train + " --set run.steps=100000 & P=$!; for i in $(seq 1200); do [ -f " +
+                                              tier + "/step_00000004/metadata.json ] && break; sleep 0.05; done; "
+                                              "kill -KILL $P; wait $P",
+                                          300);
+  ASSERT_TRUE(fs::exists(tier + "/step_00000004/metadata.json")) << killed.output;
+  ASSERT_TRUE(fs::exists(tier + "/step_00000002/metadata.json")) << killed.output;
+  EXPECT_FALSE(fs::exists(run + "/checkpoints/latest"));
+  int64_t newest = 0;
+  for (const auto& entry : fs::directory_iterator(tier)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind("step_", 0) == 0 && fs::exists(entry.path() / "metadata.json")) {
+      newest = std::max<int64_t>(newest, std::stoll(name.substr(5)));
+    }
+  }
+  ASSERT_GE(newest, 4);
+  const auto stepDirOf = [&](int64_t step) {
+    char name[32];
+    std::snprintf(name, sizeof name, "/step_%08lld", static_cast<long long>(step));
+    return tier + name;
+  };
+  // A step another run left in the same directory (its mark names that run).
+  fs::create_directories(tier + "/step_00100000");
+  fs::copy(stepDirOf(newest), tier + "/step_00100000", fs::copy_options::recursive);
+  writeText(tier + "/step_00100000/tier_owner.json", R"({"owner": "/some/other/run", "step": 100000})");
+  // A start that is refused leaves the tier as it was.
+  const std::string finish = " --set run.steps=" + std::to_string(newest + 2);
+  expectRefused(train + finish + " --resume none", {"run.dir"}, 2);
+  EXPECT_TRUE(fs::exists(stepDirOf(newest) + "/metadata.json"));
+  EXPECT_TRUE(fs::exists(tier + "/step_00000002/metadata.json"));
+  // One flipped byte in the newest step's rank file: the step before it is promoted, and the
+  // run finishes from there.
+  const std::string file = stepDirOf(newest) + "/rank_00000.bin";
+  std::string bytes = readText(file);
+  ASSERT_GT(bytes.size(), 100u);
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x10);
+  writeText(file, bytes);
+  const std::string out = expectSuccess(train + finish + " --resume auto");
+  EXPECT_NE(out.find("checkpoint.local: step " + std::to_string(newest - 2) + " of the node-local tier"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("left alone: " + tier + "/step_00100000 (written for '/some/other/run')"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank_00000.bin is not used"), std::string::npos) << out;
+  EXPECT_TRUE(fs::exists(tier + "/step_00100000/metadata.json")) << "another run's step survives this run's end";
+  EXPECT_FALSE(fs::exists(stepDirOf(newest))) << "this run's own steps are cleared at its end";
+  // The tier in a run's checkpoints, or through a link: refused, nothing deleted.
+  const std::string link = scratch("tier_link");
+  fs::create_directory_symlink(tier, link);
+  const std::string other = kTrain + " --config " + kConfig + kShortRun + " --set checkpoint.local.every_steps=1" +
+                            " --set run.dir=" + scratch("tier_other");
+  expectRefused(other + " --set checkpoint.local.dir=" + run + "/checkpoints", {"checkpoint.local.dir", "checkpoints"}, 2);
+  expectRefused(other + " --set checkpoint.local.dir=" + link, {"checkpoint.local.dir", "is a symbolic link"}, 2);
+  expectRefused(other + " --set checkpoint.local.dir=" + scratch("tier_other") + "/checkpoints/local",
+                {"checkpoint.local.dir", "where this run keeps its checkpoints"}, 2);
+  EXPECT_TRUE(fs::exists(run + "/checkpoints/latest"));
+  EXPECT_TRUE(fs::exists(tier + "/step_00100000/metadata.json"));
+}
+
+// Round 4, class 3: a model key the architecture does not read, set to something else than
+// its default, is a mistake the config says at once (model.loss_weighting on an mlp).
+TEST_F(HostileInputTest, ModelKeysTheArchitectureDoesNotReadAreRefused) {
+  const std::string base = kTrain + " --config " + kConfig + kShortRun + " --set run.dir=" + scratch("keys");
+  expectRefused(base + " --set model.loss_weighting=min_snr",
+                {"model.loss_weighting", "is a denoiser's (diffusion, dit)", "model.arch mlp does not read it"}, 2);
+  expectRefused(base + " --set model.patch_size=2", {"model.patch_size", "is dit's"}, 2);
+  expectRefused(base + " --set model.heads=8", {"model.heads", "is gpt's and dit's"}, 2);
+  expectSuccess(base + " --set model.loss_weighting=uniform");  // the default: nothing to say
+}
+
+// Round 4, class 4: sizes from outside are checked against the memory a rank has before
+// anything is built, naming the keys: not an allocator's message at the end of the run.
+TEST_F(HostileInputTest, SizesBeyondTheMemoryThereIsAreRefusedAtTheStart) {
+  const std::string dit = std::string(TESSERA_SOURCE_DIR) + "/configs/dit_quick.yaml";
+  const std::string out = expectRefused(kTrain + " --config " + dit + " --set log.per_rank_files=false --set run.dir=" +
+                                            scratch("huge") + " --set data.image_size=16384",
+                                        {"data.image_size", "MiB, more than the", "of memory each of the"}, 2);
+  EXPECT_EQ(out.find("CachingHostAllocator"), std::string::npos) << out;
+}
+
+// Round 4, classes 3 and 5: tessera-sample --timesteps '' and tessera-shards --out '' or
+// --out inside its input folder are refused, not taken for "no value".
+TEST_F(HostileInputTest, EmptyOrSelfReferringArgumentsAreRefused) {
+  expectRefused(kBin + "/tessera-sample --weights " + scratch("none.safetensors") + " --timesteps '' --out " +
+                    scratch("g.png"),
+                {"--timesteps"}, 2);
+  const std::string images = scratch("folder");
+  fs::create_directories(images + "/cat");
+  expectRefused(kBin + "/tessera-shards --kind image_folder --path " + images + " --out ''", {"--out"}, 2);
+  expectRefused(kBin + "/tessera-shards --kind image_folder --path " + images + " --out " + images + "/shards",
+                {"--out", "is in the input folder"}, 2);
+  EXPECT_FALSE(fs::exists(images + "/shards"));
 }
 
 }  // namespace

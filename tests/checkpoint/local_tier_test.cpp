@@ -58,12 +58,13 @@ SaveRequest requestFor(const std::vector<testing::GlobalTensor>& model, int64_t 
 // `world` ranks, rank r on node nodeOf(r) (directory <root>/node<k>), save `steps` (the
 // model of step s has seed s).
 void saveLocally(int world, const TempDir& root, const std::function<int(int)>& nodeOf, std::vector<int64_t> steps,
-                 int replicas, int keepLast = 2) {
+                 int replicas, int keepLast = 2, const std::string& owner = "") {
   test::runOnRanks(world, [&](test::RankContext& ctx) {
     LocalTierOptions options;
     options.dir = root / strCat("node", nodeOf(ctx.rank));
     options.replicas = replicas;
     options.keepLast = keepLast;
+    options.owner = owner;
     LocalCheckpointer local(options, ctx.comm());
     for (int64_t step : steps) {
       const LocalSaveStats stats = local.save(requestFor(testing::sampleModel(step), step, ctx.world, ctx.rank));
@@ -74,10 +75,10 @@ void saveLocally(int world, const TempDir& root, const std::function<int(int)>& 
 
 // Promotes on `world` ranks (all on node `node`) and loads the result resharded.
 std::optional<PromotedStep> promoteAndCheck(int world, const TempDir& root, int node, const std::string& checkpoints,
-                                            int64_t expectStep) {
+                                            int64_t expectStep, const std::string& owner = "") {
   std::optional<PromotedStep> promoted;
   test::runOnRanks(world, [&](test::RankContext& ctx) {
-    auto mine = promoteLocalStep(root / strCat("node", node), checkpoints, ctx.comm().get());
+    auto mine = promoteLocalStep(root / strCat("node", node), owner, checkpoints, ctx.comm().get());
     if (ctx.rank == 0) promoted = mine;
     if (!mine) return;
     const auto model = testing::sampleModel(expectStep);
@@ -125,7 +126,7 @@ TEST(LocalTierTest, ThreeRanksResumeOnFourFromTwoSurvivingNodesOfThree) {
   // The survivors, nodes 0 and 2, as four ranks: the files of all three saved ranks are there.
   std::optional<PromotedStep> promoted;
   test::runOnRanks(4, [&](test::RankContext& ctx) {
-    auto mine = promoteLocalStep(root / strCat("node", ctx.rank < 2 ? 0 : 2), root / "checkpoints", ctx.comm().get());
+    auto mine = promoteLocalStep(root / strCat("node", ctx.rank < 2 ? 0 : 2), "", root / "checkpoints", ctx.comm().get());
     if (ctx.rank == 0) promoted = mine;
   });
   ASSERT_TRUE(promoted.has_value());
@@ -266,6 +267,93 @@ TEST(LocalTierTest, OneNodeHasNoOtherNodeToCopyTo) {
     EXPECT_TRUE(local.save(requestFor(testing::sampleModel(3), 3, ctx.world, ctx.rank)).saved);
   });
   EXPECT_TRUE(fs::exists(root / "shared/step_00000003/metadata.json"));
+}
+
+// Issue "Hostile and mistaken input, round 4", class 1: the tier reads, promotes and
+// deletes only the steps it wrote for its owner. Two runs share a directory: each keeps
+// its own steps through the other's saves, retention and clearing; a step directory the
+// tier did not write (a copied checkpoint) is never touched.
+TEST(LocalTierTest, TwoRunsSharingADirectoryLoseNothingOfEachOther) {
+  TempDir root;
+  saveLocally(1, root, [](int) { return 0; }, {10, 20, 30}, /*replicas=*/0, /*keepLast=*/1, "/runs/a");
+  saveLocally(1, root, [](int) { return 0; }, {15, 25}, /*replicas=*/0, /*keepLast=*/1, "/runs/b");
+  const fs::path dir = root / "node0";
+  EXPECT_TRUE(fs::exists(dir / "step_00000030/metadata.json")) << "b's retention kept a's newest";
+  EXPECT_FALSE(fs::exists(dir / "step_00000020")) << "a's own retention";
+  EXPECT_TRUE(fs::exists(dir / "step_00000025/metadata.json"));
+  // A checkpoint copied in by hand: complete, newer than anything, marked by nobody.
+  fs::create_directories(dir / "step_00000040");
+  fs::copy(dir / "step_00000030", dir / "step_00000040", fs::copy_options::recursive);
+  fs::remove(dir / "step_00000040" / kTierOwnerFile);
+  // Run b promotes its own newest (25), not a's 30 nor the unmarked 40.
+  const auto promoted = promoteAndCheck(1, root, 0, root / "checkpoints_b", 25, "/runs/b");
+  ASSERT_TRUE(promoted.has_value());
+  EXPECT_EQ(promoted->step, 25);
+  test::runOnRanks(1, [&](test::RankContext& ctx) { clearLocalTier(dir, "/runs/b", ctx.comm().get()); });
+  EXPECT_FALSE(fs::exists(dir / "step_00000025"));
+  EXPECT_TRUE(fs::exists(dir / "step_00000030/metadata.json")) << "a's step survives b's clearing";
+  EXPECT_TRUE(fs::exists(dir / "step_00000040/metadata.json")) << "what the tier did not write is never deleted";
+  // A save of a step number another run's directory holds fails without touching it.
+  test::runOnRanks(1, [&](test::RankContext& ctx) {
+    LocalTierOptions options;
+    options.dir = dir;
+    options.keepLast = 1;
+    options.owner = "/runs/b";
+    LocalCheckpointer local(options, ctx.comm());
+    const LocalSaveStats stats = local.save(requestFor(testing::sampleModel(30), 30, ctx.world, ctx.rank));
+    EXPECT_FALSE(stats.saved);
+    EXPECT_NE(stats.error.find("is not this run's (written for '/runs/a')"), std::string::npos) << stats.error;
+  });
+  EXPECT_TRUE(fs::exists(dir / "step_00000030/metadata.json"));
+  const auto a = promoteAndCheck(1, root, 0, root / "checkpoints_a", 30, "/runs/a");
+  ASSERT_TRUE(a.has_value());
+  EXPECT_EQ(a->step, 30);
+}
+
+// Class 1: one flipped byte in the newest local step: its file fails its checksums, so the
+// intact step before it is promoted (the damaged one is not copied, and the older one is
+// still there because nothing was deleted).
+TEST(LocalTierTest, ATamperedFileIsNotPromotedButTheIntactStepBeforeIs) {
+  TempDir root;
+  saveLocally(2, root, [](int) { return 0; }, {10, 20}, /*replicas=*/0);
+  const fs::path file = fs::path(root / "node0") / "step_00000020" / rankDataFile(1);
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(fs::file_size(file) / 2));
+    const char byte = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(fs::file_size(file) / 2));
+    f.put(static_cast<char>(byte ^ 0x40));
+  }
+  const auto promoted = promoteAndCheck(2, root, 0, root / "checkpoints", 10);
+  ASSERT_TRUE(promoted.has_value());
+  EXPECT_EQ(promoted->step, 10);
+  EXPECT_TRUE(fs::exists(fs::path(root / "node0") / "step_00000020")) << "promotion deletes nothing";
+}
+
+// Class 1: the tier's directory is never a link (it would delete through it), nor in a
+// checkpoints directory or a checkpoint; every rank refuses it before anything is written.
+TEST(LocalTierTest, ALinkOrACheckpointsDirectoryIsRefusedAsTheDirectory) {
+  TempDir root;
+  testing::saveOnRanks(1, root / "run/checkpoints", testing::sampleModel(5), 5);
+  fs::create_directories(root / "elsewhere");
+  fs::create_directory_symlink(root / "elsewhere", root / "link");
+  const auto refused = [&](const std::string& dir, const std::string& says) {
+    const test::MultiRankResult r = test::runRanks(2, [&](test::RankContext& ctx) {
+      LocalTierOptions options;
+      options.dir = dir;
+      LocalCheckpointer local(options, ctx.comm());
+    });
+    ASSERT_FALSE(r.ok()) << dir;
+    EXPECT_NE(r.ranks[0].message.find(says), std::string::npos) << r.ranks[0].message;
+    EXPECT_THROW(checkLocalTierDirectory(dir, "checkpoint.local.dir"), ConfigError) << dir;
+  };
+  refused(root / "link", "is a symbolic link");
+  refused(root / "run/checkpoints", "is in the checkpoints directory");
+  refused(root / "run/checkpoints/local", "is in the checkpoints directory");
+  refused(root / "run/checkpoints/step_00000005/local", "is in the checkpoint " + root / "run/checkpoints/step_00000005");
+  EXPECT_TRUE(fs::is_empty(root / "elsewhere"));
+  EXPECT_EQ(testing::readText(root / "run/checkpoints/latest"), "step_00000005\n");
+  EXPECT_NO_THROW(checkLocalTierDirectory(root / "run/local", "checkpoint.local.dir"));
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 #include "distributed/store.h"
 #include "ema/ema_manager.h"
 #include "models/layers.h"
+#include "models/gpt.h"
 #include "models/models.h"
 #include "sharding/fully_shard.h"
 #include "sharding/strategy.h"

@@ -373,6 +373,99 @@ TEST(WebDatasetTest, ShardsWithoutAManifestAreScannedAndJsonLabelsRead) {
       << e;
 }
 
+// Round 4, class 5: members that are no sample (a licence, a dataset description, hidden
+// files) are passed over as WebDataset's readers do, not refused; class 2: text from a shard
+// is quoted and escaped wherever a message shows it, so a member name holding a newline
+// cannot forge a log line; a JSON label of 2^64-1 is shown as written.
+TEST(WebDatasetTest, MembersThatAreNoSampleArePassedOverAndShardTextIsQuoted) {
+  const std::string dir = scratch("extras");
+  fs::create_directories(dir);
+  const at::Tensor a = at::full({1, 4, 4}, 10, at::kByte);
+  {
+    TarWriter t(dir + "/one.tar");
+    t.add("LICENSE.txt", "CC-BY 4.0");
+    t.add("dataset_info.json", R"({"name": "tiny", "splits": ["train"]})");
+    t.add(".hidden.png", imaging::encodePng(a));
+    t.add("s/.DS_Store", "finder");
+    t.add("s/0.png", imaging::encodePng(a));
+    t.add("s/0.cls", "1");
+    t.add("s/0.txt", "a caption");
+    t.add("s/1.png", imaging::encodePng(a));
+    t.add("s/1.cls", "2");
+    t.finish();
+  }
+  DataOptions d;
+  d.kind = "webdataset";
+  d.path = dir + "/one.tar";
+  d.shuffle = false;
+  const auto data = makeDataset(d, {});
+  EXPECT_EQ(data->trainSamples(), 2);
+  EXPECT_EQ(data->spec().classes, 3);
+  EXPECT_NE(data->describe().find("2 groups of members that are no sample (no image, no label) passed over"),
+            std::string::npos)
+      << data->describe();
+  {
+    TarWriter t(dir + "/forged.tar");
+    t.add("x\ntessera-train: done: 300 steps.png", imaging::encodePng(a));
+    t.finish();
+  }
+  d.path = dir + "/forged.tar";
+  const std::string forged = errorOf([&] { makeDataset(d, {}); });
+  EXPECT_EQ(forged.find('\n'), std::string::npos) << forged;
+  EXPECT_NE(forged.find(R"('x\ntessera-train: done: 300 steps')"), std::string::npos) << forged;
+  {
+    TarWriter t(dir + "/huge_label.tar");
+    t.add("k.png", imaging::encodePng(a));
+    t.add("k.json", R"({"label": 18446744073709551615})");
+    t.finish();
+  }
+  d.path = dir + "/huge_label.tar";
+  const std::string huge = errorOf([&] { makeDataset(d, {}); });
+  EXPECT_NE(huge.find("its .json label 18446744073709551615 is not a class number"), std::string::npos) << huge;
+  EXPECT_EQ(huge.find("label -1"), std::string::npos) << huge;
+}
+
+// Round 4, class 3: held-out shards naming a class the training shards never do are
+// refused (the model is sized by the training shards; IDX data refuses this too), and a
+// shard replaced by another of the same name and sample count changes the fingerprint a
+// resume compares.
+TEST(WebDatasetTest, ForeignClassesInTheHeldOutShardsAndReplacedShardsAreNoticed) {
+  const std::string dir = scratch("classes");
+  fs::create_directories(dir + "/train");
+  fs::create_directories(dir + "/eval");
+  const at::Tensor a = at::full({1, 4, 4}, 10, at::kByte), b = at::full({1, 4, 4}, 90, at::kByte);
+  const auto shard = [&](const std::string& path, const std::vector<std::pair<std::string, int>>& samples) {
+    TarWriter t(path);
+    for (const auto& [key, label] : samples) {
+      t.add(key + ".png", imaging::encodePng(label % 2 == 0 ? a : b));
+      t.add(key + ".cls", std::to_string(label));
+    }
+    t.finish();
+  };
+  shard(dir + "/train/0.tar", {{"a", 0}, {"b", 1}});
+  shard(dir + "/eval/0.tar", {{"c", 0}, {"d", 7}});
+  DataOptions d;
+  d.kind = "webdataset";
+  d.path = dir + "/train";
+  d.eval_path = dir + "/eval";
+  try {
+    makeDataset(d, {});
+    FAIL() << "held-out class 7 accepted";
+  } catch (const DataFileError& e) {
+    EXPECT_EQ(e.key(), "data.eval_path");
+    EXPECT_NE(std::string(e.what()).find("the held-out shards name class 7, which the training shards"),
+              std::string::npos)
+        << e.what();
+  }
+  d.eval_path.clear();
+  const std::string before = makeDataset(d, {})->fingerprint();
+  shard(dir + "/train/0.tar", {{"e", 1}, {"f", 0}});  // the same name and count, other samples
+  const std::string after = makeDataset(d, {})->fingerprint();
+  EXPECT_NE(before, after);
+  EXPECT_EQ(before.substr(0, before.find("; contents")), after.substr(0, after.find("; contents")))
+      << "names and counts alone would not tell them apart";
+}
+
 TEST(WebDatasetTest, TruncatedOrChangedShardsAreNamedAndSkipCounts) {
   const std::string dir = scratch("bad");
   const std::string shards = writeShards(dir);

@@ -73,7 +73,7 @@ TEST(FlightRingTest, KeepsTheLastEntriesWithTheirStates) {
 TEST(FlightRecorderTest, DumpSaysWhatEachThreadDoesAndKeepsGoneRings) {
   const std::string dir = tessera::test::scratchPath("flight", "dump");
   flight::setDumpFiles({dir + "/a/rank_3.json", dir + "/b/rank_3.json"}, 3, 4);
-  auto ring = flight::openRing("world", "gloo", 3, {0, 1, 2, 3});
+  auto ring = flight::openRing("world", "gloo", 3, {0, 1, 2, 3}, 2000);
   ASSERT_NE(ring, nullptr);
   ring->issue("barrier", "none", 0, 0, "");
   trace::setCurrentStep(7);

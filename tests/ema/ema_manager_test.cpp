@@ -89,6 +89,7 @@ TEST(EmaScheduleTest, UpdateEveryRaisesDecay) {
 
 TEST(EmaScheduleTest, SeveralDecaysAndTheirNames) {
   EmaOptions o;
+  o.prefix = "generator_ema";
   o.decays = {0.5, 0.75};
   Single s(o);
   s.stepWith(1, 8.0f);
@@ -158,6 +159,7 @@ TEST(EmaShardedTest, ShardsEqualDenseEmaAtEveryWorldSize) {
 // spec, and the export aliases of the decay names.
 TEST(EmaEntriesTest, EntriesAndAliasesNameEveryDecay) {
   EmaOptions o;
+  o.prefix = "generator_ema";
   o.decays = {0.9, 0.99};
   ShardedModelEMAManager mgr(o);
   ShardSpec spec({5, 2}, at::kFloat, 2, 1);

@@ -201,6 +201,7 @@ TEST(EmaBufferTest, BatchNormStatisticsCopiedOrAveraged) {
       options.bufferSync = sharding::BufferSync::kAverage;
       auto strategy = sharding::makeStrategy(*net, ctx.comm(), options);
       EmaOptions emaOptions;
+      emaOptions.prefix = "generator_ema";
       emaOptions.decays = {0.5};
       emaOptions.buffers = parseEnum(kEmaBuffersNames, mode, "ema.buffers");
       ShardedModelEMAManager manager(emaOptions);

@@ -56,6 +56,7 @@ std::map<std::string, at::Tensor> track(int world, const std::vector<double>& st
   std::map<std::string, at::Tensor> out;
   test::runOnRanks(world, [&](test::RankContext& ctx) {
     EmaOptions options;
+    options.prefix = "generator_ema";
     options.decays = {0.9};
     options.powerStds = stds;
     ShardedModelEMAManager manager(options);

@@ -18,6 +18,8 @@
 #include "common/errors.h"
 #include "sharding/unit_discovery.h"
 #include "models/diffusion.h"
+#include "models/gpt.h"
+#include "models/mlp.h"
 #include "models/models.h"
 
 namespace tessera::models {

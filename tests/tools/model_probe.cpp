@@ -12,6 +12,8 @@
 #include "common/app_main.h"
 #include "common/command_line.h"
 #include "models/diffusion.h"
+#include "models/gpt.h"
+#include "models/mlp.h"
 #include "trainer/model_loading.h"
 
 int main(int argc, char** argv) {

@@ -1,9 +1,12 @@
 // The run config's documentation and examples stay in step with its schema: every key
-// is documented in configs/README.md, and every shipped config in configs/ loads.
+// is documented in configs/README.md, every shipped config in configs/ loads, and every
+// environment variable the sources and scripts read is in docs/environment.md.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
+#include <regex>
+#include <set>
 #include <sstream>
 
 #include "common/config.h"
@@ -32,6 +35,22 @@ TEST(ConfigDocsTest, EveryKeyIsDocumented) {
     EXPECT_NE(doc.find("| `" + field.path + "` |"), std::string::npos)
         << "configs/README.md has no table row for key '" << field.path << "'";
   }
+}
+
+// Every top-level section of the schema (run, model, data, ..., the named models) has its
+// heading in configs/README.md, "## `name` — what it is".
+TEST(ConfigDocsTest, EverySectionHasAHeading) {
+  TrainConfig config;
+  config::ConfigSchema schema;
+  bindTrainConfig(schema, config);
+  const std::string doc = readFile(std::filesystem::path(TESSERA_SOURCE_DIR) / "configs" / "README.md");
+  int sections = 0;
+  for (const auto& [path, text] : schema.sections()) {
+    if (path.find('.') != std::string::npos) continue;
+    ++sections;
+    EXPECT_NE(doc.find("## `" + path + "`"), std::string::npos) << "configs/README.md has no heading for section '" << path << "'";
+  }
+  EXPECT_GE(sections, 10);
 }
 
 TEST(ConfigDocsTest, ShippedConfigsLoad) {
@@ -89,6 +108,57 @@ TEST(TrainConfigTest, MicroBatchAuto) {
         << e.what();
   }
   EXPECT_THROW(loadTrainConfig(file.string(), {"data.micro_batch=0"}, 2), ConfigError);  // numbers stay >= 1
+}
+
+// Every environment variable read anywhere is in docs/environment.md's tables: a literal
+// getenv("NAME") in the C++ sources; in a file that calls getenv with a name it computes
+// (distributed/rank_env.cpp's contracts, the malloc tunables), every upper-case string
+// literal that file holds; in the scripts, every ${NAME:-default} they read.
+TEST(DocsTest, EveryEnvironmentVariableIsListed) {
+  namespace fs = std::filesystem;
+  const fs::path root = TESSERA_SOURCE_DIR;
+  const std::string doc = readFile(root / "docs" / "environment.md");
+  ASSERT_FALSE(doc.empty()) << "docs/environment.md is missing";
+  const std::regex literalGetenv(R"re(getenv\(\s*"([A-Za-z_][A-Za-z0-9_]*)"\s*\))re");
+  const std::regex computedGetenv(R"re(getenv\(\s*[^"\s])re");
+  const std::regex upperLiteral(R"re("([A-Z][A-Z0-9]*_[A-Z0-9_]*|[A-Z]{4,})")re");
+  const std::regex scriptRead(R"re(\$\{([A-Z][A-Z0-9_]*):-)re");
+  std::set<std::string> missing;
+  int files = 0, names = 0;
+  const auto need = [&](const std::string& name, const fs::path& where) {
+    ++names;
+    if (doc.find("`" + name + "`") == std::string::npos) missing.insert(name + " (" + where.string() + ")");
+  };
+  for (const char* folder : {"common", "kernels", "diagnostics", "distributed", "dtensor", "optim", "sharding", "ema",
+                             "checkpoint", "imaging", "observe", "datasets", "models", "trainer", "recipes", "apps",
+                             "bench", "examples"}) {
+    for (const auto& entry : fs::recursive_directory_iterator(root / folder)) {
+      const std::string ext = entry.path().extension().string();
+      if (ext != ".cpp" && ext != ".h" && ext != ".cu") continue;
+      const std::string text = readFile(entry.path());
+      ++files;
+      for (std::sregex_iterator it(text.begin(), text.end(), literalGetenv), end; it != end; ++it) {
+        need((*it)[1].str(), entry.path().lexically_relative(root));
+      }
+      if (!std::regex_search(text, computedGetenv)) continue;
+      for (std::sregex_iterator it(text.begin(), text.end(), upperLiteral), end; it != end; ++it) {
+        need((*it)[1].str(), entry.path().lexically_relative(root));
+      }
+    }
+  }
+  std::vector<fs::path> scripts = {root / "run.sh", root / "test.sh"};
+  for (const auto& entry : fs::directory_iterator(root / "scripts")) {
+    if (entry.path().extension() == ".sh") scripts.push_back(entry.path());
+  }
+  for (const fs::path& script : scripts) {
+    const std::string text = readFile(script);
+    for (std::sregex_iterator it(text.begin(), text.end(), scriptRead), end; it != end; ++it) {
+      need((*it)[1].str(), script.lexically_relative(root));
+    }
+  }
+  EXPECT_GT(files, 100);
+  EXPECT_GT(names, 30) << "the scan found too few reads to be looking at the right files";
+  for (const std::string& name : missing) ADD_FAILURE() << "docs/environment.md does not list " << name;
 }
 
 }  // namespace

@@ -1,14 +1,16 @@
-// A checkpoint's component table, recorded or read from the trainer's layout of formats
-// 1 and 2 (see checkpoint_layout.h).
-#include "trainer/checkpoint_layout.h"
+// Checkpoints of formats 1 and 2 (see formats_1_2.h).
+#include "checkpoint/formats_1_2.h"
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
 #include <set>
 
 #include "checkpoint/format.h"
 #include "common/errors.h"
 #include "dtensor/stateful.h"
 
-namespace tessera::trainer {
+namespace tessera::checkpoint {
 
 namespace {
 
@@ -34,8 +36,7 @@ std::string profileOwner(const std::string& profile, const std::set<std::string>
   return "";
 }
 
-std::vector<checkpoint::ComponentRecord> legacyComponents(const checkpoint::CheckpointMetadata& md) {
-  using checkpoint::ComponentRecord;
+std::vector<ComponentRecord> legacyComponents(const CheckpointMetadata& md) {
   const std::string optimKey = dtensor::kOptimizerKey, emaKey = dtensor::kEmaKey;
   std::set<std::string> models, optimizerOf, profiles;
   bool singleOptimizer = false;
@@ -80,7 +81,7 @@ std::vector<checkpoint::ComponentRecord> legacyComponents(const checkpoint::Chec
   for (const auto& [alias, prefix] : md.aliases) {
     const std::string own = emaKey + "/" + alias + "/";
     if (profiles.count(alias) && own != prefix) {
-      throw checkpoint::CheckpointError(strCat("metadata.json: alias '", alias, "' points to '", prefix, "', but '", own,
+      throw CheckpointError(strCat("metadata.json: alias '", alias, "' points to '", prefix, "', but '", own,
                                                "' holds tensors of that name"));
     }
     for (ComponentRecord& c : out) {
@@ -95,12 +96,44 @@ std::vector<checkpoint::ComponentRecord> legacyComponents(const checkpoint::Chec
 
 }  // namespace
 
-std::vector<checkpoint::ComponentRecord> checkpointComponents(const checkpoint::CheckpointMetadata& metadata) {
+std::vector<ComponentRecord> checkpointComponents(const CheckpointMetadata& metadata) {
   return metadata.version >= 3 ? metadata.components : legacyComponents(metadata);
 }
 
-std::map<std::string, std::string> checkpointExportNames(const checkpoint::CheckpointMetadata& metadata) {
-  return checkpoint::exportNamesOf(checkpointComponents(metadata));
+std::map<std::string, std::string> checkpointExportNames(const CheckpointMetadata& metadata) {
+  return exportNamesOf(checkpointComponents(metadata));
 }
 
-}  // namespace tessera::trainer
+FormerEmaCounts formerEmaCounts(const std::string& trainerStateJson, const std::string& source, int64_t maxCount) {
+  FormerEmaCounts out;
+  const nlohmann::json j = nlohmann::json::parse(trainerStateJson, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return out;  // the trainer state's own reader says what is wrong with it
+  const auto count = [&](const nlohmann::json& value, const std::string& key) {
+    if (!value.is_number_integer()) throw Error(strCat(source, ": '", key, "' must be an integer, got ", value.dump()));
+    if (value.is_number_unsigned() ? value.get<uint64_t>() > static_cast<uint64_t>(maxCount)
+                                   : (value.get<int64_t>() < 0 || value.get<int64_t>() > maxCount)) {
+      throw Error(strCat(source, ": '", key, "' is ", value.dump(), ", outside [0, ", maxCount, "]"));
+    }
+    return value.get<int64_t>();
+  };
+  if (j.contains("ema_updates")) out.single = count(j.at("ema_updates"), "ema_updates");
+  if (j.contains("ema_updates_of")) {
+    const nlohmann::json& of = j.at("ema_updates_of");
+    if (!of.is_object()) throw Error(strCat(source, ": 'ema_updates_of' must be an object, got ", of.type_name()));
+    for (const auto& [name, value] : of.items()) out.byName[name] = count(value, "ema_updates_of." + name);
+  }
+  return out;
+}
+
+void checkFormerEmaCountsHeld(const FormerEmaCounts& counts, const CheckpointMetadata& metadata,
+                              const std::string& source) {
+  for (const auto& [name, count] : counts.byName) {
+    const std::string prefix = dtensor::statePrefix(dtensor::kEmaKey) + name + "/";
+    const bool held = std::any_of(metadata.tensors.begin(), metadata.tensors.end(),
+                                  [&](const TensorInfo& t) { return t.name.rfind(prefix, 0) == 0; });
+    TESSERA_CHECK(held, source, ": 'ema_updates_of.", name, "' counts updates of an EMA the checkpoint does not hold (no ",
+                  prefix, " tensors)");
+  }
+}
+
+}  // namespace tessera::checkpoint

@@ -1,6 +1,7 @@
-// trainer::checkpointComponents: the component table of checkpoints older than the table
-// (tests/data/legacy_v1, format 1) read from the trainer's layout, as tessera-ckpt info and
-// tessera-export see them; an alias pointing away from its own EMA profile is refused.
+// checkpoint::checkpointComponents (formats_1_2.h): the component table of checkpoints older
+// than the table (tests/data/legacy_v1, format 1) read from the trainer's layout, as
+// tessera-ckpt info and tessera-export see them; an alias pointing away from its own EMA
+// profile is refused.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -9,9 +10,9 @@
 #include "checkpoint/exporter.h"
 #include "checkpoint/format.h"
 #include "checkpoint/reader.h"
-#include "trainer/checkpoint_layout.h"
+#include "checkpoint/formats_1_2.h"
 
-namespace tessera::trainer {
+namespace tessera::checkpoint {
 namespace {
 
 using checkpoint::ComponentRecord;
@@ -88,4 +89,4 @@ TEST(CheckpointLayoutTest, FormatThreeIsReadAsRecorded) {
 }
 
 }  // namespace
-}  // namespace tessera::trainer
+}  // namespace tessera::checkpoint
