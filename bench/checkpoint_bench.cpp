@@ -189,8 +189,6 @@ long childPeakRssKiB(const std::vector<std::string>& argv) {
   return peak;
 }
 
-}  // namespace
-
 // Disks on shared machines are noisy: every figure is the median of --reps runs, the
 // sharded and raw runs interleaved.
 double median(std::vector<double> v) {
@@ -418,6 +416,8 @@ void benchExportRss(const Bench& b) {
     std::printf("export: build tessera-export and tessera-ckpt next to this program to measure peak RSS\n");
   }
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Checkpoint save/load/async/export benchmark"};

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -145,8 +146,11 @@ int main(int argc, char** argv) {
                              {{"forward", median(forwardTimes)},
                               {"backward", median(backwardTimes)},
                               {"step", median(stepTimes)}}},
+                            {"step_s_mean", std::accumulate(times.begin(), times.end(), 0.0) / static_cast<double>(times.size())},
                             {"times_s", times},
-                            {"collectives_per_step", collectivesPerStep}};
+                            {"collectives_per_step", collectivesPerStep},
+                            {"backend", comm->backendName()},
+                            {"allocator", torchAllocator ? "torch" : "caching"}};
       std::printf("%s\n", out.dump().c_str());
     }
     return 0;

@@ -13,6 +13,9 @@
 //                                [--nproc 2] [--threads 2] [--set key=value ...]
 //   bench_train_throughput_bench --logging-overhead ...   (issue 33: what logging costs)
 //   bench_train_throughput_bench --flight-overhead ...    (issue 34: what the flight recorder costs)
+//   bench_train_throughput_bench --plain-only --json ...  (issue 73: the plain loop alone, in its own
+//       process, with Tessera's optimizer kernels, its EMA and a prefetching loader: the baseline
+//       side of bench/compare_fixed.py, which alternates it with tessera-train)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <CLI/CLI.hpp>
@@ -25,6 +28,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <memory>
+#include <numeric>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -33,6 +39,8 @@
 #include <vector>
 
 #include "common/app_main.h"
+#include "datasets/batch_loader.h"
+#include "optim/cpu_kernels.h"
 #include "common/filesystem.h"
 #include "sharding/host_allocator.h"
 #include "datasets/dataset.h"
@@ -91,6 +99,124 @@ double plainLoopSamplesPerSec(const TrainConfig& cfg, int threads, int64_t steps
   const double start = nowSec();
   for (int64_t s = 10; s < 10 + steps; ++s) step(s);
   return static_cast<double>(cfg.data.global_batch * steps) / (nowSec() - start);
+}
+
+// How the plain-only loop (issue 73) steps, loads and averages: by default as tessera-train
+// does, so that only the sharding runtime differs between the two.
+struct PlainSettings {
+  std::string optimizer = "fused";  // fused: Tessera's one-pass AdamW and norm; torch: torch::optim::AdamW + clip_grad_norm_
+  int emaDecays = -1;               // EMA copies blended each step (-1: as the config's ema section)
+  std::string data = "prefetch";    // prefetch: datasets::BatchLoader one step ahead; inline: on the step's thread
+  int threads = 1;
+  int64_t warmup = 10, steps = 200;
+};
+
+// The plain loop alone, timed step by step; prints one JSON line. Its optimizer "fused" is
+// the kernel tessera-train's CPU AdamW runs (optim/cpu_kernels.h), decay on every
+// parameter as torch's AdamW (Tessera skips 1-D ones: a few hundred elements).
+void plainOnly(const TrainConfig& cfg, const PlainSettings& p) {
+  at::set_num_threads(p.threads);
+  torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
+  const tessera::trainer::ModelEntry& entry = cfg.models.front();
+  auto data = tessera::datasets::makeDataset(cfg.data, tessera::models::tokenWindows(entry.model));
+  auto model = tessera::models::makeModel(entry.model, data->spec());
+  tessera::models::initializeModel(*model, static_cast<uint64_t>(cfg.run.seed));
+  std::vector<at::Tensor> params = model->parameters();
+  const tessera::optim::OptimizerOptions& o = entry.sharding.optimizer;
+  const double lr = entry.schedule.baseLr, clip = entry.sharding.gradClip;
+  std::unique_ptr<torch::optim::AdamW> torchAdam;
+  if (p.optimizer == "torch") {
+    torchAdam = std::make_unique<torch::optim::AdamW>(
+        params, torch::optim::AdamWOptions(lr).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weightDecay));
+  }
+  std::vector<at::Tensor> expAvg, expAvgSq;
+  for (const at::Tensor& q : params) {
+    expAvg.push_back(at::zeros_like(q));
+    expAvgSq.push_back(at::zeros_like(q));
+  }
+  const int decays = p.emaDecays >= 0 ? p.emaDecays
+                                      : (entry.ema.enabled ? static_cast<int>(entry.ema.options.decays.size()) : 0);
+  std::vector<std::vector<at::Tensor>> ema(static_cast<size_t>(decays));
+  for (auto& copy : ema) {
+    for (const at::Tensor& q : params) copy.push_back(q.detach().clone());
+  }
+  tessera::datasets::DistributedSampler sampler(data->trainSamples(), cfg.data.global_batch, cfg.run.seed,
+                                               cfg.data.shuffle);
+  std::unique_ptr<tessera::datasets::BatchLoader> loader;
+  if (p.data == "prefetch") {
+    loader = std::make_unique<tessera::datasets::BatchLoader>(*data, sampler, 0, 1, cfg.run.seed, cfg.data.hflip);
+  }
+  const int64_t micro = cfg.data.micro_batch, accumulation = cfg.data.global_batch / micro;
+  auto step = [&](int64_t s) {
+    for (at::Tensor& q : params) q.mutable_grad() = at::Tensor();
+    tessera::datasets::StepBatch whole;
+    if (loader) {
+      whole = loader->take(s);
+    } else {
+      whole.indices = sampler.indicesFor(s, 0, 1);
+      whole.batch = data->trainBatch(whole.indices);
+      tessera::datasets::seedNoise(whole.batch, cfg.run.seed, s, whole.indices);
+      if (cfg.data.hflip) tessera::datasets::flipHalfHorizontally(whole.batch);
+    }
+    for (int64_t m = 0; m < accumulation; ++m) {
+      const tessera::datasets::Batch batch = tessera::datasets::sliceBatch(whole.batch, m * micro, (m + 1) * micro);
+      (model->losses(batch).mean() / static_cast<double>(accumulation)).backward();
+    }
+    if (torchAdam) {
+      if (clip > 0) torch::nn::utils::clip_grad_norm_(params, clip);
+      torchAdam->step();
+    } else {
+      double squares = 0;
+      for (const at::Tensor& q : params) squares += tessera::optim::squaredNorm(q.grad().data_ptr<float>(), q.numel());
+      const double norm = std::sqrt(squares), scale = clip > 0 && norm > clip ? clip / (norm + 1e-6) : 1.0;
+      const int64_t t = s + 1;
+      tessera::optim::AdamScalars a;
+      a.paramScale = static_cast<float>(1.0 - lr * o.weightDecay);
+      a.beta1 = static_cast<float>(o.beta1);
+      a.oneMinusBeta1 = static_cast<float>(1.0 - o.beta1);
+      a.beta2 = static_cast<float>(o.beta2);
+      a.oneMinusBeta2 = static_cast<float>(1.0 - o.beta2);
+      a.sqrtBiasCorrection2 = static_cast<float>(std::sqrt(1.0 - std::pow(o.beta2, static_cast<double>(t))));
+      a.eps = static_cast<float>(o.eps);
+      a.negStepSize = static_cast<float>(-lr / (1.0 - std::pow(o.beta1, static_cast<double>(t))));
+      at::NoGradGuard noGrad;
+      for (size_t i = 0; i < params.size(); ++i) {
+        at::Tensor g = params[i].grad();
+        if (scale != 1.0) g.mul_(scale);
+        tessera::optim::fusedAdamStep(params[i].data_ptr<float>(), g.data_ptr<float>(), expAvg[i].data_ptr<float>(),
+                                      expAvgSq[i].data_ptr<float>(), params[i].numel(), a);
+      }
+    }
+    at::NoGradGuard noGrad;
+    for (int d = 0; d < decays; ++d) {
+      const std::vector<double>& configured = entry.ema.options.decays;
+      const double decay = configured.at(static_cast<size_t>(d) % configured.size());
+      for (size_t i = 0; i < params.size(); ++i) ema[static_cast<size_t>(d)][i].lerp_(params[i], 1.0 - decay);
+    }
+  };
+  for (int64_t s = 0; s < p.warmup; ++s) step(s);
+  std::vector<double> times;
+  for (int64_t s = p.warmup; s < p.warmup + p.steps; ++s) {
+    const double start = nowSec();
+    step(s);
+    times.push_back(nowSec() - start);
+  }
+  const double mean = std::accumulate(times.begin(), times.end(), 0.0) / static_cast<double>(times.size());
+  nlohmann::json out = {{"framework", "plain"},
+                        {"world", 1},
+                        {"step_s_mean", mean},
+                        {"median_s", median(times)},
+                        {"samples_per_sec", static_cast<double>(cfg.data.global_batch) / mean},
+                        {"times_s", times},
+                        {"settings",
+                         {{"optimizer", p.optimizer == "torch" ? "torch::optim::AdamW + clip_grad_norm_"
+                                                               : "tessera fusedAdamStep + squaredNorm clip"},
+                          {"ema_decays", decays},
+                          {"data", p.data == "prefetch" ? "BatchLoader (one step ahead)" : "inline"},
+                          {"threads", p.threads},
+                          {"warmup", p.warmup},
+                          {"steps", p.steps}}}};
+  std::printf("%s\n", out.dump().c_str());
 }
 
 struct TesseraRun {
@@ -179,7 +305,30 @@ int main(int argc, char** argv) {
   app.add_flag("--flight-overhead", flightOverhead,
                "Instead: tessera-train with the flight recorder on (diagnostics.flight_entries 2000, the default) "
                "against off (0), interleaved; the train loop's samples/s of each");
+  bool plainOnlyMode = false, json = false;
+  PlainSettings plain;
+  app.add_flag("--plain-only", plainOnlyMode,
+               "Instead: only the plain loop, with --threads threads, --warmup untimed then --steps timed steps");
+  app.add_flag("--json", json, "With --plain-only: print one JSON line (per-step times, settings)");
+  app.add_option("--plain-optimizer", plain.optimizer,
+                 "With --plain-only: fused (Tessera's CPU AdamW kernel and one-pass norm, as tessera-train) or torch "
+                 "(torch::optim::AdamW + clip_grad_norm_)")
+      ->check(CLI::IsMember({"fused", "torch"}));
+  app.add_option("--plain-ema", plain.emaDecays, "With --plain-only: EMA copies blended per step (-1: as the config)")
+      ->check(CLI::Range(-1, 16));
+  app.add_option("--plain-data", plain.data, "With --plain-only: prefetch (a BatchLoader thread, as tessera-train) or inline")
+      ->check(CLI::IsMember({"prefetch", "inline"}));
+  app.add_option("--warmup", plain.warmup, "With --plain-only: untimed steps first")
+      ->check(CLI::Range(int64_t{0}, int64_t{100000}));
   CLI11_PARSE(app, argc, argv);
+  if (plainOnlyMode) {
+    if (!json) {
+      std::fprintf(stderr, "bench_train_throughput_bench: --plain-only prints JSON only: add --json\n");
+      return 2;
+    }
+    plain.threads = threads;
+    plain.steps = steps;
+  }
   steps = steps / 4 * 4;
   // The baseline loop runs under the host allocator tessera-train uses for itself.
   tessera::sharding::useCachingHostAllocator();
@@ -187,6 +336,10 @@ int main(int argc, char** argv) {
   try {
     tessera::recipes::addBuiltinRecipes();
     const TrainConfig cfg = tessera::trainer::loadTrainConfig(config, sets, nproc).config;
+    if (plainOnlyMode) {
+      plainOnly(cfg, plain);
+      return 0;
+    }
     const std::string binDir = fs::absolute(fs::path(argv[0])).parent_path().string();
     std::printf("config %s: model %s, global batch %lld (micro-batches of %lld), strategy %s on %d ranks, %lld steps\n",
                 config.c_str(), cfg.models.front().model.arch.c_str(), static_cast<long long>(cfg.data.global_batch),

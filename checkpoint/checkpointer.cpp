@@ -16,6 +16,7 @@
 #include "checkpoint/metadata.h"
 #include "checkpoint/rank_files.h"
 #include "checkpoint/reader.h"
+#include "common/clock.h"
 #include "common/errors.h"
 #include "common/trace.h"
 #include "common/logging.h"
@@ -43,7 +44,6 @@ const char* savePointName(SavePoint point) {
 
 namespace {
 
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 std::string mib(int64_t bytes) { return strCat(static_cast<double>(bytes) / (1 << 20), " MiB"); }
 

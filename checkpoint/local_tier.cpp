@@ -16,6 +16,7 @@
 #include "checkpoint/metadata.h"
 #include "checkpoint/rank_files.h"
 #include "checkpoint/reader.h"
+#include "common/clock.h"
 #include "common/errors.h"
 #include "common/filesystem.h"
 #include "common/logging.h"
@@ -30,7 +31,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // A replica travels in broadcasts of at most this many bytes (one buffer on the receiver).
 constexpr int64_t kReplicaPieceBytes = int64_t{64} << 20;

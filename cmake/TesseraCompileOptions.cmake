@@ -46,6 +46,20 @@ if(TESSERA_PCH AND NOT TESSERA_BUILD_FUZZ)  # the fuzz build has its own (fuzz/C
     tessera_pch_target(omp ON OPTIONS ${OpenMP_CXX_FLAGS})
   endif()
 endif()
+# Unity builds: each target's sources are compiled in batches, one compiler run per batch
+# instead of per file. A run spends 3 s loading the precompiled headers (400 MB of
+# LibTorch's declarations) before it reads a line of ours, and a batch parses Tessera's
+# headers and instantiates nlohmann-json's templates once for all its files. The files of a
+# batch share their anonymous namespaces, so a helper two files would each define lives in
+# one header (common/clock.h, common/errors.h's firstLine, ...). TESSERA_UNITY=OFF compiles
+# file by file: an edit then recompiles its file alone, not its batch.
+option(TESSERA_UNITY "Compile each target's sources in batches (CMake unity builds)" ON)
+set(TESSERA_UNITY_BATCH 8 CACHE STRING "Source files per unity batch")
+if(TESSERA_UNITY)
+  set(CMAKE_UNITY_BUILD ON)
+  set(CMAKE_UNITY_BUILD_BATCH_SIZE ${TESSERA_UNITY_BATCH})
+endif()
+
 # `target` (a library or program that compiles against LibTorch) reuses the precompiled
 # headers of its kind.
 function(tessera_reuse_pch target kind)

@@ -52,6 +52,10 @@ std::string strCat(Args&&... args) {
   return detail::concat(std::forward<Args>(args)...);
 }
 
+// The first line of an error's message: a library's (gloo's, c10's) without the backtrace
+// or context lines it appends.
+inline std::string firstLine(const std::string& message) { return message.substr(0, message.find('\n')); }
+
 // Text from outside the program (a shard's member name, a label, a key, a path) as a
 // message shows it: in single quotes, with control characters, quotes and backslashes
 // escaped (\n, \x1b, \', \\), so that no input can end a message early or forge a log

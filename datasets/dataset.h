@@ -20,6 +20,9 @@ namespace tessera::datasets {
 
 struct DataOptions;
 
+// More classes than this in any dataset's labels is taken for a corrupt file.
+inline constexpr int64_t kMaxClasses = int64_t{1} << 20;
+
 struct Batch {
   at::Tensor inputs;   // [n, ...]: token ids (int64) or float32 features
   at::Tensor targets;  // [n] or [n, ...]: token ids or class ids (int64), float32 values; undefined when none

@@ -21,7 +21,6 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr int64_t kMaxFileBytes = int64_t{1} << 32;  // an IDX file (compressed or not) above 4 GiB is refused
-constexpr int64_t kMaxClasses = int64_t{1} << 20;
 
 uint32_t bigEndian32(const std::string& bytes, size_t at) {
   uint32_t v = 0;

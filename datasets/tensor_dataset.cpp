@@ -9,9 +9,6 @@
 namespace tessera::datasets {
 namespace {
 
-// Integer targets are class ids; more classes than this is taken for a corrupt file.
-constexpr int64_t kMaxClasses = int64_t{1} << 20;
-
 std::string shapeStr(const at::Tensor& t) {
   std::ostringstream out;
   out << t.sizes();

@@ -28,7 +28,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-constexpr int64_t kMaxClasses = int64_t{1} << 20;
 constexpr int64_t kMaxImageBytes = int64_t{256} << 20;
 constexpr int64_t kMaxLabelBytes = int64_t{64} << 10;
 constexpr size_t kRecentPositions = 4096;

@@ -25,10 +25,6 @@ extern char** environ;
 
 namespace tessera::distributed {
 
-double secondsSince(LaunchClock::time_point start) {
-  return std::chrono::duration<double>(LaunchClock::now() - start).count();
-}
-
 std::string formatSeconds(double seconds, int precision) {
   std::ostringstream out;
   out << std::fixed << std::setprecision(precision) << seconds;

@@ -14,12 +14,12 @@
 #include <utility>
 #include <vector>
 
+#include "common/clock.h"
 #include "distributed/launcher.h"
 
 namespace tessera::distributed {
 
-using LaunchClock = std::chrono::steady_clock;
-double secondsSince(LaunchClock::time_point start);
+using LaunchClock = SteadyClock;
 // `seconds` with `precision` decimals, as the launcher's lines print times.
 std::string formatSeconds(double seconds, int precision = 2);
 // How a rank's leader process ended, in words: "exit code 7", "killed by signal SIGKILL".

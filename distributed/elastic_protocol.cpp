@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "common/clock.h"
 #include "common/errors.h"
 #include "common/limits.h"
 
@@ -18,7 +19,6 @@ using nlohmann::json;
 
 constexpr size_t kMaxDumpBytesPerRound = size_t{256} << 20;
 
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Field readers shared by requests and answers: `where` names the message ("request",
 // "rendezvous server at H:P: its answer"), the error names the field.

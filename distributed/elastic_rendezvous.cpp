@@ -23,6 +23,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/clock.h"
 #include "common/errors.h"
 #include "common/file_open.h"
 #include "common/logging.h"
@@ -35,7 +36,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // exchangeDumps in an elastic round: how long no further node sends before the wait ends.
 // The nodes a failure reaches see it within a fraction of a second of each other (a

@@ -26,8 +26,6 @@ constexpr int64_t kAllToAllGatherBytes = int64_t{4} << 20;
 // all-to-all's receive buffer, as large as the input, stays below it.
 constexpr int64_t kAllToAllReduceBytes = int64_t{4} << 20;
 
-std::string firstLine(const std::string& message) { return message.substr(0, message.find('\n')); }
-
 bool looksLikeTimeout(const std::string& message) {
   return message.find("imed out") != std::string::npos || message.find("imeout") != std::string::npos;
 }

@@ -36,9 +36,6 @@ std::string joinKeys(const std::vector<std::string>& keys) {
   return out + "]";
 }
 
-// First line of a c10d message (its later lines are a C++ backtrace).
-std::string firstLine(const std::string& message) { return message.substr(0, message.find('\n')); }
-
 // Blocks until something accepts TCP connections at host:port or `deadline` passes.
 // LibTorch 1.13's TCPStore client gives up at once on a refused connection when its
 // timeout is short and otherwise retries only once a second, so ranks that start before

@@ -28,8 +28,6 @@ using checkpoint::CheckpointError;
 
 namespace {
 
-constexpr const char* kProfilesKey = "posthoc_profiles";
-constexpr const char* kRunKey = "run";
 // Rows combined at a time: about this many bytes of each snapshot's tensor.
 constexpr int64_t kBlockBytes = int64_t{4} << 20;
 
@@ -63,7 +61,7 @@ std::string posthocSnapshotState(const ShardedModelEMAManager& manager, const st
     shapes += strCat(name, at::IntArrayRef(manager.spec(name).globalShape()), ";");
   }
   identity["parameters"] = checkpoint::checksumHex(checkpoint::checksum(shapes.data(), shapes.size()));
-  return nlohmann::json{{kProfilesKey, profiles}, {kRunKey, identity}}.dump();
+  return nlohmann::json{{kPosthocProfilesKey, profiles}, {kPosthocRunKey, identity}}.dump();
 }
 
 std::vector<PosthocSnapshot> listPosthocSnapshots(const std::string& dir) {

@@ -14,9 +14,6 @@
 namespace tessera::ema {
 namespace {
 
-constexpr const char* kProfilesKey = "posthoc_profiles";
-constexpr const char* kRunKey = "run";
-
 // The sigma_rel a profile's name says ("generator_ema_phema0.05" -> 0.05), if it says one.
 std::optional<double> sigmaInName(const std::string& name) {
   const size_t at = name.rfind("_phema");
@@ -33,12 +30,12 @@ std::optional<double> sigmaInName(const std::string& name) {
 PosthocState parsePosthocState(const std::string& text, const std::string& where) {
   using checkpoint::CheckpointError;
   const nlohmann::json state = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!state.is_object() || !state.contains(kProfilesKey) || !state[kProfilesKey].is_object() ||
-      state[kProfilesKey].empty()) {
-    throw CheckpointError(strCat(where, ": not a post-hoc EMA snapshot (no '", kProfilesKey, "' object)"));
+  if (!state.is_object() || !state.contains(kPosthocProfilesKey) || !state[kPosthocProfilesKey].is_object() ||
+      state[kPosthocProfilesKey].empty()) {
+    throw CheckpointError(strCat(where, ": not a post-hoc EMA snapshot (no '", kPosthocProfilesKey, "' object)"));
   }
   PosthocState out;
-  for (const auto& [name, sigma] : state[kProfilesKey].items()) {
+  for (const auto& [name, sigma] : state[kPosthocProfilesKey].items()) {
     if (!sigma.is_number() || !validPowerEmaStd(sigma.get<double>())) {
       throw CheckpointError(strCat(where, ": profile '", name, "' has sigma_rel ", sigma.dump(), ", not a number in [",
                                    kMinPowerEmaStd, ", ", kMaxPowerEmaStd, ")"));
@@ -50,9 +47,9 @@ PosthocState parsePosthocState(const std::string& text, const std::string& where
     }
     out.profiles.emplace_back(name, value);
   }
-  if (state.contains(kRunKey)) {
-    if (!state[kRunKey].is_object()) throw CheckpointError(strCat(where, ": '", kRunKey, "' must be an object"));
-    out.run = state[kRunKey].dump();
+  if (state.contains(kPosthocRunKey)) {
+    if (!state[kPosthocRunKey].is_object()) throw CheckpointError(strCat(where, ": '", kPosthocRunKey, "' must be an object"));
+    out.run = state[kPosthocRunKey].dump();
   } else {
     out.run = "(none recorded)";
   }

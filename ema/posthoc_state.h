@@ -10,6 +10,10 @@
 
 namespace tessera::ema {
 
+// The snapshot's two keys, as posthocSnapshotState (ema/posthoc.h) writes them.
+inline constexpr const char* kPosthocProfilesKey = "posthoc_profiles";
+inline constexpr const char* kPosthocRunKey = "run";
+
 struct PosthocState {
   std::vector<std::pair<std::string, double>> profiles;  // profile name -> sigma_rel
   std::string run;  // the run's identity as canonical JSON; "(none recorded)" when absent

@@ -23,6 +23,22 @@ bool defaultDecays(const std::vector<int64_t>& globalShape) { return globalShape
 
 namespace {
 
+// TESSERA_ADAM_IMPL=foreach: Adam and AdamW step through torch's multi-tensor (foreach)
+// ops on every device, PyTorch's foreach=True kernels, instead of Tessera's fused CPU
+// loop and torch's fused CUDA kernel: a benchmark's "the same optimizer kernel on both
+// sides" (bench/compare_*.py; docs/environment.md). Read once.
+bool foreachAdamOnly() {
+  static const bool only = [] {
+    const char* impl = std::getenv("TESSERA_ADAM_IMPL");
+    return impl != nullptr && std::strcmp(impl, "foreach") == 0;
+  }();
+  return only;
+}
+
+}  // namespace
+
+namespace {
+
 bool matches(const std::string& pattern, const std::string& name) { return ::fnmatch(pattern.c_str(), name.c_str(), 0) == 0; }
 
 }  // namespace
@@ -222,11 +238,7 @@ struct AdamGroup {
   // measure one against the other). False where it does not apply.
   bool stepFused(const OptimizerOptions& o) const {
 #if TORCH_VERSION_MAJOR >= 2
-    static const bool foreachOnly = [] {
-      const char* impl = std::getenv("TESSERA_ADAM_IMPL");
-      return impl != nullptr && std::strcmp(impl, "foreach") == 0;
-    }();
-    if (foreachOnly || !params.front().is_cuda()) return false;
+    if (foreachAdamOnly() || !params.front().is_cuda()) return false;
     for (const at::Tensor& g : grads) {
       if (g.scalar_type() != at::kFloat) return false;
     }
@@ -268,7 +280,7 @@ void ShardedOptimizer::step(double baseLr) {
     const int64_t t = ++steps;
     if (options_.kind == OptimizerKind::kSgd) {
       sgdStep(options_, param, std::move(grad), slot.state, t, lr, wd);
-    } else if (param.device().is_cpu()) {
+    } else if (param.device().is_cpu() && !foreachAdamOnly()) {
       adamStep(options_, param, std::move(grad), slot.state, t, lr, wd);
     } else {
       if (!slot.state.count("exp_avg")) {

@@ -21,12 +21,6 @@ struct RecomputeState : torch::CustomClassHolder {
   at::Tensor rngState;  // CPU generator state the forward saw
 };
 
-struct CounterGuard {
-  int& c;
-  explicit CounterGuard(int& counter) : c(counter) { ++c; }
-  ~CounterGuard() { --c; }
-};
-
 // fn(inputs) with the CPU generator at `rngState`, restored afterwards.
 std::vector<at::Tensor> recompute(RecomputeState& state, const std::vector<at::Tensor>& inputs) {
   at::AutoGradMode gradOn(true);

@@ -13,17 +13,15 @@
 #include "sharding/inflight.h"
 
 namespace tessera::sharding {
-namespace {
 
-// One bucket's collective in flight, with the buffers it reads and writes.
+// One bucket's collective in flight, with the buffers it reads and writes (outside an
+// anonymous namespace: DataParallelStrategy::Overlap holds them).
 struct InflightBucket {
   size_t bucket = 0;
   at::Tensor flat;
   at::Tensor local;  // reduce-scatter output (zero1/zero2)
   std::shared_ptr<distributed::CommHandle> handle;
 };
-
-}  // namespace
 
 struct DataParallelStrategy::Overlap {
   explicit Overlap(DataParallelStrategy& s)

@@ -23,12 +23,6 @@ namespace {
 constexpr size_t kMaxPendingReduces = 2;
 constexpr int64_t kLargeReduceBytes = int64_t{4} << 20;
 
-struct CounterGuard {
-  int& c;
-  explicit CounterGuard(int& counter) : c(counter) { ++c; }
-  ~CounterGuard() { --c; }
-};
-
 bool inBackward(const FsdpUnit& u) {
   return u.trainingState() == TrainingState::kPreBackward || u.trainingState() == TrainingState::kPostBackward;
 }

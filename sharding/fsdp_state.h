@@ -22,6 +22,16 @@ class GradReadyHooks;
 class UnitStorageAllocator;
 struct FullyShardOptions;
 
+// One more in `counter` for the guard's scope: the depths FullyShardState counts (units
+// entered, checkpointed forwards, recomputes).
+struct CounterGuard {
+  int& c;
+  explicit CounterGuard(int& counter) : c(counter) { ++c; }
+  ~CounterGuard() { --c; }
+  CounterGuard(const CounterGuard&) = delete;
+  CounterGuard& operator=(const CounterGuard&) = delete;
+};
+
 class FullyShardState {
  public:
   FullyShardState(const FullyShardOptions& options, UnitContext context);

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -176,6 +177,9 @@ void keepSmallBlocksInTheHeap() {
 }  // namespace
 
 void useCachingHostAllocator(const HostCacheOptions& options) {
+  // TESSERA_HOST_ALLOCATOR=torch: LibTorch's own allocator and glibc's malloc as they are,
+  // as a PyTorch program has them (a benchmark's like-for-like side; docs/environment.md).
+  if (const char* which = std::getenv("TESSERA_HOST_ALLOCATOR"); which != nullptr && std::string(which) == "torch") return;
   static std::once_flag once;
   std::call_once(once, [&] {
     keepSmallBlocksInTheHeap();

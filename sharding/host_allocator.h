@@ -30,7 +30,8 @@ struct HostCacheOptions {
 };
 
 // Makes the caching allocator LibTorch's CPU allocator for the rest of the process (call
-// once, at start-up, before tensors are made; later calls do nothing).
+// once, at start-up, before tensors are made; later calls do nothing). Nothing at all when
+// TESSERA_HOST_ALLOCATOR=torch (a benchmark's like-for-like side).
 void useCachingHostAllocator(const HostCacheOptions& options = {});
 
 // This process's caching allocator, in bytes (all zero before useCachingHostAllocator):

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "common/clock.h"
 #include "common/errors.h"
 #include "common/file_open.h"
 #include "common/logging.h"
@@ -18,9 +19,6 @@
 
 namespace tessera::trainer {
 namespace {
-double nowSec() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 std::string fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
@@ -29,7 +27,7 @@ std::string fixed(double v, int digits) {
 }  // namespace
 
 MetricsLog::MetricsLog(const std::string& jsonlPath, int64_t totalSteps, int64_t resumedStep)
-    : jsonlPath_(jsonlPath), totalSteps_(totalSteps), terminal_(::isatty(STDERR_FILENO) == 1), startSec_(nowSec()) {
+    : jsonlPath_(jsonlPath), totalSteps_(totalSteps), terminal_(::isatty(STDERR_FILENO) == 1), startSec_(steadySeconds()) {
   std::filesystem::create_directories(std::filesystem::path(jsonlPath).parent_path());
   // Opened first: a link or a FIFO planted at the name is refused before anything is read.
   fd_ = openForAppend(jsonlPath);
@@ -101,7 +99,7 @@ void MetricsLog::record(const StepMetrics& m) {
     if (isLossCurve(name)) curves_[name].emplace_back(m.step, value);
   }
 
-  const double elapsed = nowSec() - startSec_;
+  const double elapsed = steadySeconds() - startSec_;
   const double eta = m.step > 0 ? elapsed / static_cast<double>(m.step) * static_cast<double>(totalSteps_ - m.step) : 0;
   const std::string line = formatStepLine(m, totalSteps_);
   if (terminal_) {

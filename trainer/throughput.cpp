@@ -5,7 +5,13 @@
 #include <torch/cuda.h>
 
 #include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <utility>
 
+#include "common/clock.h"
 #include "common/errors.h"
 #include "kernels/cpu_matmul.h"
 #include "sharding/mixed_precision.h"
@@ -13,15 +19,116 @@
 namespace tessera::trainer {
 namespace {
 
-double nowSec() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 void synchronize(at::Device device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
+// What /proc/cpuinfo says of the first core.
+struct CpuId {
+  std::string vendor;
+  int family = -1, model = -1;
+  double mhz = 0;
+  std::string flags;  // space-padded: " avx512f avx2 ... "
+  bool has(const char* flag) const { return flags.find(strCat(" ", flag, " ")) != std::string::npos; }
+};
+
+CpuId readCpuInfo() {
+  CpuId id;
+  std::ifstream in("/proc/cpuinfo");
+  for (std::string line; std::getline(in, line) && !line.empty();) {
+    const size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string key = line.substr(0, colon);
+    key.erase(key.find_last_not_of(" \t") + 1);
+    const std::string value = colon + 2 <= line.size() ? line.substr(colon + 2) : "";
+    if (key == "vendor_id") id.vendor = value;
+    if (key == "cpu family") id.family = std::atoi(value.c_str());
+    if (key == "model") id.model = std::atoi(value.c_str());
+    if (key == "cpu MHz") id.mhz = std::atof(value.c_str());
+    if (key == "flags") id.flags = " " + value + " ";
+  }
+  return id;
+}
+
+// fp32 FLOP per cycle of one core (2 per FMA lane), and the generation's name; 0 unknown.
+// AMD: Zen 1 two 128-bit FMA pipes; Zen 2-4 two 256-bit (Zen 4 runs AVX-512 as two halves);
+// Zen 5 server and desktop two 512-bit. Intel: two 256-bit FMA units from Haswell; with
+// AVX-512 two 512-bit units is assumed (Xeon Gold 6xxx / Platinum; some SKUs have one).
+std::pair<double, std::string> fp32FlopsPerCycle(const CpuId& id) {
+  if (id.vendor == "AuthenticAMD") {
+    if (id.family == 0x17) return id.model < 0x30 ? std::pair{16.0, "Zen 1 (2 x 128-bit FMA)"}
+                                                  : std::pair{32.0, "Zen 2 (2 x 256-bit FMA)"};
+    if (id.family == 0x19) {
+      return id.has("avx512f") ? std::pair{32.0, "Zen 4 (2 x 256-bit FMA; AVX-512 in two halves)"}
+                               : std::pair{32.0, "Zen 3 (2 x 256-bit FMA)"};
+    }
+    if (id.family == 0x1A && id.has("avx512f") && (id.model < 0x20 || (id.model >= 0x40 && id.model < 0x50))) {
+      return {64.0, "Zen 5 (2 x 512-bit FMA)"};
+    }
+  } else if (id.vendor == "GenuineIntel" && id.family == 6 && id.has("fma")) {
+    return id.has("avx512f") ? std::pair{64.0, "Intel AVX-512 (2 x 512-bit FMA assumed)"}
+                             : std::pair{32.0, "Intel AVX2 (2 x 256-bit FMA)"};
+  }
+  return {0.0, ""};
+}
+
 }  // namespace
+
+double measureCoreClockHz(double seconds) {
+  // Blocks of 64 adds, each waiting on the one before: 64 cycles a block at any clock (the
+  // loop's own counter runs beside the chain on another ALU).
+  uint64_t x = 0, blocks = 0;
+  const double start = steadySeconds();
+  double elapsed = 0;
+  while (elapsed < seconds) {
+    for (int i = 0; i < 1024; ++i) {
+#if defined(__x86_64__)
+      asm volatile(
+          ".rept 64\n\t"
+          "add $1, %0\n\t"
+          ".endr"
+          : "+r"(x));
+#elif defined(__aarch64__)
+      asm volatile(
+          ".rept 64\n\t"
+          "add %0, %0, #1\n\t"
+          ".endr"
+          : "+r"(x));
+#else
+      return 0;
+#endif
+    }
+    blocks += 1024;
+    elapsed = steadySeconds() - start;
+  }
+  return x == 0 ? 0 : 64.0 * static_cast<double>(blocks) / elapsed;
+}
+
+DatasheetPeak cpuDatasheetPeak(at::ScalarType dtype, int threads) {
+  DatasheetPeak peak;
+  const CpuId id = readCpuInfo();
+  auto [perCycle, generation] = fp32FlopsPerCycle(id);
+  if (perCycle <= 0) return peak;
+  std::string dtypeWhat = "fp32";
+  if (dtype == at::kBFloat16) {
+    if (id.has("avx512_bf16")) {
+      perCycle *= 2;
+      dtypeWhat = "bf16 (AVX512-BF16 dot products at twice fp32's rate, assumed)";
+    } else {
+      dtypeWhat = "bf16 (no AVX512-BF16: fp32's rate)";
+    }
+  }
+  peak.flopsPerCycle = perCycle;
+  peak.nominalHz = id.mhz * 1e6;
+  peak.clockHz = measureCoreClockHz(0.05);
+  if (peak.clockHz <= 0) return peak;
+  peak.flopsPerSec = perCycle * peak.clockHz * threads;
+  peak.source = strCat(generation, " family ", id.family, " model ", id.model, ": ", perCycle, " ", dtypeWhat,
+                       " FLOP/cycle x ", peak.clockHz / 1e9, " GHz measured (", peak.nominalHz / 1e9,
+                       " nominal) x ", threads, " thread", threads == 1 ? "" : "s", " = ",
+                       static_cast<int64_t>(peak.flopsPerSec / 1e9), " GFLOP/s per rank");
+  return peak;
+}
 
 double measureMatmulFlops(at::Device device, at::ScalarType dtype, int64_t size, double seconds) {
   const auto options = at::TensorOptions().dtype(dtype).device(device);
@@ -30,17 +137,17 @@ double measureMatmulFlops(at::Device device, at::ScalarType dtype, int64_t size,
   at::Tensor c = at::mm(a, b);  // warm-up: kernels chosen, memory allocated
   synchronize(device);
   int64_t reps = 0;
-  const double start = nowSec();
+  const double start = steadySeconds();
   double elapsed = 0;
   while (reps < 2 || elapsed < seconds) {
     at::mm_out(c, a, b);
     ++reps;
     if (device.is_cuda() && reps % 8 != 0) continue;  // launches are asynchronous: time batches
     synchronize(device);
-    elapsed = nowSec() - start;
+    elapsed = steadySeconds() - start;
   }
   synchronize(device);
-  elapsed = nowSec() - start;
+  elapsed = steadySeconds() - start;
   const double n = static_cast<double>(size);
   return 2.0 * n * n * n * static_cast<double>(reps) / elapsed;
 }
@@ -100,7 +207,8 @@ PeakFlops peakFlops(double configured, at::Device device, at::ScalarType dtype) 
 }
 
 std::map<std::string, double> throughputFigures(double samplesPerSec, int worldSize, double trainFlopsPerSample,
-                                                int64_t tokensPerSample, bool images, double peakFlopsPerSec) {
+                                                int64_t tokensPerSample, bool images, double peakFlopsPerSec,
+                                                double datasheetFlopsPerSec) {
   std::map<std::string, double> out;
   const double perRank = samplesPerSec / static_cast<double>(worldSize);
   if (tokensPerSample > 0) {
@@ -114,6 +222,7 @@ std::map<std::string, double> throughputFigures(double samplesPerSec, int worldS
     const double achieved = trainFlopsPerSample * perRank;
     out["tflops_per_rank"] = achieved / 1e12;
     if (peakFlopsPerSec > 0) out["mfu"] = achieved / peakFlopsPerSec;
+    if (datasheetFlopsPerSec > 0) out["mfu_datasheet"] = achieved / datasheetFlopsPerSec;
   }
   return out;
 }

@@ -22,7 +22,9 @@
 
 #include "checkpoint/exporter.h"
 #include "diagnostics/flight_recorder.h"
+#include "kernels/cpu_matmul.h"
 #include "kernels/cpu_threads.h"
+#include "common/clock.h"
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
@@ -145,10 +147,6 @@ class StopSignals {
   struct sigaction previousInt_{};
 };
 
-double nowSec() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 // run.recipe's training code over the run's parts.
 std::unique_ptr<Recipe> makeRecipeOf(RunParts& run) {
   const RecipeSpec& spec = recipeSpec(run.cfg.run.recipe);
@@ -180,6 +178,15 @@ class TrainLoop {
       peak_ = peakFlops(cfg_.run.peak_flops, run.device, run.models.front().cfg.sharding.paramDtype);
       TLOG_INFO0("MFU: " << trainFlopsPerSample_ / 1e9 << " GFLOP per sample (forward and backward), against a peak of "
                          << peak_.flopsPerSec / 1e12 << " TFLOP/s per rank " << peak_.source);
+      if (run.device.is_cpu()) {
+        const at::ScalarType paramDtype = run.models.front().cfg.sharding.paramDtype;
+        datasheet_ = cpuDatasheetPeak(
+            paramDtype == at::kBFloat16 || kernels::cpuLinearDtype() == at::kBFloat16 ? at::kBFloat16 : at::kFloat,
+            at::get_num_threads());
+        if (datasheet_.flopsPerSec > 0) {
+          TLOG_INFO0("datasheet peak: " << datasheet_.source << " (metrics' mfu_datasheet)");
+        }
+      }
       if (!peak_.matmulPath.empty()) TLOG_INFO0("matrix products: " << peak_.matmulPath);
       if (!peak_.slowWarning.empty()) TLOG_WARN0(peak_.slowWarning);
     }
@@ -188,7 +195,7 @@ class TrainLoop {
                                               << at::get_num_threads() << " threads");
     runtimeBytes_ = runtimeBytes();
     memoryWindowFirst_ = run.startStep + 1;
-    windowStart_ = runStart_ = nowSec();
+    windowStart_ = runStart_ = steadySeconds();
     run.comm->resetStats();
   }
 
@@ -270,7 +277,7 @@ class TrainLoop {
     summary_.steps = done;
     summary_.preempted = stopped;
     summary_.samplesPerSec = static_cast<double>(cfg_.data.global_batch * (done - run_.startStep)) /
-                             std::max(1e-9, nowSec() - runStart_);
+                             std::max(1e-9, steadySeconds() - runStart_);
     if (schedule_.finalSaveDue(done, stopped)) saveCheckpoint(done);
     if (run_.checkpointer) {
       const distributed::TimeoutScope timeout(cfg_.diagnostics.checkpoint_timeout);
@@ -311,7 +318,7 @@ class TrainLoop {
   void logWindow(int64_t done, const StepOutcome& out, bool evaluateNow) {
     const trace::Span span("log", "metrics window");
     distributed::Communicator& comm = *run_.comm;
-    const double elapsed = nowSec() - windowStart_;
+    const double elapsed = steadySeconds() - windowStart_;
     const distributed::CommStats sent = comm.stats();  // the window's steps (and saves), not what follows
     const double steps = static_cast<double>(windowSteps_);
     const double stepMs = elapsed * 1000.0 / steps, waitMs = static_cast<double>(sent.waitNs) / 1e6 / steps;
@@ -352,7 +359,8 @@ class TrainLoop {
     }
     const bool images = datasets::isImageKind(cfg_.data.kind);
     for (const auto& [key, value] : throughputFigures(m.samplesPerSec, comm.worldSize(), trainFlopsPerSample_,
-                                                      recipe_->tokensPerSample(), images, peak_.flopsPerSec)) {
+                                                      recipe_->tokensPerSample(), images, peak_.flopsPerSec,
+                                                      datasheet_.flopsPerSec)) {
       m.extra[key] = value;
     }
     if (skippedInRun_ > 0) m.extra["skipped_steps"] = static_cast<double>(skippedInRun_);
@@ -382,7 +390,7 @@ class TrainLoop {
     windowLoss_ = 0;
     windowExtra_.clear();
     windowSteps_ = 0;
-    windowStart_ = nowSec();
+    windowStart_ = steadySeconds();
     TLOG_DEBUG0("communication since the last log line: " << sent.toString());
     comm.resetStats();
   }
@@ -459,6 +467,7 @@ class TrainLoop {
   std::string peakMemoryWhen_;      // which window that was
   int64_t memoryWindowFirst_ = 0;   // the first step of the current memory window
   PeakFlops peak_;
+  DatasheetPeak datasheet_;  // CPU only: the core's datasheet figure (mfu_datasheet)
   TrainSummary summary_;
   double windowLoss_ = 0, windowStart_ = 0, runStart_ = 0;
   std::map<std::string, double> windowExtra_;  // the recipe's further figures, summed over the window

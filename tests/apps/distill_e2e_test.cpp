@@ -18,6 +18,7 @@
 
 #include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
+#include "tests/apps/train_runs.h"
 #include "tests/support/run_command.h"
 #include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
@@ -28,23 +29,15 @@ namespace fs = std::filesystem;
 using tessera::test::CommandResult;
 using tessera::test::runCommand;
 
-const std::string kBin = TESSERA_BIN_DIR;
-const std::string kSource = TESSERA_SOURCE_DIR;
-const std::string kTrain = kBin + "/tessera-train";
+using tessera::test::kBin;
+using tessera::test::kSource;
+using tessera::test::kTrain;
 const std::string kRings = kSource + "/data/rings.safetensors";
 
-std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_distill", tag); }
+std::string distillScratch(const std::string& tag) { return tessera::test::scratchPath("tessera_distill", tag); }
 
-// Runs `command`, expecting success; returns its output.
-std::string mustRun(const std::string& command, int timeoutSeconds = 600) {
-  const CommandResult r = runCommand(command, timeoutSeconds);
-  EXPECT_EQ(r.status, 0) << command << "\n" << r.output;
-  return r.output;
-}
-
-std::string launch(int ranks) {
-  return ranks == 1 ? kTrain : kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kTrain;
-}
+using tessera::test::mustRun;
+using tessera::test::trainCommand;
 
 using tessera::test::readMetrics;
 
@@ -97,7 +90,7 @@ void expectSameMetrics(const std::string& a, const std::string& b) {
 // A small teacher: the diffusion config's denoiser trained briefly, exported as
 // <dir>/export/generator_ema.safetensors.
 std::string smallTeacher() {
-  const std::string dir = scratch("teacher");
+  const std::string dir = distillScratch("teacher");
   mustRun(kTrain + " --config " + kSource + "/configs/diffusion.yaml --set data.path=" + kRings +
           " --set run.dir=" + dir + " --set run.steps=20 --set run.log_every=10 --set run.eval_every=0"
           " --set model.samples=0 --set optim.schedule.warmup_steps=2 --set log.per_rank_files=false");
@@ -123,13 +116,13 @@ std::string strategies(const std::string& generator, const std::string& critic, 
 // distil it (configs/distill.yaml). The one-step generator_ema's 2048 samples reach the
 // ring metric within 1.5x of the teacher's, far below the untrained one-step generator's.
 TEST(DistillE2ETest, ShippedConfigsDistilTheTeacherIntoOneStep) {
-  const std::string teacher = scratch("diffusion"), distilled = scratch("distill"), untrained = scratch("untrained");
-  mustRun(launch(2) + " --config " + kSource + "/configs/diffusion.yaml --set data.path=" + kRings +
+  const std::string teacher = distillScratch("diffusion"), distilled = distillScratch("distill"), untrained = distillScratch("untrained");
+  mustRun(trainCommand(2) + " --config " + kSource + "/configs/diffusion.yaml --set data.path=" + kRings +
           " --set run.dir=" + teacher + " --set model.samples=2048 --set log.per_rank_files=false");
   const std::string teacherWeights = teacher + "/export/generator_ema.safetensors";
   const std::string distill = " --config " + kSource + "/configs/distill.yaml --set data.path=" + kRings +
                               " --set model.init_from=" + teacherWeights + " --set log.per_rank_files=false";
-  const std::string out = mustRun(launch(2) + distill + " --set run.dir=" + distilled);
+  const std::string out = mustRun(trainCommand(2) + distill + " --set run.dir=" + distilled);
   // The generator as it starts (the teacher's one-step guess): one step at a learning
   // rate of ~0, with an EMA that keeps the start.
   mustRun(kTrain + distill + " --set run.dir=" + untrained +
@@ -158,15 +151,15 @@ TEST(DistillE2ETest, ShippedConfigsDistilTheTeacherIntoOneStep) {
 // run's), equal one process: same losses and evaluations, exports within 1e-6.
 TEST(DistillE2ETest, ShardedRunsEqualOneProcess) {
   const std::string teacher = smallTeacher();
-  const std::string single = scratch("single");
-  mustRun(launch(1) + smallDistill(teacher, single) + strategies("no_shard", "no_shard", "no_shard"));
+  const std::string single = distillScratch("single");
+  mustRun(trainCommand(1) + smallDistill(teacher, single) + strategies("no_shard", "no_shard", "no_shard"));
   const std::vector<std::pair<int, std::string>> runs = {{2, strategies("zero3", "zero2", "zero3")},
                                                          {3, strategies("zero2", "zero3", "zero1")},
                                                          {4, strategies("zero1", "no_shard", "zero3")}};
   for (const auto& [ranks, chosen] : runs) {
     SCOPED_TRACE(std::to_string(ranks) + " ranks:" + chosen);
-    const std::string dir = scratch("world" + std::to_string(ranks));
-    mustRun(launch(ranks) + smallDistill(teacher, dir) + chosen);
+    const std::string dir = distillScratch("world" + std::to_string(ranks));
+    mustRun(trainCommand(ranks) + smallDistill(teacher, dir) + chosen);
     expectSameMetrics(single, dir);
     for (const std::string name : {"generator_ema", "generator", "critic"}) {
       expectSameWeights(single + "/export/" + name + ".safetensors", dir + "/export/" + name + ".safetensors", 1e-6);
@@ -182,17 +175,17 @@ TEST(DistillE2ETest, ShardedRunsEqualOneProcess) {
 // the optimizers and the EMA; tessera-export and tessera-ckpt read it offline.
 TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) {
   const std::string teacher = smallTeacher();
-  const std::string whole = scratch("whole"), resumed = scratch("resumed");
+  const std::string whole = distillScratch("whole"), resumed = distillScratch("resumed");
   // The critic with an EMA of its own too, updated once per run step however many critic
   // updates a step makes; the generator a few-step one (backward simulation draws its
   // chain steps from the sample seeds, so a resumed run draws the same).
   const std::string criticEma = " --set models.critic.ema.enabled=true --set recipe.critic_steps=3"
                                 " --set checkpoint.export=[generator_ema,generator,critic,critic_ema]"
                                 " --set models.generator.sample_timesteps=[199,120,40]";
-  mustRun(launch(4) + smallDistill(teacher, whole) + criticEma);
-  mustRun(launch(4) + smallDistill(teacher, resumed) + criticEma + " --set run.stop_after_steps=3");
+  mustRun(trainCommand(4) + smallDistill(teacher, whole) + criticEma);
+  mustRun(trainCommand(4) + smallDistill(teacher, resumed) + criticEma + " --set run.stop_after_steps=3");
   const std::string out =
-      mustRun(launch(3) + smallDistill(teacher, resumed) + criticEma + strategies("zero2", "zero3", "zero1"));
+      mustRun(trainCommand(3) + smallDistill(teacher, resumed) + criticEma + strategies("zero2", "zero3", "zero1"));
   EXPECT_NE(out.find("resumed from " + resumed + "/checkpoints/step_00000003"), std::string::npos) << out;
   EXPECT_NE(out.find("now 3 ranks with generator:zero2 critic:zero3 teacher:zero1"), std::string::npos) << out;
   // The regression pairs come from the run's cache, made by the 4 ranks (not sampled again).
@@ -206,7 +199,7 @@ TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) 
   // Offline, from the one checkpoint: every model and the EMA by name.
   const std::string step = resumed + "/checkpoints/step_00000006";
   for (const std::string name : {"generator_ema", "generator", "critic", "teacher"}) {
-    const std::string file = scratch(name + ".safetensors");
+    const std::string file = distillScratch(name + ".safetensors");
     mustRun(kBin + "/tessera-export " + step + " --what " + name + " --out " + file);
     if (name == "teacher") {
       expectSameWeights(teacher, file, 1e-30);  // frozen: what it started from, bit for bit
@@ -229,48 +222,48 @@ TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) 
 // made with other recipe settings is not used.
 TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
   const std::string teacher = smallTeacher();
-  const std::string whole = scratch("uncached"), dir = scratch("cached");
+  const std::string whole = distillScratch("uncached"), dir = distillScratch("cached");
   const std::string cache = dir + "/cache/dmd_pairs.safetensors";
-  mustRun(launch(1) + smallDistill(teacher, whole));
-  std::string out = mustRun(launch(1) + smallDistill(teacher, dir) + " --set run.stop_after_steps=2");
+  mustRun(trainCommand(1) + smallDistill(teacher, whole));
+  std::string out = mustRun(trainCommand(1) + smallDistill(teacher, dir) + " --set run.stop_after_steps=2");
   EXPECT_EQ(out.find("regression pairs read from"), std::string::npos) << out;
   ASSERT_TRUE(fs::is_regular_file(cache)) << out;
 
   fs::resize_file(cache, fs::file_size(cache) / 2);  // damaged
-  out = mustRun(launch(1) + smallDistill(teacher, dir) + " --set run.stop_after_steps=2");  // to step 4
+  out = mustRun(trainCommand(1) + smallDistill(teacher, dir) + " --set run.stop_after_steps=2");  // to step 4
   EXPECT_NE(out.find("dmd: the cached regression pairs " + cache + " are not used ("), std::string::npos) << out;
   EXPECT_NE(out.find("sampling them again"), std::string::npos) << out;
 
-  out = mustRun(launch(1) + smallDistill(teacher, dir));  // sampled again and kept: read now
+  out = mustRun(trainCommand(1) + smallDistill(teacher, dir));  // sampled again and kept: read now
   EXPECT_NE(out.find("dmd: 64 regression pairs read from " + cache), std::string::npos) << out;
   expectSameMetrics(whole, dir);
   expectSameWeights(whole + "/export/generator_ema.safetensors", dir + "/export/generator_ema.safetensors", 1e-7);
 
-  const std::string other = scratch("other_steps");
+  const std::string other = distillScratch("other_steps");
   fs::create_directories(other + "/cache");
   fs::copy_file(cache, other + "/cache/dmd_pairs.safetensors");
-  out = mustRun(launch(1) + smallDistill(teacher, other) + " --set recipe.pair_steps=8");
+  out = mustRun(trainCommand(1) + smallDistill(teacher, other) + " --set recipe.pair_steps=8");
   EXPECT_NE(out.find("made for other settings: pair_steps: the file's 'pair_steps 10', this run's 'pair_steps 8'"),
             std::string::npos) << out;
   // The guidance interval is part of the key (the pairs are the guided teacher's samples).
-  const std::string interval = scratch("other_interval");
+  const std::string interval = distillScratch("other_interval");
   fs::create_directories(interval + "/cache");
   fs::copy_file(cache, interval + "/cache/dmd_pairs.safetensors");
-  out = mustRun(launch(1) + smallDistill(teacher, interval) + " --set recipe.guidance_interval=[0,50] --set run.steps=2");
+  out = mustRun(trainCommand(1) + smallDistill(teacher, interval) + " --set recipe.guidance_interval=[0,50] --set run.steps=2");
   EXPECT_NE(out.find("made for other settings: guidance: the file's 'guidance 1', this run's 'guidance 1 at t in [0, 50]'"),
             std::string::npos) << out;
 
   // A FIFO in the cache's place is neither read (no hang) nor written through.
-  const std::string fifo = scratch("fifo_cache");
+  const std::string fifo = distillScratch("fifo_cache");
   fs::create_directories(fifo + "/cache");
   ASSERT_EQ(runCommand("mkfifo " + fifo + "/cache/dmd_pairs.safetensors", 10).status, 0);
-  out = mustRun(launch(1) + smallDistill(teacher, fifo), 120);
+  out = mustRun(trainCommand(1) + smallDistill(teacher, fifo), 120);
   EXPECT_NE(out.find("not a regular file"), std::string::npos) << out;
   EXPECT_NE(out.find("dmd: could not keep the regression pairs in"), std::string::npos) << out;
 
   // Round 4, class 4: a cache with the right key and an extra tensor of 8 GiB (a sparse
   // file) is refused from its header at once, in the file's words, before any data is read.
-  const std::string extra = scratch("extra_tensor");
+  const std::string extra = distillScratch("extra_tensor");
   fs::create_directories(extra + "/cache");
   {
     std::ifstream in(cache, std::ios::binary);
@@ -292,7 +285,7 @@ TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
   }
   fs::resize_file(extra + "/cache/dmd_pairs.safetensors", fs::file_size(extra + "/cache/dmd_pairs.safetensors") +
                                                              (uint64_t{8} << 30));  // sparse: no disk used
-  const CommandResult refused = runCommand(launch(1) + smallDistill(teacher, extra) + " --set run.steps=2", 120);
+  const CommandResult refused = runCommand(trainCommand(1) + smallDistill(teacher, extra) + " --set run.steps=2", 120);
   EXPECT_EQ(refused.status, 0) << refused.output;
   EXPECT_NE(refused.output.find("are not used (a tensor 'extra' it should not have)"), std::string::npos)
       << refused.output;
@@ -300,12 +293,12 @@ TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
 
   // A resume whose teacher file is gone (the frozen teacher comes from the checkpoint):
   // the pairs cannot be keyed, so they are sampled, and the run goes on.
-  const std::string moved = scratch("moved_teacher.safetensors"), gone = scratch("gone");
+  const std::string moved = distillScratch("moved_teacher.safetensors"), gone = distillScratch("gone");
   fs::copy_file(teacher, moved);
   const std::string withMoved = smallDistill(teacher, gone) + " --set model.init_from=" + moved;
-  mustRun(launch(1) + withMoved + " --set run.stop_after_steps=2");
+  mustRun(trainCommand(1) + withMoved + " --set run.stop_after_steps=2");
   fs::remove(moved);
-  out = mustRun(launch(1) + withMoved);
+  out = mustRun(trainCommand(1) + withMoved);
   EXPECT_NE(out.find("cannot be read for their key"), std::string::npos) << out;
   EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
 }
@@ -314,7 +307,7 @@ TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
 // export aliases instead of the component table, and without the "model" alias — resumes,
 // and tessera-export and tessera-ckpt find the model and the EMA by name.
 TEST(DistillE2ETest, SingleModelCheckpointsOfEarlierVersionsLoad) {
-  const std::string run = scratch("single_model");
+  const std::string run = distillScratch("single_model");
   const std::string args = " --config " + kSource + "/configs/default.yaml --set run.dir=" + run +
                            " --set log.per_rank_files=false --set checkpoint.async=false --set run.log_every=1"
                            " --set optim.schedule.kind=constant";
@@ -337,8 +330,8 @@ TEST(DistillE2ETest, SingleModelCheckpointsOfEarlierVersionsLoad) {
   EXPECT_NE(info.find("optimizer    optim  "), std::string::npos) << info;
   const std::string out = mustRun(kTrain + args + " --set run.steps=3");
   EXPECT_NE(out.find("resumed from " + step), std::string::npos) << out;
-  mustRun(kBin + "/tessera-export " + step + " --what model --out " + scratch("model.safetensors"));
-  mustRun(kBin + "/tessera-export " + step + " --what model_ema --out " + scratch("model_ema.safetensors"));
+  mustRun(kBin + "/tessera-export " + step + " --what model --out " + distillScratch("model.safetensors"));
+  mustRun(kBin + "/tessera-export " + step + " --what model_ema --out " + distillScratch("model_ema.safetensors"));
 }
 
 // Bad models: configs exit with status 2 and name the model and the key.
@@ -347,8 +340,8 @@ TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
   // A config of its own with `models` as its models: section, and a run.dir of its own
   // (one run per run.dir).
   auto configWith = [&](const std::string& tag, const std::string& models) {
-    const std::string path = scratch(tag + ".yaml");
-    std::ofstream(path) << "run: {recipe: dmd, steps: 2, dir: " << scratch("run_" + tag) << "}\n"
+    const std::string path = distillScratch(tag + ".yaml");
+    std::ofstream(path) << "run: {recipe: dmd, steps: 2, dir: " << distillScratch("run_" + tag) << "}\n"
                         << "model: {arch: diffusion, embed_dim: 64, layers: 3, timesteps: 200, beta_start: 1.0e-4, "
                            "beta_end: 0.05, init_from: "
                         << teacher << "}\n"
@@ -381,7 +374,7 @@ TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
   const std::string config = " --config " + configWith("base", good);
   expectConfigError(config + " --set models.teacher.ema.decays=[0.9]", {"models.teacher.ema.decays", "has no ema"});
   // ema.enabled false on it only says what is so; its resolved config loads back.
-  const std::string resolved = scratch("resolved.yaml");
+  const std::string resolved = distillScratch("resolved.yaml");
   ASSERT_EQ(runCommand(kTrain + config + " --set models.teacher.ema.enabled=false --print-config > " + resolved, 60).status,
             0);
   EXPECT_EQ(runCommand(kTrain + " --config " + resolved + " --print-config", 60).status, 0);

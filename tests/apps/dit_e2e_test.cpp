@@ -37,9 +37,9 @@ using tessera::test::mustRun;
 using tessera::test::readMetrics;
 using tessera::test::trainCommand;
 
-const std::string kBin = TESSERA_BIN_DIR;
+using tessera::test::kBin;
 
-std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_dit", tag); }
+std::string ditScratch(const std::string& tag) { return tessera::test::scratchPath("tessera_dit", tag); }
 
 // A small DiT run: width 20 and 2 heads (rows that do not divide over 3 or 4 ranks), flips,
 // label drops, an EMA exported; the constant learning rate lets a run be cut in two.
@@ -60,7 +60,7 @@ std::string ditConfig(const std::string& dir) {
 }
 
 TEST(DitE2ETest, ShardedMatchesOneProcessUnderEveryStrategyAtOneToFourRanks) {
-  const std::string dir = scratch("runs");
+  const std::string dir = ditScratch("runs");
   const std::string args = ditConfig(dir);
   const std::string single = dir + "/single";
   mustRun(trainCommand(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
@@ -104,7 +104,7 @@ double maxExportDifference(const std::string& a, const std::string& b) {
 // values, and the next products see that. So the exports are compared against the gap
 // between bf16 and fp32 products, which is more than 5 times larger.
 TEST(DitE2ETest, Bf16LinearsTrainShardedAsInOneProcessAndCloseToFp32) {
-  const std::string dir = scratch("bf16");
+  const std::string dir = ditScratch("bf16");
   const std::string args = ditConfig(dir);
   const std::string fp32 = dir + "/fp32", single = dir + "/single", sharded = dir + "/sharded";
   mustRun(trainCommand(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + fp32);
@@ -134,7 +134,7 @@ TEST(DitE2ETest, Bf16LinearsTrainShardedAsInOneProcessAndCloseToFp32) {
 }
 
 TEST(DitE2ETest, ResumeOnAnotherWorldSizeEqualsUninterrupted) {
-  const std::string dir = scratch("resume");
+  const std::string dir = ditScratch("resume");
   const std::string args = ditConfig(dir);
   const std::string full = dir + "/full", cut = dir + "/cut";
   mustRun(trainCommand(2) + args + " --set sharding.strategy=zero3 --set run.dir=" + full);
@@ -149,7 +149,7 @@ TEST(DitE2ETest, ResumeOnAnotherWorldSizeEqualsUninterrupted) {
 // the tensors and the keys that differ from the checkpoint's; never a fallback to an older
 // checkpoint, and the run's checkpoints stay as they were.
 TEST(DitE2ETest, ResumeWithAnotherShapeIsAConfigErrorNamingTheKey) {
-  const std::string dir = scratch("reshape");
+  const std::string dir = ditScratch("reshape");
   const std::string config = ditConfig(dir);
   const std::string runDir = dir + "/run";
   mustRun(trainCommand(2) + config + " --set run.stop_after_steps=4 --set run.dir=" + runDir);
@@ -173,7 +173,7 @@ TEST(DitE2ETest, ResumeWithAnotherShapeIsAConfigErrorNamingTheKey) {
 }
 
 TEST(DitE2ETest, SamplesFromAnExportOrACheckpointSplitOverRanksOrNot) {
-  const std::string dir = scratch("sample");
+  const std::string dir = ditScratch("sample");
   const std::string runDir = dir + "/run";
   mustRun(trainCommand(2) + ditConfig(dir) + " --set sharding.strategy=zero3 --set run.dir=" + runDir);
   const std::string weights = runDir + "/export/generator_ema.safetensors";
@@ -216,7 +216,7 @@ TEST(DitE2ETest, SamplesFromAnExportOrACheckpointSplitOverRanksOrNot) {
 // or prediction in their metadata) are linear-schedule noise predictors: they sample as
 // they did, and the same weights declared velocity predictors sample otherwise.
 TEST(DitE2ETest, ExportsWithoutTheDiffusionKeysSampleAsNoisePredictors) {
-  const std::string dir = scratch("old_export");
+  const std::string dir = ditScratch("old_export");
   const std::string runDir = dir + "/run";
   mustRun(trainCommand(1) + ditConfig(dir) + " --set run.dir=" + runDir);
   const std::string current = runDir + "/export/generator_ema.safetensors";
@@ -246,7 +246,7 @@ TEST(DitE2ETest, ExportsWithoutTheDiffusionKeysSampleAsNoisePredictors) {
 // features to the held-out images' (with the scale: its own accuracy on real images, and
 // what as many real images score). A DiT is no classifier: refused.
 TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
-  const std::string dir = scratch("judge");
+  const std::string dir = ditScratch("judge");
   const std::string config = ditConfig(dir);
   const std::string ditRun = dir + "/dit", classifierRun = dir + "/classifier";
   mustRun(trainCommand(1) + config + " --set run.dir=" + ditRun);
@@ -337,7 +337,7 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
 // --out (the same file a single --posthoc-ema at that sigma_rel writes, with the model
 // description tessera-sample needs), and writes the sweep as a table and a plot.
 TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
-  const std::string dir = scratch("posthoc_sweep");
+  const std::string dir = ditScratch("posthoc_sweep");
   const std::string config = ditConfig(dir);
   const std::string ditRun = dir + "/dit", classifierRun = dir + "/classifier";
   mustRun(trainCommand(2) + config + " --set run.dir=" + ditRun +
@@ -493,7 +493,7 @@ TEST(DitE2ETest, PosthocEmaSweepKeepsTheJudgesBest) {
 // as in one process, draws a grid per class from its EMA and the live generator, and its
 // export samples at its own timesteps.
 TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
-  const std::string dir = scratch("dmd");
+  const std::string dir = ditScratch("dmd");
   const std::string config = ditConfig(dir);
   const std::string teacher = dir + "/teacher";
   mustRun(trainCommand(1) + config + " --set run.dir=" + teacher);
@@ -555,7 +555,7 @@ TEST(DitE2ETest, DmdDistilsAClassConditionalDitShardedAsInOneProcess) {
 // the last timestep (abar = 0, its estimate -v there, finite), sharded as in one process;
 // its export says how to read it. A frozen teacher read as a noise predictor is refused.
 TEST(DitE2ETest, DmdFromPureNoiseWithAVelocityTeacher) {
-  const std::string dir = scratch("dmd_v");
+  const std::string dir = ditScratch("dmd_v");
   const std::string velocity =
       " --set model.prediction=v --set model.zero_terminal_snr=true --set model.noise_schedule=cosine";
   const std::string config = ditConfig(dir) + velocity;
@@ -600,7 +600,7 @@ TEST(DitE2ETest, DmdFromPureNoiseWithAVelocityTeacher) {
 }
 
 TEST(DitE2ETest, BadSampleRequestsAreRefusedNamingWhatIsWrong) {
-  const std::string dir = scratch("refused");
+  const std::string dir = ditScratch("refused");
   const std::string runDir = dir + "/run";
   mustRun(trainCommand(1) + ditConfig(dir) + " --set run.steps=2 --set run.dir=" + runDir);
   const std::string weights = runDir + "/export/generator_ema.safetensors";

@@ -13,6 +13,7 @@
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
 #include "tests/support/free_port.h"
+#include "tests/apps/train_runs.h"
 #include "tests/support/run_command.h"
 #include "tests/support/scratch_path.h"
 
@@ -24,16 +25,14 @@ using tessera::test::CommandResult;
 using tessera::test::runCommand;
 using tessera::test::shellQuote;
 
-const std::string kBin = TESSERA_BIN_DIR;
+using tessera::test::kBin;
 // 4 ranks: 2 micro-batches of 4 each; 2 ranks: 4. A checkpoint every 20 steps.
 const std::string kTrainArgs = strCat(" --config ", TESSERA_SOURCE_DIR,
                                       "/configs/default.yaml --set run.steps=300 --set model.hidden=[48]"
                                       " --set data.global_batch=32 --set data.micro_batch=4 --set checkpoint.every_steps=20"
                                       " --set log.per_rank_files=false --set run.log_every=20");
 
-std::map<std::string, at::Tensor> exportOf(const std::string& runDir) {
-  return tessera::checkpoint::loadSafetensors((fs::path(runDir) / "export" / "model_ema.safetensors").string());
-}
+using tessera::test::exportOf;
 
 // This test's block of seven ports (each test of the suite uses its own offset in it).
 int freePort() {

@@ -27,8 +27,8 @@ namespace fs = std::filesystem;
 using tessera::test::CommandResult;
 using tessera::test::runCommand;
 
-const std::string kBin = TESSERA_BIN_DIR;
-const std::string kTrain = kBin + "/tessera-train";
+using tessera::test::kBin;
+using tessera::test::kTrain;
 const std::string kConfigs = std::string(TESSERA_SOURCE_DIR) + "/configs";
 // The main job's config, small and quick: 8 steps, a checkpoint at every 4.
 const std::string kSmall = " --config " + kConfigs +
@@ -37,7 +37,7 @@ const std::string kSmall = " --config " + kConfigs +
                            " --set checkpoint.every_steps=4 --set checkpoint.async=false"
                            " --set optim.schedule.warmup_steps=2";
 
-std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_first_use", tag); }
+std::string firstUseScratch(const std::string& tag) { return tessera::test::scratchPath("tessera_first_use", tag); }
 
 std::string readFile(const fs::path& path) {
   std::ifstream in(path);
@@ -50,14 +50,14 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 TEST(FirstUseTest, ConfigErrorUnderTheLauncherExitsTwo) {
   const CommandResult r = runCommand(kBin + "/tessera-run --standalone --nproc-per-node 2 --max-restarts 2 " + kTrain +
-                                     kSmall + " --set optim.lr=-1 --set run.dir=" + scratch("bad"));
+                                     kSmall + " --set optim.lr=-1 --set run.dir=" + firstUseScratch("bad"));
   EXPECT_EQ(r.status, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "optim.lr")) << r.output;
   EXPECT_FALSE(contains(r.output, "restarting all")) << r.output;
 }
 
 TEST(FirstUseTest, ResumeListsChangedSettingsAndRefusesOnlyWhatCannotWork) {
-  const std::string dir = scratch("run");
+  const std::string dir = firstUseScratch("run");
   CommandResult r = runCommand(kTrain + kSmall + " --set run.stop_after_steps=4 --set run.dir=" + dir);
   ASSERT_EQ(r.status, 0) << r.output;
   // A new architecture: the saved weights have other shapes. Refused before any load, naming the key.
@@ -98,7 +98,7 @@ TEST(FirstUseTest, ResumeWithAnotherStateLayoutIsRefusedForEveryBuiltInModel) {
       {"diffusion", diffusion, "model.embed_dim=32", {"model.embed_dim 64 -> 32", "'model/", "saved with shape"}},
   };
   for (const Case& c : cases) {
-    const std::string dir = scratch("layout_" + c.name);
+    const std::string dir = firstUseScratch("layout_" + c.name);
     CommandResult r = runCommand(kTrain + c.config + " --set run.stop_after_steps=4 --set run.dir=" + dir);
     ASSERT_EQ(r.status, 0) << c.name << "\n" << r.output;
     r = runCommand(kTrain + c.config + " --set " + c.change + " --set run.dir=" + dir);
@@ -109,7 +109,7 @@ TEST(FirstUseTest, ResumeWithAnotherStateLayoutIsRefusedForEveryBuiltInModel) {
 }
 
 TEST(FirstUseTest, FinishedRunDirSaysSoAndOnlyWritesMissingExports) {
-  const std::string dir = scratch("finished");
+  const std::string dir = firstUseScratch("finished");
   CommandResult r = runCommand(kTrain + kSmall + " --set run.dir=" + dir);
   ASSERT_EQ(r.status, 0) << r.output;
   const fs::path exported = fs::path(dir) / "export" / "model_ema.safetensors";
@@ -138,7 +138,7 @@ TEST(FirstUseTest, FinishedRunDirSaysSoAndOnlyWritesMissingExports) {
 }
 
 TEST(FirstUseTest, ShippedConfigOutsideTheRepoNamesTheKeyAndTheDirectory) {
-  const fs::path elsewhere = scratch("elsewhere");
+  const fs::path elsewhere = firstUseScratch("elsewhere");
   fs::create_directories(elsewhere);
   const CommandResult r = runCommand("cd " + elsewhere.string() + " && " + kTrain + " --config " + kConfigs +
                                      "/diffusion.yaml --set run.steps=50");
@@ -148,7 +148,7 @@ TEST(FirstUseTest, ShippedConfigOutsideTheRepoNamesTheKeyAndTheDirectory) {
       << r.output;
   // A checkpoint to resume from, named relative to the working directory, that is not there.
   const CommandResult resume = runCommand("cd " + elsewhere.string() + " && " + kTrain + kSmall +
-                                          " --resume runs/x/checkpoints/step_00000004 --set run.dir=" + scratch("r"));
+                                          " --resume runs/x/checkpoints/step_00000004 --set run.dir=" + firstUseScratch("r"));
   EXPECT_EQ(resume.status, 2) << resume.output;
   EXPECT_TRUE(contains(resume.output, "checkpoint.resume: no checkpoint directory at 'runs/x/checkpoints/step_00000004' "
                                       "(a relative path: resolved against the working directory " + elsewhere.string() + ")"))
@@ -163,7 +163,7 @@ TEST(FirstUseTest, ShippedConfigOutsideTheRepoNamesTheKeyAndTheDirectory) {
 }
 
 TEST(FirstUseTest, EveryRanksLogFileHoldsItsLines) {
-  const std::string dir = scratch("logs");
+  const std::string dir = firstUseScratch("logs");
   const CommandResult r = runCommand(kBin + "/tessera-run --standalone --nproc-per-node 2 " + kTrain + kSmall +
                                      " --set log.per_rank_files=true --set run.dir=" + dir);
   ASSERT_EQ(r.status, 0) << r.output;
@@ -223,13 +223,13 @@ class TrainProcess {
 };
 
 TEST(FirstUseTest, FirstCtrlCSaysWhatASecondOneDoes) {
-  const std::string dir = scratch("ctrl_c");
+  const std::string dir = firstUseScratch("ctrl_c");
   // Steps of ~0.1 s: the second signal comes while the first one's step still runs.
   const std::string slow = kSmall + " --set run.steps=100000 --set run.log_every=1 --set model.hidden=[1024,1024]"
                                     " --set data.global_batch=256 --set data.micro_batch=128 --set run.dir=" + dir;
   {
     // One Ctrl-C: the run stops after its step, with a checkpoint, and says a second one would kill it.
-    TrainProcess train(slow, scratch("once.txt"));
+    TrainProcess train(slow, firstUseScratch("once.txt"));
     ASSERT_TRUE(train.waitFor("step 2/100000")) << train.output();
     train.signal(SIGINT);
     EXPECT_EQ(train.wait(), 0) << train.output();
@@ -243,7 +243,7 @@ TEST(FirstUseTest, FirstCtrlCSaysWhatASecondOneDoes) {
     // second signal lands inside the step and no checkpoint exists to be mistaken for one.
     const std::string killed = dir + "_2";
     TrainProcess train(slow + " --resume none --set model.hidden=[2048,2048] --set checkpoint.every_steps=100000"
-                              " --set run.dir=" + killed, scratch("twice.txt"));
+                              " --set run.dir=" + killed, firstUseScratch("twice.txt"));
     ASSERT_TRUE(train.waitFor("step 2/100000")) << train.output();
     train.signal(SIGINT);
     ASSERT_TRUE(train.waitFor("a second Ctrl-C")) << train.output();
@@ -271,7 +271,7 @@ TEST(FirstUseTest, PrintConfigShowsFloatsAsWritten) {
 // a resumed run's metrics.jsonl holds each step once (the steps after the checkpoint it
 // resumes from are trained, and written, again).
 TEST(FirstUseTest, RunDirHoldsOneRun) {
-  const std::string dir = scratch("one_run");
+  const std::string dir = firstUseScratch("one_run");
   CommandResult r = runCommand(kTrain + kSmall + " --set run.stop_after_steps=4 --set run.dir=" + dir);
   ASSERT_EQ(r.status, 0) << r.output;
   const std::string metricsBefore = readFile(fs::path(dir) / "metrics.jsonl");
@@ -301,7 +301,7 @@ TEST(FirstUseTest, RunDirHoldsOneRun) {
   }
 
   // A run that stopped before its first checkpoint: its outputs are moved aside.
-  const std::string early = scratch("early_stop");
+  const std::string early = firstUseScratch("early_stop");
   fs::create_directories(fs::path(early) / "export");
   {
     std::ofstream(fs::path(early) / "metrics.jsonl") << "{\"step\":1,\"loss\":654321.0}\n";

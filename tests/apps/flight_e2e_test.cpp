@@ -18,7 +18,7 @@ namespace {
 namespace fs = std::filesystem;
 using tessera::test::shellQuote;
 
-const std::string kBin = TESSERA_BIN_DIR;
+using tessera::test::kBin;
 
 // Starts a 2-rank run and waits for its first metrics line; with `usr1`, sends SIGUSR1 to
 // one rank (saving the dump it wrote) and checks the rank still runs; then SIGTERMs the

@@ -27,6 +27,7 @@
 #include "checkpoint/safetensors.h"
 #include "kernels/cpu_matmul.h"
 #include "tests/support/run_command.h"
+#include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
 
 namespace {
@@ -37,8 +38,8 @@ using tessera::test::CommandResult;
 using tessera::test::runCommand;
 using tessera::test::shellQuote;
 
-const std::string kBin = TESSERA_BIN_DIR;
-const std::string kTrain = kBin + "/tessera-train";
+using tessera::test::kBin;
+using tessera::test::kTrain;
 const std::string kConfig = std::string(TESSERA_SOURCE_DIR) + "/configs/default.yaml";
 // One process, two steps, a synchronous checkpoint at the end and the default exports.
 const std::string kShortRun = " --set run.steps=2 --set run.log_every=1 --set checkpoint.async=false"
@@ -47,12 +48,7 @@ const std::string kShortRun = " --set run.steps=2 --set run.log_every=1 --set ch
 constexpr double kPromptSeconds = 30;
 constexpr int kTimeoutSeconds = 60;
 
-std::string readText(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using tessera::test::readText;
 
 void writeText(const fs::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

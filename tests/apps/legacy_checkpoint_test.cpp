@@ -20,8 +20,8 @@ namespace fs = std::filesystem;
 using tessera::test::CommandResult;
 using tessera::test::runCommand;
 
-const std::string kBin = TESSERA_BIN_DIR;
-const std::string kSource = TESSERA_SOURCE_DIR;
+using tessera::test::kBin;
+using tessera::test::kSource;
 const std::string kLegacy = kSource + "/tests/data/legacy_v1";
 
 // The settings the legacy checkpoints were written with (tests/data/legacy_v1/README.md).
@@ -36,7 +36,7 @@ const std::string kDistill = " --config " + kSource + "/configs/distill.yaml" + 
                              " --set recipe.regression_pairs=16 --set recipe.pair_steps=5 --set model.init_from=" +
                              kLegacy + "/teacher.safetensors";
 
-std::string launch(int ranks) {
+std::string launchRanks(int ranks) {
   return kBin + "/tessera-run --standalone --nproc-per-node " + std::to_string(ranks) + " " + kBin + "/tessera-train";
 }
 
@@ -76,12 +76,12 @@ void expectSameEnd(const std::string& resumedDir, const std::string& referenceDi
 std::string expectResumesLikeUninterrupted(const std::string& name, const std::string& args,
                                            std::initializer_list<int> worlds, double tolerance = 1e-5) {
   const std::string reference = tessera::test::scratchPath("tessera_legacy", name + "_reference");
-  CommandResult r = runCommand(launch(2) + args + " --set run.dir=" + reference, 300);
+  CommandResult r = runCommand(launchRanks(2) + args + " --set run.dir=" + reference, 300);
   EXPECT_EQ(r.status, 0) << r.output;
   std::string dir;
   for (const int ranks : worlds) {
     dir = runDirWithLegacy(name);
-    r = runCommand(launch(ranks) + args + " --set run.dir=" + dir, 300);
+    r = runCommand(launchRanks(ranks) + args + " --set run.dir=" + dir, 300);
     EXPECT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("resumed from " + dir + "/checkpoints/step_00000004 (step 4"), std::string::npos) << r.output;
     expectSameEnd(dir, reference, name + " resumed on " + std::to_string(ranks) + " ranks", tolerance);

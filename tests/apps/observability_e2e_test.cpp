@@ -20,7 +20,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kBin = TESSERA_BIN_DIR;
+using tessera::test::kBin;
 
 struct Span {
   std::string name, category, track;

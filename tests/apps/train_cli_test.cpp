@@ -24,7 +24,7 @@ std::string writeConfig(const std::string& text) {
   return path.string();
 }
 
-const std::string kTrain = std::string(TESSERA_BIN_DIR) + "/tessera-train";
+using tessera::test::kTrain;
 const std::string kGood = "data:\n  path: /usr/share/common-licenses/GPL-3\n";
 
 void expectConfigError(const std::string& yaml, const std::string& extraArgs, const std::string& expected) {

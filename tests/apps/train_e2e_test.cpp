@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/filesystem.h"
+#include "tests/apps/train_runs.h"
 #include "tests/support/run_command.h"
 #include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
@@ -28,7 +29,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kBin = TESSERA_BIN_DIR;
+using tessera::test::kBin;
 
 // A fresh path in the temporary directory for this test (a run directory, or a file),
 // removed once the test passed.
@@ -206,9 +207,7 @@ TEST(TrainE2ETest, FailingRankIsReportedByTheLauncher) {
 
 namespace {
 
-std::map<std::string, at::Tensor> exportOf(const std::string& runDir) {
-  return tessera::checkpoint::loadSafetensors((fs::path(runDir) / "export" / "model_ema.safetensors").string());
-}
+using tessera::test::exportOf;
 
 // The GPT decoder (tied head, so the root unit holds the shared embedding) trains the
 // same on 2 ranks under zero3 (blocks as units) as in one process.
@@ -264,12 +263,7 @@ const std::string kResumeArgs = kArgs + " --set checkpoint.async=false --set opt
 
 
 // The whole text of a file ("" if it cannot be read).
-std::string readText(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
+using tessera::test::readText;
 
 // The model_ema exports of two runs are bitwise equal, tensor by tensor.
 void expectBitwiseEqualExports(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {
@@ -585,7 +579,7 @@ TEST(TrainE2ETest, EveryStepIsSavedOnceWhateverFallsOnIt) {
 
 namespace {
 
-const std::string kSource = TESSERA_SOURCE_DIR;
+using tessera::test::kSource;
 
 // configs/diffusion.yaml, shortened: few steps and noise levels, a width (31) and a
 // global batch whose shards do not divide evenly over 3 ranks.

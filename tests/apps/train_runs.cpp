@@ -38,8 +38,10 @@ void expectSameLosses(const std::string& referenceDir, const std::string& otherD
   }
 }
 
-std::map<std::string, at::Tensor> emaExport(const std::string& runDir) {
-  return checkpoint::loadSafetensors(runDir + "/export/generator_ema.safetensors");
+std::map<std::string, at::Tensor> emaExport(const std::string& runDir) { return exportOf(runDir, "generator_ema"); }
+
+std::map<std::string, at::Tensor> exportOf(const std::string& runDir, const std::string& name) {
+  return checkpoint::loadSafetensors(runDir + "/export/" + name + ".safetensors");
 }
 
 void expectCloseExports(const std::string& referenceDir, const std::string& otherDir, const std::string& what) {

@@ -21,6 +21,9 @@ std::string mustRun(const std::string& command, int timeoutSeconds = 600);
 // relative, window by window.
 void expectSameLosses(const std::string& referenceDir, const std::string& otherDir, const std::string& what);
 
+// <runDir>/export/<name>.safetensors.
+std::map<std::string, at::Tensor> exportOf(const std::string& runDir, const std::string& name = "model_ema");
+
 // <runDir>/export/generator_ema.safetensors.
 std::map<std::string, at::Tensor> emaExport(const std::string& runDir);
 

@@ -26,9 +26,9 @@ using tessera::test::readMetrics;
 using tessera::test::trainCommand;
 using tessera::test::runCommand;
 
-const std::string kBin = TESSERA_BIN_DIR;
+using tessera::test::kBin;
 
-std::string scratch(const std::string& tag) { return tessera::test::scratchPath("tessera_wds_e2e", tag); }
+std::string wdsScratch(const std::string& tag) { return tessera::test::scratchPath("tessera_wds_e2e", tag); }
 
 // The tests' 96 IDX images as shards of 10 under dir/shards (train/ and eval/).
 std::string writeShards(const std::string& dir) {
@@ -60,7 +60,7 @@ std::string ditConfig(const std::string& dir, const std::string& shards) {
 }
 
 TEST(WebDatasetE2ETest, TrainsTheSameOnAnyWorldSizeAndResumesOnAnother) {
-  const std::string dir = scratch("runs");
+  const std::string dir = wdsScratch("runs");
   const std::string args = ditConfig(dir, writeShards(dir));
   const std::string single = dir + "/single", three = dir + "/three", cut = dir + "/cut";
   const std::string log = mustRun(trainCommand(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
@@ -77,7 +77,7 @@ TEST(WebDatasetE2ETest, TrainsTheSameOnAnyWorldSizeAndResumesOnAnother) {
 }
 
 TEST(WebDatasetE2ETest, ATruncatedShardIsNamedUnlessSkipLeavesItOut) {
-  const std::string dir = scratch("truncated");
+  const std::string dir = wdsScratch("truncated");
   const std::string shards = writeShards(dir);
   const std::string args = ditConfig(dir, shards) + " --set run.steps=2";
   const std::string victim = shards + "/train/train-000004.tar";
@@ -109,7 +109,7 @@ TEST(WebDatasetE2ETest, ATruncatedShardIsNamedUnlessSkipLeavesItOut) {
 // The shard set is part of the data position: a resume onto other shards (one left out
 // here) goes on, saying that the samples from there are not the uninterrupted run's.
 TEST(WebDatasetE2ETest, AResumeOntoAnotherShardSetSaysSo) {
-  const std::string dir = scratch("changed");
+  const std::string dir = wdsScratch("changed");
   const std::string shards = writeShards(dir);
   const std::string args = ditConfig(dir, shards) + " --set run.dir=" + dir + "/run --set checkpoint.every_steps=2";
   mustRun(trainCommand(1) + args + " --set run.steps=4 --set run.stop_after_steps=2");
@@ -124,7 +124,7 @@ TEST(WebDatasetE2ETest, AResumeOntoAnotherShardSetSaysSo) {
 }
 
 TEST(WebDatasetE2ETest, TheShardToolRefusesToWriteOverShardsAndBadArguments) {
-  const std::string dir = scratch("tool");
+  const std::string dir = wdsScratch("tool");
   const std::string shards = writeShards(dir);
   const std::string images = dir + "/idx/images-idx3-ubyte", labels = dir + "/idx/labels-idx1-ubyte";
   auto r = runCommand(kBin + "/tessera-shards --kind idx --path " + images + " --labels " + labels + " --out " + shards);

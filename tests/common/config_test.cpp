@@ -315,7 +315,9 @@ TEST(ConfigTargetsTest, ChoicePairScaledIntAndMapBind) {
 
   // The docs name the closed set.
   for (const FieldInfo& f : schema.fields()) {
-    if (f.path == "a.kind") EXPECT_EQ(f.constraint, "one of: alpha, beta");
+    if (f.path == "a.kind") {
+      EXPECT_EQ(f.constraint, "one of: alpha, beta");
+    }
   }
 }
 

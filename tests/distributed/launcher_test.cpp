@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "common/clock.h"
 #include "common/errors.h"
 #include "distributed/launcher.h"
 #include "common/filesystem.h"
@@ -41,7 +42,7 @@ std::string readFile(const fs::path& path) {
   return s.str();
 }
 
-double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+using tessera::secondsSince;
 
 // One tessera-run process, stdout and stderr captured in files. Environment entries with
 // no value are removed from the launcher's environment.

@@ -10,6 +10,7 @@
 #include <future>
 #include <thread>
 
+#include "common/clock.h"
 #include "common/errors.h"
 #include "distributed/rendezvous.h"
 #include "distributed/runtime.h"
@@ -26,11 +27,9 @@ using test::HarnessOptions;
 using test::RankContext;
 using test::runOnRanks;
 
-double secondsSince(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using tessera::secondsSince;
 
-int freePort() { return tessera::test::freePorts(1); }
+using tessera::test::freePort;
 
 RankEnv envFor(int rank, int world, int port) {
   RankEnv env;

@@ -94,7 +94,9 @@ void piecesEqualGloo(HarnessMode mode, int world) {
       EXPECT_TRUE(t.equal(ref));
       at::Tensor g = ctx.rank == root ? at::empty({n * c}) : at::Tensor();
       shm->gatherToRoot(g, mine.narrow(0, 0, c), root);
-      if (ctx.rank == root) EXPECT_TRUE(g.equal(a));
+      if (ctx.rank == root) {
+        EXPECT_TRUE(g.equal(a));
+      }
     }
   }, harness(mode));
 }

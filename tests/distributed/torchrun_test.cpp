@@ -47,7 +47,7 @@ std::string pythonWithTorch() {
   return "";
 }
 
-int freePort() { return tessera::test::freePorts(1); }
+using tessera::test::freePort;
 
 // torchrun 1.13 on Python 3.11 cannot parse its default --redirects/--tee ("0"; an
 // IntFlag iteration change), so pass values it can: stdout to a log file and the console.

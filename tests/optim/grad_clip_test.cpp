@@ -17,12 +17,12 @@ namespace {
 using test::RankContext;
 using test::runOnRanks;
 
-const std::vector<std::vector<int64_t>> kShapes = {{7, 5}, {3}, {1, 3}, {}, {10}};
+const std::vector<std::vector<int64_t>> kClipShapes = {{7, 5}, {3}, {1, 3}, {}, {10}};
 
 std::vector<at::Tensor> fullGrads() {
   std::vector<at::Tensor> out;
   int k = 0;
-  for (const auto& s : kShapes) {
+  for (const auto& s : kClipShapes) {
     at::Tensor t = at::empty(s);
     t.copy_((at::arange(t.numel(), at::kFloat) - 3.0f).mul(0.37f * (++k)).sin().view(s));
     out.push_back(t);
@@ -60,7 +60,7 @@ TEST(GradClipTest, ShardedAndReplicatedMatchTorch) {
         std::vector<dtensor::ShardedParam> params;
         const auto full = fullGrads();
         for (size_t i = 0; i < full.size(); ++i) {
-          dtensor::ShardSpec spec(kShapes[i], at::kFloat, ctx.world, ctx.rank,
+          dtensor::ShardSpec spec(kClipShapes[i], at::kFloat, ctx.world, ctx.rank,
                          i % 2 == 1 ? dtensor::Placement::kReplicate : dtensor::Placement::kShard0);
           params.push_back(gradient(spec, spec.shardOf(full[i])));
         }
@@ -84,7 +84,7 @@ TEST(GradClipTest, AllReplicatedNeedsNoCommunication) {
     const auto full = fullGrads();
     std::vector<dtensor::ShardedParam> params;
     for (size_t i = 0; i < full.size(); ++i) {
-      params.push_back(gradient(dtensor::ShardSpec(kShapes[i], at::kFloat, 2, ctx.rank, dtensor::Placement::kReplicate), full[i].clone()));
+      params.push_back(gradient(dtensor::ShardSpec(kClipShapes[i], at::kFloat, 2, ctx.rank, dtensor::Placement::kReplicate), full[i].clone()));
     }
     ctx.comm()->resetStats();
     const double norm = globalGradNorm(params, *ctx.comm());
@@ -100,7 +100,7 @@ TEST(GradClipTest, NonFiniteNormIsReportedNotApplied) {
     const auto full = fullGrads();
     std::vector<dtensor::ShardedParam> params;
     for (size_t i = 0; i < full.size(); ++i) {
-      dtensor::ShardSpec spec(kShapes[i], at::kFloat, 3, ctx.rank);
+      dtensor::ShardSpec spec(kClipShapes[i], at::kFloat, 3, ctx.rank);
       params.push_back(gradient(spec, spec.shardOf(full[i])));
     }
     if (ctx.rank == 2) params[0].grad.view({-1})[0] = NAN;  // only rank 2 sees it

@@ -226,7 +226,7 @@ TEST_P(StrategyParityTest, MatchesSingleProcessTorchOptim) {
   RecordProperty("worst_relative_error", std::to_string(worst));
 }
 
-std::vector<ParityParam> parityCases() {
+std::vector<ParityParam> dataParallelCases() {
   std::vector<ParityParam> cases;
   for (const char* s : {"no_shard", "zero1", "zero2"}) {
     for (int world : {1, 2, 3, 4}) {
@@ -236,7 +236,7 @@ std::vector<ParityParam> parityCases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(AllStrategies, StrategyParityTest, ::testing::ValuesIn(parityCases()),
+INSTANTIATE_TEST_SUITE_P(AllStrategies, StrategyParityTest, ::testing::ValuesIn(dataParallelCases()),
                          [](const ::testing::TestParamInfo<ParityParam>& info) {
                            return std::get<0>(info.param) + "_world" + std::to_string(std::get<1>(info.param)) + "_" +
                                   kConfigs[std::get<2>(info.param)].name;

@@ -359,7 +359,7 @@ TEST_P(FullyShardParityTest, MatchesSingleProcessAdamW) {
   expectParity(c);
 }
 
-std::vector<ParityCase> parityCases() {
+std::vector<ParityCase> zero3Cases() {
   std::vector<ParityCase> cases;
   for (ModelKind model : {ModelKind::kTransformer, ModelKind::kMlp}) {
     for (int world : {1, 2, 3, 4}) {
@@ -371,7 +371,7 @@ std::vector<ParityCase> parityCases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Zero3, FullyShardParityTest, ::testing::ValuesIn(parityCases()),
+INSTANTIATE_TEST_SUITE_P(Zero3, FullyShardParityTest, ::testing::ValuesIn(zero3Cases()),
                          [](const ::testing::TestParamInfo<ParityCase>& info) {
                            const ParityCase& p = info.param;
                            return strCat(p.model == ModelKind::kTransformer ? "Transformer" : "UnevenMlp", "_world",

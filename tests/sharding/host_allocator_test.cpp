@@ -13,7 +13,7 @@
 namespace tessera::sharding {
 namespace {
 
-constexpr int64_t kMiB = int64_t{1} << 20;
+constexpr int64_t kOneMiB = int64_t{1} << 20;
 
 at::Tensor bytes(int64_t n) { return at::empty({n}, at::kByte); }
 
@@ -24,15 +24,15 @@ TEST(HostAllocatorTest, ReusesFreedBlocksAndKeepsOneBlockAboveThePeak) {
   // A freed block is cached, then handed out again: same memory, no new mapping.
   void* first = nullptr;
   {
-    at::Tensor a = bytes(3 * kMiB);
+    at::Tensor a = bytes(3 * kOneMiB);
     first = a.data_ptr();
-    EXPECT_EQ(hostCacheStats().inUseBytes - start.inUseBytes, 3 * kMiB);
+    EXPECT_EQ(hostCacheStats().inUseBytes - start.inUseBytes, 3 * kOneMiB);
   }
   const HostCacheStats freed = hostCacheStats();
-  EXPECT_EQ(freed.cachedBytes - start.cachedBytes, 3 * kMiB);
+  EXPECT_EQ(freed.cachedBytes - start.cachedBytes, 3 * kOneMiB);
   EXPECT_EQ(freed.inUseBytes, start.inUseBytes);
   {
-    at::Tensor again = bytes(3 * kMiB - 5000);  // smaller, within 1/8: the same block
+    at::Tensor again = bytes(3 * kOneMiB - 5000);  // smaller, within 1/8: the same block
     EXPECT_EQ(again.data_ptr(), first);
     EXPECT_EQ(hostCacheStats().mappedBytes, freed.mappedBytes);
     EXPECT_EQ(hostCacheStats().cachedBytes, start.cachedBytes);
@@ -41,18 +41,18 @@ TEST(HostAllocatorTest, ReusesFreedBlocksAndKeepsOneBlockAboveThePeak) {
   // A request the cached block does not fit (it is over 1/8 larger than 1 MiB) maps a
   // new block of its own.
   const HostCacheStats before = hostCacheStats();
-  ASSERT_EQ(before.cachedBytes - start.cachedBytes, 3 * kMiB);
+  ASSERT_EQ(before.cachedBytes - start.cachedBytes, 3 * kOneMiB);
   {
-    at::Tensor small = bytes(kMiB);
+    at::Tensor small = bytes(kOneMiB);
     const HostCacheStats now = hostCacheStats();
     EXPECT_EQ(now.mappings - before.mappings, 1);
-    EXPECT_EQ(now.inUseBytes - before.inUseBytes, kMiB);
+    EXPECT_EQ(now.inUseBytes - before.inUseBytes, kOneMiB);
   }
 
   // Blocks below 1 MiB are malloc's: the allocator's counters do not move.
   const HostCacheStats mallocs = hostCacheStats();
   {
-    at::Tensor tiny = bytes(kMiB / 2);
+    at::Tensor tiny = bytes(kOneMiB / 2);
     EXPECT_EQ(hostCacheStats().inUseBytes, mallocs.inUseBytes);
     EXPECT_EQ(hostCacheStats().mappedBytes, mallocs.mappedBytes);
   }
@@ -62,8 +62,8 @@ TEST(HostAllocatorTest, ReusesFreedBlocksAndKeepsOneBlockAboveThePeak) {
   // peak in use plus one largest block holds them), so only the first round maps. Without
   // the slack every round unmapped one phase's blocks to map the other's.
   const auto round = [] {
-    { at::Tensor unit = bytes(8 * kMiB); }
-    at::Tensor a = bytes(4 * kMiB), b = bytes(4 * kMiB);
+    { at::Tensor unit = bytes(8 * kOneMiB); }
+    at::Tensor a = bytes(4 * kOneMiB), b = bytes(4 * kOneMiB);
   };
   round();
   const HostCacheStats afterFirst = hostCacheStats();
@@ -72,7 +72,7 @@ TEST(HostAllocatorTest, ReusesFreedBlocksAndKeepsOneBlockAboveThePeak) {
   EXPECT_EQ(hostCacheStats().mappedBytes, afterFirst.mappedBytes);
 
   // The data survives reuse like any allocation's: what is written is read back.
-  at::Tensor x = at::arange(2 * kMiB / 4, at::kInt);
+  at::Tensor x = at::arange(2 * kOneMiB / 4, at::kInt);
   at::Tensor y = x.clone();
   EXPECT_TRUE(x.equal(y));
 }

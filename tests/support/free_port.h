@@ -11,6 +11,7 @@ namespace tessera::test {
 // net.ipv4.ip_local_port_range's low end. The search starts at a point derived from the
 // process id, so tests that ctest runs in parallel start apart.
 int freePorts(int count);
+inline int freePort() { return freePorts(1); }
 
 // A shell loop that waits (up to `seconds`) until something on this machine listens on
 // `port`, read from /proc/net/tcp{,6}: a test that starts two launchers starts the second

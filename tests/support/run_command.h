@@ -7,6 +7,11 @@
 
 namespace tessera::test {
 
+// Where the build put the programs and where the sources are (tests/CMakeLists.txt).
+inline const std::string kBin = TESSERA_BIN_DIR;
+inline const std::string kSource = TESSERA_SOURCE_DIR;
+inline const std::string kTrain = kBin + "/tessera-train";
+
 struct CommandResult {
   int status = -1;       // exit status; 124 = killed by the timeout, 128+N = killed by signal N
   double seconds = 0;    // wall time

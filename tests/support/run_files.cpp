@@ -9,6 +9,13 @@
 
 namespace tessera::test {
 
+std::string readText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
 std::vector<nlohmann::json> readMetrics(const std::string& runDir) {
   std::vector<nlohmann::json> out;
   std::ifstream in(std::filesystem::path(runDir) / "metrics.jsonl");

@@ -9,6 +9,9 @@
 
 namespace tessera::test {
 
+// The whole of the file at `path`, as bytes ("" when it cannot be read).
+std::string readText(const std::string& path);
+
 // <runDir>/metrics.jsonl, one JSON object per line (empty when the file is missing).
 std::vector<nlohmann::json> readMetrics(const std::string& runDir);
 

@@ -17,12 +17,12 @@ std::vector<std::string> keysOf(const std::vector<SettingChange>& changes) {
   return keys;
 }
 
-using Keys = std::vector<std::string>;
+using KeyList = std::vector<std::string>;
 
 TEST(ResumeCheckTest, EveryChangedSettingIsListedWithBothValues) {
   const ResumeCheck check = compareWithSaved("model: {hidden: [32]}\noptim: {lr: 0.001}\n",
                                              "model: {hidden: [64]}\noptim: {lr: 0.002}\n");
-  EXPECT_EQ(keysOf(check.changed), (Keys{"model.hidden", "optim.lr"}));
+  EXPECT_EQ(keysOf(check.changed), (KeyList{"model.hidden", "optim.lr"}));
   EXPECT_EQ(check.changed[0].saved, "[32]");
   EXPECT_EQ(check.changed[0].now, "[64]");
   EXPECT_TRUE(check.uncomparable.empty());
@@ -37,9 +37,9 @@ TEST(ResumeCheckTest, KeysThatSteerOnlyThisInvocationAreLeftOut) {
 // Which changes the saved state can follow is not this list's business (the load's plan
 // decides): an optimizer change is listed like any other.
 TEST(ResumeCheckTest, OptimizerChangesAreListed) {
-  EXPECT_EQ(keysOf(compareWithSaved("optim: {name: adam}\n", "optim: {name: adamw}\n").changed), Keys{"optim.name"});
+  EXPECT_EQ(keysOf(compareWithSaved("optim: {name: adam}\n", "optim: {name: adamw}\n").changed), KeyList{"optim.name"});
   EXPECT_EQ(keysOf(compareWithSaved("optim: {name: sgd, momentum: 0}\n", "optim: {name: sgd, momentum: 0.9}\n").changed),
-            Keys{"optim.momentum"});
+            KeyList{"optim.momentum"});
 }
 
 // A frozen model has no optimizer or EMA state: its optim. and ema. keys are not
@@ -50,13 +50,13 @@ TEST(ResumeCheckTest, AFrozenModelsOptimizerAndEmaKeysAreNotCompared) {
   const std::string now =
       "models:\n  student: {}\n  teacher: {trainable: false, optim: {name: sgd}, hidden: [64]}\n";
   const ResumeCheck check = compareWithSaved(saved, now);
-  EXPECT_EQ(keysOf(check.changed), Keys{"models.teacher.hidden"});
+  EXPECT_EQ(keysOf(check.changed), KeyList{"models.teacher.hidden"});
 }
 
 TEST(ResumeCheckTest, AModelOnlyOneSideHasIsOneChange) {
   const ResumeCheck check =
       compareWithSaved("models:\n  a: {}\n  b: {}\n", "models:\n  a: {}\n");
-  EXPECT_EQ(keysOf(check.changed), Keys{"models.b"});
+  EXPECT_EQ(keysOf(check.changed), KeyList{"models.b"});
   EXPECT_EQ(check.changed[0].now, "(absent)");
 }
 

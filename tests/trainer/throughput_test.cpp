@@ -71,6 +71,37 @@ TEST(ThroughputTest, FiguresOfAWindow) {
   EXPECT_DOUBLE_EQ(f.at("images_per_sec"), 1000);
   EXPECT_DOUBLE_EQ(f.at("images_per_sec_per_rank"), 250);
   EXPECT_FALSE(f.count("mfu"));
+  EXPECT_FALSE(f.count("mfu_datasheet"));
+  f = throughputFigures(1000, 4, 3e6, 16, false, 1.5e9, 3e9);  // a datasheet peak twice the probe's
+  EXPECT_DOUBLE_EQ(f.at("mfu"), 0.5);
+  EXPECT_DOUBLE_EQ(f.at("mfu_datasheet"), 0.25);
+}
+
+// The clock from dependent adds is a clock (a VM's TSC is no upper bound: boost runs above
+// it), and the datasheet peak is the product its line spells out. Where this core is in the
+// table, the probe (oneDNN sgemm on one thread) cannot beat the datasheet: if it does, the
+// table's FLOP per cycle is wrong for this core.
+TEST(ThroughputTest, DatasheetPeakIsFlopsPerCycleTimesTheMeasuredClock) {
+  const double hz = measureCoreClockHz(0.05);
+  EXPECT_GT(hz, 0.3e9);
+  EXPECT_LT(hz, 8e9);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(1);
+  const DatasheetPeak fp32 = cpuDatasheetPeak(at::kFloat, 1);
+  const DatasheetPeak bf16 = cpuDatasheetPeak(at::kBFloat16, 2);
+  if (fp32.flopsPerCycle == 0) {
+    at::set_num_threads(threads);
+    GTEST_SKIP() << "this core is not in the datasheet table";
+  }
+  EXPECT_DOUBLE_EQ(fp32.flopsPerSec, fp32.flopsPerCycle * fp32.clockHz);
+  EXPECT_NE(fp32.source.find(" fp32 FLOP/cycle x "), std::string::npos) << fp32.source;
+  EXPECT_NE(fp32.source.find("GFLOP/s per rank"), std::string::npos) << fp32.source;
+  EXPECT_GE(bf16.flopsPerCycle, fp32.flopsPerCycle);
+  EXPECT_DOUBLE_EQ(bf16.flopsPerSec, bf16.flopsPerCycle * bf16.clockHz * 2);
+  const PeakFlops probe = peakFlops(0, at::kCPU, at::kFloat);
+  at::set_num_threads(threads);
+  EXPECT_LE(probe.flopsPerSec, 1.1 * fp32.flopsPerSec) << "probe " << probe.flopsPerSec / 1e9 << " GFLOP/s above "
+                                                       << fp32.source;
 }
 
 // The probe measures something plausible: a CPU does more than 100 MFLOP/s and less than
