@@ -49,11 +49,13 @@ def machine():
 
 class Side:
     """One side of a comparison: `command` (a list; "{tmp}" replaced by a fresh directory),
-    `env`, and `parse(output, tmp) -> seconds per step` (the mean of the timed steps)."""
+    `env`, and `parse(output, tmp) -> seconds per step` (the mean of the timed steps), or
+    (seconds, {figure: value}) with more figures of the round (MFU, waits)."""
 
     def __init__(self, name, command, env, parse, settings):
         self.name, self.command, self.env, self.parse, self.settings = name, command, env, parse, settings
         self.times = []
+        self.extras = []
 
     def run_once(self, timeout):
         tmp = tempfile.mkdtemp(prefix="tessera_compare_")
@@ -63,7 +65,10 @@ class Side:
                                     timeout=timeout, check=False)
             if result.returncode != 0:
                 sys.exit(f"{self.name}: {' '.join(command)} exited {result.returncode}:\n{result.stdout[-4000:]}")
-            self.times.append(self.parse(result.stdout, tmp))
+            parsed = self.parse(result.stdout, tmp)
+            seconds, extras = parsed if isinstance(parsed, tuple) else (parsed, {})
+            self.times.append(seconds)
+            self.extras.append(extras)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -108,8 +113,14 @@ def dump(path, where, sides):
     if not path:
         return
     with open(path, "w") as f:
-        json.dump({"machine": where, "sides": {s.name: {"times_s": s.times, "settings": s.settings} for s in sides}},
-                  f, indent=1)
+        json.dump({"machine": where, "sides": {s.name: {"times_s": s.times, "extras": s.extras, "settings": s.settings}
+                                               for s in sides}}, f, indent=1)
+
+
+def median_extra(side, key):
+    """The median over rounds of figure `key` (None when no round has it)."""
+    values = [e[key] for e in side.extras if key in e]
+    return statistics.median(values) if values else None
 
 
 def tessera_step(metrics_dir_key="run.dir"):
@@ -122,7 +133,10 @@ def tessera_step(metrics_dir_key="run.dir"):
         steady = windows[1:]
         if not steady:
             sys.exit(f"compare: no steady windows in {tmp}/run/metrics.jsonl:\n{output[-2000:]}")
-        return sum(w["step_time_ms"] for w in steady) / len(steady) / 1e3
+        extras = {key: statistics.mean(w[key] for w in steady)
+                  for key in ("mfu", "mfu_datasheet", "data_wait_ms", "comm_wait_ms", "tflops_per_rank")
+                  if all(key in w for w in steady)}
+        return sum(w["step_time_ms"] for w in steady) / len(steady) / 1e3, extras
 
     return parse
 

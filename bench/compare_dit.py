@@ -98,6 +98,15 @@ def main():
         for baseline in baselines:
             print(cc.row(f"DiT {args.dtype}, {args.world} ranks: {tessera.name} vs DDP ({baseline.settings['dtype']})",
                          tessera, baseline, command, where))
+    # MFU on one scale for every side: the model's FLOPs (Tessera's count) at each side's step,
+    # against the probe's peak (oneDNN sgemm) and against the core's datasheet peak.
+    shipped = sides[len(baselines)]
+    mfu, datasheet = cc.median_extra(shipped, "mfu"), cc.median_extra(shipped, "mfu_datasheet")
+    if mfu is not None:
+        print("\nMFU (probe / datasheet), the model's FLOPs at each side's median step:")
+        for side in sides:
+            scale = cc.summary(shipped)[0] / cc.summary(side)[0]
+            print(f"  {side.name}: {mfu * scale:.3f}" + (f" / {datasheet * scale:.3f}" if datasheet else ""))
     cc.dump(args.json, where, sides)
 
 

@@ -6,7 +6,8 @@ kernel) — no_shard against DistributedDataParallel, zero1 and zero2 against Ze
 ZeroRedundancyOptimizer; PyTorch 1.13 has no ZeRO-2), zero3 against ZeRO-1 and DDP (1.13 runs
 FSDP only on CUDA). Both sides multiply through LibTorch's OpenBLAS (torch::nn::Linear) with
 the same kernel. Each Tessera strategy is measured as shipped (shared memory, its caching
-allocator) and like for like (gloo, LibTorch's allocator). Every side in its own processes,
+allocator, its fused AdamW) and like for like (gloo, LibTorch's allocator, torch's foreach AdamW
+through TESSERA_ADAM_IMPL=foreach). Every side in its own processes,
 alternated (ABBA), at least 5 rounds (bench/compare_common.py).
 
     bench/compare_mlp.py [--worlds 2 4] [--rounds 5] [--warmup 5] [--steps 30] [--json FILE]
@@ -54,11 +55,13 @@ def main():
                             "--mode", mode, *common], blas_env, cc.json_line(), {"mode": mode})
 
         def tessera(strategy, like):
+            # Like for like: PyTorch's transport, its allocator and its optimizer kernel (foreach).
             extra = ["--backend", "gloo", "--torch-allocator"] if like else []
-            return cc.Side(f"{strategy}{' (gloo, torch allocator)' if like else ' (shipped)'}_w{world}",
+            side_env = dict(blas_env, TESSERA_ADAM_IMPL="foreach") if like else blas_env
+            return cc.Side(f"{strategy}{' (gloo, torch allocator, foreach AdamW)' if like else ' (shipped)'}_w{world}",
                            [os.path.join(args.build, "bin", "tessera-run"), "--standalone", "--nproc-per-node", str(world),
                             os.path.join(args.build, "bin", "bench_strategy_step_bench"), "--strategy", strategy, *common,
-                            *extra], blas_env, cc.json_line(), {"strategy": strategy, "like_for_like": like})
+                            *extra], side_env, cc.json_line(), {"strategy": strategy, "like_for_like": like})
 
         ddp, zero1 = pytorch("ddp"), pytorch("ddp_zero")
         tessera_sides = {(s, like): tessera(s, like) for s in ("no_shard", "zero1", "zero2", "zero3") for like in (False, True)}
@@ -67,7 +70,7 @@ def main():
         all_sides += sides
         command = f"bench/compare_mlp.py --worlds {world}"
         for (strategy, like), side in tessera_sides.items():
-            flavour = "gloo, torch allocator" if like else "shm, caching allocator"
+            flavour = "gloo, torch allocator, foreach AdamW" if like else "shm, caching allocator, fused AdamW"
             baselines = [("DDP", ddp)] if strategy == "no_shard" else [("ZeRO-1", zero1)]
             if strategy == "zero3":
                 baselines.append(("DDP", ddp))
