@@ -8,10 +8,10 @@
 #include <cstdio>
 #include <climits>
 #include <filesystem>
-#include <nlohmann/json.hpp>
 #include <set>
 
 #include "checkpoint/file_io.h"
+#include "checkpoint/local_tier_files.h"
 #include "checkpoint/format.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/rank_files.h"
@@ -31,7 +31,6 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-
 // A replica travels in broadcasts of at most this many bytes (one buffer on the receiver).
 constexpr int64_t kReplicaPieceBytes = int64_t{64} << 20;
 // Copies on promotion go through a buffer of this size.
@@ -41,86 +40,6 @@ std::string hostName() {
   char name[HOST_NAME_MAX + 1] = {};
   if (::gethostname(name, sizeof(name) - 1) != 0) return "?";
   return name;
-}
-
-// The owner a step directory's tier_owner.json names, or nullopt when it has none (or an
-// unreadable one): a directory the tier did not write.
-std::optional<std::string> stepOwner(const fs::path& stepDir) {
-  try {
-    const std::string text = readFileBounded((stepDir / kTierOwnerFile).string(), 64 << 10, LinkPolicy::kRefuse);
-    const nlohmann::json j = nlohmann::json::parse(text);
-    if (j.is_object() && j.contains("owner") && j.at("owner").is_string()) return j.at("owner").get<std::string>();
-  } catch (const std::exception&) {
-  }
-  return std::nullopt;
-}
-
-// Makes step directory `dir`, marked as `owner`'s, or finds it made by another rank of the
-// node: each rank builds it aside (dir.<rank>.tmp, the mark inside) and renames it into
-// place, so that no rank ever sees the directory without its mark. Error when `dir` is
-// there and not `owner`'s (another run's, or not the tier's): it is left as it is.
-void claimStepDir(const fs::path& dir, const std::string& owner, int64_t step, int rank) {
-  std::error_code ec;
-  if (!fs::exists(fs::symlink_status(dir, ec))) {
-    const fs::path aside = strCat(dir.string(), ".", rank, ".tmp");
-    removeTree(aside.string(), ec);
-    fs::create_directories(aside, ec);
-    if (ec) throw Error(strCat("cannot create ", aside.string(), ": ", ec.message()));
-    File f = File::openWrite((aside / kTierOwnerFile).string());
-    const std::string text = nlohmann::json{{"owner", owner}, {"step", step}}.dump();
-    f.writeAll(text.data(), text.size());
-    f.close();
-    // Another rank's may have got there first: then this one goes (the two are the same).
-    if (::rename(aside.c_str(), dir.c_str()) != 0) removeTree(aside.string(), ec);
-  }
-  const std::optional<std::string> by = fs::is_directory(fs::symlink_status(dir, ec)) ? stepOwner(dir) : std::nullopt;
-  if (!by || *by != owner) {
-    throw Error(strCat(dir.string(), " exists and is not this run's (",
-                       by ? strCat("written for ", quote(*by)) : std::string("not written by the local tier"),
-                       "): left as it is"));
-  }
-}
-
-// `owner`'s step directories in `dir` (complete or not), ascending: real directories named
-// step_<digits>, never links, whose tier_owner.json names `owner`. The other step
-// directories are listed in `others` (when given) with why they are not the owner's.
-std::vector<std::pair<int64_t, fs::path>> ownedStepDirs(const std::string& dir, const std::string& owner,
-                                                        std::vector<std::string>* others = nullptr) {
-  std::vector<std::pair<int64_t, fs::path>> out;
-  std::error_code ec;
-  if (!fs::is_directory(fs::symlink_status(dir, ec))) return out;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::optional<int64_t> step = parseStepDirName(entry.path().filename().string());
-    if (!step) continue;
-    if (!fs::is_directory(fs::symlink_status(entry.path(), ec))) {
-      if (others) others->push_back(strCat(entry.path().string(), " (not a directory: a link or a file)"));
-      continue;
-    }
-    const std::optional<std::string> by = stepOwner(entry.path());
-    if (by && *by == owner) {
-      out.emplace_back(*step, entry.path());
-    } else if (others) {
-      others->push_back(by ? strCat(entry.path().string(), " (written for ", quote(*by), ")")
-                           : strCat(entry.path().string(), " (not written by the local tier)"));
-    }
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-bool isComplete(const fs::path& stepDir) {
-  std::error_code ec;
-  return fs::is_regular_file(fs::symlink_status(stepDir / kMetadataFile, ec));
-}
-
-// Removes `owner`'s step directories in `dir` (a failure is logged: the next save's
-// retention or the next start tries again).
-void removeSteps(const std::string& dir, const std::string& owner) {
-  for (const auto& [step, path] : ownedStepDirs(dir, owner)) {
-    std::error_code ec;
-    removeTree(path.string(), ec);
-    if (ec) TLOG_WARN("checkpoint.local: cannot remove " << path.string() << ": " << ec.message());
-  }
 }
 
 // Copies `from` (a regular file, no link) to `to`, fsynced; returns the bytes.
@@ -137,85 +56,6 @@ int64_t copyFile(const std::string& from, const std::string& to) {
   out.sync();
   out.close();
   return size;
-}
-
-// What one node's directory holds of one of its owner's steps: the checksum of its metadata
-// (so that only copies of the same save are put together), the saved ranks whose files are
-// there with every checksum right, and whether its trainer state is intact (what the rank
-// that copies the metadata needs).
-struct HeldStep {
-  int64_t step = 0;
-  uint64_t metadata = 0;
-  int savedWorld = 0;
-  std::vector<int> ranks;
-  bool trainerState = false;
-};
-
-// Only steps newer than `after` are looked at (older ones would not be promoted): each of
-// their files is read once to verify it.
-std::vector<HeldStep> inventory(const std::string& dir, const std::string& owner, int64_t after) {
-  std::vector<HeldStep> out;
-  std::vector<std::string> others;
-  for (const auto& [step, path] : ownedStepDirs(dir, owner, &others)) {
-    if (step <= after || !isComplete(path)) continue;
-    try {
-      CheckpointReader reader(path.string());
-      const CheckpointMetadata& md = reader.metadata();
-      if (md.step != step) continue;
-      const std::string mdPath = (path / kMetadataFile).string();
-      const std::string text = readFileBounded(mdPath, kMaxJsonBytes);
-      HeldStep held;
-      held.step = step;
-      held.metadata = checksum(text.data(), text.size());
-      held.savedWorld = md.worldSize;
-      for (int r = 0; r < md.worldSize; ++r) {
-        const FileInfo& f = md.files.at(static_cast<size_t>(r));
-        std::error_code ec;
-        const fs::path file = path / f.name;
-        if (f.name != rankDataFile(r) || !fs::is_regular_file(fs::symlink_status(file, ec))) continue;
-        try {
-          reader.verifyFile(f.name);
-          held.ranks.push_back(r);
-        } catch (const std::exception& e) {
-          TLOG_WARN("checkpoint.local: " << file.string() << " is not used: " << e.what());
-        }
-      }
-      try {
-        reader.trainerState(/*verify=*/true);
-        held.trainerState = true;
-      } catch (const std::exception& e) {
-        TLOG_WARN("checkpoint.local: " << (path / kTrainerStateFile).string() << " is not used: " << e.what());
-      }
-      if (!held.ranks.empty()) out.push_back(std::move(held));
-    } catch (const std::exception& e) {
-      TLOG_WARN("checkpoint.local: ignoring " << path.string() << ": " << e.what());
-    }
-  }
-  for (const std::string& other : others) TLOG_WARN("checkpoint.local: left alone: " << other);
-  return out;
-}
-
-std::string inventoryJson(const std::vector<HeldStep>& held) {
-  nlohmann::json steps = nlohmann::json::array();
-  for (const HeldStep& h : held) {
-    steps.push_back({{"step", h.step}, {"metadata", h.metadata}, {"world", h.savedWorld}, {"ranks", h.ranks},
-                     {"state", h.trainerState}});
-  }
-  return steps.dump();
-}
-
-std::vector<HeldStep> parseInventory(const std::string& text) {
-  std::vector<HeldStep> out;
-  for (const auto& s : nlohmann::json::parse(text)) {
-    HeldStep h;
-    h.step = s.at("step").get<int64_t>();
-    h.metadata = s.at("metadata").get<uint64_t>();
-    h.savedWorld = s.at("world").get<int>();
-    h.ranks = s.at("ranks").get<std::vector<int>>();
-    h.trainerState = s.at("state").get<bool>();
-    out.push_back(std::move(h));
-  }
-  return out;
 }
 
 // Whether `dir` or a directory above it is a checkpoint step directory or a checkpoints

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "checkpoint/checkpointer.h"
+#include "checkpoint/local_tier_files.h"
 #include "checkpoint/rank_files.h"
 #include "checkpoint/staging_buffers.h"
 
@@ -63,9 +64,6 @@ struct LocalTierOptions {
   // tier writes; only such steps are read, promoted or deleted.
   std::string owner;
 };
-
-// The file in each step directory that says which owner wrote it.
-inline constexpr char kTierOwnerFile[] = "tier_owner.json";
 
 // ConfigError naming `key` (the config key or option the directory came from) when `dir`
 // is a symbolic link, or lies in a checkpoints directory (one holding `latest`, or inside

@@ -25,7 +25,11 @@
 #include "checkpoint/format.h"
 #include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
+#include "common/errors.h"
+#include "datasets/tar_file.h"
+#include "imaging/image_io.h"
 #include "kernels/cpu_matmul.h"
+#include "tests/support/idx_images.h"
 #include "tests/support/run_command.h"
 #include "tests/support/run_files.h"
 #include "tests/support/scratch_path.h"
@@ -907,6 +911,55 @@ TEST_F(HostileInputTest, EmptyOrSelfReferringArgumentsAreRefused) {
   expectRefused(kBin + "/tessera-shards --kind image_folder --path " + images + " --out " + images + "/shards",
                 {"--out", "is in the input folder"}, 2);
   EXPECT_FALSE(fs::exists(images + "/shards"));
+}
+
+// Round 4, class 4: one .cls of 1048575 makes a million-class model, whose sample grid (a
+// row per class) no machine holds: refused at the start with the keys that size it, not by
+// the allocator at the end of the run.
+TEST_F(HostileInputTest, AMillionClassesFromOneLabelAreRefusedAtTheStart) {
+  const std::string shards = scratch("million");
+  fs::create_directories(shards);
+  {
+    tessera::datasets::TarWriter t(shards + "/000000.tar");
+    const at::Tensor image = at::full({1, 64, 64}, 100, at::kByte);
+    for (int i = 0; i < 8; ++i) {
+      t.add(tessera::strCat("s/", i, ".png"), tessera::imaging::encodePng(image));
+      t.add(tessera::strCat("s/", i, ".cls"), i == 7 ? std::string("1048575") : std::to_string(i % 3));
+    }
+    t.finish();
+  }
+  const std::string yaml = config(
+      "run: {name: million, seed: 1, steps: 2, log_every: 1, eval_every: 0}\n"
+      "log: {per_rank_files: false}\n"
+      "model: {arch: dit, embed_dim: 16, layers: 1, heads: 2, patch_size: 8, timesteps: 10}\n"
+      "data: {kind: webdataset, path: " + shards + ", global_batch: 8, micro_batch: 8}\n"
+      "eval: {sample_per_class: 8}\n");
+  const std::string out = expectRefused(kTrain + " --config " + yaml + " --set run.dir=" + scratch("run"),
+                                        {"eval.sample_per_class", "a sample grid would take", "MiB of memory"}, 2);
+  EXPECT_EQ(out.find("CachingHostAllocator"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(scratch("run") + "/checkpoints")) << "refused before anything was built";
+}
+
+// Round 3's corpus, left over: a run resumed onto data with more classes is refused naming
+// the classes of each, not a tensor's shape.
+TEST_F(HostileInputTest, ResumingOntoDataWithMoreClassesNamesTheClasses) {
+  const auto [images, labels] = tessera::test::writeIdxImages(scratch("idx"));
+  std::string more = readText(labels);
+  more[8] = 4;  // the first label: a fifth class
+  const std::string moreLabels = scratch("labels-5-classes");
+  writeText(moreLabels, more);
+  const std::string yaml = config(
+      "run: {name: classes, seed: 1, steps: 2, log_every: 1, eval_every: 0}\n"
+      "log: {per_rank_files: false}\n"
+      "model: {arch: dit, embed_dim: 16, layers: 1, heads: 2, patch_size: 4, timesteps: 10}\n"
+      "data: {kind: idx, path: " + images + ", labels: " + labels + ", global_batch: 8, micro_batch: 8}\n"
+      "eval: {sample_per_class: 1, sample_steps: 1}\n"
+      "checkpoint: {async: false, export: []}\n");
+  const std::string run = scratch("run");
+  expectSuccess(kTrain + " --config " + yaml + " --set run.dir=" + run);
+  expectRefused(kTrain + " --config " + yaml + " --set run.dir=" + run + " --set run.steps=4 --set data.labels=" +
+                    moreLabels,
+                {"the data has 5 classes (data.path)", "was trained on 4"});
 }
 
 }  // namespace
