@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <future>
+#include <utility>
 #include <vector>
 
 #include "datasets/dataset.h"
@@ -35,6 +36,9 @@ class BatchLoader {
   // training (the sampler caches its permutation).
   BatchLoader(const Dataset& data, const DistributedSampler& sampler, int rank, int worldSize, int64_t runSeed,
               bool hflip);
+  // The samples of positions [begin, end) of every global batch (run.deterministic's ranges).
+  BatchLoader(const Dataset& data, const DistributedSampler& sampler, std::pair<int64_t, int64_t> positions,
+              int64_t runSeed, bool hflip);
   ~BatchLoader();  // waits for a batch in flight (its errors are dropped)
   BatchLoader(const BatchLoader&) = delete;
   BatchLoader& operator=(const BatchLoader&) = delete;
@@ -54,7 +58,7 @@ class BatchLoader {
 
   const Dataset& data_;
   const DistributedSampler& sampler_;
-  int rank_, worldSize_;
+  int64_t begin_, end_;  // positions in the global batch
   int64_t runSeed_;
   bool hflip_;
   int64_t pendingStep_ = -1;

@@ -136,17 +136,23 @@ std::vector<int64_t> DistributedSampler::indicesFor(int64_t step, int rank, int 
   TESSERA_CHECK(worldSize >= 1 && rank >= 0 && rank < worldSize, "DistributedSampler: rank ", rank, " of ", worldSize);
   TESSERA_CHECK(globalBatch_ % worldSize == 0, "DistributedSampler: global batch ", globalBatch_,
                 " is not divisible by world size ", worldSize);
-  TESSERA_CHECK(step >= 0, "DistributedSampler: step ", step, " is negative");
   const int64_t perRank = globalBatch_ / worldSize;
+  return indicesOfRange(step, rank * perRank, (rank + 1) * perRank);
+}
+
+std::vector<int64_t> DistributedSampler::indicesOfRange(int64_t step, int64_t begin, int64_t end) const {
+  TESSERA_CHECK(step >= 0, "DistributedSampler: step ", step, " is negative");
+  TESSERA_CHECK(0 <= begin && begin <= end && end <= globalBatch_, "DistributedSampler: positions [", begin, ", ", end,
+                ") of a global batch of ", globalBatch_);
   if (order_ == SampleOrder::kStream) {  // the dataset maps positions to samples (and epochs) itself
-    std::vector<int64_t> positions(static_cast<size_t>(perRank));
-    std::iota(positions.begin(), positions.end(), step * globalBatch_ + rank * perRank);
+    std::vector<int64_t> positions(static_cast<size_t>(end - begin));
+    std::iota(positions.begin(), positions.end(), step * globalBatch_ + begin);
     return positions;
   }
   const int64_t epoch = step / stepsPerEpoch_;
   const int64_t first = (step % stepsPerEpoch_) * globalBatch_;
   const auto& perm = permutation(epoch);
-  return std::vector<int64_t>(perm.begin() + first + rank * perRank, perm.begin() + first + (rank + 1) * perRank);
+  return std::vector<int64_t>(perm.begin() + first + begin, perm.begin() + first + end);
 }
 
 }  // namespace tessera::datasets

@@ -72,6 +72,10 @@ class DistributedSampler {
   // Sample indices of global batch `step` (0-based optimizer step) for rank `rank`
   // of `worldSize`; globalBatch must be divisible by worldSize.
   std::vector<int64_t> indicesFor(int64_t step, int rank, int worldSize) const;
+  // Sample indices of positions [begin, end) of global batch `step` (a rank's micro-batches
+  // under run.deterministic, which need not split evenly).
+  std::vector<int64_t> indicesOfRange(int64_t step, int64_t begin, int64_t end) const;
+  int64_t globalBatch() const { return globalBatch_; }
 
  private:
   const std::vector<int64_t>& permutation(int64_t epoch) const;

@@ -2,7 +2,10 @@
 #include "optim/grad_clip.h"
 
 #include <c10/core/GradMode.h>
+
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "common/errors.h"
 #include "distributed/communicator.h"
@@ -68,8 +71,121 @@ double localSquaredNorm(const at::Tensor& grad, const dtensor::ShardSpec& spec) 
   return real.to(at::kDouble).square().sum().item<double>();
 }
 
+namespace {
+
+constexpr int kDigitBits = 16;
+constexpr int kDigits = 44;        // 704 bits: 2^80 squares of up to 2^256, times 2^298
+constexpr int kSmallestShift = 298;  // the smallest square is 2^-298 (a subnormal's)
+
+}  // namespace
+
+void ExactSquareSum::add(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, x + i, sizeof(bits));
+    const uint32_t exponent = (bits >> 23) & 0xffu, fraction = bits & 0x7fffffu;
+    if (exponent == 0xffu) {
+      nonFinite_ += 1;
+      continue;
+    }
+    const uint64_t m = exponent == 0 ? fraction : (fraction | 0x800000u);
+    byExponent_[exponent] += static_cast<unsigned __int128>(m * m);  // m^2 < 2^48
+  }
+  byExponentUsed_ = true;
+}
+
+void ExactSquareSum::add(const at::Tensor& values) {
+  if (!values.defined() || values.numel() == 0) return;
+  const at::Tensor f = values.detach().to(at::kCPU).to(at::kFloat).contiguous();
+  add(f.data_ptr<float>(), f.numel());
+}
+
+void ExactSquareSum::carry() {
+  if (digits_.empty()) digits_.assign(kDigits, 0);
+  if (byExponentUsed_) {
+    for (int e = 0; e < 255; ++e) {
+      unsigned __int128 v = byExponent_[e];
+      if (v == 0) continue;
+      // m^2 * 2^(2 * (e - 150)) (e = 0: 2^(2 * -149)), times 2^298.
+      const int shift = 2 * (e == 0 ? -149 : e - 150) + kSmallestShift;
+      size_t digit = static_cast<size_t>(shift / kDigitBits);
+      v <<= shift % kDigitBits;  // < 2^(48 + 80 + 15): fits
+      for (; v != 0; ++digit, v >>= kDigitBits) digits_[digit] += static_cast<uint64_t>(v & 0xffffu);
+      byExponent_[e] = 0;
+    }
+    byExponentUsed_ = false;
+  }
+  uint64_t c = 0;
+  for (uint64_t& d : digits_) {
+    d += c;
+    c = d >> kDigitBits;
+    d &= 0xffffu;
+  }
+  TESSERA_CHECK(c == 0, "ExactSquareSum: the sum outgrew ", kDigits * kDigitBits, " bits");
+}
+
+at::Tensor ExactSquareSum::digits() const {
+  ExactSquareSum copy = *this;
+  copy.carry();
+  at::Tensor out = at::empty({kDigits + 1}, at::kDouble);
+  double* o = out.data_ptr<double>();
+  for (int i = 0; i < kDigits; ++i) o[i] = static_cast<double>(copy.digits_[static_cast<size_t>(i)]);
+  o[kDigits] = nonFinite_;
+  return out;
+}
+
+void ExactSquareSum::addDigits(const at::Tensor& digits) {
+  carry();
+  const at::Tensor d = digits.to(at::kDouble).contiguous();
+  TESSERA_CHECK(d.numel() == kDigits + 1, "ExactSquareSum::addDigits: ", d.numel(), " digits, not ", kDigits + 1);
+  const double* v = d.data_ptr<double>();
+  for (int i = 0; i < kDigits; ++i) digits_[static_cast<size_t>(i)] += static_cast<uint64_t>(v[i]);
+  nonFinite_ += v[kDigits];
+  carry();
+}
+
+double ExactSquareSum::value() const {
+  if (nonFinite_ > 0) return std::numeric_limits<double>::infinity();
+  ExactSquareSum copy = *this;
+  copy.carry();
+  double sum = 0;
+  for (int i = kDigits - 1; i >= 0; --i) sum = sum * 65536.0 + static_cast<double>(copy.digits_[static_cast<size_t>(i)]);
+  return std::ldexp(sum, -kSmallestShift);
+}
+
+namespace {
+
+// globalGradNorm's exact form: the same elements, every square added as an integer.
+double exactGlobalGradNorm(const std::vector<dtensor::ShardedParam>& params, distributed::Communicator& comm,
+                           const at::Tensor& sumAlongside) {
+  const bool alongside = sumAlongside.defined() && sumAlongside.numel() > 0;
+  c10::NoGradGuard noGrad;
+  ExactSquareSum sharded, replicated;
+  bool communicate = false;
+  for (const dtensor::ShardedParam& p : params) {
+    const at::Tensor real = realRowsOf(p.grad, p.spec);
+    if (p.spec.placement() == dtensor::Placement::kShard0 && p.spec.worldSize() > 1) {
+      communicate = true;
+      if (real.defined()) sharded.add(real);
+    } else if (real.defined()) {
+      replicated.add(real);
+    }
+  }
+  at::Tensor all = sharded.digits();
+  const int64_t digits = all.numel();
+  if (alongside) all = at::cat({all, sumAlongside.reshape({-1})});
+  if (communicate || alongside) distributed::allReduceHostTensor(comm, all, distributed::ReduceOp::kSum);
+  if (alongside) sumAlongside.view({-1}).copy_(all.narrow(0, digits, sumAlongside.numel()));
+  ExactSquareSum total = replicated;
+  total.addDigits(all.narrow(0, 0, digits));
+  return std::sqrt(total.value());
+}
+
+}  // namespace
+
 double globalGradNorm(const std::vector<dtensor::ShardedParam>& params, distributed::Communicator& comm,
-                      const at::Tensor& sumAlongside) {
+                      const at::Tensor& sumAlongside, bool exact) {
+  if (exact) return exactGlobalGradNorm(params, comm, sumAlongside);
   const bool alongside = sumAlongside.defined() && sumAlongside.numel() > 0;
   TESSERA_CHECK_AS(UsageError, !alongside || (sumAlongside.scalar_type() == at::kDouble &&
                                               sumAlongside.device().is_cpu() && sumAlongside.is_contiguous()),
@@ -112,9 +228,9 @@ double clipCoefficient(double norm, double maxNorm) {
 }
 
 GradNorm clipGradNorm(const std::vector<dtensor::ShardedParam>& params, double maxNorm, distributed::Communicator& comm,
-                      const at::Tensor& sumAlongside) {
+                      const at::Tensor& sumAlongside, bool exact) {
   GradNorm result;
-  result.norm = globalGradNorm(params, comm, sumAlongside);
+  result.norm = globalGradNorm(params, comm, sumAlongside, exact);
   result.clipCoef = clipCoefficient(result.norm, maxNorm);
   if (result.clipCoef < 1.0) {
     c10::NoGradGuard noGrad;

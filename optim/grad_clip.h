@@ -6,6 +6,10 @@
 // added across the ranks in one all-reduce (of one double, plus the few values a caller
 // sends along: sumAlongside); a Replicate gradient is the same on every rank, so it
 // contributes its full square sum locally, uncommunicated.
+// `exact` (run.deterministic): every square is added exactly, as an integer (each fp32
+// square is exact in 48 bits), so the norm's bits do not depend on how the elements are
+// split over ranks or the order they are added in; the partial sums cross ranks as integer
+// digits in doubles (an all-reduce of ~40 values), exact in any order.
 // Clipping follows torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6),
 // gradients scaled by coef when coef < 1. A non-finite norm is reported, not clipped:
 // the caller skips the step (every rank sees the same norm, so all skip together).
@@ -40,7 +44,7 @@ double localSquaredNorm(const at::Tensor& grad, const dtensor::ShardSpec& spec);
 // that same all-reduce, or in one of its own when the norm needs none: the caller's
 // per-step sums (a loss) without a collective more.
 double globalGradNorm(const std::vector<dtensor::ShardedParam>& params, distributed::Communicator& comm,
-                      const at::Tensor& sumAlongside = {});
+                      const at::Tensor& sumAlongside = {}, bool exact = false);
 
 // torch's clip coefficient: min(1, maxNorm / (norm + 1e-6)); 1 when maxNorm <= 0
 // (clipping off) or the norm is not finite.
@@ -49,6 +53,28 @@ double clipCoefficient(double norm, double maxNorm);
 // globalGradNorm, then scales every `grad` in place by clipCoefficient(norm, maxNorm)
 // when it is below 1. Collective like globalGradNorm.
 GradNorm clipGradNorm(const std::vector<dtensor::ShardedParam>& params, double maxNorm, distributed::Communicator& comm,
-                      const at::Tensor& sumAlongside = {});
+                      const at::Tensor& sumAlongside = {}, bool exact = false);
+
+// The exact sum of squares of fp32 values (see globalGradNorm's `exact`): an integer in
+// 16-bit digits, so that partial sums add exactly wherever they are added.
+class ExactSquareSum {
+ public:
+  void add(const float* x, int64_t n);
+  void add(const at::Tensor& values);  // any floating dtype, rounded to fp32 first
+  // The digits as doubles (each < 2^16 before adding), for an all-reduce sum; and back.
+  at::Tensor digits() const;
+  void addDigits(const at::Tensor& digits);
+  // The sum, rounded to a double; infinity when a value was not finite.
+  double value() const;
+
+ private:
+  void carry();
+  // Squares by the exponent field of their fp32 value: each square is m^2 * 2^(2e) with
+  // m < 2^24, so m^2 < 2^48 and 2^79 of them fit.
+  unsigned __int128 byExponent_[255] = {};
+  bool byExponentUsed_ = false;
+  std::vector<uint64_t> digits_;  // little-endian base 2^16 of sum * 2^298
+  double nonFinite_ = 0;
+};
 
 }  // namespace tessera::optim

@@ -122,8 +122,8 @@ class DmdRecipe : public trainer::Recipe {
   }
 
   trainer::StepOutcome step(int64_t step, bool stopRequested) override {
-    distributed::Communicator& comm = *run_.comm;
-    const std::vector<int64_t> indices = run_.sampler->indicesFor(step, comm.rank(), comm.worldSize());
+    const auto [first, last] = run_.samplePositions();
+    const std::vector<int64_t> indices = run_.sampler->indicesOfRange(step, first, last);
     const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, step, indices);
     double criticLoss = 0;
     bool criticApplied = false;
@@ -133,17 +133,17 @@ class DmdRecipe : public trainer::Recipe {
     if (critic_.ema) critic_.ema->update(step + 1, criticApplied);
 
     generator_.strategy->zeroGrad();
-    at::Tensor stepLoss = at::zeros({1}, at::kDouble);
-    forEachMicroBatch(run_, generator_, [&](size_t begin, size_t end) {
-      const std::vector<uint64_t> micro = slice(seeds, begin, end);
-      const std::vector<int64_t> microIndices = slice(indices, begin, end);
+    StepLoss stepLoss;
+    forEachMicroBatch(run_, generator_, [&](const MicroBatch& mb) {
+      const std::vector<uint64_t> micro = slice(seeds, mb.begin, mb.end);
+      const std::vector<int64_t> microIndices = slice(indices, mb.begin, mb.end);
       at::Tensor perSample = generatorLoss(micro);
       if (options_.regression_weight > 0) {
         perSample = perSample + options_.regression_weight * regressionLoss(microIndices, micro);
       }
-      const at::Tensor loss = perSample.mean() / static_cast<double>(run_.microBatches);
+      const at::Tensor loss = perSample.mean() / static_cast<double>(run_.lossDivisor);
       loss.backward();
-      stepLoss += loss.detach().to(at::kDouble).cpu();
+      stepLoss.add(mb, loss);
     });
     trainer::StepOutcome out = stepMainModel(run_, generator_, step, stepLoss, stopRequested);
     out.extra["critic_loss"] = criticLoss / static_cast<double>(options_.critic_steps);
@@ -207,9 +207,9 @@ class DmdRecipe : public trainer::Recipe {
   double criticUpdate(int64_t step, int64_t k, const std::vector<uint64_t>& seeds, bool& applied) {
     sharding::ShardingStrategy& strategy = *critic_.strategy;
     strategy.zeroGrad();
-    at::Tensor stepLoss = at::zeros({1}, at::kDouble);
-    forEachMicroBatch(run_, critic_, [&](size_t begin, size_t end) {
-      const std::vector<uint64_t> micro = slice(seeds, begin, end);
+    StepLoss stepLoss;
+    forEachMicroBatch(run_, critic_, [&](const MicroBatch& mb) {
+      const std::vector<uint64_t> micro = slice(seeds, mb.begin, mb.end);
       datasets::Batch batch;
       {
         torch::NoGradGuard noGrad;
@@ -221,15 +221,15 @@ class DmdRecipe : public trainer::Recipe {
       }
       batch.noiseSeeds = streamSeeds(micro, kCriticNoise + static_cast<uint64_t>(k));
       const at::Tensor loss =
-          lossesOf(*critic_.model, std::move(batch), run_.device).mean() / static_cast<double>(run_.microBatches);
+          lossesOf(*critic_.model, std::move(batch), run_.device).mean() / static_cast<double>(run_.lossDivisor);
       loss.backward();
-      stepLoss += loss.detach().to(at::kDouble).cpu();
+      stepLoss.add(mb, loss);
     });
     sharding::StepSums sums;
-    sums.add("loss", stepLoss.item<double>());
+    sums.add("loss", stepLoss.local());
     const sharding::StepResult result = strategy.step(critic_.schedule->lrAt(step), &sums);
     applied = applied || !result.skipped;
-    return sums["loss"] / static_cast<double>(run_.comm->worldSize());
+    return meanStepLoss(run_, stepLoss, sums);
   }
 
   // The generator's per-sample surrogate loss 0.5 mean(x - sg(x - g))^2 (dmd_recipe.h).

@@ -4,8 +4,10 @@
 // factory and the helpers the recipes share (recipe.h).
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <numeric>
 #include <optional>
 
@@ -15,6 +17,7 @@
 #include "common/trace.h"
 #include "distributed/communicator.h"
 #include "ema/strategy_ema.h"
+#include "sharding/canonical_reduce.h"
 #include "sharding/fully_shard.h"
 #include "datasets/batch_loader.h"
 #include "models/diffusion.h"
@@ -42,22 +45,53 @@ at::Tensor lossesOf(models::TrainModel& model, datasets::Batch batch, at::Device
   });
 }
 
-void forEachMicroBatch(const trainer::RunParts& run, trainer::ModelPart& part, const std::function<void(size_t begin, size_t end)>& fn) {
+void forEachMicroBatch(const trainer::RunParts& run, trainer::ModelPart& part,
+                       const std::function<void(const MicroBatch&)>& fn) {
   const auto micro = static_cast<size_t>(run.cfg.data.micro_batch);
+  if (run.plan) {
+    // run.deterministic: every rank runs as many passes as the rank with the most
+    // micro-batches; the strategy keeps each micro-batch's gradients apart.
+    const int rank = run.comm->rank();
+    const int64_t mine = run.plan->end(rank) - run.plan->begin(rank);
+    for (int64_t p = 0; p < run.plan->passes(); ++p) {
+      const bool padding = p >= mine;
+      const auto local = static_cast<size_t>(padding ? mine - 1 : p);
+      part.strategy->setReshardAfterBackward(p + 1 == run.plan->passes());
+      const MicroBatch mb{local * micro, (local + 1) * micro, padding ? -1 : run.plan->begin(rank) + p, padding};
+      fn(mb);
+      part.strategy->addMicroBatchGradients(mb.index);
+    }
+    return;
+  }
   for (int64_t m = 0; m < run.microBatches; ++m) {
     const bool last = m + 1 == run.microBatches;
     if (!part.cfg.reduceEveryMicroBatch) part.strategy->setRequiresGradientSync(last);
     part.strategy->setReshardAfterBackward(last);  // the root's next gather would bring the same values
-    fn(static_cast<size_t>(m) * micro, static_cast<size_t>(m + 1) * micro);
+    fn(MicroBatch{static_cast<size_t>(m) * micro, static_cast<size_t>(m + 1) * micro, m, false});
   }
 }
 
-trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelPart& part, int64_t step, const at::Tensor& stepLoss,
-                          bool stopRequested) {
+void StepLoss::add(const MicroBatch& mb, const at::Tensor& loss) {
+  if (!mb.padding) values_[mb.index] += loss.detach().to(at::kDouble).cpu().item<double>();
+}
+
+double StepLoss::local() const {
+  double sum = 0;
+  for (const auto& [index, value] : values_) sum += value;
+  return sum;
+}
+
+double meanStepLoss(const trainer::RunParts& run, const StepLoss& stepLoss, const sharding::StepSums& sums) {
+  if (run.plan) return sharding::canonicalValueSum(*run.hostComm, run.plan->count, stepLoss.values());
+  return sums["loss"] / static_cast<double>(run.comm->worldSize());
+}
+
+trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelPart& part, int64_t step,
+                                   const StepLoss& stepLoss, bool stopRequested) {
   trainer::StepOutcome out;
   out.lr = part.schedule->lrAt(step);
   sharding::StepSums sums;
-  sums.add("loss", stepLoss.item<double>());
+  sums.add("loss", stepLoss.local());
   sums.add("stop requests", stopRequested ? 1.0 : 0.0);
   sums.add("failed checkpoint writes", run.checkpointer && run.checkpointer->writerFailed() ? 1.0 : 0.0);
   out.result = part.strategy->step(out.lr, &sums);
@@ -65,13 +99,46 @@ trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelP
     const trace::Span span("ema", "EMA update");
     part.ema->update(step + 1, !out.result.skipped);
   }
-  out.loss = sums["loss"] / static_cast<double>(run.comm->worldSize());
+  out.loss = meanStepLoss(run, stepLoss, sums);
   out.stopSignalled = sums["stop requests"] > 0;
   out.checkpointFailed = sums["failed checkpoint writes"] > 0;
   return out;
 }
 
+namespace {
+
+// meanOverRanks under run.deterministic: the n samples in chunks of data.micro_batch (the
+// last one shorter), each chunk's losses summed in order on the rank that computes it,
+// the chunks' sums added in index order, whatever the world size. Ranks run as many
+// passes as the rank with the most chunks (padding passes recompute a chunk and drop it:
+// zero3 gathers inside the forwards).
+double canonicalMean(const trainer::RunParts& run, int64_t n,
+                     const std::function<at::Tensor(int64_t begin, int64_t end)>& losses) {
+  TESSERA_CHECK(n >= 1, "evaluation: no samples");
+  const int rank = run.comm->rank(), world = run.comm->worldSize();
+  const int64_t micro = run.cfg.data.micro_batch, chunks = (n + micro - 1) / micro;
+  const sharding::MicroBatchPlan plan{chunks, world};
+  const int64_t first = plan.begin(rank), mine = plan.end(rank) - first;
+  std::map<int64_t, double> sums, counts;
+  for (int64_t p = 0; p < std::max<int64_t>(1, plan.passes()); ++p) {
+    const bool padding = p >= mine;
+    const int64_t chunk = padding ? (mine > 0 ? first + mine - 1 : 0) : first + p;
+    const at::Tensor each = losses(chunk * micro, std::min(n, (chunk + 1) * micro)).to(at::kDouble).contiguous().cpu();
+    if (padding) continue;
+    double sum = 0;
+    const double* v = each.data_ptr<double>();
+    for (int64_t i = 0; i < each.numel(); ++i) sum += v[i];
+    sums[chunk] = sum;
+    counts[chunk] = static_cast<double>(each.numel());
+  }
+  return sharding::canonicalValueSum(*run.hostComm, chunks, sums) /
+         sharding::canonicalValueSum(*run.hostComm, chunks, counts);
+}
+
+}  // namespace
+
 double meanOverRanks(const trainer::RunParts& run, int64_t n, const std::function<at::Tensor(int64_t begin, int64_t end)>& losses) {
+  if (run.plan) return canonicalMean(run, n, losses);
   const int rank = run.comm->rank(), world = run.comm->worldSize();
   TESSERA_CHECK_AS(ConfigError, n >= world, "evaluation: ", n, " samples, fewer than the ", world,
                    " ranks (every rank runs the forwards; raise data.eval_fraction)");
@@ -124,7 +191,7 @@ class StandardRecipe : public trainer::Recipe {
   explicit StandardRecipe(trainer::RunParts& run)
       : run_(run),
         part_(run.models.front()),
-        loader_(*run.data, *run.sampler, run.comm->rank(), run.comm->worldSize(), run.cfg.run.seed, run.cfg.data.hflip) {
+        loader_(*run.data, *run.sampler, run.samplePositions(), run.cfg.run.seed, run.cfg.data.hflip) {
     // Loaded on every rank when the run starts: a classifier that cannot be used fails
     // every rank now, not rank 0 after the training.
     if (!run.cfg.eval.judge.empty()) {
@@ -142,19 +209,20 @@ class StandardRecipe : public trainer::Recipe {
   trainer::StepOutcome step(int64_t step, bool stopRequested) override {
     part_.strategy->zeroGrad();
     const datasets::StepBatch mine = loader_.take(step);  // prepared while the previous step ran
-    at::Tensor stepLoss = at::zeros({1}, at::kDouble);
-    forEachMicroBatch(run_, part_, [&](size_t begin, size_t end) {
+    StepLoss stepLoss;
+    forEachMicroBatch(run_, part_, [&](const MicroBatch& mb) {
       at::Tensor loss;
       {
         const trace::Span span("compute", "forward (micro-batch)");
-        loss = lossesOf(*part_.model, datasets::sliceBatch(mine.batch, static_cast<int64_t>(begin), static_cast<int64_t>(end)),
+        loss = lossesOf(*part_.model,
+                        datasets::sliceBatch(mine.batch, static_cast<int64_t>(mb.begin), static_cast<int64_t>(mb.end)),
                         run_.device)
                    .mean() /
-               static_cast<double>(run_.microBatches);
+               static_cast<double>(run_.lossDivisor);
       }
       const trace::Span span("compute", "backward (micro-batch)");
       loss.backward();
-      stepLoss += loss.detach().to(at::kDouble).cpu();
+      stepLoss.add(mb, loss);
     });
     trainer::StepOutcome out = stepMainModel(run_, part_, step, stepLoss, stopRequested);
     out.extra["data_wait_ms"] = loader_.takeWaitSeconds() * 1000.0;

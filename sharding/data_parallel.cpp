@@ -246,10 +246,35 @@ void DataParallelStrategy::finishBucket(size_t b, at::Tensor flat, at::Tensor lo
   bucket.average = bucket.members[0]->moduleParam.scalar_type() == options_.reduceDtype ? at::Tensor() : flat;
 }
 
+std::vector<ShardingStrategy::GradGroup> DataParallelStrategy::gradGroups() const {
+  std::vector<GradGroup> groups;
+  for (const Bucket& bucket : buckets_) {
+    GradGroup g;
+    g.layout = &bucket.layout;
+    for (const dtensor::ShardedParam* p : bucket.members) g.params.push_back(p->moduleParam);
+    g.options = at::TensorOptions().dtype(options_.reduceDtype).device(bucket.members[0]->master.device());
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
 void DataParallelStrategy::synchronizeGradients() {
+  if (deterministic()) {
+    // Every bucket's canonical sum (canonical_reduce.h), taken as a reduction's result.
+    const std::vector<GradGroup> groups = gradGroups();
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const at::Tensor sum = canonicalGroupSum(b, groups[b]);
+      if (sharded_) {
+        finishBucket(b, at::Tensor(), sum);
+      } else {
+        finishBucket(b, sum, at::Tensor());
+      }
+      buckets_[b].issued = true;
+    }
+  }
   // What no synchronised backward reduced since the last step (zero1: everything), and
   // local gradients accumulated since, in bucket order.
-  for (size_t b = 0; b < buckets_.size(); ++b) {
+  for (size_t b = 0; b < buckets_.size() && !deterministic(); ++b) {
     if (!buckets_[b].issued || buckets_[b].local) issueBucket(b);
   }
   inflight_->inflight.drain();

@@ -45,6 +45,7 @@ class DataParallelStrategy final : public ShardingStrategy {
 
  protected:
   void synchronizeGradients() override;
+  std::vector<GradGroup> gradGroups() const override;
 
  private:
   struct Bucket {

@@ -48,6 +48,8 @@ class FullyShardState {
   // Makes every parameter storage allocate through this state's allocator, which marks it
   // as held (see unit_storage.h). Last: nothing may throw after it.
   void claimStorages();
+  // run.deterministic (UnitContext::gradientsApart), for every unit.
+  void keepGradientsApart() { context_.gradientsApart = true; }
 
   // ---- the events --------------------------------------------------------------------
   // Runs unit `u`'s forward (fn on its inputs) between its pre- and post-forward, with the

@@ -194,7 +194,7 @@ void FsdpUnit::postBackward(bool reshardNow) {
 }
 
 bool FsdpUnit::gradientsInShard() const {
-  return mastersAreParams() && ctx_.replicaComm == nullptr && ctx_.reduceDtype == at::kFloat;
+  return mastersAreParams() && ctx_.replicaComm == nullptr && ctx_.reduceDtype == at::kFloat && !ctx_.gradientsApart;
 }
 
 void FsdpUnit::attachGradientsToShard() {
@@ -256,9 +256,13 @@ void FsdpUnit::finishReduce(ReduceJob& job) {
   job.flat = at::Tensor();
   // hybrid: the shard group's average, averaged again over the replica groups.
   if (ctx_.replicaComm != nullptr) ctx_.replicaComm->allReduce(job.local, distributed::ReduceOp::kAvg);
+  takeReducedChunk(job.local);
+}
+
+void FsdpUnit::takeReducedChunk(const at::Tensor& local) {
   c10::NoGradGuard noGrad;
   if (ctx_.offload != nullptr) {
-    const at::Tensor reduced = job.local.scalar_type() == at::kFloat ? job.local : job.local.to(at::kFloat);
+    const at::Tensor reduced = local.scalar_type() == at::kFloat ? local : local.to(at::kFloat);
     at::Tensor host = at::empty({reduced.numel()}, ctx_.offload->hostOptions());
     ctx_.offload->download(host, reduced);
     if (!gradShard_.defined()) {
@@ -269,9 +273,9 @@ void FsdpUnit::finishReduce(ReduceJob& job) {
     return;
   }
   if (!gradShard_.defined()) {
-    gradShard_ = job.local.scalar_type() == at::kFloat ? job.local : job.local.to(at::kFloat);
+    gradShard_ = local.scalar_type() == at::kFloat ? local : local.to(at::kFloat);
   } else {
-    gradShard_.add_(job.local);
+    gradShard_.add_(local);
   }
 }
 

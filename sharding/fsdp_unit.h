@@ -52,6 +52,10 @@ struct UnitContext {
   at::ScalarType reduceDtype = at::kFloat;           // the gradients' dtype on the wire
   std::function<void()> sample;                      // records the bytes held now
   HostOffload* offload = nullptr;  // CPU offload: masters and gradient shards on the host
+  // run.deterministic: each micro-batch's gradients are taken from the parameters after its
+  // backward (ShardingStrategy::addMicroBatchGradients), so they never accumulate in the
+  // gradient shard in place (one rank's shortcut).
+  bool gradientsApart = false;
 };
 
 // One reduce-scatter of a unit's gradients in flight (InflightCollectives' job).
@@ -131,6 +135,12 @@ class FsdpUnit {
   // waits in its own host buffer (adding it would stop the host until the GPU catches up,
   // in the middle of backward) until addPendingGradients().
   void finishReduce(ReduceJob& job);
+  // run.deterministic: the layout the unit's gradients are packed in, the packed flat's
+  // dtype and device; and a canonical sum's chunk (canonical_reduce.h, the replica groups'
+  // part already in it) taken as finishReduce takes a reduce-scatter's.
+  const dtensor::FlatLayout& gradLayout() const { return *gradLayout_; }
+  at::TensorOptions reduceOptions() const { return deviceOptions(ctx_.reduceDtype); }
+  void takeReducedChunk(const at::Tensor& local);
   // CPU offload: adds the micro-batches' downloaded gradients into the shard. Call after
   // HostOffload::finishCopies().
   void addPendingGradients();

@@ -195,7 +195,33 @@ void FullyShardStrategy::withSwappedParameters(const std::function<at::Tensor(co
       masters, [&](size_t i) { return ownedValue(params()[i]); }, [this] { publishParameters(); }, fenced);
 }
 
+std::vector<ShardingStrategy::GradGroup> FullyShardStrategy::gradGroups() const {
+  std::vector<GradGroup> groups;
+  for (const auto& u : state_->units()) {
+    if (u->trainableCount() == 0) continue;
+    GradGroup g;
+    g.layout = &u->gradLayout();
+    for (size_t j = 0; j < u->trainableCount(); ++j) g.params.push_back(u->trainableParam(j));
+    g.options = u->reduceOptions();
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+void FullyShardStrategy::keepGradientsInParameters() { state_->keepGradientsApart(); }
+
 void FullyShardStrategy::synchronizeGradients() {
+  if (deterministic()) {
+    // Each unit's canonical sum (canonical_reduce.h) in unit order, taken as its reduction.
+    state_->drainReductions();
+    const std::vector<GradGroup> groups = gradGroups();
+    size_t g = 0;
+    for (const auto& u : state_->units()) {
+      if (u->trainableCount() == 0) continue;
+      u->takeReducedChunk(canonicalGroupSum(g, groups[g], replicaComm_.get()));
+      ++g;
+    }
+  }
   state_->reduceRemaining();
   if (offload_) {
     // From here the host reads the gradient shards and the optimizer writes the masters.

@@ -98,6 +98,8 @@ class FullyShardStrategy final : public ShardingStrategy {
 
  protected:
   void synchronizeGradients() override;
+  std::vector<GradGroup> gradGroups() const override;
+  void keepGradientsInParameters() override;
 
  private:
   void setUpHybridGroups();

@@ -136,11 +136,53 @@ dtensor::ShardSpec ShardingStrategy::bufferSpec(const at::Tensor& buffer) const 
 }
 
 void ShardingStrategy::zeroGrad() {
+  if (canonical_) canonical_->clear();
   for (dtensor::ShardedParam& p : params_) {
     p.moduleParam.mutable_grad().reset();
     p.grad.reset();
   }
   heldGradShards_.clear();
+}
+
+void ShardingStrategy::setDeterministic(const MicroBatchPlan& plan) {
+  TESSERA_CHECK_AS(ConfigError, plan.world == comm_->worldSize() && plan.count >= plan.world,
+                   "ShardingStrategy: deterministic mode needs at least one micro-batch per rank: ", plan.count,
+                   " micro-batches over ", comm_->worldSize(), " ranks");
+  canonical_ = std::make_unique<CanonicalGradients>(plan);
+  setRequiresGradientSync(false);
+  keepGradientsInParameters();
+}
+
+void ShardingStrategy::addMicroBatchGradients(int64_t index) {
+  TESSERA_CHECK_AS(UsageError, canonical_ != nullptr, "ShardingStrategy::addMicroBatchGradients: not in deterministic mode");
+  c10::NoGradGuard noGrad;
+  const std::vector<GradGroup> groups = gradGroups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : groups[g].params) grads.push_back(p.grad());
+    if (index >= 0) {
+      at::Tensor flat = at::empty({groups[g].layout->flatNumel()}, groups[g].options);
+      groups[g].layout->packAll(flat, grads);  // zeros where a parameter got no gradient
+      canonical_->add(g, index, std::move(flat));
+    }
+    for (const at::Tensor& p : groups[g].params) p.mutable_grad().reset();
+  }
+}
+
+at::Tensor ShardingStrategy::canonicalGroupSum(size_t group, const GradGroup& g, distributed::Communicator* replicas) {
+  const dtensor::FlatLayout& layout = *g.layout;
+  const int world = comm_->worldSize();
+  const SliceLayout slices = SliceLayout::ofChunks(layout.chunks(), layout.chunkNumel(), world);
+  at::Tensor slice = canonical_->reduce(group, *comm_, slices, layout.flatNumel(), g.options);
+  if (layout.chunks() == world) return slice;  // this rank's chunk
+  // The slices of one chunk are on the ranks holding it: the chunk's replicas (hybrid's
+  // replica group), or every rank (replicated: one chunk).
+  TESSERA_CHECK(layout.chunks() == 1 || replicas != nullptr, "ShardingStrategy: a layout of ", layout.chunks(),
+                " chunks over ", world, " ranks and no replica group");
+  distributed::Communicator& holders = layout.chunks() == 1 ? *comm_ : *replicas;
+  at::Tensor gathered = at::empty({holders.worldSize() * slices.sliceNumel}, g.options);
+  holders.allGatherInto(gathered, slice);
+  return gathered.narrow(0, 0, layout.chunkNumel());
 }
 
 void ShardingStrategy::setRequiresGradientSync(bool /*sync*/) {}
@@ -285,7 +327,7 @@ StepResult ShardingStrategy::stepWith(const std::function<void()>& update, StepS
   const trace::Span normSpan("optimizer", "gradient norm and clipping");
   const trace::Tag normTag("gradient norm");
   const optim::GradNorm norm = optim::clipGradNorm(params_, options_.gradClip, *shardComm_,
-                                     normOverWorld && alongside ? sumAlongside : at::Tensor());
+                                     normOverWorld && alongside ? sumAlongside : at::Tensor(), deterministic());
   if (!normOverWorld && alongside) distributed::allReduceHostTensor(*comm_, sumAlongside, distributed::ReduceOp::kSum);
   result.gradNorm = norm.norm;
   result.clipCoef = norm.clipCoef;

@@ -29,9 +29,11 @@
 #include "common/enum_names.h"
 #include "dtensor/param_init.h"
 #include "dtensor/shard_spec.h"
-#include "optim/sharded_optimizer.h"
+#include "dtensor/flat_layout.h"
 #include "dtensor/sharded_param.h"
 #include "dtensor/stateful.h"
+#include "optim/sharded_optimizer.h"
+#include "sharding/canonical_reduce.h"
 
 namespace torch::nn {
 class Module;
@@ -220,6 +222,17 @@ class ShardingStrategy : public dtensor::Stateful {
   // and hybrid honour it, the other strategies hold their parameters whole anyway.
   virtual void setReshardAfterBackward(bool reshard);
 
+  // ---- run.deterministic (canonical_reduce.h) --------------------------------------
+  // From now on each micro-batch's gradients are kept apart (addMicroBatchGradients after
+  // its backward) and summed at step() in the canonical tree over `plan`'s micro-batches,
+  // whatever the world size and strategy; the gradient norm is exact. Backward passes then
+  // reduce nothing (they run as without gradient sync). Call before the first backward.
+  void setDeterministic(const MicroBatchPlan& plan);
+  bool deterministic() const { return canonical_ != nullptr; }
+  // After the backward of micro-batch `index` (-1: a padding pass, its gradients dropped):
+  // the module's gradients move into the step's canonical sums, group by group.
+  void addMicroBatchGradients(int64_t index);
+
   // Runs `fn` with the module computing from other parameter values, then restores the
   // live values exactly, also when fn throws. `ownedValue(p)` is p's replacement in its
   // owned layout (p.ownedSpec(): e.g. an EMA shard), any floating dtype, or an undefined
@@ -293,6 +306,24 @@ class ShardingStrategy : public dtensor::Stateful {
   virtual void synchronizeGradients() = 0;
   // Buffers: made equal across ranks per options().bufferSync (collective).
   void synchronizeBuffers();
+
+  // run.deterministic: the groups a strategy reduces its gradients in (gradient buckets,
+  // zero3 units), each a flat layout of the module parameters whose .grad() it packs.
+  struct GradGroup {
+    const dtensor::FlatLayout* layout = nullptr;
+    std::vector<at::Tensor> params;  // the module's parameters, in the layout's order
+    at::TensorOptions options;       // of the packed flat: the reduce dtype, the device
+  };
+  virtual std::vector<GradGroup> gradGroups() const = 0;
+  // Group `group`'s canonical sum as the strategy holds a reduced gradient: the layout's
+  // chunk of this rank (sharded over `comm()`), its shard group's chunk (hybrid), or the
+  // whole flat (one chunk: replicated). Collective over comm(), group by group in order;
+  // `replicas` is hybrid's replica group (the ranks holding the same chunk).
+  at::Tensor canonicalGroupSum(size_t group, const GradGroup& g, distributed::Communicator* replicas = nullptr);
+  std::unique_ptr<CanonicalGradients> canonical_;  // run.deterministic: the step's sums
+  // setDeterministic's hook: a strategy whose backward keeps gradients anywhere but the
+  // parameters' .grad() stops doing so.
+  virtual void keepGradientsInParameters() {}
 
   // Every parameter of the module (frozen ones too), as collected at construction.
   const std::vector<NamedTensor>& moduleParams() const { return collected_; }

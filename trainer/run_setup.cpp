@@ -43,6 +43,13 @@ checkpoint::StateMap ModelPart::states() {
   return states;
 }
 
+std::pair<int64_t, int64_t> RunParts::samplePositions() const {
+  const int64_t micro = cfg.data.micro_batch;
+  if (plan) return {plan->begin(comm->rank()) * micro, plan->end(comm->rank()) * micro};
+  const int64_t perRank = cfg.data.global_batch / comm->worldSize();
+  return {perRank * comm->rank(), perRank * (comm->rank() + 1)};
+}
+
 ModelPart& RunParts::model(const std::string& name) {
   for (ModelPart& m : models) {
     if (m.cfg.name == name) return m;
@@ -211,6 +218,7 @@ ModelPart buildModel(RunParts& run, const ModelEntry& entry) {
   } catch (const std::bad_alloc&) {
     throw ConfigError(strCat(modelKeys, ": this rank's part does not fit in memory"));
   }
+  if (run.plan) part.strategy->setDeterministic(*run.plan);
   if (entry.trainable) part.schedule = std::make_unique<optim::LrSchedule>(entry.schedule);
   part.ema = makeEma(entry, *part.strategy);
   int64_t numParams = 0;
@@ -659,14 +667,33 @@ void setUpData(RunParts& run) {
                                                            : datasets::SampleOrder::kFileOrder;
   run.sampler = std::make_unique<datasets::DistributedSampler>(run.data->trainSamples(), cfg.data.global_batch,
                                                               cfg.run.seed, order);
-  run.microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
+  if (cfg.run.deterministic) {
+    run.plan = sharding::MicroBatchPlan{cfg.data.global_batch / cfg.data.micro_batch, world};
+    run.microBatches = run.plan->passes();
+    run.lossDivisor = run.plan->count;
+    const int64_t fewest = run.plan->count / world;
+    TLOG_INFO0("run.deterministic: " << run.plan->count << " micro-batches of " << cfg.data.micro_batch
+               << " per step over " << world << (world == 1 ? " rank" : " ranks")
+               << (run.plan->count % world == 0
+                       ? strCat(", ", fewest, " each")
+                       : strCat(", ", fewest, " or ", fewest + 1, " each (the ranks with ", fewest,
+                                " run a padding pass whose gradients are dropped)"))
+               << "; one intra-op thread per rank");
+  } else {
+    run.microBatches = cfg.data.global_batch / world / cfg.data.micro_batch;
+    run.lossDivisor = run.microBatches;
+  }
   if (cfg.data.micro_batch_asked > 0) {
     TLOG_WARN0("data.micro_batch " << cfg.data.micro_batch_asked << " does not divide the " << cfg.data.global_batch / world
                << " samples each of " << world << " ranks gets per step (data.global_batch " << cfg.data.global_batch
                << "): micro-batches of " << cfg.data.micro_batch << " instead, the largest that does");
   }
-  TLOG_INFO0("data " << run.data->describe() << "; " << run.sampler->stepsPerEpoch() << " steps per epoch; "
-                     << run.microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
+  if (!run.plan) {
+    TLOG_INFO0("data " << run.data->describe() << "; " << run.sampler->stepsPerEpoch() << " steps per epoch; "
+                       << run.microBatches << " micro-batches of " << cfg.data.micro_batch << " per rank per step");
+  } else {
+    TLOG_INFO0("data " << run.data->describe() << "; " << run.sampler->stepsPerEpoch() << " steps per epoch");
+  }
 }
 
 // Sizes from outside (the data's classes and image size, the config's widths and batches)
@@ -746,6 +773,9 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   run->device = trainingDevice(cfg);
   checkComputeDtypes(cfg, run->device);
   setCpuMatmulDtype(cfg, run->device);
+  // run.deterministic: a kernel's bits may depend on how many threads split its work (a
+  // matrix product's blocking); one per rank leaves none that do.
+  if (cfg.run.deterministic) at::set_num_threads(1);
   setUpData(*run);
   checkPlannedMemory(*run);
   for (const ModelEntry& entry : cfg.models) run->models.push_back(buildModel(*run, entry));

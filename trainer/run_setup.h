@@ -62,7 +62,14 @@ struct RunParts {
 
   std::unique_ptr<datasets::Dataset> data;
   std::unique_ptr<datasets::DistributedSampler> sampler;      // global batch of a step -> this rank's samples
-  int64_t microBatches = 1;                         // per rank and step (gradient accumulation)
+  int64_t microBatches = 1;                         // passes per rank and step (gradient accumulation)
+  // run.deterministic: the step's micro-batches over the ranks (sharding/canonical_reduce.h).
+  std::optional<sharding::MicroBatchPlan> plan;
+  // What each micro-batch's mean loss is divided by: this rank's micro-batches, or under
+  // run.deterministic the step's (their canonical sum is then the step's mean).
+  int64_t lossDivisor = 1;
+  // This rank's positions [begin, end) in every global batch, in micro-batch order.
+  std::pair<int64_t, int64_t> samplePositions() const;
   // The models, in the order the config names them; the single-model form has one,
   // named "model".
   std::vector<ModelPart> models;

@@ -160,6 +160,12 @@ void bindRunKeys(config::ConfigSchema& s, RunOptions& run) {
         "inputs and weights through oneDNN, accumulated and returned in fp32; masters, optimizer and everything "
         "else stay fp32; about 2x the products' speed on cores with AVX512-BF16 or AMX)")
       .oneOf({"fp32", "bf16"});
+  s.add("run.deterministic", &run.deterministic,
+        "Every tensor of the run (parameters, optimizer state, EMA, losses) a function of the config and the data "
+        "alone, bit for bit, whatever the world size, the strategy, or where it was stopped and resumed: each "
+        "data.micro_batch computed whole on one rank, gradients and losses summed in one fixed tree over the "
+        "micro-batches, the gradient norm exact, one intra-op thread per rank. Needs data.micro_batch set, dividing "
+        "data.global_batch into at least as many micro-batches as ranks");
 }
 
 // log.*: level, per-rank files, TensorBoard.
@@ -637,6 +643,29 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
                                             ") - 1 is past run.steps (", c.run.steps, ")")));
   }
   c.origins = s.origins();
+  if (c.run.deterministic) {
+    // run.deterministic: data.micro_batch is the unit of the step's sums, the same on every
+    // world size; the ranks take whole micro-batches, as evenly as they go.
+    const bool set = c.data.micro_batch != datasets::kAutoMicroBatch;
+    if (!set || c.data.micro_batch <= 0 || c.data.global_batch % c.data.micro_batch != 0) {
+      throw ConfigError(s.errorMessage(
+          "data.micro_batch", strCat(set ? strCat(c.data.micro_batch, " does not divide data.global_batch ",
+                                                  c.data.global_batch)
+                                         : std::string("not set"),
+                                     ": run.deterministic sums whole micro-batches, the same on every world size; "
+                                     "set data.micro_batch to a divisor of data.global_batch")));
+    }
+    const int64_t count = c.data.global_batch / c.data.micro_batch;
+    if (worldSize > count) {
+      throw ConfigError(s.errorMessage(
+          "data.micro_batch", strCat(count, " micro-batches of ", c.data.micro_batch, " per step (data.global_batch ",
+                                     c.data.global_batch, "), fewer than the ", worldSize,
+                                     " ranks: under run.deterministic every rank computes whole micro-batches; "
+                                     "data.micro_batch ", std::max<int64_t>(1, c.data.global_batch / worldSize),
+                                     " or less")));
+    }
+    return;
+  }
   // The global batch splits over the ranks; each rank's share into micro-batches of the
   // largest size up to data.micro_batch that divides it (gradient accumulation chosen
   // automatically, so a run resumed on another world size keeps its global batch).

@@ -42,6 +42,10 @@ struct RunOptions {
   std::string recipe = "standard";  // standard (the one `model`) | dmd (models generator, critic, teacher)
   double peak_flops = 0;          // a rank's peak FLOP/s for MFU; 0 = measured at start by a matrix-product probe
   std::string matmul_dtype = "fp32";  // fp32 | bf16: what fp32 Linear layers multiply in on the CPU (kernels/cpu_matmul.h)
+  // The same bits on any world size and strategy (sharding/canonical_reduce.h): whole
+  // micro-batches per rank, gradients and losses summed in one fixed tree, an exact norm,
+  // one intra-op thread per rank.
+  bool deterministic = false;
 };
 
 // Pictures during training (image denoisers: diffusion or dit on idx / image_folder data).

@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/reader.h"
 #include "checkpoint/safetensors.h"
 #include "tests/apps/train_runs.h"
 #include "tests/support/idx_images.h"
@@ -142,6 +143,72 @@ TEST(DitE2ETest, ResumeOnAnotherWorldSizeEqualsUninterrupted) {
   const std::string out = mustRun(trainCommand(3) + args + " --set sharding.strategy=zero2 --set run.dir=" + cut);
   EXPECT_NE(out.find("saved by 2 ranks with zero3; now 3 ranks with zero2"), std::string::npos) << out;
   expectCloseExports(full, cut, "2 ranks zero3 -> 3 ranks zero2");
+}
+
+// run.deterministic: the same bits whatever the world size and strategy, a stop on one
+// world size and a resume on another included. 6 micro-batches of 4 (uneven over 4 ranks),
+// compared with torch::equal: every tensor of the last checkpoint (masters, AdamW's moments,
+// the EMA), the export, and every logged loss exactly.
+TEST(DitE2ETest, DeterministicRunsHaveTheSameBitsOnEveryWorldSizeAndStrategy) {
+  const std::string dir = ditScratch("deterministic");
+  const std::string args = ditConfig(dir) + " --set run.deterministic=true --set data.micro_batch=4";
+  const std::string single = dir + "/single";
+  const std::string log = mustRun(trainCommand(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
+  EXPECT_NE(log.find("run.deterministic"), std::string::npos) << log;
+  const auto lastCheckpoint = [](const std::string& runDir) {
+    tessera::checkpoint::CheckpointReader reader(runDir + "/checkpoints/step_00000008");
+    std::map<std::string, at::Tensor> out;
+    for (const auto& t : reader.metadata().tensors) out[t.name] = reader.readFull(t.name);
+    return out;
+  };
+  const auto reference = lastCheckpoint(single);
+  const auto referenceExport = emaExport(single);
+  const auto referenceMetrics = readMetrics(single);
+  const auto expectSameBits = [&](const std::string& runDir, const std::string& what) {
+    const auto got = lastCheckpoint(runDir);
+    EXPECT_EQ(got.size(), reference.size()) << what;
+    for (const auto& [name, want] : reference) {
+      if (got.count(name) == 0) continue;  // (the count differs: reported above)
+      EXPECT_TRUE(torch::equal(got.at(name), want)) << what << ": checkpoint tensor " << name;
+    }
+    const auto exported = emaExport(runDir);
+    for (const auto& [name, want] : referenceExport) EXPECT_TRUE(torch::equal(exported.at(name), want)) << what << ": " << name;
+    const auto metrics = readMetrics(runDir);
+    ASSERT_EQ(metrics.size(), referenceMetrics.size()) << what;
+    for (size_t i = 0; i < metrics.size(); ++i) {
+      for (const char* key : {"loss", "eval_loss", "eval_loss_ema"}) {
+        if (!referenceMetrics[i].contains(key)) continue;
+        EXPECT_EQ(metrics[i].value(key, -1.0), referenceMetrics[i][key].get<double>()) << what << ": " << key << ", line " << i;
+      }
+    }
+  };
+  struct Case {
+    int ranks;
+    std::string strategy, extra;
+  };
+  for (const Case& c : {Case{2, "zero3", ""}, Case{3, "zero2", ""}, Case{4, "hybrid", " --set sharding.shard_size=2"}}) {
+    const std::string what = c.strategy + " on " + std::to_string(c.ranks) + " ranks";
+    const std::string runDir = dir + "/" + c.strategy;
+    mustRun(trainCommand(c.ranks) + args + " --set sharding.strategy=" + c.strategy + c.extra + " --set run.dir=" + runDir);
+    expectSameBits(runDir, what);
+  }
+  // Stopped after step 4 on 4 ranks with zero1, resumed on 3 with zero3.
+  const std::string cut = dir + "/cut";
+  mustRun(trainCommand(4) + args + " --set sharding.strategy=zero1 --set run.stop_after_steps=4 --set run.dir=" + cut);
+  mustRun(trainCommand(3) + args + " --set sharding.strategy=zero3 --set run.dir=" + cut);
+  expectSameBits(cut, "4 ranks zero1 -> 3 ranks zero3");
+}
+
+// Fewer micro-batches than ranks cannot be spread whole: refused at the start, naming keys.
+TEST(DitE2ETest, DeterministicNeedsAMicroBatchForEveryRank) {
+  const std::string dir = ditScratch("deterministic_bad");
+  const std::string args = ditConfig(dir) + " --set run.deterministic=true";
+  auto r = tessera::test::runCommand(trainCommand(4) + args + " --set data.micro_batch=12 --set run.dir=" + dir + "/run", 300);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("data.micro_batch"), std::string::npos) << r.output;
+  r = tessera::test::runCommand(trainCommand(1) + args + " --set data.micro_batch=5 --set run.dir=" + dir + "/run", 300);
+  EXPECT_EQ(r.status, 2) << r.output;
+  EXPECT_NE(r.output.find("data.global_batch"), std::string::npos) << r.output;
 }
 
 // A resume whose settings change the shape of a saved tensor is refused before any

@@ -124,5 +124,89 @@ TEST(GradClipTest, PaddingRowsDoNotCount) {
   EXPECT_EQ(localSquaredNorm(at::full({3}, 2.0f), owner), 8.0);
 }
 
+
+// ---- run.deterministic's exact norm ----------------------------------------------------------
+
+// Values over most of fp32's range (subnormals, huge ones, both signs) and a few exact zeros.
+std::vector<float> wideValues(int n, uint64_t seed) {
+  sharding::testing::seedCpu(seed);
+  const at::Tensor mantissa = at::rand({n}) * 2 - 1;
+  const at::Tensor exponent = at::randint(-140, 60, {n}).to(at::kFloat);
+  at::Tensor v = mantissa * at::pow(2.0f, exponent);
+  v.narrow(0, 0, 3).zero_();
+  return std::vector<float>(v.data_ptr<float>(), v.data_ptr<float>() + n);
+}
+
+TEST(ExactSquareSumTest, TheSumIsExactWhateverTheOrderOrSplit) {
+  // 2^60 + 2^20 ones: exact as a double, but a float or double running sum from the large
+  // square onwards loses every one (2^60 + 1 rounds back to 2^60).
+  std::vector<float> values(1u << 20, 1.0f);
+  values.insert(values.begin(), std::ldexp(1.0f, 30));
+  ExactSquareSum exact;
+  exact.add(values.data(), static_cast<int64_t>(values.size()));
+  EXPECT_EQ(exact.value(), std::ldexp(1.0, 60) + std::ldexp(1.0, 20));
+
+  const std::vector<float> wide = wideValues(5000, 7);
+  long double reference = 0;
+  for (const float v : wide) reference += static_cast<long double>(v) * v;
+  ExactSquareSum whole;
+  whole.add(wide.data(), static_cast<int64_t>(wide.size()));
+  EXPECT_NEAR(whole.value(), static_cast<double>(reference), 1e-15 * static_cast<double>(reference));
+  for (const int parts : {2, 3, 7}) {
+    // Parts added in reverse order, each through the digits an all-reduce would carry.
+    ExactSquareSum total;
+    for (int p = parts - 1; p >= 0; --p) {
+      const size_t lo = wide.size() * static_cast<size_t>(p) / static_cast<size_t>(parts);
+      const size_t hi = wide.size() * static_cast<size_t>(p + 1) / static_cast<size_t>(parts);
+      ExactSquareSum part;
+      part.add(wide.data() + lo, static_cast<int64_t>(hi - lo));
+      total.addDigits(part.digits());
+    }
+    EXPECT_EQ(total.value(), whole.value()) << parts << " parts";
+  }
+  // The digits of several parts summed as doubles (what the all-reduce does) stay exact.
+  ExactSquareSum a, b;
+  a.add(wide.data(), 2500);
+  b.add(wide.data() + 2500, 2500);
+  ExactSquareSum summed;
+  summed.addDigits(a.digits() + b.digits());
+  EXPECT_EQ(summed.value(), whole.value());
+}
+
+TEST(ExactSquareSumTest, NonFiniteValuesMakeTheSumInfinite) {
+  ExactSquareSum s;
+  const float values[] = {1.0f, NAN, 2.0f};
+  s.add(values, 3);
+  EXPECT_TRUE(std::isinf(s.value()));
+  ExactSquareSum carried;
+  carried.addDigits(s.digits());
+  EXPECT_TRUE(std::isinf(carried.value())) << "the count of non-finite values crosses ranks with the digits";
+  EXPECT_EQ(ExactSquareSum().value(), 0.0);
+}
+
+TEST(GradClipTest, ExactNormHasTheSameBitsOnEveryWorldSize) {
+  sharding::testing::useOneThread();
+  std::vector<at::Tensor> expected = fullGrads();
+  const double torchNorm = torchClip(expected, 1e30);
+  std::vector<double> norms(5, -1);
+  for (int world : {1, 2, 3, 4}) {
+    runOnRanks(world, [&](RankContext& ctx) {
+      std::vector<dtensor::ShardedParam> params;
+      const auto full = fullGrads();
+      for (size_t i = 0; i < full.size(); ++i) {
+        dtensor::ShardSpec spec(kClipShapes[i], at::kFloat, ctx.world, ctx.rank,
+                                i % 2 == 1 ? dtensor::Placement::kReplicate : dtensor::Placement::kShard0);
+        params.push_back(gradient(spec, spec.shardOf(full[i])));
+      }
+      at::Tensor alongside = at::full({1}, 1.5, at::kDouble);
+      const double norm = globalGradNorm(params, *ctx.comm(), alongside, /*exact=*/true);
+      EXPECT_EQ(alongside.item<double>(), 1.5 * ctx.world) << "values sent along are summed too";
+      if (ctx.rank == 0) norms[static_cast<size_t>(world)] = norm;
+    });
+    EXPECT_EQ(norms[static_cast<size_t>(world)], norms[1]) << "world " << world;
+  }
+  EXPECT_NEAR(norms[1], torchNorm, 1e-6 * torchNorm);
+}
+
 }  // namespace
 }  // namespace tessera::optim
