@@ -90,7 +90,15 @@ def main():
         masters = [p.detach().clone() for p in model.parameters()]  # fp32 masters the optimizer steps
         model = model.bfloat16()
     ema = [p.detach().float().clone() for p in model.parameters()] if args.ema == "on" else None
-    ddp = DistributedDataParallel(model, broadcast_buffers=False, gradient_as_bucket_view=True)
+    if masters is None:
+        ddp = DistributedDataParallel(model, broadcast_buffers=False, gradient_as_bucket_view=True)
+    else:
+        # gloo in PyTorch 1.13 has no bf16 collectives ("Invalid scalar type"), so DDP cannot
+        # wrap a bf16 model on the CPU. What Tessera's param_dtype bf16 does instead: the fp32
+        # masters' gradients all-reduced as one flat in fp32 after the backward (at this size
+        # Tessera's zero3 is one unit, reduced after the backward too). Every rank starts from
+        # the same seed, so no initial broadcast is needed.
+        ddp = model
     stepped = masters if masters is not None else list(model.parameters())
     if masters is not None:
         for m in masters:
@@ -143,7 +151,13 @@ def main():
         loss.backward()
         if masters is not None:
             for m, p in zip(masters, model.parameters()):
-                m.grad = p.grad.float()
+                # (a parameter no gradient reached, e.g. a frozen positional embedding: zeros)
+                m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+            flat = torch._utils._flatten_dense_tensors([m.grad for m in masters])
+            dist.all_reduce(flat)
+            flat.div_(world)
+            for m, reduced in zip(masters, torch._utils._unflatten_dense_tensors(flat, [m.grad for m in masters])):
+                m.grad.copy_(reduced)
         clip_grad_norm_foreach(stepped, 1.0)
         optimizer.step()
         if masters is not None:
@@ -169,7 +183,7 @@ def main():
                           "settings": {"optimizer_foreach": optimizer.defaults.get("foreach"),
                                        "patch_overlap": args.patch_overlap, "heads": args.heads, "hflip": args.hflip,
                                        "ema": args.ema, "data": args.data, "dtype": args.dtype, "clip": 1.0,
-                                       "transport": "gloo", "threads": args.threads,
+                                       "transport": "gloo" if masters is None else "gloo, fp32 flat all-reduce after the backward", "threads": args.threads,
                                        "loss": "v on cosine, zero terminal SNR"}}))
     dist.destroy_process_group()
 

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""run.deterministic against the default mode (issue 71): the main job's DiT
+(configs/dit_quick.yaml as shipped, data.micro_batch 8: 8 micro-batches a step) on N ranks,
+the same tessera-train with and without --set run.deterministic=true, each in its own
+processes, alternated (ABBA), at least 5 rounds of --steps timed steps after --warmup;
+medians with their ranges (bench/compare_common.py), and the bytes each rank sends a step
+(metrics.jsonl's comm_mib over the window's steps).
+
+The default mode overlaps its reduce-scatters with the backward and sums in the ring's
+order; the deterministic mode keeps each micro-batch's gradients apart, sums them in the
+canonical tree after the last backward, and gathers each rank's slice from every rank
+(sharding/canonical_reduce.h). Both run one intra-op thread per rank here (OMP_NUM_THREADS=1,
+what the deterministic mode sets itself).
+
+    bench/compare_deterministic.py [--world 2] [--strategy zero3] [--rounds 5] [--warmup 20] [--steps 100]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import compare_common as cc
+
+
+def parse(output, tmp):
+    with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
+        windows = [json.loads(line) for line in f if line.strip()]
+    steady = [w for w in windows[1:] if "step_time_ms" in w]
+    if not steady:
+        sys.exit(f"compare: no steady windows in {tmp}/run/metrics.jsonl:\n{output[-2000:]}")
+    steps = [w["step"] - p["step"] for p, w in zip(windows, windows[1:]) if "step_time_ms" in w]
+    mib = statistics.mean(w["comm_mib"] / s for w, s in zip(steady, steps))
+    return sum(w["step_time_ms"] for w in steady) / len(steady) / 1e3, {"comm_mib_per_step": mib}
+
+
+def side(args, name, deterministic):
+    command = [os.path.join(args.build, "bin", "tessera-run"), "--standalone", "--nproc-per-node", str(args.world),
+               os.path.join(args.build, "bin", "tessera-train"), "--config",
+               os.path.join(cc.ROOT, "configs", "dit_quick.yaml"),
+               "--set", "run.dir={tmp}/run", "--set", f"run.steps={args.warmup + args.steps}",
+               "--set", f"run.log_every={args.warmup}", "--set", "run.eval_every=0",
+               "--set", "checkpoint.every_steps=0", "--set", "checkpoint.at_end=false", "--set", "checkpoint.export=[]",
+               "--set", "optim.schedule.warmup_steps=10", "--set", f"sharding.strategy={args.strategy}",
+               "--set", "data.micro_batch=8", "--set", "log.per_rank_files=false",
+               "--set", f"run.deterministic={'true' if deterministic else 'false'}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return cc.Side(name, command, env, parse, {"deterministic": deterministic, "strategy": args.strategy})
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--strategy", default="zero3")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--build", default=os.path.join(cc.ROOT, "build"))
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    where = cc.machine()
+    default = side(args, "default", False)
+    deterministic = side(args, "run.deterministic", True)
+    cc.alternate([deterministic, default], args.rounds)
+    print(f"\n{where['cpu']}, {where['cores']} cores, {where['date']}, commit {where['commit']}; DiT of "
+          f"configs/dit_quick.yaml, {args.world} ranks x 1 thread, {args.strategy}, global batch 64 in micro-batches "
+          f"of 8; {args.rounds} rounds of {args.steps} steps after {args.warmup}\n")
+    print(cc.header())
+    print(cc.row(f"DiT {args.strategy}, {args.world} ranks: run.deterministic vs default", deterministic, default,
+                 f"bench/compare_deterministic.py --world {args.world} --strategy {args.strategy}", where))
+    print("\nsent per rank per step, MiB (median over rounds): "
+          f"default {cc.median_extra(default, 'comm_mib_per_step'):.2f}, "
+          f"run.deterministic {cc.median_extra(deterministic, 'comm_mib_per_step'):.2f}")
+    cc.dump(args.json, where, [deterministic, default])
+
+
+if __name__ == "__main__":
+    main()
