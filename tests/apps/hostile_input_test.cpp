@@ -26,6 +26,7 @@
 #include "checkpoint/metadata.h"
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
+#include "datasets/shard_manifest.h"
 #include "datasets/tar_file.h"
 #include "imaging/image_io.h"
 #include "kernels/cpu_matmul.h"
@@ -865,7 +866,16 @@ TEST_F(HostileInputTest, TheLocalTierNeverDeletesWhatItDidNotWrite) {
   EXPECT_NE(out.find("rank_00000.bin is not used"), std::string::npos) << out;
   EXPECT_TRUE(fs::exists(tier + "/step_00100000/metadata.json")) << "another run's step survives this run's end";
   EXPECT_FALSE(fs::exists(stepDirOf(newest))) << "this run's own steps are cleared at its end";
-  // The tier in a run's checkpoints, or through a link: refused, nothing deleted.
+  // The tier in a run's checkpoints (another run's, or this run's own), or through a link:
+  // refused, and every step directory there keeps its files (not only `latest`, which is
+  // all the tier once left).
+  std::vector<std::string> kept;
+  for (const auto& entry : fs::directory_iterator(run + "/checkpoints")) {
+    if (entry.path().filename().string().rfind("step_", 0) == 0) kept.push_back(entry.path().string());
+  }
+  ASSERT_FALSE(kept.empty());
+  expectRefused(train + finish + " --set checkpoint.local.dir=" + run + "/checkpoints",
+                {"checkpoint.local.dir", "checkpoints"}, 2);
   const std::string link = scratch("tier_link");
   fs::create_directory_symlink(tier, link);
   const std::string other = kTrain + " --config " + kConfig + kShortRun + " --set checkpoint.local.every_steps=1" +
@@ -875,6 +885,7 @@ TEST_F(HostileInputTest, TheLocalTierNeverDeletesWhatItDidNotWrite) {
   expectRefused(other + " --set checkpoint.local.dir=" + scratch("tier_other") + "/checkpoints/local",
                 {"checkpoint.local.dir", "where this run keeps its checkpoints"}, 2);
   EXPECT_TRUE(fs::exists(run + "/checkpoints/latest"));
+  for (const std::string& step : kept) EXPECT_TRUE(fs::exists(step + "/metadata.json")) << step << " was deleted";
   EXPECT_TRUE(fs::exists(tier + "/step_00100000/metadata.json"));
 }
 
@@ -911,17 +922,44 @@ TEST_F(HostileInputTest, EmptyOrSelfReferringArgumentsAreRefused) {
   expectRefused(kBin + "/tessera-shards --kind image_folder --path " + images + " --out " + images + "/shards",
                 {"--out", "is in the input folder"}, 2);
   EXPECT_FALSE(fs::exists(images + "/shards"));
+  // --out the input folder itself (with or without a trailing slash): refused, nothing written.
+  for (const std::string& same : {images, images + "/"}) {
+    expectRefused(kBin + "/tessera-shards --kind image_folder --path " + images + " --out " + same,
+                  {"--out", "is in the input folder"}, 2);
+  }
+  EXPECT_FALSE(fs::exists(images + "/train"));
+  // An eval image too large for a shard member: refused before the train split is written,
+  // so the corrected command is not refused for a train/ the failed one left behind.
+  writeText(images + "/cat/a.png", tessera::imaging::encodePng(at::full({1, 8, 8}, 7, at::kByte)));
+  const std::string evalImages = scratch("eval_folder");
+  fs::create_directories(evalImages + "/cat");
+  {
+    std::ofstream(evalImages + "/cat/huge.png") << "x";
+    fs::resize_file(evalImages + "/cat/huge.png", (int64_t{256} << 20) + 1);  // sparse: no disk used
+  }
+  const std::string out = scratch("shards_out");
+  expectRefused(kBin + "/tessera-shards --kind image_folder --path " + images + " --eval-path " + evalImages +
+                    " --out " + out,
+                {"huge.png", "bytes"});
+  EXPECT_FALSE(fs::exists(out + "/train")) << "nothing written before the refusal";
+  fs::remove(evalImages + "/cat/huge.png");
+  writeText(evalImages + "/cat/b.png", tessera::imaging::encodePng(at::full({1, 8, 8}, 9, at::kByte)));
+  expectSuccess(kBin + "/tessera-shards --kind image_folder --path " + images + " --eval-path " + evalImages +
+                " --out " + out);
+  EXPECT_TRUE(fs::exists(out + "/train"));
+  EXPECT_TRUE(fs::exists(out + "/eval"));
 }
 
 // Round 4, class 4: one .cls of 1048575 makes a million-class model, whose sample grid (a
 // row per class) no machine holds: refused at the start with the keys that size it, not by
-// the allocator at the end of the run.
+// the allocator at the end of the run. (64 samples of 128x128 per class: 4 TiB in fp32, so
+// that the refusal does not depend on the memory of the machine the test runs on.)
 TEST_F(HostileInputTest, AMillionClassesFromOneLabelAreRefusedAtTheStart) {
   const std::string shards = scratch("million");
   fs::create_directories(shards);
   {
     tessera::datasets::TarWriter t(shards + "/000000.tar");
-    const at::Tensor image = at::full({1, 64, 64}, 100, at::kByte);
+    const at::Tensor image = at::full({1, 128, 128}, 100, at::kByte);
     for (int i = 0; i < 8; ++i) {
       t.add(tessera::strCat("s/", i, ".png"), tessera::imaging::encodePng(image));
       t.add(tessera::strCat("s/", i, ".cls"), i == 7 ? std::string("1048575") : std::to_string(i % 3));
@@ -933,11 +971,27 @@ TEST_F(HostileInputTest, AMillionClassesFromOneLabelAreRefusedAtTheStart) {
       "log: {per_rank_files: false}\n"
       "model: {arch: dit, embed_dim: 16, layers: 1, heads: 2, patch_size: 8, timesteps: 10}\n"
       "data: {kind: webdataset, path: " + shards + ", global_batch: 8, micro_batch: 8}\n"
-      "eval: {sample_per_class: 8}\n");
+      "eval: {sample_per_class: 64}\n");
   const std::string out = expectRefused(kTrain + " --config " + yaml + " --set run.dir=" + scratch("run"),
                                         {"eval.sample_per_class", "a sample grid would take", "MiB of memory"}, 2);
   EXPECT_EQ(out.find("CachingHostAllocator"), std::string::npos) << out;
   EXPECT_FALSE(fs::exists(scratch("run") + "/checkpoints")) << "refused before anything was built";
+
+  // The same from a manifest that says 1048576 classes (its shards' labels are 0-3; the
+  // images resized to 128x128, as above).
+  const auto [images, labels] = tessera::test::writeIdxImages(scratch("idx"));
+  const std::string written = scratch("manifest_shards");
+  expectSuccess(kBin + "/tessera-shards --kind idx --path " + images + " --labels " + labels + " --out " + written);
+  auto manifest = tessera::datasets::readShardManifest(written + "/train");
+  ASSERT_TRUE(manifest.has_value());
+  manifest->classes = int64_t{1} << 20;
+  tessera::datasets::writeShardManifest(written + "/train", *manifest);
+  const std::string fromManifest = expectRefused(
+      kTrain + " --config " + yaml + " --set data.path=" + written + "/train --set data.image_size=128 --set run.dir=" +
+          scratch("run2"),
+      {"eval.sample_per_class", "a sample grid would take"}, 2);
+  EXPECT_EQ(fromManifest.find("CachingHostAllocator"), std::string::npos) << fromManifest;
+  EXPECT_FALSE(fs::exists(scratch("run2") + "/checkpoints"));
 }
 
 // Round 3's corpus, left over: a run resumed onto data with more classes is refused naming

@@ -414,6 +414,16 @@ TEST(WebDatasetTest, MembersThatAreNoSampleArePassedOverAndShardTextIsQuoted) {
   EXPECT_EQ(forged.find('\n'), std::string::npos) << forged;
   EXPECT_NE(forged.find(R"('x\ntessera-train: done: 300 steps')"), std::string::npos) << forged;
   {
+    TarWriter t(dir + "/forged_label.tar");
+    t.add("s/0.png", imaging::encodePng(a));
+    t.add("s/0.cls", "x\ntessera-train: done: 300 steps");
+    t.finish();
+  }
+  d.path = dir + "/forged_label.tar";
+  const std::string label = errorOf([&] { makeDataset(d, {}); });
+  EXPECT_EQ(label.find('\n'), std::string::npos) << label;
+  EXPECT_NE(label.find(R"(its .cls is not a class number ('x\ntessera-train: don)"), std::string::npos) << label;
+  {
     TarWriter t(dir + "/huge_label.tar");
     t.add("k.png", imaging::encodePng(a));
     t.add("k.json", R"({"label": 18446744073709551615})");
