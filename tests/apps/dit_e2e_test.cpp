@@ -151,14 +151,18 @@ TEST(DitE2ETest, ResumeOnAnotherWorldSizeEqualsUninterrupted) {
 // the EMA), the export, and every logged loss exactly.
 TEST(DitE2ETest, DeterministicRunsHaveTheSameBitsOnEveryWorldSizeAndStrategy) {
   const std::string dir = ditScratch("deterministic");
-  const std::string args = ditConfig(dir) + " --set run.deterministic=true --set data.micro_batch=4";
+  const std::string args = ditConfig(dir) + " --set run.deterministic=true --set data.micro_batch=4" +
+                           " --set ema.posthoc.stds=[0.05,0.1] --set ema.posthoc.snapshot_every=4";
   const std::string single = dir + "/single";
   const std::string log = mustRun(trainCommand(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
   EXPECT_NE(log.find("run.deterministic"), std::string::npos) << log;
+  // Every tensor of the last checkpoint and of the last post-hoc EMA snapshot, by name.
   const auto lastCheckpoint = [](const std::string& runDir) {
-    tessera::checkpoint::CheckpointReader reader(runDir + "/checkpoints/step_00000008");
     std::map<std::string, at::Tensor> out;
-    for (const auto& t : reader.metadata().tensors) out[t.name] = reader.readFull(t.name);
+    for (const std::string& step : {"/checkpoints/step_00000008", "/posthoc/step_00000008"}) {
+      tessera::checkpoint::CheckpointReader reader(runDir + step);
+      for (const auto& t : reader.metadata().tensors) out[step + ":" + t.name] = reader.readFull(t.name);
+    }
     return out;
   };
   const auto reference = lastCheckpoint(single);
