@@ -42,6 +42,8 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     pin = ["taskset", "-c", "0"] if args.pin else []
     ema_set = ["--set", f"ema.enabled={'true' if args.ema == 'on' else 'false'}"]
+    if args.ema == "off":
+        ema_set += ["--set", "checkpoint.export=[model]"]  # the config exports its EMAs, which a run without one lacks
     bin_dir = os.path.join(args.build, "bin")
 
     def plain(threads):

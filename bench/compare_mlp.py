@@ -14,12 +14,25 @@ alternated (ABBA), at least 5 rounds (bench/compare_common.py).
 """
 
 import argparse
+import json
 import os
 
 import compare_common as cc
 from fastest_blas import fastest_env
 
 WIDTHS = [1024, 2048, 2048, 1024]
+PHASES = ("forward", "backward", "step")
+
+
+def with_phases(output, tmp):
+    """Both sides print one JSON line: the mean step and the median of each phase (forward;
+    backward with the reductions it issues; step: the rest of the reductions, the optimizer,
+    ZeRO's parameter all-gathers or broadcasts)."""
+    for line in output.splitlines():
+        if '"framework"' in line:
+            result = json.loads(line[line.index("{"):])
+            return result["step_s_mean"], result.get("phases_median_s", {})
+    raise SystemExit(f"compare: no result line:\n{output[-4000:]}")
 
 
 def main():
@@ -52,7 +65,7 @@ def main():
             return cc.Side(f"{mode}_w{world}",
                            [args.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
                             "--redirects", "1", "--tee", "1", os.path.join(cc.ROOT, "bench", "vs_pytorch_reference.py"),
-                            "--mode", mode, *common], blas_env, cc.json_line(), {"mode": mode})
+                            "--mode", mode, *common], blas_env, with_phases, {"mode": mode})
 
         def tessera(strategy, like):
             # Like for like: PyTorch's transport, its allocator and its optimizer kernel (foreach).
@@ -61,7 +74,7 @@ def main():
             return cc.Side(f"{strategy}{' (gloo, torch allocator, foreach AdamW)' if like else ' (shipped)'}_w{world}",
                            [os.path.join(args.build, "bin", "tessera-run"), "--standalone", "--nproc-per-node", str(world),
                             os.path.join(args.build, "bin", "bench_strategy_step_bench"), "--strategy", strategy, *common,
-                            *extra], side_env, cc.json_line(), {"strategy": strategy, "like_for_like": like})
+                            *extra], side_env, with_phases, {"strategy": strategy, "like_for_like": like})
 
         ddp, zero1 = pytorch("ddp"), pytorch("ddp_zero")
         tessera_sides = {(s, like): tessera(s, like) for s in ("no_shard", "zero1", "zero2", "zero3") for like in (False, True)}
@@ -82,6 +95,9 @@ def main():
     print(cc.header())
     for line in lines:
         print(line)
+    print("\nPhases, ms (median over rounds of each side's median step): forward / backward / step")
+    for side in all_sides:
+        print(f"  {side.name}: " + " / ".join(f"{(cc.median_extra(side, p) or 0) * 1e3:.1f}" for p in PHASES))
     cc.dump(args.json, where, all_sides)
 
 

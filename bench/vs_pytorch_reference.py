@@ -58,17 +58,25 @@ def main():
     x = torch.randn(args.global_batch, args.widths[0])[rank * local:(rank + 1) * local]
     y = torch.randn(args.global_batch, args.widths[-1])[rank * local:(rank + 1) * local]
 
-    times = []
+    times, phases = [], {"forward": [], "backward": [], "step": []}
     for step in range(args.warmup + args.steps):
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        forward_end = time.perf_counter()
+        loss.backward()  # DDP's bucketed all-reduces run during it and are waited for at its end
+        backward_end = time.perf_counter()
+        optimizer.step()  # ZeRO-1: the update of this rank's shard and the broadcasts of the others'
+        end = time.perf_counter()
         if step >= args.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(end - start)
+            phases["forward"].append(forward_end - start)
+            phases["backward"].append(backward_end - forward_end)
+            phases["step"].append(end - backward_end)
     if rank == 0:
         print(json.dumps({"framework": "pytorch", "strategy": args.mode, "world": world,
                           "median_s": sorted(times)[len(times) // 2], "step_s_mean": sum(times) / len(times),
+                          "phases_median_s": {k: sorted(v)[len(v) // 2] for k, v in phases.items()},
                           "times_s": times, "settings": {"adamw_foreach": foreach, "bucket_views": not args.old,
                                                          "transport": "gloo", "threads": args.threads}}))
     dist.destroy_process_group()
