@@ -314,6 +314,10 @@ TEST(DistillE2ETest, RegressionPairsAreKeptForTheRestart) {
   EXPECT_NE(refused.output.find("are not used (a tensor 'extra' it should not have)"), std::string::npos)
       << refused.output;
   EXPECT_EQ(refused.output.find("frame #"), std::string::npos) << refused.output;
+  // ... and not read: the run's resident memory never came near the 8 GiB.
+  for (const auto& line : readMetrics(extra)) {
+    if (line.contains("peak_rss_mib")) EXPECT_LT(line["peak_rss_mib"].get<double>(), 2048.0) << line.dump();
+  }
 
   // A resume whose teacher file is gone (the frozen teacher comes from the checkpoint):
   // the pairs cannot be keyed, so they are sampled, and the run goes on.

@@ -950,6 +950,32 @@ TEST_F(HostileInputTest, EmptyOrSelfReferringArgumentsAreRefused) {
   EXPECT_TRUE(fs::exists(out + "/eval"));
 }
 
+// Round 4, class 1: the default tier directory (/dev/shm/tessera-<uid>/<hash of run.dir>)
+// replaced by a link to a user's folder: refused, and the folder's steps are untouched.
+TEST_F(HostileInputTest, TheDefaultTierDirectoryReplacedByALinkIsRefused) {
+  const std::string run = scratch("default_tier_run");
+  fs::create_directories(run);
+  const std::string resolved = fs::weakly_canonical(fs::absolute(run)).string();
+  const fs::path shm = fs::is_directory("/dev/shm") ? fs::path("/dev/shm") : fs::temp_directory_path();
+  const fs::path parent = shm / tessera::strCat("tessera-", ::getuid());
+  const fs::path tier =
+      parent / tessera::checkpoint::checksumHex(tessera::checkpoint::checksum(resolved.data(), resolved.size()));
+  const std::string folder = scratch("user_folder");
+  fs::create_directories(folder + "/step_00000002");
+  writeText(folder + "/step_00000002/metadata.json", "{\"the user's\": true}");
+  writeText(folder + "/notes.txt", "mine");
+  fs::create_directories(parent);
+  fs::permissions(parent, fs::perms::owner_all, fs::perm_options::replace);
+  std::error_code ec;
+  fs::remove_all(tier, ec);
+  fs::create_directory_symlink(folder, tier);
+  expectRefused(kTrain + " --config " + kConfig + kShortRun + " --set checkpoint.local.every_steps=1 --set run.dir=" + run,
+                {"checkpoint.local.dir", "is a symbolic link"}, 2);
+  fs::remove(tier, ec);
+  EXPECT_EQ(readText(folder + "/step_00000002/metadata.json"), "{\"the user's\": true}");
+  EXPECT_EQ(readText(folder + "/notes.txt"), "mine");
+}
+
 // Round 4, class 4: one .cls of 1048575 makes a million-class model, whose sample grid (a
 // row per class) no machine holds: refused at the start with the keys that size it, not by
 // the allocator at the end of the run. (64 samples of 128x128 per class: 4 TiB in fp32, so

@@ -121,6 +121,18 @@ TEST(WebDatasetE2ETest, AResumeOntoAnotherShardSetSaysSo) {
             std::string::npos)
       << out;
   EXPECT_NE(out.find("9 shards, 90 samples"), std::string::npos) << out;
+
+  // A shard replaced between stop and resume by another of the same name and sample count
+  // (shards without a manifest, whose checksums would say so first): noticed on resume.
+  const std::string bare = wdsScratch("replaced");
+  const std::string bareShards = writeShards(bare);
+  fs::remove(bareShards + "/train/manifest.json");
+  const std::string bareArgs = ditConfig(bare, bareShards) + " --set run.dir=" + bare + "/run --set checkpoint.every_steps=2";
+  mustRun(trainCommand(1) + bareArgs + " --set run.steps=4 --set run.stop_after_steps=2");
+  fs::copy_file(bareShards + "/train/train-000001.tar", bareShards + "/train/train-000000.tar",
+                fs::copy_options::overwrite_existing);
+  const std::string replaced = mustRun(trainCommand(1) + bareArgs + " --set run.steps=4");
+  EXPECT_NE(replaced.find("the data differs from what it was trained on"), std::string::npos) << replaced;
 }
 
 TEST(WebDatasetE2ETest, TheShardToolRefusesToWriteOverShardsAndBadArguments) {
