@@ -49,6 +49,19 @@ double torchClip(std::vector<at::Tensor>& grads, double maxNorm) {
   return torch::nn::utils::clip_grad_norm_(params, maxNorm);
 }
 
+// fullGrads() as this rank's records: odd-indexed tensors replicated, the others sharded,
+// so that one norm has both kinds.
+std::vector<dtensor::ShardedParam> mixedGradients(const RankContext& ctx) {
+  std::vector<dtensor::ShardedParam> params;
+  const auto full = fullGrads();
+  for (size_t i = 0; i < full.size(); ++i) {
+    dtensor::ShardSpec spec(kClipShapes[i], at::kFloat, ctx.world, ctx.rank,
+                            i % 2 == 1 ? dtensor::Placement::kReplicate : dtensor::Placement::kShard0);
+    params.push_back(gradient(spec, spec.shardOf(full[i])));
+  }
+  return params;
+}
+
 TEST(GradClipTest, ShardedAndReplicatedMatchTorch) {
   sharding::testing::useOneThread();
   for (double maxNorm : {0.0, 0.5, 1e6}) {
@@ -56,14 +69,8 @@ TEST(GradClipTest, ShardedAndReplicatedMatchTorch) {
     const double expectedNorm = torchClip(expected, maxNorm > 0 ? maxNorm : 1e30);
     for (int world : {1, 2, 3, 4}) {
       runOnRanks(world, [&](RankContext& ctx) {
-        // Odd-indexed tensors replicated, the others sharded: both kinds in one norm.
-        std::vector<dtensor::ShardedParam> params;
+        std::vector<dtensor::ShardedParam> params = mixedGradients(ctx);
         const auto full = fullGrads();
-        for (size_t i = 0; i < full.size(); ++i) {
-          dtensor::ShardSpec spec(kClipShapes[i], at::kFloat, ctx.world, ctx.rank,
-                         i % 2 == 1 ? dtensor::Placement::kReplicate : dtensor::Placement::kShard0);
-          params.push_back(gradient(spec, spec.shardOf(full[i])));
-        }
         ctx.comm()->resetStats();
         const GradNorm n = clipGradNorm(params, maxNorm, *ctx.comm());
         EXPECT_NEAR(n.norm, expectedNorm, 1e-6 * expectedNorm);
@@ -191,13 +198,7 @@ TEST(GradClipTest, ExactNormHasTheSameBitsOnEveryWorldSize) {
   std::vector<double> norms(5, -1);
   for (int world : {1, 2, 3, 4}) {
     runOnRanks(world, [&](RankContext& ctx) {
-      std::vector<dtensor::ShardedParam> params;
-      const auto full = fullGrads();
-      for (size_t i = 0; i < full.size(); ++i) {
-        dtensor::ShardSpec spec(kClipShapes[i], at::kFloat, ctx.world, ctx.rank,
-                                i % 2 == 1 ? dtensor::Placement::kReplicate : dtensor::Placement::kShard0);
-        params.push_back(gradient(spec, spec.shardOf(full[i])));
-      }
+      const std::vector<dtensor::ShardedParam> params = mixedGradients(ctx);
       at::Tensor alongside = at::full({1}, 1.5, at::kDouble);
       const double norm = globalGradNorm(params, *ctx.comm(), alongside, /*exact=*/true);
       EXPECT_EQ(alongside.item<double>(), 1.5 * ctx.world) << "values sent along are summed too";

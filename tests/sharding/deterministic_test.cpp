@@ -119,27 +119,6 @@ TEST(CanonicalTreeTest, ValuesAreSummedInIndexOrderOnEveryWorldSize) {
 
 // ---- the strategies ---------------------------------------------------------------------
 
-// fc1 [7,5] and fc2 [3,7] units (rows uneven over 2-4 ranks), the root's head [1,3] and a
-// 0-d scale.
-struct DetMlpImpl : torch::nn::Module {
-  DetMlpImpl() {
-    scale = register_parameter("scale", torch::full({}, 1.25));
-    fc1 = register_module("fc1", torch::nn::Linear(5, 7));
-    fc2 = register_module("fc2", torch::nn::Linear(7, 3));
-    head = register_module("head", torch::nn::Linear(3, 1));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    return unitForward(*this, x, [this](const at::Tensor& in) {
-      at::Tensor h = torch::tanh(unitForward(*fc1, in, [this](const at::Tensor& v) { return fc1(v); }));
-      h = torch::tanh(unitForward(*fc2, h, [this](const at::Tensor& v) { return fc2(v); }));
-      return head(h) * scale;
-    });
-  }
-  at::Tensor scale;
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
-};
-TORCH_MODULE(DetMlp);
-
 struct DetCase {
   std::string strategy;
   int world = 1;
@@ -164,15 +143,15 @@ Finals trainDeterministic(const DetCase& c) {
     ys.push_back(torch::randn({kMicroBatches * kMicroBatch, 1}));
   }
   seedCpu(7);
-  const auto init = paramValues(*DetMlp());
+  const auto init = paramValues(*UnevenMlp());
   Finals finals;
   runOnRanks(c.world, [&](RankContext& ctx) {
     useOneThread();
-    DetMlp model;
+    UnevenMlp model;
     loadParamValues(*model, init);
     StrategyOptions o;
     o.strategy = parseStrategyKind(c.strategy);
-    o.wrap = {"fc1", "fc2"};
+    o.wrap = UnevenMlpImpl::units();
     o.optimizer.kind = optim::OptimizerKind::kAdamW;
     o.optimizer.weightDecay = 0.1;
     o.gradClip = 0.5;  // clips in most steps: the exact norm is used
@@ -211,7 +190,7 @@ TEST(DeterministicStrategyTest, EveryStrategyAndWorldSizeTrainsTheSameBits) {
   ASSERT_FALSE(reference.empty());
   // Training moved the parameters.
   seedCpu(7);
-  const auto init = paramValues(*DetMlp());
+  const auto init = paramValues(*UnevenMlp());
   EXPECT_FALSE(torch::equal(reference.at("master/fc1.weight"), init.at("fc1.weight")));
 
   const std::vector<DetCase> cases = {
@@ -239,11 +218,11 @@ TEST(DeterministicStrategyTest, WithoutTheModeThreeRanksDifferFromOneInTheLastBi
       ys.push_back(torch::randn({6 * kMicroBatch, 1}));
     }
     seedCpu(7);
-    const auto init = paramValues(*DetMlp());
+    const auto init = paramValues(*UnevenMlp());
     at::Tensor out;
     runOnRanks(world, [&](RankContext& ctx) {
       useOneThread();
-      DetMlp model;
+      UnevenMlp model;
       loadParamValues(*model, init);
       StrategyOptions o;
       o.strategy = StrategyKind::kNoShard;

@@ -84,29 +84,6 @@ struct ToyTransformerImpl : torch::nn::Module {
 };
 TORCH_MODULE(ToyTransformer);
 
-// Uneven MLP: units fc1 [7,5] and fc2 [3,7] (4 ranks: one owns no row of fc2); the root
-// keeps head [1,3] + bias [1] (fewer rows than ranks) and a 0-d scale. Linear modules are
-// units directly: any module can be one.
-struct UnevenMlpImpl : torch::nn::Module {
-  UnevenMlpImpl() {
-    scale = register_parameter("scale", torch::full({}, 1.25));
-    fc1 = register_module("fc1", torch::nn::Linear(5, 7));
-    fc2 = register_module("fc2", torch::nn::Linear(7, 3));
-    head = register_module("head", torch::nn::Linear(3, 1));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    return unitForward(*this, x, [this](const at::Tensor& in) {
-      at::Tensor h = torch::tanh(unitForward(*fc1, in, [this](const at::Tensor& v) { return fc1(v); }));
-      h = torch::tanh(unitForward(*fc2, h, [this](const at::Tensor& v) { return fc2(v); }));
-      return head(h) * scale;
-    });
-  }
-  static std::vector<std::string> units() { return {"fc1", "fc2"}; }
-  at::Tensor scale;
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr};
-};
-TORCH_MODULE(UnevenMlp);
-
 // 16 -> 128 -> 128 -> 7 with fc1, fc2 as units (padding 0.7% of Psi over 2 or 4 ranks), for
 // byte counts close to the formulas.
 struct WideUnitMlpImpl : torch::nn::Module {
