@@ -87,4 +87,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+        # A damaged or foreign file: say which and why, exit 1 (no traceback).
+        sys.exit(f"run_digest: cannot read {getattr(e, 'filename', None) or 'a file'} of the run: "
+                 f"{type(e).__name__}: {e}")
