@@ -20,17 +20,24 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
 
 def export_digest(path):
     """(digest, tensor count) of one safetensors file's tensors."""
+    total = os.path.getsize(path)
+    if total < 8:
+        raise ValueError(f"{path}: {total} bytes, shorter than a safetensors header's length")
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
+        if size > min(total - 8, 100 << 20):
+            raise ValueError(f"{path}: a header of {size} bytes in a file of {total}: not a safetensors file")
         header = json.loads(f.read(size))
-        data = f.read()
-    h = hashlib.sha256()
-    names = sorted(k for k in header if k != "__metadata__")
-    for name in names:
-        t = header[name]
-        begin, end = t["data_offsets"]
-        h.update(f"{name} {t['dtype']} {t['shape']}\n".encode())
-        h.update(data[begin:end])
+        h = hashlib.sha256()
+        names = sorted(k for k in header if k != "__metadata__")
+        for name in names:
+            t = header[name]
+            begin, end = t["data_offsets"]
+            if not 0 <= begin <= end <= total - 8 - size:
+                raise ValueError(f"{path}: tensor {name!r} lies outside the file")
+            h.update(f"{name} {t['dtype']} {t['shape']}\n".encode())
+            f.seek(8 + size + begin)
+            h.update(f.read(end - begin))
     return h.hexdigest(), len(names)
 
 
@@ -39,7 +46,6 @@ def checkpoint_digest(step_dir):
     with open(os.path.join(step_dir, "metadata.json")) as f:
         metadata = json.load(f)
     h = hashlib.sha256()
-    files = {}
     tensors = sorted(metadata["tensors"], key=lambda t: t["name"])
     for t in tensors:
         shape = t["shape"]
@@ -51,12 +57,16 @@ def checkpoint_digest(step_dir):
         if t["placement"] != "shard0" or not shape:
             chunks = chunks[:1]  # replicated: every copy is the same
         for c in chunks:
-            if c["file"] not in files:
-                with open(os.path.join(step_dir, c["file"]), "rb") as f:
-                    files[c["file"]] = f.read()
+            if os.path.basename(c["file"]) != c["file"]:
+                raise ValueError(f"{step_dir}/metadata.json: a chunk of {t['name']!r} names {c['file']!r}")
             rows = c["rows"][1] - c["rows"][0] if shape and t["placement"] == "shard0" else None
             length = rows * row_bytes if rows is not None else c["length"]
-            h.update(files[c["file"]][c["offset"]:c["offset"] + length])
+            with open(os.path.join(step_dir, c["file"]), "rb") as f:
+                f.seek(c["offset"])
+                chunk = f.read(length)
+            if len(chunk) != length:
+                raise ValueError(f"{step_dir}/{c['file']}: {t['name']!r} ends past the file")
+            h.update(chunk)
     return h.hexdigest(), len(tensors)
 
 
@@ -89,7 +99,7 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error) as e:
+    except (OSError, ValueError, KeyError, TypeError, IndexError, MemoryError, struct.error) as e:
         # A damaged or foreign file: say which and why, exit 1 (no traceback).
         sys.exit(f"run_digest: cannot read {getattr(e, 'filename', None) or 'a file'} of the run: "
                  f"{type(e).__name__}: {e}")
