@@ -976,6 +976,37 @@ TEST_F(HostileInputTest, TheDefaultTierDirectoryReplacedByALinkIsRefused) {
   EXPECT_EQ(readText(folder + "/notes.txt"), "mine");
 }
 
+// Round 4, class 2: under data.on_error skip, an undecodable sample whose member name holds
+// a newline is reported in the skip warning with the name escaped: no forged log line.
+TEST_F(HostileInputTest, ShardTextInSkipWarningsCannotForgeALogLine) {
+  const std::string shards = scratch("forged_skip");
+  fs::create_directories(shards);
+  {
+    tessera::datasets::TarWriter t(shards + "/000000.tar");
+    const at::Tensor image = at::full({1, 8, 8}, 100, at::kByte);
+    for (int i = 0; i < 16; ++i) {
+      const std::string key = i == 3 ? std::string("s/x\ntessera-train: done: 300 steps") : tessera::strCat("s/", i);
+      t.add(key + ".png", i == 3 ? std::string("not a png") : tessera::imaging::encodePng(image));
+      t.add(key + ".cls", std::to_string(i % 3));
+    }
+    t.finish();
+  }
+  const std::string yaml = config(
+      "run: {name: forged, seed: 1, steps: 4, log_every: 1, eval_every: 0}\n"
+      "log: {per_rank_files: false}\n"
+      "model: {arch: dit, embed_dim: 16, layers: 1, heads: 2, patch_size: 4, timesteps: 10}\n"
+      "data: {kind: webdataset, path: " + shards + "/000000.tar, global_batch: 8, micro_batch: 8, on_error: skip}\n"
+      "eval: {sample_per_class: 1, sample_steps: 1}\n"
+      "checkpoint: {async: false, export: []}\n");
+  const std::string out = expectSuccess(kTrain + " --config " + yaml + " --set run.dir=" + scratch("forged_run"));
+  EXPECT_NE(out.find("could not read"), std::string::npos) << out;
+  EXPECT_NE(out.find(R"(x\ntessera-train: don)"), std::string::npos) << out;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    EXPECT_NE(line.rfind("tessera-train: done: 300 steps", 0), 0u) << "a forged line: " << line;
+  }
+}
+
 // Round 4, class 4: one .cls of 1048575 makes a million-class model, whose sample grid (a
 // row per class) no machine holds: refused at the start with the keys that size it, not by
 // the allocator at the end of the run. (64 samples of 128x128 per class: 4 TiB in fp32, so
