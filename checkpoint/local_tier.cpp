@@ -389,38 +389,10 @@ std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const 
       distributed::allGatherStrings(comm, inventoryJson(inventory(localDir, owner, newestPersistent)));
   std::vector<std::vector<HeldStep>> held;
   for (const std::string& text : texts) held.push_back(parseInventory(text));
-  // The newest complete step: for each (step, metadata) the lowest rank holding each file.
-  struct Candidate {
-    int64_t step = -1;
-    uint64_t metadata = 0;
-    std::vector<int> copier;  // by saved rank: the rank that copies its file
-    std::set<int> holders;
-  };
-  std::map<std::pair<int64_t, uint64_t>, Candidate> candidates;
-  for (size_t r = 0; r < held.size(); ++r) {
-    for (const HeldStep& h : held[r]) {
-      if (h.step <= newestPersistent) continue;
-      Candidate& c = candidates[{h.step, h.metadata}];
-      c.step = h.step;
-      c.metadata = h.metadata;
-      if (c.copier.empty()) c.copier.assign(static_cast<size_t>(h.savedWorld), -1);
-      if (static_cast<int>(c.copier.size()) != h.savedWorld) continue;  // metadata equal: cannot happen
-      if (h.trainerState) c.holders.insert(static_cast<int>(r));
-      for (int saved : h.ranks) {
-        int& copier = c.copier[static_cast<size_t>(saved)];
-        if (copier < 0) copier = static_cast<int>(r);
-      }
-    }
-  }
-  const Candidate* chosen = nullptr;
-  for (auto it = candidates.rbegin(); it != candidates.rend() && chosen == nullptr; ++it) {
-    const auto& copier = it->second.copier;
-    if (!it->second.holders.empty() && std::all_of(copier.begin(), copier.end(), [](int c) { return c >= 0; })) {
-      chosen = &it->second;
-    }
-  }
-  if (chosen == nullptr) {
-    if (!candidates.empty()) {
+  bool incomplete = false;
+  const std::optional<PromotionChoice> chosen = choosePromotion(held, newestPersistent, &incomplete);
+  if (!chosen) {
+    if (incomplete) {
       TLOG_WARN0("checkpoint.local: no step newer than the persistent tier's is complete on the surviving nodes "
                  "(their files were on the lost ones); resuming from the persistent tier");
     }
@@ -431,7 +403,7 @@ std::optional<PromotedStep> promoteLocalStep(const std::string& localDir, const 
   promoted.dir = (fs::path(checkpointsDir) / stepDirName(chosen->step)).string();
   const std::string tmp = promoted.dir + ".tmp";
   const fs::path source = fs::path(localDir) / stepDirName(chosen->step);
-  const int metadataCopier = *chosen->holders.begin();
+  const int metadataCopier = chosen->holders.front();
   std::set<int> nodes;
   const NodeLayout layout = discoverNodes(comm, localDir);
   for (int h : chosen->holders) nodes.insert(layout.nodeOf[static_cast<size_t>(h)]);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 
 #include "checkpoint/file_io.h"
 #include "checkpoint/format.h"
@@ -150,6 +151,39 @@ std::vector<HeldStep> parseInventory(const std::string& text) {
     out.push_back(std::move(h));
   }
   return out;
+}
+
+std::optional<PromotionChoice> choosePromotion(const std::vector<std::vector<HeldStep>>& held, int64_t newestPersistent,
+                                               bool* incomplete) {
+  // Every (step, metadata) held anywhere: for each saved rank the lowest rank holding its file.
+  std::map<std::pair<int64_t, uint64_t>, PromotionChoice> candidates;
+  for (size_t r = 0; r < held.size(); ++r) {
+    for (const HeldStep& h : held[r]) {
+      if (h.step <= newestPersistent || h.savedWorld <= 0) continue;
+      PromotionChoice& c = candidates[{h.step, h.metadata}];
+      c.step = h.step;
+      c.metadata = h.metadata;
+      if (c.copier.empty()) c.copier.assign(static_cast<size_t>(h.savedWorld), -1);
+      if (static_cast<int>(c.copier.size()) != h.savedWorld) continue;  // the same metadata: cannot happen
+      if (h.trainerState && (c.holders.empty() || c.holders.back() != static_cast<int>(r))) {
+        c.holders.push_back(static_cast<int>(r));
+      }
+      for (const int saved : h.ranks) {
+        if (saved < 0 || saved >= h.savedWorld) continue;
+        int& copier = c.copier[static_cast<size_t>(saved)];
+        if (copier < 0) copier = static_cast<int>(r);
+      }
+    }
+  }
+  if (incomplete != nullptr) *incomplete = !candidates.empty();
+  for (auto it = candidates.rbegin(); it != candidates.rend(); ++it) {
+    const PromotionChoice& c = it->second;
+    if (!c.holders.empty() && std::all_of(c.copier.begin(), c.copier.end(), [](int r) { return r >= 0; })) {
+      if (incomplete != nullptr) *incomplete = false;
+      return c;
+    }
+  }
+  return std::nullopt;
 }
 
 }  // namespace tessera::checkpoint

@@ -61,4 +61,19 @@ std::vector<HeldStep> inventory(const std::string& dir, const std::string& owner
 std::string inventoryJson(const std::vector<HeldStep>& held);
 std::vector<HeldStep> parseInventory(const std::string& text);
 
+// The step a start promotes, from what every rank holds (`held[r]`: rank r's inventory): the
+// newest step newer than `newestPersistent` of which some rank holds every saved rank's file
+// and some rank an intact trainer state (copies of one save only: the same metadata
+// checksum). `copier[s]`: the lowest rank holding saved rank s's file; `holders`: the ranks
+// with its trainer state, ascending. nullopt when no step is complete; `incomplete` (when
+// given) then says whether some newer step was held in part.
+struct PromotionChoice {
+  int64_t step = -1;
+  uint64_t metadata = 0;
+  std::vector<int> copier;
+  std::vector<int> holders;
+};
+std::optional<PromotionChoice> choosePromotion(const std::vector<std::vector<HeldStep>>& held, int64_t newestPersistent,
+                                               bool* incomplete = nullptr);
+
 }  // namespace tessera::checkpoint

@@ -5,6 +5,7 @@
 // directory that also holds another run's step and a file the tier never wrote. Then:
 //   - the inventory never throws, lists only steps newer than asked, of this run, with
 //     ranks the metadata has, and survives the exchange between ranks (JSON, back);
+//   - the promotion's choice over the ranks' inventories picks only such a step, whole;
 //   - removing the run's steps leaves the other run's step and the foreign file alone, and
 //     removes the fuzzed step only when its mark names this run.
 // fuzz/corpus/local_tier/ holds a real one-rank step written by tessera-train.
@@ -100,6 +101,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const std::vector<ckpt::HeldStep> back = ckpt::parseInventory(ckpt::inventoryJson(held));
     if (back.size() != held.size()) std::abort();
+    // The promotion's choice over two ranks holding the same: only this run's step, newer than
+    // asked, every saved rank's file with a copier among the ranks, a trainer state holder;
+    // and chosen whenever one rank holds all of it.
+    const auto chosen = ckpt::choosePromotion({held, back}, after);
+    if (chosen) {
+      if (chosen->step != 4 || chosen->step <= after || chosen->holders.empty()) std::abort();
+      for (const int c : chosen->copier) {
+        if (c < 0 || c > 1) std::abort();
+      }
+    }
+    for (const ckpt::HeldStep& h : held) {
+      if (h.trainerState && static_cast<int>(h.ranks.size()) == h.savedWorld && !chosen) std::abort();
+    }
     for (size_t i = 0; i < held.size(); ++i) {
       if (back[i].step != held[i].step || back[i].metadata != held[i].metadata || back[i].ranks != held[i].ranks ||
           back[i].savedWorld != held[i].savedWorld || back[i].trainerState != held[i].trainerState) {
