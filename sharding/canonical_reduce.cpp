@@ -125,7 +125,8 @@ at::Tensor canonicalReduceScatter(distributed::Communicator& world, const MicroB
   TreeStack stack(plan.count);
   for (int r = 0; r < ranks; ++r) {
     const std::vector<TreeNode>& nodes = frontiers[static_cast<size_t>(r)];
-    for (size_t i = 0; i < nodes.size(); ++i) stack.push(nodes[i], received[r * f + static_cast<int64_t>(i)].clone());
+    // Rows of `received`, each used once: the tree adds into them in place.
+    for (size_t i = 0; i < nodes.size(); ++i) stack.push(nodes[i], received[r * f + static_cast<int64_t>(i)]);
   }
   TESSERA_CHECK(stack.nodes().size() == 1 && stack.nodes().front().first == (TreeNode{0, plan.count}),
                 "canonicalReduceScatter: the micro-batches' sums did not add up to one root");
@@ -146,12 +147,10 @@ at::Tensor CanonicalGradients::reduce(size_t group, distributed::Communicator& w
     mine = it->second.nodes();
     stacks_.erase(it);
   } else {
-    // No leaf reached this group on this rank: its micro-batches' gradients are zeros.
-    TreeStack zeros(plan_.count);
-    for (int64_t m = plan_.begin(world.rank()); m < plan_.end(world.rank()); ++m) {
-      zeros.push({m, m + 1}, at::zeros({flatNumel}, options));
+    // No leaf reached this group on this rank: each of its frontier's sums is zeros.
+    for (const TreeNode& node : frontier(plan_.count, plan_.begin(world.rank()), plan_.end(world.rank()))) {
+      mine.emplace_back(node, at::zeros({flatNumel}, options));
     }
-    mine = zeros.nodes();
   }
   return canonicalReduceScatter(world, plan_, mine, slices);
 }
