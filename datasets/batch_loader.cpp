@@ -38,21 +38,9 @@ void flipHalfHorizontally(Batch& batch) {
   batch.inputs.index_copy_(0, rows, batch.inputs.index_select(0, rows).flip({3}));
 }
 
-namespace {
-
-// Rank `rank`'s even share of every global batch, as positions.
-std::pair<int64_t, int64_t> shareOf(const DistributedSampler& sampler, int rank, int worldSize) {
-  TESSERA_CHECK(worldSize >= 1 && rank >= 0 && rank < worldSize && sampler.globalBatch() % worldSize == 0,
-                "BatchLoader: rank ", rank, " of ", worldSize, " and a global batch of ", sampler.globalBatch());
-  const int64_t perRank = sampler.globalBatch() / worldSize;
-  return {perRank * rank, perRank * (rank + 1)};
-}
-
-}  // namespace
-
 BatchLoader::BatchLoader(const Dataset& data, const DistributedSampler& sampler, int rank, int worldSize,
                          int64_t runSeed, bool hflip)
-    : BatchLoader(data, sampler, shareOf(sampler, rank, worldSize), runSeed, hflip) {}
+    : BatchLoader(data, sampler, sampler.positionsOf(rank, worldSize), runSeed, hflip) {}
 
 BatchLoader::BatchLoader(const Dataset& data, const DistributedSampler& sampler, std::pair<int64_t, int64_t> positions,
                          int64_t runSeed, bool hflip)

@@ -132,12 +132,17 @@ const std::vector<int64_t>& DistributedSampler::permutation(int64_t epoch) const
   return cachedPerm_;
 }
 
-std::vector<int64_t> DistributedSampler::indicesFor(int64_t step, int rank, int worldSize) const {
+std::pair<int64_t, int64_t> DistributedSampler::positionsOf(int rank, int worldSize) const {
   TESSERA_CHECK(worldSize >= 1 && rank >= 0 && rank < worldSize, "DistributedSampler: rank ", rank, " of ", worldSize);
   TESSERA_CHECK(globalBatch_ % worldSize == 0, "DistributedSampler: global batch ", globalBatch_,
                 " is not divisible by world size ", worldSize);
   const int64_t perRank = globalBatch_ / worldSize;
-  return indicesOfRange(step, rank * perRank, (rank + 1) * perRank);
+  return {rank * perRank, (rank + 1) * perRank};
+}
+
+std::vector<int64_t> DistributedSampler::indicesFor(int64_t step, int rank, int worldSize) const {
+  const auto [begin, end] = positionsOf(rank, worldSize);
+  return indicesOfRange(step, begin, end);
 }
 
 std::vector<int64_t> DistributedSampler::indicesOfRange(int64_t step, int64_t begin, int64_t end) const {

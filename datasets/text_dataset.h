@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "datasets/dataset.h"
@@ -75,7 +76,9 @@ class DistributedSampler {
   // Sample indices of positions [begin, end) of global batch `step` (a rank's micro-batches
   // under run.deterministic, which need not split evenly).
   std::vector<int64_t> indicesOfRange(int64_t step, int64_t begin, int64_t end) const;
-  int64_t globalBatch() const { return globalBatch_; }
+  // Rank `rank`'s even share of every global batch, as positions [begin, end);
+  // globalBatch must be divisible by worldSize.
+  std::pair<int64_t, int64_t> positionsOf(int rank, int worldSize) const;
 
  private:
   const std::vector<int64_t>& permutation(int64_t epoch) const;

@@ -46,8 +46,7 @@ checkpoint::StateMap ModelPart::states() {
 std::pair<int64_t, int64_t> RunParts::samplePositions() const {
   const int64_t micro = cfg.data.micro_batch;
   if (plan) return {plan->begin(comm->rank()) * micro, plan->end(comm->rank()) * micro};
-  const int64_t perRank = cfg.data.global_batch / comm->worldSize();
-  return {perRank * comm->rank(), perRank * (comm->rank() + 1)};
+  return sampler->positionsOf(comm->rank(), comm->worldSize());
 }
 
 ModelPart& RunParts::model(const std::string& name) {
