@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "common/app_main.h"
+#include "common/trace.h"
 #include "datasets/batch_loader.h"
 #include "optim/cpu_kernels.h"
 #include "common/filesystem.h"
@@ -47,6 +48,7 @@
 #include "models/models.h"
 #include "datasets/text_dataset.h"
 #include "recipes/recipes.h"
+#include "trainer/profiler.h"
 #include "trainer/train_config.h"
 
 namespace {
@@ -109,6 +111,8 @@ struct PlainSettings {
   std::string data = "prefetch";    // prefetch: datasets::BatchLoader one step ahead; inline: on the step's thread
   int threads = 1;
   int64_t warmup = 10, steps = 200;
+  int64_t traceSteps = 0;  // then this many more steps traced with every LibTorch operator (issue 73)
+  std::string traceFile;   // into this Chrome trace, as tessera-train's profile.aten_ops writes
 };
 
 // The plain loop alone, timed step by step; prints one JSON line. Its optimizer "fused" is
@@ -200,6 +204,21 @@ void plainOnly(const TrainConfig& cfg, const PlainSettings& p) {
     const double start = nowSec();
     step(s);
     times.push_back(nowSec() - start);
+  }
+  if (p.traceSteps > 0) {
+    // The steps as tessera-train's profile window records them: a "step N" span on the main
+    // track, the operators inside, the loader's on its own track.
+    tessera::trace::start();
+    const int64_t originNs = tessera::trace::nowNs();
+    {
+      tessera::trainer::AtenOpRecorder ops;
+      for (int64_t s = p.warmup + p.steps; s < p.warmup + p.steps + p.traceSteps; ++s) {
+        tessera::trace::Span span("step", "step " + std::to_string(s + 1));
+        step(s);
+      }
+    }
+    const std::string events = tessera::trainer::chromeTraceEvents(tessera::trace::stop(), 0, originNs);
+    std::ofstream(p.traceFile) << "{\"traceEvents\": " << events << "}\n";
   }
   const double mean = std::accumulate(times.begin(), times.end(), 0.0) / static_cast<double>(times.size());
   nlohmann::json out = {{"framework", "plain"},
@@ -320,6 +339,11 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"prefetch", "inline"}));
   app.add_option("--warmup", plain.warmup, "With --plain-only: untimed steps first")
       ->check(CLI::Range(int64_t{0}, int64_t{100000}));
+  app.add_option("--trace", plain.traceFile,
+                 "With --plain-only: after the timed steps, trace --trace-steps more with every LibTorch operator "
+                 "into this Chrome-trace file (as tessera-train's profile.aten_ops)");
+  app.add_option("--trace-steps", plain.traceSteps, "With --trace: how many steps")
+      ->check(CLI::Range(int64_t{1}, int64_t{1000}));
   CLI11_PARSE(app, argc, argv);
   if (plainOnlyMode) {
     if (!json) {
@@ -328,6 +352,7 @@ int main(int argc, char** argv) {
     }
     plain.threads = threads;
     plain.steps = steps;
+    if (!plain.traceFile.empty() && plain.traceSteps == 0) plain.traceSteps = 20;
   }
   steps = steps / 4 * 4;
   // The baseline loop runs under the host allocator tessera-train uses for itself.

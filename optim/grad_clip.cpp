@@ -23,6 +23,19 @@ at::Tensor realRowsOf(const at::Tensor& grad, const dtensor::ShardSpec& spec) {
   return spec.realRows(grad.detach().reshape({-1}));
 }
 
+namespace {
+
+// The sum of squares of realRowsOf's result (undefined: 0).
+double squaredNormOfRows(const at::Tensor& real) {
+  if (!real.defined()) return 0.0;
+  if (real.device().is_cpu() && real.scalar_type() == at::kFloat && real.is_contiguous()) {
+    return squaredNorm(real.data_ptr<float>(), real.numel());  // one pass, no temporaries
+  }
+  return real.to(at::kDouble).square().sum().item<double>();
+}
+
+}  // namespace
+
 // A sum of squares kept where the gradients are: a double on the host for CPU gradients
 // (one pass each); for accelerator gradients, their norms in one multi-tensor operation
 // (_foreach_norm: a few launches for all of them instead of three per gradient), summed on
@@ -35,7 +48,7 @@ struct SquareSum {
     const at::Tensor real = realRowsOf(grad, spec);
     if (!real.defined()) return;
     if (real.device().is_cpu()) {
-      host += localSquaredNorm(grad, spec);
+      host += squaredNormOfRows(real);
       return;
     }
     const bool wide = real.scalar_type() == at::kDouble || real.scalar_type() == at::kFloat;
@@ -63,12 +76,7 @@ struct SquareSum {
 
 double localSquaredNorm(const at::Tensor& grad, const dtensor::ShardSpec& spec) {
   c10::NoGradGuard noGrad;
-  const at::Tensor real = realRowsOf(grad, spec);
-  if (!real.defined()) return 0.0;
-  if (real.device().is_cpu() && real.scalar_type() == at::kFloat && real.is_contiguous()) {
-    return squaredNorm(real.data_ptr<float>(), real.numel());  // one pass, no temporaries
-  }
-  return real.to(at::kDouble).square().sum().item<double>();
+  return squaredNormOfRows(realRowsOf(grad, spec));
 }
 
 namespace {

@@ -203,11 +203,17 @@ void FsdpUnit::attachGradientsToShard() {
   if (!gradShard_.defined()) {
     gradShard_ = at::zeros({gradLayout_->chunkNumel()}, deviceOptions(at::kFloat));
     attached_.assign(trainable_.size(), false);
+    attachedViews_.clear();
+  }
+  if (attachedViews_.empty()) {
+    for (size_t j = 0; j < trainable_.size(); ++j) {
+      attachedViews_.push_back(gradLayout_->slot(gradShard_, j).view(trainableParam(j).sizes()));
+    }
   }
   for (size_t j = 0; j < trainable_.size(); ++j) {
     const at::Tensor& param = trainableParam(j);
-    const at::Tensor slot = gradLayout_->slot(gradShard_, j);
-    const at::Tensor grad = param.grad();
+    const at::Tensor& slot = attachedViews_[j];
+    const at::Tensor& grad = param.grad();
     if (grad.defined() && grad.data_ptr() == slot.data_ptr()) continue;
     if (grad.defined()) {
       // A gradient that replaced the slot's view (autograd does so with create_graph, or
@@ -218,7 +224,7 @@ void FsdpUnit::attachGradientsToShard() {
         slot.add_(grad.reshape(slot.sizes()));
       }
     }
-    param.mutable_grad() = slot.view(param.sizes());
+    param.mutable_grad() = slot;
     attached_[j] = true;
   }
 }

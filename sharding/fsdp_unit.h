@@ -150,6 +150,7 @@ class FsdpUnit {
   void clearGradients() {
     gradShard_ = at::Tensor();
     attached_.clear();
+    attachedViews_.clear();
     pendingHostGrads_.clear();
   }
 
@@ -190,6 +191,9 @@ class FsdpUnit {
   std::unique_ptr<dtensor::FlatLayout> gradLayout_;
   at::Tensor gradShard_;                // fp32 reduced gradients, accumulating
   std::vector<bool> attached_;          // reducedInPlace's case: trainable j's grad was made its slot
+  // That case's slots of gradShard_ in each parameter's shape, made once per gradient shard
+  // (each micro-batch's backward only compares pointers).
+  std::vector<at::Tensor> attachedViews_;
   std::vector<at::Tensor> pendingHostGrads_;  // CPU offload: later micro-batches' shards, landing
   int64_t paramBytes_ = 0, gatherBytes_ = 0;
 

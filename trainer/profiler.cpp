@@ -2,6 +2,7 @@
 #include "trainer/profiler.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <nlohmann/json.hpp>
 
 #include <cstring>
@@ -39,6 +40,32 @@ std::string chromeTraceEvents(const std::vector<trace::Event>& events, int rank,
   return out.dump();
 }
 
+namespace {
+
+struct OpBegin : at::ObserverContext {
+  int64_t ns = 0;
+};
+
+std::unique_ptr<at::ObserverContext> onOpStart(const at::RecordFunction& /*op*/) {
+  auto begin = std::make_unique<OpBegin>();
+  begin->ns = trace::nowNs();
+  return begin;
+}
+
+void onOpEnd(const at::RecordFunction& op, at::ObserverContext* begin) {
+  if (begin == nullptr || !trace::active()) return;
+  trace::record({op.name(), "aten", trace::thisThreadName(), static_cast<OpBegin*>(begin)->ns, trace::nowNs()});
+}
+
+}  // namespace
+
+AtenOpRecorder::AtenOpRecorder()
+    : handle_(at::addGlobalCallback(at::RecordFunctionCallback(&onOpStart, &onOpEnd)
+                                        .needsInputs(false)
+                                        .scopes({at::RecordScope::FUNCTION, at::RecordScope::BACKWARD_FUNCTION}))) {}
+
+AtenOpRecorder::~AtenOpRecorder() { at::removeCallback(handle_); }
+
 ProfileWindow::ProfileWindow(const ProfileSection& profile, distributed::Communicator& hostComm,
                              std::filesystem::path runDir)
     : profile_(profile), comm_(hostComm), dir_(std::move(runDir) / "profile") {}
@@ -50,12 +77,14 @@ void ProfileWindow::beforeStep(int64_t done) {
   comm_.barrier();
   originNs_ = trace::nowNs();
   trace::start();
+  if (profile_.aten_ops) atenOps_ = std::make_unique<AtenOpRecorder>();
   open_ = true;
 }
 
 std::string ProfileWindow::afterStep(int64_t done) {
   if (!open_ || done != profile_.start_step + profile_.steps - 1) return "";
   open_ = false;
+  atenOps_.reset();
   const std::vector<trace::Event> events = trace::stop();
   const std::string mine = chromeTraceEvents(events, comm_.rank(), originNs_);
   std::filesystem::create_directories(dir_);

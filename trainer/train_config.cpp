@@ -268,6 +268,8 @@ void bindProfileKeys(config::ConfigSchema& s, ProfileSection& p) {
         "chrome://tracing); 0 = none")
       .min(0);
   s.add("profile.steps", &p.steps, "How many steps are traced").min(1).max(1000);
+  s.add("profile.aten_ops", &p.aten_ops,
+        "Also trace every LibTorch operator each thread runs (category aten; slows the traced steps)");
 }
 
 // diagnostics.*: the flight recorder and the timeouts.

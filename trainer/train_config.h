@@ -70,6 +70,7 @@ struct LogSection {
 struct ProfileSection {
   int64_t start_step = 0;  // the first step traced (as the log counts them, from 1); 0 = no profile
   int64_t steps = 2;       // how many
+  bool aten_ops = false;   // also every LibTorch operator each thread runs (category "aten")
 };
 
 // When a run goes wrong (docs/troubleshooting.md): the flight recorder and the timeouts.

@@ -118,6 +118,46 @@ TEST(ProfileE2ETest, Zero3TraceShowsPrefetchOverlapAndAccountsForTheStep) {
   EXPECT_LT(std::abs(begins[0] - begins[1]), 5000.0);
 }
 
+// profile.aten_ops: every LibTorch operator of the traced steps is an "aten" event on the
+// thread that ran it, inside that thread's spans (the step's forward's products and the
+// backward's functions among them), and only inside the window; without the key, none.
+TEST(ProfileE2ETest, AtenOpsAreTracedInsideTheStepsOnlyWhenAsked) {
+  for (const bool ops : {true, false}) {
+    const std::string dir = tessera::test::scratchPath("tessera_profile", ops ? "aten" : "no_aten");
+    fs::remove_all(dir);
+    const auto r = tessera::test::runCommand(
+        kBin + "/tessera-train --config " + TESSERA_SOURCE_DIR + "/configs/default.yaml --set run.dir=" + dir +
+            " --set run.steps=6 --set optim.schedule.warmup_steps=2 --set checkpoint.every_steps=0"
+            " --set profile.start_step=4 --set profile.steps=2"
+            " --set profile.aten_ops=" + (ops ? "true" : "false"),
+        300);
+    ASSERT_EQ(r.status, 0) << r.output;
+    const std::vector<Span> spans = readTrace(dir + "/profile/trace.json");
+    std::vector<const Span*> steps, aten;
+    for (const Span& s : spans) {
+      if (s.name == "step 4" || s.name == "step 5") steps.push_back(&s);
+      if (s.category == "aten") aten.push_back(&s);
+    }
+    ASSERT_EQ(steps.size(), 2u);
+    if (!ops) {
+      EXPECT_TRUE(aten.empty()) << aten.size() << " aten events without profile.aten_ops";
+      continue;
+    }
+    bool sawBackwardFunction = false, sawGelu = false;
+    for (const Span* a : aten) {
+      // Every operator lies within the window's two steps (the loader's next batch may run
+      // on its own thread up to the window's end).
+      EXPECT_GE(a->begin, steps[0]->begin - 1.0) << a->name;
+      EXPECT_LE(a->end, steps[1]->end + 1.0) << a->name;
+      sawBackwardFunction |= a->name.rfind("autograd::engine::evaluate_function: ", 0) == 0;
+      sawGelu |= a->name == "aten::gelu";
+    }
+    EXPECT_GT(aten.size(), 100u);
+    EXPECT_TRUE(sawBackwardFunction);
+    EXPECT_TRUE(sawGelu);
+  }
+}
+
 // A window past the end of the run is a config error naming the key.
 TEST(ProfileE2ETest, WindowPastTheRunIsRefused) {
   const auto r = tessera::test::runCommand(kBin + "/tessera-train --config " + TESSERA_SOURCE_DIR +
