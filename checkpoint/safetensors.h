@@ -174,6 +174,9 @@ struct ImportOptions {
   std::string stripPrefix;
   // Tensors in the file that no entry takes are an error.
   bool strict = true;
+  // Entries whose file name starts with one of these may be missing from the file: they
+  // keep their values (a part the file's model did not have, such as a GAN head).
+  std::vector<std::string> mayBeMissing;
   // Convert floating dtypes (a bf16 export into an fp32 model); off: a dtype difference is
   // an error.
   bool allowCast = true;

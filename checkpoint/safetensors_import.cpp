@@ -1,6 +1,8 @@
 // Strict import of safetensors sets into shards (see safetensors.h). Separate from
 // safetensors.cpp so the format code builds without the distributed stack (the fuzz
 // targets link only the readers).
+#include <algorithm>
+
 #include "checkpoint/format.h"
 #include "checkpoint/safetensors.h"
 #include "common/errors.h"
@@ -40,10 +42,17 @@ MatchReport matchTensors(const std::map<std::string, std::vector<int64_t>>& foun
 
 namespace {
 
-void importOnThisRank(const std::string& path, const std::vector<StateEntry>& entries, const ImportOptions& options) {
+void importOnThisRank(const std::string& path, const std::vector<StateEntry>& allEntries, const ImportOptions& options) {
   const SafetensorsSet set(path);
   std::map<std::string, std::vector<int64_t>> found, expected;
   for (const auto& [name, located] : set.byName()) found[name] = located.entry->shape;
+  std::vector<StateEntry> entries;
+  for (const auto& e : allEntries) {
+    const std::string fileName = e.name.substr(std::min(e.name.size(), options.stripPrefix.size()));
+    const bool optional = std::any_of(options.mayBeMissing.begin(), options.mayBeMissing.end(),
+                                      [&](const std::string& p) { return fileName.compare(0, p.size(), p) == 0; });
+    if (!optional || found.count(fileName)) entries.push_back(e);
+  }
   std::vector<std::string> fileNames;
   for (const auto& e : entries) {
     checkEntry(e, "importSafetensors");

@@ -145,6 +145,7 @@ DiffusionDenoiser::DiffusionDenoiser(const ModelOptions& options, std::vector<in
   for (int64_t i = 0; i < options.layers; ++i) blocks_->emplace_back(width, device);
   outNorm_ = register_module("out_norm", layers::LayerNorm(width, device));
   outputProj_ = register_module("output_proj", layers::Linear(width, features_, /*bias=*/true, device));
+  addGanHead(width, device);
 }
 
 // The transformer's sinusoidal position encoding of t: [cos(t f_k), sin(t f_k)] with
@@ -159,6 +160,15 @@ at::Tensor DiffusionDenoiser::timeEmbedding(const at::Tensor& timesteps) const {
   return emb;
 }
 
+at::Tensor DiffusionDenoiser::blockOutput(const at::Tensor& noisy, const at::Tensor& timesteps,
+                                          const at::Tensor& /*labels*/, int64_t block) {
+  const auto dtype = inputProj_->weight.scalar_type();
+  const at::Tensor temb = timeEmbed_->forward(timeEmbedding(timesteps).to(dtype));
+  at::Tensor h = inputProj_->forward(noisy.flatten(1).to(dtype));
+  for (int64_t i = 0; i <= block; ++i) h = (*blocks_)[static_cast<size_t>(i)]->forward(h, temb);
+  return h;
+}
+
 at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor& timesteps) {
   TESSERA_CHECK(noisy.dim() >= 2 && noisy.numel() == noisy.size(0) * features_ && timesteps.dim() == 1 &&
                     timesteps.size(0) == noisy.size(0),
@@ -169,6 +179,31 @@ at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor&
   at::Tensor h = inputProj_->forward(noisy.flatten(1).to(dtype));
   for (auto& block : *blocks_) h = block->forward(h, temb);
   return outputProj_->forward(outNorm_->forward(h)).view(noisy.sizes());
+}
+
+void Denoiser::addGanHead(int64_t width, at::Device device) {
+  if (options_.gan_head_block < 0) return;
+  ganHead_ = register_module(kGanHeadModule, torch::nn::Sequential(layers::LayerNorm(width, device),
+                                                               layers::Linear(width, width, /*bias=*/true, device),
+                                                               torch::nn::SiLU(),
+                                                               layers::Linear(width, 1, /*bias=*/true, device)));
+}
+
+at::Tensor Denoiser::discriminate(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) {
+  TESSERA_CHECK(hasGanHead(), options_.arch, ": discriminate needs a GAN head (model.gan_head_block)");
+  const at::Tensor y = labels.defined() ? labels : noClassLabels(noisy.size(0), noisy.device());
+  const at::Tensor features = blockOutput(noisy, timesteps, y, options_.gan_head_block);
+  const at::Tensor logits = ganHead_->forward(features).to(at::kFloat);  // [N, 1] or [N, tokens, 1]
+  return logits.dim() == 3 ? logits.mean({1, 2}) : logits.view({-1});
+}
+
+at::Tensor discriminateInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
+                               const at::Tensor& labels) {
+  const at::Tensor y = labels.defined() ? labels : model.noClassLabels(noisy.size(0), noisy.device());
+  return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps, y},
+                               [&model](const std::vector<at::Tensor>& in) {
+                                 return std::vector<at::Tensor>{model.discriminate(in[0], in[1], in[2])};
+                               })[0];
 }
 
 at::Tensor Denoiser::losses(const datasets::Batch& batch) {

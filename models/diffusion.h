@@ -49,6 +49,11 @@ namespace tessera::models {
 
 enum class Prediction { kNoise, kVelocity };  // model.prediction: eps | v
 
+// The GAN head's module name (Denoiser::discriminate): its parameters are "gan_head.*".
+// A denoiser started from an export of one without a head (a DMD critic from its teacher)
+// keeps the head's fresh initialisation.
+inline constexpr char kGanHeadModule[] = "gan_head";
+
 // The forward process and what a denoiser outputs: everything the loss, the samplers and
 // DMD need to read an output (double precision, CPU).
 struct NoiseSchedule {
@@ -108,6 +113,15 @@ class Denoiser : public TrainModel {
   // schedule().target.
   at::Tensor losses(const datasets::Batch& batch) override;
 
+  // DMD2's discriminator: the logit [N] (float32) that x_t at t with `labels` is a real
+  // sample, from the GAN head (gan_head.*) on the output of block model.gan_head_block,
+  // averaged over a DiT's tokens. Only a model made with a head (hasGanHead()).
+  at::Tensor discriminate(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels);
+  bool hasGanHead() const { return !ganHead_.is_empty(); }
+  int64_t ganHeadBlock() const { return options_.gan_head_block; }
+  int64_t layers() const { return options_.layers; }
+  const torch::nn::Sequential& ganHead() const { return ganHead_; }
+
   const NoiseSchedule& schedule() const { return schedule_; }
   const std::vector<int64_t>& sampleShape() const { return sampleShape_; }
   int64_t classes() const { return classes_; }
@@ -115,6 +129,13 @@ class Denoiser : public TrainModel {
   at::Tensor noClassLabels(int64_t count, at::Device device) const;
 
  protected:
+  // Registers the GAN head over features of `width` when model.gan_head_block >= 0 (the
+  // subclass's constructor, last: its parameters come after the model's own).
+  void addGanHead(int64_t width, at::Device device);
+  // The output of block `block` for x_t at t with `labels`: [N, W] or [N, tokens, W].
+  virtual at::Tensor blockOutput(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels,
+                                 int64_t block) = 0;
+
   ModelOptions options_;
   std::vector<int64_t> sampleShape_;
   int64_t features_;  // elements of one sample
@@ -122,6 +143,8 @@ class Denoiser : public TrainModel {
  private:
   NoiseSchedule schedule_;
   int64_t classes_;
+  // LayerNorm, Linear(W, W), SiLU, Linear(W, 1): gan_head.0, gan_head.1, gan_head.3.
+  torch::nn::Sequential ganHead_{nullptr};
 };
 
 class DiffusionDenoiser : public Denoiser {
@@ -134,7 +157,14 @@ class DiffusionDenoiser : public Denoiser {
     return forward(noisy, timesteps);
   }
   // Every linear sees each sample once.
-  double forwardFlopsPerSample() const override { return layers::linearFlops(*this); }
+  // Every linear sees each sample once (the GAN head's are not in a prediction).
+  double forwardFlopsPerSample() const override {
+    return layers::linearFlops(*this) - (hasGanHead() ? layers::linearFlops(*ganHead()) : 0.0);
+  }
+
+ protected:
+  at::Tensor blockOutput(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels,
+                         int64_t block) override;
 
  private:
   at::Tensor timeEmbedding(const at::Tensor& timesteps) const;
@@ -148,6 +178,10 @@ class DiffusionDenoiser : public Denoiser {
 // parameters there; a plain call under the other strategies). Undefined labels:
 // "no class".
 at::Tensor predictInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
+                               const at::Tensor& labels = {});
+
+// Denoiser::discriminate with the root entered as a unit (as predictInUnits).
+at::Tensor discriminateInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
                                const at::Tensor& labels = {});
 
 // A sampler's view of a denoiser: x_t, t -> its output to step with (float32; read through

@@ -14,7 +14,8 @@ std::shared_ptr<TrainModel> makeDiffusionDenoiser(const ModelOptions& options, c
 
 std::vector<std::string> denoiserKeys() {
   return {"timesteps",      "beta_start",    "beta_end",         "noise_schedule", "zero_terminal_snr",
-          "prediction",     "loss_weighting", "min_snr_gamma",   "sample_timesteps", "samples"};
+          "prediction",     "loss_weighting", "min_snr_gamma",   "sample_timesteps", "samples",
+          "gan_head_block"};
 }
 
 void checkDenoiserOptions(const ModelOptions& m, const ArchitectureContext& context, std::vector<KeyProblem>& problems) {
@@ -34,6 +35,10 @@ void checkDenoiserOptions(const ModelOptions& m, const ArchitectureContext& cont
     problems.push_back({"zero_terminal_snr", strCat("needs ", p, "prediction v, not ", m.prediction,
                                                     ": at the last timestep the input is pure noise, and a noise "
                                                     "prediction says nothing about the clean sample there")});
+  }
+  if (m.gan_head_block >= m.layers) {
+    problems.push_back({"gan_head_block", strCat(m.gan_head_block, " is not a block of the model (", p, "layers: ",
+                                                 m.layers, ", counted from 0)")});
   }
   if (m.beta_start > m.beta_end) {
     problems.push_back({"beta_start", strCat(m.beta_start, " is above ", p, "beta_end (", m.beta_end, ")")});

@@ -173,9 +173,11 @@ DiT::DiT(const ModelOptions& options, std::vector<int64_t> sampleShape, int64_t 
   }
   finalModulation_ = container(*final, "adaLN_modulation")->register_module("1", zeroLinear(width, 2 * width, device));
   if (options.final_conv) finalConv_ = register_module("final_conv", SeamConv(channels, device));
+  addGanHead(width, device);
 }
 
-at::Tensor DiT::forward(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) {
+std::pair<at::Tensor, at::Tensor> DiT::embed(const at::Tensor& noisy, const at::Tensor& timesteps,
+                                             const at::Tensor& labels) {
   const int64_t n = noisy.size(0);
   TESSERA_CHECK(noisy.dim() == 4 && noisy.sizes().slice(1).equals(sampleShape_) && timesteps.dim() == 1 &&
                     timesteps.size(0) == n && labels.dim() == 1 && labels.size(0) == n,
@@ -184,7 +186,19 @@ at::Tensor DiT::forward(const at::Tensor& noisy, const at::Tensor& timesteps, co
   const auto dtype = xEmbedder_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
   at::Tensor x = xEmbedder_->forward(noisy.to(dtype)) + posEmbed_.to(dtype);
   const at::Tensor t = timeOut_->forward(at::silu(timeIn_->forward(timestepEmbedding(timesteps).to(dtype))));
-  const at::Tensor c = t + labelTable_->forward(labels);
+  return {x, t + labelTable_->forward(labels)};
+}
+
+at::Tensor DiT::blockOutput(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels,
+                            int64_t block) {
+  auto [x, c] = embed(noisy, timesteps, labels);
+  for (int64_t i = 0; i <= block; ++i) x = (*blocks_)[static_cast<size_t>(i)]->forward(x, c);
+  return x;
+}
+
+at::Tensor DiT::forward(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels) {
+  const int64_t n = noisy.size(0);
+  auto [x, c] = embed(noisy, timesteps, labels);
   for (auto& block : *blocks_) x = block->forward(x, c);
   const auto mod = finalModulation_->forward(at::silu(c)).chunk(2, /*dim=*/1);
   x = finalLinear_->forward(modulate(plainLayerNorm(x), mod[0], mod[1]));

@@ -87,7 +87,13 @@ class DiT : public Denoiser {
   }
   double forwardFlopsPerSample() const override;
 
+ protected:
+  at::Tensor blockOutput(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels,
+                         int64_t block) override;
+
  private:
+  // The patch tokens with the position table, and the conditioning c: what every block reads.
+  std::pair<at::Tensor, at::Tensor> embed(const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels);
   // Sums each patch's (p + 2m)^2 output window [N, T, k*k*C] into the image [N, C, H, W],
   // weighted by blendWeights_ (1 in the middle, falling linearly over the 2m pixels a window
   // shares with its neighbour) and divided by blendNorm_ (the weights' sum at each pixel):

@@ -101,6 +101,11 @@ void bindModelKeys(config::ConfigSchema& s, const std::string& p, ModelOptions& 
         "diffusion, dit: the timesteps DDIM samples at when not told the steps (decreasing, each below "
         "model.timesteps; empty: 50 evenly spaced); in run.recipe dmd, the generator's own steps")
       .min(0).max(kMaxWidth);
+  s.add(p + "gan_head_block", &m.gan_head_block,
+        "diffusion, dit: a GAN classification head (gan_head.*) reads the output of this block and tells real "
+        "samples from generated ones (DMD2's discriminator on the critic's features; run.recipe dmd sets it on its "
+        "critic from recipe.gan_block); -1: no head")
+      .min(-1).max(kMaxWidth);
   s.add(p + "init_from", &m.init_from,
         "Safetensors file or sharded export (*.index.json) to start the model from (fresh runs; each rank reads "
         "its rows)");

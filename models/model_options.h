@@ -44,6 +44,7 @@ struct ModelOptions {
   std::vector<int64_t> sample_timesteps; // denoisers: DDIM's timesteps when a sampler is not told the steps
                                         // (a distilled few-step generator's own); empty: 50 evenly spaced
   int64_t samples = 0;                  // diffusion: samples drawn with generator_ema at the end (0: none)
+  int64_t gan_head_block = -1;          // denoisers: a GAN head reads this block's output (DMD2; -1: no head)
   std::optional<std::string> init_from; // safetensors file or *.index.json to start from (fresh runs)
 
   // A diffusion denoiser (diffusion, dit): trained to predict the noise or the velocity,

@@ -17,6 +17,12 @@ struct DmdOptions {
   int64_t pair_steps = 50;          // DDIM steps the teacher takes for each pair
   double guidance = 1.0;            // class-conditional models: the teacher's CFG scale (real score, pairs)
   std::vector<int64_t> guidance_interval;  // [first, last] timesteps where it applies (empty: all)
+  // DMD2's GAN term: a head on the critic's features (its model.gan_head_block) tells real
+  // images from the generator's, both noised to the same timesteps.
+  double gan_weight = 0;            // the generator's non-saturating GAN loss weight (0: no GAN term)
+  double gan_critic_weight = 0.01;  // the critic's classification loss weight (with gan_weight > 0)
+  int64_t gan_block = -1;           // the critic block the head reads (-1: the middle, (layers - 1) / 2)
+  bool gan() const { return gan_weight > 0; }
 };
 
 // The recipe's name, under which the config keeps its DmdOptions.

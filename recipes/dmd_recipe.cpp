@@ -3,6 +3,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/accumulate.h>
+#include <torch/autograd.h>
 #include <torch/utils.h>
 
 #include <cmath>
@@ -38,6 +39,8 @@ constexpr uint64_t kCriticNoise = 0x200;  // + update index: the critic's diffus
 constexpr uint64_t kClass = 0x300;        // the class a sample is generated for
 constexpr uint64_t kGeneratorStep = 3;    // the step of the generator's chain its update trains
 constexpr uint64_t kCriticStep = 0x400;   // + update index: the chain step whose samples the critic sees
+constexpr uint64_t kGanGeneratorNoise = 4;   // t and eps that noise the generator's samples for the GAN head
+constexpr uint64_t kGanCriticNoise = 0x500;  // + update index: t and the real and fake samples' eps for the head
 
 // Seeds of stream `purpose` for samples whose seeds are `sampleSeeds`.
 std::vector<uint64_t> streamSeeds(const std::vector<uint64_t>& sampleSeeds, uint64_t purpose) {
@@ -119,34 +122,47 @@ class DmdRecipe : public trainer::Recipe {
     minT_ = std::min<int64_t>(T - 1, static_cast<int64_t>(std::floor(options_.min_t * static_cast<double>(T))));
     maxT_ = std::max<int64_t>(minT_, static_cast<int64_t>(std::ceil(options_.max_t * static_cast<double>(T))) - 1);
     if (options_.regression_weight > 0) makePairs();
+    if (options_.gan()) {
+      TESSERA_CHECK_AS(ConfigError, criticNet_.hasGanHead(), "recipe.gan_weight: the critic has no GAN head");
+      TESSERA_CHECK_AS(ConfigError, !run_.data->streams(),
+                       "recipe.gan_weight: the GAN head reads the data's images by index; data.kind ",
+                       run_.cfg.data.kind, " streams them");
+    }
   }
 
   trainer::StepOutcome step(int64_t step, bool stopRequested) override {
     const auto [first, last] = run_.samplePositions();
     const std::vector<int64_t> indices = run_.sampler->indicesOfRange(step, first, last);
     const std::vector<uint64_t> seeds = sampleSeeds(run_.cfg.run.seed, step, indices);
-    double criticLoss = 0;
+    double criticLoss = 0, criticGan = 0;
     bool criticApplied = false;
-    for (int64_t k = 0; k < options_.critic_steps; ++k) criticLoss += criticUpdate(step, k, seeds, criticApplied);
+    for (int64_t k = 0; k < options_.critic_steps; ++k) {
+      criticLoss += criticUpdate(step, k, indices, seeds, criticApplied, criticGan);
+    }
     // A critic EMA (when one is configured) follows the critic once per run step, like every
     // EMA of the run: its update count stays within the run's step count.
     if (critic_.ema) critic_.ema->update(step + 1, criticApplied);
 
     generator_.strategy->zeroGrad();
-    StepLoss stepLoss;
+    StepLoss stepLoss, ganLoss;
     forEachMicroBatch(run_, generator_, [&](const MicroBatch& mb) {
       const std::vector<uint64_t> micro = slice(seeds, mb.begin, mb.end);
       const std::vector<int64_t> microIndices = slice(indices, mb.begin, mb.end);
-      at::Tensor perSample = generatorLoss(micro);
+      at::Tensor gan;
+      at::Tensor perSample = generatorLoss(micro, gan);
       if (options_.regression_weight > 0) {
         perSample = perSample + options_.regression_weight * regressionLoss(microIndices, micro);
       }
       const at::Tensor loss = perSample.mean() / static_cast<double>(run_.lossDivisor);
       loss.backward();
       stepLoss.add(mb, loss);
+      if (gan.defined()) ganLoss.add(mb, gan.mean() / static_cast<double>(run_.lossDivisor));
     });
-    trainer::StepOutcome out = stepMainModel(run_, generator_, step, stepLoss, stopRequested);
+    std::map<std::string, const StepLoss*> figures;
+    if (options_.gan()) figures["gan_loss"] = &ganLoss;
+    trainer::StepOutcome out = stepMainModel(run_, generator_, step, stepLoss, stopRequested, figures);
     out.extra["critic_loss"] = criticLoss / static_cast<double>(options_.critic_steps);
+    if (options_.gan()) out.extra["critic_gan_loss"] = criticGan / static_cast<double>(options_.critic_steps);
     out.extra["critic_lr"] = critic_.schedule->lrAt(step);  // "lr" is the generator's
     return out;
   }
@@ -204,10 +220,13 @@ class DmdRecipe : public trainer::Recipe {
   // Critic update k of `step`: the diffusion loss on generator samples (no gradient into
   // the generator). Returns the loss, mean over the global batch.
   // `applied` is set when the optimizer applied the update (a non-finite norm skips it).
-  double criticUpdate(int64_t step, int64_t k, const std::vector<uint64_t>& seeds, bool& applied) {
+  // With the GAN term the head's classification loss of the data's images `indices` and of
+  // the same generator samples joins it; `ganLoss` gets that loss's mean added.
+  double criticUpdate(int64_t step, int64_t k, const std::vector<int64_t>& indices, const std::vector<uint64_t>& seeds,
+                      bool& applied, double& ganLoss) {
     sharding::ShardingStrategy& strategy = *critic_.strategy;
     strategy.zeroGrad();
-    StepLoss stepLoss;
+    StepLoss stepLoss, ganStepLoss;
     forEachMicroBatch(run_, critic_, [&](const MicroBatch& mb) {
       const std::vector<uint64_t> micro = slice(seeds, mb.begin, mb.end);
       datasets::Batch batch;
@@ -220,16 +239,63 @@ class DmdRecipe : public trainer::Recipe {
                                        chainStepsOf(micro, kCriticStep + static_cast<uint64_t>(k), chain_.size()));
       }
       batch.noiseSeeds = streamSeeds(micro, kCriticNoise + static_cast<uint64_t>(k));
-      const at::Tensor loss =
-          lossesOf(*critic_.model, std::move(batch), run_.device).mean() / static_cast<double>(run_.lossDivisor);
+      const at::Tensor fake = batch.inputs, fakeLabels = batch.targets;
+      at::Tensor perSample = lossesOf(*critic_.model, std::move(batch), run_.device);
+      if (options_.gan()) {
+        const datasets::Batch real = run_.data->trainBatch(slice(indices, mb.begin, mb.end));
+        const Noising n = noising(streamSeeds(micro, kGanCriticNoise + static_cast<uint64_t>(k)), 2);
+        const at::Tensor gan = ganCriticLosses(criticNet_, real.inputs.to(run_.device),
+                                               onDevice(real.targets, run_.device), fake,
+                                               onDevice(fakeLabels, run_.device), n.timesteps,
+                                               n.signal, n.spread, n.eps[0], n.eps[1]);
+        ganStepLoss.add(mb, gan.mean() / static_cast<double>(run_.lossDivisor));
+        perSample = perSample + options_.gan_critic_weight * gan;
+      }
+      const at::Tensor loss = perSample.mean() / static_cast<double>(run_.lossDivisor);
       loss.backward();
       stepLoss.add(mb, loss);
     });
     sharding::StepSums sums;
     sums.add("loss", stepLoss.local());
+    if (options_.gan()) sums.add("gan", ganStepLoss.local());
     const sharding::StepResult result = strategy.step(critic_.schedule->lrAt(step), &sums);
     applied = applied || !result.skipped;
+    if (options_.gan()) ganLoss += meanStepLoss(run_, ganStepLoss, sums, "gan");
     return meanStepLoss(run_, stepLoss, sums);
+  }
+
+  // The noise of the GAN term's samples: per sample a timestep in [min_t, max_t] x T and
+  // `draws` standard normal tensors of the sample shape, from the sample's own stream
+  // (`seeds`), with signal and spread shaped to broadcast over [n, sample shape...].
+  struct Noising {
+    at::Tensor timesteps, signal, spread;
+    std::vector<at::Tensor> eps;
+  };
+  Noising noising(const std::vector<uint64_t>& seeds, int draws) const {
+    const auto n = static_cast<int64_t>(seeds.size());
+    const std::vector<int64_t>& shape = generatorNet_.sampleShape();
+    Noising out;
+    out.timesteps = at::empty({n}, at::kLong);
+    at::Tensor signal = at::empty({n}, at::kDouble), spread = at::empty({n}, at::kDouble);
+    std::vector<int64_t> full{n};
+    full.insert(full.end(), shape.begin(), shape.end());
+    for (int d = 0; d < draws; ++d) out.eps.push_back(at::empty(full, at::kFloat));
+    const models::NoiseSchedule& schedule = generatorNet_.schedule();
+    for (int64_t i = 0; i < n; ++i) {
+      at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seeds[static_cast<size_t>(i)]);
+      const int64_t t = at::randint(minT_, maxT_ + 1, {1}, gen, at::kLong).item<int64_t>();
+      for (at::Tensor& e : out.eps) e[i].copy_(at::randn(shape, gen, at::kFloat));
+      out.timesteps[i] = t;
+      signal[i] = schedule.signal(t);
+      spread[i] = schedule.spread(t);
+    }
+    std::vector<int64_t> perSample(full.size(), 1);
+    perSample[0] = n;
+    out.timesteps = out.timesteps.to(run_.device);
+    out.signal = signal.to(at::kFloat).view(perSample).to(run_.device);
+    out.spread = spread.to(at::kFloat).view(perSample).to(run_.device);
+    for (at::Tensor& e : out.eps) e = e.to(run_.device);
+    return out;
   }
 
   // The generator's per-sample surrogate loss 0.5 mean(x - sg(x - g))^2 (dmd_recipe.h).
@@ -245,11 +311,18 @@ class DmdRecipe : public trainer::Recipe {
     const DmdOptions& r = options_;
     const double teacherPasses = r.guidance == 1.0 || teacherNet_.classes() == 0 ? 1.0 : 2.0;
     const double before = static_cast<double>(chain_.size() - 1) * g;  // the chain's steps run without gradients
-    return static_cast<double>(r.critic_steps) * (before + g + 3.0 * c) + before + 3.0 * g + teacherPasses * t + c +
-           (r.regression_weight > 0 ? before + 3.0 * g : 0.0);
+    // The GAN head's passes run the critic up to its head block (a share of its blocks):
+    // forward and backward of real and fake samples in each critic update, forward and the
+    // backward to the samples in the generator's.
+    const double head = r.gan() ? c * static_cast<double>(criticNet_.ganHeadBlock() + 1) /
+                                      static_cast<double>(std::max<int64_t>(1, criticNet_.layers()))
+                                : 0.0;
+    return static_cast<double>(r.critic_steps) * (before + g + 3.0 * c + 6.0 * head) + before + 3.0 * g +
+           teacherPasses * t + c + 3.0 * head + (r.regression_weight > 0 ? before + 3.0 * g : 0.0);
   }
 
-  at::Tensor generatorLoss(const std::vector<uint64_t>& micro) {
+  // With the GAN term, its surrogate is added and `gan` receives the GAN loss per sample.
+  at::Tensor generatorLoss(const std::vector<uint64_t>& micro, at::Tensor& gan) {
     const std::vector<int64_t>& shape = generatorNet_.sampleShape();
     const at::Tensor z = normalPerSample(streamSeeds(micro, kGeneratorInput), shape).to(run_.device);
     const at::Tensor labels = onDevice(classesOf(generatorNet_, micro), run_.device);
@@ -289,7 +362,13 @@ class DmdRecipe : public trainer::Recipe {
       direction = (x0Critic - x0Teacher) / scale;
     }
     const at::Tensor target = (flatX - direction).detach();
-    return 0.5 * (flatX - target).square().mean(1);
+    at::Tensor perSample = 0.5 * (flatX - target).square().mean(1);
+    if (options_.gan()) {
+      const Noising g = noising(streamSeeds(micro, kGanGeneratorNoise), 1);
+      perSample = perSample + options_.gan_weight * ganGeneratorSurrogate(criticNet_, x, labels, g.timesteps, g.signal,
+                                                                          g.spread, g.eps[0], gan);
+    }
+    return perSample;
   }
 
   // DMD2's backward simulation: the generator's clean-sample estimate for sample i at step
@@ -420,6 +499,38 @@ class DmdRecipe : public trainer::Recipe {
 at::Tensor generate(models::Denoiser& model, const std::vector<int64_t>& timesteps, const at::Tensor& noise,
                     const at::Tensor& labels) {
   return models::sampleDdim(model.schedule(), noise, timesteps, models::guidedPrediction(model, labels, /*cfg=*/1.0));
+}
+
+at::Tensor ganCriticLosses(models::Denoiser& critic, const at::Tensor& real, const at::Tensor& realLabels,
+                           const at::Tensor& fake, const at::Tensor& fakeLabels, const at::Tensor& timesteps,
+                           const at::Tensor& signal, const at::Tensor& spread, const at::Tensor& realEps,
+                           const at::Tensor& fakeEps) {
+  const int64_t n = real.size(0);
+  at::Tensor noisy;
+  {
+    torch::NoGradGuard noGrad;  // the samples are data: only the critic learns here
+    noisy = at::cat({signal * real.to(at::kFloat) + spread * realEps, signal * fake.detach().to(at::kFloat) + spread * fakeEps});
+  }
+  at::Tensor labels;
+  if (critic.classes() > 0) {
+    const auto noClass = [&](const at::Tensor& l) { return l.defined() ? l : critic.noClassLabels(n, noisy.device()); };
+    labels = at::cat({noClass(realLabels), noClass(fakeLabels)});
+  }
+  const at::Tensor logits = models::discriminateInUnits(critic, noisy, at::cat({timesteps, timesteps}), labels);
+  return at::softplus(-logits.narrow(0, 0, n)) + at::softplus(logits.narrow(0, n, n));
+}
+
+at::Tensor ganGeneratorSurrogate(models::Denoiser& critic, const at::Tensor& x, const at::Tensor& labels,
+                                 const at::Tensor& timesteps, const at::Tensor& signal, const at::Tensor& spread,
+                                 const at::Tensor& eps, at::Tensor& ganLoss) {
+  const at::Tensor sample = x.detach().to(at::kFloat).requires_grad_(true);
+  const at::Tensor loss =
+      at::softplus(-models::discriminateInUnits(critic, signal * sample + spread * eps, timesteps, labels));
+  const at::Tensor grad = torch::autograd::grad({loss.sum()}, {sample})[0];
+  ganLoss = loss.detach();
+  // Zero in value (the logged loss stays DMD's), the GAN loss's gradient in x.
+  const at::Tensor flat = x.to(at::kFloat).flatten(1);
+  return ((flat - flat.detach()) * grad.flatten(1)).sum(1);
 }
 
 std::unique_ptr<trainer::Recipe> makeDmdRecipe(trainer::RunParts& run) { return std::make_unique<DmdRecipe>(run); }

@@ -19,6 +19,11 @@
 // recipe.guidance (DMD's real-score CFG). Every draw is a function of (run.seed, step,
 // sample index, purpose): a sharded run draws what one process draws, a resumed run what
 // an uninterrupted one does. The recipe's config (roles, checks): dmd_recipe_spec.cpp.
+// DMD2's GAN term (recipe.gan_weight > 0): the critic carries a classification head on
+// the output of one of its blocks (model.gan_head_block, from recipe.gan_block), trained
+// in the critic's updates to tell the data's images from the generator's, both noised to
+// the same drawn timesteps; the generator's loss adds the non-saturating GAN loss through
+// that head. recipe.regression_weight 0 drops the regression pairs (DMD2 has none).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -38,5 +43,24 @@ namespace tessera::recipes {
 // same shape, of classes `labels` [n] (undefined: unconditional). Collective under zero3.
 at::Tensor generate(models::Denoiser& model, const std::vector<int64_t>& timesteps, const at::Tensor& noise,
                     const at::Tensor& labels = {});
+
+// DMD2's GAN term (recipe.gan_weight), its two sides. Samples are noised as
+// signal x + spread eps, signal and spread [n, 1, ...] broadcasting over x [n, ...].
+//
+// The critic's: per sample, softplus(-D(real)) + softplus(D(fake)) with D the critic's
+// head (Denoiser::discriminate) at `timesteps`, the real and the generated samples in one
+// forward. `fake` is taken detached: this loss trains the critic and its head only.
+at::Tensor ganCriticLosses(models::Denoiser& critic, const at::Tensor& real, const at::Tensor& realLabels,
+                           const at::Tensor& fake, const at::Tensor& fakeLabels, const at::Tensor& timesteps,
+                           const at::Tensor& signal, const at::Tensor& spread, const at::Tensor& realEps,
+                           const at::Tensor& fakeEps);
+
+// The generator's: per sample, a surrogate of the non-saturating loss softplus(-D(x
+// noised)) whose gradient in the generator's samples `x` (with their graph) is that loss's,
+// taken through the critic by autograd::grad in x alone, so that no gradient reaches the
+// critic's parameters (nor its strategy's hooks). `ganLoss` [n] receives the loss itself.
+at::Tensor ganGeneratorSurrogate(models::Denoiser& critic, const at::Tensor& x, const at::Tensor& labels,
+                                 const at::Tensor& timesteps, const at::Tensor& signal, const at::Tensor& spread,
+                                 const at::Tensor& eps, at::Tensor& ganLoss);
 
 }  // namespace tessera::recipes

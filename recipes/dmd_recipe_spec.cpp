@@ -84,6 +84,25 @@ void finishDmd(const config::ConfigSchema& schema, trainer::TrainConfig& c) {
           "compares the models' estimates at the same noise levels)"));
     }
   }
+  // DMD2's GAN term: the head is part of the critic, made with it (sharded, checkpointed
+  // and exported with its other weights).
+  trainer::ModelEntry& critic =
+      *std::find_if(c.models.begin(), c.models.end(), [](const trainer::ModelEntry& e) { return e.name == "critic"; });
+  if (dmd.gan()) {
+    if (dmd.gan_block >= critic.model.layers) {
+      throw ConfigError(schema.errorMessage("recipe.gan_block", strCat(dmd.gan_block, " is not a block of the critic (",
+                                                                       critic.model.layers,
+                                                                       " layers, counted from 0; -1: the middle)")));
+    }
+    if (dmd.gan_critic_weight <= 0) {
+      throw ConfigError(schema.errorMessage("recipe.gan_critic_weight",
+                                            "must be > 0 with recipe.gan_weight > 0: the head that judges the "
+                                            "generator's samples learns only from it"));
+    }
+    critic.model.gan_head_block = dmd.gan_block >= 0 ? dmd.gan_block : (critic.model.layers - 1) / 2;
+  } else {
+    critic.model.gan_head_block = -1;
+  }
   if (dmd.min_t >= dmd.max_t) {
     throw ConfigError(schema.errorMessage("recipe.min_t", strCat(dmd.min_t, " is not below recipe.max_t (",
                                                                  dmd.max_t, ")")));
@@ -124,6 +143,16 @@ void bindDmdKeys(config::ConfigSchema& s, trainer::TrainConfig& c) {
         "Class-conditional models (dit): the teacher's classifier-free guidance scale, in the real score and the "
         "regression pairs (DMD's real-score CFG; 1: none)")
       .min(0.0).max(100.0);
+  s.add("recipe.gan_weight", &recipe.gan_weight,
+        "DMD2's GAN term: weight of the generator's non-saturating GAN loss, through a classification head on the "
+        "critic's features that learns to tell real images (the data, noised) from the generator's (0: off)")
+      .min(0.0).max(1000.0);
+  s.add("recipe.gan_critic_weight", &recipe.gan_critic_weight,
+        "Weight of the head's classification loss in the critic's updates (with recipe.gan_weight > 0)")
+      .min(0.0).max(1000.0);
+  s.add("recipe.gan_block", &recipe.gan_block,
+        "The critic block whose output the GAN head reads (counted from 0; -1: the middle one, (layers - 1) / 2)")
+      .min(-1).max(kMaxWidth);
   s.add("recipe.guidance_interval", &recipe.guidance_interval,
         "[FIRST, LAST]: the teacher is guided only at the timesteps in that range, its conditional output alone "
         "elsewhere (as tessera-sample --cfg-interval; the teacher's sampler setting). Empty: every timestep");

@@ -66,15 +66,19 @@ class StepLoss {
 // The step's mean loss over every rank: under run.deterministic the canonical sum of every
 // micro-batch's value in index order (collective over the host group); otherwise `sums`
 // must hold this rank's stepLoss.local() as "loss", summed over ranks by the step already.
-double meanStepLoss(const trainer::RunParts& run, const StepLoss& stepLoss, const sharding::StepSums& sums);
+// `name`: the sum's name in `sums` (a further per-micro-batch figure than the loss).
+double meanStepLoss(const trainer::RunParts& run, const StepLoss& stepLoss, const sharding::StepSums& sums,
+                    const std::string& name = "loss");
 
 // The optimizer step of the recipe's main model `part` (then its EMA update) with the
 // step's loss `stepLoss`, this rank's stop request and whether its async checkpoint write
 // failed riding on the gradient-norm all-reduce (no collective of their own): the
 // outcome's lr, result, loss (mean over ranks), stopSignalled and checkpointFailed.
-// Collective.
+// `figures`: further per-micro-batch figures, averaged over the ranks the same way into
+// the outcome's extra[name]. Collective.
 trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelPart& part, int64_t step,
-                                   const StepLoss& stepLoss, bool stopRequested);
+                                   const StepLoss& stepLoss, bool stopRequested,
+                                   const std::map<std::string, const StepLoss*>& figures = {});
 
 // The mean of `losses(begin, end)` (per-prediction losses of samples [begin, end)) over
 // `n` samples split among the ranks, each rank at least one (zero3 gathers inside the

@@ -81,17 +81,20 @@ double StepLoss::local() const {
   return sum;
 }
 
-double meanStepLoss(const trainer::RunParts& run, const StepLoss& stepLoss, const sharding::StepSums& sums) {
+double meanStepLoss(const trainer::RunParts& run, const StepLoss& stepLoss, const sharding::StepSums& sums,
+                    const std::string& name) {
   if (run.plan) return sharding::canonicalValueSum(*run.hostComm, run.plan->count, stepLoss.values());
-  return sums["loss"] / static_cast<double>(run.comm->worldSize());
+  return sums[name] / static_cast<double>(run.comm->worldSize());
 }
 
 trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelPart& part, int64_t step,
-                                   const StepLoss& stepLoss, bool stopRequested) {
+                                   const StepLoss& stepLoss, bool stopRequested,
+                                   const std::map<std::string, const StepLoss*>& figures) {
   trainer::StepOutcome out;
   out.lr = part.schedule->lrAt(step);
   sharding::StepSums sums;
   sums.add("loss", stepLoss.local());
+  for (const auto& [name, figure] : figures) sums.add("figure " + name, figure->local());
   sums.add("stop requests", stopRequested ? 1.0 : 0.0);
   sums.add("failed checkpoint writes", run.checkpointer && run.checkpointer->writerFailed() ? 1.0 : 0.0);
   out.result = part.strategy->step(out.lr, &sums);
@@ -100,6 +103,7 @@ trainer::StepOutcome stepMainModel(const trainer::RunParts& run, trainer::ModelP
     part.ema->update(step + 1, !out.result.skipped);
   }
   out.loss = meanStepLoss(run, stepLoss, sums);
+  for (const auto& [name, figure] : figures) out.extra[name] = meanStepLoss(run, *figure, sums, "figure " + name);
   out.stopSignalled = sums["stop requests"] > 0;
   out.checkpointFailed = sums["failed checkpoint writes"] > 0;
   return out;

@@ -26,6 +26,7 @@
 #include "ema/strategy_ema.h"
 #include "sharding/mixed_precision.h"
 #include "models/architecture.h"
+#include "models/diffusion.h"
 #include "models/layers.h"
 #include "trainer/metrics.h"
 #include "trainer/model_metadata.h"
@@ -536,9 +537,11 @@ bool resume(RunParts& run) {
 // Imports `file` into `entries` (names without `stripPrefix`); any failure — a missing
 // file, names or shapes that do not fit, integers, NaN — is a config error naming `key`.
 void importInto(RunParts& run, const std::string& key, const std::string& file,
-                const std::vector<checkpoint::StateEntry>& entries, const std::string& stripPrefix) {
+                const std::vector<checkpoint::StateEntry>& entries, const std::string& stripPrefix,
+                std::vector<std::string> mayBeMissing = {}) {
   checkpoint::ImportOptions options;
   options.stripPrefix = stripPrefix;
+  options.mayBeMissing = std::move(mayBeMissing);
   options.comm = run.hostComm.get();
   try {
     checkpoint::importSafetensors(file, entries, options);
@@ -604,7 +607,9 @@ void initializeFromFiles(RunParts& run) {
       if (e.model.isDenoiser()) checkInitFromParameterisation(run, e);
       const std::string prefix = dtensor::statePrefix(e.names.weights);
       try {
-        importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix);
+        // A GAN head (a DMD critic's) starts fresh when the file's model had none.
+        importInto(run, e.modelKeys + "init_from", *e.model.init_from, m.strategy->stateEntries(prefix), prefix,
+                   {std::string(models::kGanHeadModule) + "."});
       } catch (const ConfigError& error) {
         throw ConfigError(strCat(error.what(), initFromDifferences(run, e)));
       }

@@ -78,7 +78,8 @@ void expectSameMetrics(const std::string& a, const std::string& b) {
   ASSERT_FALSE(x.empty());
   for (size_t i = 0; i < x.size(); ++i) {
     for (const auto& [key, tolerance] : std::vector<std::pair<std::string, double>>{
-             {"loss", 1e-4}, {"critic_loss", 1e-5}, {"eval_loss", 1e-5}, {"eval_loss_ema", 1e-5}}) {
+             {"loss", 1e-4}, {"critic_loss", 1e-5}, {"eval_loss", 1e-5}, {"eval_loss_ema", 1e-5},
+             {"gan_loss", 1e-5}, {"critic_gan_loss", 1e-5}}) {
       if (!x[i].contains(key)) continue;
       ASSERT_TRUE(y[i].contains(key)) << key;
       const double u = x[i][key], v = y[i][key];
@@ -239,6 +240,58 @@ TEST(DistillE2ETest, ResumedOnAnotherWorldSizeAndStrategiesEqualsUninterrupted) 
   EXPECT_NE(info.find("ema          critic_ema  34 tensors, 472.3 KiB; of critic"), std::string::npos) << info;
   EXPECT_EQ(info.find("of teacher"), std::string::npos) << info;
   EXPECT_NE(info.find("ema          generator_ema"), std::string::npos) << info;
+}
+
+// DMD2's form: the GAN term (a head on the critic's block 0, trained on the data's points
+// against the generator's) and no regression loss. Sharded over 3 ranks (the critic's head
+// under zero3, its gathers in the head's partial forwards) it equals one process; stopped
+// at step 3 on 4 ranks and resumed on 2 with other strategies it equals the uninterrupted
+// 4-rank run, the head's weights included (resharded with the critic's). Without the
+// regression loss no pairs are made.
+TEST(DistillE2ETest, GanTermWithoutRegressionShardsAndResumesOnAnotherWorldSize) {
+  const std::string teacher = smallTeacher();
+  const std::string gan = " --set recipe.gan_weight=0.5 --set recipe.gan_critic_weight=0.1 --set recipe.gan_block=0"
+                          " --set recipe.regression_weight=0 --set recipe.critic_steps=2";
+  const std::string single = distillScratch("gan_single"), three = distillScratch("gan_three");
+  const std::string out = mustRun(trainCommand(1) + smallDistill(teacher, single) + gan +
+                                  strategies("no_shard", "no_shard", "no_shard"));
+  EXPECT_EQ(out.find("regression pairs"), std::string::npos) << out;
+  EXPECT_FALSE(fs::exists(single + "/cache/dmd_pairs.safetensors"));
+  mustRun(trainCommand(3) + smallDistill(teacher, three) + gan + strategies("zero2", "zero3", "zero1"));
+  const auto metrics = readMetrics(single), metrics3 = readMetrics(three);
+  ASSERT_FALSE(metrics.empty());
+  for (size_t i = 0; i < metrics.size(); ++i) {
+    for (const char* key : {"gan_loss", "critic_gan_loss"}) {
+      ASSERT_TRUE(metrics[i].contains(key)) << key << " missing at line " << i;
+      EXPECT_NEAR(metrics[i][key].get<double>(), metrics3[i][key].get<double>(), 1e-5) << key << ", line " << i;
+    }
+  }
+  expectSameMetrics(single, three);
+  const auto critic = tessera::checkpoint::loadSafetensors(single + "/export/critic.safetensors");
+  ASSERT_TRUE(critic.count("gan_head.3.weight")) << "the critic's export lacks its GAN head";
+  for (const std::string name : {"generator_ema", "generator", "critic"}) {
+    expectSameWeights(single + "/export/" + name + ".safetensors", three + "/export/" + name + ".safetensors", 1e-6);
+  }
+  // The GAN term changes what the generator learns (against the same run without it).
+  const std::string plain = distillScratch("gan_off");
+  mustRun(trainCommand(1) + smallDistill(teacher, plain) + " --set recipe.regression_weight=0 --set recipe.critic_steps=2" +
+          strategies("no_shard", "no_shard", "no_shard"));
+  const auto a = tessera::checkpoint::loadSafetensors(single + "/export/generator.safetensors");
+  const auto b = tessera::checkpoint::loadSafetensors(plain + "/export/generator.safetensors");
+  double differs = 0;
+  for (const auto& [name, t] : a) differs = std::max(differs, (t - b.at(name)).abs().max().item<double>());
+  EXPECT_GT(differs, 1e-6);
+
+  const std::string whole = distillScratch("gan_whole"), resumed = distillScratch("gan_resumed");
+  mustRun(trainCommand(4) + smallDistill(teacher, whole) + gan);
+  mustRun(trainCommand(4) + smallDistill(teacher, resumed) + gan + " --set run.stop_after_steps=3");
+  const std::string again =
+      mustRun(trainCommand(2) + smallDistill(teacher, resumed) + gan + strategies("zero3", "zero3", "no_shard"));
+  EXPECT_NE(again.find("resumed from " + resumed + "/checkpoints/step_00000003"), std::string::npos) << again;
+  expectSameMetrics(whole, resumed);
+  for (const std::string name : {"generator_ema", "generator", "critic"}) {
+    expectSameWeights(whole + "/export/" + name + ".safetensors", resumed + "/export/" + name + ".safetensors", 1e-6);
+  }
 }
 
 // The regression pairs are sampled once and kept in <run.dir>/cache: a resume reads them
@@ -430,6 +483,12 @@ TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
   expectConfigError(config + " --set run.recipe=standard", {"run.recipe: standard trains the single model"});
   expectConfigError(config + " --set checkpoint.export=[teacher_ema]",
                     {"checkpoint.export", "'teacher_ema'", "generator_ema"});
+  // The GAN term: a block the critic does not have; a head that would never learn.
+  expectConfigError(config + " --set recipe.gan_weight=0.1 --set recipe.gan_block=3",
+                    {"recipe.gan_block: 3 is not a block of the critic (3 layers, counted from 0; -1: the middle)"});
+  expectConfigError(config + " --set recipe.gan_weight=0.1 --set recipe.gan_critic_weight=0",
+                    {"recipe.gan_critic_weight: must be > 0 with recipe.gan_weight > 0"});
+  expectConfigError(config + " --set recipe.gan_weight=-1", {"recipe.gan_weight"});
 }
 
 }  // namespace
