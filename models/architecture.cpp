@@ -15,6 +15,7 @@ const std::vector<const ArchitectureSpec*>& architectures() {
       &gptArchitecture(),
       &diffusionArchitecture(),
       &ditArchitecture(),
+      &convNetArchitecture(),
   };
   return all;
 }

@@ -108,6 +108,7 @@ const ArchitectureSpec& mlpArchitecture();
 const ArchitectureSpec& gptArchitecture();
 const ArchitectureSpec& diffusionArchitecture();
 const ArchitectureSpec& ditArchitecture();
+const ArchitectureSpec& convNetArchitecture();
 
 // What every denoiser (diffusion, dit) reads and checks: the noise schedule, the loss,
 // the sampler's timesteps (diffusion_spec.cpp).

@@ -31,13 +31,13 @@ class ContextMlp : public NextTokenModel {
 };
 
 // An MLP over float tensors [batch, ...] for classification or regression.
-class FeatureMlp : public TrainModel {
+class FeatureMlp : public FeatureModel {
  public:
   FeatureMlp(const ModelOptions& options, const datasets::DataSpec& data, at::Device device);
-  at::Tensor forward(const at::Tensor& inputs);  // [batch, ...] -> [batch, classes or target size]
+  at::Tensor forward(const at::Tensor& inputs) override;  // [batch, ...] -> [batch, classes or target size]
   // The head's input [batch, last hidden width]: the learned features (a classifier's
   // penultimate layer, what a Frechet distance compares).
-  at::Tensor features(const at::Tensor& inputs);
+  at::Tensor features(const at::Tensor& inputs) override;
   at::Tensor losses(const datasets::Batch& batch) override;
   double forwardFlopsPerSample() const override;
 

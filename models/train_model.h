@@ -48,6 +48,14 @@ class NextTokenModel : public TrainModel {
   at::Tensor losses(const datasets::Batch& batch) override;
 };
 
+// A model over float tensors whose head reads learned features: a classifier's are what
+// the judge's Frechet distance compares (trainer/judge.h).
+class FeatureModel : public TrainModel {
+ public:
+  virtual at::Tensor forward(const at::Tensor& inputs) = 0;   // [batch, ...] -> the head's output
+  virtual at::Tensor features(const at::Tensor& inputs) = 0;  // the head's input [batch, width]
+};
+
 // The cross-entropy of each prediction: logits [..., classes], targets [...] -> [n] float32.
 at::Tensor crossEntropyEach(const at::Tensor& logits, const at::Tensor& targets);
 

@@ -9,14 +9,19 @@ No Tessera import and no dependency beyond torch (numpy is not needed). Models:
   arch mlp, tensor data    FeatureMlp          x [B, *input_shape] -> [B, classes] (or
                                                [B, prod(target_shape)] for regression);
                                                features(x): the head's input
+  arch convnet             ConvNet             images [B, C, H, W] -> [B, classes];
+                                               features(x): the head's input
   arch gpt                 Gpt                 tokens [B, T] -> logits [B, T, vocab]
   arch diffusion           DiffusionDenoiser   (x, t[, y ignored]) -> the noise or velocity
   arch dit                 DiT                 (x [N,C,H,W], t [N], y [N]) -> the noise or
                                                velocity (Peebles & Xie's DiT, learn_sigma=False)
   (which one: the export's "prediction", read by noise_schedule())
+  A denoiser exported with "gan_head_block" >= 0 (a DMD critic) also has its GAN head,
+  gan_head = Sequential(LayerNorm, Linear(W, W), SiLU, Linear(W, 1)) (loaded, not run here).
 
 The C++ sources they transcribe: models/models.cpp (ContextMlp, FeatureMlp, Gpt),
 models/diffusion.cpp (DiffusionDenoiser, NoiseSchedule, sampleDdpm, sampleDdim),
+models/convnet.cpp (ConvNet),
 models/layers.cpp (Linear, Embedding, LayerNorm eps 1e-5 = torch.nn's).
 
 An export's __metadata__["tessera.model"] is a JSON object: the run's resolved model
@@ -51,7 +56,7 @@ from torch import nn
 import torch.nn.functional as F
 
 __all__ = [
-    "ContextMlp", "FeatureMlp", "Gpt", "GptBlock", "DiffusionDenoiser", "DenoiserBlock", "DiT", "DiTBlock",
+    "ContextMlp", "FeatureMlp", "ConvNet", "Gpt", "GptBlock", "DiffusionDenoiser", "DenoiserBlock", "DiT", "DiTBlock",
     "NoiseSchedule", "ExportError", "ExportMismatch", "build_model", "load_export", "read_safetensors",
     "save_safetensors", "noise_schedule", "ddim_timesteps", "guided_noise", "sample_ddim", "sample_ddpm",
     "get_2d_sincos_pos_embed", "relative_difference", "main",
@@ -260,6 +265,31 @@ class FeatureMlp(nn.Module):
         for layer in self.layers:
             x = act(layer(x))
         return x
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class ConvNet(nn.Module):
+    """convnet (models/convnet.h): stages.<i> Conv2d(3x3, padding 1) each followed by ReLU and
+    a 2x2 max pool, one per entry of hidden but the last; fc Linear over the flattened map,
+    ReLU (the features); head Linear -> the classes' logits."""
+
+    def __init__(self, input_shape, hidden, classes):
+        super().__init__()
+        channels, height, width = input_shape
+        self.stages = nn.ModuleList()
+        for h in hidden[:-1]:
+            self.stages.append(nn.Conv2d(channels, h, 3, padding=1))
+            channels, height, width = h, height // 2, width // 2
+        self.fc = nn.Linear(channels * height * width, hidden[-1])
+        self.head = nn.Linear(hidden[-1], classes)
+
+    def features(self, x):
+        x = x.to(self.head.weight.dtype)
+        for stage in self.stages:
+            x = F.max_pool2d(F.relu(stage(x)), 2)
+        return F.relu(self.fc(x.flatten(1)))
 
     def forward(self, x):
         return self.head(self.features(x))
@@ -843,23 +873,40 @@ def _build(metadata):
         out = classes if classes > 0 else math.prod(_field(data, "target_shape", "ints", "data."))
         return FeatureMlp(math.prod(input_shape), _field(metadata, "hidden", "ints"),
                           _field(metadata, "activation", str), out)
+    if arch == "convnet":
+        hidden = _field(metadata, "hidden", "ints")
+        if len(input_shape) != 3 or len(hidden) < 2:
+            raise ExportError(f"{METADATA_KEY}: convnet needs images, data.input_shape [C, H, W], and hidden with the "
+                              f"stages' channels and the feature width, got {input_shape} and {hidden}")
+        return ConvNet(input_shape, hidden, _field(data, "classes", int, "data."))
     if arch == "gpt":
         return Gpt(_field(metadata, "vocab_size", int), _field(metadata, "context", int),
                    _field(metadata, "embed_dim", int), _field(metadata, "layers", int), _field(metadata, "heads", int),
                    _field(metadata, "tie_head", bool))
     if arch == "diffusion":
-        return DiffusionDenoiser(input_shape, _field(metadata, "embed_dim", int), _field(metadata, "layers", int))
+        return _with_gan_head(DiffusionDenoiser(input_shape, _field(metadata, "embed_dim", int),
+                                                _field(metadata, "layers", int)), metadata,
+                              _field(metadata, "embed_dim", int))
     if arch == "dit":
         if len(input_shape) != 3 or input_shape[1] != input_shape[2]:
             raise ExportError(f"{METADATA_KEY}: dit needs square images, data.input_shape [C, H, H], "
                               f"got {input_shape}")
-        return DiT(input_size=input_shape[1], patch_size=_field(metadata, "patch_size", int),
+        return _with_gan_head(DiT(input_size=input_shape[1], patch_size=_field(metadata, "patch_size", int),
                    in_channels=input_shape[0], hidden_size=_field(metadata, "embed_dim", int),
                    depth=_field(metadata, "layers", int), num_heads=_field(metadata, "heads", int),
                    mlp_ratio=_field(metadata, "mlp_ratio", float), num_classes=_field(metadata, "classes", int),
                    final_conv=_field(metadata, "final_conv", bool) if "final_conv" in metadata else False,
-                   patch_overlap=_field(metadata, "patch_overlap", int) if "patch_overlap" in metadata else 0)
-    raise ExportError(f"{METADATA_KEY}: unknown arch '{arch}' (mlp, gpt, diffusion, dit)")
+                   patch_overlap=_field(metadata, "patch_overlap", int) if "patch_overlap" in metadata else 0),
+                              metadata, _field(metadata, "embed_dim", int))
+    raise ExportError(f"{METADATA_KEY}: unknown arch '{arch}' (mlp, gpt, diffusion, dit, convnet)")
+
+
+def _with_gan_head(model, metadata, width):
+    """A denoiser exported with a GAN head (gan_head_block >= 0: a DMD critic) gets the
+    head's modules, so that its export loads strictly."""
+    if metadata.get("gan_head_block", -1) >= 0:
+        model.gan_head = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.SiLU(), nn.Linear(width, 1))
+    return model
 
 
 # Ranges of the size fields, as Tessera's config schema bounds them (common/limits.h).
@@ -912,7 +959,7 @@ def _check_against_file(metadata, tensors, path):
         raise ExportError(f"{path}: __metadata__ '{METADATA_KEY}' says layers {metadata['layers']}, but the file "
                           f"holds only {len(shapes)} tensors")
     widths = [metadata.get("embed_dim", 0)] if arch in ("gpt", "dit") else []
-    widths += metadata.get("hidden", []) if arch == "mlp" else []
+    widths += metadata.get("hidden", []) if arch in ("mlp", "convnet") else []
     for width in widths:
         if width > largest:
             raise ExportError(f"{path}: __metadata__ '{METADATA_KEY}' has a width {width}, wider than any tensor "
@@ -1008,7 +1055,7 @@ def _check_forward(args):
     try:
         if isinstance(model, (ContextMlp, Gpt)):
             ours = {"out": model(_tensor(probe, "tokens", args.probe).to(torch.int64))}
-        elif isinstance(model, FeatureMlp):
+        elif isinstance(model, (FeatureMlp, ConvNet)):
             x = _tensor(probe, "x", args.probe).float()
             ours = {"out": model(x)}
             if "features_out" in probe:
@@ -1067,6 +1114,7 @@ def _check_samples(args):
 _SIZE_KEYS = {
     ContextMlp: ["vocab_size", "context", "embed_dim", "hidden", "activation"],
     FeatureMlp: ["hidden", "activation"],
+    ConvNet: ["hidden"],
     Gpt: ["vocab_size", "context", "embed_dim", "layers", "heads", "tie_head"],
     DiffusionDenoiser: ["embed_dim", "layers", "timesteps", "beta_start", "beta_end"],
     DiT: ["embed_dim", "layers", "heads", "patch_size", "mlp_ratio", "classes", "timesteps", "beta_start", "beta_end"],

@@ -692,6 +692,8 @@ def _end_to_end_cases(work_dir):
         ("mlp_text", {"arch": "mlp", "context": 8, "embed_dim": 8, "hidden": [16]},
          dict(kind="text", path=text, **batch), None),
         ("mlp_tensors", {"arch": "mlp", "hidden": [16]}, dict(kind="tensors", path=features, **batch), None),
+        ("convnet", {"arch": "convnet", "hidden": [4, 8, 16]}, dict(kind="idx", path=images, labels=labels, **batch),
+         None),
         ("gpt", {"arch": "gpt", "context": 8, "embed_dim": 16, "layers": 2, "heads": 2},
          dict(kind="text", path=text, **batch), None),
         ("diffusion", {"arch": "diffusion", "embed_dim": 16, "layers": 2, "timesteps": 50},

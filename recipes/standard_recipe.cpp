@@ -24,7 +24,7 @@
 #include "recipes/dmd_recipe.h"
 #include "trainer/judge.h"
 #include "models/models.h"
-#include "models/mlp.h"
+#include "models/train_model.h"
 #include "trainer/recipe.h"
 #include "recipes/recipe_steps.h"
 #include "recipes/recipes.h"
@@ -236,7 +236,7 @@ class StandardRecipe : public trainer::Recipe {
   void evaluate(std::map<std::string, double>& out) override {
     if (run_.data->evalSamples() <= 0) return;
     out["eval_loss"] = heldOutLoss();
-    const bool classifier = dynamic_cast<models::FeatureMlp*>(part_.model.get()) != nullptr && run_.data->spec().classes > 0;
+    const bool classifier = dynamic_cast<models::FeatureModel*>(part_.model.get()) != nullptr && run_.data->spec().classes > 0;
     if (classifier) out["eval_accuracy"] = heldOutAccuracy();
     // Each EMA profile: the first as eval_loss_ema, the others by name
     // (eval_loss_model_ema_0.999).
@@ -340,7 +340,7 @@ class StandardRecipe : public trainer::Recipe {
   // is its class.
   double heldOutAccuracy() {
     torch::NoGradGuard noGrad;
-    auto& model = dynamic_cast<models::FeatureMlp&>(*part_.model);
+    auto& model = dynamic_cast<models::FeatureModel&>(*part_.model);
     return meanOverRanks(run_, run_.data->evalSamples(), [&](int64_t begin, int64_t end) {
       const datasets::Batch batch = run_.data->evalBatch(begin, end - begin);
       const at::Tensor logits = sharding::unitForward(model, batch.inputs.to(run_.device),

@@ -11,7 +11,7 @@
 #include "common/errors.h"
 #include "datasets/dataset.h"
 #include "models/models.h"
-#include "models/mlp.h"
+#include "models/train_model.h"
 
 namespace tessera::trainer {
 namespace {
@@ -51,9 +51,9 @@ double frechetDistance(const at::Tensor& a, const at::Tensor& b) {
 }
 
 SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(loadExportedModel(classifierExport)) {
-  mlp_ = dynamic_cast<models::FeatureMlp*>(classifier_.model.get());
-  TESSERA_CHECK(mlp_ != nullptr && classifier_.description.data.classes > 0 && !classifier_.description.data.tokens,
-                classifierExport, ": not a classifier of images (model.arch mlp trained on image data)");
+  net_ = dynamic_cast<models::FeatureModel*>(classifier_.model.get());
+  TESSERA_CHECK(net_ != nullptr && classifier_.description.data.classes > 0 && !classifier_.description.data.tokens,
+                classifierExport, ": not a classifier of images (model.arch mlp or convnet trained on image data)");
   TESSERA_CHECK(classifier_.description.dataset.has_value(), classifierExport,
                 ": its metadata does not name the data it was trained on (the real images to compare with)");
   const datasets::DataOptions& data = *classifier_.description.dataset;
@@ -73,7 +73,7 @@ SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(load
     features.push_back(featuresOf(batch.inputs));
     c10::NoGradGuard noGrad;
     const auto [inBatch, hitInBatch] =
-        hitsPerClass(batch.targets, mlp_->forward(batch.inputs).argmax(1).eq(batch.targets.to(at::kLong)), classes);
+        hitsPerClass(batch.targets, net_->forward(batch.inputs).argmax(1).eq(batch.targets.to(at::kLong)), classes);
     count += inBatch;
     correct += hitInBatch;
   }
@@ -86,7 +86,7 @@ SampleJudge::SampleJudge(const std::string& classifierExport) : classifier_(load
 
 at::Tensor SampleJudge::featuresOf(const at::Tensor& images) const {
   c10::NoGradGuard noGrad;
-  return mlp_->features(images.to(at::kFloat)).to(at::kDouble);
+  return net_->features(images.to(at::kFloat)).to(at::kDouble);
 }
 
 Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels) const {
@@ -103,7 +103,7 @@ Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels
   j.realImages = realFeatures_.size(0);
   j.realSource = realSource_;
   const at::Tensor asked = labels.to(at::kLong);
-  const at::Tensor hit = mlp_->forward(images).argmax(1).eq(asked);
+  const at::Tensor hit = net_->forward(images).argmax(1).eq(asked);
   j.accuracy = hit.to(at::kDouble).mean().item<double>();
   const auto [count, correct] = hitsPerClass(asked, hit, static_cast<int64_t>(realCount_.size()));
   for (int64_t label = 0; label < count.size(0); ++label) {

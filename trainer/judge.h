@@ -2,8 +2,11 @@
 // prediction against the class each sample was asked for, and the Frechet distance
 // between its penultimate features of the samples and of held-out real images (FID's
 // formula with this classifier in place of Inception, which fits 28x28 gray images).
-// The classifier is an export of `model.arch: mlp` trained on the images (its metadata
-// names the data it was trained on, whose held-out split gives the real images).
+// The classifier is an export of `model.arch: mlp` or `convnet` trained on the images (its
+// metadata names the data it was trained on, whose held-out split gives the real images).
+// Two judges of different architectures (configs/fashion_classifier.yaml and
+// fashion_convnet.yaml) report both: a generator whose error pleases one judge's features
+// shows in the other's.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,7 +18,7 @@
 #include "trainer/model_loading.h"
 
 namespace tessera::models {
-class FeatureMlp;
+class FeatureModel;
 }  // namespace tessera::models
 
 namespace tessera::trainer {
@@ -61,7 +64,7 @@ class SampleJudge {
  private:
   at::Tensor featuresOf(const at::Tensor& images) const;
   LoadedModel classifier_;
-  models::FeatureMlp* mlp_ = nullptr;
+  models::FeatureModel* net_ = nullptr;  // the classifier's model
   at::Tensor realFeatures_;
   double realAccuracy_ = 0;
   std::vector<int64_t> realCount_, realCorrect_;  // per class, over the held-out images

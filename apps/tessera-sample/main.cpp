@@ -4,7 +4,7 @@
 //                  [--classes 0,3,7|all] [--per-class N] [--sampler ddim|ddpm]
 //                  [--steps K | --timesteps T0,T1,...]
 //                  [--cfg SCALE] [--cfg-interval FIRST,LAST] [--seed S] [--noise FILE] [--out GRID.png] [--out-tensors FILE]
-//                  [--judge CLASSIFIER]
+//                  [--judge CLASSIFIER [--judge ANOTHER]]
 // The export's metadata says which model it is (no config needed) and, for a distilled
 // few-step generator, the timesteps it samples at (model.sample_timesteps: the default
 // when neither --steps nor --timesteps is given). --noise gives the
@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <iostream>
 #include <optional>
+#include <vector>
 #include <sstream>
 
 #include "checkpoint/reader.h"
@@ -39,7 +40,8 @@ using tessera::UsageError;
 namespace {
 
 struct SampleArgs {
-  std::string weights, checkpoint, what = "generator_ema", classes = "all", noise, out, outTensors, judge;
+  std::string weights, checkpoint, what = "generator_ema", classes = "all", noise, out, outTensors;
+  std::vector<std::string> judges;  // --judge, each
   int64_t perClass = 8;
   tessera::models::SampleRequest request;
 };
@@ -163,21 +165,23 @@ int main(int argc, char** argv) {
     noise->excludes(classes);
     app.add_option("--out", args.out, "Write a PNG grid, one row per class");
     app.add_option("--out-tensors", args.outTensors, "Write 'samples' [N, ...] float32 and 'labels' [N] as safetensors");
-    app.add_option("--judge", args.judge,
-                   "A classifier export (model.arch mlp on the same images): print its accuracy on the samples and "
-                   "the Frechet distance of its features to the held-out images'");
+    app.add_option("--judge", args.judges,
+                   "A classifier export (model.arch mlp or convnet on the same images): print its accuracy on the "
+                   "samples and the Frechet distance of its features to the held-out images'; give it again for "
+                   "another judge (another architecture's features), reported after the first");
     if (const auto done = tessera::parseCommandLine(app, argc, argv)) return *done;
     // CLI11's Range lets NaN through (every comparison with it is false).
     if (!std::isfinite(args.request.cfg)) throw UsageError(tessera::strCat("--cfg: ", args.request.cfg, " is not a number"));
     if (timesteps->count() > 0 && args.request.timesteps.empty()) throw UsageError("--timesteps: no timesteps given");
     if (args.weights.empty() && args.checkpoint.empty()) throw UsageError("give --weights EXPORT or --checkpoint DIR");
-    if (args.out.empty() && args.outTensors.empty() && args.judge.empty()) {
+    if (args.out.empty() && args.outTensors.empty() && args.judges.empty()) {
       throw UsageError("nothing to do: give --out, --out-tensors and/or --judge");
     }
     if (!args.out.empty() && !args.outTensors.empty() && fs::absolute(args.out) == fs::absolute(args.outTensors)) {
       throw UsageError("--out and --out-tensors name the same file");
     }
-    const std::vector<std::string> inputs{args.weights, args.noise, args.judge, args.checkpoint};
+    std::vector<std::string> inputs{args.weights, args.noise, args.checkpoint};
+    inputs.insert(inputs.end(), args.judges.begin(), args.judges.end());
     checkOutputPath(args.out, "--out", ".png", inputs);
     checkOutputPath(args.outTensors, "--out-tensors", ".safetensors", inputs);
 
@@ -212,11 +216,13 @@ int main(int argc, char** argv) {
       tessera::models::useOwnTimesteps(args.request, *model, loaded.description.model.sample_timesteps,
                                        (args.weights.empty() ? args.checkpoint : args.weights) + ": model.sample_timesteps");
     }
-    // The judge loads (and reads its real images) before sampling: a bad classifier fails fast.
-    std::optional<tessera::trainer::SampleJudge> judge;
-    if (!args.judge.empty()) {
+    // The judges load (and read their real images) before sampling: a bad classifier fails fast.
+    std::vector<tessera::trainer::SampleJudge> judges;
+    if (!args.judges.empty()) {
       tessera::distributed::runOnEveryRank(comm, "loading the judge", [&] {
-        if (env.rank == 0) judge.emplace(args.judge);
+        if (env.rank == 0) {
+          for (const std::string& file : args.judges) judges.emplace_back(file);
+        }
       });
     }
     const at::Tensor samples = tessera::models::drawSamples(*model, args.request, comm, at::kCPU);
@@ -234,14 +240,17 @@ int main(int argc, char** argv) {
       tessera::models::writeSampleGrid(args.out, samples, perRow);
       std::cout << "grid: " << fs::absolute(args.out).string() << "\n";
     }
-    if (judge) {
-      const auto j = judge->judge(samples, args.request.labels);
-      std::cout << "judge: accuracy " << j.accuracy << " (" << j.samples << " samples classified as the class asked for; "
-                << "on real images the classifier scores " << j.realAccuracy << ")\n"
-                << "judge: Frechet distance " << j.frechet << " to " << j.realSource;
+    for (size_t i = 0; i < judges.size(); ++i) {
+      // The first judge's lines as they always were; a further one's named by its number and file.
+      const std::string name = i == 0 ? "judge" : tessera::strCat("judge ", i + 1, " (", args.judges[i], ")");
+      const auto j = judges[i].judge(samples, args.request.labels);
+      std::cout << name << ": accuracy " << j.accuracy << " (" << j.samples
+                << " samples classified as the class asked for; on real images the classifier scores "
+                << j.realAccuracy << ")\n"
+                << name << ": Frechet distance " << j.frechet << " to " << j.realSource;
       if (j.realFrechet >= 0) std::cout << " (" << j.samples << " real images score " << j.realFrechet << ")";
       std::cout << "\n";
-      std::cout << "judge: " << tessera::trainer::perClassText(j) << "\n";
+      std::cout << name << ": " << tessera::trainer::perClassText(j) << "\n";
     }
     return 0;
   });

@@ -324,8 +324,24 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
   mustRun(trainCommand(2) + config + " --set run.dir=" + classifierRun +
           " --set model.arch=mlp --set model.hidden=[32,16] --set run.steps=30 --set checkpoint.export=[model_ema]");
   const std::string classifier = classifierRun + "/export/model_ema.safetensors";
+  // The second judge: a convnet on the same images (configs/fashion_convnet.yaml's kind).
+  const std::string convnetRun = dir + "/convnet", convnet = convnetRun + "/export/model_ema.safetensors";
+  mustRun(trainCommand(2) + config + " --set run.dir=" + convnetRun +
+          " --set model.arch=convnet --set model.hidden=[4,8,16] --set run.steps=30 --set checkpoint.export=[model_ema]");
   const std::string out = mustRun(kBin + "/tessera-sample --weights " + ditRun +
-                                  "/export/generator_ema.safetensors --per-class 3 --steps 5 --judge " + classifier);
+                                  "/export/generator_ema.safetensors --per-class 3 --steps 5 --judge " + classifier +
+                                  " --judge " + convnet);
+  // Each judge's lines, the second named by its number and file, with figures of its own.
+  const std::string second = "judge 2 (" + convnet + "): ";
+  const auto secondAccuracyAt = out.find(second + "accuracy ");
+  const auto secondFrechetAt = out.find(second + "Frechet distance ");
+  ASSERT_NE(secondAccuracyAt, std::string::npos) << out;
+  ASSERT_NE(secondFrechetAt, std::string::npos) << out;
+  EXPECT_NE(out.find(second + "per class asked for"), std::string::npos) << out;
+  const double secondAccuracy = std::stod(out.substr(secondAccuracyAt + second.size() + 9));
+  EXPECT_GE(secondAccuracy, 0.0);
+  EXPECT_LE(secondAccuracy, 1.0);
+  const double secondFrechet = std::stod(out.substr(secondFrechetAt + second.size() + 17));
   const auto accuracyAt = out.find("judge: accuracy ");
   ASSERT_NE(accuracyAt, std::string::npos) << out;
   const double accuracy = std::stod(out.substr(accuracyAt + 16));
@@ -337,6 +353,8 @@ TEST(DitE2ETest, JudgeScoresSamplesWithAClassifierOfTheSameData) {
   const auto frechetAt = out.find("judge: Frechet distance ");
   ASSERT_NE(frechetAt, std::string::npos) << out;
   EXPECT_GE(std::stod(out.substr(frechetAt + 24)), 0.0);
+  EXPECT_GE(secondFrechet, 0.0);
+  EXPECT_NE(secondFrechet, std::stod(out.substr(frechetAt + 24))) << "the two judges' features are the same";
   EXPECT_NE(out.find("to the 24 held-out images of " + dir + "/data/images-idx3-ubyte (12 real images score "),
             std::string::npos)
       << out;

@@ -616,6 +616,44 @@ sys.exit(0 if err < 1e-5 else 1)
   std::filesystem::remove(script);
 }
 
+// The convnet (the second judge's architecture): PyTorch's Conv2d names per stage, each
+// stage a 3x3 convolution with padding 1, ReLU and a 2x2 max pool; fc over the flattened
+// map with ReLU gives the features the head reads; cross-entropy of the classes. Refused
+// for anything but labelled images or without a feature width.
+TEST(ConvNetTest, StagesFeaturesAndHeadAsTorchWouldComputeThem) {
+  ModelOptions o;
+  o.arch = "convnet";
+  o.hidden = {4, 6, 5};
+  auto net = std::dynamic_pointer_cast<FeatureModel>(initialized(makeModel(o, floatSpec({2, 8, 8}, /*classes=*/3))));
+  ASSERT_NE(net, nullptr);
+  EXPECT_EQ(names(*net), (std::set<std::string>{"stages.0.weight", "stages.0.bias", "stages.1.weight", "stages.1.bias",
+                                                "fc.weight", "fc.bias", "head.weight", "head.bias"}));
+  EXPECT_EQ(unitNames(*net), (std::vector<std::string>{"stages.0", "stages.1"}));
+  auto p = net->named_parameters();
+  EXPECT_EQ(p["stages.1.weight"].sizes(), (c10::IntArrayRef{6, 4, 3, 3}));
+  EXPECT_EQ(p["fc.weight"].sizes(), (c10::IntArrayRef{5, 6 * 2 * 2}));
+  const at::Tensor x = torch::randn({3, 2, 8, 8});
+  at::Tensor h = x;
+  for (const char* s : {"stages.0", "stages.1"}) {
+    h = torch::max_pool2d(torch::relu(torch::conv2d(h, p[std::string(s) + ".weight"], p[std::string(s) + ".bias"], 1, 1)), 2);
+  }
+  const at::Tensor features = torch::relu(torch::linear(h.flatten(1), p["fc.weight"], p["fc.bias"]));
+  EXPECT_TRUE(at::allclose(net->features(x), features, 1e-5, 1e-6));
+  const at::Tensor logits = net->forward(x);
+  EXPECT_TRUE(at::allclose(logits, torch::linear(features, p["head.weight"], p["head.bias"]), 1e-5, 1e-6));
+  datasets::Batch batch;
+  batch.inputs = x;
+  batch.targets = torch::tensor(std::vector<int64_t>{2, 0, 1});
+  const at::Tensor expected = -logits.log_softmax(1).gather(1, batch.targets.unsqueeze(1)).squeeze(1);
+  EXPECT_TRUE(at::allclose(net->losses(batch), expected, 1e-5, 1e-6));
+  // 2 x (2 x 4 x 2 x 9 x 64 + 2 x 6 x 4 x 9 x 16) convolutions' and the two linears' FLOPs.
+  EXPECT_DOUBLE_EQ(net->forwardFlopsPerSample(), 2.0 * 72 * 64 + 2.0 * 216 * 16 + 2.0 * 5 * 24 + 2.0 * 3 * 5);
+  EXPECT_THROW(makeModel(o, floatSpec({2, 8, 8})), ConfigError);     // no classes
+  EXPECT_THROW(makeModel(o, floatSpec({64}, 3)), ConfigError);       // not images
+  o.hidden = {4};
+  EXPECT_THROW(makeModel(o, floatSpec({2, 8, 8}, 3)), ConfigError);  // no feature width
+}
+
 TEST(FeatureMlpTest, ClassesAndRegression) {
   torch::manual_seed(6);
   ModelOptions o;

@@ -3,7 +3,7 @@
 // python/test_tessera_models.py feeds to the plain-PyTorch model to compare.
 //   tessera-model-probe --weights EXPORT --out PROBE.safetensors [--batch 3] [--seed 0]
 // Written: token models `tokens` and `out` (ContextMlp: next-token logits [B, vocab];
-// Gpt: every position's [B, T, vocab]); FeatureMlp `x`, `out` and `features_out` (the
+// Gpt: every position's [B, T, vocab]); FeatureMlp and ConvNet `x`, `out` and `features_out` (the
 // head's input); denoisers `x`, `t`, `y` (labels, "no class" included) and `out` (noise).
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/GradMode.h>
@@ -13,7 +13,7 @@
 #include "common/command_line.h"
 #include "models/diffusion.h"
 #include "models/gpt.h"
-#include "models/mlp.h"
+#include "models/train_model.h"
 #include "trainer/model_loading.h"
 
 int main(int argc, char** argv) {
@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
     } else if (auto* next = dynamic_cast<NextTokenModel*>(loaded.model.get())) {
       const at::Tensor tokens = at::randint(loaded.description.model.vocab_size, shape, gen, at::kLong);
       probe = {{"tokens", tokens}, {"out", next->nextTokenLogits(tokens)}};
-    } else if (auto* mlp = dynamic_cast<FeatureMlp*>(loaded.model.get())) {
+    } else if (auto* mlp = dynamic_cast<FeatureModel*>(loaded.model.get())) {
       const at::Tensor x = at::randn(shape, gen, at::kFloat);
       probe = {{"x", x}, {"out", mlp->forward(x)}, {"features_out", mlp->features(x)}};
     } else {
