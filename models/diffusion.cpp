@@ -197,13 +197,24 @@ at::Tensor Denoiser::discriminate(const at::Tensor& noisy, const at::Tensor& tim
   return logits.dim() == 3 ? logits.mean({1, 2}) : logits.view({-1});
 }
 
-at::Tensor discriminateInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
-                               const at::Tensor& labels) {
+namespace {
+
+// `method` of the denoiser (x_t, t, labels; undefined labels: "no class") with its root
+// entered as a unit.
+at::Tensor callInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps, const at::Tensor& labels,
+                       at::Tensor (Denoiser::*method)(const at::Tensor&, const at::Tensor&, const at::Tensor&)) {
   const at::Tensor y = labels.defined() ? labels : model.noClassLabels(noisy.size(0), noisy.device());
   return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps, y},
-                               [&model](const std::vector<at::Tensor>& in) {
-                                 return std::vector<at::Tensor>{model.discriminate(in[0], in[1], in[2])};
+                               [&model, method](const std::vector<at::Tensor>& in) {
+                                 return std::vector<at::Tensor>{(model.*method)(in[0], in[1], in[2])};
                                })[0];
+}
+
+}  // namespace
+
+at::Tensor discriminateInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
+                               const at::Tensor& labels) {
+  return callInUnits(model, noisy, timesteps, labels, &Denoiser::discriminate);
 }
 
 at::Tensor Denoiser::losses(const datasets::Batch& batch) {
@@ -260,12 +271,8 @@ double minSnrLossWeight(double alphaBar, Prediction prediction, double gamma) {
 }
 
 at::Tensor predictInUnits(Denoiser& model, const at::Tensor& noisy, const at::Tensor& timesteps,
-                               const at::Tensor& labels) {
-  const at::Tensor y = labels.defined() ? labels : model.noClassLabels(noisy.size(0), noisy.device());
-  return sharding::unitForward(model, std::vector<at::Tensor>{noisy, timesteps, y},
-                               [&model](const std::vector<at::Tensor>& in) {
-                                 return std::vector<at::Tensor>{model.predict(in[0], in[1], in[2])};
-                               })[0];
+                          const at::Tensor& labels) {
+  return callInUnits(model, noisy, timesteps, labels, &Denoiser::predict);
 }
 
 GuidanceInterval makeGuidanceInterval(const std::vector<int64_t>& interval) {

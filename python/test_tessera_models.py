@@ -707,6 +707,10 @@ def _end_to_end_cases(work_dir):
                                      "prediction": "v", "final_conv": True},
          dict(kind="idx", path=images, labels=labels, **batch),
          {"noise": torch.randn(6, 1, 16, 16, generator=g), "labels": torch.tensor([0, 1, 2, 3, 4, 1])}),
+        # A DMD critic's kind of export: a GAN head (gan_head.*) beside the denoiser, loaded strictly.
+        ("diffusion_gan_head", {"arch": "diffusion", "embed_dim": 16, "layers": 2, "timesteps": 50,
+                                "gan_head_block": 0},
+         dict(kind="tensors", path=points, **batch), None),
         ("diffusion_v", {"arch": "diffusion", "embed_dim": 16, "layers": 2, "timesteps": 50, "prediction": "v",
                          "zero_terminal_snr": True},
          dict(kind="tensors", path=points, **batch), {"noise": torch.randn(6, 2, generator=g)}),
