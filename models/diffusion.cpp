@@ -162,14 +162,6 @@ at::Tensor DiffusionDenoiser::timeEmbedding(const at::Tensor& timesteps) const {
 
 at::Tensor DiffusionDenoiser::blockOutput(const at::Tensor& noisy, const at::Tensor& timesteps,
                                           const at::Tensor& /*labels*/, int64_t block) {
-  const auto dtype = inputProj_->weight.scalar_type();
-  const at::Tensor temb = timeEmbed_->forward(timeEmbedding(timesteps).to(dtype));
-  at::Tensor h = inputProj_->forward(noisy.flatten(1).to(dtype));
-  for (int64_t i = 0; i <= block; ++i) h = (*blocks_)[static_cast<size_t>(i)]->forward(h, temb);
-  return h;
-}
-
-at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor& timesteps) {
   TESSERA_CHECK(noisy.dim() >= 2 && noisy.numel() == noisy.size(0) * features_ && timesteps.dim() == 1 &&
                     timesteps.size(0) == noisy.size(0),
                 "DiffusionDenoiser: expected x_t [batch, ", features_, " features] and t [batch], got ", noisy.sizes(),
@@ -177,7 +169,12 @@ at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor&
   const auto dtype = inputProj_->weight.scalar_type();  // the compute dtype (sharding.param_dtype)
   const at::Tensor temb = timeEmbed_->forward(timeEmbedding(timesteps).to(dtype));
   at::Tensor h = inputProj_->forward(noisy.flatten(1).to(dtype));
-  for (auto& block : *blocks_) h = block->forward(h, temb);
+  for (int64_t i = 0; i <= block; ++i) h = (*blocks_)[static_cast<size_t>(i)]->forward(h, temb);
+  return h;
+}
+
+at::Tensor DiffusionDenoiser::forward(const at::Tensor& noisy, const at::Tensor& timesteps) {
+  const at::Tensor h = blockOutput(noisy, timesteps, {}, static_cast<int64_t>(blocks_->size()) - 1);
   return outputProj_->forward(outNorm_->forward(h)).view(noisy.sizes());
 }
 
