@@ -3,6 +3,7 @@
 // largest over the ranks), minus the same figure for a tiny model run the same way, next
 // to what ZeRO says a rank must hold:
 //   no_shard  16 Psi                       (fp32 parameters, gradients, AdamW moments)
+//   zero1     8 Psi + 8 Psi / N            (parameters and gradients full; moments sharded)
 //   zero2     4 Psi + 12 Psi / N           (parameters full; gradients, moments sharded)
 //   zero3     16 Psi / N + 3 units         (everything sharded; the running unit, the one
 //                                            prefetched and the root gathered)
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
+#include "common/errors.h"
 #include "common/filesystem.h"
 
 namespace {
@@ -70,18 +72,23 @@ double peakRssMiB(const std::string& binDir, const std::string& data, const Shap
   return peak;
 }
 
-double formulaMiB(const std::string& strategy, const Shape& shape, int world) {
+// What ZeRO says a rank of `strategy` holds, in MiB, and the formula's text (zero1 was
+// given zero3's formula before; a strategy without one is refused).
+struct Formula {
+  double mib;
+  const char* text;
+};
+Formula formulaOf(const std::string& strategy, const Shape& shape, int world) {
   const double psi = static_cast<double>(shape.params()), n = world, mib = 1024.0 * 1024.0;
-  if (strategy == "no_shard") return 16 * psi / mib;
-  if (strategy == "zero2") return (4 * psi + 12 * psi / n) / mib;
-  const double unit = 4.0 * static_cast<double>(shape.width * shape.width + shape.width);
-  return (16 * psi / n + 3 * unit) / mib;
-}
-
-const char* formulaText(const std::string& strategy) {
-  if (strategy == "no_shard") return "16 Psi";
-  if (strategy == "zero2") return "4 Psi + 12 Psi/N";
-  return "16 Psi/N + 3 units";
+  if (strategy == "no_shard") return {16 * psi / mib, "16 Psi"};
+  if (strategy == "zero1") return {(8 * psi + 8 * psi / n) / mib, "8 Psi + 8 Psi/N"};
+  if (strategy == "zero2") return {(4 * psi + 12 * psi / n) / mib, "4 Psi + 12 Psi/N"};
+  if (strategy == "zero3") {
+    const double unit = 4.0 * static_cast<double>(shape.width * shape.width + shape.width);
+    return {(16 * psi / n + 3 * unit) / mib, "16 Psi/N + 3 units"};
+  }
+  throw tessera::UsageError("no ZeRO formula for strategy '" + strategy +
+                            "' (no_shard, zero1, zero2, zero3)");
 }
 
 std::vector<std::string> split(const std::string& list) {
@@ -131,14 +138,16 @@ int main(int argc, char** argv) {
                 static_cast<long long>(shape.params()), 4.0 * static_cast<double>(shape.params()) / (1 << 20));
     std::printf("%-9s %3s %12s %12s %14s %22s %7s\n", "strategy", "N", "peak MiB", "baseline MiB", "above baseline",
                 "formula MiB", "ratio");
+    for (const std::string& strategy : split(strategies)) formulaOf(strategy, shape, 1);  // every one has a formula
     for (const std::string& strategy : split(strategies)) {
       for (const std::string& w : split(worlds)) {
         const int world = std::stoi(w);
         const double peak = peakRssMiB(binDir, data, shape, strategy, world, steps, sets, work / "run");
         const double base = peakRssMiB(binDir, data, tiny, strategy, world, steps, sets, work / "base");
-        const double above = peak - base, formula = formulaMiB(strategy, shape, world);
+        const double above = peak - base;
+        const Formula formula = formulaOf(strategy, shape, world);
         std::printf("%-9s %3d %12.0f %12.0f %14.0f %12.0f %-9s %6.2fx\n", strategy.c_str(), world, peak, base, above,
-                    formula, formulaText(strategy), above / formula);
+                    formula.mib, formula.text, above / formula.mib);
         std::fflush(stdout);
       }
     }
