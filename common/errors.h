@@ -37,6 +37,14 @@ class TimeoutError : public Error {
   using Error::Error;
 };
 
+// A collective that lost a peer: its process exited, it left the operation with an error,
+// or this process aborted its communicators (distributed::abortCommunicators). Under
+// fault.survive the trainer takes it for a lost replica group and goes on without it.
+class PeerLostError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 template <typename... Args>
 std::string concat(Args&&... args) {

@@ -240,6 +240,14 @@ void markCommBroken(const std::shared_ptr<CommHealth>& health, const std::string
   }
 }
 
+namespace {
+std::atomic<uint64_t> g_abortGeneration{0};
+}  // namespace
+
+void abortCommunicators() { g_abortGeneration.fetch_add(1); }
+
+uint64_t commAbortGeneration() { return g_abortGeneration.load(); }
+
 void Communicator::ensureUsable(const char* method) const {
   std::lock_guard<std::mutex> lock(health_->mutex);
   if (health_->broken) {

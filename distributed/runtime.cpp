@@ -2,6 +2,9 @@
 #include "distributed/runtime.h"
 
 #include <ATen/Context.h>
+#include <unistd.h>
+
+#include <fstream>
 
 #include "common/errors.h"
 #include "common/logging.h"
@@ -23,6 +26,31 @@ CommOptions commOptionsOf(const RuntimeOptions& options) {
   comm.checkCollectives = options.checkCollectives;
   comm.flightEntries = options.flightEntries;
   return comm;
+}
+
+// This machine as ranks compare it: host name and boot id (two containers of one host share
+// both but not always /dev/shm: ShmCommunicator's creation finds that out and gloo takes over).
+std::string hostIdentity() {
+  char name[256] = {};
+  gethostname(name, sizeof(name) - 1);
+  std::ifstream bootId("/proc/sys/kernel/random/boot_id");
+  std::string boot;
+  std::getline(bootId, boot);
+  return strCat(name, "/", boot);
+}
+
+// Whether every rank of `env` runs on this machine although its launcher does not start them
+// all (several tessera-run nodes on one machine, as tests and elastic runs on one host do):
+// rank 0 compares everyone's hostIdentity() and says.
+bool allRanksOnThisHost(Store& store, const RankEnv& env, std::chrono::milliseconds timeout) {
+  const std::string me = hostIdentity();
+  store.set(strCat("host_identity/", env.rank), me);
+  if (env.rank == 0) {
+    bool same = true;
+    for (int r = 1; r < env.world_size && same; ++r) same = store.get(strCat("host_identity/", r), timeout) == me;
+    store.set("host_identity/verdict", same ? "1" : "0");
+  }
+  return store.get("host_identity/verdict", timeout) == "1";
 }
 
 }  // namespace
@@ -53,7 +81,9 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
 
   // The CPU communicator: shared memory when every rank is on this host (asked for, or
   // "cpu" and it can be set up), else gloo.
-  if (backend == "shm" || (backend == "cpu" && env.singleNode() && env.world_size > 1)) {
+  const bool oneHost = env.singleNode() ||
+                       (backend == "cpu" && allRanksOnThisHost(*runtime->store_, env, options.rendezvousTimeout));
+  if (backend == "shm" || (backend == "cpu" && oneHost && env.world_size > 1)) {
     ShmOptions shm;
     shm.comm = commOptionsOf(options);
     shm.comm.name = "world_cpu";
@@ -74,7 +104,7 @@ std::shared_ptr<Runtime> Runtime::init(const RankEnv& env, const RuntimeOptions&
     gloo.comm.name = "world_cpu";
     // Loopback is always right on one machine; across machines c10d's default device (the
     // host name's address, or $GLOO_SOCKET_IFNAME) is.
-    gloo.hostname = env.singleNode() ? "127.0.0.1" : "";
+    gloo.hostname = oneHost ? "127.0.0.1" : "";
     runtime->cpuComm_ = makeGlooCommunicator(runtime->store_, env.rank, env.world_size, gloo);
   }
   if (backend != "nccl") {

@@ -19,8 +19,9 @@ namespace tessera::distributed {
 
 struct RuntimeOptions {
   // "gloo" (CPU tensors, TCP), "shm" (CPU tensors, every rank on this host, shared memory:
-  // shm_communicator.h), "cpu" (shm when every rank is on this host and the segment can be
-  // set up, else gloo, with a warning when shm was possible but failed), "nccl" (CUDA
+  // shm_communicator.h), "cpu" (shm when every rank is on this host — started by one
+  // launcher, or by several on one machine: rank 0 compares host names and boot ids — and
+  // the segment can be set up, else gloo, with a warning when shm was possible but failed), "nccl" (CUDA
   // tensors; needs a TESSERA_WITH_CUDA build), or "auto": nccl when this build has it and a
   // CUDA device is present, else "cpu".
   std::string backend = "gloo";

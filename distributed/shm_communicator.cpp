@@ -613,15 +613,18 @@ class ShmCommunicator final : public Communicator {
       if (allReady()) return;
       const auto now = Clock::now();
       if (executor_->aborting().load()) throw Error(strCat(current_.what, ": the communicator was destroyed"));
+      if (commAbortGeneration() != abortGeneration_) {
+        throw PeerLostError(strCat(current_.what, ": aborted by this process (its replica groups are changing)"));
+      }
       if (now >= nextCheck) {
         for (int r = 0; r < worldSize(); ++r) {
           if (ready(r)) continue;
           const RankState& peer = segment_->rank(r);
           if (peer.gaveUp.load() != 0) {
-            throw Error(strCat(current_.what, ": rank ", r, " left the operation with an error"));
+            throw PeerLostError(strCat(current_.what, ": rank ", r, " left the operation with an error"));
           }
           if (!processVisible(peer.pid.load())) {
-            throw Error(strCat(current_.what, ": rank ", r, " (process ", peer.pid.load(), ") exited"));
+            throw PeerLostError(strCat(current_.what, ": rank ", r, " (process ", peer.pid.load(), ") exited"));
           }
         }
         nextCheck = now + kLivenessEvery;
@@ -651,6 +654,7 @@ class ShmCommunicator final : public Communicator {
   ShmOptions shm_;
   std::unique_ptr<Segment> segment_;
   std::shared_ptr<Executor> executor_;
+  const uint64_t abortGeneration_ = commAbortGeneration();  // abortCommunicators() after creation ends its waits
   uint64_t pieces_ = 0;  // pieces run so far; only the executing thread touches it
   Current current_;       // the operation running now (executing thread only)
 };

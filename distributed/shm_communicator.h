@@ -20,7 +20,8 @@
 // Failures: every wait has the operation's timeout, counted from when the operation starts
 // (TimeoutError naming the ranks that did not arrive; a wait() on an operation queued
 // behind others also waits for those, each bounded by its own timeout); a peer that exits
-// or gives up is noticed within 50 ms (Error naming its rank). Creation checks that every
+// or gives up is noticed within 50 ms (PeerLostError naming its rank), as is this process's
+// abortCommunicators(). Creation checks that every
 // rank can open the segment and see the others' processes; when one cannot (ranks in
 // different containers, a full /dev/shm), every rank throws the same Error, so callers can
 // fall back to gloo together (Runtime does for run.backend auto; split() does for its

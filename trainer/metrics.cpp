@@ -93,6 +93,9 @@ std::string tensorBoardTag(const std::string& name) {
 void MetricsLog::record(const StepMetrics& m) {
   nlohmann::json j = {{"step", m.step}};
   for (const auto& [k, v] : m.named()) j[k] = v;
+  // When the row was written, Unix seconds (TensorBoard's events carry their own): what a
+  // lost rank's timeline is read from.
+  j["time"] = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const std::string jsonLine = j.dump() + "\n";
   writeAllTo(fd_, jsonLine.data(), jsonLine.size(), jsonlPath_);
   for (const auto& [name, value] : m.named()) {

@@ -746,8 +746,42 @@ void checkPlannedMemory(const RunParts& run) {
 
 }  // namespace
 
-std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
-                                   std::shared_ptr<distributed::Communicator> comm) {
+// fault.survive: `run` takes this rank's state from `previous`, its parts before a lost
+// replica group left, entry by entry; each must have the same layout in both (hybrid keeps
+// its shard groups, no_shard holds everything on every rank).
+void adoptState(RunParts& run, RunParts& previous, int64_t stepsDone) {
+  const std::vector<checkpoint::StateEntry> from = checkpoint::collectEntries(previous.states());
+  std::map<std::string, const checkpoint::StateEntry*> byName;
+  for (const checkpoint::StateEntry& e : from) byName[e.name] = &e;
+  const checkpoint::StateMap states = run.states();
+  for (const checkpoint::StateEntry& e : checkpoint::collectEntries(states)) {
+    const auto it = byName.find(e.name);
+    if (it == byName.end()) {
+      throw Error(strCat("fault.survive: state '", e.name, "' of the new world is not among this rank's state"));
+    }
+    // The same rows of the same tensor (a replicated one's world does not matter).
+    const dtensor::ShardSpec& was = it->second->spec;
+    if (was.placement() != e.spec.placement() || was.globalShape() != e.spec.globalShape() ||
+        was.dtype() != e.spec.dtype() || was.localRowRange() != e.spec.localRowRange() ||
+        it->second->local.numel() != e.local.numel()) {
+      throw Error(strCat("fault.survive: state '", e.name, "' is ", it->second->spec.str(), " on this rank but ",
+                         e.spec.str(), " in the world that goes on: its layout changed"));
+    }
+    e.local.copy_(it->second->local);
+  }
+  checkpoint::afterLoad(states);
+  run.counters = previous.counters;
+  run.counters.worldSize = run.comm->worldSize();
+  run.counters.strategy = run.strategies();
+  run.counters.step = stepsDone;
+  run.startStep = stepsDone;
+}
+
+// The parts of a run; with `previous` (fault.survive), its state instead of the run.dir's
+// claim, the local tier, a resume or an initialisation from files.
+std::unique_ptr<RunParts> buildRun(TrainConfig config, std::string resolvedYaml,
+                                   std::shared_ptr<distributed::Communicator> comm, RunParts* previous,
+                                   int64_t stepsDone) {
   auto run = std::make_unique<RunParts>();
   run->cfg = std::move(config);
   run->resolvedYaml = std::move(resolvedYaml);
@@ -758,15 +792,17 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
   for (const std::string& warning : cfg.warnings) TLOG_WARN0(warning);
   const int world = run->comm->worldSize();
   run->runDir = cfg.run.dir;
-  const bool localTier = cfg.checkpoint.local.every_steps > 0;
+  const bool localTier = cfg.checkpoint.local.every_steps > 0 && previous == nullptr;
   if (localTier) {
     checkLocalTierDir(cfg, localTierOptions(cfg), *run->hostComm);
     promoteFromLocalTier(cfg, localTierOptions(cfg), *run->hostComm);
   }
   // One run per run.dir: decided on rank 0 before anything is written, agreed by all.
-  distributed::runOnEveryRank(run->hostComm.get(), "checking run.dir for an earlier run", [&] {
-    if (rank == 0) claimRunDir(cfg);
-  });
+  if (previous == nullptr) {
+    distributed::runOnEveryRank(run->hostComm.get(), "checking run.dir for an earlier run", [&] {
+      if (rank == 0) claimRunDir(cfg);
+    });
+  }
   makeWritableRunDir(run->runDir);
   if (rank == 0) replaceFile((run->runDir / "config.resolved.yaml").string(), run->resolvedYaml);
 
@@ -807,6 +843,10 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
       if (!ema.empty()) run->counters.modelMetadata[dtensor::statePrefix(dtensor::kEmaKey) + ema] = metadata;
     }
   }
+  if (previous != nullptr) {
+    adoptState(*run, *previous, stepsDone);
+    return run;
+  }
   if (!resume(*run)) initializeFromFiles(*run);  // a resumed run keeps the checkpoint's weights
   if (run->startStep > cfg.run.steps) {
     throw ConfigError(cfg.origins.errorMessage(
@@ -819,6 +859,18 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
     checkpoint::clearLocalTier(tier.dir, tier.owner, run->hostComm.get());
   }
   return run;
+}
+
+std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
+                                   std::shared_ptr<distributed::Communicator> comm) {
+  return buildRun(std::move(config), std::move(resolvedYaml), std::move(comm), nullptr, 0);
+}
+
+std::unique_ptr<RunParts> setUpRunFrom(RunParts& previous, int64_t stepsDone,
+                                       std::shared_ptr<distributed::Communicator> comm) {
+  TrainConfig cfg = previous.cfg;
+  fitBatchToWorld(cfg, comm->worldSize());
+  return buildRun(std::move(cfg), previous.resolvedYaml, std::move(comm), &previous, stepsDone);
 }
 
 }  // namespace tessera::trainer

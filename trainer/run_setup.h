@@ -108,4 +108,12 @@ void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env
 std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
                                    std::shared_ptr<distributed::Communicator> comm);
 
+// fault.survive: the run's parts over `comm`, the world that went on after a replica group
+// was lost, after `stepsDone` steps, with this rank's state taken from `previous` (its parts
+// before the loss) and no file read: no claim of run.dir, no resume, no initialisation. The
+// global batch is kept (fitBatchToWorld). Throws tessera::Error when a state's layout differs
+// on the new world.
+std::unique_ptr<RunParts> setUpRunFrom(RunParts& previous, int64_t stepsDone,
+                                       std::shared_ptr<distributed::Communicator> comm);
+
 }  // namespace tessera::trainer

@@ -303,12 +303,27 @@ void bindDiagnosticsKeys(config::ConfigSchema& s, DiagnosticsSection& d) {
       .max(86400.0);
 }
 
+// fault.*: a lost rank's replica group leaves, the others go on.
+void bindFaultKeys(config::ConfigSchema& s, FaultSection& f) {
+  s.describeSection("fault", "A lost rank: its replica group leaves the run and the others go on");
+  s.add("fault.survive", &f.survive,
+        "When a rank is lost (its process exits or is killed), its replica group (hybrid: its shard group; no_shard: "
+        "its node's ranks) leaves the run and the other groups redo the step in-process with the same global batch, "
+        "without a restart or a checkpoint read (under run.deterministic the same bits). Needs the shm backend, "
+        "run.recipe standard and no_shard or hybrid; the group of rank 0 (the store's host) must live");
+  s.add("fault.quorum_wait_s", &f.quorum_wait,
+        "Seconds rank 0 waits for the live ranks to report after a loss before it names the groups that go on")
+      .min(0.05)
+      .max(600.0);
+}
+
 // The sections in this order: the resolved config lists keys in registration order.
 void bindTrainConfig(config::ConfigSchema& s, TrainConfig& c) {
   bindRunKeys(s, c.run);
   bindLogKeys(s, c.log);
   bindProfileKeys(s, c.profile);
   bindDiagnosticsKeys(s, c.diagnostics);
+  bindFaultKeys(s, c.fault);
   bindEvalKeys(s, c.eval);
   bindTopLevelModelKeys(s, c.defaults.model);
   datasets::bindDataKeys(s, c.data);
@@ -587,6 +602,17 @@ CheckpointSection::CheckpointSection() {
   writer.async = true;
 }
 
+namespace {
+
+// The largest divisor of `n` that is at most `limit` (>= 1): a rank's micro-batch.
+int64_t largestDivisorUpTo(int64_t n, int64_t limit) {
+  int64_t d = std::max<int64_t>(1, std::min(limit, n));
+  while (n % d != 0) --d;
+  return d;
+}
+
+}  // namespace
+
 void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
   TESSERA_CHECK(worldSize >= 1, "finishTrainConfig: world size ", worldSize);
   s.checkRequired();
@@ -624,6 +650,25 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
     }
     if (!c.models[i].ema.options.powerStds.empty()) {
       keys.fail("ema.posthoc.stds", "post-hoc EMA snapshots are not supported in a models: run yet");
+    }
+  }
+  if (c.fault.survive) {
+    // A group that leaves must leave a whole replica behind: every rank of another group
+    // holds the full state (no_shard), or its own group's shards of it (hybrid); and the
+    // step must be one optimizer update that either happened or did not (standard).
+    if (c.run.recipe != "standard") {
+      throw ConfigError(s.errorMessage("fault.survive", strCat("needs run.recipe standard, not ", c.run.recipe,
+                                                               " (a recipe that updates several models in one step "
+                                                               "cannot yet be redone by the survivors)")));
+    }
+    for (const ModelEntry& m : c.models) {
+      const sharding::StrategyKind kind = m.sharding.strategy;
+      if (kind != sharding::StrategyKind::kNoShard && kind != sharding::StrategyKind::kHybrid) {
+        throw ConfigError(s.errorMessage(
+            "fault.survive", strCat("needs sharding.strategy no_shard or hybrid (a replica in every group), not ",
+                                    sharding::strategyKindName(kind), ": a lost rank of ", sharding::strategyKindName(kind),
+                                    " takes shards no other rank holds")));
+      }
     }
   }
   checkExportNames(s, c);
@@ -682,10 +727,28 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
     c.data.micro_batch = perRank;
   } else if (perRank % c.data.micro_batch != 0) {
     c.data.micro_batch_asked = c.data.micro_batch;
-    int64_t micro = std::min(c.data.micro_batch, perRank);
-    while (perRank % micro != 0) --micro;
-    c.data.micro_batch = micro;
+    c.data.micro_batch = largestDivisorUpTo(perRank, c.data.micro_batch);
   }
+}
+
+void fitBatchToWorld(TrainConfig& c, int worldSize) {
+  TESSERA_CHECK(worldSize >= 1, "fitBatchToWorld: world size ", worldSize);
+  if (c.run.deterministic) {
+    const int64_t count = c.data.global_batch / c.data.micro_batch;
+    if (worldSize > count) {
+      throw ConfigError(strCat("data.micro_batch: ", count, " micro-batches per step, fewer than the ", worldSize,
+                               " ranks of the world"));
+    }
+    return;
+  }
+  if (c.data.global_batch % worldSize != 0) {
+    throw ConfigError(strCat("data.global_batch: ", c.data.global_batch, " samples per step do not split evenly over ",
+                             worldSize, " ranks"));
+  }
+  const int64_t perRank = c.data.global_batch / worldSize;
+  const int64_t asked = c.data.micro_batch_asked > 0 ? c.data.micro_batch_asked : c.data.micro_batch;
+  c.data.micro_batch = largestDivisorUpTo(perRank, asked);
+  c.data.micro_batch_asked = c.data.micro_batch == asked ? 0 : asked;
 }
 
 LoadedConfig loadTrainConfig(const std::string& file, const std::vector<std::string>& overrides, int worldSize) {

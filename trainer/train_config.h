@@ -88,6 +88,17 @@ struct DiagnosticsSection {
   std::chrono::milliseconds checkpoint_timeout = std::chrono::seconds(600);
 };
 
+// fault.*: a lost rank under fault.survive (docs/troubleshooting.md, "A lost replica group").
+struct FaultSection {
+  // A lost rank's replica group (hybrid: its shard group; no_shard: its node) leaves the run
+  // and the other groups go on in-process with the same global batch: no restart, no
+  // checkpoint read (trainer/replica_groups.h).
+  bool survive = false;
+  // How long rank 0 waits for the live ranks to report after a loss before it names who
+  // goes on (a lost group never reports, so every recovery waits this long).
+  std::chrono::milliseconds quorum_wait = std::chrono::milliseconds(500);
+};
+
 // A model's EMA: the library's options (ema/ema_manager.h) and what the trainer does
 // around it.
 struct EmaConfig {
@@ -162,6 +173,7 @@ struct TrainConfig {
   LogSection log;
   ProfileSection profile;
   DiagnosticsSection diagnostics;
+  FaultSection fault;
   EvalSection eval;
   datasets::DataOptions data;
   CheckpointSection checkpoint;
@@ -221,6 +233,12 @@ void bindTrainConfig(config::ConfigSchema& schema, TrainConfig& config);
 // global_batch divisible by micro_batch x world size, the models the recipe needs); throws
 // ConfigError naming the keys and where they were set.
 void finishTrainConfig(config::ConfigSchema& schema, TrainConfig& config, int worldSize);
+
+// The data split of `c` for a world of `worldSize` ranks, as finishTrainConfig makes it: the
+// global batch kept, data.micro_batch lowered to what divides a rank's share (the size asked
+// for first). fault.survive calls it for the world that goes on. ConfigError naming the key
+// when the world cannot take the global batch.
+void fitBatchToWorld(TrainConfig& c, int worldSize);
 
 // Loads `file` (if not empty), then each "a.b=c" override, then checks required keys.
 // Returns the resolved YAML text alongside the config.

@@ -28,6 +28,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
+#include "distributed/rank_env.h"
 #include "ema/posthoc.h"
 #include "observe/tensorboard_writer.h"
 #include "sharding/mixed_precision.h"
@@ -37,6 +38,7 @@
 #include "trainer/model_metadata.h"
 #include "trainer/recipe.h"
 #include "trainer/recipe_spec.h"
+#include "trainer/replica_groups.h"
 #include "trainer/profiler.h"
 #include "trainer/run_setup.h"
 #include "trainer/stragglers.h"
@@ -159,8 +161,10 @@ std::unique_ptr<Recipe> makeRecipeOf(RunParts& run) {
 // The train loop's parts, over the parts of the run.
 class TrainLoop {
  public:
-  explicit TrainLoop(RunParts& run)
+  // `replicaGroupSize`: fault.survive's ranks per replica group (metrics' replicas_live); 0: off.
+  explicit TrainLoop(RunParts& run, int replicaGroupSize = 0)
       : run_(run),
+        replicaGroupSize_(replicaGroupSize),
         cfg_(run.cfg),
         recipe_(makeRecipeOf(run)),
         schedule_(run.cfg.run, run.cfg.checkpoint, run.startStep),
@@ -363,6 +367,7 @@ class TrainLoop {
                                                       datasheet_.flopsPerSec)) {
       m.extra[key] = value;
     }
+    if (replicaGroupSize_ > 0) m.extra["replicas_live"] = world / replicaGroupSize_;
     if (skippedInRun_ > 0) m.extra["skipped_steps"] = static_cast<double>(skippedInRun_);
     if (const datasets::SkipCount skipped = run_.data->skipped(); skipped.samples > 0) {
       m.extra["data_skipped"] = static_cast<double>(skipped.samples);  // rank 0's; each rank logs its own below
@@ -454,6 +459,7 @@ class TrainLoop {
   }
 
   RunParts& run_;
+  int replicaGroupSize_;
   const TrainConfig& cfg_;
   std::unique_ptr<Recipe> recipe_;
   CheckpointSchedule schedule_;
@@ -478,6 +484,46 @@ class TrainLoop {
 };
 
 }  // namespace
+
+// fault.survive: the replica groups of `run` and the store's watcher (replica_groups.h).
+std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run) {
+  const TrainConfig& cfg = run.cfg;
+  if (run.comm->backendName() != "shm") {
+    throw ConfigError(strCat("fault.survive needs the shm backend (every rank on one host; run.backend cpu or shm): ",
+                             "this run's collectives go over ", run.comm->backendName(),
+                             ", whose waits cannot be abandoned when a replica group is lost"));
+  }
+  const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
+  const int world = run.comm->worldSize();
+  const int groupSize = replicaGroupSize(cfg, world, env.local_world_size);
+  TLOG_INFO0("fault.survive: " << world / groupSize << " replica groups of " << groupSize
+                               << " ranks; a lost rank's group leaves and the others go on");
+  return std::make_unique<ReplicaGroups>(env, groupSize, cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout);
+}
+
+// fault.survive, after this rank lost a peer (`why`) with `stepsDone` steps complete: the
+// live groups agree on who goes on, build their communicator and take their state over
+// into parts for the new world; this rank leaves (tessera::Error) when its group lost a rank.
+std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::unique_ptr<RunParts> run,
+                                                  int64_t stepsDone, const std::string& why) {
+  const double start = steadySeconds();
+  const int rank = run->comm->rank(), world = run->comm->worldSize();
+  TLOG_WARN("fault.survive: lost a peer after step " << stepsDone << " (" << firstLine(why)
+            << "); agreeing with the other ranks on who goes on");
+  const Membership membership = replicas.recover(rank, world, stepsDone);
+  const int newRank = membership.newRankOf(rank);
+  if (newRank < 0) {
+    throw Error(strCat("fault.survive: rank ", rank, "'s replica group lost a rank, so it leaves the run: ",
+                       membership.describe()));
+  }
+  const distributed::RuntimeOptions& options = run->cfg.diagnostics.runtime;
+  std::shared_ptr<distributed::Communicator> comm =
+      replicas.communicatorFor(membership, newRank, options.commTimeout, options.flightEntries);
+  std::unique_ptr<RunParts> next = setUpRunFrom(*run, membership.stepsDone, std::move(comm));
+  TLOG_INFO0("fault.survive: " << membership.describe() << "; training again " << steadySeconds() - start
+                               << " s after this rank lost its peer, with no checkpoint read");
+  return next;
+}
 
 Trainer::Trainer(TrainConfig config, std::string resolvedYaml, std::shared_ptr<distributed::Communicator> comm)
     : state_(std::make_unique<State>()) {
@@ -504,7 +550,9 @@ TrainSummary Trainer::run() {
     summary.exports = writeExports(*run, run->startStep, missing);
     return summary;
   }
-  TrainLoop loop(*run);
+  std::unique_ptr<ReplicaGroups> replicas;
+  if (run->cfg.fault.survive) replicas = startReplicaGroups(*run);
+  auto loop = std::make_unique<TrainLoop>(*run, replicas ? replicas->groupSize() : 0);
   int64_t done = run->startStep;
   bool stopped = false;
   {
@@ -514,13 +562,27 @@ TrainSummary Trainer::run() {
     // expects (SIGTERM, then SIGKILL after a grace period of seconds).
     StopSignals signals;
     while (done < run->cfg.run.steps && !stopped) {
-      const StepOutcome outcome = loop.trainStep(done);
-      ++done;
-      loop.periodicActions(done, outcome);
-      stopped = loop.stopsAfter(done, outcome);
+      const sharding::ShardingStrategy& main = *run->models.front().strategy;
+      const int64_t stepStart = done, updatesBefore = main.stepsApplied() + main.stepsSkipped();
+      try {
+        const StepOutcome outcome = loop->trainStep(done);
+        ++done;
+        loop->periodicActions(done, outcome);
+        stopped = loop->stopsAfter(done, outcome);
+      } catch (const PeerLostError& e) {
+        if (!replicas) throw;
+        // The step's update is done on this rank when the loss came after it (in the loss's
+        // all-gather, the metrics', a checkpoint's): the survivors agree on it, or give up.
+        const bool updated = main.stepsApplied() + main.stepsSkipped() > updatesBefore;
+        const int64_t stepsDone = stepStart + (updated ? 1 : 0);
+        loop.reset();
+        run = goOnWithoutTheLostGroup(*replicas, std::move(run), stepsDone, e.what());
+        loop = std::make_unique<TrainLoop>(*run, replicas->groupSize());
+        done = run->startStep;
+      }
     }
   }
-  return loop.finish(done, stopped);
+  return loop->finish(done, stopped);
 }
 
 }  // namespace tessera::trainer
