@@ -669,6 +669,12 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
                                     sharding::strategyKindName(kind), ": a lost rank of ", sharding::strategyKindName(kind),
                                     " takes shards no other rank holds")));
       }
+      if (kind == sharding::StrategyKind::kNoShard && m.ema.enabled) {
+        throw ConfigError(s.errorMessage(
+            "fault.survive", "no_shard keeps its EMA sharded over every rank, so a lost group takes rows no other "
+                             "rank holds: use hybrid (its EMA is sharded inside each replica group), or ema.enabled "
+                             "false"));
+      }
     }
   }
   checkExportNames(s, c);

@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdlib>
+#include <sstream>
 #include <vector>
 #include <filesystem>
 #include <map>
@@ -485,17 +487,49 @@ class TrainLoop {
 
 }  // namespace
 
+// The tests of fault.survive: TESSERA_TEST_KILL="RANK:STEP:WHEN" has the process of global
+// rank RANK (its launcher's RANK) SIGKILL itself in step STEP (as the log counts them) at WHEN:
+// "start" (its peers wait for it in the step's collectives), "update" (after the step's
+// optimizer update, its peers in the step's last all-gathers) or "save" (after the step's
+// periodic actions: an asynchronous checkpoint write in flight); several, comma-separated.
+// Unset: never.
+class TestKill {
+ public:
+  TestKill() {
+    const char* spec = std::getenv("TESSERA_TEST_KILL");
+    const char* rank = std::getenv("RANK");
+    if (spec == nullptr || rank == nullptr) return;
+    std::istringstream all(spec);
+    for (std::string text; std::getline(all, text, ',');) {
+      const size_t a = text.find(':'), b = text.find(':', a == std::string::npos ? a : a + 1);
+      const std::string when = b == std::string::npos ? "" : text.substr(b + 1);
+      if (b == std::string::npos || (when != "start" && when != "update" && when != "save")) {
+        throw UsageError(strCat("TESSERA_TEST_KILL '", text, "': RANK:STEP:WHEN expected, WHEN start, update or save"));
+      }
+      if (text.substr(0, a) == rank) kills_.push_back({std::stoll(text.substr(a + 1, b - a - 1)), when});
+    }
+  }
+  void at(int64_t step, const char* when) const {
+    for (const auto& [s, w] : kills_) {
+      if (s == step && w == when) ::kill(::getpid(), SIGKILL);
+    }
+  }
+
+ private:
+  std::vector<std::pair<int64_t, std::string>> kills_;  // this rank's
+};
+
 // fault.survive: the replica groups of `run` and the store's watcher (replica_groups.h).
 std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run) {
   const TrainConfig& cfg = run.cfg;
+  const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
+  const int world = run.comm->worldSize();
+  const int groupSize = replicaGroupSize(cfg, world, env.local_world_size);
   if (run.comm->backendName() != "shm") {
     throw ConfigError(strCat("fault.survive needs the shm backend (every rank on one host; run.backend cpu or shm): ",
                              "this run's collectives go over ", run.comm->backendName(),
                              ", whose waits cannot be abandoned when a replica group is lost"));
   }
-  const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
-  const int world = run.comm->worldSize();
-  const int groupSize = replicaGroupSize(cfg, world, env.local_world_size);
   TLOG_INFO0("fault.survive: " << world / groupSize << " replica groups of " << groupSize
                                << " ranks; a lost rank's group leaves and the others go on");
   return std::make_unique<ReplicaGroups>(env, groupSize, cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout);
@@ -550,6 +584,7 @@ TrainSummary Trainer::run() {
     summary.exports = writeExports(*run, run->startStep, missing);
     return summary;
   }
+  const TestKill testKill;
   std::unique_ptr<ReplicaGroups> replicas;
   if (run->cfg.fault.survive) replicas = startReplicaGroups(*run);
   auto loop = std::make_unique<TrainLoop>(*run, replicas ? replicas->groupSize() : 0);
@@ -565,9 +600,12 @@ TrainSummary Trainer::run() {
       const sharding::ShardingStrategy& main = *run->models.front().strategy;
       const int64_t stepStart = done, updatesBefore = main.stepsApplied() + main.stepsSkipped();
       try {
+        testKill.at(done + 1, "start");
         const StepOutcome outcome = loop->trainStep(done);
         ++done;
+        testKill.at(done, "update");
         loop->periodicActions(done, outcome);
+        testKill.at(done, "save");
         stopped = loop->stopsAfter(done, outcome);
       } catch (const PeerLostError& e) {
         if (!replicas) throw;

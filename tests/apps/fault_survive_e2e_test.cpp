@@ -1,0 +1,206 @@
+// fault.survive, end to end: tessera-run nodes of 2 ranks on this machine (static
+// --nnodes), each node a replica group of a hybrid run (zero3 inside the node, replicated
+// across nodes). A rank of another node kills itself (TESSERA_TEST_KILL) at a chosen point
+// of a chosen step; its node's launcher ends, and node 0's ranks go on in-process, without
+// a restart or a checkpoint read, to the export an uninterrupted run writes: bit for bit
+// under run.deterministic, within float tolerance without it. When the group of rank 0 (the
+// store's host) is the one that lost a rank, every rank stops with the reason.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "common/errors.h"
+#include "tests/apps/train_runs.h"
+#include "tests/support/free_port.h"
+#include "tests/support/run_command.h"
+#include "tests/support/scratch_path.h"
+
+// Named: the apps' tests are one unity build, where anonymous namespaces meet.
+namespace fault_survive_test {
+
+using tessera::strCat;
+using tessera::test::CommandResult;
+using tessera::test::exportOf;
+using tessera::test::kBin;
+using tessera::test::runCommand;
+using tessera::test::shellQuote;
+
+// 8 micro-batches of 4 a step: whole micro-batches on 6, 4 or 2 ranks.
+const std::string kTrainArgs =
+    strCat(" --config ", TESSERA_SOURCE_DIR,
+           "/configs/default.yaml --set run.steps=60 --set model.hidden=[48] --set data.global_batch=32"
+           " --set data.micro_batch=4 --set checkpoint.every_steps=20 --set log.per_rank_files=false"
+           " --set run.log_every=1 --set run.backend=auto --set sharding.strategy=hybrid"
+           " --set sharding.shard_size=2 --set fault.survive=true");
+const std::string kDeterministic = " --set run.deterministic=true";
+
+struct Nodes {
+  std::vector<int> status;             // each launcher's exit status
+  std::vector<std::string> logs;       // each launcher's output
+};
+
+// `nodes` launchers of 2 ranks, each with the trainer and `extra`; TESSERA_TEST_KILL=`kill`.
+Nodes runNodes(const std::string& dir, int nodes, const std::string& extra, const std::string& kill = "") {
+  const int port = tessera::test::freePort();
+  const std::string d = shellQuote(dir);
+  std::string script = strCat("rm -rf ", d, "; mkdir -p ", d, "; export TESSERA_TEST_KILL=", shellQuote(kill), "; ");
+  for (int n = 0; n < nodes; ++n) {
+    script += strCat("(", kBin, "/tessera-run --nnodes ", nodes, " --node-rank ", n, " --nproc-per-node 2 --master-port ",
+                     port, " ", kBin, "/tessera-train", kTrainArgs, extra, " --set run.dir=", d, "/run > ", d, "/node", n,
+                     ".log 2>&1; echo $? > ", d, "/node", n, ".status) & ");
+  }
+  script += "wait";
+  const CommandResult r = runCommand(script, 300);
+  EXPECT_EQ(r.status, 0) << r.output;
+  Nodes out;
+  for (int n = 0; n < nodes; ++n) {
+    std::ifstream status(strCat(dir, "/node", n, ".status"));
+    int s = -1;
+    status >> s;
+    out.status.push_back(s);
+    std::ifstream log(strCat(dir, "/node", n, ".log"));
+    out.logs.emplace_back(std::istreambuf_iterator<char>(log), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
+
+// The uninterrupted run of `nodes` x 2 ranks with `extra`, in a scratch directory of the test.
+std::string reference(int nodes, const std::string& extra) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "reference");
+  const Nodes r = runNodes(dir, nodes, extra);
+  for (int n = 0; n < nodes; ++n) EXPECT_EQ(r.status[n], 0) << r.logs[n];
+  return dir + "/run";
+}
+
+void expectExportsEqual(const std::string& referenceRun, const std::string& run, bool bitwise,
+                        const std::vector<std::string>& names = {"model_ema", "model_ema_0.999"}) {
+  for (const std::string& name : names) {
+    const auto want = exportOf(referenceRun, name);
+    const auto got = exportOf(run, name);
+    ASSERT_EQ(want.size(), got.size()) << name;
+    for (const auto& [tensor, value] : want) {
+      ASSERT_TRUE(got.count(tensor)) << tensor;
+      if (bitwise) {
+        EXPECT_TRUE(at::equal(value, got.at(tensor))) << name << " " << tensor << ": max difference "
+                                                      << (value - got.at(tensor)).abs().max().item<double>();
+      } else {
+        EXPECT_TRUE(at::allclose(value, got.at(tensor), 1e-5, 1e-6))
+            << name << " " << tensor << ": max difference " << (value - got.at(tensor)).abs().max().item<double>();
+      }
+    }
+  }
+}
+
+// metrics.jsonl's replicas_live by step.
+std::map<int64_t, double> replicasLive(const std::string& run) {
+  std::map<int64_t, double> out;
+  std::ifstream in(run + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_TRUE(j.contains("time")) << line;
+    out[j.at("step").get<int64_t>()] = j.at("replicas_live").get<double>();
+  }
+  return out;
+}
+
+// Node 0 finished without a restart or a checkpoint read; the other nodes' launchers failed.
+void expectNode0WentOn(const Nodes& r, const std::string& goesOn) {
+  EXPECT_EQ(r.status[0], 0) << r.logs[0];
+  for (size_t n = 1; n < r.status.size(); ++n) EXPECT_NE(r.status[n], 0) << r.logs[n];
+  EXPECT_NE(r.logs[0].find("fault.survive: " + goesOn), std::string::npos) << r.logs[0];
+  EXPECT_NE(r.logs[0].find("done: 60 steps"), std::string::npos) << r.logs[0];
+  EXPECT_EQ(r.logs[0].find("resumed from"), std::string::npos) << r.logs[0];
+  EXPECT_EQ(r.logs[0].find("restart"), std::string::npos) << r.logs[0];
+}
+
+TEST(FaultSurviveE2ETest, AGroupLostMidStepLeavesAndTheOtherEndsAsTheUninterruptedRun) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "start");
+  const Nodes r = runNodes(dir, 2, kDeterministic, "3:31:start");
+  expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 30 (ranks 2-3 left)");
+  EXPECT_NE(r.logs[1].find("rank 2's replica group lost a rank, so it leaves the run"), std::string::npos) << r.logs[1];
+  expectExportsEqual(reference(2, kDeterministic), dir + "/run", /*bitwise=*/true);
+  const auto live = replicasLive(dir + "/run");
+  ASSERT_EQ(live.size(), 60u);
+  EXPECT_EQ(live.at(30), 2.0);
+  EXPECT_EQ(live.at(31), 1.0);
+  EXPECT_EQ(live.at(60), 1.0);
+}
+
+TEST(FaultSurviveE2ETest, AGroupLostAfterTheUpdateDoesNotRedoIt) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "update");
+  const Nodes r = runNodes(dir, 2, kDeterministic, "3:31:update");
+  expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 31");
+  expectExportsEqual(reference(2, kDeterministic), dir + "/run", /*bitwise=*/true);
+}
+
+TEST(FaultSurviveE2ETest, AGroupLostDuringAnAsyncSaveLeavesTheCheckpointsWhole) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "save");
+  const Nodes r = runNodes(dir, 2, kDeterministic, "3:40:save");
+  expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 40");
+  expectExportsEqual(reference(2, kDeterministic), dir + "/run", /*bitwise=*/true);
+  // Every checkpoint left is complete and loads (the final one was saved by 2 ranks).
+  const CommandResult check = runCommand(strCat(kBin, "/tessera-ckpt verify ", shellQuote(dir + "/run/checkpoints/step_00000060")));
+  EXPECT_EQ(check.status, 0) << check.output;
+}
+
+TEST(FaultSurviveE2ETest, TwoGroupsLostOneAfterTheOther) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "twice");
+  const Nodes r = runNodes(dir, 3, kDeterministic, "3:21:start,5:41:start");
+  expectNode0WentOn(r, "ranks 0-1, 4-5 of 6 go on as a world of 4 from step 20 (ranks 2-3 left)");
+  EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-1 of 4 go on as a world of 2 from step 40 (ranks 2-3 left)"),
+            std::string::npos)
+      << r.logs[0];
+  expectExportsEqual(reference(3, kDeterministic), dir + "/run", /*bitwise=*/true);
+  const auto live = replicasLive(dir + "/run");
+  EXPECT_EQ(live.at(20), 3.0);
+  EXPECT_EQ(live.at(21), 2.0);
+  EXPECT_EQ(live.at(41), 1.0);
+}
+
+TEST(FaultSurviveE2ETest, WithoutDeterministicTheResultIsWithinFloatTolerance) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "float");
+  const Nodes r = runNodes(dir, 2, "", "3:31:start");
+  expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 30");
+  expectExportsEqual(reference(2, ""), dir + "/run", /*bitwise=*/false);
+}
+
+// no_shard: every rank a replica; its EMA would be sharded over every rank, so it is off.
+TEST(FaultSurviveE2ETest, NoShardGoesOnTheSameWay) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "no_shard");
+  const std::string noShard = kDeterministic +
+                              " --set sharding.strategy=no_shard --set ema.enabled=false --set checkpoint.export=[model]";
+  const Nodes r = runNodes(dir, 2, noShard, "2:31:start");
+  expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 30 (ranks 2-3 left)");
+  expectExportsEqual(reference(2, noShard), dir + "/run", /*bitwise=*/true, {"model"});
+}
+
+TEST(FaultSurviveE2ETest, WhenRankZerosGroupLosesARankEveryRankStopsAndSaysWhy) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "rank0");
+  const Nodes r = runNodes(dir, 2, kDeterministic, "1:31:start");
+  EXPECT_NE(r.status[0], 0) << r.logs[0];
+  EXPECT_NE(r.status[1], 0) << r.logs[1];
+  EXPECT_NE(r.logs[1].find("fault.survive: no replica group can go on: rank 0's replica group lost rank 1 (rank 0 "
+                           "hosts the run's store, so its group must live)"),
+            std::string::npos)
+      << r.logs[1];
+}
+
+TEST(FaultSurviveE2ETest, ConfigurationsWithoutAReplicaElsewhereAreRefused) {
+  const std::string train =
+      kBin + "/tessera-run --standalone --nproc-per-node 2 " + kBin + "/tessera-train" + kTrainArgs + " --set run.steps=30";
+  const auto refused = [&](const std::string& extra, const std::string& why) {
+    const CommandResult r = runCommand(train + extra + " --set run.dir=" +
+                                       shellQuote(tessera::test::scratchPath("tessera_fault_survive", "refused")));
+    EXPECT_EQ(r.status, 2) << extra << "\n" << r.output;
+    EXPECT_NE(r.output.find(why), std::string::npos) << extra << "\n" << r.output;
+  };
+  refused(" --set sharding.strategy=zero3", "fault.survive: needs sharding.strategy no_shard or hybrid");
+  refused(" --set sharding.strategy=no_shard", "no_shard keeps its EMA sharded over every rank");
+  refused(" --set sharding.shard_size=1 --set run.backend=gloo", "fault.survive needs the shm backend");
+  // Both ranks in one shard group: one replica, nothing to go on with.
+  refused("", "leave no second group to go on after a loss");
+}
+
+}  // namespace fault_survive_test
