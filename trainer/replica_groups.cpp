@@ -1,6 +1,8 @@
 // fault.survive's agreement on who goes on after a lost rank (see replica_groups.h).
 #include "trainer/replica_groups.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <sstream>
 
@@ -31,6 +33,39 @@ std::string rankRanges(const std::vector<int>& ranks) {
     i = j + 1;
   }
   return out;
+}
+
+
+// "0-1, 4" back into {0, 1, 4}.
+std::vector<int> parseRanges(const std::string& text) {
+  std::vector<int> out;
+  std::istringstream ranges(text);
+  std::string piece;
+  while (std::getline(ranges, piece, ',')) {
+    const size_t dash = piece.find('-');
+    const int lo = std::stoi(piece.substr(0, dash));
+    const int hi = dash == std::string::npos ? lo : std::stoi(piece.substr(dash + 1));
+    for (int r = lo; r <= hi; ++r) out.push_back(r);
+  }
+  return out;
+}
+
+// admit()'s decision: "<launcher ranks>;<joining ranks>;<steps done>;<skipped>".
+Membership parseAdmission(int64_t epoch, const std::string& text) {
+  std::vector<std::string> fields;
+  std::istringstream in(text);
+  for (std::string f; std::getline(in, f, ';');) fields.push_back(f);
+  if (fields.size() != 4) throw Error(strCat("fault.survive: a rejoin's record '", text, "' is not understood"));
+  Membership m;
+  m.epoch = epoch;
+  m.launcherRanks = parseRanges(fields[0]);
+  const std::vector<int> joining = parseRanges(fields[1]);
+  for (int r : m.launcherRanks) {
+    m.joining.push_back(std::find(joining.begin(), joining.end(), r) != joining.end());
+  }
+  m.stepsDone = std::stoll(fields[2]);
+  m.skippedSteps = std::stoll(fields[3]);
+  return m;
 }
 
 }  // namespace
@@ -66,16 +101,58 @@ std::string Membership::describe() const {
 }
 
 ReplicaGroups::ReplicaGroups(const distributed::RankEnv& env, int groupSize, std::chrono::milliseconds quorumWait,
-                             std::chrono::milliseconds timeout)
-    : groupSize_(groupSize), quorumWait_(quorumWait), timeout_(timeout) {
+                             std::chrono::milliseconds timeout, bool joining)
+    : groupSize_(groupSize),
+      launcherRank_(env.rank),
+      worldAtStart_(env.world_size),
+      quorumWait_(quorumWait),
+      timeout_(timeout) {
   store_ = distributed::Store::createTcp(env.master_addr, env.master_port, false, timeout);
   watchStore_ = distributed::Store::createTcp(env.master_addr, env.master_port, false, timeout);
-  watcher_ = std::thread([this] { watch(); });
+  if (joining) return;  // join() learns the world and starts watching
+  for (int r = 0; r < env.world_size; ++r) launcherRanks_.push_back(r);
+  if (env.rank == 0) store_->set(strCat(kPrefix, "/alive"), "1");
+  startWatching();
 }
 
 ReplicaGroups::~ReplicaGroups() {
   stop_.store(true);
   if (watcher_.joinable()) watcher_.join();
+}
+
+void ReplicaGroups::startWatching() {
+  watcher_ = std::thread([this] { watch(); });
+}
+
+bool ReplicaGroups::rejoins(const distributed::RankEnv& env, std::chrono::milliseconds timeout) {
+  if (env.rank == 0 || env.restart_count == 0) return false;
+  try {
+    const auto store = distributed::Store::createTcp(env.master_addr, env.master_port, false, timeout);
+    return store->check({strCat(kPrefix, "/alive")});
+  } catch (const Error&) {
+    return false;  // no store: the whole run restarts
+  }
+}
+
+std::map<int, int64_t> ReplicaGroups::waitingGroups() {
+  std::vector<int> live;
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    live = launcherRanks_;
+  }
+  std::map<int, int64_t> waiting;
+  for (int g = 0; g < worldAtStart_ / groupSize_; ++g) {
+    std::map<int, int64_t> group;
+    for (int r = g * groupSize_; r < (g + 1) * groupSize_; ++r) {
+      if (std::find(live.begin(), live.end(), r) != live.end()) break;
+      const int64_t attempts = watchStore_->add(strCat(kPrefix, "/join_attempts/", r), 0);
+      const int64_t admitted = watchStore_->add(strCat(kPrefix, "/join_admitted/", r), 0);
+      if (attempts <= admitted) break;
+      group[r] = attempts;
+    }
+    if (static_cast<int>(group.size()) == groupSize_) waiting.insert(group.begin(), group.end());
+  }
+  return waiting;
 }
 
 void ReplicaGroups::watch() {
@@ -87,12 +164,20 @@ void ReplicaGroups::watch() {
         distributed::abortCommunicators();
         // Until recover() moves epoch_ on, the abort stands; abort again only for the next.
         while (!stop_.load() && epoch_.load() < next) std::this_thread::sleep_for(kWatchEvery);
+        continue;
       }
+      if (launcherRank_ == 0 && !groupWaiting_.load()) groupWaiting_.store(!waitingGroups().empty());
     } catch (const std::exception&) {
       // The store is gone (rank 0 lost): the collectives fail by themselves, recover() says why.
       return;
     }
   }
+}
+
+bool ReplicaGroups::rejoinWaiting(distributed::Communicator& host) {
+  const at::Tensor flag = at::full({1}, groupWaiting_.load() ? 1.0 : 0.0, at::kDouble);
+  host.allReduce(flag, distributed::ReduceOp::kMax);
+  return flag.item<double>() > 0;
 }
 
 Membership ReplicaGroups::recover(int rank, int world, int64_t stepsDone) {
@@ -147,22 +232,99 @@ Membership ReplicaGroups::recover(int rank, int world, int64_t stepsDone) {
       }
       // "0-1, 4-5;42"
       const size_t semi = text.find(';');
-      std::istringstream ranges(text.substr(0, semi));
-      std::string piece;
-      while (std::getline(ranges, piece, ',')) {
-        const size_t dash = piece.find('-');
-        const int lo = std::stoi(piece.substr(0, dash));
-        const int hi = dash == std::string::npos ? lo : std::stoi(piece.substr(dash + 1));
-        for (int r = lo; r <= hi; ++r) out.members.push_back(r);
-      }
+      out.members = parseRanges(text.substr(0, semi));
       out.stepsDone = std::stoll(text.substr(semi + 1));
     }
   } catch (const TimeoutError& e) {
     throw Error(strCat("fault.survive: rank ", rank, " could not agree with the others on who goes on (rank 0, the "
                        "store's host, may be lost): ", e.what()));
   }
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<int> live;
+    for (int m : out.members) live.push_back(launcherRanks_.at(m));
+    launcherRanks_ = live;
+  }
   epoch_.store(epoch);
   return out;
+}
+
+
+int Membership::rankOfLauncherRank(int launcherRank) const {
+  const auto it = std::find(launcherRanks.begin(), launcherRanks.end(), launcherRank);
+  return it == launcherRanks.end() ? -1 : static_cast<int>(it - launcherRanks.begin());
+}
+
+Membership ReplicaGroups::admit(int rank, int64_t stepsDone, int64_t skippedSteps) {
+  const int64_t epoch = epoch_.load() + 1;
+  const std::string decision = epochKey(epoch, "admit");
+  std::string text;
+  if (rank == 0) {
+    const std::map<int, int64_t> waiting = waitingGroups();
+    std::vector<int> all, joining;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      all = launcherRanks_;
+    }
+    for (const auto& [r, attempt] : waiting) {
+      all.push_back(r);
+      joining.push_back(r);
+    }
+    std::sort(all.begin(), all.end());
+    text = strCat(rankRanges(all), ";", rankRanges(joining), ";", stepsDone, ";", skippedSteps);
+    store_->set(decision, text);
+    for (const auto& [r, attempt] : waiting) {
+      store_->set(strCat(kPrefix, "/join_admitted/", r, "/", attempt), std::to_string(epoch));
+      store_->add(strCat(kPrefix, "/join_admitted/", r), attempt - store_->add(strCat(kPrefix, "/join_admitted/", r), 0));
+    }
+    groupWaiting_.store(false);
+  } else {
+    text = store_->get(decision, timeout_);
+  }
+  Membership m = parseAdmission(epoch, text);
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    m.worldBefore = static_cast<int>(launcherRanks_.size());
+    launcherRanks_ = m.launcherRanks;
+  }
+  epoch_.store(epoch);
+  return m;
+}
+
+Membership ReplicaGroups::join() {
+  const int64_t attempt = store_->add(strCat(kPrefix, "/join_attempts/", launcherRank_), 1);
+  int64_t epoch = 0;
+  try {
+    epoch = std::stoll(store_->get(strCat(kPrefix, "/join_admitted/", launcherRank_, "/", attempt), timeout_));
+  } catch (const TimeoutError& e) {
+    throw Error(strCat("fault.survive: launcher rank ", launcherRank_, " waited ", distributed::formatDuration(timeout_),
+                       " to rejoin the run and was not admitted (its whole replica group must ask): ", e.what()));
+  }
+  Membership m = parseAdmission(epoch, store_->get(epochKey(epoch, "admit"), timeout_));
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    launcherRanks_ = m.launcherRanks;
+  }
+  epoch_.store(epoch);
+  startWatching();
+  return m;
+}
+
+std::pair<std::shared_ptr<distributed::Communicator>, int> ReplicaGroups::counterpartsOf(
+    const Membership& membership, int rank, std::chrono::milliseconds timeout) {
+  const int world = static_cast<int>(membership.launcherRanks.size());
+  const int place = rank % groupSize_;
+  int donor = -1;
+  for (int r = place, i = 0; r < world; r += groupSize_, ++i) {
+    if (!membership.joining[r] && donor < 0) donor = i;
+  }
+  TESSERA_CHECK(donor >= 0, "fault.survive: no live rank holds place ", place, " of a replica group");
+  distributed::ShmOptions options;
+  options.comm.timeout = timeout;
+  options.comm.name = strCat("counterparts_", place);
+  return {distributed::makeShmCommunicator(store_->withPrefix(epochKey(membership.epoch, "comm")), rank / groupSize_,
+                                           world / groupSize_, options),
+          donor};
 }
 
 std::shared_ptr<distributed::Communicator> ReplicaGroups::communicatorFor(const Membership& membership, int rank,
@@ -172,8 +334,9 @@ std::shared_ptr<distributed::Communicator> ReplicaGroups::communicatorFor(const 
   options.comm.timeout = timeout;
   options.comm.flightEntries = flightEntries;
   options.comm.name = "world_cpu";
+  const size_t world = membership.launcherRanks.empty() ? membership.members.size() : membership.launcherRanks.size();
   return distributed::makeShmCommunicator(store_->withPrefix(epochKey(membership.epoch, "comm")), rank,
-                                          static_cast<int>(membership.members.size()), options);
+                                          static_cast<int>(world), options);
 }
 
 }  // namespace tessera::trainer

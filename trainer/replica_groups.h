@@ -11,12 +11,20 @@
 // those whose every rank reported. The ranks of a group that lost one leave the run. The
 // others renumber in order, build a new communicator on the same store and carry on from
 // their own memory (trainer.cpp). Rank 0's group cannot be lost: with it goes the store.
+//
+// Rejoin: a lost group's launcher restarts its ranks (--max-restarts); they find the run
+// alive in the store (rejoins()) and wait there (join()). Rank 0's watcher sees a whole
+// group waiting; at the next step boundary every rank learns it (rejoinWaiting(), one small
+// all-reduce) and all agree on the world with the group back in its place (admit()); each
+// joining rank receives its state from the rank of the same place in a live group.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,25 +45,37 @@ struct TrainConfig;
 // (nothing would survive a loss) or does not divide the world.
 int replicaGroupSize(const TrainConfig& cfg, int world, int localRanks);
 
-// Who goes on after a loss.
+// Who goes on after a loss, or who trains after lost ranks rejoined.
 struct Membership {
-  int64_t epoch = 0;          // recoveries so far in this process, this one included
-  std::vector<int> members;   // ranks of the world before the loss, ascending
+  int64_t epoch = 0;          // membership changes so far in this run, this one included
+  std::vector<int> members;   // ranks of the world before the change, ascending (joiners: see below)
   int64_t stepsDone = 0;      // optimizer steps every member completed
+  int64_t skippedSteps = 0;   // of those, skipped for a non-finite gradient norm (joiners' counter)
   int worldBefore = 0;
+  // A rejoin: the launcher RANK of every rank of the new world, in rank order, and which of
+  // them join (they receive their state from the rank of the same place in another group).
+  std::vector<int> launcherRanks;
+  std::vector<bool> joining;
   int newRankOf(int oldRank) const;  // its index in members; -1 when it leaves
-  std::string describe() const;      // "ranks 0-1 of 4 go on (ranks 2-3 left)"
+  int rankOfLauncherRank(int launcherRank) const;  // a rejoin's new rank of a launcher RANK; -1: none
+  std::string describe() const;      // "ranks 0-1 of 4 go on as a world of 2 from step 30 (ranks 2-3 left)"
 };
 
 class ReplicaGroups {
  public:
   // Connects to the run's store (env's MASTER_ADDR:MASTER_PORT, hosted by rank 0) twice:
-  // once for the watcher thread, once for recover() and the new communicators.
+  // once for the watcher thread, once for the agreements and the new communicators. A
+  // process that trains from the start knows the world's launcher ranks (0 .. world-1);
+  // one that rejoins learns them in join().
   ReplicaGroups(const distributed::RankEnv& env, int groupSize, std::chrono::milliseconds quorumWait,
-                std::chrono::milliseconds timeout);
+                std::chrono::milliseconds timeout, bool joining = false);
   ~ReplicaGroups();
   ReplicaGroups(const ReplicaGroups&) = delete;
   ReplicaGroups& operator=(const ReplicaGroups&) = delete;
+
+  // Whether this process was restarted into a run whose replica groups live on: a rank
+  // other than 0 restarted by its launcher, and the store of the run answers that it does.
+  static bool rejoins(const distributed::RankEnv& env, std::chrono::milliseconds timeout);
 
   // After this rank, rank `rank` of `world`, lost a peer with `stepsDone` optimizer steps
   // complete: aborts this process's communicators, agrees with the others on who goes on.
@@ -63,21 +83,46 @@ class ReplicaGroups {
   // completed different steps) or when the store does not answer (rank 0 lost).
   Membership recover(int rank, int world, int64_t stepsDone);
 
-  // The communicator of `membership`'s ranks, new rank `rank`, on the store under the
-  // recovery's own prefix (shm; the options of diagnostics.*).
+  // At a step boundary, on every rank of the world (`host`, collective: one small
+  // all-reduce): whether the whole of a lost group waits to rejoin.
+  bool rejoinWaiting(distributed::Communicator& host);
+  // Then, on every rank: the world with the waiting groups in their places, after
+  // `stepsDone` steps (`skippedSteps` skipped).
+  Membership admit(int rank, int64_t stepsDone, int64_t skippedSteps);
+  // On a restarted process (rejoins()): waits until the live ranks admit it (up to the
+  // timeout), and returns the world it trains in.
+  Membership join();
+
+  // The communicator of `membership`'s world for its rank `rank`, on the store under the
+  // change's own prefix (shm; the options of diagnostics.*).
   std::shared_ptr<distributed::Communicator> communicatorFor(const Membership& membership, int rank,
                                                              std::chrono::milliseconds timeout, int flightEntries);
+  // After admit()/join(): the communicator of the ranks that hold the same place in their
+  // groups as `rank` (one per group), and in it the rank that sends the state (the first
+  // that does not join).
+  std::pair<std::shared_ptr<distributed::Communicator>, int> counterpartsOf(const Membership& membership, int rank,
+                                                                            std::chrono::milliseconds timeout);
 
   int groupSize() const { return groupSize_; }
+  int launcherRank() const { return launcherRank_; }  // this process's RANK from its launcher
 
  private:
   void watch();
+  void startWatching();
+  // Rank 0: the launcher ranks of the whole lost groups that wait to rejoin, and each one's
+  // attempt (join()s so far).
+  std::map<int, int64_t> waitingGroups();
 
   int groupSize_;
+  int launcherRank_;
+  int worldAtStart_;
   std::chrono::milliseconds quorumWait_, timeout_;
-  std::shared_ptr<distributed::Store> store_;         // recover() and the new communicators
+  std::shared_ptr<distributed::Store> store_;         // the agreements and the new communicators
   std::shared_ptr<distributed::Store> watchStore_;    // the watcher's own connection
-  std::atomic<int64_t> epoch_{0};                     // recoveries done
+  std::atomic<int64_t> epoch_{0};                     // membership changes done
+  std::mutex mutex_;                                  // launcherRanks_ (the watcher reads it)
+  std::vector<int> launcherRanks_;                    // launcher RANK of each rank of the world now
+  std::atomic<bool> groupWaiting_{false};             // rank 0's watcher: a whole lost group asked to rejoin
   std::atomic<bool> stop_{false};
   std::thread watcher_;
 };

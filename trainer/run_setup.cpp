@@ -777,11 +777,18 @@ void adoptState(RunParts& run, RunParts& previous, int64_t stepsDone) {
   run.startStep = stepsDone;
 }
 
-// The parts of a run; with `previous` (fault.survive), its state instead of the run.dir's
-// claim, the local tier, a resume or an initialisation from files.
+// How buildRun's parts get their state.
+enum class StateFrom {
+  kFiles,     // the run.dir's claim, the local tier, a resume or an initialisation from files
+  kPrevious,  // fault.survive: this rank's parts before the world changed
+  kPeer,      // fault.survive: a rank rejoining; shareState() fills it afterwards
+};
+
+// The parts of a run, their state from `from` (kPrevious: `previous`'s, after `stepsDone`
+// steps).
 std::unique_ptr<RunParts> buildRun(TrainConfig config, std::string resolvedYaml,
-                                   std::shared_ptr<distributed::Communicator> comm, RunParts* previous,
-                                   int64_t stepsDone) {
+                                   std::shared_ptr<distributed::Communicator> comm, StateFrom from,
+                                   RunParts* previous, int64_t stepsDone) {
   auto run = std::make_unique<RunParts>();
   run->cfg = std::move(config);
   run->resolvedYaml = std::move(resolvedYaml);
@@ -792,13 +799,13 @@ std::unique_ptr<RunParts> buildRun(TrainConfig config, std::string resolvedYaml,
   for (const std::string& warning : cfg.warnings) TLOG_WARN0(warning);
   const int world = run->comm->worldSize();
   run->runDir = cfg.run.dir;
-  const bool localTier = cfg.checkpoint.local.every_steps > 0 && previous == nullptr;
+  const bool localTier = cfg.checkpoint.local.every_steps > 0 && from == StateFrom::kFiles;
   if (localTier) {
     checkLocalTierDir(cfg, localTierOptions(cfg), *run->hostComm);
     promoteFromLocalTier(cfg, localTierOptions(cfg), *run->hostComm);
   }
   // One run per run.dir: decided on rank 0 before anything is written, agreed by all.
-  if (previous == nullptr) {
+  if (from == StateFrom::kFiles) {
     distributed::runOnEveryRank(run->hostComm.get(), "checking run.dir for an earlier run", [&] {
       if (rank == 0) claimRunDir(cfg);
     });
@@ -843,8 +850,12 @@ std::unique_ptr<RunParts> buildRun(TrainConfig config, std::string resolvedYaml,
       if (!ema.empty()) run->counters.modelMetadata[dtensor::statePrefix(dtensor::kEmaKey) + ema] = metadata;
     }
   }
-  if (previous != nullptr) {
+  if (from == StateFrom::kPrevious) {
     adoptState(*run, *previous, stepsDone);
+    return run;
+  }
+  if (from == StateFrom::kPeer) {
+    run->counters.step = run->startStep = stepsDone;
     return run;
   }
   if (!resume(*run)) initializeFromFiles(*run);  // a resumed run keeps the checkpoint's weights
@@ -863,14 +874,49 @@ std::unique_ptr<RunParts> buildRun(TrainConfig config, std::string resolvedYaml,
 
 std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
                                    std::shared_ptr<distributed::Communicator> comm) {
-  return buildRun(std::move(config), std::move(resolvedYaml), std::move(comm), nullptr, 0);
+  return buildRun(std::move(config), std::move(resolvedYaml), std::move(comm), StateFrom::kFiles, nullptr, 0);
 }
 
 std::unique_ptr<RunParts> setUpRunFrom(RunParts& previous, int64_t stepsDone,
                                        std::shared_ptr<distributed::Communicator> comm) {
   TrainConfig cfg = previous.cfg;
   fitBatchToWorld(cfg, comm->worldSize());
-  return buildRun(std::move(cfg), previous.resolvedYaml, std::move(comm), &previous, stepsDone);
+  return buildRun(std::move(cfg), previous.resolvedYaml, std::move(comm), StateFrom::kPrevious, &previous, stepsDone);
+}
+
+std::unique_ptr<RunParts> setUpRunToJoin(TrainConfig config, std::string resolvedYaml, int64_t stepsDone,
+                                         int64_t skippedSteps, std::shared_ptr<distributed::Communicator> comm) {
+  fitBatchToWorld(config, comm->worldSize());
+  std::unique_ptr<RunParts> run =
+      buildRun(std::move(config), std::move(resolvedYaml), std::move(comm), StateFrom::kPeer, nullptr, stepsDone);
+  run->counters.skippedSteps = skippedSteps;
+  return run;
+}
+
+void shareState(RunParts& run, distributed::Communicator& counterparts, int root) {
+  const checkpoint::StateMap states = run.states();
+  const std::vector<checkpoint::StateEntry> entries = checkpoint::collectEntries(states);
+  // Both sides list the same entries (one config, one layout): checked before anything moves.
+  int64_t elements = 0;
+  for (const checkpoint::StateEntry& e : entries) elements += e.local.numel();
+  const at::Tensor mine = at::tensor({static_cast<int64_t>(entries.size()), elements}, at::kLong);
+  const at::Tensor theirs = mine.clone();
+  counterparts.broadcast(theirs, root);
+  if (!at::equal(mine, theirs)) {
+    throw Error(strCat("fault.survive: the rank sending this rank's state holds ", theirs[0].item<int64_t>(),
+                       " entries of ", theirs[1].item<int64_t>(), " elements, this one ", entries.size(), " of ",
+                       elements, ": their runs differ"));
+  }
+  for (const checkpoint::StateEntry& e : entries) {
+    if (e.local.is_contiguous()) {
+      counterparts.broadcast(e.local, root);
+    } else {
+      const at::Tensor buffer = e.local.contiguous();
+      counterparts.broadcast(buffer, root);
+      e.local.copy_(buffer);
+    }
+  }
+  if (counterparts.rank() != root) checkpoint::afterLoad(states);
 }
 
 }  // namespace tessera::trainer

@@ -116,4 +116,15 @@ std::unique_ptr<RunParts> setUpRun(TrainConfig config, std::string resolvedYaml,
 std::unique_ptr<RunParts> setUpRunFrom(RunParts& previous, int64_t stepsDone,
                                        std::shared_ptr<distributed::Communicator> comm);
 
+// fault.survive, on a rank rejoining the world of `comm` after `stepsDone` steps
+// (`skippedSteps` of them skipped): the run's parts with no state of their own yet (no file
+// read); shareState() gives them their counterpart's.
+std::unique_ptr<RunParts> setUpRunToJoin(TrainConfig config, std::string resolvedYaml, int64_t stepsDone,
+                                         int64_t skippedSteps, std::shared_ptr<distributed::Communicator> comm);
+
+// After a rejoin, collective over `counterparts` (one rank per replica group, each holding the
+// same place in it): every state entry of `run` broadcast from `root`, a live rank, to the
+// joining ones. tessera::Error when the two sides' entries differ.
+void shareState(RunParts& run, distributed::Communicator& counterparts, int root);
+
 }  // namespace tessera::trainer

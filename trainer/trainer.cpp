@@ -559,9 +559,52 @@ std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::
   return next;
 }
 
+// fault.survive, at a step boundary after `done` steps with a whole lost group waiting to
+// rejoin: the world with it back in place; the live ranks keep their state and send the
+// joining ones theirs.
+std::unique_ptr<RunParts> admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts> run, int64_t done) {
+  const double start = steadySeconds();
+  const Membership membership = replicas.admit(run->comm->rank(), done, run->counters.skippedSteps);
+  const int rank = membership.rankOfLauncherRank(replicas.launcherRank());
+  const distributed::RuntimeOptions& options = run->cfg.diagnostics.runtime;
+  std::unique_ptr<RunParts> next =
+      setUpRunFrom(*run, done, replicas.communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
+  run.reset();
+  const auto [counterparts, root] = replicas.counterpartsOf(membership, rank, options.commTimeout);
+  shareState(*next, *counterparts, root);
+  TLOG_INFO0("fault.survive: a lost replica group rejoined after step " << done << ": world "
+             << membership.worldBefore << " -> " << membership.launcherRanks.size() << " ranks, its state sent from "
+             << "live ranks in " << steadySeconds() - start << " s");
+  return next;
+}
+
+// fault.survive, in a process its launcher restarted into a live run (ReplicaGroups::rejoins):
+// waits to be admitted, then builds its parts and receives its state from a live rank.
+std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& resolvedYaml,
+                                 std::unique_ptr<ReplicaGroups>& replicas) {
+  const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
+  replicas = std::make_unique<ReplicaGroups>(env, replicaGroupSize(cfg, env.world_size, env.local_world_size),
+                                             cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout,
+                                             /*joining=*/true);
+  TLOG_INFO("fault.survive: restarted into a live run; waiting to rejoin at a step boundary");
+  const Membership membership = replicas->join();
+  const double start = steadySeconds();
+  const int rank = membership.rankOfLauncherRank(env.rank);
+  const distributed::RuntimeOptions& options = cfg.diagnostics.runtime;
+  std::unique_ptr<RunParts> run =
+      setUpRunToJoin(cfg, resolvedYaml, membership.stepsDone, membership.skippedSteps,
+                     replicas->communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
+  const auto [counterparts, root] = replicas->counterpartsOf(membership, rank, options.commTimeout);
+  shareState(*run, *counterparts, root);
+  TLOG_INFO("fault.survive: rejoined as rank " << rank << " of " << membership.launcherRanks.size() << " after step "
+            << membership.stepsDone << ", its state from a live rank in " << steadySeconds() - start
+            << " s, no checkpoint read");
+  return run;
+}
+
 Trainer::Trainer(TrainConfig config, std::string resolvedYaml, std::shared_ptr<distributed::Communicator> comm)
     : state_(std::make_unique<State>()) {
-  TESSERA_CHECK(comm != nullptr, "Trainer: no communicator");
+  TESSERA_CHECK(comm != nullptr || config.fault.survive, "Trainer: no communicator");
   state_->config = std::move(config);
   state_->resolvedYaml = std::move(resolvedYaml);
   state_->comm = std::move(comm);
@@ -570,7 +613,9 @@ Trainer::Trainer(TrainConfig config, std::string resolvedYaml, std::shared_ptr<d
 Trainer::~Trainer() = default;
 
 TrainSummary Trainer::run() {
-  std::unique_ptr<RunParts> run = setUpRun(state_->config, state_->resolvedYaml, state_->comm);
+  std::unique_ptr<ReplicaGroups> replicas;
+  std::unique_ptr<RunParts> run = state_->comm ? setUpRun(state_->config, state_->resolvedYaml, state_->comm)
+                                               : rejoin(state_->config, state_->resolvedYaml, replicas);
   if (run->startStep > 0 && run->startStep == run->cfg.run.steps) {
     TrainSummary summary;
     summary.steps = run->startStep;
@@ -585,8 +630,7 @@ TrainSummary Trainer::run() {
     return summary;
   }
   const TestKill testKill;
-  std::unique_ptr<ReplicaGroups> replicas;
-  if (run->cfg.fault.survive) replicas = startReplicaGroups(*run);
+  if (run->cfg.fault.survive && !replicas) replicas = startReplicaGroups(*run);
   auto loop = std::make_unique<TrainLoop>(*run, replicas ? replicas->groupSize() : 0);
   int64_t done = run->startStep;
   bool stopped = false;
@@ -599,14 +643,19 @@ TrainSummary Trainer::run() {
     while (done < run->cfg.run.steps && !stopped) {
       const sharding::ShardingStrategy& main = *run->models.front().strategy;
       const int64_t stepStart = done, updatesBefore = main.stepsApplied() + main.stepsSkipped();
+      bool admit = false;
       try {
-        testKill.at(done + 1, "start");
-        const StepOutcome outcome = loop->trainStep(done);
-        ++done;
-        testKill.at(done, "update");
-        loop->periodicActions(done, outcome);
-        testKill.at(done, "save");
-        stopped = loop->stopsAfter(done, outcome);
+        // fault.survive: a lost group back, whole, is admitted between steps.
+        admit = replicas && replicas->rejoinWaiting(*run->hostComm);
+        if (!admit) {
+          testKill.at(done + 1, "start");
+          const StepOutcome outcome = loop->trainStep(done);
+          ++done;
+          testKill.at(done, "update");
+          loop->periodicActions(done, outcome);
+          testKill.at(done, "save");
+          stopped = loop->stopsAfter(done, outcome);
+        }
       } catch (const PeerLostError& e) {
         if (!replicas) throw;
         // The step's update is done on this rank when the loss came after it (in the loss's
@@ -617,6 +666,13 @@ TrainSummary Trainer::run() {
         run = goOnWithoutTheLostGroup(*replicas, std::move(run), stepsDone, e.what());
         loop = std::make_unique<TrainLoop>(*run, replicas->groupSize());
         done = run->startStep;
+        continue;
+      }
+      if (admit) {
+        // A loss during the admission is not survived yet: the run stops with it.
+        loop.reset();
+        run = admitRejoiningGroups(*replicas, std::move(run), done);
+        loop = std::make_unique<TrainLoop>(*run, replicas->groupSize());
       }
     }
   }

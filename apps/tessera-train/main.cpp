@@ -20,6 +20,7 @@
 #include "sharding/host_allocator.h"
 #include "trainer/run_dir.h"
 #include "trainer/run_setup.h"
+#include "trainer/replica_groups.h"
 #include "trainer/trainer.h"
 
 int main(int argc, char** argv) {
@@ -57,10 +58,15 @@ int main(int argc, char** argv) {
     tessera::log::init(logOptions);
     tessera::trainer::startFlightRecorder(cfg, env);
 
-    auto runtime = tessera::distributed::Runtime::init(env, tessera::trainer::runtimeOptions(cfg, env));
-    TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s; "
-                                << runtime->comm()->backendName() << " moves parameters and gradients");
-    tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, runtime->comm());
+    // fault.survive: a rank restarted into a run that lives on rejoins it (the Trainer without
+    // a communicator) instead of starting a world of its own.
+    std::shared_ptr<tessera::distributed::Runtime> runtime;
+    if (!cfg.fault.survive || !tessera::trainer::ReplicaGroups::rejoins(env, std::chrono::seconds(10))) {
+      runtime = tessera::distributed::Runtime::init(env, tessera::trainer::runtimeOptions(cfg, env));
+      TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s; "
+                                  << runtime->comm()->backendName() << " moves parameters and gradients");
+    }
+    tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, runtime ? runtime->comm() : nullptr);
     const auto summary = trainer.run();
     if (summary.alreadyFinished) {  // said so, nothing trained; the exports it lacked written
       for (const auto& file : summary.exports) TLOG_INFO0("export: " << file);
