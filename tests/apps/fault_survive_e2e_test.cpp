@@ -41,18 +41,20 @@ struct Nodes {
   std::vector<std::string> logs;       // each launcher's output
 };
 
-// `nodes` launchers of 2 ranks, each with the trainer and `extra`; TESSERA_TEST_KILL=`kill`.
-Nodes runNodes(const std::string& dir, int nodes, const std::string& extra, const std::string& kill = "") {
+// `nodes` launchers of 2 ranks, each with the trainer and `extra`; TESSERA_TEST_KILL=`kill`;
+// the launchers of nodes 1.. get `launcherExtra` too.
+Nodes runNodes(const std::string& dir, int nodes, const std::string& extra, const std::string& kill = "",
+               const std::string& launcherExtra = "") {
   const int port = tessera::test::freePort();
   const std::string d = shellQuote(dir);
   std::string script = strCat("rm -rf ", d, "; mkdir -p ", d, "; export TESSERA_TEST_KILL=", shellQuote(kill), "; ");
   for (int n = 0; n < nodes; ++n) {
     script += strCat("(", kBin, "/tessera-run --nnodes ", nodes, " --node-rank ", n, " --nproc-per-node 2 --master-port ",
-                     port, " ", kBin, "/tessera-train", kTrainArgs, extra, " --set run.dir=", d, "/run > ", d, "/node", n,
+                     port, n > 0 ? " " + launcherExtra : std::string(), " ", kBin, "/tessera-train", kTrainArgs, extra, " --set run.dir=", d, "/run > ", d, "/node", n,
                      ".log 2>&1; echo $? > ", d, "/node", n, ".status) & ");
   }
   script += "wait";
-  const CommandResult r = runCommand(script, 300);
+  const CommandResult r = runCommand(script, 400);
   EXPECT_EQ(r.status, 0) << r.output;
   Nodes out;
   for (int n = 0; n < nodes; ++n) {
@@ -164,6 +166,36 @@ TEST(FaultSurviveE2ETest, WithoutDeterministicTheResultIsWithinFloatTolerance) {
   const Nodes r = runNodes(dir, 2, "", "3:31:start");
   expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 30");
   expectExportsEqual(reference(2, ""), dir + "/run", /*bitwise=*/false);
+}
+
+// The lost group's launcher restarts its ranks; they rejoin at a step boundary with their
+// state from the live group (no checkpoint read), and the run ends as the uninterrupted one.
+// Long enough for the restart (the launcher's failure report waits up to 5 s for the others').
+TEST(FaultSurviveE2ETest, TheLostGroupRejoinsFromALivePeer) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "rejoin");
+  const std::string longer =
+      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
+  const Nodes r = runNodes(dir, 2, longer, "3:21:start", "--max-restarts 1");
+  EXPECT_EQ(r.status[0], 0) << r.logs[0];
+  EXPECT_EQ(r.status[1], 0) << r.logs[1];
+  EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-1 of 4 go on as a world of 2 from step 20"), std::string::npos)
+      << r.logs[0];
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.logs[0], m, std::regex("a lost replica group rejoined after step ([0-9]+): world 2 -> 4")))
+      << r.logs[0];
+  const int64_t back = std::stoll(m[1]);
+  for (const std::string rank : {"2", "3"}) {
+    EXPECT_NE(r.logs[1].find(strCat("fault.survive: rejoined as rank ", rank, " of 4 after step ", back)),
+              std::string::npos)
+        << r.logs[1];
+  }
+  EXPECT_EQ(r.logs[1].find("resumed from"), std::string::npos) << r.logs[1];
+  expectExportsEqual(reference(2, longer), dir + "/run", /*bitwise=*/true);
+  const auto live = replicasLive(dir + "/run");
+  EXPECT_EQ(live.at(20), 2.0);
+  EXPECT_EQ(live.at(30), 1.0);
+  EXPECT_EQ(live.at(back + 10 - back % 10), 2.0);
+  EXPECT_EQ(live.at(3000), 2.0);
 }
 
 // no_shard: every rank a replica; its EMA would be sharded over every rank, so it is off.
