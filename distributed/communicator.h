@@ -90,6 +90,9 @@ struct CommOptions {
   // Operations the flight recorder remembers for a dump (diagnostics/flight_recorder.h;
   // diagnostics.flight_entries); 0: none recorded.
   int flightEntries = 2000;
+  // shm: a peer whose process stays stopped (state T: SIGSTOP) this long fails the wait with
+  // PeerLostError, as one that exited (fault.survive: 1 s); 0: a stopped peer is waited for.
+  std::chrono::milliseconds lostWhenStoppedFor{0};
 };
 
 struct CommOpStats {

@@ -25,6 +25,7 @@ CommOptions commOptionsOf(const RuntimeOptions& options) {
   comm.timeout = options.commTimeout;
   comm.checkCollectives = options.checkCollectives;
   comm.flightEntries = options.flightEntries;
+  comm.lostWhenStoppedFor = options.lostWhenStoppedFor;
   return comm;
 }
 

@@ -33,6 +33,8 @@ struct RuntimeOptions {
   bool checkCollectives = false;
   // CommOptions::flightEntries of every communicator.
   int flightEntries = 2000;
+  // CommOptions::lostWhenStoppedFor of every communicator (shm).
+  std::chrono::milliseconds lostWhenStoppedFor{0};
 };
 
 class Runtime {

@@ -24,6 +24,7 @@
 #include <new>
 #include <random>
 #include <thread>
+#include <vector>
 
 #include "common/errors.h"
 #include "common/logging.h"
@@ -78,14 +79,21 @@ void futexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
-// The process exists and has not exited (a zombie, not yet reaped by its launcher, has).
-bool processVisible(int32_t pid) {
-  if (pid <= 0 || (kill(pid, 0) != 0 && errno != EPERM)) return false;
+// The state letter of a process in /proc/<pid>/stat ('R', 'S', 'T' stopped, 't' traced, 'Z'
+// a zombie: exited, not yet reaped by its launcher), 'X' when it is gone, '?' without /proc.
+char processState(int32_t pid) {
+  if (pid <= 0 || (kill(pid, 0) != 0 && errno != EPERM)) return 'X';
   std::ifstream stat(strCat("/proc/", pid, "/stat"));
   std::string line;
-  if (!std::getline(stat, line)) return true;  // no /proc: kill()'s answer
+  if (!std::getline(stat, line)) return '?';   // no /proc: kill()'s answer
   const size_t close = line.rfind(')');        // "pid (comm) state ...": comm may hold spaces
-  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+  return close == std::string::npos || close + 2 >= line.size() ? '?' : line[close + 2];
+}
+
+// The process exists and has not exited.
+bool processVisible(int32_t pid) {
+  const char state = processState(pid);
+  return state != 'X' && state != 'Z';
 }
 
 // The mapped segment; the name is unlinked once every rank has it open.
@@ -589,6 +597,7 @@ class ShmCommunicator final : public Communicator {
     SegmentHeader& h = segment_->header();
     const auto start = Clock::now();
     auto nextCheck = start + kLivenessEvery;
+    std::vector<Clock::time_point> stoppedSince(worldSize());  // when each peer was first seen stopped
     // A line now and then while a rank is missing (as gloo's waits say): a stopped or stuck
     // rank otherwise leaves the others silent for the whole timeout.
     const auto every = std::clamp<std::chrono::milliseconds>(current_.timeout / 5, std::chrono::seconds(1),
@@ -623,8 +632,21 @@ class ShmCommunicator final : public Communicator {
           if (peer.gaveUp.load() != 0) {
             throw PeerLostError(strCat(current_.what, ": rank ", r, " left the operation with an error"));
           }
-          if (!processVisible(peer.pid.load())) {
+          const char state = processState(peer.pid.load());
+          if (state == 'X' || state == 'Z') {
             throw PeerLostError(strCat(current_.what, ": rank ", r, " (process ", peer.pid.load(), ") exited"));
+          }
+          // CommOptions::lostWhenStoppedFor: a peer stopped (SIGSTOP, a hung node's freeze) that
+          // long is as lost as one that exited.
+          const auto stopLimit = options().lostWhenStoppedFor;
+          if (stopLimit.count() > 0 && state == 'T') {
+            if (stoppedSince[r] == Clock::time_point{}) stoppedSince[r] = now;
+            if (now - stoppedSince[r] >= stopLimit) {
+              throw PeerLostError(strCat(current_.what, ": rank ", r, " (process ", peer.pid.load(), ") stopped for ",
+                                         formatDuration(stopLimit), " (SIGSTOP)"));
+            }
+          } else {
+            stoppedSince[r] = Clock::time_point{};
           }
         }
         nextCheck = now + kLivenessEvery;

@@ -321,6 +321,7 @@ std::pair<std::shared_ptr<distributed::Communicator>, int> ReplicaGroups::counte
   TESSERA_CHECK(donor >= 0, "fault.survive: no live rank holds place ", place, " of a replica group");
   distributed::ShmOptions options;
   options.comm.timeout = timeout;
+  options.comm.lostWhenStoppedFor = kStoppedRankIsLostAfter;
   options.comm.name = strCat("counterparts_", place);
   return {distributed::makeShmCommunicator(store_->withPrefix(epochKey(membership.epoch, "comm")), rank / groupSize_,
                                            world / groupSize_, options),
@@ -333,6 +334,7 @@ std::shared_ptr<distributed::Communicator> ReplicaGroups::communicatorFor(const 
   distributed::ShmOptions options;
   options.comm.timeout = timeout;
   options.comm.flightEntries = flightEntries;
+  options.comm.lostWhenStoppedFor = kStoppedRankIsLostAfter;
   options.comm.name = "world_cpu";
   const size_t world = membership.launcherRanks.empty() ? membership.members.size() : membership.launcherRanks.size();
   return distributed::makeShmCommunicator(store_->withPrefix(epochKey(membership.epoch, "comm")), rank,

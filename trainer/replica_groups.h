@@ -40,6 +40,10 @@ namespace tessera::trainer {
 
 struct TrainConfig;
 
+// A rank whose process stays stopped (SIGSTOP, a frozen node) this long is lost: every
+// communicator of a fault.survive run says so (CommOptions::lostWhenStoppedFor).
+constexpr std::chrono::milliseconds kStoppedRankIsLostAfter{1000};
+
 // Ranks per replica group of `cfg` on `world` ranks with `localRanks` per node: hybrid's
 // shard_size, else the node. ConfigError naming fault.survive when that leaves one group
 // (nothing would survive a loss) or does not divide the world.

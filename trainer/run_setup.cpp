@@ -31,6 +31,7 @@
 #include "trainer/metrics.h"
 #include "trainer/model_metadata.h"
 #include "trainer/recipe_spec.h"
+#include "trainer/replica_groups.h"
 #include "trainer/resume_check.h"
 #include "trainer/run_dir.h"
 
@@ -100,6 +101,8 @@ void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env
 
 distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distributed::RankEnv& env) {
   distributed::RuntimeOptions options = cfg.diagnostics.runtime;
+  // fault.survive: a rank stopped for a second is lost (a heartbeat's worth), not waited for.
+  if (cfg.fault.survive) options.lostWhenStoppedFor = kStoppedRankIsLostAfter;
   const bool cuda = cfg.run.device == "cuda";
   const int64_t gpus = cuda && torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
   const bool gpuPerRank = gpus >= env.local_world_size;

@@ -666,7 +666,7 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
       if (kind != sharding::StrategyKind::kNoShard && kind != sharding::StrategyKind::kHybrid) {
         throw ConfigError(s.errorMessage(
             "fault.survive", strCat("needs sharding.strategy no_shard or hybrid (a replica in every group), not ",
-                                    sharding::strategyKindName(kind), ": a lost rank of ", sharding::strategyKindName(kind),
+                                    enumName(sharding::kStrategyKindNames, kind), ": a lost rank of ", enumName(sharding::kStrategyKindNames, kind),
                                     " takes shards no other rank holds")));
       }
       if (kind == sharding::StrategyKind::kNoShard && m.ema.enabled) {

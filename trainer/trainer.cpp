@@ -491,7 +491,8 @@ class TrainLoop {
 // rank RANK (its launcher's RANK) SIGKILL itself in step STEP (as the log counts them) at WHEN:
 // "start" (its peers wait for it in the step's collectives), "update" (after the step's
 // optimizer update, its peers in the step's last all-gathers) or "save" (after the step's
-// periodic actions: an asynchronous checkpoint write in flight); several, comma-separated.
+// periodic actions: an asynchronous checkpoint write in flight); "stop": SIGSTOP at "start"
+// (a frozen process, never continued); several, comma-separated.
 // Unset: never.
 class TestKill {
  public:
@@ -503,8 +504,9 @@ class TestKill {
     for (std::string text; std::getline(all, text, ',');) {
       const size_t a = text.find(':'), b = text.find(':', a == std::string::npos ? a : a + 1);
       const std::string when = b == std::string::npos ? "" : text.substr(b + 1);
-      if (b == std::string::npos || (when != "start" && when != "update" && when != "save")) {
-        throw UsageError(strCat("TESSERA_TEST_KILL '", text, "': RANK:STEP:WHEN expected, WHEN start, update or save"));
+      if (b == std::string::npos || (when != "start" && when != "update" && when != "save" && when != "stop")) {
+        throw UsageError(
+            strCat("TESSERA_TEST_KILL '", text, "': RANK:STEP:WHEN expected, WHEN start, update, save or stop"));
       }
       if (text.substr(0, a) == rank) kills_.push_back({std::stoll(text.substr(a + 1, b - a - 1)), when});
     }
@@ -512,6 +514,7 @@ class TestKill {
   void at(int64_t step, const char* when) const {
     for (const auto& [s, w] : kills_) {
       if (s == step && w == when) ::kill(::getpid(), SIGKILL);
+      if (s == step && w == "stop" && std::string(when) == "start") ::kill(::getpid(), SIGSTOP);
     }
   }
 

@@ -130,6 +130,15 @@ TEST(FaultSurviveE2ETest, AGroupLostMidStepLeavesAndTheOtherEndsAsTheUninterrupt
   EXPECT_EQ(live.at(60), 1.0);
 }
 
+// A frozen process (SIGSTOP, never continued) is lost after a second, as a dead one.
+TEST(FaultSurviveE2ETest, AStoppedRankIsLostAfterASecond) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "stop");
+  const Nodes r = runNodes(dir, 2, kDeterministic, "3:31:stop");
+  expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 30 (ranks 2-3 left)");
+  EXPECT_NE(r.logs[0].find("stopped for 1 s (SIGSTOP)"), std::string::npos) << r.logs[0];
+  expectExportsEqual(reference(2, kDeterministic), dir + "/run", /*bitwise=*/true);
+}
+
 TEST(FaultSurviveE2ETest, AGroupLostAfterTheUpdateDoesNotRedoIt) {
   const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "update");
   const Nodes r = runNodes(dir, 2, kDeterministic, "3:31:update");
