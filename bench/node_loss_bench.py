@@ -14,6 +14,7 @@ the local tier, the promotion's log line.
 
     bench/node_loss_bench.py [--layouts 2x2 4x4] [--kill-at 33] [--build build]
     bench/node_loss_bench.py --overhead [--dit] [--layouts 2x2] [--steps 300]   # what local saves cost
+    bench/node_loss_bench.py --survive [--layouts 2x2 4x4]   # fault.survive against the restart path
 """
 
 import argparse
@@ -58,22 +59,84 @@ def wait_for(predicate, seconds, what):
     sys.exit(f"node_loss_bench: timed out waiting for {what}")
 
 
-def run_case(build, nodes, ranks, local, kill_at, steps):
+def train_command(build, nodes, ranks, steps, run_dir, sets):
+    """The trainer of every case: configs/default.yaml, hidden 48, a checkpoint every 100 steps,
+    metrics every step, `sets` (--set ...) on top."""
+    # A global batch both world sizes divide (before and after the loss), at least 32;
+    # micro-batches of at most 8, chosen by the trainer.
+    before, after = nodes * ranks, (nodes - 1) * ranks
+    batch = before * after // math.gcd(before, after)
+    batch *= -(-32 // batch)
+    return [os.path.join(build, "bin", "tessera-train"), "--config", os.path.join(ROOT, "configs", "default.yaml"),
+            "--set", f"run.steps={steps}", "--set", "model.hidden=[48]", "--set", f"data.global_batch={batch}",
+            "--set", "data.micro_batch=8", "--set", "checkpoint.every_steps=100", "--set", "run.log_every=1",
+            "--set", "log.per_rank_files=false", "--set", f"run.dir={run_dir}"] + sets
+
+
+def hybrid_sets(ranks):
+    """Each node one replica group: what fault.survive needs, and the restart path's same run."""
+    return ["--set", "sharding.strategy=hybrid", "--set", f"sharding.shard_size={ranks}"]
+
+
+def kill_node(launcher):
+    """The node's ranks and launcher at once, as a power loss would: each rank is in a process
+    group of its own, and a launcher killed alone has them stop with a checkpoint."""
+    children = []
+    for task in os.listdir(f"/proc/{launcher.pid}/task"):
+        with open(f"/proc/{launcher.pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    for pid in children + [launcher.pid]:
+        os.kill(pid, signal.SIGKILL)
+
+
+def survive_case(build, nodes, ranks, kill_at, steps):
+    """fault.survive: static launchers (--nnodes N), each node a hybrid replica group; the last
+    node lost as in run_case; the others go on in-process. Seconds from the kill to the end of
+    the next step in metrics.jsonl (its rows carry `time`)."""
+    work = tempfile.mkdtemp(prefix="tessera_node_loss_")
+    port = free_port()
+    run_dir = os.path.join(work, "run")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    train = train_command(build, nodes, ranks, steps, run_dir,
+                          hybrid_sets(ranks) + ["--set", "fault.survive=true", "--set", "run.backend=auto"])
+    launchers, logs = [], []
+    for node in range(nodes):
+        command = [os.path.join(build, "bin", "tessera-run"), "--nnodes", str(nodes), "--node-rank", str(node),
+                   "--nproc-per-node", str(ranks), "--master-port", str(port)] + train
+        log = open(os.path.join(work, f"node{node}.log"), "w")
+        logs.append(log)
+        launchers.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    wait_for(lambda: last_step(metrics) >= kill_at, 600, f"step {kill_at}")
+    lost_step = last_step(metrics)
+    kill_node(launchers[-1])
+    killed_at = time.time()
+    launchers[0].wait(timeout=600)
+    with open(metrics) as f:
+        after = [r for r in (json.loads(line) for line in f if line.strip().endswith("}")) if r["step"] > lost_step]
+    with open(os.path.join(work, "node0.log")) as f:
+        text = f.read()
+    went_on = re.search(r"fault\.survive: ranks [^\n]* go on as a world of \d+ from step (\d+)", text)
+    for p in launchers[1:]:
+        p.wait()
+    for log in logs:
+        log.close()
+    if not after or not went_on:
+        sys.exit("node_loss_bench: the survivors did not go on:\n" + text[-3000:])
+    shutil.rmtree(work, ignore_errors=True)
+    return {"layout": f"{nodes}x{ranks}", "tier": "fault.survive (no checkpoint read)", "node lost at step": lost_step,
+            "resumed from step": int(went_on.group(1)), "steps lost": lost_step - int(went_on.group(1)),
+            "seconds to the next step": round(after[0]["time"] - killed_at, 2),
+            "launcher of node 0 exit status": launchers[0].returncode}
+
+
+def run_case(build, nodes, ranks, local, kill_at, steps, sets=()):
     work = tempfile.mkdtemp(prefix="tessera_node_loss_")
     # Each simulated node's local tier in memory, as the default (/dev/shm) has it.
     shm = tempfile.mkdtemp(prefix="tessera_node_loss_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     port = free_port()
     run_dir = os.path.join(work, "run")
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    # A global batch both world sizes divide (before and after the loss), at least 32;
-    # micro-batches of at most 8, chosen by the trainer.
-    before, after = nodes * ranks, (nodes - 1) * ranks
-    batch = before * after // math.gcd(before, after)
-    batch *= -(-32 // batch)
-    train = [os.path.join(build, "bin", "tessera-train"), "--config", os.path.join(ROOT, "configs", "default.yaml"),
-             "--set", f"run.steps={steps}", "--set", "model.hidden=[48]", "--set", f"data.global_batch={batch}",
-             "--set", "data.micro_batch=8", "--set", "checkpoint.every_steps=100", "--set", "run.log_every=1",
-             "--set", "log.per_rank_files=false", "--set", f"run.dir={run_dir}"]
+    train = train_command(build, nodes, ranks, steps, run_dir, list(sets))
     launchers = []
     logs = []
     for node in range(nodes):
@@ -90,17 +153,9 @@ def run_case(build, nodes, ranks, local, kill_at, steps):
         if node == 0:
             time.sleep(1.0)  # node 0 hosts the rendezvous
     wait_for(lambda: last_step(metrics) >= kill_at, 600, f"step {kill_at}")
-    # The node's ranks and launcher at once, as a power loss would: each rank is in a
-    # process group of its own, and a launcher killed alone has them stop with a checkpoint.
-    victim = launchers[-1].pid
-    children = []
-    for task in os.listdir(f"/proc/{victim}/task"):
-        with open(f"/proc/{victim}/task/{task}/children") as f:
-            children += [int(c) for c in f.read().split()]
-    for pid in children + [victim]:
-        os.kill(pid, signal.SIGKILL)
-    killed_at = time.time()
     lost_step = last_step(metrics)
+    kill_node(launchers[-1])
+    killed_at = time.time()
     if local:
         shutil.rmtree(os.path.join(shm, f"local{nodes - 1}"), ignore_errors=True)
     # After the restart, rank 0 may be on any surviving node (the rendezvous renumbers them).
@@ -191,6 +246,9 @@ def main():
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
     parser.add_argument("--overhead", action="store_true",
                         help="instead: samples/s of uninterrupted runs with and without the local tier")
+    parser.add_argument("--survive", action="store_true",
+                        help="instead: fault.survive (the other nodes go on in-process) against the restart path with "
+                             "the local tier, both hybrid with a node per replica group")
     parser.add_argument("--dit", action="store_true",
                         help="--overhead on the main job's DiT (configs/dit_quick.yaml) instead of the default MLP")
     args = parser.parse_args()
@@ -209,6 +267,13 @@ def main():
                 print(json.dumps({"layout": layout, "rep": rep, "samples/s without": without,
                                   "samples/s with local every 5": with_local,
                                   "ratio": round(with_local / without, 3)}), flush=True)
+        return
+    if args.survive:
+        for layout in args.layouts:
+            nodes, ranks = (int(x) for x in layout.split("x"))
+            print(json.dumps(survive_case(args.build, nodes, ranks, args.kill_at, args.steps)), flush=True)
+            print(json.dumps(run_case(args.build, nodes, ranks, True, args.kill_at, args.steps, hybrid_sets(ranks))),
+                  flush=True)
         return
     for layout in args.layouts:
         nodes, ranks = (int(x) for x in layout.split("x"))
