@@ -59,18 +59,23 @@ def wait_for(predicate, seconds, what):
     sys.exit(f"node_loss_bench: timed out waiting for {what}")
 
 
-def train_command(build, nodes, ranks, steps, run_dir, sets):
-    """The trainer of every case: configs/default.yaml, hidden 48, a checkpoint every 100 steps,
-    metrics every step, `sets` (--set ...) on top."""
+def train_command(build, nodes, ranks, steps, run_dir, sets, dit=False):
+    """The trainer of every case: configs/default.yaml, hidden 48 (or the main job's DiT,
+    configs/dit_quick.yaml, without its evaluations and sample grids), a checkpoint every 100
+    steps, metrics every step, `sets` (--set ...) on top."""
+    common = ["--set", f"run.steps={steps}", "--set", "checkpoint.every_steps=100", "--set", "run.log_every=1",
+              "--set", "log.per_rank_files=false", "--set", f"run.dir={run_dir}"]
+    if dit:
+        return [os.path.join(build, "bin", "tessera-train"), "--config", os.path.join(ROOT, "configs", "dit_quick.yaml"),
+                "--set", "eval.sample_every=0", "--set", "run.eval_every=0"] + common + sets
     # A global batch both world sizes divide (before and after the loss), at least 32;
     # micro-batches of at most 8, chosen by the trainer.
     before, after = nodes * ranks, (nodes - 1) * ranks
     batch = before * after // math.gcd(before, after)
     batch *= -(-32 // batch)
     return [os.path.join(build, "bin", "tessera-train"), "--config", os.path.join(ROOT, "configs", "default.yaml"),
-            "--set", f"run.steps={steps}", "--set", "model.hidden=[48]", "--set", f"data.global_batch={batch}",
-            "--set", "data.micro_batch=8", "--set", "checkpoint.every_steps=100", "--set", "run.log_every=1",
-            "--set", "log.per_rank_files=false", "--set", f"run.dir={run_dir}"] + sets
+            "--set", "model.hidden=[48]", "--set", f"data.global_batch={batch}", "--set", "data.micro_batch=8"] + \
+        common + sets
 
 
 def hybrid_sets(ranks):
@@ -89,7 +94,7 @@ def kill_node(launcher):
         os.kill(pid, signal.SIGKILL)
 
 
-def survive_case(build, nodes, ranks, kill_at, steps):
+def survive_case(build, nodes, ranks, kill_at, steps, dit=False):
     """fault.survive: static launchers (--nnodes N), each node a hybrid replica group; the last
     node lost as in run_case; the others go on in-process. Seconds from the kill to the end of
     the next step in metrics.jsonl (its rows carry `time`)."""
@@ -98,7 +103,7 @@ def survive_case(build, nodes, ranks, kill_at, steps):
     run_dir = os.path.join(work, "run")
     metrics = os.path.join(run_dir, "metrics.jsonl")
     train = train_command(build, nodes, ranks, steps, run_dir,
-                          hybrid_sets(ranks) + ["--set", "fault.survive=true", "--set", "run.backend=auto"])
+                          hybrid_sets(ranks) + ["--set", "fault.survive=true", "--set", "run.backend=auto"], dit)
     launchers, logs = [], []
     for node in range(nodes):
         command = [os.path.join(build, "bin", "tessera-run"), "--nnodes", str(nodes), "--node-rank", str(node),
@@ -106,11 +111,16 @@ def survive_case(build, nodes, ranks, kill_at, steps):
         log = open(os.path.join(work, f"node{node}.log"), "w")
         logs.append(log)
         launchers.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    wait_for(lambda: last_step(metrics) >= kill_at, 600, f"step {kill_at}")
-    lost_step = last_step(metrics)
+    def reached():
+        if any(p.poll() is not None for p in launchers):
+            with open(os.path.join(work, "node0.log")) as f:
+                sys.exit("node_loss_bench: a launcher ended before the kill:\n" + f.read()[-3000:])
+        return last_step(metrics) >= kill_at
+    wait_for(reached, 600, f"step {kill_at}")
     kill_node(launchers[-1])
     killed_at = time.time()
-    launchers[0].wait(timeout=600)
+    lost_step = last_step(metrics)  # after the kill: the node may have finished one more step
+    launchers[0].wait(timeout=1800)
     with open(metrics) as f:
         after = [r for r in (json.loads(line) for line in f if line.strip().endswith("}")) if r["step"] > lost_step]
     with open(os.path.join(work, "node0.log")) as f:
@@ -123,20 +133,23 @@ def survive_case(build, nodes, ranks, kill_at, steps):
     if not after or not went_on:
         sys.exit("node_loss_bench: the survivors did not go on:\n" + text[-3000:])
     shutil.rmtree(work, ignore_errors=True)
-    return {"layout": f"{nodes}x{ranks}", "tier": "fault.survive (no checkpoint read)", "node lost at step": lost_step,
-            "resumed from step": int(went_on.group(1)), "steps lost": lost_step - int(went_on.group(1)),
+    return {"layout": f"{nodes}x{ranks}", "model": "DiT (dit_quick)" if dit else "MLP (default, hidden 48)",
+            "tier": "fault.survive (no checkpoint read)", "node lost at step": lost_step,
+            # metrics.jsonl lags the survivors by up to a step: the row of a step whose update
+            # every rank made is written after its metrics' all-gather, which the loss interrupts.
+            "resumed from step": int(went_on.group(1)), "steps lost": max(0, lost_step - int(went_on.group(1))),
             "seconds to the next step": round(after[0]["time"] - killed_at, 2),
             "launcher of node 0 exit status": launchers[0].returncode}
 
 
-def run_case(build, nodes, ranks, local, kill_at, steps, sets=()):
+def run_case(build, nodes, ranks, local, kill_at, steps, sets=(), dit=False):
     work = tempfile.mkdtemp(prefix="tessera_node_loss_")
     # Each simulated node's local tier in memory, as the default (/dev/shm) has it.
     shm = tempfile.mkdtemp(prefix="tessera_node_loss_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     port = free_port()
     run_dir = os.path.join(work, "run")
     metrics = os.path.join(run_dir, "metrics.jsonl")
-    train = train_command(build, nodes, ranks, steps, run_dir, list(sets))
+    train = train_command(build, nodes, ranks, steps, run_dir, list(sets), dit)
     launchers = []
     logs = []
     for node in range(nodes):
@@ -153,9 +166,9 @@ def run_case(build, nodes, ranks, local, kill_at, steps, sets=()):
         if node == 0:
             time.sleep(1.0)  # node 0 hosts the rendezvous
     wait_for(lambda: last_step(metrics) >= kill_at, 600, f"step {kill_at}")
-    lost_step = last_step(metrics)
     kill_node(launchers[-1])
     killed_at = time.time()
+    lost_step = last_step(metrics)  # after the kill: the node may have finished one more step
     if local:
         shutil.rmtree(os.path.join(shm, f"local{nodes - 1}"), ignore_errors=True)
     # After the restart, rank 0 may be on any surviving node (the rendezvous renumbers them).
@@ -250,7 +263,8 @@ def main():
                         help="instead: fault.survive (the other nodes go on in-process) against the restart path with "
                              "the local tier, both hybrid with a node per replica group")
     parser.add_argument("--dit", action="store_true",
-                        help="--overhead on the main job's DiT (configs/dit_quick.yaml) instead of the default MLP")
+                        help="--overhead or --survive on the main job's DiT (configs/dit_quick.yaml) instead of the "
+                             "default MLP")
     args = parser.parse_args()
     if args.overhead:
         for layout in args.layouts:
@@ -271,9 +285,9 @@ def main():
     if args.survive:
         for layout in args.layouts:
             nodes, ranks = (int(x) for x in layout.split("x"))
-            print(json.dumps(survive_case(args.build, nodes, ranks, args.kill_at, args.steps)), flush=True)
-            print(json.dumps(run_case(args.build, nodes, ranks, True, args.kill_at, args.steps, hybrid_sets(ranks))),
-                  flush=True)
+            print(json.dumps(survive_case(args.build, nodes, ranks, args.kill_at, args.steps, args.dit)), flush=True)
+            print(json.dumps(run_case(args.build, nodes, ranks, True, args.kill_at, args.steps, hybrid_sets(ranks),
+                                      args.dit)), flush=True)
         return
     for layout in args.layouts:
         nodes, ranks = (int(x) for x in layout.split("x"))

@@ -160,8 +160,15 @@ void ReplicaGroups::watch() {
     std::this_thread::sleep_for(kWatchEvery);
     const int64_t next = epoch_.load() + 1;
     try {
-      if (watchStore_->check({epochKey(next, "start")})) {
-        distributed::abortCommunicators();
+      bool started = false;
+      {
+        // Under epochMutex_: an abort never lands after this process moved to the next
+        // epoch, whose communicators it would break.
+        const std::lock_guard<std::mutex> lock(epochMutex_);
+        started = epoch_.load() < next && watchStore_->check({epochKey(next, "start")});
+        if (started) distributed::abortCommunicators();
+      }
+      if (started) {
         // Until recover() moves epoch_ on, the abort stands; abort again only for the next.
         while (!stop_.load() && epoch_.load() < next) std::this_thread::sleep_for(kWatchEvery);
         continue;
@@ -245,7 +252,7 @@ Membership ReplicaGroups::recover(int rank, int world, int64_t stepsDone) {
     for (int m : out.members) live.push_back(launcherRanks_.at(m));
     launcherRanks_ = live;
   }
-  epoch_.store(epoch);
+  setEpoch(epoch);
   return out;
 }
 
@@ -287,8 +294,13 @@ Membership ReplicaGroups::admit(int rank, int64_t stepsDone, int64_t skippedStep
     m.worldBefore = static_cast<int>(launcherRanks_.size());
     launcherRanks_ = m.launcherRanks;
   }
-  epoch_.store(epoch);
+  setEpoch(epoch);
   return m;
+}
+
+void ReplicaGroups::setEpoch(int64_t epoch) {
+  const std::lock_guard<std::mutex> lock(epochMutex_);
+  epoch_.store(epoch);
 }
 
 Membership ReplicaGroups::join() {
@@ -305,7 +317,7 @@ Membership ReplicaGroups::join() {
     const std::lock_guard<std::mutex> lock(mutex_);
     launcherRanks_ = m.launcherRanks;
   }
-  epoch_.store(epoch);
+  setEpoch(epoch);
   startWatching();
   return m;
 }

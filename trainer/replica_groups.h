@@ -113,6 +113,7 @@ class ReplicaGroups {
  private:
   void watch();
   void startWatching();
+  void setEpoch(int64_t epoch);  // under epochMutex_
   // Rank 0: the launcher ranks of the whole lost groups that wait to rejoin, and each one's
   // attempt (join()s so far).
   std::map<int, int64_t> waitingGroups();
@@ -123,6 +124,7 @@ class ReplicaGroups {
   std::chrono::milliseconds quorumWait_, timeout_;
   std::shared_ptr<distributed::Store> store_;         // the agreements and the new communicators
   std::shared_ptr<distributed::Store> watchStore_;    // the watcher's own connection
+  std::mutex epochMutex_;                             // epoch_'s changes against the watcher's aborts
   std::atomic<int64_t> epoch_{0};                     // membership changes done
   std::mutex mutex_;                                  // launcherRanks_ (the watcher reads it)
   std::vector<int> launcherRanks_;                    // launcher RANK of each rank of the world now

@@ -508,7 +508,11 @@ class TestKill {
         throw UsageError(
             strCat("TESSERA_TEST_KILL '", text, "': RANK:STEP:WHEN expected, WHEN start, update, save or stop"));
       }
-      if (text.substr(0, a) == rank) kills_.push_back({std::stoll(text.substr(a + 1, b - a - 1)), when});
+      const std::string step = text.substr(a + 1, b - a - 1);
+      if (step.empty() || step.find_first_not_of("0123456789") != std::string::npos || step.size() > 18) {
+        throw UsageError(strCat("TESSERA_TEST_KILL '", text, "': STEP '", step, "' is not a step number"));
+      }
+      if (text.substr(0, a) == rank) kills_.push_back({std::stoll(step), when});
     }
   }
   void at(int64_t step, const char* when) const {
