@@ -134,7 +134,7 @@ bool ReplicaGroups::rejoins(const distributed::RankEnv& env, std::chrono::millis
   }
 }
 
-std::map<int, int64_t> ReplicaGroups::waitingGroups() {
+std::map<int, int64_t> ReplicaGroups::waitingGroups(distributed::Store& store) {
   std::vector<int> live;
   {
     const std::lock_guard<std::mutex> lock(mutex_);
@@ -145,8 +145,8 @@ std::map<int, int64_t> ReplicaGroups::waitingGroups() {
     std::map<int, int64_t> group;
     for (int r = g * groupSize_; r < (g + 1) * groupSize_; ++r) {
       if (std::find(live.begin(), live.end(), r) != live.end()) break;
-      const int64_t attempts = watchStore_->add(strCat(kPrefix, "/join_attempts/", r), 0);
-      const int64_t admitted = watchStore_->add(strCat(kPrefix, "/join_admitted/", r), 0);
+      const int64_t attempts = store.add(strCat(kPrefix, "/join_attempts/", r), 0);
+      const int64_t admitted = store.add(strCat(kPrefix, "/join_admitted/", r), 0);
       if (attempts <= admitted) break;
       group[r] = attempts;
     }
@@ -173,7 +173,7 @@ void ReplicaGroups::watch() {
         while (!stop_.load() && epoch_.load() < next) std::this_thread::sleep_for(kWatchEvery);
         continue;
       }
-      if (launcherRank_ == 0 && !groupWaiting_.load()) groupWaiting_.store(!waitingGroups().empty());
+      if (launcherRank_ == 0 && !groupWaiting_.load()) groupWaiting_.store(!waitingGroups(*watchStore_).empty());
     } catch (const std::exception&) {
       // The store is gone (rank 0 lost): the collectives fail by themselves, recover() says why.
       return;
@@ -267,7 +267,7 @@ Membership ReplicaGroups::admit(int rank, int64_t stepsDone, int64_t skippedStep
   const std::string decision = epochKey(epoch, "admit");
   std::string text;
   if (rank == 0) {
-    const std::map<int, int64_t> waiting = waitingGroups();
+    const std::map<int, int64_t> waiting = waitingGroups(*store_);
     std::vector<int> all, joining;
     {
       const std::lock_guard<std::mutex> lock(mutex_);
@@ -303,15 +303,29 @@ void ReplicaGroups::setEpoch(int64_t epoch) {
   epoch_.store(epoch);
 }
 
-Membership ReplicaGroups::join() {
-  const int64_t attempt = store_->add(strCat(kPrefix, "/join_attempts/", launcherRank_), 1);
-  int64_t epoch = 0;
+void ReplicaGroups::finished() {
   try {
-    epoch = std::stoll(store_->get(strCat(kPrefix, "/join_admitted/", launcherRank_, "/", attempt), timeout_));
-  } catch (const TimeoutError& e) {
-    throw Error(strCat("fault.survive: launcher rank ", launcherRank_, " waited ", distributed::formatDuration(timeout_),
-                       " to rejoin the run and was not admitted (its whole replica group must ask): ", e.what()));
+    store_->set(strCat(kPrefix, "/finished"), "1");
+  } catch (const std::exception&) {
+    // Nobody can be waiting on a store that does not answer.
   }
+}
+
+std::optional<Membership> ReplicaGroups::join() {
+  const int64_t attempt = store_->add(strCat(kPrefix, "/join_attempts/", launcherRank_), 1);
+  const std::string admitted = strCat(kPrefix, "/join_admitted/", launcherRank_, "/", attempt);
+  const std::string done = strCat(kPrefix, "/finished");
+  const auto deadline = Clock::now() + timeout_;
+  while (!store_->check({admitted})) {
+    if (store_->check({done})) return std::nullopt;
+    if (Clock::now() >= deadline) {
+      throw Error(strCat("fault.survive: launcher rank ", launcherRank_, " waited ",
+                         distributed::formatDuration(timeout_),
+                         " to rejoin the run and was not admitted (its whole replica group must ask)"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const int64_t epoch = std::stoll(store_->get(admitted, timeout_));
   Membership m = parseAdmission(epoch, store_->get(epochKey(epoch, "admit"), timeout_));
   {
     const std::lock_guard<std::mutex> lock(mutex_);

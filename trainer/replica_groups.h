@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -94,8 +95,10 @@ class ReplicaGroups {
   // `stepsDone` steps (`skippedSteps` skipped).
   Membership admit(int rank, int64_t stepsDone, int64_t skippedSteps);
   // On a restarted process (rejoins()): waits until the live ranks admit it (up to the
-  // timeout), and returns the world it trains in.
-  Membership join();
+  // timeout), and returns the world it trains in; std::nullopt when the run finished first.
+  std::optional<Membership> join();
+  // Rank 0, when its run has trained its last step: a rank waiting to rejoin stops waiting.
+  void finished();
 
   // The communicator of `membership`'s world for its rank `rank`, on the store under the
   // change's own prefix (shm; the options of diagnostics.*).
@@ -115,8 +118,8 @@ class ReplicaGroups {
   void startWatching();
   void setEpoch(int64_t epoch);  // under epochMutex_
   // Rank 0: the launcher ranks of the whole lost groups that wait to rejoin, and each one's
-  // attempt (join()s so far).
-  std::map<int, int64_t> waitingGroups();
+  // attempt (join()s so far), read through `store` (a connection is used by one thread).
+  std::map<int, int64_t> waitingGroups(distributed::Store& store);
 
   int groupSize_;
   int launcherRank_;

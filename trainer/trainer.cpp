@@ -586,7 +586,8 @@ std::unique_ptr<RunParts> admitRejoiningGroups(ReplicaGroups& replicas, std::uni
 }
 
 // fault.survive, in a process its launcher restarted into a live run (ReplicaGroups::rejoins):
-// waits to be admitted, then builds its parts and receives its state from a live rank.
+// waits to be admitted, then builds its parts and receives its state from a live rank; null
+// when the run finished before it could rejoin.
 std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& resolvedYaml,
                                  std::unique_ptr<ReplicaGroups>& replicas) {
   const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
@@ -594,7 +595,9 @@ std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& reso
                                              cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout,
                                              /*joining=*/true);
   TLOG_INFO("fault.survive: restarted into a live run; waiting to rejoin at a step boundary");
-  const Membership membership = replicas->join();
+  const std::optional<Membership> admitted = replicas->join();
+  if (!admitted) return nullptr;
+  const Membership& membership = *admitted;
   const double start = steadySeconds();
   const int rank = membership.rankOfLauncherRank(env.rank);
   const distributed::RuntimeOptions& options = cfg.diagnostics.runtime;
@@ -623,6 +626,12 @@ TrainSummary Trainer::run() {
   std::unique_ptr<ReplicaGroups> replicas;
   std::unique_ptr<RunParts> run = state_->comm ? setUpRun(state_->config, state_->resolvedYaml, state_->comm)
                                                : rejoin(state_->config, state_->resolvedYaml, replicas);
+  if (!run) {
+    TLOG_WARN("fault.survive: the run finished before this rank's replica group could rejoin; nothing to do");
+    TrainSummary summary;
+    summary.finishedWithoutThisRank = true;
+    return summary;
+  }
   if (run->startStep > 0 && run->startStep == run->cfg.run.steps) {
     TrainSummary summary;
     summary.steps = run->startStep;
@@ -683,6 +692,8 @@ TrainSummary Trainer::run() {
       }
     }
   }
+  // A group still waiting to rejoin stops waiting (rank 0: the store's host).
+  if (replicas && run->comm->rank() == 0) replicas->finished();
   return loop->finish(done, stopped);
 }
 

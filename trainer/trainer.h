@@ -45,6 +45,8 @@ struct TrainSummary {
   // run.dir held a run already finished (its checkpoint is at run.steps): nothing was
   // trained, saved or exported.
   bool alreadyFinished = false;
+  // fault.survive: this process was restarted to rejoin a run that finished before it could.
+  bool finishedWithoutThisRank = false;
 };
 
 class Trainer {

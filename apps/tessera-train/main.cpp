@@ -68,6 +68,7 @@ int main(int argc, char** argv) {
     }
     tessera::trainer::Trainer trainer(loaded.config, loaded.resolvedYaml, runtime ? runtime->comm() : nullptr);
     const auto summary = trainer.run();
+    if (summary.finishedWithoutThisRank) return 0;  // said so
     if (summary.alreadyFinished) {  // said so, nothing trained; the exports it lacked written
       for (const auto& file : summary.exports) TLOG_INFO0("export: " << file);
       return 0;
