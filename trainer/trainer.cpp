@@ -563,6 +563,8 @@ std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::
   std::unique_ptr<RunParts> next = setUpRunFrom(*run, membership.stepsDone, std::move(comm));
   TLOG_INFO0("fault.survive: " << membership.describe() << "; training again " << steadySeconds() - start
                                << " s after this rank lost its peer, with no checkpoint read");
+  // The flight record of the change: the collective that lost the peer, and who went on.
+  diagnostics::flight::dump(strCat("fault.survive: lost a peer (", firstLine(why), "); ", membership.describe()));
   return next;
 }
 
@@ -579,6 +581,8 @@ std::unique_ptr<RunParts> admitRejoiningGroups(ReplicaGroups& replicas, std::uni
   run.reset();
   const auto [counterparts, root] = replicas.counterpartsOf(membership, rank, options.commTimeout);
   shareState(*next, *counterparts, root);
+  diagnostics::flight::dump(strCat("fault.survive: a lost replica group rejoined after step ", done, ": world ",
+                                   membership.worldBefore, " -> ", membership.launcherRanks.size(), " ranks"));
   TLOG_INFO0("fault.survive: a lost replica group rejoined after step " << done << ": world "
              << membership.worldBefore << " -> " << membership.launcherRanks.size() << " ranks, its state sent from "
              << "live ranks in " << steadySeconds() - start << " s");

@@ -128,6 +128,11 @@ TEST(FaultSurviveE2ETest, AGroupLostMidStepLeavesAndTheOtherEndsAsTheUninterrupt
   EXPECT_EQ(live.at(30), 2.0);
   EXPECT_EQ(live.at(31), 1.0);
   EXPECT_EQ(live.at(60), 1.0);
+  // The flight record of the change: rank 0's dump names the lost peer and who went on.
+  std::ifstream dump(dir + "/run/flight/rank_0.json");
+  const std::string flight((std::istreambuf_iterator<char>(dump)), std::istreambuf_iterator<char>());
+  EXPECT_NE(flight.find("fault.survive: lost a peer ("), std::string::npos) << flight.substr(0, 2000);
+  EXPECT_NE(flight.find("ranks 0-1 of 4 go on as a world of 2 from step 30"), std::string::npos) << flight.substr(0, 2000);
 }
 
 // A frozen process (SIGSTOP, never continued) is lost after a second, as a dead one.
