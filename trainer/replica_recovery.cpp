@@ -1,0 +1,138 @@
+// fault.survive in the train loop: the parts rebuilt for each change of the world (see
+// replica_recovery.h).
+#include "trainer/replica_recovery.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <optional>
+#include <sstream>
+
+#include "common/clock.h"
+#include "common/errors.h"
+#include "common/logging.h"
+#include "diagnostics/flight_recorder.h"
+#include "distributed/communicator.h"
+#include "distributed/rank_env.h"
+
+namespace tessera::trainer {
+
+// fault.survive: the replica groups of `run` and the store's watcher (replica_groups.h).
+std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run) {
+  const TrainConfig& cfg = run.cfg;
+  const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
+  const int world = run.comm->worldSize();
+  const int groupSize = replicaGroupSize(cfg, world, env.local_world_size);
+  if (run.comm->backendName() != "shm") {
+    throw ConfigError(strCat("fault.survive needs the shm backend (every rank on one host; run.backend cpu or shm): ",
+                             "this run's collectives go over ", run.comm->backendName(),
+                             ", whose waits cannot be abandoned when a replica group is lost"));
+  }
+  TLOG_INFO0("fault.survive: " << world / groupSize << " replica groups of " << groupSize
+                               << " ranks; a lost rank's group leaves and the others go on");
+  return std::make_unique<ReplicaGroups>(env, groupSize, cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout);
+}
+
+// fault.survive, after this rank lost a peer (`why`) with `stepsDone` steps complete: the
+// live groups agree on who goes on, build their communicator and take their state over
+// into parts for the new world; this rank leaves (tessera::Error) when its group lost a rank.
+std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::unique_ptr<RunParts> run,
+                                                  int64_t stepsDone, const std::string& why) {
+  const double start = steadySeconds();
+  const int rank = run->comm->rank(), world = run->comm->worldSize();
+  TLOG_WARN("fault.survive: lost a peer after step " << stepsDone << " (" << firstLine(why)
+            << "); agreeing with the other ranks on who goes on");
+  const Membership membership = replicas.recover(rank, world, stepsDone);
+  const int newRank = membership.newRankOf(rank);
+  if (newRank < 0) {
+    throw Error(strCat("fault.survive: rank ", rank, "'s replica group lost a rank, so it leaves the run: ",
+                       membership.describe()));
+  }
+  const distributed::RuntimeOptions& options = run->cfg.diagnostics.runtime;
+  std::shared_ptr<distributed::Communicator> comm =
+      replicas.communicatorFor(membership, newRank, options.commTimeout, options.flightEntries);
+  std::unique_ptr<RunParts> next = setUpRunFrom(*run, membership.stepsDone, std::move(comm));
+  TLOG_INFO0("fault.survive: " << membership.describe() << "; training again " << steadySeconds() - start
+                               << " s after this rank lost its peer, with no checkpoint read");
+  // The flight record of the change: the collective that lost the peer, and who went on.
+  diagnostics::flight::dump(strCat("fault.survive: lost a peer (", firstLine(why), "); ", membership.describe()));
+  return next;
+}
+
+// fault.survive, at a step boundary after `done` steps with a whole lost group waiting to
+// rejoin: the world with it back in place; the live ranks keep their state and send the
+// joining ones theirs.
+std::unique_ptr<RunParts> admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts> run, int64_t done) {
+  const double start = steadySeconds();
+  const Membership membership = replicas.admit(run->comm->rank(), done, run->counters.skippedSteps);
+  const int rank = membership.rankOfLauncherRank(replicas.launcherRank());
+  const distributed::RuntimeOptions& options = run->cfg.diagnostics.runtime;
+  std::unique_ptr<RunParts> next =
+      setUpRunFrom(*run, done, replicas.communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
+  run.reset();
+  const auto [counterparts, root] = replicas.counterpartsOf(membership, rank, options.commTimeout);
+  shareState(*next, *counterparts, root);
+  diagnostics::flight::dump(strCat("fault.survive: a lost replica group rejoined after step ", done, ": world ",
+                                   membership.worldBefore, " -> ", membership.launcherRanks.size(), " ranks"));
+  TLOG_INFO0("fault.survive: a lost replica group rejoined after step " << done << ": world "
+             << membership.worldBefore << " -> " << membership.launcherRanks.size() << " ranks, its state sent from "
+             << "live ranks in " << steadySeconds() - start << " s");
+  return next;
+}
+
+// fault.survive, in a process its launcher restarted into a live run (ReplicaGroups::rejoins):
+// waits to be admitted, then builds its parts and receives its state from a live rank; null
+// when the run finished before it could rejoin.
+std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& resolvedYaml,
+                                 std::unique_ptr<ReplicaGroups>& replicas) {
+  const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
+  replicas = std::make_unique<ReplicaGroups>(env, replicaGroupSize(cfg, env.world_size, env.local_world_size),
+                                             cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout,
+                                             /*joining=*/true);
+  TLOG_INFO("fault.survive: restarted into a live run; waiting to rejoin at a step boundary");
+  const std::optional<Membership> admitted = replicas->join();
+  if (!admitted) return nullptr;
+  const Membership& membership = *admitted;
+  const double start = steadySeconds();
+  const int rank = membership.rankOfLauncherRank(env.rank);
+  const distributed::RuntimeOptions& options = cfg.diagnostics.runtime;
+  std::unique_ptr<RunParts> run =
+      setUpRunToJoin(cfg, resolvedYaml, membership.stepsDone, membership.skippedSteps,
+                     replicas->communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
+  const auto [counterparts, root] = replicas->counterpartsOf(membership, rank, options.commTimeout);
+  shareState(*run, *counterparts, root);
+  TLOG_INFO("fault.survive: rejoined as rank " << rank << " of " << membership.launcherRanks.size() << " after step "
+            << membership.stepsDone << ", its state from a live rank in " << steadySeconds() - start
+            << " s, no checkpoint read");
+  return run;
+}
+
+TestKill::TestKill() {
+  const char* spec = std::getenv("TESSERA_TEST_KILL");
+  const char* rank = std::getenv("RANK");
+  if (spec == nullptr || rank == nullptr) return;
+  std::istringstream all(spec);
+  for (std::string text; std::getline(all, text, ',');) {
+    const size_t a = text.find(':'), b = text.find(':', a == std::string::npos ? a : a + 1);
+    const std::string when = b == std::string::npos ? "" : text.substr(b + 1);
+    if (b == std::string::npos || (when != "start" && when != "update" && when != "save" && when != "stop")) {
+      throw UsageError(
+          strCat("TESSERA_TEST_KILL '", text, "': RANK:STEP:WHEN expected, WHEN start, update, save or stop"));
+    }
+    const std::string step = text.substr(a + 1, b - a - 1);
+    if (step.empty() || step.find_first_not_of("0123456789") != std::string::npos || step.size() > 18) {
+      throw UsageError(strCat("TESSERA_TEST_KILL '", text, "': STEP '", step, "' is not a step number"));
+    }
+    if (text.substr(0, a) == rank) kills_.push_back({std::stoll(step), when});
+  }
+}
+
+void TestKill::at(int64_t step, const char* when) const {
+  for (const auto& [s, w] : kills_) {
+    if (s == step && w == when) ::kill(::getpid(), SIGKILL);
+    if (s == step && w == "stop" && std::string(when) == "start") ::kill(::getpid(), SIGSTOP);
+  }
+}
+
+}  // namespace tessera::trainer

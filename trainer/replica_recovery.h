@@ -1,0 +1,54 @@
+// fault.survive in the train loop (docs/troubleshooting.md, "A lost replica group"): the
+// run's parts rebuilt for each change of its world — a lost group left, a lost group back, a
+// restarted process rejoining — from this rank's memory or a live peer's, never a checkpoint.
+// The agreements behind them are replica_groups.h's; trainer.cpp's loop calls these.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "trainer/replica_groups.h"
+#include "trainer/run_setup.h"
+
+namespace tessera::trainer {
+
+// The replica groups of `run` (fault.survive) and the store's watcher. ConfigError when
+// the run has one group or its collectives are not shm's.
+std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run);
+
+// After this rank lost a peer (`why`) with `stepsDone` steps complete: the live groups agree
+// on who goes on, build their communicator and take their state over into parts for the new
+// world. tessera::Error when this rank's group lost a rank (it leaves) or none can go on.
+std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::unique_ptr<RunParts> run,
+                                                  int64_t stepsDone, const std::string& why);
+
+// At a step boundary after `done` steps, with a whole lost group waiting to rejoin: the world
+// with it back in place; the live ranks keep their state and send the joining ones theirs.
+std::unique_ptr<RunParts> admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts> run, int64_t done);
+
+// In a process its launcher restarted into a live run (ReplicaGroups::rejoins): waits to be
+// admitted, then builds its parts and receives its state from a live rank; null when the run
+// finished before it could rejoin. `replicas` is set to this process's groups.
+std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& resolvedYaml,
+                                 std::unique_ptr<ReplicaGroups>& replicas);
+
+// The tests of fault.survive: TESSERA_TEST_KILL="RANK:STEP:WHEN" has the process of launcher
+// rank RANK (its RANK) SIGKILL itself in step STEP (as the log counts them) at WHEN: "start"
+// (its peers wait for it in the step's collectives), "update" (after the step's optimizer
+// update, its peers in the step's last all-gathers) or "save" (after the step's periodic
+// actions: an asynchronous checkpoint write in flight); "stop": SIGSTOP at "start" (a frozen
+// process, never continued); several, comma-separated. Unset: never. UsageError for a
+// malformed value.
+class TestKill {
+ public:
+  TestKill();
+  void at(int64_t step, const char* when) const;
+
+ private:
+  std::vector<std::pair<int64_t, std::string>> kills_;  // this rank's
+};
+
+}  // namespace tessera::trainer
