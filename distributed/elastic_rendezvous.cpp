@@ -357,12 +357,12 @@ std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t roun
     const auto start = Clock::now();
     RendezvousAnswer state = parseRendezvousAnswer(request(getRequest.dump(), 10), where());
     // The other nodes fail at about the same time; a lost node never sends: wait a little,
-    // and in an elastic round no longer than the others keep sending (see the header).
+    // and no longer than the others keep sending (see the header).
     const int64_t expected = expectedNodes > 0 ? expectedNodes : static_cast<int64_t>(state.nodes.size());
     auto lastNew = Clock::now();
     int64_t seen = state.dumpNodes;
     while (state.error.empty() && state.round == round && state.dumpNodes < expected && secondsSince(start) < timeoutS) {
-      if (expectedNodes == 0 && secondsSince(lastNew) >= kDumpQuietS) break;
+      if (secondsSince(lastNew) >= kDumpQuietS) break;
       ::usleep(100 * 1000);
       state = parseRendezvousAnswer(request(getRequest.dump(), 10), where());
       if (state.dumpNodes > seen) {

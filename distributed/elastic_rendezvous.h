@@ -80,10 +80,10 @@ class ElasticRendezvous {
   // After a failure in round `round`: sends this node's flight-recorder dumps (file name ->
   // text) and returns every node's that reached the server within `timeoutS` (a node that
   // is gone sends none), this node's included; it waits for `expectedNodes` senders (0:
-  // the round's nodes). With 0 (an elastic round, where a lost node is the common case),
-  // it also stops once no further node has sent for 1.5 s (elastic_rendezvous.cpp): the nodes a failure
-  // reaches fail together, and a lost node would otherwise cost every restart the whole
-  // timeout. Never throws (a warning instead). Static multi-node runs use it too, on a
+  // the round's nodes), and stops once no further node has sent for 1.5 s
+  // (elastic_rendezvous.cpp): the nodes a failure reaches fail together, and a lost node (or,
+  // under fault.survive, a live one that never fails) would otherwise cost every restart the
+  // whole timeout. Never throws (a warning instead). Static multi-node runs use it too, on a
   // server of their own (round 0, no joins).
   std::map<std::string, std::string> exchangeDumps(int64_t round, const std::map<std::string, std::string>& mine,
                                                    double timeoutS, int expectedNodes = 0);
