@@ -33,7 +33,9 @@ const std::string kTrainArgs =
            "/configs/default.yaml --set run.steps=60 --set model.hidden=[48] --set data.global_batch=32"
            " --set data.micro_batch=4 --set checkpoint.every_steps=20 --set log.per_rank_files=false"
            " --set run.log_every=1 --set run.backend=auto --set sharding.strategy=hybrid"
-           " --set sharding.shard_size=2 --set fault.survive=true");
+           " --set sharding.shard_size=2 --set fault.survive=true"
+           // ctest runs two tests at once on CI's 2 cores: a live rank may answer late.
+           " --set fault.quorum_wait_s=2");
 const std::string kDeterministic = " --set run.deterministic=true";
 
 struct Nodes {
