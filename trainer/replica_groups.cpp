@@ -345,26 +345,28 @@ std::pair<std::shared_ptr<distributed::Communicator>, int> ReplicaGroups::counte
     if (!membership.joining[r] && donor < 0) donor = i;
   }
   TESSERA_CHECK(donor >= 0, "fault.survive: no live rank holds place ", place, " of a replica group");
-  distributed::ShmOptions options;
-  options.comm.timeout = timeout;
-  options.comm.lostWhenStoppedFor = kStoppedRankIsLostAfter;
-  options.comm.name = strCat("counterparts_", place);
-  return {distributed::makeShmCommunicator(store_->withPrefix(epochKey(membership.epoch, "comm")), rank / groupSize_,
-                                           world / groupSize_, options),
+  return {shmCommunicator(membership.epoch, strCat("counterparts_", place), rank / groupSize_, world / groupSize_,
+                          timeout, distributed::CommOptions{}.flightEntries),
           donor};
 }
 
 std::shared_ptr<distributed::Communicator> ReplicaGroups::communicatorFor(const Membership& membership, int rank,
                                                                           std::chrono::milliseconds timeout,
                                                                           int flightEntries) {
+  const size_t world = membership.launcherRanks.empty() ? membership.members.size() : membership.launcherRanks.size();
+  return shmCommunicator(membership.epoch, "world_cpu", rank, static_cast<int>(world), timeout, flightEntries);
+}
+
+std::shared_ptr<distributed::Communicator> ReplicaGroups::shmCommunicator(int64_t epoch, const std::string& name,
+                                                                          int rank, int world,
+                                                                          std::chrono::milliseconds timeout,
+                                                                          int flightEntries) {
   distributed::ShmOptions options;
   options.comm.timeout = timeout;
   options.comm.flightEntries = flightEntries;
   options.comm.lostWhenStoppedFor = kStoppedRankIsLostAfter;
-  options.comm.name = "world_cpu";
-  const size_t world = membership.launcherRanks.empty() ? membership.members.size() : membership.launcherRanks.size();
-  return distributed::makeShmCommunicator(store_->withPrefix(epochKey(membership.epoch, "comm")), rank,
-                                          static_cast<int>(world), options);
+  options.comm.name = name;
+  return distributed::makeShmCommunicator(store_->withPrefix(epochKey(epoch, "comm")), rank, world, options);
 }
 
 }  // namespace tessera::trainer

@@ -117,6 +117,11 @@ class ReplicaGroups {
   void watch();
   void startWatching();
   void setEpoch(int64_t epoch);  // under epochMutex_
+  // A shm group `name` of a membership change's communicators (its store prefix), whose
+  // stopped ranks are lost after kStoppedRankIsLostAfter.
+  std::shared_ptr<distributed::Communicator> shmCommunicator(int64_t epoch, const std::string& name, int rank,
+                                                             int world, std::chrono::milliseconds timeout,
+                                                             int flightEntries);
   // Rank 0: the launcher ranks of the whole lost groups that wait to rejoin, and each one's
   // attempt (join()s so far), read through `store` (a connection is used by one thread).
   std::map<int, int64_t> waitingGroups(distributed::Store& store);
