@@ -122,6 +122,7 @@ std::vector<std::weak_ptr<FlightRing>> g_rings;
 std::vector<std::string> g_files;
 int g_rank = -1;
 int g_worldSize = 0;
+nlohmann::json g_counters = nlohmann::json::object();  // addToCounter's
 // The groups of the last dump that had any: a dump on the way out of an error (runMain's
 // hook) comes after the communicators are gone, and repeats what the first dump saw.
 nlohmann::json g_lastGroups;
@@ -186,6 +187,11 @@ void setDumpFiles(std::vector<std::string> files, int rank, int worldSize) {
   g_worldSize = worldSize;
 }
 
+void addToCounter(const std::string& name, int64_t delta) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_counters[name] = g_counters.value(name, int64_t{0}) + delta;
+}
+
 std::vector<std::string> dumpFilesFor(const std::string& runDir, int rank) {
   const std::string name = strCat("rank_", rank, ".json");
   std::vector<std::string> files = {(std::filesystem::path(runDir) / "flight" / name).string()};
@@ -207,6 +213,7 @@ std::string dumpJson(const std::string& reason) {
     j["format"] = "tessera.flight/1";
     j["rank"] = g_rank;
     j["world_size"] = g_worldSize;
+    if (!g_counters.empty()) j["counters"] = g_counters;
   }
   j["reason"] = reason;
   j["pid"] = static_cast<int64_t>(::getpid());

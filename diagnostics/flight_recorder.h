@@ -83,6 +83,13 @@ std::shared_ptr<FlightRing> openRing(const std::string& group, const std::string
 // Where dumps go: every path in `files` is (re)written on each dump. `rank` and
 // `worldSize` label the dump. Until called, dumps are not written.
 void setDumpFiles(std::vector<std::string> files, int rank, int worldSize);
+// A count every later dump carries under "counters" (fault.survive's membership changes,
+// which tessera-run reports at the end of a run).
+void addToCounter(const std::string& name, int64_t delta);
+// fault.survive's: the replica groups lost that the run went on without, and those that
+// rejoined it.
+inline constexpr const char* kGroupsLostCounter = "fault_survive_groups_lost";
+inline constexpr const char* kGroupsRejoinedCounter = "fault_survive_groups_rejoined";
 // The files set above: <run.dir>/flight/rank_<r>.json, plus $TESSERA_FLIGHT_DIR/rank_<r>.json
 // when the launcher set that variable (tessera-run reads them there for its verdict).
 std::vector<std::string> dumpFilesFor(const std::string& runDir, int rank);

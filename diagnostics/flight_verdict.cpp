@@ -410,4 +410,22 @@ std::vector<std::string> flightVerdict(const VerdictInput& input) {
   return verdict.finish();
 }
 
+std::map<std::string, int64_t> dumpCounters(const std::string& dir) {
+  std::map<std::string, int64_t> counters;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (!std::regex_match(entry.path().filename().string(), std::regex("rank_[0-9]+\\.json"))) continue;
+    try {
+      const json j = json::parse(readRegularFile(entry.path().string(), kMaxDumpBytes, LinkPolicy::kRefuse));
+      if (!j.contains("counters") || !j["counters"].is_object()) continue;
+      for (const auto& [name, value] : j["counters"].items()) {
+        if (value.is_number_integer()) counters[name] = std::max(counters[name], value.get<int64_t>());
+      }
+    } catch (const std::exception&) {
+      // Not a dump this can read: the verdict reports those; counters are only a summary.
+    }
+  }
+  return counters;
+}
+
 }  // namespace tessera::diagnostics

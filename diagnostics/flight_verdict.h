@@ -6,6 +6,7 @@
 // Torch-free (JSON only), so the launcher links it without LibTorch.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <set>
 #include <string>
@@ -28,5 +29,10 @@ struct VerdictInput {
 // throws for what is in the directory (an unreadable dump is a line of its own); throws
 // tessera::Error when `dir` cannot be listed.
 std::vector<std::string> flightVerdict(const VerdictInput& input);
+
+// The "counters" of the dumps in `dir` (flight::addToCounter), the largest of each over the
+// ranks: what a fault.survive run went through, which tessera-run reports at its end. Empty
+// when there are none; never throws (an unreadable dump is skipped).
+std::map<std::string, int64_t> dumpCounters(const std::string& dir);
 
 }  // namespace tessera::diagnostics

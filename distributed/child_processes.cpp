@@ -17,6 +17,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "common/app_main.h"
 #include "common/errors.h"
 #include "common/file_open.h"
 #include "common/logging.h"
@@ -116,10 +117,11 @@ bool isFailure(int waitStatus) { return !WIFEXITED(waitStatus) || WEXITSTATUS(wa
 // so the pointers stay valid.
 struct ChildCommand {
   ChildCommand(const LaunchOptions& options, int localRank, int restartCount, const std::string& errorFile,
-               const std::string& flightDir) {
+               const std::string& flightDir, bool intoLiveRound) {
     auto overrides = rankEnvironment(options, localRank, restartCount, errorFile, std::getenv("OMP_NUM_THREADS"));
     // Where Tessera's programs also write their flight-recorder dump, for the verdict.
     overrides["TESSERA_FLIGHT_DIR"] = flightDir;
+    if (intoLiveRound) overrides[kRestartedIntoLiveRoundEnv] = "1";
     for (char** entry = environ; *entry; ++entry) {
       const std::string kv = *entry;
       if (overrides.count(kv.substr(0, kv.find('='))) == 0) envStrings.push_back(kv);
@@ -193,7 +195,7 @@ void ChildProcesses::setNodeRank(int nodeRank) {
   for (RankProcess& rank : ranks_) rank.globalRank = nodeRank * options_.nprocPerNode + rank.localRank;
 }
 
-void ChildProcesses::startAll(int restartCount, const std::string& flightDir) {
+void ChildProcesses::startAll(int restartCount, const std::string& flightDir, bool intoLiveRound) {
   failure_.reset();
   attemptStart_ = LaunchClock::now();
   for (RankProcess& rank : ranks_) {
@@ -203,7 +205,7 @@ void ChildProcesses::startAll(int restartCount, const std::string& flightDir) {
       writeAll(rank.logFd, strCat("tessera-run: restart ", restartCount, " of ", options_.maxRestarts,
                                   " (TORCHELASTIC_RESTART_COUNT=", restartCount, ")\n"));
     }
-    spawn(rank, restartCount, flightDir);
+    spawn(rank, restartCount, flightDir, intoLiveRound);
   }
 }
 
@@ -242,10 +244,10 @@ void ChildProcesses::restoreSignalHandlers() {
   closeFd(g_signalPipe[1]);
 }
 
-void ChildProcesses::spawn(RankProcess& rank, int restartCount, const std::string& flightDir) {
+void ChildProcesses::spawn(RankProcess& rank, int restartCount, const std::string& flightDir, bool intoLiveRound) {
   // Everything the child needs is built before fork(): the child only calls
   // async-signal-safe functions.
-  ChildCommand child(options_, rank.localRank, restartCount, rank.errorFile, flightDir);
+  ChildCommand child(options_, rank.localRank, restartCount, rank.errorFile, flightDir, intoLiveRound);
   int outPipe[2], errPipe[2], execPipe[2];
   makePipe(outPipe);
   makePipe(errPipe);

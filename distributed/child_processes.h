@@ -67,7 +67,9 @@ class ChildProcesses {
 
   // Starts every local rank for attempt `restartCount` (its TORCHELASTIC_RESTART_COUNT),
   // their flight-recorder dumps to `flightDir`; forgets the previous attempt's failure.
-  void startAll(int restartCount, const std::string& flightDir);
+  // `intoLiveRound`: restarted into an elastic round whose other nodes' ranks went on
+  // (kRestartedIntoLiveRoundEnv set for them).
+  void startAll(int restartCount, const std::string& flightDir, bool intoLiveRound = false);
   // Sets the ranks' global ranks for node `nodeRank` (an elastic round's).
   void setNodeRank(int nodeRank);
   // Waits up to `timeoutS` for output or a signal, prints and logs the ranks' lines, reaps.
@@ -91,7 +93,7 @@ class ChildProcesses {
  private:
   void installSignalHandlers();
   void restoreSignalHandlers();
-  void spawn(RankProcess& rank, int restartCount, const std::string& flightDir);
+  void spawn(RankProcess& rank, int restartCount, const std::string& flightDir, bool intoLiveRound);
   pid_t forkRank(const RankProcess& rank, const int outPipe[2], const int errPipe[2], int execPipe, char** argv,
                  char** envp);
   // Waits until the rank's program runs or its execvp() fails (then sets rank.execError).

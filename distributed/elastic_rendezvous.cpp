@@ -344,16 +344,22 @@ bool ElasticRendezvous::restartWanted(int64_t round) {
 
 std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t round,
                                                                    const std::map<std::string, std::string>& mine,
-                                                                   double timeoutS, int expectedNodes) {
+                                                                   double timeoutS, int expectedNodes,
+                                                                   int64_t* othersFailed) {
   std::map<std::string, std::string> all;
+  if (othersFailed) *othersFailed = -1;
   try {
+    const json getRequest = {{"op", "get_dumps"}, {"run_id", options_.runId}, {"node", nodeId_}, {"round", round}};
+    // The nodes that sent before this failure (earlier failures in this round, of nodes
+    // restarted into it), this one among them when it did.
+    const int64_t sentBefore = othersFailed ? parseRendezvousAnswer(request(getRequest.dump(), 10), where()).dumpNodes : 0;
+    const bool sentBeforeMyself = !dumpedRounds_.insert(round).second;
     json files = json::object();
     for (const auto& [name, text] : mine) files[name] = text;
     request(json({{"op", "put_dumps"}, {"run_id", options_.runId}, {"node", nodeId_}, {"round", round},
                   {"files", files}})
                 .dump(),
             10);
-    const json getRequest = {{"op", "get_dumps"}, {"run_id", options_.runId}, {"node", nodeId_}, {"round", round}};
     const auto start = Clock::now();
     RendezvousAnswer state = parseRendezvousAnswer(request(getRequest.dump(), 10), where());
     // The other nodes fail at about the same time; a lost node never sends: wait a little,
@@ -372,6 +378,7 @@ std::map<std::string, std::string> ElasticRendezvous::exchangeDumps(int64_t roun
     }
     if (!state.error.empty()) throw Error(state.error);
     all = std::move(state.dumps);
+    if (othersFailed) *othersFailed = std::max<int64_t>(0, state.dumpNodes - sentBefore - (sentBeforeMyself ? 0 : 1));
     // The server goes when this launcher exits: give the others a moment to read.
     if (hostsServer()) ::usleep(500 * 1000);
   } catch (const std::exception& e) {

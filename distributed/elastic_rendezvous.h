@@ -25,6 +25,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -85,8 +86,13 @@ class ElasticRendezvous {
   // under fault.survive, a live one that never fails) would otherwise cost every restart the
   // whole timeout. Never throws (a warning instead). Static multi-node runs use it too, on a
   // server of their own (round 0, no joins).
+  // `othersFailed` (when given) gets how many other nodes sent theirs since this one's
+  // failure began (-1 when the server did not answer): in an elastic round, the nodes whose
+  // ranks failed with this node's. 0 means they went on (fault.survive) or have not noticed
+  // yet; the launcher restarts its ranks into the running round then (launcher.cpp).
   std::map<std::string, std::string> exchangeDumps(int64_t round, const std::map<std::string, std::string>& mine,
-                                                   double timeoutS, int expectedNodes = 0);
+                                                   double timeoutS, int expectedNodes = 0,
+                                                   int64_t* othersFailed = nullptr);
   // This node's workers finished round `round`. The server's host then waits (up to
   // `timeoutS`) until every node of the round has said so, so that none loses the server
   // before it has heard the round is over.
@@ -103,6 +109,7 @@ class ElasticRendezvous {
   std::string nodeId_;
   std::unique_ptr<Server> server_;
   bool warnedUnreachable_ = false;
+  std::set<int64_t> dumpedRounds_;  // rounds this launcher sent its dumps for
 };
 
 }  // namespace tessera::distributed

@@ -34,7 +34,8 @@ std::map<std::string, std::string> localDumps(const std::string& flightDir) {
 // Sends this node's dumps to the other nodes and writes theirs into the flight dir: through
 // the elastic rendezvous, or in a static multi-node run through a server at
 // MASTER_PORT + 1 that the first launcher to fail hosts for the others.
-void fetchOtherNodesDumps(const FailureReport& r, const std::map<std::string, std::string>& mine) {
+// Returns how many other nodes failed with this one (elastic; -1 when unknown).
+int64_t fetchOtherNodesDumps(const FailureReport& r, const std::map<std::string, std::string>& mine) {
   const LaunchOptions& options = r.options;
   std::unique_ptr<ElasticRendezvous> staticExchange;
   ElasticRendezvous* exchange = r.rendezvous;
@@ -52,9 +53,11 @@ void fetchOtherNodesDumps(const FailureReport& r, const std::map<std::string, st
       TLOG_WARN("tessera-run: the other nodes' flight dumps: " << e.what());
     }
   }
-  if (exchange == nullptr) return;
+  if (exchange == nullptr) return -1;
   const int expected = r.rendezvous ? 0 : options.nnodes;
-  for (const auto& [name, text] : exchange->exchangeDumps(r.round, mine, 5.0, expected)) {
+  int64_t othersFailed = -1;
+  for (const auto& [name, text] :
+       exchange->exchangeDumps(r.round, mine, 5.0, expected, r.rendezvous ? &othersFailed : nullptr)) {
     if (mine.count(name) != 0 || name.find('/') != std::string::npos || name.rfind("rank_", 0) != 0) continue;
     try {
       std::filesystem::create_directories(r.flightDir);
@@ -63,6 +66,7 @@ void fetchOtherNodesDumps(const FailureReport& r, const std::map<std::string, st
       TLOG_WARN("tessera-run: " << e.what());
     }
   }
+  return othersFailed;
 }
 
 // How `rank` ended, in words, for the verdict.
@@ -84,11 +88,12 @@ std::string fateOf(const FailureReport& r, const RankProcess& rank) {
   return fate;
 }
 
-// The flight recorder's verdict, logged line by line; true when there was one.
-bool reportVerdict(const FailureReport& r) {
-  fetchOtherNodesDumps(r, localDumps(r.flightDir));
+// The flight recorder's verdict, logged line by line (verdictFromDumps: there was one).
+FailureReported reportVerdict(const FailureReport& r) {
+  FailureReported reported;
+  reported.otherNodesFailed = fetchOtherNodesDumps(r, localDumps(r.flightDir));
   std::error_code ec;
-  if (!std::filesystem::is_directory(r.flightDir, ec)) return false;  // no rank wrote a dump (not a Tessera program)
+  if (!std::filesystem::is_directory(r.flightDir, ec)) return reported;  // no rank wrote a dump (not a Tessera program)
   diagnostics::VerdictInput input;
   input.dir = r.flightDir;
   input.worldSize = r.options.nnodes * r.options.nprocPerNode;
@@ -100,11 +105,11 @@ bool reportVerdict(const FailureReport& r) {
     const auto lines = diagnostics::flightVerdict(input);
     TLOG_ERROR("tessera-run: verdict from the flight recorder (dumps in " << r.flightDir << "):");
     for (const auto& line : lines) TLOG_ERROR("tessera-run:   " << line);
-    return true;
+    reported.verdictFromDumps = true;
   } catch (const std::exception& e) {
     TLOG_WARN("tessera-run: no verdict: " << e.what());
-    return false;
   }
+  return reported;
 }
 
 }  // namespace
@@ -114,7 +119,7 @@ int failureExitStatus(const RankFailure& f) {
   return WEXITSTATUS(f.waitStatus);
 }
 
-bool reportFailure(const FailureReport& r, double stoppedInS) {
+FailureReported reportFailure(const FailureReport& r, double stoppedInS) {
   const RankFailure& f = *r.processes.failure();
   const std::string how = f.execError.empty() ? describeStatus(f.waitStatus) : f.execError;
   const int others = r.options.nprocPerNode - 1;
@@ -128,7 +133,8 @@ bool reportFailure(const FailureReport& r, double stoppedInS) {
     if (auto message = readErrorFile(rank.errorFile)) messages[rank.globalRank] = std::move(*message);
   }
   for (const std::string& line : foldRankErrors(messages, f.globalRank)) TLOG_ERROR("tessera-run: " << line);
-  return failureExitStatus(f) != kBadInputStatus && reportVerdict(r);  // a refused config says all there is
+  if (failureExitStatus(f) == kBadInputStatus) return {};  // a refused config says all there is
+  return reportVerdict(r);
 }
 
 }  // namespace tessera::distributed

@@ -31,8 +31,15 @@ struct FailureReport {
   int64_t round = 0;                // the elastic round the ranks ran in
 };
 
+struct FailureReported {
+  bool verdictFromDumps = false;  // a verdict pointed at the dumps (a temporary folder must be kept)
+  // Elastic runs: how many other nodes' ranks failed with this node's (they sent their
+  // dumps within the exchange's wait); -1 when unknown (static, bad input, no server).
+  int64_t otherNodesFailed = -1;
+};
+
 // Logs the failure (the other ranks stopped in `stoppedInS`) and, unless it was bad input,
-// the verdict. True when a verdict pointed at the dumps (a temporary folder must be kept).
-bool reportFailure(const FailureReport& report, double stoppedInS);
+// the verdict.
+FailureReported reportFailure(const FailureReport& report, double stoppedInS);
 
 }  // namespace tessera::distributed

@@ -12,10 +12,13 @@
 #include <filesystem>
 #include <memory>
 
+#include "common/app_main.h"
 #include "common/errors.h"
 #include "common/file_open.h"
 #include "common/filesystem.h"
 #include "common/logging.h"
+#include "diagnostics/flight_recorder.h"
+#include "diagnostics/flight_verdict.h"
 #include "distributed/child_processes.h"
 #include "distributed/elastic_rendezvous.h"
 #include "distributed/failure_report.h"
@@ -25,6 +28,18 @@ namespace {
 
 // How long one turn of an attempt's loop waits for the ranks' output or a signal.
 constexpr double kPumpPeriodS = 0.5;
+
+// What the ranks' flight dumps say their run survived (fault.survive), for the line that
+// ends a successful run: "; the run went on without 1 lost replica group and took 1 back
+// (fault.survive)", or "".
+std::string survivedFailures(const std::string& flightDir) {
+  auto counters = diagnostics::dumpCounters(flightDir);
+  const int64_t lost = counters[diagnostics::flight::kGroupsLostCounter];
+  const int64_t back = counters[diagnostics::flight::kGroupsRejoinedCounter];
+  if (lost == 0 && back == 0) return "";
+  return strCat("; the run went on without ", lost, " lost replica group", lost == 1 ? "" : "s",
+                back > 0 ? strCat(" and took ", back, " back") : std::string(), " (fault.survive)");
+}
 
 class Launcher {
  public:
@@ -37,10 +52,12 @@ class Launcher {
 
  private:
   // kRejoin: another node restarted, left or waits to join; this node's ranks were stopped
-  // for the next rendezvous round (not a failure of this node).
-  enum class Outcome { kSucceeded, kFailed, kInterrupted, kRejoin };
+  // for the next rendezvous round (not a failure of this node). kNothingToRejoin: ranks
+  // restarted into the running round found no run there that takes them back.
+  enum class Outcome { kSucceeded, kFailed, kInterrupted, kRejoin, kNothingToRejoin };
 
-  Outcome runAttempt(int restartCount);
+  // `intoLiveRound`: an elastic node's ranks restarted into the round that still runs.
+  Outcome runAttempt(int restartCount, bool intoLiveRound = false);
   int runElastic();
   // Takes the round's node rank, node count and master as this attempt's.
   void applyRound(const ElasticRound& round);
@@ -53,6 +70,7 @@ class Launcher {
   std::unique_ptr<ChildProcesses> processes_;      // reads options_
   std::unique_ptr<ElasticRendezvous> rendezvous_;  // elastic runs only
   int64_t round_ = 0;                               // the elastic round the ranks run in
+  int64_t otherNodesFailed_ = -1;                   // the last failure's (FailureReported)
 };
 
 Launcher::Launcher(LaunchOptions options) : options_(std::move(options)), start_(LaunchClock::now()) {
@@ -98,7 +116,8 @@ int Launcher::run() {
       if (options_.nnodes > 1) ranks = strCat(nproc == 1 ? "1 local rank" : strCat("all ", nproc, " local ranks"),
                                               " of node ", options_.nodeRank);
       const std::string restarts = restart > 0 ? strCat(" (after ", restart, " restart", restart > 1 ? "s" : "", ")") : "";
-      TLOG_INFO("tessera-run: " << ranks << " exited 0 in " << formatSeconds(secondsSince(start_)) << " s" << restarts);
+      TLOG_INFO("tessera-run: " << ranks << " exited 0 in " << formatSeconds(secondsSince(start_)) << " s" << restarts
+                << survivedFailures(flightDir_));
       return 0;
     }
     if (outcome == Outcome::kInterrupted) return 128 + processes_->firstSignal();
@@ -120,12 +139,12 @@ int Launcher::run() {
   }
 }
 
-Launcher::Outcome Launcher::runAttempt(int restartCount) {
+Launcher::Outcome Launcher::runAttempt(int restartCount, bool intoLiveRound) {
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(flightDir_, ec)) {
     std::filesystem::remove(entry.path(), ec);  // a stale dump (of any rank, any node) must not either
   }
-  processes_->startAll(restartCount, flightDir_);
+  processes_->startAll(restartCount, flightDir_, intoLiveRound);
   const int nproc = options_.nprocPerNode;
   const int world = options_.nnodes * nproc;
   const int firstRank = options_.nodeRank * nproc;
@@ -161,8 +180,13 @@ Launcher::Outcome Launcher::runAttempt(int restartCount) {
     }
     if (processes_->failure()) {
       const double stoppedIn = processes_->stopAll(SIGTERM, options_.gracePeriodS);
+      if (intoLiveRound && failureExitStatus(*processes_->failure()) == kNothingToRejoinStatus) {
+        return Outcome::kNothingToRejoin;
+      }
       const FailureReport report{options_, *processes_, flightDir_, rendezvous_.get(), round_};
-      if (reportFailure(report, stoppedIn) && !tempDir_.empty()) {
+      const FailureReported reported = reportFailure(report, stoppedIn);
+      otherNodesFailed_ = reported.otherNodesFailed;
+      if (reported.verdictFromDumps && !tempDir_.empty()) {
         // The verdict points there: the folder is kept (it was deleted at exit before).
         keepTempDir_ = true;
         TLOG_ERROR("tessera-run: the dumps stay in " << flightDir_ << " (tessera-flight " << flightDir_
@@ -212,28 +236,42 @@ int Launcher::runElastic() {
                      options_.maxNodes, options_.rdzvTimeoutS, options_.rdzvLastCallS},
       options_.nprocPerNode);
   int failures = 0;
+  int restartsIntoRound = 0;  // of the ranks into the running round (0: join the next round)
   while (true) {
-    try {
-      applyRound(rendezvous_->join([this] {
-        processes_->pump(0);  // reads the signal pipe
-        return processes_->firstSignal() != 0;
-      }));
-    } catch (const Error& e) {
-      if (processes_->firstSignal() != 0) return 128 + processes_->firstSignal();
-      TLOG_ERROR("tessera-run: " << e.what());
-      return 1;
+    if (restartsIntoRound == 0) {
+      try {
+        applyRound(rendezvous_->join([this] {
+          processes_->pump(0);  // reads the signal pipe
+          return processes_->firstSignal() != 0;
+        }));
+      } catch (const Error& e) {
+        if (processes_->firstSignal() != 0) return 128 + processes_->firstSignal();
+        TLOG_ERROR("tessera-run: " << e.what());
+        return 1;
+      }
     }
     // Every node's ranks must see the same TORCHELASTIC_RESTART_COUNT (it names the ranks'
-    // rendezvous keys): the round's, not this launcher's own count of attempts.
-    const Outcome outcome = runAttempt(static_cast<int>(round_ - 1));
+    // rendezvous keys): the round's, not this launcher's own count of attempts. Ranks
+    // restarted into the running round count on from it (a rejoining rank needs one > 0).
+    const Outcome outcome = runAttempt(static_cast<int>(round_ - 1) + restartsIntoRound, restartsIntoRound > 0);
     if (outcome == Outcome::kSucceeded) {
       TLOG_INFO("tessera-run: all " << options_.nprocPerNode << " local ranks of node " << options_.nodeRank
-                << " exited 0 in " << formatSeconds(secondsSince(start_)) << " s (round " << round_ << ")");
+                << " exited 0 in " << formatSeconds(secondsSince(start_)) << " s (round " << round_ << ")"
+                << survivedFailures(flightDir_));
       rendezvous_->finished(round_, 60);
       return 0;
     }
     if (outcome == Outcome::kInterrupted) return 128 + processes_->firstSignal();
-    if (outcome == Outcome::kRejoin) continue;  // not this node's failure
+    if (outcome == Outcome::kRejoin) {  // not this node's failure
+      restartsIntoRound = 0;
+      continue;
+    }
+    if (outcome == Outcome::kNothingToRejoin) {  // the same restart, through the next round
+      TLOG_WARN("tessera-run: the ranks found no run in round " << round_ << " to rejoin; joining the next rendezvous "
+                "round");
+      restartsIntoRound = 0;
+      continue;
+    }
     const int status = failureExitStatus(*processes_->failure());
     if (status == kBadInputStatus) return status;
     if (++failures > options_.maxRestarts) {
@@ -243,6 +281,19 @@ int Launcher::runElastic() {
       }
       return status;
     }
+    // No other node's ranks failed with these, and nobody opened a new round: the others
+    // went on (tessera-train's fault.survive). Restart the ranks into their round, where such
+    // a run takes them back; a program that finds none exits kNothingToRejoinStatus (or is
+    // stopped when the others open the next round).
+    // Node 0's rank 0 hosts the ranks' store: without it no run lives on.
+    if (otherNodesFailed_ == 0 && options_.nodeRank != 0 && !rendezvous_->restartWanted(round_)) {
+      ++restartsIntoRound;
+      TLOG_WARN("tessera-run: restart " << failures << " of " << options_.maxRestarts << ": no other node's ranks "
+                << "failed, so the run may live on without this node: restarting the local ranks into round "
+                << round_ << " to rejoin it");
+      continue;
+    }
+    restartsIntoRound = 0;
     TLOG_WARN("tessera-run: restart " << failures << " of " << options_.maxRestarts
               << ": joining the next rendezvous round");
   }

@@ -10,7 +10,12 @@
 // meet at the endpoint (elastic_rendezvous.h), which assigns node ranks and the master for
 // each round; after a failure the launchers that remain rendezvous again (a lost node
 // does not come) and restart their ranks on the world that is left, and a node that joins
-// later is admitted at a restart the others make for it.
+// later is admitted at a restart the others make for it. When no other node's ranks failed
+// with this node's (their launchers sent no flight dumps within the failure report's wait)
+// and nobody opened a new round, the others went on without this node (tessera-train's
+// fault.survive): this launcher restarts its ranks into the running round instead
+// (TESSERA_RESTARTED_INTO_LIVE_ROUND=1, common/app_main.h), where such a run takes them back;
+// ranks that find none exit 76 and the launcher joins the next round (no failure counted).
 //
 // Output (console and --log-dir):
 //   - Every line a rank writes to stdout (stderr) goes to the launcher's stdout (stderr)
@@ -27,6 +32,8 @@
 // configuration or arguments, which is never restarted; 128+N the launcher got signal N
 // (SIGINT, SIGTERM, SIGHUP, SIGQUIT), which it forwarded to every rank's process group (a
 // second one kills them at once). Bad options throw tessera::UsageError (tessera-run exits 2).
+// A run that survived lost replica groups (fault.survive) still exits 0: its last line says
+// how many it went on without and took back, from the counters in the ranks' flight dumps.
 #pragma once
 
 #include <map>

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <optional>
 #include <sstream>
@@ -55,7 +56,11 @@ std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::
   std::unique_ptr<RunParts> next = setUpRunFrom(*run, membership.stepsDone, std::move(comm));
   TLOG_INFO0("fault.survive: " << membership.describe() << "; training again " << steadySeconds() - start
                                << " s after this rank lost its peer, with no checkpoint read");
-  // The flight record of the change: the collective that lost the peer, and who went on.
+  // The flight record of the change: the collective that lost the peer, and who went on;
+  // its count is what tessera-run reports when the run ends.
+  diagnostics::flight::addToCounter(diagnostics::flight::kGroupsLostCounter,
+                                    (membership.worldBefore - static_cast<int>(membership.members.size())) /
+                                        replicas.groupSize());
   diagnostics::flight::dump(strCat("fault.survive: lost a peer (", firstLine(why), "); ", membership.describe()));
   return next;
 }
@@ -73,6 +78,9 @@ std::unique_ptr<RunParts> admitRejoiningGroups(ReplicaGroups& replicas, std::uni
   run.reset();
   const auto [counterparts, root] = replicas.counterpartsOf(membership, rank, options.commTimeout);
   shareState(*next, *counterparts, root);
+  diagnostics::flight::addToCounter(
+      diagnostics::flight::kGroupsRejoinedCounter,
+      std::count(membership.joining.begin(), membership.joining.end(), true) / replicas.groupSize());
   diagnostics::flight::dump(strCat("fault.survive: a lost replica group rejoined after step ", done, ": world ",
                                    membership.worldBefore, " -> ", membership.launcherRanks.size(), " ranks"));
   TLOG_INFO0("fault.survive: a lost replica group rejoined after step " << done << ": world "

@@ -3,8 +3,10 @@
 // Started once per rank by tessera-run or torchrun (reads their environment); with no
 // launcher it runs as a single process. Exit status: 0 ok, 2 bad config/arguments,
 // 1 run-time failure (message also in $TORCHELASTIC_ERROR_FILE when set), 75 stopped
-// with a checkpoint because another rank was stopped (restart to resume).
+// with a checkpoint because another rank was stopped (restart to resume), 76 restarted into
+// a running elastic round (tessera-run) where no run takes it back.
 
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -62,6 +64,14 @@ int main(int argc, char** argv) {
     // a communicator) instead of starting a world of its own.
     std::shared_ptr<tessera::distributed::Runtime> runtime;
     if (!cfg.fault.survive || !tessera::trainer::ReplicaGroups::rejoins(env, std::chrono::seconds(10))) {
+      const char* intoLiveRound = std::getenv(tessera::kRestartedIntoLiveRoundEnv);
+      if (intoLiveRound && std::string(intoLiveRound) == "1") {
+        // The launcher tries the running round first; the next one starts a world as usual.
+        TLOG_WARN("restarted into the running rendezvous round, but no run there takes this rank back ("
+                  << (cfg.fault.survive ? "its store says none lives on" : "fault.survive is off")
+                  << "); the launcher starts the next round");
+        return tessera::kNothingToRejoinStatus;
+      }
       runtime = tessera::distributed::Runtime::init(env, tessera::trainer::runtimeOptions(cfg, env));
       TLOG_INFO0("rendezvous of " << env.world_size << " ranks done in " << runtime->startupSeconds() << " s; "
                                   << runtime->comm()->backendName() << " moves parameters and gradients");

@@ -44,16 +44,23 @@ struct Nodes {
 };
 
 // `nodes` launchers of 2 ranks, each with the trainer and `extra`; TESSERA_TEST_KILL=`kill`;
-// the launchers of nodes 1.. get `launcherExtra` too.
+// the launchers of nodes 1.. get `launcherExtra` too. `elastic`: the launchers of an elastic
+// run (--nnodes N:N --rdzv-endpoint), every one with `launcherExtra`; node ranks go by the
+// order they joined in, so launcher n need not be node n.
 Nodes runNodes(const std::string& dir, int nodes, const std::string& extra, const std::string& kill = "",
-               const std::string& launcherExtra = "") {
+               const std::string& launcherExtra = "", bool elastic = false) {
   const int port = tessera::test::freePort();
   const std::string d = shellQuote(dir);
   std::string script = strCat("rm -rf ", d, "; mkdir -p ", d, "; export TESSERA_TEST_KILL=", shellQuote(kill), "; ");
   for (int n = 0; n < nodes; ++n) {
-    script += strCat("(", kBin, "/tessera-run --nnodes ", nodes, " --node-rank ", n, " --nproc-per-node 2 --master-port ",
-                     port, n > 0 ? " " + launcherExtra : std::string(), " ", kBin, "/tessera-train", kTrainArgs, extra, " --set run.dir=", d, "/run > ", d, "/node", n,
-                     ".log 2>&1; echo $? > ", d, "/node", n, ".status) & ");
+    const std::string launcher =
+        elastic ? strCat(" --nnodes ", nodes, ":", nodes, " --rdzv-endpoint 127.0.0.1:", port,
+                         " --rdzv-id fault_survive --rdzv-conf last_call_timeout=1 ", launcherExtra)
+                : strCat(" --nnodes ", nodes, " --node-rank ", n, " --master-port ", port,
+                         n > 0 ? " " + launcherExtra : std::string());
+    script += strCat("(", kBin, "/tessera-run --nproc-per-node 2", launcher, " ", kBin, "/tessera-train", kTrainArgs,
+                     extra, " --set run.dir=", d, "/run > ", d, "/node", n, ".log 2>&1; echo $? > ", d, "/node", n,
+                     ".status) & ");
   }
   script += "wait";
   const CommandResult r = runCommand(script, 400);
@@ -212,6 +219,53 @@ TEST(FaultSurviveE2ETest, TheLostGroupRejoinsFromALivePeer) {
   EXPECT_EQ(live.at(30), 1.0);
   EXPECT_EQ(live.at(back + 10 - back % 10), 2.0);
   EXPECT_EQ(live.at(3000), 2.0);
+}
+
+// An elastic run (each node a tessera-run of --nnodes 2:2 --rdzv-endpoint): no other node's
+// ranks failed with the lost one's, so its launcher restarts them into the running round
+// (no new rendezvous round, the live node's ranks untouched), where they rejoin.
+TEST(FaultSurviveE2ETest, InAnElasticRunTheLostNodeRestartsIntoTheRunningRound) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "elastic");
+  const std::string longer =
+      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
+  Nodes r = runNodes(dir, 2, longer, "3:21:start", "--max-restarts 1", /*elastic=*/true);
+  EXPECT_EQ(r.status[0], 0) << r.logs[0];
+  EXPECT_EQ(r.status[1], 0) << r.logs[1];
+  if (r.logs[0].find("RANK 0-1 of WORLD_SIZE 4") == std::string::npos) std::swap(r.logs[0], r.logs[1]);
+  const std::string& live = r.logs[0];
+  const std::string& lost = r.logs[1];
+  EXPECT_NE(live.find("fault.survive: ranks 0-1 of 4 go on as a world of 2 from step 20"), std::string::npos) << live;
+  EXPECT_NE(live.find("a lost replica group rejoined after step"), std::string::npos) << live;
+  EXPECT_NE(live.find("the run went on without 1 lost replica group and took 1 back (fault.survive)"),
+            std::string::npos)
+      << live;
+  EXPECT_NE(lost.find("no other node's ranks failed, so the run may live on without this node: restarting the local "
+                      "ranks into round 1 to rejoin it"),
+            std::string::npos)
+      << lost;
+  for (const std::string rank : {"2", "3"}) {
+    EXPECT_NE(lost.find(strCat("fault.survive: rejoined as rank ", rank, " of 4 after step ")), std::string::npos)
+        << lost;
+  }
+  // One round, the live node's ranks started once: the same processes throughout.
+  for (const std::string& log : {live, lost}) EXPECT_EQ(log.find("rendezvous round 2"), std::string::npos) << log;
+  EXPECT_EQ(live.find("started 2 ranks"), live.rfind("started 2 ranks")) << live;
+  EXPECT_EQ(live.find("resumed from"), std::string::npos) << live;
+  expectExportsEqual(reference(2, longer), dir + "/run", /*bitwise=*/true);
+}
+
+// Ranks restarted into a running round where no run takes them back say so and exit 76
+// (tessera-run then starts the next round).
+TEST(FaultSurviveE2ETest, ARankRestartedIntoARoundWithNoRunToRejoinExits76) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "nothing_to_rejoin");
+  const CommandResult r =
+      runCommand(strCat("TESSERA_RESTARTED_INTO_LIVE_ROUND=1 ", kBin, "/tessera-run --standalone --nproc-per-node 2 ",
+                        kBin, "/tessera-train", kTrainArgs, " --set fault.survive=false --set run.dir=", shellQuote(dir)));
+  EXPECT_EQ(r.status, 76) << r.output;
+  EXPECT_NE(r.output.find("restarted into the running rendezvous round, but no run there takes this rank back "
+                          "(fault.survive is off)"),
+            std::string::npos)
+      << r.output;
 }
 
 // no_shard: every rank a replica; its EMA would be sharded over every rank, so it is off.
