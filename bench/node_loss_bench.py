@@ -15,6 +15,8 @@ the local tier, the promotion's log line.
     bench/node_loss_bench.py [--layouts 2x2 4x4] [--kill-at 33] [--build build]
     bench/node_loss_bench.py --overhead [--dit] [--layouts 2x2] [--steps 300]   # what local saves cost
     bench/node_loss_bench.py --survive [--layouts 2x2 4x4]   # fault.survive against the restart path
+    bench/node_loss_bench.py --rejoin [--dit] [--reference] [--strategy no_shard] [--layouts 2x2]   # elastic, a rank
+                                                                            # killed, rejoined
 """
 
 import argparse
@@ -142,6 +144,119 @@ def survive_case(build, nodes, ranks, kill_at, steps, dit=False):
             "launcher of node 0 exit status": launchers[0].returncode}
 
 
+def log_time(line_match, near):
+    """Unix seconds of a log line's [HH:MM:SS.mmm] (local time) on the day of `near`."""
+    h, m, sec = int(line_match.group(1)), int(line_match.group(2)), float(line_match.group(3))
+    t = time.localtime(near)
+    midnight = near - (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec + near % 1)
+    return midnight + h * 3600 + m * 60 + sec
+
+
+def rank_pids(launcher):
+    children = []
+    for task in os.listdir(f"/proc/{launcher.pid}/task"):
+        with open(f"/proc/{launcher.pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    return sorted(children)
+
+
+def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False, strategy="hybrid"):
+    """fault.survive in an elastic run (--nnodes N:N, --max-restarts 1): one rank of the last
+    node SIGKILLed (its launcher lives); the other nodes go on in-process and the launcher of the
+    lost rank restarts its ranks into the running round, where they rejoin from a live peer.
+    Seconds from the kill to the next step, from the restart to the step the node is back in
+    (metrics.jsonl's replicas_live), whether node 0's ranks are the same processes, and with
+    `reference` the final EMA export against an uninterrupted run's (cmp). `strategy` no_shard:
+    every rank a replica, the EMA sharded inside each node."""
+    work = tempfile.mkdtemp(prefix="tessera_node_loss_")
+    layout = hybrid_sets(ranks) if strategy == "hybrid" else ["--set", "sharding.strategy=no_shard"]
+    sets = layout + ["--set", "fault.survive=true", "--set", "run.backend=auto", "--set",
+                                 "run.deterministic=true"]
+    if dit:
+        sets += ["--set", "data.micro_batch=16"]  # whole micro-batches on 4 ranks and on 2
+
+    def start(run_dir, port):
+        launchers, logs = [], []
+        for node in range(nodes):
+            command = [os.path.join(build, "bin", "tessera-run"), "--nnodes", f"{nodes}:{nodes}", "--nproc-per-node",
+                       str(ranks), "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "rejoin", "--rdzv-conf",
+                       "last_call_timeout=1", "--max-restarts", "1"] + \
+                train_command(build, nodes, ranks, steps, run_dir, sets, dit)
+            log = open(os.path.join(run_dir + f".node{node}.log"), "w")
+            logs.append(log)
+            launchers.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        return launchers, logs
+
+    def read(path):
+        with open(path) as f:
+            return f.read()
+
+    run_dir = os.path.join(work, "run")
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    launchers, logs = start(run_dir, free_port())
+    paths = [run_dir + f".node{n}.log" for n in range(nodes)]
+    wait_for(lambda: last_step(metrics) >= kill_at, 900, f"step {kill_at}")
+    # The node ranks go by the order the launchers met in: find node 0 and the last node.
+    first_rank = {n: re.search(r"started \d+ ranks? \(RANK (\d+)", read(p)) for n, p in enumerate(paths)}
+    by_rank = sorted(range(nodes), key=lambda n: int(first_rank[n].group(1)))
+    live, lost = launchers[by_rank[0]], launchers[by_rank[-1]]
+    live_pids = rank_pids(live)
+    victim = rank_pids(lost)[-1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    lost_step = last_step(metrics)
+
+    def rows():
+        try:
+            with open(metrics) as f:
+                return [json.loads(line) for line in f if line.strip().endswith("}")]
+        except (OSError, ValueError):
+            return []
+
+    def back():
+        after = [r for r in rows() if r["time"] > killed_at]
+        gone = [r for r in after if r["replicas_live"] < nodes]
+        return next((r for r in after if gone and r["step"] > gone[0]["step"] and r["replicas_live"] == nodes), None)
+
+    back_row = wait_for(back, 900, "the lost node back in the step")
+    same_processes = all(os.path.exists(f"/proc/{pid}") for pid in live_pids) and rank_pids(live) == live_pids
+    for p in launchers:
+        p.wait(timeout=3600)
+    lost_log = read(paths[by_rank[-1]])
+    restarted = re.search(r"\[(\d\d):(\d\d):(\d\d\.\d+)\] \[info\] tessera-run: started \d+ ranks [^\n]*restart 1",
+                          lost_log)
+    after = [r for r in rows() if r["time"] > killed_at]
+    went_on = re.search(r"fault\.survive: ranks [^\n]* go on as a world of \d+ from step (\d+)",
+                        read(paths[by_rank[0]]))
+    if not restarted or not went_on or not after:
+        sys.exit("node_loss_bench: no rejoin:\n" + read(paths[by_rank[0]])[-3000:] + lost_log[-3000:])
+    result = {"layout": f"{nodes}x{ranks}", "strategy": strategy, "launchers": "elastic", "model": "DiT (dit_quick)" if dit else
+              "MLP (default, hidden 48)", "rank killed at step": lost_step,
+              "steps lost": max(0, lost_step - int(went_on.group(1))),
+              "seconds to the next step": round(after[0]["time"] - killed_at, 2),
+              "node 0's ranks the same processes": same_processes,
+              "seconds from the kill to the restart": round(log_time(restarted, killed_at) - killed_at, 2),
+              "seconds from the restart to the end of the first step back": round(
+                  back_row["time"] - log_time(restarted, killed_at), 2),
+              "back at step": back_row["step"],
+              "launcher exit statuses": [p.returncode for p in launchers]}
+    for log in logs:
+        log.close()
+    if reference:
+        export = "generator_ema" if dit else "model_ema"
+        ref_dir = os.path.join(work, "reference")
+        ref_launchers, ref_logs = start(ref_dir, free_port())
+        for p in ref_launchers:
+            p.wait(timeout=3600)
+        for log in ref_logs:
+            log.close()
+        a, b = (os.path.join(d, "export", f"{export}.safetensors") for d in (ref_dir, run_dir))
+        result[f"{export} bitwise the uninterrupted run's (cmp)"] = \
+            subprocess.run(["cmp", "-s", a, b]).returncode == 0
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
 def run_case(build, nodes, ranks, local, kill_at, steps, sets=(), dit=False):
     work = tempfile.mkdtemp(prefix="tessera_node_loss_")
     # Each simulated node's local tier in memory, as the default (/dev/shm) has it.
@@ -262,6 +377,13 @@ def main():
     parser.add_argument("--survive", action="store_true",
                         help="instead: fault.survive (the other nodes go on in-process) against the restart path with "
                              "the local tier, both hybrid with a node per replica group")
+    parser.add_argument("--rejoin", action="store_true",
+                        help="instead: fault.survive in an elastic run, one rank of the last node killed and rejoining "
+                             "from a live peer")
+    parser.add_argument("--strategy", choices=["hybrid", "no_shard"], default="hybrid",
+                        help="--rejoin: each node a hybrid shard group, or no_shard")
+    parser.add_argument("--reference", action="store_true",
+                        help="--rejoin: also run the uninterrupted run and compare the final EMA export (cmp)")
     parser.add_argument("--dit", action="store_true",
                         help="--overhead or --survive on the main job's DiT (configs/dit_quick.yaml) instead of the "
                              "default MLP")
@@ -281,6 +403,12 @@ def main():
                 print(json.dumps({"layout": layout, "rep": rep, "samples/s without": without,
                                   "samples/s with local every 5": with_local,
                                   "ratio": round(with_local / without, 3)}), flush=True)
+        return
+    if args.rejoin:
+        for layout in args.layouts:
+            nodes, ranks = (int(x) for x in layout.split("x"))
+            print(json.dumps(rejoin_case(args.build, nodes, ranks, args.kill_at, args.steps, args.dit, args.reference,
+                                         args.strategy)), flush=True)
         return
     if args.survive:
         for layout in args.layouts:

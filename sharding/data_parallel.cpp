@@ -9,6 +9,7 @@
 
 #include "common/errors.h"
 #include "distributed/communicator.h"
+#include "distributed/device_mesh.h"
 #include "sharding/grad_hooks.h"
 #include "sharding/inflight.h"
 
@@ -125,6 +126,12 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
   mastersAreParams_ = options_.paramDtype == at::kFloat;
   const int world = comm_->worldSize();
   const int rank = comm_->rank();
+  const int groupSize = options_.stateGroupSize;
+  if (kind_ == StrategyKind::kNoShard && groupSize > 0 && groupSize < world) {
+    TESSERA_CHECK_AS(ConfigError, world % groupSize == 0, "DataParallelStrategy: no_shard state groups of ", groupSize,
+                     " ranks must divide the world size ", world);
+    shardComm_ = distributed::DeviceMesh::twoD(comm_, world / groupSize, groupSize).shardGroup();
+  }
 
   c10::NoGradGuard noGrad;
   for (const NamedTensor& np : moduleParams()) {
@@ -135,7 +142,8 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
     // one tensor at a time.
     if (dtensor::hasNoStorage(p)) p.set_data(fullInitialValue(np));
     if (!sharded_ || !p.requires_grad()) {
-      dtensor::ShardSpec spec(shape, at::kFloat, world, rank, dtensor::Placement::kReplicate);
+      dtensor::ShardSpec spec(shape, at::kFloat, shardComm_->worldSize(), shardComm_->rank(),
+                              dtensor::Placement::kReplicate);
       at::Tensor master = replicatedMaster(p, shape, fp32, mastersAreParams_, options_.paramDtype);
       registerParam(np.name, p, std::move(spec), std::move(master));
       continue;

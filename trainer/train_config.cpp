@@ -653,8 +653,9 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
     }
   }
   if (c.fault.survive) {
-    // A group that leaves must leave a whole replica behind: every rank of another group
-    // holds the full state (no_shard), or its own group's shards of it (hybrid); and the
+    // A group that leaves must leave a whole replica behind: every group holds the full
+    // state (no_shard: its EMA sharded inside the group, run_setup.cpp), or its own
+    // group's shards of it (hybrid); and the
     // step must be one optimizer update that either happened or did not (standard).
     if (c.run.recipe != "standard") {
       throw ConfigError(s.errorMessage("fault.survive", strCat("needs run.recipe standard, not ", c.run.recipe,
@@ -668,12 +669,6 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
             "fault.survive", strCat("needs sharding.strategy no_shard or hybrid (a replica in every group), not ",
                                     enumName(sharding::kStrategyKindNames, kind), ": a lost rank of ", enumName(sharding::kStrategyKindNames, kind),
                                     " takes shards no other rank holds")));
-      }
-      if (kind == sharding::StrategyKind::kNoShard && m.ema.enabled) {
-        throw ConfigError(s.errorMessage(
-            "fault.survive", "no_shard keeps its EMA sharded over every rank, so a lost group takes rows no other "
-                             "rank holds: use hybrid (its EMA is sharded inside each replica group), or ema.enabled "
-                             "false"));
       }
     }
   }

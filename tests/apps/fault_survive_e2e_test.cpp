@@ -268,14 +268,31 @@ TEST(FaultSurviveE2ETest, ARankRestartedIntoARoundWithNoRunToRejoinExits76) {
       << r.output;
 }
 
-// no_shard: every rank a replica; its EMA would be sharded over every rank, so it is off.
-TEST(FaultSurviveE2ETest, NoShardGoesOnTheSameWay) {
+// no_shard: every rank holds the parameters and optimizer state; the EMA is sharded inside
+// each node (its replica group), so the node that goes on holds all of it. A checkpoint of
+// that layout resumes on one process, without fault.survive, to the same export.
+TEST(FaultSurviveE2ETest, NoShardGoesOnTheSameWayWithItsEma) {
   const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "no_shard");
-  const std::string noShard = kDeterministic +
-                              " --set sharding.strategy=no_shard --set ema.enabled=false --set checkpoint.export=[model]";
+  const std::string noShard = kDeterministic + " --set sharding.strategy=no_shard";
   const Nodes r = runNodes(dir, 2, noShard, "2:31:start");
   expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 30 (ranks 2-3 left)");
-  expectExportsEqual(reference(2, noShard), dir + "/run", /*bitwise=*/true, {"model"});
+  const std::string referenceRun = reference(2, noShard);
+  expectExportsEqual(referenceRun, dir + "/run", /*bitwise=*/true);
+  // The EMA of a plain no_shard run (sharded over every rank) is the same.
+  const std::string plainDir = tessera::test::scratchPath("tessera_fault_survive", "no_shard_plain");
+  const CommandResult plain = runCommand(strCat(kBin, "/tessera-run --standalone --nproc-per-node 2 ", kBin,
+                                                "/tessera-train", kTrainArgs, noShard,
+                                                " --set fault.survive=false --set run.dir=", shellQuote(plainDir)));
+  ASSERT_EQ(plain.status, 0) << plain.output;
+  expectExportsEqual(referenceRun, plainDir, /*bitwise=*/true);
+  // Step 40's checkpoint (written by the node that went on) resumed on one process.
+  const std::string resumed = tessera::test::scratchPath("tessera_fault_survive", "no_shard_resumed");
+  const CommandResult one =
+      runCommand(strCat(kBin, "/tessera-train", kTrainArgs, noShard, " --set fault.survive=false --set run.dir=",
+                        shellQuote(resumed), " --resume ", shellQuote(dir + "/run/checkpoints/step_00000040")));
+  ASSERT_EQ(one.status, 0) << one.output;
+  EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
+  expectExportsEqual(referenceRun, resumed, /*bitwise=*/true);
 }
 
 TEST(FaultSurviveE2ETest, WhenRankZerosGroupLosesARankEveryRankStopsAndSaysWhy) {
@@ -299,7 +316,6 @@ TEST(FaultSurviveE2ETest, ConfigurationsWithoutAReplicaElsewhereAreRefused) {
     EXPECT_NE(r.output.find(why), std::string::npos) << extra << "\n" << r.output;
   };
   refused(" --set sharding.strategy=zero3", "fault.survive: needs sharding.strategy no_shard or hybrid");
-  refused(" --set sharding.strategy=no_shard", "no_shard keeps its EMA sharded over every rank");
   refused(" --set sharding.shard_size=1 --set run.backend=gloo", "fault.survive needs the shm backend");
   // Both ranks in one shard group: one replica, nothing to go on with.
   refused("", "leave no second group to go on after a loss");
