@@ -37,6 +37,7 @@ std::string survivedFailures(const std::string& flightDir) {
   const int64_t lost = counters[diagnostics::flight::kGroupsLostCounter];
   const int64_t back = counters[diagnostics::flight::kGroupsRejoinedCounter];
   if (lost == 0 && back == 0) return "";
+  if (lost == 0) return strCat("; the run took ", back, " lost replica group", back == 1 ? "" : "s", " back (fault.survive)");
   return strCat("; the run went on without ", lost, " lost replica group", lost == 1 ? "" : "s",
                 back > 0 ? strCat(" and took ", back, " back") : std::string(), " (fault.survive)");
 }

@@ -121,7 +121,7 @@ ReplicaGroups::~ReplicaGroups() {
 }
 
 void ReplicaGroups::startWatching() {
-  watcher_ = std::thread([this] { watch(); });
+  if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });  // a second join() keeps the first's
 }
 
 bool ReplicaGroups::rejoins(const distributed::RankEnv& env, std::chrono::milliseconds timeout) {
@@ -340,9 +340,11 @@ std::pair<std::shared_ptr<distributed::Communicator>, int> ReplicaGroups::counte
     const Membership& membership, int rank, std::chrono::milliseconds timeout) {
   const int world = static_cast<int>(membership.launcherRanks.size());
   const int place = rank % groupSize_;
+  // The last live group sends: rank 0's group last, so that a donor lost mid-rejoin leaves
+  // the store's group to go on (and to send at the next try).
   int donor = -1;
   for (int r = place, i = 0; r < world; r += groupSize_, ++i) {
-    if (!membership.joining[r] && donor < 0) donor = i;
+    if (!membership.joining[r]) donor = i;
   }
   TESSERA_CHECK(donor >= 0, "fault.survive: no live rank holds place ", place, " of a replica group");
   return {shmCommunicator(membership.epoch, strCat("counterparts_", place), rank / groupSize_, world / groupSize_,

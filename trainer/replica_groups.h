@@ -16,7 +16,10 @@
 // alive in the store (rejoins()) and wait there (join()). Rank 0's watcher sees a whole
 // group waiting; at the next step boundary every rank learns it (rejoinWaiting(), one small
 // all-reduce) and all agree on the world with the group back in its place (admit()); each
-// joining rank receives its state from the rank of the same place in a live group.
+// joining rank receives its state from the rank of the same place in a live group. A rank
+// lost during that (the donor) fails the rejoin for all: the groups that hold their state go
+// on without the lost group (recover(); the joiners do not report, so they are not members)
+// and the joiners join() again, in process, for a later boundary.
 #pragma once
 
 #include <atomic>
@@ -105,8 +108,9 @@ class ReplicaGroups {
   std::shared_ptr<distributed::Communicator> communicatorFor(const Membership& membership, int rank,
                                                              std::chrono::milliseconds timeout, int flightEntries);
   // After admit()/join(): the communicator of the ranks that hold the same place in their
-  // groups as `rank` (one per group), and in it the rank that sends the state (the first
-  // that does not join).
+  // groups as `rank` (one per group), and in it the rank that sends the state (the last
+  // that does not join: rank 0's group only when no other is live, so that a donor lost
+  // mid-rejoin leaves the store's group to go on and send at the next try).
   std::pair<std::shared_ptr<distributed::Communicator>, int> counterpartsOf(const Membership& membership, int rank,
                                                                             std::chrono::milliseconds timeout);
 

@@ -39,7 +39,7 @@ std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run) {
 // live groups agree on who goes on, build their communicator and take their state over
 // into parts for the new world; this rank leaves (tessera::Error) when its group lost a rank.
 std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::unique_ptr<RunParts> run,
-                                                  int64_t stepsDone, const std::string& why) {
+                                                  int64_t stepsDone, const std::string& why, int groupsJoining) {
   const double start = steadySeconds();
   const int rank = run->comm->rank(), world = run->comm->worldSize();
   TLOG_WARN("fault.survive: lost a peer after step " << stepsDone << " (" << firstLine(why)
@@ -60,38 +60,58 @@ std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::
   // its count is what tessera-run reports when the run ends.
   diagnostics::flight::addToCounter(diagnostics::flight::kGroupsLostCounter,
                                     (membership.worldBefore - static_cast<int>(membership.members.size())) /
-                                        replicas.groupSize());
+                                            replicas.groupSize() -
+                                        groupsJoining);
   diagnostics::flight::dump(strCat("fault.survive: lost a peer (", firstLine(why), "); ", membership.describe()));
   return next;
 }
 
+namespace {
+
+// The end of a rejoin, on every rank of its world: each has its state. A rank lost before
+// this (the donor, mid-transfer) fails it for all, who then go on without the lost group
+// (the joiners wait to be admitted again).
+void agreeTheRejoinIsDone(RunParts& run) {
+  const at::Tensor done = at::ones({1}, at::kDouble);
+  run.hostComm->allReduce(done, distributed::ReduceOp::kMin);
+}
+
+}  // namespace
+
 // fault.survive, at a step boundary after `done` steps with a whole lost group waiting to
 // rejoin: the world with it back in place; the live ranks keep their state and send the
 // joining ones theirs.
-std::unique_ptr<RunParts> admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts> run, int64_t done) {
+void admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts>& run, int64_t done) {
   const double start = steadySeconds();
   const Membership membership = replicas.admit(run->comm->rank(), done, run->counters.skippedSteps);
   const int rank = membership.rankOfLauncherRank(replicas.launcherRank());
   const distributed::RuntimeOptions& options = run->cfg.diagnostics.runtime;
-  std::unique_ptr<RunParts> next =
-      setUpRunFrom(*run, done, replicas.communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
-  run.reset();
-  const auto [counterparts, root] = replicas.counterpartsOf(membership, rank, options.commTimeout);
-  shareState(*next, *counterparts, root);
-  diagnostics::flight::addToCounter(
-      diagnostics::flight::kGroupsRejoinedCounter,
-      std::count(membership.joining.begin(), membership.joining.end(), true) / replicas.groupSize());
+  const int groupsJoining =
+      static_cast<int>(std::count(membership.joining.begin(), membership.joining.end(), true)) / replicas.groupSize();
+  run = setUpRunFrom(*run, done, replicas.communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
+  try {
+    const auto [counterparts, root] = replicas.counterpartsOf(membership, rank, options.commTimeout);
+    if (counterparts->rank() == root) TestKill().at(done, "share");
+    shareState(*run, *counterparts, root);
+    agreeTheRejoinIsDone(*run);
+  } catch (const PeerLostError& e) {
+    // Lost during the rejoin (the donor, mid-transfer): the groups that hold their state
+    // go on without the lost group; the joiners, who do not report, ask again.
+    run = goOnWithoutTheLostGroup(replicas, std::move(run), done, e.what(), groupsJoining);
+    return;
+  }
+  diagnostics::flight::addToCounter(diagnostics::flight::kGroupsRejoinedCounter, groupsJoining);
   diagnostics::flight::dump(strCat("fault.survive: a lost replica group rejoined after step ", done, ": world ",
                                    membership.worldBefore, " -> ", membership.launcherRanks.size(), " ranks"));
   TLOG_INFO0("fault.survive: a lost replica group rejoined after step " << done << ": world "
              << membership.worldBefore << " -> " << membership.launcherRanks.size() << " ranks, its state sent from "
              << "live ranks in " << steadySeconds() - start << " s");
-  return next;
 }
 
 // fault.survive, in a process its launcher restarted into a live run (ReplicaGroups::rejoins):
 // waits to be admitted, then builds its parts and receives its state from a live rank; null
-// when the run finished before it could rejoin.
+// when the run finished before it could rejoin. A rank lost during the rejoin (the donor)
+// fails it: this rank asks again, and is admitted at a later boundary with another donor.
 std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& resolvedYaml,
                                  std::unique_ptr<ReplicaGroups>& replicas) {
   const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
@@ -99,46 +119,58 @@ std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& reso
                                              cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout,
                                              /*joining=*/true);
   TLOG_INFO("fault.survive: restarted into a live run; waiting to rejoin at a step boundary");
-  const std::optional<Membership> admitted = replicas->join();
-  if (!admitted) return nullptr;
-  const Membership& membership = *admitted;
-  const double start = steadySeconds();
-  const int rank = membership.rankOfLauncherRank(env.rank);
-  const distributed::RuntimeOptions& options = cfg.diagnostics.runtime;
-  std::unique_ptr<RunParts> run =
-      setUpRunToJoin(cfg, resolvedYaml, membership.stepsDone, membership.skippedSteps,
-                     replicas->communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
-  const auto [counterparts, root] = replicas->counterpartsOf(membership, rank, options.commTimeout);
-  shareState(*run, *counterparts, root);
-  TLOG_INFO("fault.survive: rejoined as rank " << rank << " of " << membership.launcherRanks.size() << " after step "
-            << membership.stepsDone << ", its state from a live rank in " << steadySeconds() - start
-            << " s, no checkpoint read");
-  return run;
+  while (true) {
+    const std::optional<Membership> admitted = replicas->join();
+    if (!admitted) return nullptr;
+    const Membership& membership = *admitted;
+    const double start = steadySeconds();
+    const int rank = membership.rankOfLauncherRank(env.rank);
+    const distributed::RuntimeOptions& options = cfg.diagnostics.runtime;
+    try {
+      std::unique_ptr<RunParts> run =
+          setUpRunToJoin(cfg, resolvedYaml, membership.stepsDone, membership.skippedSteps,
+                         replicas->communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
+      const auto [counterparts, root] = replicas->counterpartsOf(membership, rank, options.commTimeout);
+      shareState(*run, *counterparts, root);
+      agreeTheRejoinIsDone(*run);
+      TLOG_INFO("fault.survive: rejoined as rank " << rank << " of " << membership.launcherRanks.size()
+                << " after step " << membership.stepsDone << ", its state from a live rank in "
+                << steadySeconds() - start << " s, no checkpoint read");
+      return run;
+    } catch (const PeerLostError& e) {
+      TLOG_WARN("fault.survive: the rejoin after step " << membership.stepsDone << " lost a peer ("
+                << firstLine(e.what()) << "); asking to rejoin again");
+    }
+  }
 }
 
 TestKill::TestKill() {
   const char* spec = std::getenv("TESSERA_TEST_KILL");
   const char* rank = std::getenv("RANK");
   if (spec == nullptr || rank == nullptr) return;
+  // A process its launcher restarted does not kill itself again: it comes back to stay.
+  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const bool restarted = restart != nullptr && *restart != '\0' && std::string(restart) != "0";
   std::istringstream all(spec);
   for (std::string text; std::getline(all, text, ',');) {
     const size_t a = text.find(':'), b = text.find(':', a == std::string::npos ? a : a + 1);
     const std::string when = b == std::string::npos ? "" : text.substr(b + 1);
-    if (b == std::string::npos || (when != "start" && when != "update" && when != "save" && when != "stop")) {
+    if (b == std::string::npos ||
+        (when != "start" && when != "update" && when != "save" && when != "stop" && when != "share")) {
       throw UsageError(
-          strCat("TESSERA_TEST_KILL '", text, "': RANK:STEP:WHEN expected, WHEN start, update, save or stop"));
+          strCat("TESSERA_TEST_KILL '", text, "': RANK:STEP:WHEN expected, WHEN start, update, save, stop or share"));
     }
     const std::string step = text.substr(a + 1, b - a - 1);
     if (step.empty() || step.find_first_not_of("0123456789") != std::string::npos || step.size() > 18) {
       throw UsageError(strCat("TESSERA_TEST_KILL '", text, "': STEP '", step, "' is not a step number"));
     }
-    if (text.substr(0, a) == rank) kills_.push_back({std::stoll(step), when});
+    if (text.substr(0, a) == rank && !restarted) kills_.push_back({std::stoll(step), when});
   }
 }
 
 void TestKill::at(int64_t step, const char* when) const {
   for (const auto& [s, w] : kills_) {
-    if (s == step && w == when) ::kill(::getpid(), SIGKILL);
+    if ((w == "share" ? step >= s : s == step) && w == when) ::kill(::getpid(), SIGKILL);
     if (s == step && w == "stop" && std::string(when) == "start") ::kill(::getpid(), SIGSTOP);
   }
 }

@@ -557,9 +557,8 @@ TrainSummary Trainer::run() {
         continue;
       }
       if (admit) {
-        // A loss during the admission is not survived yet: the run stops with it.
         loop.reset();
-        run = admitRejoiningGroups(*replicas, std::move(run), done);
+        admitRejoiningGroups(*replicas, run, done);  // or, when the donor is lost, the run without it
         loop = std::make_unique<TrainLoop>(*run, replicas->groupSize());
       }
     }

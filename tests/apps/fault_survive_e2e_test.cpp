@@ -221,6 +221,33 @@ TEST(FaultSurviveE2ETest, TheLostGroupRejoinsFromALivePeer) {
   EXPECT_EQ(live.at(3000), 2.0);
 }
 
+// Three groups: C (ranks 4-5) lost and restarted; at its rejoin the donor, B's rank 2,
+// dies before it sends (TESSERA_TEST_KILL WHEN share). The rejoin fails for every rank of
+// it: A goes on alone, C asks again in process and is admitted later with A's state, B is
+// restarted and rejoins too; the run ends as the uninterrupted one, every launcher exits 0.
+TEST(FaultSurviveE2ETest, ADonorLostMidRejoinLeavesTheRejoinToAnotherGroup) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "donor");
+  const std::string longer =
+      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
+  const Nodes r = runNodes(dir, 3, longer, "5:21:start,2:0:share", "--max-restarts 1");
+  for (int n = 0; n < 3; ++n) EXPECT_EQ(r.status[n], 0) << r.logs[n];
+  EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-3 of 6 go on as a world of 4 from step 20 (ranks 4-5 left)"),
+            std::string::npos)
+      << r.logs[0];
+  EXPECT_TRUE(std::regex_search(r.logs[0], std::regex("fault.survive: ranks 0-1 of 6 go on as a world of 2 from step "
+                                                      "[0-9]+ \\(ranks 2-5 left\\)")))
+      << r.logs[0];
+  EXPECT_NE(r.logs[2].find("lost a peer"), std::string::npos) << r.logs[2];
+  EXPECT_NE(r.logs[2].find("asking to rejoin again"), std::string::npos) << r.logs[2];
+  EXPECT_TRUE(std::regex_search(r.logs[2], std::regex("fault.survive: rejoined as rank [0-9]+ of [0-9]+ after step")))
+      << r.logs[2];
+  EXPECT_EQ(r.logs[0].find("resumed from"), std::string::npos) << r.logs[0];
+  EXPECT_NE(r.logs[0].find("the run went on without 2 lost replica groups and took 2 back (fault.survive)"),
+            std::string::npos)
+      << r.logs[0];
+  expectExportsEqual(reference(3, longer), dir + "/run", /*bitwise=*/true);
+}
+
 // An elastic run (each node a tessera-run of --nnodes 2:2 --rdzv-endpoint): no other node's
 // ranks failed with the lost one's, so its launcher restarts them into the running round
 // (no new rendezvous round, the live node's ranks untouched), where they rejoin.
