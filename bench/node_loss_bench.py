@@ -160,7 +160,29 @@ def rank_pids(launcher):
     return sorted(children)
 
 
-def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False, strategy="hybrid"):
+def max_difference(a, b):
+    """The largest |a - b| over the tensors of two safetensors files (torch reads them)."""
+    import torch
+
+    def tensors(path):
+        with open(path, "rb") as f:
+            data = f.read()
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + n])
+        out = {}
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = t["data_offsets"]
+            assert t["dtype"] == "F32", t["dtype"]
+            out[name] = torch.frombuffer(bytearray(data[8 + n + begin:8 + n + end]), dtype=torch.float32)
+        return out
+    ta, tb = tensors(a), tensors(b)
+    return max(float((ta[k] - tb[k]).abs().max()) for k in ta)
+
+
+def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False, strategy="hybrid",
+                deterministic=True):
     """fault.survive in an elastic run (--nnodes N:N, --max-restarts 1): one rank of the last
     node SIGKILLed (its launcher lives); the other nodes go on in-process and the launcher of the
     lost rank restarts its ranks into the running round, where they rejoin from a live peer.
@@ -171,7 +193,7 @@ def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False,
     work = tempfile.mkdtemp(prefix="tessera_node_loss_")
     layout = hybrid_sets(ranks) if strategy == "hybrid" else ["--set", "sharding.strategy=no_shard"]
     sets = layout + ["--set", "fault.survive=true", "--set", "run.backend=auto", "--set",
-                                 "run.deterministic=true"]
+                     f"run.deterministic={'true' if deterministic else 'false'}"]
     if dit:
         sets += ["--set", "data.micro_batch=16"]  # whole micro-batches on 4 ranks and on 2
 
@@ -230,7 +252,8 @@ def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False,
                         read(paths[by_rank[0]]))
     if not restarted or not went_on or not after:
         sys.exit("node_loss_bench: no rejoin:\n" + read(paths[by_rank[0]])[-3000:] + lost_log[-3000:])
-    result = {"layout": f"{nodes}x{ranks}", "strategy": strategy, "launchers": "elastic", "model": "DiT (dit_quick)" if dit else
+    result = {"layout": f"{nodes}x{ranks}", "strategy": strategy, "deterministic": deterministic,
+              "launchers": "elastic", "model": "DiT (dit_quick)" if dit else
               "MLP (default, hidden 48)", "rank killed at step": lost_step,
               "steps lost": max(0, lost_step - int(went_on.group(1))),
               "seconds to the next step": round(after[0]["time"] - killed_at, 2),
@@ -253,6 +276,7 @@ def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False,
         a, b = (os.path.join(d, "export", f"{export}.safetensors") for d in (ref_dir, run_dir))
         result[f"{export} bitwise the uninterrupted run's (cmp)"] = \
             subprocess.run(["cmp", "-s", a, b]).returncode == 0
+        result[f"{export} largest difference to the uninterrupted run's"] = max_difference(a, b)
     shutil.rmtree(work, ignore_errors=True)
     return result
 
@@ -382,6 +406,8 @@ def main():
                              "from a live peer")
     parser.add_argument("--strategy", choices=["hybrid", "no_shard"], default="hybrid",
                         help="--rejoin: each node a hybrid shard group, or no_shard")
+    parser.add_argument("--not-deterministic", action="store_true",
+                        help="--rejoin: without run.deterministic (the export within float tolerance, not bitwise)")
     parser.add_argument("--reference", action="store_true",
                         help="--rejoin: also run the uninterrupted run and compare the final EMA export (cmp)")
     parser.add_argument("--dit", action="store_true",
@@ -408,7 +434,7 @@ def main():
         for layout in args.layouts:
             nodes, ranks = (int(x) for x in layout.split("x"))
             print(json.dumps(rejoin_case(args.build, nodes, ranks, args.kill_at, args.steps, args.dit, args.reference,
-                                         args.strategy)), flush=True)
+                                         args.strategy, not args.not_deterministic)), flush=True)
         return
     if args.survive:
         for layout in args.layouts:
