@@ -18,6 +18,12 @@ using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
 constexpr size_t kMaxDumpBytesPerRound = size_t{256} << 20;
+// A member of the last round is alive when the server heard from it this recently as the
+// next round opened: a launcher asks every 0.5-1.0 s while its ranks run (launcher.cpp),
+// and one whose ranks failed sends its dumps (every 100 ms) before it joins. The round
+// opens at least 1.5 s after a lost node's last request (the failed launchers' dump
+// exchange waits that long for it), so a lost node falls outside.
+constexpr double kAliveWithinS = 1.2;
 
 
 // Field readers shared by requests and answers: `where` names the message ("request",
@@ -109,6 +115,13 @@ struct RendezvousState::Impl {
   size_t dumpBytes = 0;
   Clock::time_point openedAt, minReachedAt;
   bool minReached = false;
+  std::map<std::string, Clock::time_point> heard;  // node -> its last request
+  // The quorum of a round after the first: the last round's members still alive when it
+  // opened (kAliveWithinS). Once all of them (and MIN nodes) joined it closes, without the
+  // last call: the nodes that are lost will not come, and one that comes later is admitted
+  // at a restart the members make for it.
+  std::set<std::string> quorum;
+  bool closedByQuorum = false;
 
   json handle(const json& request, const std::string& peerHost);
   bool isMember(const std::string& id) const {
@@ -147,6 +160,7 @@ json RendezvousState::Impl::handle(const json& request, const std::string& peerH
                              "' (--rdzv-id)")}};
   }
   const std::string node = nameField(request, "node", where);
+  if (heard.size() < static_cast<size_t>(2 * kMaxWorldSize) || heard.count(node)) heard[node] = Clock::now();
   tick();
   if (op == "join") {
     ElasticNode n;
@@ -229,6 +243,14 @@ void RendezvousState::Impl::putDumps(int64_t forRound, const std::string& node,
 }
 
 void RendezvousState::Impl::openRound(std::vector<ElasticNode> first) {
+  quorum.clear();
+  if (round > 0 && failed.empty()) {
+    for (const ElasticNode& m : members) {
+      const auto it = heard.find(m.id);
+      if (it != heard.end() && secondsSince(it->second) <= kAliveWithinS) quorum.insert(m.id);
+    }
+  }
+  closedByQuorum = false;
   ++round;
   open = true;
   failed.clear();
@@ -249,6 +271,11 @@ void RendezvousState::Impl::afterJoin() {
     minReachedAt = Clock::now();
   }
   if (static_cast<int>(members.size()) >= options.maxNodes) open = false;
+  if (open && minReached && !quorum.empty() &&
+      std::all_of(quorum.begin(), quorum.end(), [&](const std::string& id) { return isMember(id); })) {
+    open = false;
+    closedByQuorum = true;
+  }
 }
 
 // Closes or fails the open round when its time has come.
@@ -272,7 +299,7 @@ json RendezvousState::Impl::state(const std::string& node) const {
   }
   return {{"round", round},  {"open", open},         {"failed", failed},
           {"nodes", nodes},  {"node_rank", nodeRank}, {"waiting", waiting.size()},
-          {"finished", finished.size()}};
+          {"finished", finished.size()}, {"closed_by_quorum", closedByQuorum}};
 }
 
 // ---- The launcher's side ----
@@ -304,6 +331,7 @@ RendezvousAnswer parseRendezvousAnswer(const std::string& text, const std::strin
   a.finished = optionalIntField(j, "finished", 0, kMaxWorldSize, field);
   a.dumpNodes = optionalIntField(j, "dump_nodes", 0, kMaxWorldSize, field);
   a.dumps = stringsField(j, "dumps", field);
+  a.closedByQuorum = j.contains("closed_by_quorum") && boolField(j, "closed_by_quorum", field);
   return a;
 }
 
@@ -326,6 +354,7 @@ ElasticRound closedRound(const RendezvousAnswer& answer, const std::string& wher
   round.round = answer.round;
   round.nodeRank = answer.nodeRank;
   round.nodes = answer.nodes;
+  round.closedByQuorum = answer.closedByQuorum;
   return round;
 }
 

@@ -4,7 +4,8 @@
 // One JSON object per line. A request: {"op", "run_id", "node", ...}; op is join (with
 // store_port, nproc, min_nodes, max_nodes), poll, finished (round), put_dumps (round,
 // files) or get_dumps (round). An answer: the round's state {"round", "open", "failed",
-// "nodes", "node_rank", "waiting", "finished"} (get_dumps adds "dumps", "dump_nodes"), or
+// "nodes", "node_rank", "waiting", "finished", "closed_by_quorum"} (get_dumps adds "dumps",
+// "dump_nodes"), or
 // {"error": "..."}. Both sides check every field where it enters: a request or an answer
 // that is not one is refused with a message naming the field, never trusted.
 #pragma once
@@ -56,6 +57,7 @@ struct RendezvousAnswer {
   int64_t waiting = 0;          // nodes waiting for the next round
   int64_t finished = 0;         // nodes whose workers finished the round
   int64_t dumpNodes = 0;        // get_dumps: nodes that sent their flight dumps
+  bool closedByQuorum = false;  // the round closed when every live node of the last one joined
   std::map<std::string, std::string> dumps;  // get_dumps: file name -> text
 };
 

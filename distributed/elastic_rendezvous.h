@@ -6,7 +6,9 @@
 //
 // Rounds: the first join opens round 1. A round closes when MAX nodes joined, or, once MIN
 // have, after the last-call window (more nodes may still come); with fewer than MIN after
-// the join timeout it fails. While a round runs, a member that wants a new one (its workers
+// the join timeout it fails. A later round also closes, without the last call, once every
+// member of the round before that the server heard from in the second before it opened
+// (the live ones: a lost node's launcher is silent) has joined it. While a round runs, a member that wants a new one (its workers
 // failed) opens the next round by joining again; the other members see it in their polls,
 // stop their workers and join it, and a node that is gone never does, so the next round
 // closes without it. A node that joins while a round runs waits for the next one, which
@@ -54,6 +56,7 @@ struct ElasticRound {
   int64_t round = 0;
   int nodeRank = 0;                 // this launcher's index in `nodes`
   std::vector<ElasticNode> nodes;   // in node-rank order
+  bool closedByQuorum = false;      // closed once every node still alive from the last round joined
   int worldSize() const;
   const ElasticNode& master() const { return nodes.front(); }
 };

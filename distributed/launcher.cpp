@@ -28,6 +28,9 @@ namespace {
 
 // How long one turn of an attempt's loop waits for the ranks' output or a signal.
 constexpr double kPumpPeriodS = 0.5;
+// How often an elastic launcher asks the rendezvous whether to stop for a new round: also
+// its heartbeat there (a live node is heard within a second, elastic_protocol.cpp).
+constexpr double kRendezvousPollS = 0.5;
 
 // What the ranks' flight dumps say their run survived (fault.survive), for the line that
 // ends a successful run: "; the run went on without 1 lost replica group and took 1 back
@@ -160,7 +163,7 @@ Launcher::Outcome Launcher::runAttempt(int restartCount, bool intoLiveRound) {
   while (true) {
     processes_->pump(kPumpPeriodS);
     const int signal = processes_->firstSignal();
-    if (rendezvous_ && !processes_->failure() && signal == 0 && secondsSince(lastPoll) >= 1.0) {
+    if (rendezvous_ && !processes_->failure() && signal == 0 && secondsSince(lastPoll) >= kRendezvousPollS) {
       lastPoll = LaunchClock::now();
       if (rendezvous_->restartWanted(round_)) {
         TLOG_WARN("tessera-run: another node restarted, left or waits to join: stopping the local ranks for the "
@@ -226,7 +229,10 @@ void Launcher::applyRound(const ElasticRound& round) {
               << world << " ranks");
   } else {
     TLOG_WARN("tessera-run: rendezvous round " << round.round << ": " << nodes << ", this one node rank "
-              << round.nodeRank << (change.empty() ? strCat(", world ", world, " ranks") : change));
+              << round.nodeRank << (change.empty() ? strCat(", world ", world, " ranks") : change)
+              << (round.closedByQuorum ? strCat(" (closed as soon as every node still alive from round ",
+                                                round.round - 1, " joined)")
+                                       : std::string()));
   }
 }
 

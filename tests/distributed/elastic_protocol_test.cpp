@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -121,6 +122,49 @@ int idleConnection(int port) {
   addr.sin_port = htons(static_cast<uint16_t>(port));
   EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
   return fd;
+}
+
+json joinOf3(const std::string& node) {
+  json j = join(node);
+  j["max_nodes"] = 3;
+  return j;
+}
+
+json poll(const std::string& node) { return {{"op", "poll"}, {"run_id", "proto"}, {"node", node}}; }
+
+// A round after the first closes once every member of the round before that was heard from
+// in the last 1.2 s has joined it: a lost node (silent) is not waited for (the last call is
+// 60 s here); a live one is, even when the others are in.
+TEST(ElasticProtocolTest, ALaterRoundClosesWhenTheLastRoundsLiveNodesJoined) {
+  ElasticOptions o = options();
+  o.maxNodes = 3;
+  RendezvousState state(o);
+  for (const char* node : {"a", "b", "c"}) answerOf(state, joinOf3(node).dump());
+  json round1 = answerOf(state, poll("a").dump());
+  ASSERT_FALSE(round1.at("open").get<bool>()) << round1;  // MAX nodes: closed at once
+  ASSERT_EQ(round1.at("round").get<int>(), 1);
+  // c is lost: a and b keep asking, c says nothing for longer than 1.2 s.
+  for (int i = 0; i < 8; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    answerOf(state, poll("a").dump());
+    answerOf(state, poll("b").dump());
+  }
+  answerOf(state, joinOf3("a").dump());  // a's ranks failed: it opens round 2
+  json round2 = answerOf(state, poll("a").dump());
+  EXPECT_TRUE(round2.at("open").get<bool>()) << round2;  // b, alive, is waited for
+  round2 = answerOf(state, joinOf3("b").dump());
+  EXPECT_EQ(round2.at("round").get<int>(), 2);
+  EXPECT_FALSE(round2.at("open").get<bool>()) << round2;  // closed without c, 60 s early
+  EXPECT_TRUE(round2.at("closed_by_quorum").get<bool>()) << round2;
+  EXPECT_EQ(round2.at("nodes").size(), 2u) << round2;
+  // Round 3 opened while every member of round 2 was just heard: it waits for both.
+  answerOf(state, joinOf3("b").dump());
+  json round3 = answerOf(state, poll("b").dump());
+  EXPECT_EQ(round3.at("round").get<int>(), 3);
+  EXPECT_TRUE(round3.at("open").get<bool>()) << round3;
+  round3 = answerOf(state, joinOf3("a").dump());
+  EXPECT_FALSE(round3.at("open").get<bool>()) << round3;
+  EXPECT_TRUE(round3.at("closed_by_quorum").get<bool>()) << round3;
 }
 
 // Eight connections that send nothing and one that sends half a request: each holds its
