@@ -15,7 +15,9 @@
 
 #include "common/errors.h"
 #include "common/logging.h"
+#include "distributed/communicator.h"
 #include "optim/cpu_kernels.h"
+#include "optim/muon.h"
 
 namespace tessera::optim {
 
@@ -83,6 +85,17 @@ ShardedOptimizer::ShardedOptimizer(OptimizerOptions o) : options_(std::move(o)) 
   TESSERA_CHECK_AS(ConfigError, options_.weightDecay >= 0, "ShardedOptimizer: weight decay must be >= 0");
   TESSERA_CHECK_AS(ConfigError, !options_.nesterov || (options_.momentum > 0 && options_.dampening == 0),
                    "ShardedOptimizer: nesterov needs momentum > 0 and dampening 0");
+  if (options_.kind == OptimizerKind::kMuon) {
+    const MuonOptions& m = options_.muon;
+    TESSERA_CHECK_AS(ConfigError, m.momentum >= 0 && m.momentum < 1, "ShardedOptimizer: Muon's momentum must be in "
+                     "[0, 1), got ", m.momentum);
+    TESSERA_CHECK_AS(ConfigError, m.nsSteps >= 1 && m.nsSteps <= 100, "ShardedOptimizer: Muon's Newton-Schulz steps "
+                     "must be in [1, 100], got ", m.nsSteps);
+    TESSERA_CHECK_AS(ConfigError, m.adamwLrScale > 0 && std::isfinite(m.adamwLrScale), "ShardedOptimizer: Muon's "
+                     "AdamW learning rate must be a positive multiple of its own, got ", m.adamwLrScale, "x");
+    TESSERA_CHECK_AS(ConfigError, m.nsDtype == at::kFloat || m.nsDtype == at::kBFloat16, "ShardedOptimizer: Muon's "
+                     "iteration dtype must be fp32 or bf16, got ", m.nsDtype);
+  }
 }
 
 void ShardedOptimizer::addParam(dtensor::ShardedParam& param, bool decay, double lrScale) {
@@ -93,6 +106,8 @@ void ShardedOptimizer::addParam(dtensor::ShardedParam& param, bool decay, double
   slot.param = &param;
   slot.weightDecay = decay ? options_.weightDecay : 0.0;
   slot.lrScale = lrScale;
+  slot.muon = options_.kind == OptimizerKind::kMuon && optim::takesMuon(options_.muon, param.name,
+                                                                        param.spec.globalShape());
   slot.steps = at::zeros({}, at::kLong);
   slotIndex_.emplace(&param, slots_.size());
   slots_.push_back(std::move(slot));
@@ -119,7 +134,13 @@ std::vector<std::string> ShardedOptimizer::stateNames() const {
   if (options_.kind == OptimizerKind::kSgd) {
     return options_.momentum > 0 ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{};
   }
+  if (options_.kind == OptimizerKind::kMuon) return {"momentum_buffer", "exp_avg", "exp_avg_sq"};
   return {"exp_avg", "exp_avg_sq"};
+}
+
+std::vector<std::string> ShardedOptimizer::stateNamesOf(const Slot& slot) const {
+  if (options_.kind != OptimizerKind::kMuon) return stateNames();
+  return slot.muon ? std::vector<std::string>{"momentum_buffer"} : std::vector<std::string>{"exp_avg", "exp_avg_sq"};
 }
 
 namespace {
@@ -266,22 +287,32 @@ struct AdamGroup {
 void ShardedOptimizer::step(double baseLr) {
   if (!patternsChecked_) warnUnmatchedPatterns();
   c10::NoGradGuard noGrad;
+  // Muon's AdamW group: AdamW's rules at Muon's learning rate times its scale.
+  const bool muon = options_.kind == OptimizerKind::kMuon;
+  OptimizerOptions adamw = options_;
+  if (muon) adamw.kind = OptimizerKind::kAdamW;
+  const OptimizerOptions& o = muon ? adamw : options_;
+  std::vector<Slot*> muonSlots;
   std::vector<AdamGroup> groups;  // accelerator parameters, by (step, lr, weight decay)
   for (Slot& slot : slots_) {
     dtensor::ShardedParam& p = *slot.param;
+    if (slot.muon) {
+      muonSlots.push_back(&slot);  // every one, gradient or not: the owners' collectives are matched
+      continue;
+    }
     if (!p.grad.defined()) continue;
     at::Tensor& param = p.master;
     TESSERA_CHECK(p.grad.numel() == param.numel(), "ShardedOptimizer::step: gradient of '", p.name, "' has ",
                   p.grad.numel(), " elements, parameter shard has ", param.numel());
     at::Tensor grad = p.grad.view(param.sizes()).to(at::kFloat);
-    const double lr = baseLr * slot.lrScale;
+    const double lr = baseLr * slot.lrScale * (muon ? options_.muon.adamwLrScale : 1.0);
     const double wd = slot.weightDecay;
     int64_t& steps = *slot.steps.data_ptr<int64_t>();
     const int64_t t = ++steps;
-    if (options_.kind == OptimizerKind::kSgd) {
-      sgdStep(options_, param, std::move(grad), slot.state, t, lr, wd);
+    if (o.kind == OptimizerKind::kSgd) {
+      sgdStep(o, param, std::move(grad), slot.state, t, lr, wd);
     } else if (param.device().is_cpu() && !foreachAdamOnly()) {
-      adamStep(options_, param, std::move(grad), slot.state, t, lr, wd);
+      adamStep(o, param, std::move(grad), slot.state, t, lr, wd);
     } else {
       if (!slot.state.count("exp_avg")) {
         slot.state["exp_avg"] = at::zeros_like(param);
@@ -297,7 +328,88 @@ void ShardedOptimizer::step(double baseLr) {
       group->vs.push_back(slot.state["exp_avg_sq"]);
     }
   }
-  for (const AdamGroup& group : groups) group.step(options_);
+  for (const AdamGroup& group : groups) group.step(o);
+  if (!muonSlots.empty()) muonStep(muonSlots, baseLr);
+}
+
+void ShardedOptimizer::muonStep(const std::vector<Slot*>& slots, double baseLr) {
+  const MuonOptions& mo = options_.muon;
+  distributed::Communicator* group = group_.get();
+  const auto whole = [&](const dtensor::ShardSpec& spec) {
+    return spec.placement() == dtensor::Placement::kReplicate || spec.worldSize() == 1;
+  };
+  if (muonOwners_.empty()) {
+    // Owners spread over the group by the iteration's cost, fixed for the run.
+    std::vector<double> costs;
+    for (const Slot* slot : slots) {
+      const auto& shape = slot->param->spec.globalShape();
+      costs.push_back(whole(slot->param->spec) ? 0.0 : orthogonalizeFlops(shape[0], shape[1], mo.nsSteps));
+    }
+    muonOwners_ = ownersBySize(costs, group ? group->worldSize() : 1);
+  }
+  // 1. Momentum and u, elementwise on this rank's rows. A parameter without a gradient on
+  //    this step (every rank agrees: gradients are reduced together) is left alone.
+  std::vector<at::Tensor> us(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    dtensor::ShardedParam& p = *slots[i]->param;
+    if (!p.grad.defined()) continue;
+    TESSERA_CHECK(p.grad.numel() == p.master.numel(), "ShardedOptimizer::step: gradient of '", p.name, "' has ",
+                  p.grad.numel(), " elements, parameter shard has ", p.master.numel());
+    TESSERA_CHECK(whole(p.spec) || (group && group->worldSize() == p.spec.worldSize() &&
+                                    group->rank() == p.spec.rank()),
+                  "ShardedOptimizer: Muon needs the group '", p.name, "' is sharded over (", p.spec.str(),
+                  "): setGroup()");
+    const at::Tensor grad = p.grad.view(p.master.sizes()).to(at::kFloat);
+    at::Tensor& m = slots[i]->state["momentum_buffer"];
+    if (!m.defined()) m = at::zeros_like(p.master);
+    m.mul_(mo.momentum).add_(grad);
+    us[i] = mo.nesterov ? grad.add(m, mo.momentum) : m.clone();
+  }
+  // 2. The whole u of each sharded matrix gathered to its owner, which orthogonalises it.
+  std::vector<at::Tensor> xs(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const dtensor::ShardSpec& spec = slots[i]->param->spec;
+    if (!us[i].defined()) continue;
+    const auto& shape = spec.globalShape();
+    if (whole(spec)) {
+      xs[i] = orthogonalize(us[i].reshape({shape[0], shape[1]}), mo.nsSteps, mo.nsDtype);
+      continue;
+    }
+    const int owner = muonOwners_[i];
+    const int64_t padded = spec.paddedNumel();
+    at::Tensor all = group->rank() == owner ? at::empty({padded * group->worldSize()}, us[i].options()) : at::Tensor();
+    group->gatherToRoot(all, us[i].reshape({-1}), owner);
+    if (group->rank() == owner) {
+      // Shard(0) chunks hold consecutive rows, padding after the last real one.
+      xs[i] = orthogonalize(all.narrow(0, 0, spec.globalNumel()).view({shape[0], shape[1]}), mo.nsSteps, mo.nsDtype);
+    }
+  }
+  // 3. Each rank's rows of X back from the owners, and the update.
+  for (size_t i = 0; i < slots.size(); ++i) {
+    Slot& slot = *slots[i];
+    dtensor::ShardedParam& p = *slot.param;
+    if (!us[i].defined()) continue;
+    const dtensor::ShardSpec& spec = p.spec;
+    const auto& shape = spec.globalShape();
+    at::Tensor rows;  // this rank's rows of X, in the master's layout
+    if (whole(spec)) {
+      rows = xs[i].view(p.master.sizes());
+    } else {
+      const int owner = muonOwners_[i];
+      at::Tensor full = group->rank() == owner ? xs[i].reshape({-1}) : at::empty({spec.globalNumel()}, us[i].options());
+      group->broadcast(full, owner);
+      rows = at::zeros({spec.paddedNumel()}, us[i].options());
+      const auto [begin, end] = spec.localRowRange();
+      const int64_t rowNumel = spec.rowNumel();
+      rows.narrow(0, 0, (end - begin) * rowNumel).copy_(full.narrow(0, begin * rowNumel, (end - begin) * rowNumel));
+      rows = rows.view(p.master.sizes());
+    }
+    int64_t& steps = *slot.steps.data_ptr<int64_t>();
+    ++steps;
+    const double lr = baseLr * slot.lrScale;
+    if (slot.weightDecay != 0) p.master.mul_(1.0 - lr * slot.weightDecay);
+    p.master.add_(rows, -lr * muonUpdateScale(shape[0], shape[1]));
+  }
 }
 
 at::Tensor ShardedOptimizer::state(const dtensor::ShardedParam& param, const std::string& key) const {
@@ -323,6 +435,8 @@ std::vector<dtensor::StateEntry> ShardedOptimizer::stateEntries(const std::strin
   std::vector<dtensor::StateEntry> entries;
   for (const std::string& key : stateNames()) {
     for (Slot& slot : slots_) {
+      const std::vector<std::string> kept = stateNamesOf(slot);
+      if (std::find(kept.begin(), kept.end(), key) == kept.end()) continue;
       const dtensor::ShardedParam& p = *slot.param;
       at::Tensor& state = slot.state[key];
       if (!state.defined()) state = at::zeros_like(p.master);

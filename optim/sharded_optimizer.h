@@ -1,5 +1,6 @@
 // Optimizers that step only on this rank's shards: AdamW, Adam and SGD (momentum,
-// Nesterov), with torch.optim's update rules and defaults.
+// Nesterov), with torch.optim's update rules and defaults; and Muon (muon.h), whose
+// orthogonalisation of a whole matrix is computed by one owner rank of the shards' group.
 //
 // The optimizer updates registered ShardedParam records (dtensor/sharded_param.h):
 // each step reads a record's `grad` and updates its `master` in place. Every state tensor
@@ -17,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -24,12 +26,19 @@
 #include "common/enum_names.h"
 #include "dtensor/sharded_param.h"
 #include "dtensor/stateful.h"
+#include "optim/muon.h"
+
+namespace tessera::distributed {
+class Communicator;
+}  // namespace tessera::distributed
 
 namespace tessera::optim {
 
-enum class OptimizerKind { kAdamW, kAdam, kSgd };
-inline constexpr std::array<EnumName<OptimizerKind>, 3> kOptimizerKindNames = {
-    {{"adamw", OptimizerKind::kAdamW}, {"adam", OptimizerKind::kAdam}, {"sgd", OptimizerKind::kSgd}}};
+enum class OptimizerKind { kAdamW, kAdam, kSgd, kMuon };
+inline constexpr std::array<EnumName<OptimizerKind>, 4> kOptimizerKindNames = {{{"adamw", OptimizerKind::kAdamW},
+                                                                                {"adam", OptimizerKind::kAdam},
+                                                                                {"sgd", OptimizerKind::kSgd},
+                                                                                {"muon", OptimizerKind::kMuon}}};
 
 // The learning rate is not an option: it changes every step (an LR schedule), so step()
 // takes it.
@@ -49,6 +58,10 @@ struct OptimizerOptions {
   // A pattern that matches no trainable parameter is warned about at the first step.
   std::vector<std::string> noDecay;
   std::map<std::string, double> lrScale;
+  // kMuon: Muon's own settings; its 2-D hidden weights (takesMuon) get Muon at the step's
+  // learning rate with weightDecay, the others AdamW (beta1, beta2, eps, weightDecay) at
+  // the learning rate times muon.adamwLrScale.
+  MuonOptions muon;
 };
 
 class ShardedOptimizer : public dtensor::Stateful {
@@ -62,6 +75,12 @@ class ShardedOptimizer : public dtensor::Stateful {
   // Registers a parameter (the record must outlive the optimizer); `decay` false puts it
   // in the no-weight-decay group, `lrScale` multiplies the learning rate for it.
   void addParam(dtensor::ShardedParam& param, bool decay = true, double lrScale = 1.0);
+  // The group the parameters' specs are laid out over (a strategy's stateComm()): Muon
+  // gathers a sharded matrix's rows to its owner there. Unset: every Muon parameter must be
+  // whole on this rank (a replicated spec, or a world of one).
+  void setGroup(std::shared_ptr<distributed::Communicator> group) { group_ = std::move(group); }
+  // Whether `param` is stepped by Muon (kMuon and takesMuon), not AdamW.
+  bool takesMuon(const dtensor::ShardedParam& param) const { return slotOf(param).muon; }
 
   // Applies one update with learning rate `lr` to every registered parameter whose `grad`
   // is defined (same element count as its master; any floating dtype).
@@ -69,7 +88,8 @@ class ShardedOptimizer : public dtensor::Stateful {
 
   size_t size() const { return slots_.size(); }
 
-  // State names this optimizer keeps ("exp_avg", "exp_avg_sq"; "momentum_buffer"; none).
+  // State names this optimizer keeps ("exp_avg", "exp_avg_sq"; "momentum_buffer"; none;
+  // Muon: "momentum_buffer" for its parameters, "exp_avg" and "exp_avg_sq" for AdamW's).
   std::vector<std::string> stateNames() const;
   // State tensor `key` of `param`, in its master's layout; undefined until the first step
   // that touched it. tessera::Error when `param` is not registered.
@@ -78,8 +98,9 @@ class ShardedOptimizer : public dtensor::Stateful {
   int64_t stepCount(const dtensor::ShardedParam& param) const;
 
   // Everything an update depends on, as checkpoint entries that save and load in place:
-  //   <prefix><state>/<param>   each state tensor, the parameter's spec (zeros are created
-  //                             for parameters not stepped yet, so every rank lists the same)
+  //   <prefix><state>/<param>   each state tensor its parameter keeps, the parameter's spec
+  //                             (zeros are created for parameters not stepped yet, so every
+  //                             rank lists the same)
   //   <prefix>step/<param>      the step count: an int64 scalar, replicated
   std::vector<dtensor::StateEntry> stateEntries(const std::string& prefix);
   // Stateful (dtensor/stateful.h): the entries relative to its key ("exp_avg/<param>").
@@ -99,13 +120,19 @@ class ShardedOptimizer : public dtensor::Stateful {
     dtensor::ShardedParam* param = nullptr;
     double weightDecay = 0.0;  // from its group
     double lrScale = 1.0;
+    bool muon = false;         // kMuon: Muon's (else AdamW's)
     std::map<std::string, at::Tensor> state;
     at::Tensor steps;  // int64 scalar on the CPU: a checkpoint entry loads it in place
   };
   const Slot& slotOf(const dtensor::ShardedParam& param) const;
   void warnUnmatchedPatterns();
+  std::vector<std::string> stateNamesOf(const Slot& slot) const;
+  // kMuon: one Muon update of `slots` (those with a gradient) at learning rate `lr`.
+  void muonStep(const std::vector<Slot*>& slots, double lr);
 
   OptimizerOptions options_;
+  std::shared_ptr<distributed::Communicator> group_;
+  std::vector<int> muonOwners_;  // owner rank in group_ of each Muon slot, in slot order (set at the first step)
   std::vector<Slot> slots_;
   std::unordered_map<const dtensor::ShardedParam*, size_t> slotIndex_;
   bool patternsChecked_ = false;

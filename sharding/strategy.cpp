@@ -101,6 +101,7 @@ dtensor::ShardedParam& ShardingStrategy::registerParam(const std::string& name, 
   byName_[name] = &p;
   if (p.trainable) {
     const optim::OptimizerOptions& o = options_.optimizer;
+    optimizer_.setGroup(shardComm_);  // the group p.spec is laid out over (Muon gathers there)
     optimizer_.addParam(p, optim::decays(o, name, p.spec.globalShape()), optim::lrScaleOf(o, name));
   }
   return p;

@@ -42,6 +42,16 @@ void bindOptimKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m)
       .greaterThan(0.0);
   s.add(p + "momentum", &o.momentum, "SGD momentum").min(0.0).lessThan(1.0);
   s.add(p + "nesterov", &o.nesterov, "SGD Nesterov momentum (needs momentum > 0)");
+  s.add(p + "muon.momentum", &o.muon.momentum, "muon: momentum of its hidden 2-D weights").min(0.0).lessThan(1.0);
+  s.add(p + "muon.nesterov", &o.muon.nesterov, "muon: Nesterov momentum");
+  s.add(p + "muon.ns_steps", &o.muon.nsSteps, "muon: Newton-Schulz iterations").min(1).max(100);
+  s.add(p + "muon.adamw_lr", &m.muonAdamwLr,
+        "muon: learning rate of the parameters AdamW steps (embeddings, norms, biases, heads); 0 = optim.lr")
+      .min(0.0);
+  s.add(p + "muon.exclude", &o.muon.exclude,
+        "muon: patterns ('*' wildcards) of 2-D parameters AdamW steps besides embeddings and heads");
+  s.add(p + "muon.ns_dtype", config::choiceOf(&o.muon.nsDtype, sharding::kFloatDtypeNames),
+        "muon: dtype of the Newton-Schulz iteration (bf16 on a GPU)");
   s.add(p + "grad_clip", &m.sharding.gradClip, "Clip gradients to this global L2 norm; 0 = off").min(0.0);
   s.add(p + "schedule.kind", config::choiceOf(&m.schedule.kind, optim::kScheduleKindNames), "LR schedule");
   s.add(p + "schedule.warmup_steps", &m.schedule.warmupSteps, "Linear warmup steps").min(0);
@@ -367,6 +377,13 @@ void validateModel(const ModelKeys& k, TrainConfig& c, int worldSize) {
            /*modelKey=*/true);
   }
   if (o.nesterov && o.momentum <= 0) k.fail("optim.nesterov", "needs optim.momentum > 0");
+  if (o.kind == optim::OptimizerKind::kMuon && o.muon.nsDtype == at::kHalf) {
+    k.fail("optim.muon.ns_dtype", "fp16: the iteration runs in fp32 or bf16");
+  }
+  if (o.kind == optim::OptimizerKind::kMuon && o.muon.nsDtype == at::kBFloat16 && c.run.device != "cuda") {
+    k.fail("optim.muon.ns_dtype", strCat("bf16 runs the iteration on a GPU; on run.device ", c.run.device,
+                                         " it stays fp32"));
+  }
   const bool decaysToEnd = m.schedule.kind == optim::ScheduleKind::kCosine ||
                            m.schedule.kind == optim::ScheduleKind::kLinear;
   if (decaysToEnd && m.schedule.warmupSteps >= c.run.steps) {
@@ -506,6 +523,8 @@ void settleModels(TrainConfig& c) {
     m.modelKeys = c.singleModelForm ? "model." : "models." + m.name + ".";
     m.sectionKeys = c.singleModelForm ? "" : m.modelKeys;
     m.schedule.totalSteps = c.run.steps;
+    optim::MuonOptions& muon = m.sharding.optimizer.muon;
+    muon.adamwLrScale = m.muonAdamwLr > 0 ? m.muonAdamwLr / m.schedule.baseLr : 1.0;
     m.ema.options.prefix = m.names.ema;
     m.ema.options.formerPrefix = m.names.formerEma;
   }

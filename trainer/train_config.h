@@ -153,6 +153,7 @@ struct ModelEntry {
                                          // optim.grad_clip (sharding.gradClip)
   bool reduceEveryMicroBatch = true;     // sharding.reduce_every_micro_batch
   optim::LrScheduleOptions schedule;  // optim.lr, optim.schedule.* (totalSteps: run.steps)
+  double muonAdamwLr = 0;                // optim.muon.adamw_lr (0: optim.lr); into muon.adamwLrScale
   EmaConfig ema;                         // ema.*
   ModelStateNames names;                 // set when the config is finished
   // Set with the names: how the log names it ("model" | "model <name>"), and what the seed
