@@ -145,47 +145,53 @@ TEST(DitE2ETest, ResumeOnAnotherWorldSizeEqualsUninterrupted) {
   expectCloseExports(full, cut, "2 ranks zero3 -> 3 ranks zero2");
 }
 
+// Every tensor of a run's checkpoint and post-hoc EMA snapshot of step 8 (those it has),
+// by "<step dir>:<name>".
+std::map<std::string, at::Tensor> step8Tensors(const std::string& runDir) {
+  std::map<std::string, at::Tensor> out;
+  for (const std::string& step : {"/checkpoints/step_00000008", "/posthoc/step_00000008"}) {
+    if (!fs::exists(runDir + step)) continue;
+    tessera::checkpoint::CheckpointReader reader(runDir + step);
+    for (const auto& t : reader.metadata().tensors) out[step + ":" + t.name] = reader.readFull(t.name);
+  }
+  return out;
+}
+
+// `runDir` holds bitwise what `referenceDir` holds: every tensor of step 8's checkpoint (and
+// snapshot), the EMA export and every logged loss.
+void expectSameBits(const std::string& referenceDir, const std::string& runDir, const std::string& what) {
+  const auto reference = step8Tensors(referenceDir);
+  ASSERT_FALSE(reference.empty()) << referenceDir;
+  const auto got = step8Tensors(runDir);
+  EXPECT_EQ(got.size(), reference.size()) << what;
+  for (const auto& [name, want] : reference) {
+    if (got.count(name) == 0) continue;  // (the count differs: reported above)
+    EXPECT_TRUE(torch::equal(got.at(name), want)) << what << ": checkpoint tensor " << name;
+  }
+  const auto referenceExport = emaExport(referenceDir);
+  const auto exported = emaExport(runDir);
+  for (const auto& [name, want] : referenceExport) EXPECT_TRUE(torch::equal(exported.at(name), want)) << what << ": " << name;
+  const auto referenceMetrics = readMetrics(referenceDir);
+  const auto metrics = readMetrics(runDir);
+  ASSERT_EQ(metrics.size(), referenceMetrics.size()) << what;
+  for (size_t i = 0; i < metrics.size(); ++i) {
+    for (const char* key : {"loss", "eval_loss", "eval_loss_ema"}) {
+      if (!referenceMetrics[i].contains(key)) continue;
+      EXPECT_EQ(metrics[i].value(key, -1.0), referenceMetrics[i][key].get<double>()) << what << ": " << key << ", line " << i;
+    }
+  }
+}
+
 // run.deterministic: the same bits whatever the world size and strategy, a stop on one
 // world size and a resume on another included. 6 micro-batches of 4 (uneven over 4 ranks),
-// compared with torch::equal: every tensor of the last checkpoint (masters, AdamW's moments,
-// the EMA), the export, and every logged loss exactly.
-TEST(DitE2ETest, DeterministicRunsHaveTheSameBitsOnEveryWorldSizeAndStrategy) {
-  const std::string dir = ditScratch("deterministic");
+// compared with torch::equal: every tensor of the last checkpoint (masters, the optimizer's
+// state, the EMA), the export, and every logged loss exactly. `extra`: the optimizer.
+void expectDeterministicEverywhere(const std::string& dir, const std::string& extra) {
   const std::string args = ditConfig(dir) + " --set run.deterministic=true --set data.micro_batch=4" +
-                           " --set ema.posthoc.stds=[0.05,0.1] --set ema.posthoc.snapshot_every=4";
+                           " --set ema.posthoc.stds=[0.05,0.1] --set ema.posthoc.snapshot_every=4" + extra;
   const std::string single = dir + "/single";
   const std::string log = mustRun(trainCommand(1) + args + " --set sharding.strategy=no_shard --set run.dir=" + single);
   EXPECT_NE(log.find("run.deterministic"), std::string::npos) << log;
-  // Every tensor of the last checkpoint and of the last post-hoc EMA snapshot, by name.
-  const auto lastCheckpoint = [](const std::string& runDir) {
-    std::map<std::string, at::Tensor> out;
-    for (const std::string& step : {"/checkpoints/step_00000008", "/posthoc/step_00000008"}) {
-      tessera::checkpoint::CheckpointReader reader(runDir + step);
-      for (const auto& t : reader.metadata().tensors) out[step + ":" + t.name] = reader.readFull(t.name);
-    }
-    return out;
-  };
-  const auto reference = lastCheckpoint(single);
-  const auto referenceExport = emaExport(single);
-  const auto referenceMetrics = readMetrics(single);
-  const auto expectSameBits = [&](const std::string& runDir, const std::string& what) {
-    const auto got = lastCheckpoint(runDir);
-    EXPECT_EQ(got.size(), reference.size()) << what;
-    for (const auto& [name, want] : reference) {
-      if (got.count(name) == 0) continue;  // (the count differs: reported above)
-      EXPECT_TRUE(torch::equal(got.at(name), want)) << what << ": checkpoint tensor " << name;
-    }
-    const auto exported = emaExport(runDir);
-    for (const auto& [name, want] : referenceExport) EXPECT_TRUE(torch::equal(exported.at(name), want)) << what << ": " << name;
-    const auto metrics = readMetrics(runDir);
-    ASSERT_EQ(metrics.size(), referenceMetrics.size()) << what;
-    for (size_t i = 0; i < metrics.size(); ++i) {
-      for (const char* key : {"loss", "eval_loss", "eval_loss_ema"}) {
-        if (!referenceMetrics[i].contains(key)) continue;
-        EXPECT_EQ(metrics[i].value(key, -1.0), referenceMetrics[i][key].get<double>()) << what << ": " << key << ", line " << i;
-      }
-    }
-  };
   struct Case {
     int ranks;
     std::string strategy, extra;
@@ -194,13 +200,24 @@ TEST(DitE2ETest, DeterministicRunsHaveTheSameBitsOnEveryWorldSizeAndStrategy) {
     const std::string what = c.strategy + " on " + std::to_string(c.ranks) + " ranks";
     const std::string runDir = dir + "/" + c.strategy;
     mustRun(trainCommand(c.ranks) + args + " --set sharding.strategy=" + c.strategy + c.extra + " --set run.dir=" + runDir);
-    expectSameBits(runDir, what);
+    expectSameBits(single, runDir, what);
   }
   // Stopped after step 4 on 4 ranks with zero1, resumed on 3 with zero3.
   const std::string cut = dir + "/cut";
   mustRun(trainCommand(4) + args + " --set sharding.strategy=zero1 --set run.stop_after_steps=4 --set run.dir=" + cut);
   mustRun(trainCommand(3) + args + " --set sharding.strategy=zero3 --set run.dir=" + cut);
-  expectSameBits(cut, "4 ranks zero1 -> 3 ranks zero3");
+  expectSameBits(single, cut, "4 ranks zero1 -> 3 ranks zero3");
+}
+
+TEST(DitE2ETest, DeterministicRunsHaveTheSameBitsOnEveryWorldSizeAndStrategy) {
+  expectDeterministicEverywhere(ditScratch("deterministic"), "");
+}
+
+// The same with Muon: its momentum is sharded state like AdamW's moments (checkpointed,
+// resharded on resume), and each matrix's update is computed whole by one rank, so the bits
+// do not depend on which rank, how many ranks, or which strategy.
+TEST(DitE2ETest, MuonRunsHaveTheSameBitsOnEveryWorldSizeAndStrategy) {
+  expectDeterministicEverywhere(ditScratch("deterministic_muon"), " --set optim.name=muon --set optim.lr=0.01");
 }
 
 // Fewer micro-batches than ranks cannot be spread whole: refused at the start, naming keys.
