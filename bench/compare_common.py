@@ -125,17 +125,21 @@ def median_extra(side, key):
 
 def tessera_step(metrics_dir_key="run.dir"):
     """A parser for tessera-train: the mean step time of the windows after the first
-    (metrics.jsonl's step_time_ms, each window elapsed / steps)."""
+    (metrics.jsonl's step_time_ms, each window elapsed / steps), with the windows' MFU and
+    waits, and the MiB each rank sent a step (comm_mib over the window's steps)."""
 
     def parse(output, tmp):
         with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
             windows = [json.loads(line) for line in f if line.strip()]
-        steady = windows[1:]
+        pairs = [(p, w) for p, w in zip(windows, windows[1:]) if "step_time_ms" in w]
+        steady = [w for _, w in pairs]
         if not steady:
             sys.exit(f"compare: no steady windows in {tmp}/run/metrics.jsonl:\n{output[-2000:]}")
         extras = {key: statistics.mean(w[key] for w in steady)
                   for key in ("mfu", "mfu_datasheet", "data_wait_ms", "comm_wait_ms", "tflops_per_rank")
                   if all(key in w for w in steady)}
+        if all("comm_mib" in w for w in steady):
+            extras["comm_mib_per_step"] = statistics.mean(w["comm_mib"] / (w["step"] - p["step"]) for p, w in pairs)
         return sum(w["step_time_ms"] for w in steady) / len(steady) / 1e3, extras
 
     return parse

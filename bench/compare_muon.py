@@ -14,23 +14,9 @@ rows. Both run one intra-op thread per rank.
 """
 
 import argparse
-import json
 import os
-import statistics
-import sys
 
 import compare_common as cc
-
-
-def parse(output, tmp):
-    with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
-        windows = [json.loads(line) for line in f if line.strip()]
-    steady = [w for w in windows[1:] if "step_time_ms" in w]
-    if not steady:
-        sys.exit(f"compare: no steady windows in {tmp}/run/metrics.jsonl:\n{output[-2000:]}")
-    steps = [w["step"] - p["step"] for p, w in zip(windows, windows[1:]) if "step_time_ms" in w]
-    mib = statistics.mean(w["comm_mib"] / s for w, s in zip(steady, steps))
-    return sum(w["step_time_ms"] for w in steady) / len(steady) / 1e3, {"comm_mib_per_step": mib}
 
 
 def side(args, name, optimizer):
@@ -45,7 +31,7 @@ def side(args, name, optimizer):
         command = [os.path.join(args.build, "bin", "tessera-run"), "--standalone", "--nproc-per-node",
                    str(args.world)] + command
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return cc.Side(name, command, env, parse, {"optimizer": optimizer, "strategy": args.strategy})
+    return cc.Side(name, command, env, cc.tessera_step(), {"optimizer": optimizer, "strategy": args.strategy})
 
 
 def main():
