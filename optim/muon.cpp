@@ -28,7 +28,8 @@ bool takesMuon(const MuonOptions& options, const std::string& name, const std::v
 
 namespace {
 
-// a @ b for 2-D tensors: oneDNN for fp32 CPU ones (kernels/cpu_matmul.h), else LibTorch's.
+// a @ b for matrices or stacks of them: oneDNN for fp32 CPU ones (kernels/cpu_matmul.h; a
+// stack is one single-threaded product per matrix), else LibTorch's.
 at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
   return kernels::batchedMatmul(a.contiguous(), b.contiguous());
 }
@@ -36,19 +37,28 @@ at::Tensor product(const at::Tensor& a, const at::Tensor& b) {
 }  // namespace
 
 at::Tensor orthogonalize(const at::Tensor& u, int steps, at::ScalarType dtype) {
-  TESSERA_CHECK(u.dim() == 2, "Muon: orthogonalize needs a 2-D matrix, got ", u.sizes());
+  TESSERA_CHECK(u.dim() == 2 || u.dim() == 3, "Muon: orthogonalize needs a matrix or a stack of them, got ", u.sizes());
   c10::NoGradGuard noGrad;
   constexpr double a = 3.4445, b = -4.7750, c = 2.0315;
-  const bool tall = u.size(0) > u.size(1);
-  at::Tensor x = (tall ? u.t() : u).to(at::kFloat);
-  x = (x / (x.norm() + 1e-7)).to(dtype).contiguous();
+  const bool tall = u.size(-2) > u.size(-1);
+  at::Tensor x = (tall ? u.transpose(-2, -1) : u).to(at::kFloat).contiguous();
+  if (x.dim() == 2) {
+    x = x / (x.norm() + 1e-7);
+  } else {
+    // Each matrix by its own norm, taken as the one-matrix form takes it (the same bits
+    // whether a matrix is orthogonalised alone or in a stack: owners stack what they hold).
+    std::vector<at::Tensor> norms;
+    for (int64_t i = 0; i < x.size(0); ++i) norms.push_back(x[i].norm() + 1e-7);
+    x = x / at::stack(norms).view({-1, 1, 1});
+  }
+  x = x.to(dtype).contiguous();
   for (int i = 0; i < steps; ++i) {
-    const at::Tensor gram = product(x, x.t());                   // A = X X^T
+    const at::Tensor gram = product(x, x.transpose(-2, -1));      // A = X X^T
     const at::Tensor poly = gram * b + product(gram, gram) * c;  // b A + c A A
     x = x * a + product(poly, x);
   }
   x = x.to(at::kFloat);
-  return tall ? x.t().contiguous() : x;
+  return tall ? x.transpose(-2, -1).contiguous() : x;
 }
 
 double muonUpdateScale(int64_t rows, int64_t cols) {

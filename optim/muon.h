@@ -46,9 +46,11 @@ extern const std::vector<std::string> kMuonDefaultExclude;
 // of kMuonDefaultExclude or `options.exclude`.
 bool takesMuon(const MuonOptions& options, const std::string& name, const std::vector<int64_t>& shape);
 
-// The orthogonalised update X of a whole 2-D `u` (fp32, any device): normalised, `steps`
-// Newton-Schulz iterations in `dtype`, returned fp32 in u's shape. fp32 CPU products go
-// through kernels::batchedMatmul (oneDNN when built with it).
+// The orthogonalised update X of a whole 2-D `u` (fp32, any device), or of each matrix of a
+// stack [k, rows, cols] (one product call per step for all of them: small matrices cost
+// their calls more than their FLOPs): normalised, `steps` Newton-Schulz iterations in
+// `dtype`, returned fp32 in u's shape. fp32 CPU products go through kernels::batchedMatmul
+// (oneDNN when built with it); a matrix gets the same bits alone or in a stack.
 at::Tensor orthogonalize(const at::Tensor& u, int steps, at::ScalarType dtype = at::kFloat);
 
 // Moonlight's update scale for a [rows, cols] matrix: 0.2 * sqrt(max(rows, cols)), which

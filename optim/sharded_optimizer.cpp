@@ -365,24 +365,33 @@ void ShardedOptimizer::muonStep(const std::vector<Slot*>& slots, double baseLr) 
     m.mul_(mo.momentum).add_(grad);
     us[i] = mo.nesterov ? grad.add(m, mo.momentum) : m.clone();
   }
-  // 2. The whole u of each sharded matrix gathered to its owner, which orthogonalises it.
-  std::vector<at::Tensor> xs(slots.size());
+  // 2. The whole u of each sharded matrix gathered to its owner; each rank orthogonalises
+  //    the matrices it owns (and its whole ones), those of one shape as one stack.
+  std::map<std::pair<int64_t, int64_t>, std::vector<size_t>> mine;  // shape -> slots this rank computes
+  std::vector<at::Tensor> wholeUs(slots.size());
   for (size_t i = 0; i < slots.size(); ++i) {
     const dtensor::ShardSpec& spec = slots[i]->param->spec;
     if (!us[i].defined()) continue;
     const auto& shape = spec.globalShape();
     if (whole(spec)) {
-      xs[i] = orthogonalize(us[i].reshape({shape[0], shape[1]}), mo.nsSteps, mo.nsDtype);
-      continue;
-    }
-    const int owner = muonOwners_[i];
-    const int64_t padded = spec.paddedNumel();
-    at::Tensor all = group->rank() == owner ? at::empty({padded * group->worldSize()}, us[i].options()) : at::Tensor();
-    group->gatherToRoot(all, us[i].reshape({-1}), owner);
-    if (group->rank() == owner) {
+      wholeUs[i] = us[i].reshape({shape[0], shape[1]});
+    } else {
+      const int owner = muonOwners_[i];
+      const int64_t padded = spec.paddedNumel();
+      at::Tensor all = group->rank() == owner ? at::empty({padded * group->worldSize()}, us[i].options()) : at::Tensor();
+      group->gatherToRoot(all, us[i].reshape({-1}), owner);
+      if (group->rank() != owner) continue;
       // Shard(0) chunks hold consecutive rows, padding after the last real one.
-      xs[i] = orthogonalize(all.narrow(0, 0, spec.globalNumel()).view({shape[0], shape[1]}), mo.nsSteps, mo.nsDtype);
+      wholeUs[i] = all.narrow(0, 0, spec.globalNumel()).view({shape[0], shape[1]});
     }
+    mine[{shape[0], shape[1]}].push_back(i);
+  }
+  std::vector<at::Tensor> xs(slots.size());
+  for (const auto& [shape, indices] : mine) {
+    std::vector<at::Tensor> stack;
+    for (size_t i : indices) stack.push_back(wholeUs[i]);
+    const at::Tensor x = orthogonalize(at::stack(stack), mo.nsSteps, mo.nsDtype);
+    for (size_t j = 0; j < indices.size(); ++j) xs[indices[j]] = x[static_cast<int64_t>(j)];
   }
   // 3. Each rank's rows of X back from the owners, and the update.
   for (size_t i = 0; i < slots.size(); ++i) {
