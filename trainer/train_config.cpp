@@ -381,8 +381,23 @@ void validateModel(const ModelKeys& k, TrainConfig& c, int worldSize) {
     k.fail("optim.muon.ns_dtype", "fp16: the iteration runs in fp32 or bf16");
   }
   if (o.kind == optim::OptimizerKind::kMuon && o.muon.nsDtype == at::kBFloat16 && c.run.device != "cuda") {
-    k.fail("optim.muon.ns_dtype", strCat("bf16 runs the iteration on a GPU; on run.device ", c.run.device,
-                                         " it stays fp32"));
+    k.fail("optim.muon.ns_dtype", strCat("bf16 is for the iteration on a GPU (run.device cuda); on run.device ",
+                                         c.run.device, " use fp32"));
+  }
+  if (o.kind != optim::OptimizerKind::kMuon) {
+    // Muon's keys set to other than their defaults under another optimizer would be ignored
+    // without a word (a resolved config lists them all, at their defaults).
+    const optim::MuonOptions defaults;
+    const std::vector<std::pair<const char*, bool>> changed = {
+        {"momentum", o.muon.momentum != defaults.momentum}, {"nesterov", o.muon.nesterov != defaults.nesterov},
+        {"ns_steps", o.muon.nsSteps != defaults.nsSteps},   {"adamw_lr", m.muonAdamwLr != 0},
+        {"exclude", !o.muon.exclude.empty()},               {"ns_dtype", o.muon.nsDtype != defaults.nsDtype}};
+    for (const auto& [key, differs] : changed) {
+      if (differs) {
+        k.fail(strCat("optim.muon.", key),
+               strCat("applies to optim.name muon, not ", enumName(optim::kOptimizerKindNames, o.kind)));
+      }
+    }
   }
   const bool decaysToEnd = m.schedule.kind == optim::ScheduleKind::kCosine ||
                            m.schedule.kind == optim::ScheduleKind::kLinear;

@@ -135,6 +135,35 @@ TEST(TrainConfigTest, MatmulDtypeIsForTheCpu) {
   }
 }
 
+// optim.name muon: its keys land in the optimizer's options (adamw_lr as a multiple of
+// optim.lr); set to other than their defaults under another optimizer they are refused, and a
+// resolved config (every key at its value) loads again.
+TEST(TrainConfigTest, MuonKeysAreMuonsAlone) {
+  const auto muon = loadTrainConfig(kConfigs + "/default.yaml",
+                                    {"optim.name=muon", "optim.lr=0.02", "optim.muon.adamw_lr=0.005",
+                                     "optim.muon.ns_steps=4", "optim.muon.exclude=[layers.0.*]"},
+                                    2);
+  const optim::OptimizerOptions& o = muon.config.models.front().sharding.optimizer;
+  EXPECT_EQ(o.kind, optim::OptimizerKind::kMuon);
+  EXPECT_DOUBLE_EQ(o.muon.adamwLrScale, 0.25);
+  EXPECT_EQ(o.muon.nsSteps, 4);
+  EXPECT_EQ(o.muon.exclude, std::vector<std::string>{"layers.0.*"});
+  for (const auto& [overrides, expected] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"optim.muon.momentum=0.9"}, "optim.muon.momentum: applies to optim.name muon, not adamw"},
+           {{"optim.name=sgd", "optim.muon.exclude=[x]"}, "optim.muon.exclude: applies to optim.name muon, not sgd"},
+           {{"optim.name=muon", "optim.muon.ns_dtype=bf16"}, "optim.muon.ns_dtype: bf16 is for the iteration on a GPU"}}) {
+    try {
+      loadTrainConfig(kConfigs + "/default.yaml", overrides, 2);
+      FAIL() << overrides.back() << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  }
+  const std::string resolved = tessera::test::scratchPath("tessera_config", "resolved.yaml");
+  std::ofstream(resolved) << loadTrainConfig(kConfigs + "/default.yaml", {}, 2).resolvedYaml;
+  EXPECT_NO_THROW(loadTrainConfig(resolved, {}, 2));
+}
+
 // checkpoint.* and diagnostics.* bind into the checkpointer's and the runtime's options,
 // with the trainer's defaults where they differ; a timeout is written in seconds and held
 // as milliseconds, and prints back as written.
