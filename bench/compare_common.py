@@ -123,6 +123,18 @@ def median_extra(side, key):
     return statistics.median(values) if values else None
 
 
+def dit_quick_train(args, sets):
+    """tessera-train on the main job's DiT (configs/dit_quick.yaml) for a timed comparison:
+    args.warmup + args.steps steps, one metrics window of args.warmup, no evaluation,
+    checkpoints or exports, args.strategy, the run in {tmp}/run; `sets` (--set ...) on top."""
+    return [os.path.join(args.build, "bin", "tessera-train"), "--config", os.path.join(ROOT, "configs", "dit_quick.yaml"),
+            "--set", "run.dir={tmp}/run", "--set", f"run.steps={args.warmup + args.steps}",
+            "--set", f"run.log_every={args.warmup}", "--set", "run.eval_every=0",
+            "--set", "checkpoint.every_steps=0", "--set", "checkpoint.at_end=false", "--set", "checkpoint.export=[]",
+            "--set", "optim.schedule.warmup_steps=10", "--set", f"sharding.strategy={args.strategy}",
+            "--set", "log.per_rank_files=false"] + sets
+
+
 def tessera_step(metrics_dir_key="run.dir"):
     """A parser for tessera-train: the mean step time of the windows after the first
     (metrics.jsonl's step_time_ms, each window elapsed / steps), with the windows' MFU and

@@ -22,15 +22,9 @@ import compare_common as cc
 
 
 def side(args, name, deterministic):
-    command = [os.path.join(args.build, "bin", "tessera-run"), "--standalone", "--nproc-per-node", str(args.world),
-               os.path.join(args.build, "bin", "tessera-train"), "--config",
-               os.path.join(cc.ROOT, "configs", "dit_quick.yaml"),
-               "--set", "run.dir={tmp}/run", "--set", f"run.steps={args.warmup + args.steps}",
-               "--set", f"run.log_every={args.warmup}", "--set", "run.eval_every=0",
-               "--set", "checkpoint.every_steps=0", "--set", "checkpoint.at_end=false", "--set", "checkpoint.export=[]",
-               "--set", "optim.schedule.warmup_steps=10", "--set", f"sharding.strategy={args.strategy}",
-               "--set", "data.micro_batch=8", "--set", "log.per_rank_files=false",
-               "--set", f"run.deterministic={'true' if deterministic else 'false'}"]
+    command = [os.path.join(args.build, "bin", "tessera-run"), "--standalone", "--nproc-per-node", str(args.world)] + \
+        cc.dit_quick_train(args, ["--set", "data.micro_batch=8",
+                                  "--set", f"run.deterministic={'true' if deterministic else 'false'}"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return cc.Side(name, command, env, cc.tessera_step(), {"deterministic": deterministic, "strategy": args.strategy})
 

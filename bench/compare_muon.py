@@ -20,13 +20,7 @@ import compare_common as cc
 
 
 def side(args, name, optimizer):
-    command = [os.path.join(args.build, "bin", "tessera-train"), "--config",
-               os.path.join(cc.ROOT, "configs", "dit_quick.yaml"),
-               "--set", "run.dir={tmp}/run", "--set", f"run.steps={args.warmup + args.steps}",
-               "--set", f"run.log_every={args.warmup}", "--set", "run.eval_every=0", "--set", "eval.sample_every=0",
-               "--set", "checkpoint.every_steps=0", "--set", "checkpoint.at_end=false", "--set", "checkpoint.export=[]",
-               "--set", "optim.schedule.warmup_steps=10", "--set", f"sharding.strategy={args.strategy}",
-               "--set", "log.per_rank_files=false", "--set", f"optim.name={optimizer}"]
+    command = cc.dit_quick_train(args, ["--set", "eval.sample_every=0", "--set", f"optim.name={optimizer}"])
     if args.world > 1:
         command = [os.path.join(args.build, "bin", "tessera-run"), "--standalone", "--nproc-per-node",
                    str(args.world)] + command
