@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <regex>
 #include <set>
@@ -419,7 +420,10 @@ std::map<std::string, int64_t> dumpCounters(const std::string& dir) {
       const json j = json::parse(readRegularFile(entry.path().string(), kMaxDumpBytes, LinkPolicy::kRefuse));
       if (!j.contains("counters") || !j["counters"].is_object()) continue;
       for (const auto& [name, value] : j["counters"].items()) {
-        if (value.is_number_integer()) counters[name] = std::max(counters[name], value.get<int64_t>());
+        // A count: a whole number from 0 up (a crafted one past int64 is no count).
+        if (value.is_number_unsigned() && value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+          counters[name] = std::max(counters[name], static_cast<int64_t>(value.get<uint64_t>()));
+        }
       }
     } catch (const std::exception&) {
       // Not a dump this can read: the verdict reports those; counters are only a summary.

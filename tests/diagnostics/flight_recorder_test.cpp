@@ -221,6 +221,28 @@ TEST(FlightVerdictTest, DamagedDumpsAreLinesNotCrashes) {
   EXPECT_THROW(tessera::diagnostics::flightVerdict({dir + "/missing", 0, {}, {}}), tessera::Error);
 }
 
+// The counters tessera-run reports at a run's end (fault.survive's): the largest of each over
+// the readable dumps; a cut dump, a FIFO, a symlink, a directory and counts that are not
+// whole numbers from 0 to 2^63 - 1 are skipped, never a hang or a crash.
+TEST(FlightVerdictTest, CountersComeFromTheReadableDumps) {
+  const std::string dir = tessera::test::scratchPath("verdict", "counters");
+  fs::create_directories(dir);
+  std::ofstream(dir + "/rank_0.json") << json({{"rank", 0}, {"counters", {{"lost", 2}, {"back", 1}}}}).dump();
+  std::ofstream(dir + "/rank_1.json") << json({{"rank", 1}, {"counters", {{"lost", 1}, {"back", 3}}}}).dump();
+  std::ofstream(dir + "/rank_2.json") << "{\"counters\": {\"lost\": 50";  // cut
+  ASSERT_EQ(::mkfifo((dir + "/rank_3.json").c_str(), 0600), 0);
+  std::ofstream(dir + "/elsewhere.json") << json({{"counters", {{"lost", 70}}}}).dump();
+  fs::create_symlink(dir + "/elsewhere.json", dir + "/rank_4.json");
+  fs::create_directories(dir + "/rank_5.json");
+  std::ofstream(dir + "/rank_6.json") << "{\"counters\": {\"lost\": 18446744073709551615, \"back\": -5, "
+                                         "\"other\": \"9\", \"big\": 1e300}}";
+  const auto counters = tessera::diagnostics::dumpCounters(dir);
+  EXPECT_EQ(counters.at("lost"), 2);
+  EXPECT_EQ(counters.at("back"), 3);
+  EXPECT_EQ(counters.count("other") + counters.count("big"), 0u);
+  EXPECT_TRUE(tessera::diagnostics::dumpCounters(dir + "/missing").empty());
+}
+
 // Crafted dumps: a member rank beyond the world does not make the verdict list that many
 // ranks (its group is ignored, said in a line; one of 2e9 makes the dump unreadable), and a tag, reason or thread holding a newline
 // or other control characters cannot forge a line of the verdict.
