@@ -15,7 +15,7 @@ the local tier, the promotion's log line.
     bench/node_loss_bench.py [--layouts 2x2 4x4] [--kill-at 33] [--build build]
     bench/node_loss_bench.py --overhead [--dit] [--layouts 2x2] [--steps 300]   # what local saves cost
     bench/node_loss_bench.py --survive [--layouts 2x2 4x4]   # fault.survive against the restart path
-    bench/node_loss_bench.py --rejoin [--dit] [--reference] [--strategy no_shard] [--layouts 2x2]   # elastic, a rank
+    bench/node_loss_bench.py --rejoin [--dit] [--reference] [--strategy no_shard|zero1|zero2] [--layouts 2x2]   # elastic, a rank
                                                                             # killed, rejoined
 """
 
@@ -189,10 +189,10 @@ def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False,
     lost rank restarts its ranks into the running round, where they rejoin from a live peer.
     Seconds from the kill to the next step, from the restart to the step the node is back in
     (metrics.jsonl's replicas_live), whether node 0's ranks are the same processes, and with
-    `reference` the final EMA export against an uninterrupted run's (cmp). `strategy` no_shard:
-    every rank a replica, the EMA sharded inside each node."""
+    `reference` the final EMA export against an uninterrupted run's (cmp). `strategy` no_shard,
+    zero1 or zero2: every rank a replica, what the strategy shards sharded inside each node."""
     work = tempfile.mkdtemp(prefix="tessera_node_loss_")
-    layout = hybrid_sets(ranks) if strategy == "hybrid" else ["--set", "sharding.strategy=no_shard"]
+    layout = hybrid_sets(ranks) if strategy == "hybrid" else ["--set", f"sharding.strategy={strategy}"]
     sets = layout + ["--set", "fault.survive=true", "--set", "run.backend=auto", "--set",
                      f"run.deterministic={'true' if deterministic else 'false'}"]
     if dit:
@@ -405,8 +405,8 @@ def main():
     parser.add_argument("--rejoin", action="store_true",
                         help="instead: fault.survive in an elastic run, one rank of the last node killed and rejoining "
                              "from a live peer")
-    parser.add_argument("--strategy", choices=["hybrid", "no_shard"], default="hybrid",
-                        help="--rejoin: each node a hybrid shard group, or no_shard")
+    parser.add_argument("--strategy", choices=["hybrid", "no_shard", "zero1", "zero2"], default="hybrid",
+                        help="--rejoin: each node a hybrid shard group, or a node's ranks of no_shard/zero1/zero2")
     parser.add_argument("--not-deterministic", action="store_true",
                         help="--rejoin: without run.deterministic (the export within float tolerance, not bitwise)")
     parser.add_argument("--reference", action="store_true",

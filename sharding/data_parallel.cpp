@@ -26,7 +26,13 @@ struct InflightBucket {
 
 struct DataParallelStrategy::Overlap {
   explicit Overlap(DataParallelStrategy& s)
-      : inflight(kMaxInflightBuckets, [&s](InflightBucket& job) { s.finishBucket(job.bucket, job.flat, job.local); }) {}
+      : inflight(kMaxInflightBuckets, [&s](InflightBucket& job) {
+          // State groups: the group's reduce-scatter averaged over it, this over the groups.
+          if (s.replicaComm_ != nullptr && job.local.defined()) {
+            s.replicaComm_->allReduce(job.local, distributed::ReduceOp::kAvg);
+          }
+          s.finishBucket(job.bucket, job.flat, job.local);
+        }) {}
   InflightCollectives<InflightBucket> inflight;  // the gradient reductions
   GradReadyHooks hooks;                          // no_shard / zero2: onGradReady
 };
@@ -124,14 +130,18 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
   overlap_ = kind_ != StrategyKind::kZero1;
   inflight_ = std::make_unique<Overlap>(*this);
   mastersAreParams_ = options_.paramDtype == at::kFloat;
-  const int world = comm_->worldSize();
-  const int rank = comm_->rank();
   const int groupSize = options_.stateGroupSize;
-  if (kind_ == StrategyKind::kNoShard && groupSize > 0 && groupSize < world) {
-    TESSERA_CHECK_AS(ConfigError, world % groupSize == 0, "DataParallelStrategy: no_shard state groups of ", groupSize,
-                     " ranks must divide the world size ", world);
-    shardComm_ = distributed::DeviceMesh::twoD(comm_, world / groupSize, groupSize).shardGroup();
+  if (groupSize > 0 && groupSize < comm_->worldSize()) {
+    TESSERA_CHECK_AS(ConfigError, comm_->worldSize() % groupSize == 0, "DataParallelStrategy: ",
+                     strategyKindName(kind_), " state groups of ", groupSize, " ranks must divide the world size ",
+                     comm_->worldSize());
+    const distributed::DeviceMesh mesh = distributed::DeviceMesh::twoD(comm_, comm_->worldSize() / groupSize, groupSize);
+    shardComm_ = mesh.shardGroup();
+    if (sharded_) replicaComm_ = mesh.replicateGroup();
   }
+  // zero1/zero2 shard over the state group (every rank, or one of stateGroupSize ranks).
+  const int world = shardComm_->worldSize();
+  const int rank = shardComm_->rank();
 
   c10::NoGradGuard noGrad;
   for (const NamedTensor& np : moduleParams()) {
@@ -142,8 +152,7 @@ DataParallelStrategy::DataParallelStrategy(torch::nn::Module& module, std::share
     // one tensor at a time.
     if (dtensor::hasNoStorage(p)) p.set_data(fullInitialValue(np));
     if (!sharded_ || !p.requires_grad()) {
-      dtensor::ShardSpec spec(shape, at::kFloat, shardComm_->worldSize(), shardComm_->rank(),
-                              dtensor::Placement::kReplicate);
+      dtensor::ShardSpec spec(shape, at::kFloat, world, rank, dtensor::Placement::kReplicate);
       at::Tensor master = replicatedMaster(p, shape, fp32, mastersAreParams_, options_.paramDtype);
       registerParam(np.name, p, std::move(spec), std::move(master));
       continue;
@@ -219,7 +228,7 @@ void DataParallelStrategy::issueBucket(size_t b) {
   // kAvg: the one division by N of the gradient average.
   if (sharded_) {
     job.local = at::empty({bucket.layout.chunkNumel()}, options);
-    job.handle = comm_->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
+    job.handle = shardComm_->reduceScatterAsync(job.local, job.flat, distributed::ReduceOp::kAvg);
   } else {
     job.handle = comm_->allReduceAsync(job.flat, distributed::ReduceOp::kAvg);
   }
@@ -271,7 +280,7 @@ void DataParallelStrategy::synchronizeGradients() {
     // Every bucket's canonical sum (canonical_reduce.h), taken as a reduction's result.
     const std::vector<GradGroup> groups = gradGroups();
     for (size_t b = 0; b < buckets_.size(); ++b) {
-      const at::Tensor sum = canonicalGroupSum(b, groups[b]);
+      const at::Tensor sum = canonicalGroupSum(b, groups[b], replicaComm_.get());
       if (sharded_) {
         finishBucket(b, at::Tensor(), sum);
       } else {
@@ -323,7 +332,7 @@ void DataParallelStrategy::publishParameters() {
     }
   }
   if (!sharded_) return;
-  const int rank = comm_->rank();
+  const int rank = shardComm_->rank();
   auto issue = [&](size_t b) {
     const Bucket& bucket = buckets_[b];
     InflightBucket job;
@@ -334,7 +343,7 @@ void DataParallelStrategy::publishParameters() {
     // gathering fp32 and casting: rounding is elementwise).
     at::Tensor chunk = bucket.layout.chunk(job.flat, rank);
     for (size_t k = 0; k < bucket.members.size(); ++k) bucket.layout.slot(chunk, k).copy_(bucket.members[k]->master);
-    job.handle = comm_->allGatherIntoAsync(job.flat, chunk);
+    job.handle = shardComm_->allGatherIntoAsync(job.flat, chunk);
     return job;
   };
   auto finish = [&](InflightBucket& job) {

@@ -8,6 +8,9 @@
 //   zero2     as zero1, but each bucket's full gradients are freed as soon as they are
 //             packed for the reduce-scatter.
 // no_shard and zero2 reduce during backward, bucket by bucket as DDP does; zero1 at step().
+// With StrategyOptions::stateGroupSize, what is sharded is sharded inside each group of that
+// many ranks (every group holding all of it, as hybrid's shard groups do): zero1/zero2
+// reduce-scatter inside the group and then average their shards across the groups.
 // Buckets, the overlap with backward, master weights and the bytes sent per step:
 // docs/design.md, "Data-parallel strategies".
 #pragma once
@@ -80,6 +83,9 @@ class DataParallelStrategy final : public ShardingStrategy {
   size_t nextToIssue_ = 0;
   std::vector<Bucket> buckets_;
   std::unique_ptr<Overlap> inflight_;
+  // zero1/zero2 in state groups (StrategyOptions::stateGroupSize): the ranks holding the
+  // same rows in the other groups, over which the group's reduced shards are averaged.
+  std::shared_ptr<distributed::Communicator> replicaComm_;
 };
 
 }  // namespace tessera::sharding

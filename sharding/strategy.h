@@ -109,11 +109,11 @@ struct StrategyOptions {
   double gradClip = 0.0;                  // max global grad norm; 0 = no clipping
   BufferSync bufferSync = BufferSync::kBroadcast;
   FullyShardOptions fullyShard;           // zero3 / hybrid
-  // no_shard: the consecutive ranks over which the owned rows (what an EMA follows, what an
-  // evaluation swaps in) are split, each such group holding all of them, as hybrid's shard
-  // groups hold its state; stateComm() is then that group. 0: every rank (one group).
-  // tessera-train's fault.survive sets it to the replica group, so that a lost group takes
-  // no rows that no other group holds.
+  // no_shard / zero1 / zero2: the consecutive ranks over which the owned rows (the masters and
+  // optimizer state zero1/zero2 shard, what an EMA follows, what an evaluation swaps in) are
+  // split, each such group holding all of them, as hybrid's shard groups hold its state;
+  // stateComm() is then that group. 0: every rank (one group). tessera-train's fault.survive
+  // sets it to the replica group, so that a lost group takes no rows that no other group holds.
   int stateGroupSize = 0;
   // zero3 / hybrid: the submodules that become units, by qualified name (named_modules()):
   // "blocks.*" = every direct child of blocks, "blocks.0" = that module. The root is

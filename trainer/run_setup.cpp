@@ -188,9 +188,10 @@ uint64_t initSeed(const TrainConfig& cfg, const ModelEntry& m) {
 sharding::StrategyOptions strategyOptions(const TrainConfig& cfg, const ModelEntry& m, const models::TrainModel& model) {
   sharding::StrategyOptions o = m.sharding;
   o.initializer = models::layers::initializerOf(model, initSeed(cfg, m));
-  // fault.survive: no_shard's EMA sharded inside each replica group (a node), not over every
-  // rank, so that the groups that go on hold all of it.
-  if (cfg.fault.survive && o.strategy == sharding::StrategyKind::kNoShard) {
+  // fault.survive: no_shard's EMA, zero1/zero2's masters and optimizer state sharded inside
+  // each replica group (a node), not over every rank, so that the groups that go on hold all
+  // of it.
+  if (cfg.fault.survive && o.strategy != sharding::StrategyKind::kZero3 && o.strategy != sharding::StrategyKind::kHybrid) {
     o.stateGroupSize = std::max(1, distributed::RankEnv::fromEnvironment().local_world_size);
   }
   return o;

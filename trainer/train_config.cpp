@@ -317,10 +317,10 @@ void bindDiagnosticsKeys(config::ConfigSchema& s, DiagnosticsSection& d) {
 void bindFaultKeys(config::ConfigSchema& s, FaultSection& f) {
   s.describeSection("fault", "A lost rank: its replica group leaves the run and the others go on");
   s.add("fault.survive", &f.survive,
-        "When a rank is lost (its process exits or is killed), its replica group (hybrid: its shard group; no_shard: "
-        "its node's ranks) leaves the run and the other groups redo the step in-process with the same global batch, "
+        "When a rank is lost (its process exits or is killed), its replica group (hybrid: its shard group; no_shard, zero1, "
+        "zero2: its node's ranks) leaves the run and the other groups redo the step in-process with the same global batch, "
         "without a restart or a checkpoint read (under run.deterministic the same bits). Needs the shm backend, "
-        "run.recipe standard and no_shard or hybrid; the group of rank 0 (the store's host) must live");
+        "run.recipe standard and any strategy but zero3; the group of rank 0 (the store's host) must live");
   s.add("fault.quorum_wait_s", &f.quorum_wait,
         "Seconds rank 0 waits for the live ranks to report after a loss before it names the groups that go on")
       .min(0.05)
@@ -688,9 +688,9 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
   }
   if (c.fault.survive) {
     // A group that leaves must leave a whole replica behind: every group holds the full
-    // state (no_shard: its EMA sharded inside the group, run_setup.cpp), or its own
-    // group's shards of it (hybrid); and the
-    // step must be one optimizer update that either happened or did not (standard).
+    // state (no_shard/zero1/zero2: what they shard, sharded inside the group, run_setup.cpp),
+    // or its own group's shards of it (hybrid); and the step must be one optimizer update
+    // that either happened or did not (standard).
     if (c.run.recipe != "standard") {
       throw ConfigError(s.errorMessage("fault.survive", strCat("needs run.recipe standard, not ", c.run.recipe,
                                                                " (a recipe that updates several models in one step "
@@ -698,11 +698,10 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
     }
     for (const ModelEntry& m : c.models) {
       const sharding::StrategyKind kind = m.sharding.strategy;
-      if (kind != sharding::StrategyKind::kNoShard && kind != sharding::StrategyKind::kHybrid) {
+      if (kind == sharding::StrategyKind::kZero3) {
         throw ConfigError(s.errorMessage(
-            "fault.survive", strCat("needs sharding.strategy no_shard or hybrid (a replica in every group), not ",
-                                    enumName(sharding::kStrategyKindNames, kind), ": a lost rank of ", enumName(sharding::kStrategyKindNames, kind),
-                                    " takes shards no other rank holds")));
+            "fault.survive", "needs a replica in every group: sharding.strategy zero3 shards over every rank, so a "
+                             "lost rank takes shards no other rank holds (hybrid is zero3 inside each group)"));
       }
     }
   }

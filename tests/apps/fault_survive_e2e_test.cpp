@@ -1,6 +1,6 @@
 // fault.survive, end to end: tessera-run nodes of 2 ranks on this machine (static
 // --nnodes), each node a replica group of a hybrid run (zero3 inside the node, replicated
-// across nodes). A rank of another node kills itself (TESSERA_TEST_KILL) at a chosen point
+// across nodes), or of no_shard/zero1/zero2 (what they shard, sharded inside the node). A rank of another node kills itself (TESSERA_TEST_KILL) at a chosen point
 // of a chosen step; its node's launcher ends, and node 0's ranks go on in-process, without
 // a restart or a checkpoint read, to the export an uninterrupted run writes: bit for bit
 // under run.deterministic, within float tolerance without it. When the group of rank 0 (the
@@ -295,31 +295,62 @@ TEST(FaultSurviveE2ETest, ARankRestartedIntoARoundWithNoRunToRejoinExits76) {
       << r.output;
 }
 
-// no_shard: every rank holds the parameters and optimizer state; the EMA is sharded inside
-// each node (its replica group), so the node that goes on holds all of it. A checkpoint of
-// that layout resumes on one process, without fault.survive, to the same export.
-TEST(FaultSurviveE2ETest, NoShardGoesOnTheSameWayWithItsEma) {
-  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "no_shard");
-  const std::string noShard = kDeterministic + " --set sharding.strategy=no_shard";
-  const Nodes r = runNodes(dir, 2, noShard, "2:31:start");
-  expectNode0WentOn(r, "ranks 0-1 of 4 go on as a world of 2 from step 30 (ranks 2-3 left)");
-  const std::string referenceRun = reference(2, noShard);
+// A strategy where every rank holds the parameters (no_shard, zero1, zero2): what it shards
+// (the EMA; zero1/zero2's masters and optimizer state) is sharded inside each node (its replica
+// group), so the node that goes on holds all of it; the same export as a plain run of the
+// strategy (sharded over every rank), and a checkpoint of that layout resumes on one process,
+// without fault.survive, to the same export. A rank of node 1 is killed at `kill`; node 0
+// goes on from step `from`.
+void expectGoesOnWithItsShardsInTheGroup(const std::string& strategy, const std::string& kill, int from) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", strategy);
+  const std::string args = kDeterministic + " --set sharding.strategy=" + strategy;
+  const Nodes r = runNodes(dir, 2, args, kill);
+  expectNode0WentOn(r, strCat("ranks 0-1 of 4 go on as a world of 2 from step ", from, " (ranks 2-3 left)"));
+  const std::string referenceRun = reference(2, args);
   expectExportsEqual(referenceRun, dir + "/run", /*bitwise=*/true);
-  // The EMA of a plain no_shard run (sharded over every rank) is the same.
-  const std::string plainDir = tessera::test::scratchPath("tessera_fault_survive", "no_shard_plain");
+  const std::string plainDir = tessera::test::scratchPath("tessera_fault_survive", strategy + "_plain");
   const CommandResult plain = runCommand(strCat(kBin, "/tessera-run --standalone --nproc-per-node 2 ", kBin,
-                                                "/tessera-train", kTrainArgs, noShard,
+                                                "/tessera-train", kTrainArgs, args,
                                                 " --set fault.survive=false --set run.dir=", shellQuote(plainDir)));
   ASSERT_EQ(plain.status, 0) << plain.output;
   expectExportsEqual(referenceRun, plainDir, /*bitwise=*/true);
   // Step 40's checkpoint (written by the node that went on) resumed on one process.
-  const std::string resumed = tessera::test::scratchPath("tessera_fault_survive", "no_shard_resumed");
+  const std::string resumed = tessera::test::scratchPath("tessera_fault_survive", strategy + "_resumed");
   const CommandResult one =
-      runCommand(strCat(kBin, "/tessera-train", kTrainArgs, noShard, " --set fault.survive=false --set run.dir=",
+      runCommand(strCat(kBin, "/tessera-train", kTrainArgs, args, " --set fault.survive=false --set run.dir=",
                         shellQuote(resumed), " --resume ", shellQuote(dir + "/run/checkpoints/step_00000040")));
   ASSERT_EQ(one.status, 0) << one.output;
   EXPECT_NE(one.output.find("resumed from"), std::string::npos) << one.output;
   expectExportsEqual(referenceRun, resumed, /*bitwise=*/true);
+}
+
+TEST(FaultSurviveE2ETest, NoShardGoesOnTheSameWayWithItsEma) {
+  expectGoesOnWithItsShardsInTheGroup("no_shard", "2:31:start", 30);
+}
+
+// zero2 reduces during backward; its rank is lost after the optimizer update (the step
+// is not redone).
+TEST(FaultSurviveE2ETest, Zero2GoesOnWithItsOptimizerStateShardedInTheGroup) {
+  expectGoesOnWithItsShardsInTheGroup("zero2", "3:31:update", 31);
+}
+
+TEST(FaultSurviveE2ETest, Zero1GoesOnWithItsOptimizerStateShardedInTheGroup) {
+  expectGoesOnWithItsShardsInTheGroup("zero1", "2:31:start", 30);
+}
+
+// zero2's lost group restarts and rejoins: its optimizer state shards come from the rank of
+// the same place in the live group; the run ends as the uninterrupted one.
+TEST(FaultSurviveE2ETest, Zero2sLostGroupRejoinsWithItsOptimizerState) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "zero2_rejoin");
+  const std::string longer = kDeterministic +
+                             " --set sharding.strategy=zero2 --set run.steps=3000 --set checkpoint.every_steps=500"
+                             " --set run.log_every=10";
+  const Nodes r = runNodes(dir, 2, longer, "2:21:start", "--max-restarts 1");
+  EXPECT_EQ(r.status[0], 0) << r.logs[0];
+  EXPECT_EQ(r.status[1], 0) << r.logs[1];
+  EXPECT_NE(r.logs[0].find("a lost replica group rejoined after step"), std::string::npos) << r.logs[0];
+  EXPECT_EQ(r.logs[1].find("resumed from"), std::string::npos) << r.logs[1];
+  expectExportsEqual(reference(2, longer), dir + "/run", /*bitwise=*/true);
 }
 
 TEST(FaultSurviveE2ETest, WhenRankZerosGroupLosesARankEveryRankStopsAndSaysWhy) {
@@ -342,7 +373,7 @@ TEST(FaultSurviveE2ETest, ConfigurationsWithoutAReplicaElsewhereAreRefused) {
     EXPECT_EQ(r.status, 2) << extra << "\n" << r.output;
     EXPECT_NE(r.output.find(why), std::string::npos) << extra << "\n" << r.output;
   };
-  refused(" --set sharding.strategy=zero3", "fault.survive: needs sharding.strategy no_shard or hybrid");
+  refused(" --set sharding.strategy=zero3", "fault.survive: needs a replica in every group: sharding.strategy zero3");
   refused(" --set sharding.shard_size=1 --set run.backend=gloo", "fault.survive needs the shm backend");
   // Both ranks in one shard group: one replica, nothing to go on with.
   refused("", "leave no second group to go on after a loss");

@@ -122,7 +122,7 @@ TEST(CanonicalTreeTest, ValuesAreSummedInIndexOrderOnEveryWorldSize) {
 struct DetCase {
   std::string strategy;
   int world = 1;
-  int shardSize = 0;  // hybrid
+  int shardSize = 0;  // hybrid's shard groups; no_shard/zero1/zero2's state groups
   std::string name() const {
     return strCat(strategy, "_world", world, shardSize ? strCat("_shard", shardSize) : std::string());
   }
@@ -156,7 +156,11 @@ Finals trainDeterministic(const DetCase& c) {
     o.optimizer.weightDecay = 0.1;
     o.gradClip = 0.5;  // clips in most steps: the exact norm is used
     o.bucketBytes = 64;  // several gradient buckets under no_shard/zero1/zero2
-    o.fullyShard.shardSize = c.shardSize;
+    if (c.strategy == "hybrid") {
+      o.fullyShard.shardSize = c.shardSize;
+    } else {
+      o.stateGroupSize = c.shardSize;
+    }
     auto strategy = makeStrategy(*model, ctx.comm(), o);
     const MicroBatchPlan plan{kMicroBatches, ctx.world};
     strategy->setDeterministic(plan);
@@ -196,7 +200,7 @@ TEST(DeterministicStrategyTest, EveryStrategyAndWorldSizeTrainsTheSameBits) {
   const std::vector<DetCase> cases = {
       {"zero3", 1},    {"no_shard", 2}, {"zero1", 2},    {"zero2", 2}, {"zero3", 2},
       {"no_shard", 3}, {"zero1", 3},    {"zero2", 3},    {"zero3", 3}, {"no_shard", 4},
-      {"zero2", 4},    {"zero3", 4},    {"hybrid", 4, 2}};
+      {"zero2", 4},    {"zero3", 4},    {"hybrid", 4, 2}, {"zero1", 4, 2}, {"zero2", 4, 2}, {"no_shard", 4, 2}};
   for (const DetCase& c : cases) {
     const Finals got = trainDeterministic(c);
     ASSERT_EQ(got.size(), reference.size()) << c.name();
