@@ -7,7 +7,7 @@ self-attention through scaled_dot_product_attention and an exact-GELU MLP, untie
 without bias), or `--model dit`, the DiT of python/tessera_models.py (Tessera's models/dit.h,
 facebookresearch/DiT names). Under FSDP2's `fully_shard` (each block, then the root) with
 MixedPrecisionPolicy(param_dtype bf16, reduce_dtype fp32) and torch.optim.AdamW(lr 1e-4,
-weight_decay 0.1) on the fp32 parameters; one step = zero_grad, forward, the loss in fp32
+weight_decay 0.1, fused=True: Tessera's kernel) on the fp32 parameters; one step = zero_grad, forward, the loss in fp32
 (gpt: cross-entropy at every position; dit: MSE against the noise, random timesteps and
 labels), backward, optimizer step. Prints the median step time of --steps steps after
 --warmup, tokens/s or images/s, TFLOP/s and MFU by bench_step_bench's formulas and peak
@@ -203,10 +203,11 @@ def main():
             fully_shard(block, mp_policy=policy, **extra)
         fully_shard(model, mp_policy=policy, **extra)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if args.offload:  # the parameters are on the host now: PyTorch's fused CPU AdamW, its fastest there
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1, fused=True)
-    else:
-        optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1)
+    # Fused AdamW (one kernel over parameters, gradients and moments), as Tessera's optimizer
+    # steps on a GPU and on the host with offload; on the CPU without PyTorch 2 (the model
+    # check) the default form.
+    fused = (device.type == "cuda" or args.offload) and int(torch.__version__.split(".")[0]) >= 2
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1, **({"fused": True} if fused else {}))
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -237,7 +238,8 @@ def main():
     name = ("plain PyTorch (autocast bf16)" if args.plain else
             "PyTorch FSDP2 fully_shard, CPUOffloadPolicy" if args.offload else "PyTorch FSDP2 fully_shard")
     tflops = flops / (ms * 1e-3) / 1e12
-    print(f"{what}: {params} parameters, bf16 compute, fp32 masters, on {args.device}"
+    print(f"{what}: {params} parameters, bf16 compute, fp32 masters, AdamW {'fused' if fused else 'default form'}, "
+          f"on {args.device}"
           f"{' (' + torch.cuda.get_device_name(0) + ', torch ' + torch.__version__ + ')' if cuda else ''}")
     print(f"model FLOPs per step {flops:.4g}; peak {peak_tflops:.1f} TFLOP/s "
           f"({'given' if args.peak_tflops else 'measured: bf16 8192^3 matrix product'})")

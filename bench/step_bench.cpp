@@ -6,11 +6,15 @@
 //            streams (the real NCCL path unless --shortcut answers a world of one locally);
 //   plain:   the same model in a LibTorch loop without sharding: a compute-dtype copy of
 //            the model runs forward/backward, its gradients are cast into fp32 masters,
-//            torch::optim::AdamW steps them and the copy is refreshed.
+//            AdamW steps them and the copy is refreshed. On CUDA with LibTorch 2.x the
+//            AdamW is torch's fused kernel (at::_fused_adamw_, torch.optim.AdamW(fused=True)),
+//            the one Tessera's optimizer calls there; elsewhere torch::optim::AdamW.
 // and on request: --reshard-last (zero3 freeing the last unit after forward, FSDP2's
 // default) and --offload (zero3 with CPU offload: masters, gradients and AdamW on the host).
 // bench/fsdp2_step.py runs the same model (same names, sizes, batch, dtypes, optimizer)
-// under PyTorch FSDP2's fully_shard + MixedPrecisionPolicy(bf16, fp32).
+// under PyTorch FSDP2's fully_shard + MixedPrecisionPolicy(bf16, fp32). --only runs one
+// variant, so that scripts/gpu-session.sh alternates them in separate processes
+// (bench/step_rounds.py takes the median and range of its rounds).
 //
 // Models: --model gpt (models/models.h, nanoGPT names: tokens [batch, context], loss the
 // cross-entropy at every position) or --model dit (models/dit.h: images [batch, C, H, H],
@@ -33,6 +37,7 @@
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/adamw.h>
+#include <torch/version.h>
 #ifdef TESSERA_TORCH_HAS_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
@@ -267,8 +272,27 @@ void writeTrace(const std::string& path, int steps, const Step& step) {
 
 }  // namespace
 
+// The plain loop's AdamW step over fp32 masters: torch's fused kernel where there is one
+// (CUDA, LibTorch 2.x: the kernel Tessera's optimizer calls), false elsewhere.
+// `probe`: only whether it would step.
+bool fusedAdamWStep(std::vector<at::Tensor>& masters, std::vector<at::Tensor>& grads, std::vector<at::Tensor>& expAvg,
+                    std::vector<at::Tensor>& expAvgSq, int64_t step, double lr, double weightDecay, bool probe = false) {
+#if TORCH_VERSION_MAJOR >= 2
+  if (!masters.front().is_cuda()) return false;
+  if (probe) return true;
+  const at::Tensor count = at::full({}, static_cast<double>(step), masters.front().options());
+  const std::vector<at::Tensor> steps(masters.size(), count);
+  at::_fused_adamw_(masters, grads, expAvg, expAvgSq, {}, steps, lr, 0.9, 0.999, weightDecay, 1e-8,
+                    /*amsgrad=*/false, /*maximize=*/false);
+  return true;
+#else
+  (void)masters, (void)grads, (void)expAvg, (void)expAvgSq, (void)step, (void)lr, (void)weightDecay, (void)probe;
+  return false;
+#endif
+}
+
 int main(int argc, char** argv) {
-  std::string modelName = "gpt", device = "cpu", dtype = "bf16", reduceDtype = "fp32", trace;
+  std::string modelName = "gpt", device = "cpu", dtype = "bf16", reduceDtype = "fp32", trace, only;
   tessera::models::ModelOptions model;
   model.embed_dim = 768;
   model.layers = 12;
@@ -305,6 +329,9 @@ int main(int argc, char** argv) {
   app.add_flag("--offload-only", offloadOnly,
                "With --offload: run only the offload variant (for models whose plain loop would spend the run's time "
                "initialising; compare with fsdp2_step.py --offload)");
+  app.add_option("--only", only, "Run this variant alone (plain, tessera, reshard-last, offload): "
+                 "scripts/gpu-session.sh alternates them in separate processes")
+      ->check(CLI::IsMember({"plain", "tessera", "reshard-last", "offload"}));
   app.add_flag("--no-plain", noPlain,
                "Leave out the plain LibTorch loop (a model it cannot hold: scripts/gpu-session.sh largest)");
   app.add_option("--rounds", rounds, "Rounds of the interleaved variants (each builds its model anew)")
@@ -363,31 +390,45 @@ int main(int argc, char** argv) {
       if (!tracePath.empty()) writeTrace(tracePath, 2, step);
       return m;
     };
-    // plain: a compute-dtype model, fp32 masters, torch::optim::AdamW.
+    // plain: a compute-dtype model, fp32 masters, fused AdamW (torch::optim::AdamW where
+    // there is no fused kernel).
     auto runPlain = [&](const std::string& tracePath) {
       const double setUpStart = nowSec();
       std::shared_ptr<torch::nn::Module> plain = w.build();
       tessera::models::initializeModel(*plain, 0);  // the values the strategy's shards start from
-      std::vector<at::Tensor> masters;
-      for (auto& p : plain->parameters()) masters.push_back(p.detach().clone().set_requires_grad(true));
+      std::vector<at::Tensor> masters, grads, expAvg, expAvgSq;
+      for (auto& p : plain->parameters()) {
+        masters.push_back(p.detach().clone().set_requires_grad(true));
+        expAvg.push_back(at::zeros_like(masters.back()));
+        expAvgSq.push_back(at::zeros_like(masters.back()));
+      }
+      grads.resize(masters.size());
       if (compute != at::kFloat) plain->to(compute);
       torch::optim::AdamW optimizer(masters, torch::optim::AdamWOptions(1e-4).weight_decay(0.1));
       const std::vector<at::Tensor> plainParams = plain->parameters();
+      int64_t updates = 0;
       const Step step{[&] {
-                        optimizer.zero_grad();
+                        for (auto& m : masters) m.mutable_grad() = at::Tensor();
                         for (const auto& p : plainParams) p.mutable_grad() = at::Tensor();
                         w.loss(*plain, false).backward();
                       },
                       [&] {
+                        c10::NoGradGuard noGrad;
+                        // The gradients cast to fp32, as Tessera's reduction hands them to its optimizer.
                         for (size_t i = 0; i < masters.size(); ++i) {
                           const at::Tensor& g = plainParams[i].grad();
-                          masters[i].mutable_grad() = g.defined() ? g.to(at::kFloat) : at::zeros_like(masters[i]);
+                          grads[i] = g.defined() ? g.to(at::kFloat) : at::zeros_like(masters[i]);
                         }
-                        optimizer.step();
-                        c10::NoGradGuard noGrad;
+                        if (!fusedAdamWStep(masters, grads, expAvg, expAvgSq, ++updates, 1e-4, 0.1)) {
+                          for (size_t i = 0; i < masters.size(); ++i) masters[i].mutable_grad() = grads[i];
+                          optimizer.step();
+                        }
                         for (size_t i = 0; i < masters.size(); ++i) plainParams[i].copy_(masters[i]);
                       }};
-      std::printf("  (set up in %.1f s)\n", nowSec() - setUpStart);
+      std::printf("  (set up in %.1f s; the plain loop's AdamW: %s)\n", nowSec() - setUpStart,
+                  fusedAdamWStep(masters, grads, expAvg, expAvgSq, 0, 0, 0, /*probe=*/true)
+                      ? "fused, at::_fused_adamw_"
+                      : "torch::optim::AdamW");
       const Measure m = measure(warmup, steps, step);
       if (!tracePath.empty()) writeTrace(tracePath, 2, step);
       return m;
@@ -423,8 +464,25 @@ int main(int argc, char** argv) {
           {"tessera zero3, CPU offload", [&](const std::string& t) { return runTessera(t, true, true); }, "_offload", {}});
     }
     if (offloadOnly && offload) variants.erase(variants.begin(), variants.end() - 1);
+    if (!only.empty()) {
+      const std::string name = only == "plain"          ? "plain LibTorch"
+                               : only == "tessera"      ? "tessera zero3"
+                               : only == "reshard-last" ? "tessera zero3, last unit resharded"
+                                                        : "tessera zero3, CPU offload";
+      if (only == "reshard-last" && !reshardLast) {
+        variants.push_back({name, [&](const std::string& t) { return runTessera(t, false, false); }, "_reshard_last", {}});
+      }
+      if (only == "offload" && !offload) {
+        variants.push_back({name, [&](const std::string& t) { return runTessera(t, true, true); }, "_offload", {}});
+      }
+      variants.erase(std::remove_if(variants.begin(), variants.end(), [&](const Variant& v) { return v.name != name; }),
+                     variants.end());
+    }
     const bool hasPlain = variants.front().name == "plain LibTorch" && !noPlain;
     if (noPlain && variants.front().name == "plain LibTorch") variants.erase(variants.begin());
+    if (variants.empty()) {
+      throw tessera::UsageError("--only " + only + " with --no-plain leaves nothing to run");
+    }
     auto tracePathOf = [&](const Variant& v) {
       if (trace.empty() || v.traceSuffix.empty()) return trace;
       const size_t dot = trace.rfind('.');

@@ -6,9 +6,10 @@
 #
 #   scripts/gpu-session.sh build       # scripts/gpu-build.sh (needs .gpu-debs/ carried along);
 #                                      # TESSERA_GPU_TARGETS=all builds everything
-#   scripts/gpu-session.sh step        # bench_step_bench vs plain LibTorch vs FSDP2: GPT-2 small,
-#                                      # DiT-XL/2; Chrome traces with memory events into
-#                                      # $OUT/traces_{gpt,dit}.tar.gz
+#   scripts/gpu-session.sh step        # plain LibTorch loop vs Tessera zero3 vs FSDP2, all with
+#                                      # fused AdamW, separate processes alternated over
+#                                      # STEP_ROUNDS rounds: GPT-2 small, DiT-XL/2; Chrome traces
+#                                      # with memory events into $OUT/traces_{gpt,dit}.tar.gz
 #   scripts/gpu-session.sh cuda-test   # the CUDA tests (tests/cuda), required to run
 #   scripts/gpu-session.sh offload     # zero3 with CPU offload vs FSDP2's CPUOffloadPolicy, GPT-2 XL
 #   scripts/gpu-session.sh largest     # the largest GPT one step trains, without and with offload
@@ -72,14 +73,33 @@ for stage in "$@"; do
       mkdir -p /tmp/traces
       # TESSERA_GPU_TRACES=0: no traces (each costs seconds of device time).
       tr() { [ "${TESSERA_GPU_TRACES:-1}" = 0 ] || echo "--trace /tmp/traces/$1.json"; }
-      # GPT-2 small (124M parameters, context 1024).
+      # The plain loop (fused AdamW), Tessera's zero3 and FSDP2 (AdamW fused=True), each in its
+      # own process, alternated over STEP_ROUNDS rounds (default 3) in a rotating order;
+      # traces in the first round; bench/step_rounds.py gives each one's median and range.
+      # GPT-2 small (124M parameters, context 1024); DiT-XL/2 (675M parameters) on 32x32x4
+      # latents (256 tokens), as the DiT paper's 256 px.
       gpt=(--model gpt --embed 768 --layers 12 --heads 12 --context 1024 --batch 16)
-      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${gpt[@]}" $(tr tessera_gpt)
-      bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${gpt[@]}" $(tr fsdp2_gpt)
-      # DiT-XL/2 (675M parameters) on 32x32x4 latents (256 tokens), as the DiT paper's 256 px.
       dit=(--model dit --embed 1152 --layers 28 --heads 16 --image 32 --channels 4 --patch 2 --classes 1000 --batch 32)
-      bounded 150 "$log" "$BIN/bench_step_bench" --device cuda "${dit[@]}" $(tr tessera_dit)
-      bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${dit[@]}" $(tr fsdp2_dit)
+      timed=(--steps 10 --warmup 3)
+      for model in gpt dit; do
+        echo "== model $model" >> "$log"
+        if [ "$model" = gpt ]; then shape=("${gpt[@]}"); else shape=("${dit[@]}"); fi
+        for round in $(seq 1 "${STEP_ROUNDS:-3}"); do
+          order=(plain tessera fsdp2)
+          for i in 0 1 2; do
+            variant=${order[$(( (i + round - 1) % 3 ))]}
+            trace=""
+            [ "$round" = 1 ] && trace=$(tr "${variant}_$model")
+            if [ "$variant" = fsdp2 ]; then
+              bounded 90 "$log" "$PYTHON" bench/fsdp2_step.py "${shape[@]}" "${timed[@]}" $trace
+            else
+              bounded 90 "$log" "$BIN/bench_step_bench" --device cuda "${shape[@]}" "${timed[@]}" --rounds 1 \
+                --only "$variant" $trace
+            fi
+          done
+        done
+      done
+      "$PYTHON" bench/step_rounds.py "$log" | tee -a "$log"
       # The traces are drawn off the machine (scripts/trace_timeline.py needs no GPU).
       (cd /tmp/traces && ls ./*gpt*.json >/dev/null 2>&1 && tar czf "$OUT/traces_gpt.tar.gz" ./*gpt*.json)
       (cd /tmp/traces && ls ./*dit*.json >/dev/null 2>&1 && tar czf "$OUT/traces_dit.tar.gz" ./*dit*.json)
