@@ -26,6 +26,7 @@ struct CommHealth {
   std::mutex mutex;
   bool broken = false;
   std::string why;
+  const uint64_t abortGeneration = commAbortGeneration();  // at the communicator's creation
 };
 
 namespace {
@@ -247,6 +248,10 @@ std::atomic<uint64_t> g_abortGeneration{0};
 void abortCommunicators() { g_abortGeneration.fetch_add(1); }
 
 uint64_t commAbortGeneration() { return g_abortGeneration.load(); }
+
+bool commAborted(const std::shared_ptr<CommHealth>& health) {
+  return commAbortGeneration() != health->abortGeneration;
+}
 
 void Communicator::ensureUsable(const char* method) const {
   std::lock_guard<std::mutex> lock(health_->mutex);

@@ -274,14 +274,18 @@ std::shared_ptr<Communicator> makeCommunicator(const std::string& backend, std::
 // the communicator owning `health` then throws.
 void markCommBroken(const std::shared_ptr<CommHealth>& health, const std::string& why);
 
-// Process-wide, for fault.survive: every wait of a shm communicator created before this
-// call, in progress or to come, throws PeerLostError within 50 ms, so that no thread of this
-// process stays in a collective whose group is being replaced (a replica group lost; the
-// peers learn it from this rank's giving up, or from their own call). Communicators
-// created afterwards are not affected. gloo's and nccl's operations are not interrupted.
+// Process-wide, for fault.survive: every wait of a shm or gloo communicator created before
+// this call, in progress or to come, throws PeerLostError within 50 ms, so that no thread of
+// this process stays in a collective whose group is being replaced (a replica group lost;
+// the peers learn it from this rank's giving up, or from their own call). Communicators
+// created afterwards are not affected. A gloo operation is abandoned, not ended: its
+// c10d group is kept (never destroyed, which would wait for it) and its work ends at its
+// own timeout. nccl's operations are not interrupted.
 void abortCommunicators();
 // How many times abortCommunicators() was called in this process.
 uint64_t commAbortGeneration();
+// Whether abortCommunicators() was called since the communicator owning `health` was made.
+bool commAborted(const std::shared_ptr<CommHealth>& health);
 
 // True when this build has the nccl backend.
 bool ncclAvailable();

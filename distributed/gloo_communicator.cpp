@@ -82,37 +82,72 @@ std::shared_ptr<::gloo::transport::Device> makeDevice(const std::string& hostnam
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
-// Waits for `work`, turning c10d's and Gloo's failures into ours: TimeoutError when the
-// work did not finish in time, Error otherwise; either way the communicator is marked
-// broken (ranks no longer agree on what was sent).
+// Gloo's words for a connection whose peer is gone (its process exited or was killed: the
+// socket closed or reset).
+bool looksLikeLostPeer(const std::string& message) {
+  for (const char* sign : {"Connection closed by peer", "Connection reset by peer", "Socket closed", "Broken pipe"}) {
+    if (message.find(sign) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// How often a wait looks up whether this process aborted its communicators.
+constexpr auto kAbortCheckEvery = std::chrono::milliseconds(50);
+// What c10d's Work::wait(timeout) throws when the time given to it ran out.
+constexpr const char* kSliceTimedOut = "Operation timed out!";
+
+// Waits for `work`, turning c10d's and Gloo's failures into ours: PeerLostError when a
+// peer's connection was lost or this process aborted its communicators (the work is then
+// abandoned), TimeoutError when the work did not finish in time, Error otherwise; either
+// way the communicator is marked broken (ranks no longer agree on what was sent).
 void waitGlooWork(c10d::Work& work, const std::string& method, const std::string& what, std::chrono::milliseconds timeout,
                   const std::shared_ptr<CommHealth>& health) {
-  // Waited in slices, with a line after each while the work has not finished: a rank that
-  // is stopped or stuck otherwise leaves the others silent for the whole timeout.
+  // A line every fifth of the timeout while the work has not finished: a rank that is
+  // stopped or stuck otherwise leaves the others silent for the whole timeout.
   const auto every = std::clamp<std::chrono::milliseconds>(timeout / 5, std::chrono::seconds(1), std::chrono::seconds(30));
   const auto start = std::chrono::steady_clock::now();
+  auto nextLine = start + every;
   try {
     while (true) {
-      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+      const auto now = std::chrono::steady_clock::now();
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(now - start);
       const auto left = timeout - waited;
+      if (commAborted(health)) {
+        const std::string message = strCat("GlooCommunicator::", method, ": ", what,
+                                           ": aborted by this process (its replica groups are changing)");
+        markCommBroken(health, message);
+        throw PeerLostError(message);
+      }
       try {
-        work.wait(std::min(every, std::max(left, std::chrono::milliseconds(1))));
+        work.wait(std::clamp(left, std::chrono::milliseconds(1), kAbortCheckEvery));
         break;
       } catch (const std::exception& e) {
-        // c10d's wait gave up on this slice ("Operation timed out!") and the work runs on:
-        // say so and wait again, until the whole timeout has passed.
-        const auto now = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
-        if (work.isCompleted() || now >= timeout || !looksLikeTimeout(firstLine(e.what()))) throw;
-        TLOG_WARN("GlooCommunicator::" << method << ": " << what << " has waited " << formatDuration(now)
-                  << " for the other ranks (timeout " << formatDuration(timeout)
-                  << "): one has not joined it (stopped, stuck or slow); at the timeout the run stops and "
-                     "tessera-run's verdict names it");
+        // c10d's wait gave up on this slice ("Operation timed out!"; the work may have ended
+        // just after): wait again, until the whole timeout has passed. Anything else is the
+        // work's own end (Gloo's errors, its timeout included).
+        const auto after = std::chrono::steady_clock::now();
+        if (after - start >= timeout || std::string(e.what()).find(kSliceTimedOut) == std::string::npos) throw;
+        if (after >= nextLine) {
+          nextLine += every;
+          TLOG_WARN("GlooCommunicator::" << method << ": " << what << " has waited "
+                    << formatDuration(std::chrono::duration_cast<std::chrono::milliseconds>(after - start))
+                    << " for the other ranks (timeout " << formatDuration(timeout)
+                    << "): one has not joined it (stopped, stuck or slow); at the timeout the run stops and "
+                       "tessera-run's verdict names it");
+        }
       }
     }
+  } catch (const PeerLostError&) {
+    throw;
   } catch (const std::exception& e) {
     // Either c10d's wait gave up ("Operation timed out!", the work still runs) or Gloo's
     // own timeout or a transport error ended the work.
     const std::string cause = firstLine(e.what());
+    if (work.isCompleted() && looksLikeLostPeer(cause)) {
+      const std::string message = strCat("GlooCommunicator::", method, ": ", what, ": a peer is lost (gloo: ", cause, ")");
+      markCommBroken(health, message);
+      throw PeerLostError(message);
+    }
     const bool timedOut = !work.isCompleted() || looksLikeTimeout(cause);
     const std::string message =
         timedOut ? strCat("GlooCommunicator::", method, ": timed out after ", formatDuration(timeout), ": ", what,
@@ -459,6 +494,13 @@ class GlooCommunicator final : public Communicator {
       throw TimeoutError(strCat("GlooCommunicator: connecting ", describe(), ": ", e.what()));
     }
     TLOG_DEBUG("GlooCommunicator: " << describe() << " connected (" << prefix << ")");
+  }
+
+  // After abortCommunicators(), operations of this group may still wait in c10d's threads
+  // (abandoned, until their timeout); destroying the group would wait for them, so it is
+  // kept for the rest of the process instead.
+  ~GlooCommunicator() override {
+    if (commAborted(health())) new c10::intrusive_ptr<c10d::ProcessGroupGloo>(std::move(pg_));  // kept: see above
   }
 
   std::string backendName() const override { return "gloo"; }

@@ -622,7 +622,7 @@ class ShmCommunicator final : public Communicator {
       if (allReady()) return;
       const auto now = Clock::now();
       if (executor_->aborting().load()) throw Error(strCat(current_.what, ": the communicator was destroyed"));
-      if (commAbortGeneration() != abortGeneration_) {
+      if (commAborted(health())) {
         throw PeerLostError(strCat(current_.what, ": aborted by this process (its replica groups are changing)"));
       }
       if (now >= nextCheck) {
@@ -676,7 +676,6 @@ class ShmCommunicator final : public Communicator {
   ShmOptions shm_;
   std::unique_ptr<Segment> segment_;
   std::shared_ptr<Executor> executor_;
-  const uint64_t abortGeneration_ = commAbortGeneration();  // abortCommunicators() after creation ends its waits
   uint64_t pieces_ = 0;  // pieces run so far; only the executing thread touches it
   Current current_;       // the operation running now (executing thread only)
 };

@@ -74,7 +74,8 @@ std::vector<std::string> unmatchedPatterns(const OptimizerOptions& options, cons
   return out;
 }
 
-ShardedOptimizer::ShardedOptimizer(OptimizerOptions o) : options_(std::move(o)) {
+ShardedOptimizer::ShardedOptimizer(OptimizerOptions o) : options_(std::move(o)), elementwise_(options_) {
+  if (options_.kind == OptimizerKind::kMuon) elementwise_.kind = OptimizerKind::kAdamW;
   for (const auto& [pattern, scale] : options_.lrScale) {
     TESSERA_CHECK_AS(ConfigError, scale > 0 && std::isfinite(scale), "ShardedOptimizer: learning-rate scale of '",
                      pattern, "' must be a positive number, got ", scale);
@@ -289,9 +290,7 @@ void ShardedOptimizer::step(double baseLr) {
   c10::NoGradGuard noGrad;
   // Muon's AdamW group: AdamW's rules at Muon's learning rate times its scale.
   const bool muon = options_.kind == OptimizerKind::kMuon;
-  OptimizerOptions adamw = options_;
-  if (muon) adamw.kind = OptimizerKind::kAdamW;
-  const OptimizerOptions& o = muon ? adamw : options_;
+  const OptimizerOptions& o = elementwise_;
   std::vector<Slot*> muonSlots;
   std::vector<AdamGroup> groups;  // accelerator parameters, by (step, lr, weight decay)
   for (Slot& slot : slots_) {

@@ -131,6 +131,9 @@ class ShardedOptimizer : public dtensor::Stateful {
   void muonStep(const std::vector<Slot*>& slots, double lr);
 
   OptimizerOptions options_;
+  // The rules of the elementwise update: options_, or under Muon its AdamW group's (kind
+  // kAdamW, the rest as options_).
+  OptimizerOptions elementwise_;
   std::shared_ptr<distributed::Communicator> group_;
   std::vector<int> muonOwners_;  // owner rank in group_ of each Muon slot, in slot order (set at the first step)
   std::vector<Slot> slots_;

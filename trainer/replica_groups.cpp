@@ -9,6 +9,7 @@
 #include "common/errors.h"
 #include "common/logging.h"
 #include "distributed/communicator.h"
+#include "distributed/gloo_communicator.h"
 #include "distributed/shm_communicator.h"
 #include "distributed/store.h"
 #include "trainer/train_config.h"
@@ -101,17 +102,30 @@ std::string Membership::describe() const {
 }
 
 ReplicaGroups::ReplicaGroups(const distributed::RankEnv& env, int groupSize, std::chrono::milliseconds quorumWait,
-                             std::chrono::milliseconds timeout, bool joining)
+                             std::chrono::milliseconds timeout, bool joining, const std::string& backend)
     : groupSize_(groupSize),
       launcherRank_(env.rank),
       worldAtStart_(env.world_size),
       quorumWait_(quorumWait),
-      timeout_(timeout) {
+      timeout_(timeout),
+      backend_(backend) {
   store_ = distributed::Store::createTcp(env.master_addr, env.master_port, false, timeout);
   watchStore_ = distributed::Store::createTcp(env.master_addr, env.master_port, false, timeout);
-  if (joining) return;  // join() learns the world and starts watching
+  // Loopback when the run's store is on it (every rank on this machine), else gloo's default
+  // device, as distributed::Runtime picks for the run's own communicator.
+  const std::string& master = env.master_addr;
+  glooHostname_ = master == "127.0.0.1" || master == "localhost" || master == "::1" ? "127.0.0.1" : "";
+  if (joining) {
+    backend_ = store_->get(strCat(kPrefix, "/backend"), timeout);
+    return;  // join() learns the world and starts watching
+  }
+  TESSERA_CHECK_AS(ConfigError, backend_ == "shm" || backend_ == "gloo", "fault.survive: backend '", backend_,
+                   "' (shm or gloo expected)");
   for (int r = 0; r < env.world_size; ++r) launcherRanks_.push_back(r);
-  if (env.rank == 0) store_->set(strCat(kPrefix, "/alive"), "1");
+  if (env.rank == 0) {
+    store_->set(strCat(kPrefix, "/backend"), backend_);
+    store_->set(strCat(kPrefix, "/alive"), "1");
+  }
   startWatching();
 }
 
@@ -155,11 +169,50 @@ std::map<int, int64_t> ReplicaGroups::waitingGroups(distributed::Store& store) {
   return waiting;
 }
 
+std::vector<int> ReplicaGroups::silentRanks(distributed::Store& store) {
+  std::vector<int> live;
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    live = launcherRanks_;
+  }
+  const int64_t round = ++heartbeatRounds_;
+  const int64_t rounds = kStoppedRankIsLostAfter / kWatchEvery;
+  // A rank that left is forgotten: when it rejoins, its new process's beats start afresh.
+  for (auto it = heartbeats_.begin(); it != heartbeats_.end();) {
+    it = std::find(live.begin(), live.end(), it->first) == live.end() ? heartbeats_.erase(it) : std::next(it);
+  }
+  std::vector<int> silent;
+  for (int r : live) {
+    const int64_t count = store.add(strCat(kPrefix, "/heartbeat/", r), 0);
+    const auto now = Clock::now();
+    auto it = heartbeats_.find(r);
+    if (it == heartbeats_.end() || it->second.count != count) {
+      heartbeats_[r] = {count, round, now};  // first seen (a rank that joined) or moved
+    } else if (round - it->second.round >= rounds && now - it->second.time >= kStoppedRankIsLostAfter) {
+      silent.push_back(r);
+    }
+  }
+  return silent;
+}
+
 void ReplicaGroups::watch() {
   while (!stop_.load()) {
     std::this_thread::sleep_for(kWatchEvery);
     const int64_t next = epoch_.load() + 1;
     try {
+      // gloo cannot see a peer's process: each watcher beats, rank 0's notices one that
+      // stopped (SIGSTOP, a frozen host) and starts the change for every rank.
+      if (backend_ == "gloo") {
+        watchStore_->add(strCat(kPrefix, "/heartbeat/", launcherRank_), 1);
+        if (launcherRank_ == 0) {
+          const std::vector<int> silent = silentRanks(*watchStore_);
+          if (!silent.empty() && !watchStore_->check({epochKey(next, "start")})) {
+            TLOG_WARN("fault.survive: launcher rank" << (silent.size() == 1 ? " " : "s ") << rankRanges(silent)
+                      << " sent no heartbeat for " << kStoppedRankIsLostAfter.count() << " ms: lost");
+            watchStore_->set(epochKey(next, "start"), "1");
+          }
+        }
+      }
       bool started = false;
       {
         // Under epochMutex_: an abort never lands after this process moved to the next
@@ -347,8 +400,8 @@ std::pair<std::shared_ptr<distributed::Communicator>, int> ReplicaGroups::counte
     if (!membership.joining[r]) donor = i;
   }
   TESSERA_CHECK(donor >= 0, "fault.survive: no live rank holds place ", place, " of a replica group");
-  return {shmCommunicator(membership.epoch, strCat("counterparts_", place), rank / groupSize_, world / groupSize_,
-                          timeout, distributed::CommOptions{}.flightEntries),
+  return {groupCommunicator(membership.epoch, strCat("counterparts_", place), rank / groupSize_, world / groupSize_,
+                            timeout, distributed::CommOptions{}.flightEntries),
           donor};
 }
 
@@ -356,19 +409,28 @@ std::shared_ptr<distributed::Communicator> ReplicaGroups::communicatorFor(const 
                                                                           std::chrono::milliseconds timeout,
                                                                           int flightEntries) {
   const size_t world = membership.launcherRanks.empty() ? membership.members.size() : membership.launcherRanks.size();
-  return shmCommunicator(membership.epoch, "world_cpu", rank, static_cast<int>(world), timeout, flightEntries);
+  return groupCommunicator(membership.epoch, "world_cpu", rank, static_cast<int>(world), timeout, flightEntries);
 }
 
-std::shared_ptr<distributed::Communicator> ReplicaGroups::shmCommunicator(int64_t epoch, const std::string& name,
-                                                                          int rank, int world,
-                                                                          std::chrono::milliseconds timeout,
-                                                                          int flightEntries) {
+std::shared_ptr<distributed::Communicator> ReplicaGroups::groupCommunicator(int64_t epoch, const std::string& name,
+                                                                            int rank, int world,
+                                                                            std::chrono::milliseconds timeout,
+                                                                            int flightEntries) {
+  distributed::CommOptions comm;
+  comm.timeout = timeout;
+  comm.flightEntries = flightEntries;
+  comm.name = name;
+  const std::shared_ptr<distributed::Store> store = store_->withPrefix(epochKey(epoch, "comm"));
+  if (backend_ == "gloo") {
+    distributed::GlooOptions options;
+    options.comm = comm;
+    options.hostname = glooHostname_;
+    return distributed::makeGlooCommunicator(store, rank, world, options);
+  }
   distributed::ShmOptions options;
-  options.comm.timeout = timeout;
-  options.comm.flightEntries = flightEntries;
+  options.comm = comm;
   options.comm.lostWhenStoppedFor = kStoppedRankIsLostAfter;
-  options.comm.name = name;
-  return distributed::makeShmCommunicator(store_->withPrefix(epochKey(epoch, "comm")), rank, world, options);
+  return distributed::makeShmCommunicator(store, rank, world, options);
 }
 
 }  // namespace tessera::trainer

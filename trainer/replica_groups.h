@@ -6,7 +6,9 @@
 // a node is what is lost). When a collective loses a peer (PeerLostError), each live rank
 // calls ReplicaGroups::recover(): it tells the others through the store, which aborts their
 // communicators (a watcher thread polls for it every 100 ms, so no rank waits out a
-// collective whose group is being replaced), and reports the steps it completed. Rank 0, which
+// collective whose group is being replaced), and reports the steps it completed. Under gloo,
+// where no rank can see another's process, the watchers also beat in the store and rank 0's
+// starts the change when a live rank's beats stop (a stopped process). Rank 0, which
 // hosts the store, waits fault.quorum_wait_s for the reports and names the groups that go on:
 // those whose every rank reported. The ranks of a group that lost one leave the run. The
 // others renumber in order, build a new communicator on the same store and carry on from
@@ -75,8 +77,10 @@ class ReplicaGroups {
   // once for the watcher thread, once for the agreements and the new communicators. A
   // process that trains from the start knows the world's launcher ranks (0 .. world-1);
   // one that rejoins learns them in join().
+  // `backend`: the run's CPU collectives, "shm" or "gloo" (the communicators of each new
+  // world are made alike); a joining process reads it from the store.
   ReplicaGroups(const distributed::RankEnv& env, int groupSize, std::chrono::milliseconds quorumWait,
-                std::chrono::milliseconds timeout, bool joining = false);
+                std::chrono::milliseconds timeout, bool joining = false, const std::string& backend = "shm");
   ~ReplicaGroups();
   ReplicaGroups(const ReplicaGroups&) = delete;
   ReplicaGroups& operator=(const ReplicaGroups&) = delete;
@@ -104,7 +108,7 @@ class ReplicaGroups {
   void finished();
 
   // The communicator of `membership`'s world for its rank `rank`, on the store under the
-  // change's own prefix (shm; the options of diagnostics.*).
+  // change's own prefix (the run's backend; the options of diagnostics.*).
   std::shared_ptr<distributed::Communicator> communicatorFor(const Membership& membership, int rank,
                                                              std::chrono::milliseconds timeout, int flightEntries);
   // After admit()/join(): the communicator of the ranks that hold the same place in their
@@ -121,11 +125,15 @@ class ReplicaGroups {
   void watch();
   void startWatching();
   void setEpoch(int64_t epoch);  // under epochMutex_
-  // A shm group `name` of a membership change's communicators (its store prefix), whose
-  // stopped ranks are lost after kStoppedRankIsLostAfter.
-  std::shared_ptr<distributed::Communicator> shmCommunicator(int64_t epoch, const std::string& name, int rank,
-                                                             int world, std::chrono::milliseconds timeout,
-                                                             int flightEntries);
+  // A group `name` of a membership change's communicators (its store prefix), of the run's
+  // backend; shm's stopped ranks are lost after kStoppedRankIsLostAfter (gloo's by the
+  // heartbeats, watch()).
+  std::shared_ptr<distributed::Communicator> groupCommunicator(int64_t epoch, const std::string& name, int rank,
+                                                               int world, std::chrono::milliseconds timeout,
+                                                               int flightEntries);
+  // Rank 0's watcher under gloo: the live launcher ranks whose heartbeat (each watcher's
+  // count in the store) has not moved for kStoppedRankIsLostAfter.
+  std::vector<int> silentRanks(distributed::Store& store);
   // Rank 0: the launcher ranks of the whole lost groups that wait to rejoin, and each one's
   // attempt (join()s so far), read through `store` (a connection is used by one thread).
   std::map<int, int64_t> waitingGroups(distributed::Store& store);
@@ -143,6 +151,18 @@ class ReplicaGroups {
   std::atomic<bool> groupWaiting_{false};             // rank 0's watcher: a whole lost group asked to rejoin
   std::atomic<bool> stop_{false};
   std::thread watcher_;
+  std::string backend_;                               // "shm" or "gloo"
+  std::string glooHostname_;                          // gloo: the address its connections bind to
+  // Rank 0's watcher under gloo: each launcher rank's last heartbeat count and when it moved,
+  // in time and in the watcher's own rounds (a watcher or store that was itself held up
+  // loses no one: silence counts only in rounds it completed).
+  struct Heartbeat {
+    int64_t count = 0;
+    int64_t round = 0;
+    std::chrono::steady_clock::time_point time;
+  };
+  std::map<int, Heartbeat> heartbeats_;
+  int64_t heartbeatRounds_ = 0;
 };
 
 }  // namespace tessera::trainer

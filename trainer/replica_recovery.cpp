@@ -25,14 +25,15 @@ std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run) {
   const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
   const int world = run.comm->worldSize();
   const int groupSize = replicaGroupSize(cfg, world, env.local_world_size);
-  if (run.comm->backendName() != "shm") {
-    throw ConfigError(strCat("fault.survive needs the shm backend (every rank on one host; run.backend cpu or shm): ",
-                             "this run's collectives go over ", run.comm->backendName(),
-                             ", whose waits cannot be abandoned when a replica group is lost"));
+  const std::string backend = run.comm->backendName();
+  if (backend != "shm" && backend != "gloo") {
+    throw ConfigError(strCat("fault.survive needs the CPU collectives (run.backend cpu, shm or gloo): this run's go "
+                             "over ", backend, ", whose waits cannot be abandoned when a replica group is lost"));
   }
   TLOG_INFO0("fault.survive: " << world / groupSize << " replica groups of " << groupSize
                                << " ranks; a lost rank's group leaves and the others go on");
-  return std::make_unique<ReplicaGroups>(env, groupSize, cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout);
+  return std::make_unique<ReplicaGroups>(env, groupSize, cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout,
+                                         /*joining=*/false, backend);
 }
 
 // fault.survive, after this rank lost a peer (`why`) with `stepsDone` steps complete: the

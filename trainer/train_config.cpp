@@ -319,7 +319,7 @@ void bindFaultKeys(config::ConfigSchema& s, FaultSection& f) {
   s.add("fault.survive", &f.survive,
         "When a rank is lost (its process exits or is killed), its replica group (hybrid: its shard group; no_shard, zero1, "
         "zero2: its node's ranks) leaves the run and the other groups redo the step in-process with the same global batch, "
-        "without a restart or a checkpoint read (under run.deterministic the same bits). Needs the shm backend, "
+        "without a restart or a checkpoint read (under run.deterministic the same bits). Needs the CPU collectives (shm or gloo), "
         "run.recipe standard and any strategy but zero3; the group of rank 0 (the store's host) must live");
   s.add("fault.quorum_wait_s", &f.quorum_wait,
         "Seconds rank 0 waits for the live ranks to report after a loss before it names the groups that go on")

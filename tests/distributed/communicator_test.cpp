@@ -7,6 +7,7 @@
 #include <chrono>
 #include <limits>
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "common/errors.h"
@@ -418,6 +419,71 @@ void skippedCollectiveTimesOut(HarnessMode mode, int world) {
 
 TEST(CommunicatorTest, SkippedCollectiveTimesOutThreads) { skippedCollectiveTimesOut(HarnessMode::kThreads, 2); }
 TEST(CommunicatorTest, SkippedCollectiveTimesOutProcesses) { skippedCollectiveTimesOut(HarnessMode::kProcesses, 3); }
+
+// fault.survive over gloo: a rank whose peer never joins, then abortCommunicators() in its
+// process (another thread, as ReplicaGroups' watcher does), leaves the collective at once
+// with PeerLostError, not at the 20 s timeout; a communicator made after the abort works.
+// Ranks as processes: the abort is process-wide.
+TEST(CommunicatorTest, AbortEndsAGlooWaitWithPeerLost) {
+  HarnessOptions options;
+  options.mode = HarnessMode::kProcesses;
+  options.commTimeout = std::chrono::seconds(20);
+  options.timeout = std::chrono::seconds(60);
+  runOnRanks(2, [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    EXPECT_EQ(comm.backendName(), "gloo");
+    if (ctx.rank == 0) {
+      std::thread aborter([] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        distributed::abortCommunicators();
+      });
+      at::Tensor t = at::ones({64});
+      const auto start = std::chrono::steady_clock::now();
+      try {
+        comm.allReduce(t);
+        ADD_FAILURE() << "allReduce returned although rank 1 never joined";
+      } catch (const PeerLostError& e) {
+        EXPECT_NE(std::string(e.what()).find("aborted by this process"), std::string::npos) << e.what();
+      }
+      aborter.join();
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_LT(seconds, 5.0) << "the abort, not the group's 20 s";
+      ctx.store->set("aborted", "1");
+    } else {
+      ctx.store->wait({"aborted"}, std::chrono::seconds(30));
+    }
+    // Both ranks: a new group, made after the abort, is not affected by it.
+    distributed::GlooOptions gloo;
+    gloo.hostname = "127.0.0.1";
+    gloo.comm.name = "after_abort";
+    auto fresh = makeGlooCommunicator(ctx.store, ctx.rank, ctx.world, gloo);
+    at::Tensor t = at::ones({4});
+    fresh->allReduce(t);
+    EXPECT_TRUE(at::equal(t, at::full({4}, 2.0)));
+  }, options);
+}
+
+// A gloo peer that goes away mid-run (its group destroyed, as when its process exits): the
+// other's wait ends with PeerLostError (its connection closed), long before the timeout.
+TEST(CommunicatorTest, AGlooPeerThatGoesAwayIsLost) {
+  HarnessOptions options;
+  options.mode = HarnessMode::kProcesses;
+  options.commTimeout = std::chrono::seconds(20);
+  options.timeout = std::chrono::seconds(60);
+  runOnRanks(2, [](RankContext& ctx) {
+    auto& comm = *ctx.comm();
+    at::Tensor t = at::ones({64});
+    comm.allReduce(t);  // connected
+    if (ctx.rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      return;  // its communicator and connections go with its context
+    }
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_THROW(comm.allReduce(t), PeerLostError);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, 5.0) << "the closed connection, not the group's 20 s";
+  }, options);
+}
 
 // A TimeoutScope gives the collectives its thread issues its own timeout (the trainer's
 // checkpoint collectives), shorter or longer than the communicator's.
