@@ -202,15 +202,16 @@ void ReplicaGroups::watch() {
     try {
       // gloo cannot see a peer's process: each watcher beats, rank 0's notices one that
       // stopped (SIGSTOP, a frozen host) and starts the change for every rank.
-      if (backend_ == "gloo") {
-        watchStore_->add(strCat(kPrefix, "/heartbeat/", launcherRank_), 1);
-        if (launcherRank_ == 0) {
-          const std::vector<int> silent = silentRanks(*watchStore_);
-          if (!silent.empty() && !watchStore_->check({epochKey(next, "start")})) {
-            TLOG_WARN("fault.survive: launcher rank" << (silent.size() == 1 ? " " : "s ") << rankRanges(silent)
-                      << " sent no heartbeat for " << kStoppedRankIsLostAfter.count() << " ms: lost");
-            watchStore_->set(epochKey(next, "start"), "1");
-          }
+      const auto beat = [&] {
+        if (backend_ == "gloo") watchStore_->add(strCat(kPrefix, "/heartbeat/", launcherRank_), 1);
+      };
+      beat();
+      if (backend_ == "gloo" && launcherRank_ == 0) {
+        const std::vector<int> silent = silentRanks(*watchStore_);
+        if (!silent.empty() && !watchStore_->check({epochKey(next, "start")})) {
+          TLOG_WARN("fault.survive: launcher rank" << (silent.size() == 1 ? " " : "s ") << rankRanges(silent)
+                    << " sent no heartbeat for " << kStoppedRankIsLostAfter.count() << " ms: lost");
+          watchStore_->set(epochKey(next, "start"), "1");
         }
       }
       bool started = false;
@@ -223,7 +224,11 @@ void ReplicaGroups::watch() {
       }
       if (started) {
         // Until recover() moves epoch_ on, the abort stands; abort again only for the next.
-        while (!stop_.load() && epoch_.load() < next) std::this_thread::sleep_for(kWatchEvery);
+        // Beating on: rank 0's watcher may count rounds again before this rank's moves on.
+        while (!stop_.load() && epoch_.load() < next) {
+          std::this_thread::sleep_for(kWatchEvery);
+          beat();
+        }
         continue;
       }
       if (launcherRank_ == 0 && !groupWaiting_.load()) groupWaiting_.store(!waitingGroups(*watchStore_).empty());
