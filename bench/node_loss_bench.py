@@ -15,7 +15,7 @@ the local tier, the promotion's log line.
     bench/node_loss_bench.py [--layouts 2x2 4x4] [--kill-at 33] [--build build]
     bench/node_loss_bench.py --overhead [--dit] [--layouts 2x2] [--steps 300]   # what local saves cost
     bench/node_loss_bench.py --survive [--layouts 2x2 4x4]   # fault.survive against the restart path
-    bench/node_loss_bench.py --rejoin [--dit] [--reference] [--strategy no_shard|zero1|zero2] [--layouts 2x2]   # elastic, a rank
+    bench/node_loss_bench.py --rejoin [--dit] [--reference] [--strategy no_shard|zero1|zero2] [--backend gloo] [--layouts 2x2]   # elastic, a rank
                                                                             # killed, rejoined
 """
 
@@ -183,17 +183,19 @@ def max_difference(a, b):
 
 
 def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False, strategy="hybrid",
-                deterministic=True):
+                deterministic=True, backend="auto", keep=False):
     """fault.survive in an elastic run (--nnodes N:N, --max-restarts 1): one rank of the last
     node SIGKILLed (its launcher lives); the other nodes go on in-process and the launcher of the
     lost rank restarts its ranks into the running round, where they rejoin from a live peer.
     Seconds from the kill to the next step, from the restart to the step the node is back in
     (metrics.jsonl's replicas_live), whether node 0's ranks are the same processes, and with
     `reference` the final EMA export against an uninterrupted run's (cmp). `strategy` no_shard,
-    zero1 or zero2: every rank a replica, what the strategy shards sharded inside each node."""
+    zero1 or zero2: every rank a replica, what the strategy shards sharded inside each node.
+    `backend` gloo: the collectives across hosts (here on loopback) instead of shared memory.
+    `keep`: the runs and launcher logs stay (their folder is in the result)."""
     work = tempfile.mkdtemp(prefix="tessera_node_loss_")
     layout = hybrid_sets(ranks) if strategy == "hybrid" else ["--set", f"sharding.strategy={strategy}"]
-    sets = layout + ["--set", "fault.survive=true", "--set", "run.backend=auto", "--set",
+    sets = layout + ["--set", "fault.survive=true", "--set", f"run.backend={backend}", "--set",
                      f"run.deterministic={'true' if deterministic else 'false'}"]
     if dit:
         sets += ["--set", "data.micro_batch=16"]  # whole micro-batches on 4 ranks and on 2
@@ -253,7 +255,7 @@ def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False,
                         read(paths[by_rank[0]]))
     if not restarted or not went_on or not after:
         sys.exit("node_loss_bench: no rejoin:\n" + read(paths[by_rank[0]])[-3000:] + lost_log[-3000:])
-    result = {"layout": f"{nodes}x{ranks}", "strategy": strategy, "deterministic": deterministic,
+    result = {"layout": f"{nodes}x{ranks}", "strategy": strategy, "backend": backend, "deterministic": deterministic,
               "launchers": "elastic", "model": "DiT (dit_quick)" if dit else
               "MLP (default, hidden 48)", "rank killed at step": lost_step,
               "steps lost": max(0, lost_step - int(went_on.group(1))),
@@ -278,7 +280,10 @@ def rejoin_case(build, nodes, ranks, kill_at, steps, dit=False, reference=False,
         result[f"{export} bitwise the uninterrupted run's (cmp)"] = \
             subprocess.run(["cmp", "-s", a, b]).returncode == 0
         result[f"{export} largest difference to the uninterrupted run's"] = max_difference(a, b)
-    shutil.rmtree(work, ignore_errors=True)
+    if keep:
+        result["kept"] = work
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -407,6 +412,9 @@ def main():
                              "from a live peer")
     parser.add_argument("--strategy", choices=["hybrid", "no_shard", "zero1", "zero2"], default="hybrid",
                         help="--rejoin: each node a hybrid shard group, or a node's ranks of no_shard/zero1/zero2")
+    parser.add_argument("--backend", choices=["auto", "gloo"], default="auto",
+                        help="--rejoin: run.backend (auto: shared memory on this machine; gloo: as across hosts)")
+    parser.add_argument("--keep", action="store_true", help="--rejoin: keep the runs and the launchers' logs")
     parser.add_argument("--not-deterministic", action="store_true",
                         help="--rejoin: without run.deterministic (the export within float tolerance, not bitwise)")
     parser.add_argument("--reference", action="store_true",
@@ -435,7 +443,8 @@ def main():
         for layout in args.layouts:
             nodes, ranks = (int(x) for x in layout.split("x"))
             print(json.dumps(rejoin_case(args.build, nodes, ranks, args.kill_at, args.steps, args.dit, args.reference,
-                                         args.strategy, not args.not_deterministic)), flush=True)
+                                         args.strategy, not args.not_deterministic, args.backend, args.keep)),
+                             flush=True)
         return
     if args.survive:
         for layout in args.layouts:
