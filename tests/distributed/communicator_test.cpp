@@ -420,15 +420,21 @@ void skippedCollectiveTimesOut(HarnessMode mode, int world) {
 TEST(CommunicatorTest, SkippedCollectiveTimesOutThreads) { skippedCollectiveTimesOut(HarnessMode::kThreads, 2); }
 TEST(CommunicatorTest, SkippedCollectiveTimesOutProcesses) { skippedCollectiveTimesOut(HarnessMode::kProcesses, 3); }
 
+// Ranks as processes whose collectives time out after 20 s: a wait that ends well before
+// was ended by something else.
+HarnessOptions processesWithALongTimeout() {
+  HarnessOptions options;
+  options.mode = HarnessMode::kProcesses;
+  options.commTimeout = std::chrono::seconds(20);
+  options.timeout = std::chrono::seconds(60);
+  return options;
+}
+
 // fault.survive over gloo: a rank whose peer never joins, then abortCommunicators() in its
 // process (another thread, as ReplicaGroups' watcher does), leaves the collective at once
 // with PeerLostError, not at the 20 s timeout; a communicator made after the abort works.
 // Ranks as processes: the abort is process-wide.
 TEST(CommunicatorTest, AbortEndsAGlooWaitWithPeerLost) {
-  HarnessOptions options;
-  options.mode = HarnessMode::kProcesses;
-  options.commTimeout = std::chrono::seconds(20);
-  options.timeout = std::chrono::seconds(60);
   runOnRanks(2, [](RankContext& ctx) {
     auto& comm = *ctx.comm();
     EXPECT_EQ(comm.backendName(), "gloo");
@@ -460,16 +466,12 @@ TEST(CommunicatorTest, AbortEndsAGlooWaitWithPeerLost) {
     at::Tensor t = at::ones({4});
     fresh->allReduce(t);
     EXPECT_TRUE(at::equal(t, at::full({4}, 2.0)));
-  }, options);
+  }, processesWithALongTimeout());
 }
 
 // A gloo peer that goes away mid-run (its group destroyed, as when its process exits): the
 // other's wait ends with PeerLostError (its connection closed), long before the timeout.
 TEST(CommunicatorTest, AGlooPeerThatGoesAwayIsLost) {
-  HarnessOptions options;
-  options.mode = HarnessMode::kProcesses;
-  options.commTimeout = std::chrono::seconds(20);
-  options.timeout = std::chrono::seconds(60);
   runOnRanks(2, [](RankContext& ctx) {
     auto& comm = *ctx.comm();
     at::Tensor t = at::ones({64});
@@ -482,7 +484,7 @@ TEST(CommunicatorTest, AGlooPeerThatGoesAwayIsLost) {
     EXPECT_THROW(comm.allReduce(t), PeerLostError);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_LT(seconds, 5.0) << "the closed connection, not the group's 20 s";
-  }, options);
+  }, processesWithALongTimeout());
 }
 
 // A TimeoutScope gives the collectives its thread issues its own timeout (the trainer's
