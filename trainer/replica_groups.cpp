@@ -115,12 +115,10 @@ ReplicaGroups::ReplicaGroups(const distributed::RankEnv& env, int groupSize, std
   // device, as distributed::Runtime picks for the run's own communicator.
   const std::string& master = env.master_addr;
   glooHostname_ = master == "127.0.0.1" || master == "localhost" || master == "::1" ? "127.0.0.1" : "";
-  if (joining) {
-    backend_ = store_->get(strCat(kPrefix, "/backend"), timeout);
-    return;  // join() learns the world and starts watching
-  }
+  if (joining) backend_ = store_->get(strCat(kPrefix, "/backend"), timeout);  // as the live ranks'
   TESSERA_CHECK_AS(ConfigError, backend_ == "shm" || backend_ == "gloo", "fault.survive: backend '", backend_,
                    "' (shm or gloo expected)");
+  if (joining) return;  // join() learns the world and starts watching
   for (int r = 0; r < env.world_size; ++r) launcherRanks_.push_back(r);
   if (env.rank == 0) {
     store_->set(strCat(kPrefix, "/backend"), backend_);
