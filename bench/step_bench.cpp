@@ -50,9 +50,11 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "common/command_line.h"
 #include "common/errors.h"
 #include "distributed/communicator.h"
 #include "distributed/store.h"
@@ -342,7 +344,12 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--trace", trace, "Write a Chrome trace of two tessera steps here (Kineto), and of two plain "
                  "steps beside it (name_plain.json)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    if (const std::optional<int> done = tessera::parseCommandLine(app, argc, argv)) return *done;
+  } catch (const tessera::UsageError& e) {
+    std::fprintf(stderr, "bench_step_bench: %s\n", e.what());
+    return 2;
+  }
   // Line by line into a log file too: a run stopped by its time limit keeps what it printed.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
 

@@ -11,7 +11,9 @@ the peak memory, and each variant's median against the plain loop's and FSDP2's:
 
     python3 bench/step_rounds.py gpu-out/step.txt
 """
+import os
 import re
+import stat
 import statistics
 import sys
 
@@ -68,6 +70,10 @@ def main(argv):
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
     try:
+        # A regular file only: opening a FIFO would wait for a writer.
+        if not stat.S_ISREG(os.stat(argv[1]).st_mode):
+            print(f"step_rounds: {argv[1]} is not a regular file", file=sys.stderr)
+            return 1
         with open(argv[1], encoding="utf-8", errors="replace") as f:
             runs = parse(f.read().splitlines())
     except OSError as e:
