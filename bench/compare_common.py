@@ -123,11 +123,12 @@ def median_extra(side, key):
     return statistics.median(values) if values else None
 
 
-def dit_quick_train(args, sets):
-    """tessera-train on the main job's DiT (configs/dit_quick.yaml) for a timed comparison:
-    args.warmup + args.steps steps, one metrics window of args.warmup, no evaluation,
-    checkpoints or exports, args.strategy, the run in {tmp}/run; `sets` (--set ...) on top."""
-    return [os.path.join(args.build, "bin", "tessera-train"), "--config", os.path.join(ROOT, "configs", "dit_quick.yaml"),
+def dit_quick_train(args, sets, config=os.path.join(ROOT, "configs", "dit_quick.yaml")):
+    """tessera-train on the main job's DiT (configs/dit_quick.yaml, or `config`) for a timed
+    comparison: args.warmup + args.steps steps, one metrics window of args.warmup, no
+    evaluation, checkpoints or exports, args.strategy, the run in {tmp}/run; `sets` (--set
+    ...) on top."""
+    return [os.path.join(args.build, "bin", "tessera-train"), "--config", config,
             "--set", "run.dir={tmp}/run", "--set", f"run.steps={args.warmup + args.steps}",
             "--set", f"run.log_every={args.warmup}", "--set", "run.eval_every=0",
             "--set", "checkpoint.every_steps=0", "--set", "checkpoint.at_end=false", "--set", "checkpoint.export=[]",

@@ -11,6 +11,10 @@ broadcasts the result; every rank applies its own rows. AdamW is elementwise on 
 rows. Both run one intra-op thread per rank.
 
     bench/compare_muon.py [--world 2] [--strategy zero3] [--rounds 5] [--warmup 20] [--steps 60]
+                          [--config configs/fashion_dit.yaml] [--set key=value ...]
+
+--config times another DiT config (the quality run's, for the minutes it needs), --set adds
+keys to both sides (e.g. optim.muon.ns_steps=3 reaches only the Muon side's optimizer).
 """
 
 import argparse
@@ -20,7 +24,12 @@ import compare_common as cc
 
 
 def side(args, name, optimizer):
-    command = cc.dit_quick_train(args, ["--set", "eval.sample_every=0", "--set", f"optim.name={optimizer}"])
+    sets = ["--set", "eval.sample_every=0", "--set", f"optim.name={optimizer}"]
+    for kv in args.set:
+        # optim.muon.* keys are refused under AdamW (configs/README.md): they go to Muon only
+        if optimizer == "muon" or not kv.startswith("optim.muon."):
+            sets += ["--set", kv]
+    command = cc.dit_quick_train(args, sets, args.config)
     if args.world > 1:
         command = [os.path.join(args.build, "bin", "tessera-run"), "--standalone", "--nproc-per-node",
                    str(args.world)] + command
@@ -37,17 +46,21 @@ def main():
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--build", default=os.path.join(cc.ROOT, "build"))
     parser.add_argument("--json", default="")
+    parser.add_argument("--config", default=os.path.join(cc.ROOT, "configs", "dit_quick.yaml"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     where = cc.machine()
     adamw = side(args, "adamw", "adamw")
     muon = side(args, "muon", "muon")
     cc.alternate([muon, adamw], args.rounds)
     print(f"\n{where['cpu']}, {where['cores']} cores, {where['date']}, commit {where['commit']}; DiT of "
-          f"configs/dit_quick.yaml, {args.world} ranks x 1 thread, {args.strategy}; {args.rounds} rounds of "
+          f"{os.path.relpath(args.config, cc.ROOT)} {' '.join(args.set)}, {args.world} ranks x 1 thread, {args.strategy}; {args.rounds} rounds of "
           f"{args.steps} steps after {args.warmup}\n")
     print(cc.header())
     print(cc.row(f"DiT {args.strategy}, {args.world} ranks: Muon vs AdamW", muon, adamw,
-                 f"bench/compare_muon.py --world {args.world} --strategy {args.strategy}", where))
+                 f"bench/compare_muon.py --world {args.world} --strategy {args.strategy}"
+                 + (f" --config {os.path.relpath(args.config, cc.ROOT)}" if "dit_quick" not in args.config else "")
+                 + "".join(f" --set {kv}" for kv in args.set), where))
     print("\nsent per rank per step, MiB (median over rounds): "
           f"AdamW {cc.median_extra(adamw, 'comm_mib_per_step'):.2f}, "
           f"Muon {cc.median_extra(muon, 'comm_mib_per_step'):.2f}")
