@@ -23,10 +23,11 @@
 namespace tessera::distributed {
 
 struct CommHealth {
+  explicit CommHealth(uint64_t generation) : abortGeneration(generation) {}
   std::mutex mutex;
   bool broken = false;
   std::string why;
-  const uint64_t abortGeneration = commAbortGeneration();  // at the communicator's creation
+  const uint64_t abortGeneration;  // CommOptions::abortGeneration, or at the communicator's creation
 };
 
 namespace {
@@ -212,7 +213,10 @@ std::string CommStats::toString() const {
 }
 
 Communicator::Communicator(int rank, int world, CommOptions options)
-    : rank_(rank), world_(world), options_(std::move(options)), health_(std::make_shared<CommHealth>()) {
+    : rank_(rank),
+      world_(world),
+      options_(std::move(options)),
+      health_(std::make_shared<CommHealth>(options_.abortGeneration.value_or(commAbortGeneration()))) {
   for (int r = 0; r < world; ++r) members_.push_back(r);
   TESSERA_CHECK_AS(UsageError, world >= 1 && rank >= 0 && rank < world, "Communicator: rank ", rank,
                    " is out of range for world size ", world);
@@ -251,6 +255,12 @@ uint64_t commAbortGeneration() { return g_abortGeneration.load(); }
 
 bool commAborted(const std::shared_ptr<CommHealth>& health) {
   return commAbortGeneration() != health->abortGeneration;
+}
+
+void Communicator::throwIfAborted(const std::string& doing) const {
+  if (commAborted(health_)) {
+    throw PeerLostError(strCat(doing, " ", describe(), ": aborted by this process (its replica groups are changing)"));
+  }
 }
 
 void Communicator::ensureUsable(const char* method) const {

@@ -49,6 +49,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,12 @@ struct CommOptions {
   // shm: a peer whose process stays stopped (state T: SIGSTOP) this long fails the wait with
   // PeerLostError, as one that exited (fault.survive: 1 s); 0: a stopped peer is waited for.
   std::chrono::milliseconds lostWhenStoppedFor{0};
+  // The abortCommunicators() generation this group belongs to (commAbortGeneration() when
+  // its caller decided to build it, e.g. a replica group's membership change); building it
+  // and its operations fail with PeerLostError once this process's generation moves past
+  // it, so an abort that lands before or during the build is not missed. Unset: the
+  // generation at its creation.
+  std::optional<uint64_t> abortGeneration;
 };
 
 struct CommOpStats {
@@ -231,6 +238,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
   // Shared with the backend's handles, which mark it broken (markCommBroken).
   const std::shared_ptr<CommHealth>& health() const { return health_; }
+  // For a backend's waits while it is built (the store's rendezvous): PeerLostError naming
+  // `doing` when abortCommunicators() was called since this group's generation.
+  void throwIfAborted(const std::string& doing) const;
   // The timeout of an operation issued now on this thread: a TimeoutScope's, else
   // CommOptions::timeout. Backends give it to each operation they start.
   std::chrono::milliseconds opTimeout() const;

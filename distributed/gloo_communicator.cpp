@@ -467,7 +467,8 @@ class GlooCommunicator final : public Communicator {
     const std::string prefix = groupKeyPrefix(*store_, options.comm.name, rank);
     // Our own arrival check first: it names the missing ranks, Gloo's would not.
     try {
-      waitForRanks(*store_, prefix + "/arrived", rank, world, options.comm.timeout);
+      waitForRanks(*store_, prefix + "/arrived", rank, world, options.comm.timeout,
+                   [this] { throwIfAborted("creating"); });
     } catch (const TimeoutError& e) {
       throw TimeoutError(strCat("GlooCommunicator: creating ", describe(), ": ", e.what()));
     }
@@ -489,7 +490,8 @@ class GlooCommunicator final : public Communicator {
     // connecting over: "Connection closed by peer" in that peer's constructor (seen about
     // once in 300 runs of a 4-rank test).
     try {
-      waitForRanks(*store_, prefix + "/connected", rank, world, options.comm.timeout);
+      waitForRanks(*store_, prefix + "/connected", rank, world, options.comm.timeout,
+                   [this] { throwIfAborted("connecting"); });
     } catch (const TimeoutError& e) {
       throw TimeoutError(strCat("GlooCommunicator: connecting ", describe(), ": ", e.what()));
     }

@@ -30,7 +30,8 @@ std::string rankList(const std::vector<int>& ranks) {
 
 }  // namespace
 
-void waitForRanks(Store& store, const std::string& key, int rank, int world, std::chrono::milliseconds timeout) {
+void waitForRanks(Store& store, const std::string& key, int rank, int world, std::chrono::milliseconds timeout,
+                  const std::function<void()>& whileWaiting) {
   TESSERA_CHECK_AS(UsageError, world >= 1 && rank >= 0 && rank < world, "waitForRanks: rank ", rank,
                    " is out of range for world size ", world);
   std::vector<std::string> keys;
@@ -61,6 +62,7 @@ void waitForRanks(Store& store, const std::string& key, int rank, int world, std
   try {
     store.set(keys[static_cast<size_t>(rank)], "1");
     while (!store.check(keys)) {
+      if (whileWaiting) whileWaiting();
       const auto now = Clock::now();
       if (now < deadline) {
         if (now >= nextLine) {

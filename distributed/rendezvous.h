@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -33,6 +34,9 @@ std::shared_ptr<Store> rendezvous(const RankEnv& env, const RendezvousOptions& o
 // Announces `rank` under `key` in `store` and blocks until all `world` ranks have, polling
 // the store. Every rank must call it with the same key and world. Throws TimeoutError
 // naming the ranks that did not arrive within `timeout`, the world size and the store.
-void waitForRanks(Store& store, const std::string& key, int rank, int world, std::chrono::milliseconds timeout);
+// `whileWaiting`, when given, runs between polls: what it throws ends the wait (a
+// communicator's build abandoned by abortCommunicators()).
+void waitForRanks(Store& store, const std::string& key, int rank, int world, std::chrono::milliseconds timeout,
+                  const std::function<void()>& whileWaiting = {});
 
 }  // namespace tessera::distributed

@@ -349,7 +349,7 @@ class ShmCommunicator final : public Communicator {
     const auto timeout = options.comm.timeout;
     const std::string prefix = groupKeyPrefix(*store_, options.comm.name, rank);
     try {
-      waitForRanks(*store_, prefix + "/arrived", rank, world, timeout);
+      waitForRanks(*store_, prefix + "/arrived", rank, world, timeout, [this] { throwIfAborted("creating"); });
     } catch (const TimeoutError& e) {
       throw TimeoutError(strCat("ShmCommunicator: creating ", describe(), ": ", e.what()));
     }
@@ -367,7 +367,7 @@ class ShmCommunicator final : public Communicator {
       }
       store_->set(prefix + "/shm/name", failure.empty() ? name : "!" + failure);
     } else {
-      const std::string published = store_->get(prefix + "/shm/name", timeout);
+      const std::string published = awaitKey(prefix + "/shm/name");
       if (!published.empty() && published[0] == '!') {
         failure = strCat("rank 0 could not set up the segment (", published.substr(1), ")");
       } else {
@@ -494,11 +494,22 @@ class ShmCommunicator final : public Communicator {
   int64_t slotBytes() const { return shm_.slotBytes; }
   uint8_t* slotOf(int r) const { return segment_->slot(r); }
 
+  // A key another rank sets while this group is built; abortCommunicators() ends the wait
+  // (a peer lost mid-build, under fault.survive), as the options' timeout does.
+  std::string awaitKey(const std::string& key) {
+    const auto deadline = Clock::now() + options().timeout;
+    while (!store_->check({key}) && Clock::now() < deadline) {
+      throwIfAborted("creating");
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return store_->get(key, std::chrono::milliseconds(1000));
+  }
+
   // Every rank publishes `failure` ("" = fine) under `key`; all throw the first failure.
   void agree(const std::string& key, const std::string& failure) {
     store_->set(strCat(key, "/", rank()), failure.empty() ? "ok" : failure);
     for (int r = 0; r < worldSize(); ++r) {
-      const std::string answer = store_->get(strCat(key, "/", r), options().timeout);
+      const std::string answer = awaitKey(strCat(key, "/", r));
       if (answer != "ok") throw Error(strCat("ShmCommunicator: creating ", describe(), ": rank ", r, ": ", answer));
     }
   }

@@ -118,8 +118,11 @@ ReplicaGroups::ReplicaGroups(const distributed::RankEnv& env, int groupSize, std
   if (joining) backend_ = store_->get(strCat(kPrefix, "/backend"), timeout);  // as the live ranks'
   TESSERA_CHECK_AS(ConfigError, backend_ == "shm" || backend_ == "gloo", "fault.survive: backend '", backend_,
                    "' (shm or gloo expected)");
+  epochGeneration_ = distributed::commAbortGeneration();
   if (joining) return;  // join() learns the world and starts watching
   for (int r = 0; r < env.world_size; ++r) launcherRanks_.push_back(r);
+  // The first beat: from now on rank 0's watcher expects this rank's (silentRanks()).
+  store_->add(strCat(kPrefix, "/heartbeat/", launcherRank_), 1);
   if (env.rank == 0) {
     store_->set(strCat(kPrefix, "/backend"), backend_);
     store_->set(strCat(kPrefix, "/alive"), "1");
@@ -174,7 +177,8 @@ std::vector<int> ReplicaGroups::silentRanks(distributed::Store& store) {
     live = launcherRanks_;
   }
   const int64_t round = ++heartbeatRounds_;
-  const int64_t rounds = kStoppedRankIsLostAfter / kWatchEvery;
+  const std::chrono::milliseconds lostAfter = silenceLosesARankAfter();
+  const int64_t rounds = lostAfter / kWatchEvery;
   // A rank that left is forgotten: when it rejoins, its new process's beats start afresh.
   for (auto it = heartbeats_.begin(); it != heartbeats_.end();) {
     it = std::find(live.begin(), live.end(), it->first) == live.end() ? heartbeats_.erase(it) : std::next(it);
@@ -182,11 +186,12 @@ std::vector<int> ReplicaGroups::silentRanks(distributed::Store& store) {
   std::vector<int> silent;
   for (int r : live) {
     const int64_t count = store.add(strCat(kPrefix, "/heartbeat/", r), 0);
+    if (count == 0) continue;  // its process has not started its replica groups yet
     const auto now = Clock::now();
     auto it = heartbeats_.find(r);
     if (it == heartbeats_.end() || it->second.count != count) {
       heartbeats_[r] = {count, round, now};  // first seen (a rank that joined) or moved
-    } else if (round - it->second.round >= rounds && now - it->second.time >= kStoppedRankIsLostAfter) {
+    } else if (round - it->second.round >= rounds && now - it->second.time >= lostAfter) {
       silent.push_back(r);
     }
   }
@@ -198,17 +203,16 @@ void ReplicaGroups::watch() {
     std::this_thread::sleep_for(kWatchEvery);
     const int64_t next = epoch_.load() + 1;
     try {
-      // gloo cannot see a peer's process: each watcher beats, rank 0's notices one that
-      // stopped (SIGSTOP, a frozen host) and starts the change for every rank.
-      const auto beat = [&] {
-        if (backend_ == "gloo") watchStore_->add(strCat(kPrefix, "/heartbeat/", launcherRank_), 1);
-      };
+      // Each watcher beats, rank 0's notices one that stopped beating (killed, SIGSTOP, a
+      // frozen host) and starts the change for every rank: gloo cannot see a peer's process,
+      // and while a change's communicators are built no backend watches its peers.
+      const auto beat = [&] { watchStore_->add(strCat(kPrefix, "/heartbeat/", launcherRank_), 1); };
       beat();
-      if (backend_ == "gloo" && launcherRank_ == 0) {
+      if (launcherRank_ == 0) {
         const std::vector<int> silent = silentRanks(*watchStore_);
         if (!silent.empty() && !watchStore_->check({epochKey(next, "start")})) {
           TLOG_WARN("fault.survive: launcher rank" << (silent.size() == 1 ? " " : "s ") << rankRanges(silent)
-                    << " sent no heartbeat for " << kStoppedRankIsLostAfter.count() << " ms: lost");
+                    << " sent no heartbeat for " << silenceLosesARankAfter().count() << " ms: lost");
           watchStore_->set(epochKey(next, "start"), "1");
         }
       }
@@ -357,6 +361,28 @@ Membership ReplicaGroups::admit(int rank, int64_t stepsDone, int64_t skippedStep
 void ReplicaGroups::setEpoch(int64_t epoch) {
   const std::lock_guard<std::mutex> lock(epochMutex_);
   epoch_.store(epoch);
+  // From here the watcher aborts only for the next change, which this epoch's
+  // communicators, built after this, must then see (CommOptions::abortGeneration).
+  epochGeneration_ = distributed::commAbortGeneration();
+}
+
+std::chrono::milliseconds ReplicaGroups::silenceLosesARankAfter() const {
+  // shm's collectives see a stopped or exited peer's process themselves (and say which):
+  // there the heartbeats are the backstop for a change's builds, where nothing else looks.
+  return backend_ == "gloo" ? kStoppedRankIsLostAfter : 2 * kStoppedRankIsLostAfter;
+}
+
+int ReplicaGroups::rankNow() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  const auto it = std::find(launcherRanks_.begin(), launcherRanks_.end(), launcherRank_);
+  TESSERA_CHECK(it != launcherRanks_.end(), "fault.survive: launcher rank ", launcherRank_,
+                " is not in the world it agreed to");
+  return static_cast<int>(it - launcherRanks_.begin());
+}
+
+int ReplicaGroups::worldNow() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return static_cast<int>(launcherRanks_.size());
 }
 
 void ReplicaGroups::finished() {
@@ -420,6 +446,10 @@ std::shared_ptr<distributed::Communicator> ReplicaGroups::groupCommunicator(int6
                                                                             std::chrono::milliseconds timeout,
                                                                             int flightEntries) {
   distributed::CommOptions comm;
+  {
+    const std::lock_guard<std::mutex> lock(epochMutex_);
+    comm.abortGeneration = epochGeneration_;
+  }
   comm.timeout = timeout;
   comm.flightEntries = flightEntries;
   comm.name = name;

@@ -6,9 +6,11 @@
 // a node is what is lost). When a collective loses a peer (PeerLostError), each live rank
 // calls ReplicaGroups::recover(): it tells the others through the store, which aborts their
 // communicators (a watcher thread polls for it every 100 ms, so no rank waits out a
-// collective whose group is being replaced), and reports the steps it completed. Under gloo,
-// where no rank can see another's process, the watchers also beat in the store and rank 0's
-// starts the change when a live rank's beats stop (a stopped process). Rank 0, which
+// collective whose group is being replaced), and reports the steps it completed. The
+// watchers also beat in the store and rank 0's starts the change when a live rank's beats
+// stop: under gloo no rank can see another's process (a stopped one), and while a change's
+// communicators are built no backend watches its peers (their builds wait in the store and
+// end with the abort, CommOptions::abortGeneration). Rank 0, which
 // hosts the store, waits fault.quorum_wait_s for the reports and names the groups that go on:
 // those whose every rank reported. The ranks of a group that lost one leave the run. The
 // others renumber in order, build a new communicator on the same store and carry on from
@@ -21,7 +23,8 @@
 // joining rank receives its state from the rank of the same place in a live group. A rank
 // lost during that (the donor) fails the rejoin for all: the groups that hold their state go
 // on without the lost group (recover(); the joiners do not report, so they are not members)
-// and the joiners join() again, in process, for a later boundary.
+// and the joiners join() again, in process, for a later boundary. A rank lost while any
+// change's communicators are built fails that build for all: the live ranks agree again.
 #pragma once
 
 #include <atomic>
@@ -120,19 +123,25 @@ class ReplicaGroups {
 
   int groupSize() const { return groupSize_; }
   int launcherRank() const { return launcherRank_; }  // this process's RANK from its launcher
+  // This process's rank and the world's size in the membership it last agreed to (the
+  // start's, or the last recover()'s, admit()'s or join()'s).
+  int rankNow() const;
+  int worldNow() const;
 
  private:
   void watch();
   void startWatching();
   void setEpoch(int64_t epoch);  // under epochMutex_
   // A group `name` of a membership change's communicators (its store prefix), of the run's
-  // backend; shm's stopped ranks are lost after kStoppedRankIsLostAfter (gloo's by the
-  // heartbeats, watch()).
+  // backend; shm's stopped ranks are lost after kStoppedRankIsLostAfter (any backend's by
+  // the heartbeats, watch()). Its build and operations end with PeerLostError when the watcher
+  // aborts for the next change (epochGeneration_).
   std::shared_ptr<distributed::Communicator> groupCommunicator(int64_t epoch, const std::string& name, int rank,
                                                                int world, std::chrono::milliseconds timeout,
                                                                int flightEntries);
-  // Rank 0's watcher under gloo: the live launcher ranks whose heartbeat (each watcher's
-  // count in the store) has not moved for kStoppedRankIsLostAfter.
+  // Rank 0's watcher: the live launcher ranks whose heartbeat (each watcher's count in the
+  // store) has not moved for silenceLosesARankAfter(); a rank yet to beat once is not watched.
+  std::chrono::milliseconds silenceLosesARankAfter() const;
   std::vector<int> silentRanks(distributed::Store& store);
   // Rank 0: the launcher ranks of the whole lost groups that wait to rejoin, and each one's
   // attempt (join()s so far), read through `store` (a connection is used by one thread).
@@ -146,14 +155,15 @@ class ReplicaGroups {
   std::shared_ptr<distributed::Store> watchStore_;    // the watcher's own connection
   std::mutex epochMutex_;                             // epoch_'s changes against the watcher's aborts
   std::atomic<int64_t> epoch_{0};                     // membership changes done
-  std::mutex mutex_;                                  // launcherRanks_ (the watcher reads it)
+  uint64_t epochGeneration_ = 0;                      // commAbortGeneration() when epoch_ was set
+  mutable std::mutex mutex_;                          // launcherRanks_ (the watcher reads it)
   std::vector<int> launcherRanks_;                    // launcher RANK of each rank of the world now
   std::atomic<bool> groupWaiting_{false};             // rank 0's watcher: a whole lost group asked to rejoin
   std::atomic<bool> stop_{false};
   std::thread watcher_;
   std::string backend_;                               // "shm" or "gloo"
   std::string glooHostname_;                          // gloo: the address its connections bind to
-  // Rank 0's watcher under gloo: each launcher rank's last heartbeat count and when it moved,
+  // Rank 0's watcher: each launcher rank's last heartbeat count and when it moved,
   // in time and in the watcher's own rounds (a watcher or store that was itself held up
   // loses no one: silence counts only in rounds it completed).
   struct Heartbeat {

@@ -42,29 +42,44 @@ std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run) {
 std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::unique_ptr<RunParts> run,
                                                   int64_t stepsDone, const std::string& why, int groupsJoining) {
   const double start = steadySeconds();
-  const int rank = run->comm->rank(), world = run->comm->worldSize();
   TLOG_WARN("fault.survive: lost a peer after step " << stepsDone << " (" << firstLine(why)
             << "); agreeing with the other ranks on who goes on");
-  const Membership membership = replicas.recover(rank, world, stepsDone);
-  const int newRank = membership.newRankOf(rank);
-  if (newRank < 0) {
-    throw Error(strCat("fault.survive: rank ", rank, "'s replica group lost a rank, so it leaves the run: ",
-                       membership.describe()));
+  std::string lost = why;
+  // Each pass is one membership change; a rank lost while its world is built fails the
+  // build for every rank (the watcher's abort), and the live ones agree again.
+  while (true) {
+    const int rank = replicas.rankNow();
+    const Membership membership = replicas.recover(rank, replicas.worldNow(), stepsDone);
+    const int newRank = membership.newRankOf(rank);
+    if (newRank < 0) {
+      throw Error(strCat("fault.survive: rank ", rank, "'s replica group lost a rank, so it leaves the run: ",
+                         membership.describe()));
+    }
+    // The flight record of the change: the collective that lost the peer, and who went on;
+    // its count is what tessera-run reports when the run ends.
+    diagnostics::flight::addToCounter(diagnostics::flight::kGroupsLostCounter,
+                                      (membership.worldBefore - static_cast<int>(membership.members.size())) /
+                                              replicas.groupSize() -
+                                          groupsJoining);
+    diagnostics::flight::dump(strCat("fault.survive: lost a peer (", firstLine(lost), "); ", membership.describe()));
+    const distributed::RuntimeOptions& options = run->cfg.diagnostics.runtime;
+    try {
+      TestKill().at(membership.stepsDone, "build");
+      std::shared_ptr<distributed::Communicator> comm =
+          replicas.communicatorFor(membership, newRank, options.commTimeout, options.flightEntries);
+      // `run` stays the parts this rank trained with: their state is adopted, not moved.
+      std::unique_ptr<RunParts> next = setUpRunFrom(*run, membership.stepsDone, std::move(comm));
+      TLOG_INFO0("fault.survive: " << membership.describe() << "; training again " << steadySeconds() - start
+                                   << " s after this rank lost its peer, with no checkpoint read");
+      return next;
+    } catch (const PeerLostError& e) {
+      TLOG_WARN("fault.survive: lost another peer while the world of " << membership.members.size()
+                << " ranks was built (" << firstLine(e.what()) << "); agreeing again");
+      lost = e.what();
+      stepsDone = membership.stepsDone;
+      groupsJoining = 0;
+    }
   }
-  const distributed::RuntimeOptions& options = run->cfg.diagnostics.runtime;
-  std::shared_ptr<distributed::Communicator> comm =
-      replicas.communicatorFor(membership, newRank, options.commTimeout, options.flightEntries);
-  std::unique_ptr<RunParts> next = setUpRunFrom(*run, membership.stepsDone, std::move(comm));
-  TLOG_INFO0("fault.survive: " << membership.describe() << "; training again " << steadySeconds() - start
-                               << " s after this rank lost its peer, with no checkpoint read");
-  // The flight record of the change: the collective that lost the peer, and who went on;
-  // its count is what tessera-run reports when the run ends.
-  diagnostics::flight::addToCounter(diagnostics::flight::kGroupsLostCounter,
-                                    (membership.worldBefore - static_cast<int>(membership.members.size())) /
-                                            replicas.groupSize() -
-                                        groupsJoining);
-  diagnostics::flight::dump(strCat("fault.survive: lost a peer (", firstLine(why), "); ", membership.describe()));
-  return next;
 }
 
 namespace {
@@ -89,15 +104,18 @@ void admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts>& ru
   const distributed::RuntimeOptions& options = run->cfg.diagnostics.runtime;
   const int groupsJoining =
       static_cast<int>(std::count(membership.joining.begin(), membership.joining.end(), true)) / replicas.groupSize();
-  run = setUpRunFrom(*run, done, replicas.communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
   try {
+    TestKill().at(done, "build");
+    run = setUpRunFrom(*run, done, replicas.communicatorFor(membership, rank, options.commTimeout, options.flightEntries));
     const auto [counterparts, root] = replicas.counterpartsOf(membership, rank, options.commTimeout);
     if (counterparts->rank() == root) TestKill().at(done, "share");
     shareState(*run, *counterparts, root);
     agreeTheRejoinIsDone(*run);
   } catch (const PeerLostError& e) {
-    // Lost during the rejoin (the donor, mid-transfer): the groups that hold their state
-    // go on without the lost group; the joiners, who do not report, ask again.
+    // Lost during the rejoin (while its world is built, or the donor mid-transfer): the
+    // groups that hold their state go on without the lost group (from `run`, the parts of
+    // the world before or after the admission: either holds this rank's state); the
+    // joiners, who do not report, ask again.
     run = goOnWithoutTheLostGroup(replicas, std::move(run), done, e.what(), groupsJoining);
     return;
   }
@@ -157,9 +175,10 @@ TestKill::TestKill() {
     const size_t a = text.find(':'), b = text.find(':', a == std::string::npos ? a : a + 1);
     const std::string when = b == std::string::npos ? "" : text.substr(b + 1);
     if (b == std::string::npos ||
-        (when != "start" && when != "update" && when != "save" && when != "stop" && when != "share")) {
-      throw UsageError(
-          strCat("TESSERA_TEST_KILL '", text, "': RANK:STEP:WHEN expected, WHEN start, update, save, stop or share"));
+        (when != "start" && when != "update" && when != "save" && when != "stop" && when != "share" &&
+         when != "build")) {
+      throw UsageError(strCat("TESSERA_TEST_KILL '", text,
+                              "': RANK:STEP:WHEN expected, WHEN start, update, save, stop, share or build"));
     }
     const std::string step = text.substr(a + 1, b - a - 1);
     if (step.empty() || step.find_first_not_of("0123456789") != std::string::npos || step.size() > 18) {
@@ -171,7 +190,8 @@ TestKill::TestKill() {
 
 void TestKill::at(int64_t step, const char* when) const {
   for (const auto& [s, w] : kills_) {
-    if ((w == "share" ? step >= s : s == step) && w == when) ::kill(::getpid(), SIGKILL);
+    const bool firstAfter = w == "share" || w == "build";  // at the first such point after step s
+    if ((firstAfter ? step >= s : s == step) && w == when) ::kill(::getpid(), SIGKILL);
     if (s == step && w == "stop" && std::string(when) == "start") ::kill(::getpid(), SIGSTOP);
   }
 }

@@ -22,16 +22,18 @@ std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run);
 // After this rank lost a peer (`why`) with `stepsDone` steps complete: the live groups agree
 // on who goes on, build their communicator and take their state over into parts for the new
 // world. tessera::Error when this rank's group lost a rank (it leaves) or none can go on.
-// `groupsJoining`: of the groups that leave, those a failed rejoin was admitting (they ask
-// again; not counted as lost).
+// A rank lost while that world is built: they agree again, without it. `run` is this rank's
+// parts in the membership `replicas` last agreed to, or in the one before it (a rejoin that
+// failed while its world was built). `groupsJoining`: of the groups that leave, those a
+// failed rejoin was admitting (they ask again; not counted as lost).
 std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::unique_ptr<RunParts> run,
                                                   int64_t stepsDone, const std::string& why, int groupsJoining = 0);
 
 // At a step boundary after `done` steps, with a whole lost group waiting to rejoin: `run`
 // becomes the world with it back in place; the live ranks keep their state and send the
-// joining ones theirs. A rank lost during it (the donor): the groups that hold their state go
-// on without the lost one (goOnWithoutTheLostGroup), and the joiners, who do not report,
-// ask again; a loss while its communicator is built is not survived.
+// joining ones theirs. A rank lost during it (while its world is built, or the donor): the
+// groups that hold their state go on without the lost one (goOnWithoutTheLostGroup), and
+// the joiners, who do not report, ask again.
 void admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts>& run, int64_t done);
 
 // In a process its launcher restarted into a live run (ReplicaGroups::rejoins): waits to be
@@ -47,7 +49,9 @@ std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& reso
 // update, its peers in the step's last all-gathers) or "save" (after the step's periodic
 // actions: an asynchronous checkpoint write in flight); "stop": SIGSTOP at "start" (a frozen
 // process, never continued); "share": when it is about to send its state to a rejoining rank
-// after step STEP or later (the donor lost mid-rejoin); several, comma-separated. A process
+// after step STEP or later (the donor lost mid-rejoin); "build": when it is about to build
+// the communicators of a membership change (a loss or a rejoin) after step STEP or later;
+// several, comma-separated. A process
 // its launcher restarted (TORCHELASTIC_RESTART_COUNT > 0) never kills itself. Unset: never. UsageError for a
 // malformed value.
 class TestKill {

@@ -282,6 +282,52 @@ TEST(FaultSurviveE2ETest, ADonorLostMidRejoinLeavesTheRejoinToAnotherGroup) {
   expectExportsEqual(reference(3, longer), dir + "/run", /*bitwise=*/true);
 }
 
+// Three groups; C (ranks 4-5) lost at step 21, and while the survivors build their world of
+// 4 ranks, B's rank 2 dies (TESSERA_TEST_KILL WHEN build): no collective watches a peer
+// then, so rank 0's watcher finds it by its heartbeat, every build ends with the abort, and
+// the live ranks agree again: A goes on alone. B and C are restarted and rejoin; the run
+// ends as the uninterrupted one.
+TEST(FaultSurviveE2ETest, ARankLostWhileTheSurvivorsBuildTheirWorldIsSurvivedToo) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "build_recover");
+  const std::string longer =
+      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
+  const Nodes r = runNodes(dir, 3, longer, "5:21:start,2:0:build", "--max-restarts 1");
+  for (int n = 0; n < 3; ++n) EXPECT_EQ(r.status[n], 0) << r.logs[n];
+  EXPECT_NE(r.logs[0].find("lost another peer while the world of 4 ranks was built"), std::string::npos) << r.logs[0];
+  EXPECT_TRUE(std::regex_search(r.logs[0], std::regex("sent no heartbeat for [0-9]+ ms: lost"))) << r.logs[0];
+  EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-1 of 4 go on as a world of 2 from step 20 (ranks 2-3 left)"),
+            std::string::npos)
+      << r.logs[0];
+  EXPECT_EQ(r.logs[0].find("resumed from"), std::string::npos) << r.logs[0];
+  EXPECT_NE(r.logs[0].find("the run went on without 2 lost replica groups and took 2 back (fault.survive)"),
+            std::string::npos)
+      << r.logs[0];
+  expectExportsEqual(reference(3, longer), dir + "/run", /*bitwise=*/true);
+}
+
+// The same loss while a rejoin's world is built (B's rank 2 at the build that admits C,
+// after step 25): the rejoin fails for all, A goes on alone from the parts it had before
+// the admission, C asks again in process, B is restarted, both rejoin later.
+TEST(FaultSurviveE2ETest, ARankLostWhileARejoinsWorldIsBuiltLeavesTheRejoinForLater) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "build_rejoin");
+  const std::string longer =
+      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
+  const Nodes r = runNodes(dir, 3, longer, "5:21:start,2:25:build", "--max-restarts 1");
+  for (int n = 0; n < 3; ++n) EXPECT_EQ(r.status[n], 0) << r.logs[n];
+  EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-3 of 6 go on as a world of 4 from step 20 (ranks 4-5 left)"),
+            std::string::npos)
+      << r.logs[0];
+  EXPECT_TRUE(std::regex_search(r.logs[0], std::regex("sent no heartbeat for [0-9]+ ms: lost"))) << r.logs[0];
+  EXPECT_TRUE(std::regex_search(r.logs[0], std::regex("fault.survive: ranks 0-1 of 6 go on as a world of 2 from step "
+                                                      "[0-9]+ \\(ranks 2-5 left\\)")))
+      << r.logs[0];
+  EXPECT_NE(r.logs[2].find("asking to rejoin again"), std::string::npos) << r.logs[2];
+  EXPECT_TRUE(std::regex_search(r.logs[2], std::regex("fault.survive: rejoined as rank [0-9]+ of [0-9]+ after step")))
+      << r.logs[2];
+  EXPECT_EQ(r.logs[0].find("resumed from"), std::string::npos) << r.logs[0];
+  expectExportsEqual(reference(3, longer), dir + "/run", /*bitwise=*/true);
+}
+
 // An elastic run (each node a tessera-run of --nnodes 2:2 --rdzv-endpoint): no other node's
 // ranks failed with the lost one's, so its launcher restarts them into the running round
 // (no new rendezvous round, the live node's ranks untouched), where they rejoin.

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <limits>
+#include <optional>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -13,6 +14,7 @@
 #include "common/errors.h"
 #include "distributed/communicator.h"
 #include "distributed/gloo_communicator.h"
+#include "distributed/shm_communicator.h"
 #include "distributed/store.h"
 #include "tests/support/multi_rank.h"
 
@@ -468,6 +470,59 @@ TEST(CommunicatorTest, AbortEndsAGlooWaitWithPeerLost) {
     EXPECT_TRUE(at::equal(t, at::full({4}, 2.0)));
   }, processesWithALongTimeout());
 }
+
+// fault.survive: a group whose build waits for a peer that never comes (lost before it
+// built its side; no backend watches peers yet) is ended by abortCommunicators() from
+// another thread (ReplicaGroups' watcher) with PeerLostError, not at its 20 s timeout; and
+// a group of an earlier generation (CommOptions::abortGeneration: the one its caller saw)
+// fails at once when the abort came before its build began.
+void anAbortEndsTheBuildOfAGroup(const std::string& backend) {
+  runOnRanks(2, [backend](RankContext& ctx) {
+    if (ctx.rank == 1) {
+      ctx.store->wait({"done"}, std::chrono::seconds(30));  // alive, but never builds
+      return;
+    }
+    const auto build = [&](const std::string& name, std::optional<uint64_t> generation) {
+      distributed::CommOptions comm;
+      comm.name = name;
+      comm.timeout = std::chrono::seconds(20);
+      comm.abortGeneration = generation;
+      if (backend == "gloo") {
+        distributed::GlooOptions gloo;
+        gloo.hostname = "127.0.0.1";
+        gloo.comm = comm;
+        return makeGlooCommunicator(ctx.store, 0, 2, gloo);
+      }
+      distributed::ShmOptions shm;
+      shm.comm = comm;
+      return distributed::makeShmCommunicator(ctx.store, 0, 2, shm);
+    };
+    std::thread aborter([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      distributed::abortCommunicators();
+    });
+    auto start = std::chrono::steady_clock::now();
+    try {
+      build("never_complete", std::nullopt);
+      ADD_FAILURE() << "a " << backend << " group was built although rank 1 never came";
+    } catch (const PeerLostError& e) {
+      EXPECT_NE(std::string(e.what()).find("aborted by this process"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("never_complete"), std::string::npos) << e.what();
+    }
+    aborter.join();
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0)
+        << "the abort, not the group's 20 s";
+    const uint64_t seen = distributed::commAbortGeneration();
+    distributed::abortCommunicators();  // before the build below begins
+    start = std::chrono::steady_clock::now();
+    EXPECT_THROW(build("too_late", seen), PeerLostError);
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+    ctx.store->set("done", "1");
+  }, processesWithALongTimeout());
+}
+
+TEST(CommunicatorTest, AnAbortEndsTheBuildOfAShmGroup) { anAbortEndsTheBuildOfAGroup("shm"); }
+TEST(CommunicatorTest, AnAbortEndsTheBuildOfAGlooGroup) { anAbortEndsTheBuildOfAGroup("gloo"); }
 
 // A gloo peer that goes away mid-run (its group destroyed, as when its process exits): the
 // other's wait ends with PeerLostError (its connection closed), long before the timeout.
