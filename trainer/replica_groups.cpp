@@ -393,13 +393,37 @@ void ReplicaGroups::finished() {
   }
 }
 
-std::optional<Membership> ReplicaGroups::join() {
+bool ReplicaGroups::wholeGroupAsks(distributed::Store& store, int launcherRank) {
+  const int first = launcherRank / groupSize_ * groupSize_;
+  for (int r = first; r < first + groupSize_; ++r) {
+    if (store.add(strCat(kPrefix, "/join_attempts/", r), 0) <= store.add(strCat(kPrefix, "/join_admitted/", r), 0)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::optional<Membership> ReplicaGroups::join(std::chrono::milliseconds groupAsksWithin) {
   const int64_t attempt = store_->add(strCat(kPrefix, "/join_attempts/", launcherRank_), 1);
   const std::string admitted = strCat(kPrefix, "/join_admitted/", launcherRank_, "/", attempt);
   const std::string done = strCat(kPrefix, "/finished");
-  const auto deadline = Clock::now() + timeout_;
+  const auto asked = Clock::now();
+  const auto deadline = asked + timeout_;
+  bool groupAsked = groupAsksWithin.count() <= 0;
   while (!store_->check({admitted})) {
-    if (store_->check({done})) return std::nullopt;
+    const bool finished = store_->check({done});
+    if (!groupAsked) {
+      // A rank of its group that never asks is lost (dead, or stopped: then only this
+      // process's error makes its launcher end the node), even when the run is over.
+      groupAsked = wholeGroupAsks(*store_, launcherRank_);
+      if (!groupAsked && (finished || Clock::now() - asked >= groupAsksWithin)) {
+        throw Error(strCat("fault.survive: launcher rank ", launcherRank_, "'s replica group did not ask to rejoin "
+                           "with it ", finished ? "before the run finished" : "within " +
+                           distributed::formatDuration(groupAsksWithin),
+                           " (a rank of it is lost, not only late): it leaves the run"));
+      }
+    }
+    if (finished) return std::nullopt;
     if (Clock::now() >= deadline) {
       throw Error(strCat("fault.survive: launcher rank ", launcherRank_, " waited ",
                          distributed::formatDuration(timeout_),

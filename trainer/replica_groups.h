@@ -104,9 +104,11 @@ class ReplicaGroups {
   // Then, on every rank: the world with the waiting groups in their places, after
   // `stepsDone` steps (`skippedSteps` skipped).
   Membership admit(int rank, int64_t stepsDone, int64_t skippedSteps);
-  // On a restarted process (rejoins()): waits until the live ranks admit it (up to the
-  // timeout), and returns the world it trains in; std::nullopt when the run finished first.
-  std::optional<Membership> join();
+  // On a restarted process (rejoins()), or a live one whose group left the run: waits until
+  // the live ranks admit it (up to the timeout), and returns the world it trains in;
+  // std::nullopt when the run finished first. `groupAsksWithin` > 0: tessera::Error when
+  // the other ranks of its group have not asked too by then (one of them is really lost).
+  std::optional<Membership> join(std::chrono::milliseconds groupAsksWithin = std::chrono::milliseconds(0));
   // Rank 0, when its run has trained its last step: a rank waiting to rejoin stops waiting.
   void finished();
 
@@ -146,6 +148,8 @@ class ReplicaGroups {
   // Rank 0: the launcher ranks of the whole lost groups that wait to rejoin, and each one's
   // attempt (join()s so far), read through `store` (a connection is used by one thread).
   std::map<int, int64_t> waitingGroups(distributed::Store& store);
+  // Whether every launcher rank of `launcherRank`'s group asks to join now.
+  bool wholeGroupAsks(distributed::Store& store, int launcherRank);
 
   int groupSize_;
   int launcherRank_;

@@ -3,6 +3,8 @@
 #include "trainer/replica_recovery.h"
 
 #include <signal.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -52,8 +54,8 @@ std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::
     const Membership membership = replicas.recover(rank, replicas.worldNow(), stepsDone);
     const int newRank = membership.newRankOf(rank);
     if (newRank < 0) {
-      throw Error(strCat("fault.survive: rank ", rank, "'s replica group lost a rank, so it leaves the run: ",
-                         membership.describe()));
+      throw ReplicaGroupLeftError(strCat("fault.survive: rank ", rank,
+                                         "'s replica group lost a rank, so it leaves the run: ", membership.describe()));
     }
     // The flight record of the change: the collective that lost the peer, and who went on;
     // its count is what tessera-run reports when the run ends.
@@ -132,14 +134,17 @@ void admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts>& ru
 // when the run finished before it could rejoin. A rank lost during the rejoin (the donor)
 // fails it: this rank asks again, and is admitted at a later boundary with another donor.
 std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& resolvedYaml,
-                                 std::unique_ptr<ReplicaGroups>& replicas) {
+                                 std::unique_ptr<ReplicaGroups>& replicas, std::chrono::milliseconds groupAsksWithin) {
   const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
+  replicas.reset();  // a live rank's former groups: their watcher must not abort the new world's builds
   replicas = std::make_unique<ReplicaGroups>(env, replicaGroupSize(cfg, env.world_size, env.local_world_size),
                                              cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout,
                                              /*joining=*/true);
-  TLOG_INFO("fault.survive: restarted into a live run; waiting to rejoin at a step boundary");
+  if (groupAsksWithin.count() <= 0) {
+    TLOG_INFO("fault.survive: restarted into a live run; waiting to rejoin at a step boundary");
+  }
   while (true) {
-    const std::optional<Membership> admitted = replicas->join();
+    const std::optional<Membership> admitted = replicas->join(groupAsksWithin);
     if (!admitted) return nullptr;
     const Membership& membership = *admitted;
     const double start = steadySeconds();
@@ -175,10 +180,10 @@ TestKill::TestKill() {
     const size_t a = text.find(':'), b = text.find(':', a == std::string::npos ? a : a + 1);
     const std::string when = b == std::string::npos ? "" : text.substr(b + 1);
     if (b == std::string::npos ||
-        (when != "start" && when != "update" && when != "save" && when != "stop" && when != "share" &&
-         when != "build")) {
+        (when != "start" && when != "update" && when != "save" && when != "stop" && when != "pause" &&
+         when != "share" && when != "build")) {
       throw UsageError(strCat("TESSERA_TEST_KILL '", text,
-                              "': RANK:STEP:WHEN expected, WHEN start, update, save, stop, share or build"));
+                              "': RANK:STEP:WHEN expected, WHEN start, update, save, stop, pause, share or build"));
     }
     const std::string step = text.substr(a + 1, b - a - 1);
     if (step.empty() || step.find_first_not_of("0123456789") != std::string::npos || step.size() > 18) {
@@ -193,6 +198,24 @@ void TestKill::at(int64_t step, const char* when) const {
     const bool firstAfter = w == "share" || w == "build";  // at the first such point after step s
     if ((firstAfter ? step >= s : s == step) && w == when) ::kill(::getpid(), SIGKILL);
     if (s == step && w == "stop" && std::string(when) == "start") ::kill(::getpid(), SIGSTOP);
+    if (s == step && w == "pause" && std::string(when) == "start" && !paused_) {
+      paused_ = true;  // once: the step it stalled in is redone
+      // Frozen for kPause, then continued by a child of its own (a stopped process runs no
+      // thread of its own): a node that stalls and comes back. The child only sleeps, signals
+      // and exits (all a child of a threaded process may do).
+      const pid_t self = ::getpid();
+      const pid_t helper = ::fork();
+      if (helper == 0) {
+        const struct timespec pause{kPause.count() / 1000, (kPause.count() % 1000) * 1000000};
+        ::nanosleep(&pause, nullptr);
+        ::kill(self, SIGCONT);
+        ::_exit(0);
+      }
+      if (helper > 0) {
+        ::kill(self, SIGSTOP);
+        ::waitpid(helper, nullptr, 0);
+      }
+    }
   }
 }
 

@@ -4,12 +4,14 @@
 // The agreements behind them are replica_groups.h's; trainer.cpp's loop calls these.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "common/errors.h"
 #include "trainer/replica_groups.h"
 #include "trainer/run_setup.h"
 
@@ -19,9 +21,21 @@ namespace tessera::trainer {
 // the run has one group or its collectives are not shm's.
 std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run);
 
+// What goOnWithoutTheLostGroup throws on a live rank whose replica group left the run (a rank
+// of it was lost, or taken for lost: its heartbeats late on an overloaded host).
+class ReplicaGroupLeftError : public Error {
+ public:
+  using Error::Error;
+};
+
+// How long a live rank whose group left waits for the rest of its group to ask to rejoin
+// with it (in process) before it leaves the run: a peer that is really lost never asks.
+constexpr std::chrono::milliseconds kGroupAsksToRejoinWithin{5000};
+
 // After this rank lost a peer (`why`) with `stepsDone` steps complete: the live groups agree
 // on who goes on, build their communicator and take their state over into parts for the new
-// world. tessera::Error when this rank's group lost a rank (it leaves) or none can go on.
+// world. ReplicaGroupLeftError when this rank's group lost a rank (it leaves the step);
+// tessera::Error when none can go on.
 // A rank lost while that world is built: they agree again, without it. `run` is this rank's
 // parts in the membership `replicas` last agreed to, or in the one before it (a rejoin that
 // failed while its world was built). `groupsJoining`: of the groups that leave, those a
@@ -36,19 +50,23 @@ std::unique_ptr<RunParts> goOnWithoutTheLostGroup(ReplicaGroups& replicas, std::
 // the joiners, who do not report, ask again.
 void admitRejoiningGroups(ReplicaGroups& replicas, std::unique_ptr<RunParts>& run, int64_t done);
 
-// In a process its launcher restarted into a live run (ReplicaGroups::rejoins): waits to be
-// admitted, then builds its parts and receives its state from a live rank; null when the run
-// finished before it could rejoin. A rank lost during the rejoin: it asks again, in process.
-// `replicas` is set to this process's groups.
+// In a process its launcher restarted into a live run (ReplicaGroups::rejoins), or a live
+// one whose group left it (ReplicaGroupLeftError; `groupAsksWithin` > 0: tessera::Error when
+// the rest of its group does not ask too by then): waits to be admitted, then builds its
+// parts and receives its state from a live rank; null when the run finished before it could
+// rejoin. A rank lost during the rejoin: it asks again, in process. `replicas` is set to
+// this process's groups.
 std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& resolvedYaml,
-                                 std::unique_ptr<ReplicaGroups>& replicas);
+                                 std::unique_ptr<ReplicaGroups>& replicas,
+                                 std::chrono::milliseconds groupAsksWithin = std::chrono::milliseconds(0));
 
 // The tests of fault.survive: TESSERA_TEST_KILL="RANK:STEP:WHEN" has the process of launcher
 // rank RANK (its RANK) SIGKILL itself in step STEP (as the log counts them) at WHEN: "start"
 // (its peers wait for it in the step's collectives), "update" (after the step's optimizer
 // update, its peers in the step's last all-gathers) or "save" (after the step's periodic
 // actions: an asynchronous checkpoint write in flight); "stop": SIGSTOP at "start" (a frozen
-// process, never continued); "share": when it is about to send its state to a rejoining rank
+// process, never continued); "pause": SIGSTOP at "start", continued kPause later (a node
+// that stalls and comes back); "share": when it is about to send its state to a rejoining rank
 // after step STEP or later (the donor lost mid-rejoin); "build": when it is about to build
 // the communicators of a membership change (a loss or a rejoin) after step STEP or later;
 // several, comma-separated. A process
@@ -56,11 +74,13 @@ std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& reso
 // malformed value.
 class TestKill {
  public:
+  static constexpr std::chrono::milliseconds kPause{5000};
   TestKill();
   void at(int64_t step, const char* when) const;
 
  private:
   std::vector<std::pair<int64_t, std::string>> kills_;  // this rank's
+  mutable bool paused_ = false;
 };
 
 }  // namespace tessera::trainer

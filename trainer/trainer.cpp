@@ -125,12 +125,14 @@ std::vector<std::string> missingExports(RunParts& run) {
 // Installs the stop handlers for the train loop and restores the previous ones after it
 // (a second signal during the final save or the exports gets the default treatment). They run
 // on tessera-train's signal thread (common/signal_thread.h), never inside a oneDNN product.
+// With SIG_DFL: the signals end the process at once while it lives (a rank that waits to
+// rejoin holds nothing to save).
 class StopSignals {
  public:
-  StopSignals() {
-    g_stopRequested = false;
+  explicit StopSignals(void (*handler)(int) = onStopSignal) {
+    if (handler == onStopSignal) g_stopRequested = false;
     struct sigaction action{};
-    action.sa_handler = onStopSignal;
+    action.sa_handler = handler;
     sigemptyset(&action.sa_mask);
     action.sa_flags = SA_RESTART;
     ::sigaction(SIGTERM, &action, &previousTerm_);
@@ -147,6 +149,14 @@ class StopSignals {
   struct sigaction previousTerm_{};
   struct sigaction previousInt_{};
 };
+
+// fault.survive: a rank whose group would rejoin a run that trained its last step first.
+TrainSummary finishedWithoutThisRank() {
+  TLOG_WARN("fault.survive: the run finished before this rank's replica group could rejoin; nothing to do");
+  TrainSummary summary;
+  summary.finishedWithoutThisRank = true;
+  return summary;
+}
 
 // run.recipe's training code over the run's parts.
 std::unique_ptr<Recipe> makeRecipeOf(RunParts& run) {
@@ -498,12 +508,7 @@ TrainSummary Trainer::run() {
   std::unique_ptr<ReplicaGroups> replicas;
   std::unique_ptr<RunParts> run = state_->comm ? setUpRun(state_->config, state_->resolvedYaml, state_->comm)
                                                : rejoin(state_->config, state_->resolvedYaml, replicas);
-  if (!run) {
-    TLOG_WARN("fault.survive: the run finished before this rank's replica group could rejoin; nothing to do");
-    TrainSummary summary;
-    summary.finishedWithoutThisRank = true;
-    return summary;
-  }
+  if (!run) return finishedWithoutThisRank();
   if (run->startStep > 0 && run->startStep == run->cfg.run.steps) {
     TrainSummary summary;
     summary.steps = run->startStep;
@@ -551,7 +556,19 @@ TrainSummary Trainer::run() {
         const bool updated = main.stepsApplied() + main.stepsSkipped() > updatesBefore;
         const int64_t stepsDone = stepStart + (updated ? 1 : 0);
         loop.reset();
-        run = goOnWithoutTheLostGroup(*replicas, std::move(run), stepsDone, e.what());
+        try {
+          run = goOnWithoutTheLostGroup(*replicas, std::move(run), stepsDone, e.what());
+        } catch (const ReplicaGroupLeftError& left) {
+          // Alive, but out of the run with its group: a rank of it is lost, or was taken for
+          // lost (its heartbeats late on an overloaded host). It asks to rejoin in process, so
+          // a late group costs no restart; when the rest of its group does not ask with it, a
+          // rank of it is really gone and this one leaves (its launcher restarts the node).
+          TLOG_WARN(firstLine(left.what()) << "; asking to rejoin in process (its whole replica group must ask within "
+                                           << kGroupAsksToRejoinWithin.count() / 1000.0 << " s)");
+          const StopSignals endAtOnce(SIG_DFL);  // as during the set-up: its launcher may stop the node
+          run = rejoin(state_->config, state_->resolvedYaml, replicas, kGroupAsksToRejoinWithin);
+          if (!run) break;  // the run finished without this rank
+        }
         loop = std::make_unique<TrainLoop>(*run, replicas->groupSize());
         done = run->startStep;
         continue;
@@ -563,6 +580,7 @@ TrainSummary Trainer::run() {
       }
     }
   }
+  if (!run) return finishedWithoutThisRank();
   // A group still waiting to rejoin stops waiting (rank 0: the store's host).
   if (replicas && run->comm->rank() == 0) replicas->finished();
   return loop->finish(done, stopped);

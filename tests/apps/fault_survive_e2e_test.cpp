@@ -37,6 +37,10 @@ const std::string kTrainArgs =
            // ctest runs two tests at once on CI's 2 cores: a live rank may answer late.
            " --set fault.quorum_wait_s=2");
 const std::string kDeterministic = " --set run.deterministic=true";
+// Long enough for a lost group's restart and rejoin (the launcher's failure report waits up
+// to 5 s for the others').
+const std::string kRejoinRun =
+    kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
 
 struct Nodes {
   std::vector<int> status;             // each launcher's exit status
@@ -153,6 +157,35 @@ TEST(FaultSurviveE2ETest, AStoppedRankIsLostAfterASecond) {
   expectExportsEqual(reference(2, kDeterministic), dir + "/run", /*bitwise=*/true);
 }
 
+// A rank frozen for 5 s that then comes back (TESSERA_TEST_KILL WHEN pause: a node that
+// stalls): the others take it for lost after 1 s and go on; when it wakes, its group has
+// left, and its two live ranks ask to rejoin in process: no launcher restarts anything (none
+// may), both exit 0, and the run ends as the uninterrupted one.
+TEST(FaultSurviveE2ETest, ARankThatStallsAndComesBackRejoinsInProcess) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "pause");
+  const Nodes r = runNodes(dir, 2, kRejoinRun, "3:31:pause");
+  EXPECT_EQ(r.status[0], 0) << r.logs[0];
+  EXPECT_EQ(r.status[1], 0) << r.logs[1];
+  EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-1 of 4 go on as a world of 2 from step 30 (ranks 2-3 left)"),
+            std::string::npos)
+      << r.logs[0];
+  for (const std::string rank : {"2", "3"}) {
+    EXPECT_NE(r.logs[1].find(strCat("rank ", rank, "'s replica group lost a rank, so it leaves the run: ranks 0-1 of "
+                                    "4 go on as a world of 2 from step 30 (ranks 2-3 left); asking to rejoin in process")),
+              std::string::npos)
+        << r.logs[1];
+    EXPECT_TRUE(std::regex_search(r.logs[1], std::regex(strCat("fault.survive: rejoined as rank ", rank,
+                                                               " of 4 after step [0-9]+"))))
+        << r.logs[1];
+  }
+  EXPECT_EQ(r.logs[1].find("restart"), std::string::npos) << r.logs[1];
+  EXPECT_EQ(r.logs[1].find("resumed from"), std::string::npos) << r.logs[1];
+  EXPECT_NE(r.logs[0].find("the run went on without 1 lost replica group and took 1 back (fault.survive)"),
+            std::string::npos)
+      << r.logs[0];
+  expectExportsEqual(reference(2, kRejoinRun), dir + "/run", /*bitwise=*/true);
+}
+
 // Over gloo (several hosts' backend; here every rank on loopback): a killed peer's
 // connections close, a stopped one misses its heartbeats; the live group abandons the
 // collectives in flight and goes on to the same bits as the uninterrupted run over shm (the
@@ -227,12 +260,9 @@ TEST(FaultSurviveE2ETest, WithoutDeterministicTheResultIsWithinFloatTolerance) {
 
 // The lost group's launcher restarts its ranks; they rejoin at a step boundary with their
 // state from the live group (no checkpoint read), and the run ends as the uninterrupted one.
-// Long enough for the restart (the launcher's failure report waits up to 5 s for the others').
 TEST(FaultSurviveE2ETest, TheLostGroupRejoinsFromALivePeer) {
   const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "rejoin");
-  const std::string longer =
-      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
-  const Nodes r = runNodes(dir, 2, longer, "3:21:start", "--max-restarts 1");
+  const Nodes r = runNodes(dir, 2, kRejoinRun, "3:21:start", "--max-restarts 1");
   EXPECT_EQ(r.status[0], 0) << r.logs[0];
   EXPECT_EQ(r.status[1], 0) << r.logs[1];
   EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-1 of 4 go on as a world of 2 from step 20"), std::string::npos)
@@ -247,7 +277,7 @@ TEST(FaultSurviveE2ETest, TheLostGroupRejoinsFromALivePeer) {
         << r.logs[1];
   }
   EXPECT_EQ(r.logs[1].find("resumed from"), std::string::npos) << r.logs[1];
-  expectExportsEqual(reference(2, longer), dir + "/run", /*bitwise=*/true);
+  expectExportsEqual(reference(2, kRejoinRun), dir + "/run", /*bitwise=*/true);
   const auto live = replicasLive(dir + "/run");
   EXPECT_EQ(live.at(20), 2.0);
   EXPECT_EQ(live.at(30), 1.0);
@@ -255,16 +285,26 @@ TEST(FaultSurviveE2ETest, TheLostGroupRejoinsFromALivePeer) {
   EXPECT_EQ(live.at(3000), 2.0);
 }
 
+// Three groups (kRejoinRun, the lost nodes' launchers with --max-restarts 1) with
+// TESSERA_TEST_KILL=`kill`, in scratch folder `name`: every launcher exits 0, no rank read
+// a checkpoint, and the export is bitwise the uninterrupted run's.
+Nodes threeGroupsThatAllComeBack(const std::string& name, const std::string& kill) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", name);
+  const Nodes r = runNodes(dir, 3, kRejoinRun, kill, "--max-restarts 1");
+  for (int n = 0; n < 3; ++n) {
+    EXPECT_EQ(r.status[n], 0) << r.logs[n];
+    EXPECT_EQ(r.logs[n].find("resumed from"), std::string::npos) << r.logs[n];
+  }
+  expectExportsEqual(reference(3, kRejoinRun), dir + "/run", /*bitwise=*/true);
+  return r;
+}
+
 // Three groups: C (ranks 4-5) lost and restarted; at its rejoin the donor, B's rank 2,
 // dies before it sends (TESSERA_TEST_KILL WHEN share). The rejoin fails for every rank of
 // it: A goes on alone, C asks again in process and is admitted later with A's state, B is
 // restarted and rejoins too; the run ends as the uninterrupted one, every launcher exits 0.
 TEST(FaultSurviveE2ETest, ADonorLostMidRejoinLeavesTheRejoinToAnotherGroup) {
-  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "donor");
-  const std::string longer =
-      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
-  const Nodes r = runNodes(dir, 3, longer, "5:21:start,2:0:share", "--max-restarts 1");
-  for (int n = 0; n < 3; ++n) EXPECT_EQ(r.status[n], 0) << r.logs[n];
+  const Nodes r = threeGroupsThatAllComeBack("donor", "5:21:start,2:0:share");
   EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-3 of 6 go on as a world of 4 from step 20 (ranks 4-5 left)"),
             std::string::npos)
       << r.logs[0];
@@ -275,11 +315,9 @@ TEST(FaultSurviveE2ETest, ADonorLostMidRejoinLeavesTheRejoinToAnotherGroup) {
   EXPECT_NE(r.logs[2].find("asking to rejoin again"), std::string::npos) << r.logs[2];
   EXPECT_TRUE(std::regex_search(r.logs[2], std::regex("fault.survive: rejoined as rank [0-9]+ of [0-9]+ after step")))
       << r.logs[2];
-  EXPECT_EQ(r.logs[0].find("resumed from"), std::string::npos) << r.logs[0];
   EXPECT_NE(r.logs[0].find("the run went on without 2 lost replica groups and took 2 back (fault.survive)"),
             std::string::npos)
       << r.logs[0];
-  expectExportsEqual(reference(3, longer), dir + "/run", /*bitwise=*/true);
 }
 
 // Three groups; C (ranks 4-5) lost at step 21, and while the survivors build their world of
@@ -288,32 +326,22 @@ TEST(FaultSurviveE2ETest, ADonorLostMidRejoinLeavesTheRejoinToAnotherGroup) {
 // the live ranks agree again: A goes on alone. B and C are restarted and rejoin; the run
 // ends as the uninterrupted one.
 TEST(FaultSurviveE2ETest, ARankLostWhileTheSurvivorsBuildTheirWorldIsSurvivedToo) {
-  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "build_recover");
-  const std::string longer =
-      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
-  const Nodes r = runNodes(dir, 3, longer, "5:21:start,2:0:build", "--max-restarts 1");
-  for (int n = 0; n < 3; ++n) EXPECT_EQ(r.status[n], 0) << r.logs[n];
+  const Nodes r = threeGroupsThatAllComeBack("build_recover", "5:21:start,2:0:build");
   EXPECT_NE(r.logs[0].find("lost another peer while the world of 4 ranks was built"), std::string::npos) << r.logs[0];
   EXPECT_TRUE(std::regex_search(r.logs[0], std::regex("sent no heartbeat for [0-9]+ ms: lost"))) << r.logs[0];
   EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-1 of 4 go on as a world of 2 from step 20 (ranks 2-3 left)"),
             std::string::npos)
       << r.logs[0];
-  EXPECT_EQ(r.logs[0].find("resumed from"), std::string::npos) << r.logs[0];
   EXPECT_NE(r.logs[0].find("the run went on without 2 lost replica groups and took 2 back (fault.survive)"),
             std::string::npos)
       << r.logs[0];
-  expectExportsEqual(reference(3, longer), dir + "/run", /*bitwise=*/true);
 }
 
 // The same loss while a rejoin's world is built (B's rank 2 at the build that admits C,
 // after step 25): the rejoin fails for all, A goes on alone from the parts it had before
 // the admission, C asks again in process, B is restarted, both rejoin later.
 TEST(FaultSurviveE2ETest, ARankLostWhileARejoinsWorldIsBuiltLeavesTheRejoinForLater) {
-  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "build_rejoin");
-  const std::string longer =
-      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
-  const Nodes r = runNodes(dir, 3, longer, "5:21:start,2:25:build", "--max-restarts 1");
-  for (int n = 0; n < 3; ++n) EXPECT_EQ(r.status[n], 0) << r.logs[n];
+  const Nodes r = threeGroupsThatAllComeBack("build_rejoin", "5:21:start,2:25:build");
   EXPECT_NE(r.logs[0].find("fault.survive: ranks 0-3 of 6 go on as a world of 4 from step 20 (ranks 4-5 left)"),
             std::string::npos)
       << r.logs[0];
@@ -324,8 +352,6 @@ TEST(FaultSurviveE2ETest, ARankLostWhileARejoinsWorldIsBuiltLeavesTheRejoinForLa
   EXPECT_NE(r.logs[2].find("asking to rejoin again"), std::string::npos) << r.logs[2];
   EXPECT_TRUE(std::regex_search(r.logs[2], std::regex("fault.survive: rejoined as rank [0-9]+ of [0-9]+ after step")))
       << r.logs[2];
-  EXPECT_EQ(r.logs[0].find("resumed from"), std::string::npos) << r.logs[0];
-  expectExportsEqual(reference(3, longer), dir + "/run", /*bitwise=*/true);
 }
 
 // An elastic run (each node a tessera-run of --nnodes 2:2 --rdzv-endpoint): no other node's
@@ -333,9 +359,7 @@ TEST(FaultSurviveE2ETest, ARankLostWhileARejoinsWorldIsBuiltLeavesTheRejoinForLa
 // (no new rendezvous round, the live node's ranks untouched), where they rejoin.
 TEST(FaultSurviveE2ETest, InAnElasticRunTheLostNodeRestartsIntoTheRunningRound) {
   const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "elastic");
-  const std::string longer =
-      kDeterministic + " --set run.steps=3000 --set checkpoint.every_steps=500 --set run.log_every=10";
-  Nodes r = runNodes(dir, 2, longer, "3:21:start", "--max-restarts 1", /*elastic=*/true);
+  Nodes r = runNodes(dir, 2, kRejoinRun, "3:21:start", "--max-restarts 1", /*elastic=*/true);
   EXPECT_EQ(r.status[0], 0) << r.logs[0];
   EXPECT_EQ(r.status[1], 0) << r.logs[1];
   if (r.logs[0].find("RANK 0-1 of WORLD_SIZE 4") == std::string::npos) std::swap(r.logs[0], r.logs[1]);
@@ -358,7 +382,7 @@ TEST(FaultSurviveE2ETest, InAnElasticRunTheLostNodeRestartsIntoTheRunningRound) 
   for (const std::string& log : {live, lost}) EXPECT_EQ(log.find("rendezvous round 2"), std::string::npos) << log;
   EXPECT_EQ(live.find("started 2 ranks"), live.rfind("started 2 ranks")) << live;
   EXPECT_EQ(live.find("resumed from"), std::string::npos) << live;
-  expectExportsEqual(reference(2, longer), dir + "/run", /*bitwise=*/true);
+  expectExportsEqual(reference(2, kRejoinRun), dir + "/run", /*bitwise=*/true);
 }
 
 // Ranks restarted into a running round where no run takes them back say so and exit 76
