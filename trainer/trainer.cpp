@@ -563,9 +563,12 @@ TrainSummary Trainer::run() {
           // lost (its heartbeats late on an overloaded host). It asks to rejoin in process, so
           // a late group costs no restart; when the rest of its group does not ask with it, a
           // rank of it is really gone and this one leaves (its launcher restarts the node).
+          // Its launcher stopping the node (a rank of it died) ends it at once, as during the
+          // set-up: a stop that came already, or one that comes while it waits.
+          const StopSignals endAtOnce(SIG_DFL);
+          if (g_stopRequested) throw;
           TLOG_WARN(firstLine(left.what()) << "; asking to rejoin in process (its whole replica group must ask within "
                                            << kGroupAsksToRejoinWithin.count() / 1000.0 << " s)");
-          const StopSignals endAtOnce(SIG_DFL);  // as during the set-up: its launcher may stop the node
           run = rejoin(state_->config, state_->resolvedYaml, replicas, kGroupAsksToRejoinWithin);
           if (!run) break;  // the run finished without this rank
         }
