@@ -3,6 +3,7 @@
 #include "trainer/train_config.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/config.h"
 #include "common/errors.h"
@@ -412,6 +413,26 @@ void validateModel(const ModelKeys& k, TrainConfig& c, int worldSize) {
   if (!e.powerStds.empty() && !m.ema.enabled) k.fail("ema.posthoc.stds", "tracks power-function EMA profiles: needs ema.enabled");
   if (!e.powerStds.empty() && m.ema.snapshotEvery <= 0) {
     k.fail("ema.posthoc.snapshot_every", "must be > 0 when ema.posthoc.stds is set (the snapshots are what is reconstructed)");
+  }
+  if (m.ema.enabled && e.warmup) {
+    // The warmup's decay at the run's last update: a decay above it is never reached, and its
+    // EMA is the warmup's alone.
+    const double updates = static_cast<double>(std::max<int64_t>(1, (c.run.steps - e.startStep) / e.updateEvery));
+    const double reached = 1.0 - std::pow(1.0 + updates / e.invGamma, -e.power);
+    std::string unreached;
+    int count = 0;
+    for (double d : e.decays) {
+      if (d <= reached) continue;
+      unreached += strCat(count++ == 0 ? "" : ", ", d);
+    }
+    // One such decay is the warmup's EMA, as asked; two are the same tensors kept twice.
+    if (count > 1) {
+      c.warnings.push_back(strCat(m.sectionKeys, "ema.decays ", unreached, " are never reached in run.steps ",
+                                  c.run.steps, " with ema.warmup (its decay is ", reached,
+                                  " at the last update): their EMAs are the warmup's alone, the same tensors kept "
+                                  "and exported twice (set ema.warmup: false, or a lower ema.power, for the decays "
+                                  "to apply)"));
+    }
   }
   const bool fullyShards = m.sharding.strategy == sharding::StrategyKind::kZero3 ||
                            m.sharding.strategy == sharding::StrategyKind::kHybrid;

@@ -116,6 +116,26 @@ TEST(TrainConfigTest, CpuOffloadIsForFullySharding) {
   }
 }
 
+// ema.warmup caps the decay at 1 - (1 + k)^(-2/3): two decays above its value at the last
+// step are the same EMA kept twice, which a warning names (with the decays and the cap);
+// one such decay, or decays the run reaches, warn of nothing.
+TEST(TrainConfigTest, DecaysTheWarmupNeverReachesAreNamedWhenTheyDuplicate) {
+  const auto warningsOf = [](const std::vector<std::string>& more) {
+    std::vector<std::string> sets = {"ema.enabled=true", "ema.warmup=true", "checkpoint.export=[model_ema]"};
+    sets.insert(sets.end(), more.begin(), more.end());
+    return loadTrainConfig(kConfigs + "/default.yaml", sets, 2).config.warnings;
+  };
+  // 1 - 5501^(-2/3) = 0.99679: neither 0.999 nor 0.9995 is reached.
+  const auto twice = warningsOf({"run.steps=5500", "ema.decays=[0.999,0.9995]"});
+  ASSERT_EQ(twice.size(), 1u);
+  EXPECT_NE(twice[0].find("ema.decays 0.999, 0.9995 are never reached in run.steps 5500"), std::string::npos)
+      << twice[0];
+  EXPECT_NE(twice[0].find("0.99679"), std::string::npos) << twice[0];
+  EXPECT_TRUE(warningsOf({"run.steps=5500", "ema.decays=[0.999]"}).empty());
+  EXPECT_TRUE(warningsOf({"run.steps=5500", "ema.decays=[0.99,0.995]"}).empty());  // both reached
+  EXPECT_TRUE(warningsOf({"run.steps=5500", "ema.decays=[0.999,0.9995]", "ema.warmup=false"}).empty());
+}
+
 // run.matmul_dtype: fp32 (the default) or bf16 Linear products on the CPU; another value,
 // or bf16 asked of a GPU run (whose products are LibTorch's), is an error naming the key.
 TEST(TrainConfigTest, MatmulDtypeIsForTheCpu) {
