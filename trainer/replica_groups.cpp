@@ -51,6 +51,13 @@ std::vector<int> parseRanges(const std::string& text) {
   return out;
 }
 
+// Launcher rank r's join attempt when it asks to join now (more join()s than admissions),
+// else 0.
+int64_t pendingJoin(distributed::Store& store, int r) {
+  const int64_t attempts = store.add(strCat(kPrefix, "/join_attempts/", r), 0);
+  return attempts > store.add(strCat(kPrefix, "/join_admitted/", r), 0) ? attempts : 0;
+}
+
 // admit()'s decision: "<launcher ranks>;<joining ranks>;<steps done>;<skipped>".
 Membership parseAdmission(int64_t epoch, const std::string& text) {
   std::vector<std::string> fields;
@@ -160,10 +167,9 @@ std::map<int, int64_t> ReplicaGroups::waitingGroups(distributed::Store& store) {
     std::map<int, int64_t> group;
     for (int r = g * groupSize_; r < (g + 1) * groupSize_; ++r) {
       if (std::find(live.begin(), live.end(), r) != live.end()) break;
-      const int64_t attempts = store.add(strCat(kPrefix, "/join_attempts/", r), 0);
-      const int64_t admitted = store.add(strCat(kPrefix, "/join_admitted/", r), 0);
-      if (attempts <= admitted) break;
-      group[r] = attempts;
+      const int64_t attempt = pendingJoin(store, r);
+      if (attempt == 0) break;
+      group[r] = attempt;
     }
     if (static_cast<int>(group.size()) == groupSize_) waiting.insert(group.begin(), group.end());
   }
@@ -393,12 +399,10 @@ void ReplicaGroups::finished() {
   }
 }
 
-bool ReplicaGroups::wholeGroupAsks(distributed::Store& store, int launcherRank) {
-  const int first = launcherRank / groupSize_ * groupSize_;
+bool ReplicaGroups::wholeGroupAsks() {
+  const int first = launcherRank_ / groupSize_ * groupSize_;
   for (int r = first; r < first + groupSize_; ++r) {
-    if (store.add(strCat(kPrefix, "/join_attempts/", r), 0) <= store.add(strCat(kPrefix, "/join_admitted/", r), 0)) {
-      return false;
-    }
+    if (pendingJoin(*store_, r) == 0) return false;
   }
   return true;
 }
@@ -415,7 +419,7 @@ std::optional<Membership> ReplicaGroups::join(std::chrono::milliseconds groupAsk
     if (!groupAsked) {
       // A rank of its group that never asks is lost (dead, or stopped: then only this
       // process's error makes its launcher end the node), even when the run is over.
-      groupAsked = wholeGroupAsks(*store_, launcherRank_);
+      groupAsked = wholeGroupAsks();
       if (!groupAsked && (finished || Clock::now() - asked >= groupAsksWithin)) {
         throw Error(strCat("fault.survive: launcher rank ", launcherRank_, "'s replica group did not ask to rejoin "
                            "with it ", finished ? "before the run finished" : "within " +

@@ -148,8 +148,8 @@ class ReplicaGroups {
   // Rank 0: the launcher ranks of the whole lost groups that wait to rejoin, and each one's
   // attempt (join()s so far), read through `store` (a connection is used by one thread).
   std::map<int, int64_t> waitingGroups(distributed::Store& store);
-  // Whether every launcher rank of `launcherRank`'s group asks to join now.
-  bool wholeGroupAsks(distributed::Store& store, int launcherRank);
+  // Whether every launcher rank of this process's group asks to join now.
+  bool wholeGroupAsks();
 
   int groupSize_;
   int launcherRank_;
