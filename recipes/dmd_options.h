@@ -22,6 +22,8 @@ struct DmdOptions {
   double gan_weight = 0;            // the generator's non-saturating GAN loss weight (0: no GAN term)
   double gan_critic_weight = 0.01;  // the critic's classification loss weight (with gan_weight > 0)
   int64_t gan_block = -1;           // the critic block the head reads (-1: the middle, (layers - 1) / 2)
+  double gan_min_t = 0.02;          // the head's real and generated samples are noised at t in
+  double gan_max_t = 0.98;          // [gan_min_t, gan_max_t] x T (low t: it sees fine detail)
   bool gan() const { return gan_weight > 0; }
 };
 

@@ -6,7 +6,9 @@
 #include <torch/autograd.h>
 #include <torch/utils.h>
 
+#include <algorithm>
 #include <cmath>
+#include <tuple>
 #include <numeric>
 #include <optional>
 
@@ -119,8 +121,8 @@ class DmdRecipe : public trainer::Recipe {
         chain_(generator_.cfg.model.sample_timesteps) {  // checked and defaulted by finishTrainConfig
     // One noise schedule for the three (finishTrainConfig checked their keys).
     const int64_t T = generatorNet_.schedule().timesteps;
-    minT_ = std::min<int64_t>(T - 1, static_cast<int64_t>(std::floor(options_.min_t * static_cast<double>(T))));
-    maxT_ = std::max<int64_t>(minT_, static_cast<int64_t>(std::ceil(options_.max_t * static_cast<double>(T))) - 1);
+    std::tie(minT_, maxT_) = timestepRange(options_.min_t, options_.max_t, T);
+    std::tie(ganMinT_, ganMaxT_) = timestepRange(options_.gan_min_t, options_.gan_max_t, T);
     if (options_.regression_weight > 0) makePairs();
     if (options_.gan()) {
       TESSERA_CHECK_AS(ConfigError, criticNet_.hasGanHead(), "recipe.gan_weight: the critic has no GAN head");
@@ -264,7 +266,7 @@ class DmdRecipe : public trainer::Recipe {
     return meanStepLoss(run_, stepLoss, sums);
   }
 
-  // The noise of the GAN term's samples: per sample a timestep in [min_t, max_t] x T and
+  // The noise of the GAN term's samples: per sample a timestep in [gan_min_t, gan_max_t] x T and
   // `draws` standard normal tensors of the sample shape, from the sample's own stream
   // (`seeds`), with signal and spread shaped to broadcast over [n, sample shape...].
   struct Noising {
@@ -283,7 +285,7 @@ class DmdRecipe : public trainer::Recipe {
     const models::NoiseSchedule& schedule = generatorNet_.schedule();
     for (int64_t i = 0; i < n; ++i) {
       at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seeds[static_cast<size_t>(i)]);
-      const int64_t t = at::randint(minT_, maxT_ + 1, {1}, gen, at::kLong).item<int64_t>();
+      const int64_t t = at::randint(ganMinT_, ganMaxT_ + 1, {1}, gen, at::kLong).item<int64_t>();
       for (at::Tensor& e : out.eps) e[i].copy_(at::randn(shape, gen, at::kFloat));
       out.timesteps[i] = t;
       signal[i] = schedule.signal(t);
@@ -490,11 +492,19 @@ class DmdRecipe : public trainer::Recipe {
   models::Denoiser &generatorNet_, &criticNet_, &teacherNet_;
   const std::vector<int64_t> chain_;  // the generator's timesteps (its model.sample_timesteps)
   int64_t minT_ = 0, maxT_ = 0;  // the generator's samples are noised at t in [minT_, maxT_]
+  int64_t ganMinT_ = 0, ganMaxT_ = 0;  // ... and for the GAN head at t in [ganMinT_, ganMaxT_]
   at::Tensor pairNoise_, pairSamples_;  // the regression loss's pairs (CPU)
   at::Tensor pairLabels_;               // their classes (undefined: unconditional)
 };
 
 }  // namespace
+
+std::pair<int64_t, int64_t> timestepRange(double minFraction, double maxFraction, int64_t timesteps) {
+  const auto T = static_cast<double>(timesteps);
+  const int64_t first = std::min<int64_t>(timesteps - 1, static_cast<int64_t>(std::floor(minFraction * T)));
+  const int64_t last = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(maxFraction * T)) - 1, first, timesteps - 1);
+  return {first, last};
+}
 
 at::Tensor generate(models::Denoiser& model, const std::vector<int64_t>& timesteps, const at::Tensor& noise,
                     const at::Tensor& labels) {

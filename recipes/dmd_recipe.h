@@ -29,6 +29,7 @@
 #include <ATen/ATen.h>
 
 #include <memory>
+#include <utility>
 
 #include "trainer/recipe.h"
 
@@ -43,6 +44,11 @@ namespace tessera::recipes {
 // same shape, of classes `labels` [n] (undefined: unconditional). Collective under zero3.
 at::Tensor generate(models::Denoiser& model, const std::vector<int64_t>& timesteps, const at::Tensor& noise,
                     const at::Tensor& labels = {});
+
+// The timesteps [first, last] that the fractions [minFraction, maxFraction] of a schedule of
+// `timesteps` steps span (recipe.min_t/max_t, recipe.gan_min_t/gan_max_t): first =
+// floor(min T), last = ceil(max T) - 1, clamped so that first <= last < T.
+std::pair<int64_t, int64_t> timestepRange(double minFraction, double maxFraction, int64_t timesteps);
 
 // DMD2's GAN term (recipe.gan_weight), its two sides. Samples are noised as
 // signal x + spread eps, signal and spread [n, 1, ...] broadcasting over x [n, ...].

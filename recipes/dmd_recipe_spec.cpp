@@ -103,6 +103,10 @@ void finishDmd(const config::ConfigSchema& schema, trainer::TrainConfig& c) {
   } else {
     critic.model.gan_head_block = -1;
   }
+  if (dmd.gan() && dmd.gan_min_t >= dmd.gan_max_t) {
+    throw ConfigError(schema.errorMessage("recipe.gan_min_t", strCat(dmd.gan_min_t, " is not below recipe.gan_max_t (",
+                                                                     dmd.gan_max_t, ")")));
+  }
   if (dmd.min_t >= dmd.max_t) {
     throw ConfigError(schema.errorMessage("recipe.min_t", strCat(dmd.min_t, " is not below recipe.max_t (",
                                                                  dmd.max_t, ")")));
@@ -153,6 +157,11 @@ void bindDmdKeys(config::ConfigSchema& s, trainer::TrainConfig& c) {
   s.add("recipe.gan_block", &recipe.gan_block,
         "The critic block whose output the GAN head reads (counted from 0; -1: the middle one, (layers - 1) / 2)")
       .min(-1).max(kMaxWidth);
+  s.add("recipe.gan_min_t", &recipe.gan_min_t,
+        "The GAN head's real and generated samples are noised at a timestep drawn in [gan_min_t, gan_max_t] x "
+        "model.timesteps (low timesteps: the head sees fine detail, high: the overall shape)")
+      .min(0.0).lessThan(1.0);
+  s.add("recipe.gan_max_t", &recipe.gan_max_t, "Upper end of the GAN head's range").greaterThan(0.0).max(1.0);
   s.add("recipe.guidance_interval", &recipe.guidance_interval,
         "[FIRST, LAST]: the teacher is guided only at the timesteps in that range, its conditional output alone "
         "elsewhere (as tessera-sample --cfg-interval; the teacher's sampler setting). Empty: every timestep");

@@ -281,6 +281,14 @@ TEST(DistillE2ETest, GanTermWithoutRegressionShardsAndResumesOnAnotherWorldSize)
   double differs = 0;
   for (const auto& [name, t] : a) differs = std::max(differs, (t - b.at(name)).abs().max().item<double>());
   EXPECT_GT(differs, 1e-6);
+  // The head's own timestep range (here its least noisy tenth) changes it too.
+  const std::string low = distillScratch("gan_low_t");
+  mustRun(trainCommand(1) + smallDistill(teacher, low) + gan + " --set recipe.gan_max_t=0.1" +
+          strategies("no_shard", "no_shard", "no_shard"));
+  const auto c = tessera::checkpoint::loadSafetensors(low + "/export/generator.safetensors");
+  differs = 0;
+  for (const auto& [name, t] : a) differs = std::max(differs, (t - c.at(name)).abs().max().item<double>());
+  EXPECT_GT(differs, 1e-6);
 
   const std::string whole = distillScratch("gan_whole"), resumed = distillScratch("gan_resumed");
   mustRun(trainCommand(4) + smallDistill(teacher, whole) + gan);
@@ -489,6 +497,8 @@ TEST(DistillE2ETest, BadModelConfigsAreConfigErrors) {
   expectConfigError(config + " --set recipe.gan_weight=0.1 --set recipe.gan_critic_weight=0",
                     {"recipe.gan_critic_weight: must be > 0 with recipe.gan_weight > 0"});
   expectConfigError(config + " --set recipe.gan_weight=-1", {"recipe.gan_weight"});
+  expectConfigError(config + " --set recipe.gan_weight=0.1 --set recipe.gan_min_t=0.5 --set recipe.gan_max_t=0.3",
+                    {"recipe.gan_min_t: 0.5 is not below recipe.gan_max_t (0.3)"});
 }
 
 }  // namespace

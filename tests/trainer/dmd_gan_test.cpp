@@ -69,6 +69,17 @@ at::Tensor generated(Denoiser& generator, const at::Tensor& labels) {
 
 bool hasGradient(const at::Tensor& p) { return p.grad().defined() && p.grad().abs().sum().item<double>() > 0; }
 
+// recipe.min_t/max_t and gan_min_t/gan_max_t as timesteps: floor(min T) to ceil(max T) - 1,
+// never past the schedule's last timestep nor below the first one drawn.
+TEST(DmdGanTest, TimestepFractionsSpanTheirTimesteps) {
+  using Range = std::pair<int64_t, int64_t>;
+  EXPECT_EQ(timestepRange(0.02, 0.98, 1000), (Range{20, 979}));
+  EXPECT_EQ(timestepRange(0.02, 0.3, 1000), (Range{20, 299}));
+  EXPECT_EQ(timestepRange(0.0, 1.0, 1000), (Range{0, 999}));
+  EXPECT_EQ(timestepRange(0.5, 0.5001, 50), (Range{25, 25}));  // one timestep
+  EXPECT_EQ(timestepRange(0.999, 1.0, 10), (Range{9, 9}));
+}
+
 TEST(DmdGanTest, TheHeadIsPartOfTheCriticOnlyWhenAsked) {
   const auto plain = smallDit(1, -1), withHead = smallDit(1, 0);
   EXPECT_FALSE(plain->hasGanHead());
