@@ -646,6 +646,27 @@ TEST(ConvNetTest, StagesFeaturesAndHeadAsTorchWouldComputeThem) {
   batch.targets = torch::tensor(std::vector<int64_t>{2, 0, 1});
   const at::Tensor expected = -logits.log_softmax(1).gather(1, batch.targets.unsqueeze(1)).squeeze(1);
   EXPECT_TRUE(at::allclose(net->losses(batch), expected, 1e-5, 1e-6));
+  // The stages are im2col and a product (the same bits on any CPU): their gradients are
+  // torch::conv2d's, the input's too.
+  {
+    const at::Tensor xn = x.clone().requires_grad_(true), xt = x.clone().requires_grad_(true);
+    std::map<std::string, at::Tensor> torchParams;
+    for (const auto& item : p) torchParams[item.key()] = item.value().detach().clone().requires_grad_(true);
+    net->losses(datasets::Batch{xn, batch.targets}).sum().backward();
+    at::Tensor ht = xt;
+    for (const char* s : {"stages.0", "stages.1"}) {
+      ht = torch::max_pool2d(
+          torch::relu(torch::conv2d(ht, torchParams[std::string(s) + ".weight"], torchParams[std::string(s) + ".bias"], 1, 1)), 2);
+    }
+    const at::Tensor ft = torch::relu(torch::linear(ht.flatten(1), torchParams["fc.weight"], torchParams["fc.bias"]));
+    const at::Tensor lt = torch::linear(ft, torchParams["head.weight"], torchParams["head.bias"]);
+    (-lt.log_softmax(1).gather(1, batch.targets.unsqueeze(1))).sum().backward();
+    for (const auto& item : p) {
+      ASSERT_TRUE(item.value().grad().defined()) << item.key();
+      EXPECT_TRUE(at::allclose(item.value().grad(), torchParams[item.key()].grad(), 1e-4, 1e-6)) << item.key();
+    }
+    EXPECT_TRUE(at::allclose(xn.grad(), xt.grad(), 1e-4, 1e-6));
+  }
   // 2 x (2 x 4 x 2 x 9 x 64 + 2 x 6 x 4 x 9 x 16) convolutions' and the two linears' FLOPs.
   EXPECT_DOUBLE_EQ(net->forwardFlopsPerSample(), 2.0 * 72 * 64 + 2.0 * 216 * 16 + 2.0 * 5 * 24 + 2.0 * 3 * 5);
   EXPECT_THROW(makeModel(o, floatSpec({2, 8, 8})), ConfigError);     // no classes
