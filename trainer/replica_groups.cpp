@@ -109,11 +109,13 @@ std::string Membership::describe() const {
 }
 
 ReplicaGroups::ReplicaGroups(const distributed::RankEnv& env, int groupSize, std::chrono::milliseconds quorumWait,
-                             std::chrono::milliseconds timeout, bool joining, const std::string& backend)
+                             std::chrono::milliseconds lostAfter, std::chrono::milliseconds timeout, bool joining,
+                             const std::string& backend)
     : groupSize_(groupSize),
       launcherRank_(env.rank),
       worldAtStart_(env.world_size),
       quorumWait_(quorumWait),
+      lostAfter_(lostAfter),
       timeout_(timeout),
       backend_(backend) {
   store_ = distributed::Store::createTcp(env.master_addr, env.master_port, false, timeout);
@@ -375,7 +377,7 @@ void ReplicaGroups::setEpoch(int64_t epoch) {
 std::chrono::milliseconds ReplicaGroups::silenceLosesARankAfter() const {
   // shm's collectives see a stopped or exited peer's process themselves (and say which):
   // there the heartbeats are the backstop for a change's builds, where nothing else looks.
-  return backend_ == "gloo" ? kStoppedRankIsLostAfter : 2 * kStoppedRankIsLostAfter;
+  return backend_ == "gloo" ? lostAfter_ : 2 * lostAfter_;
 }
 
 int ReplicaGroups::rankNow() const {
@@ -490,7 +492,7 @@ std::shared_ptr<distributed::Communicator> ReplicaGroups::groupCommunicator(int6
   }
   distributed::ShmOptions options;
   options.comm = comm;
-  options.comm.lostWhenStoppedFor = kStoppedRankIsLostAfter;
+  options.comm.lostWhenStoppedFor = lostAfter_;
   return distributed::makeShmCommunicator(store, rank, world, options);
 }
 

@@ -49,10 +49,6 @@ namespace tessera::trainer {
 
 struct TrainConfig;
 
-// A rank whose process stays stopped (SIGSTOP, a frozen node) this long is lost: every
-// communicator of a fault.survive run says so (CommOptions::lostWhenStoppedFor).
-constexpr std::chrono::milliseconds kStoppedRankIsLostAfter{1000};
-
 // Ranks per replica group of `cfg` on `world` ranks with `localRanks` per node: hybrid's
 // shard_size, else the node. ConfigError naming fault.survive when that leaves one group
 // (nothing would survive a loss) or does not divide the world.
@@ -81,9 +77,11 @@ class ReplicaGroups {
   // process that trains from the start knows the world's launcher ranks (0 .. world-1);
   // one that rejoins learns them in join().
   // `backend`: the run's CPU collectives, "shm" or "gloo" (the communicators of each new
-  // world are made alike); a joining process reads it from the store.
+  // world are made alike); a joining process reads it from the store. `lostAfter`: how long
+  // a rank may be stopped or silent before it is lost (fault.lost_after_s).
   ReplicaGroups(const distributed::RankEnv& env, int groupSize, std::chrono::milliseconds quorumWait,
-                std::chrono::milliseconds timeout, bool joining = false, const std::string& backend = "shm");
+                std::chrono::milliseconds lostAfter, std::chrono::milliseconds timeout, bool joining = false,
+                const std::string& backend = "shm");
   ~ReplicaGroups();
   ReplicaGroups(const ReplicaGroups&) = delete;
   ReplicaGroups& operator=(const ReplicaGroups&) = delete;
@@ -135,7 +133,7 @@ class ReplicaGroups {
   void startWatching();
   void setEpoch(int64_t epoch);  // under epochMutex_
   // A group `name` of a membership change's communicators (its store prefix), of the run's
-  // backend; shm's stopped ranks are lost after kStoppedRankIsLostAfter (any backend's by
+  // backend; shm's stopped ranks are lost after lostAfter_ (any backend's by
   // the heartbeats, watch()). Its build and operations end with PeerLostError when the watcher
   // aborts for the next change (epochGeneration_).
   std::shared_ptr<distributed::Communicator> groupCommunicator(int64_t epoch, const std::string& name, int rank,
@@ -154,7 +152,7 @@ class ReplicaGroups {
   int groupSize_;
   int launcherRank_;
   int worldAtStart_;
-  std::chrono::milliseconds quorumWait_, timeout_;
+  std::chrono::milliseconds quorumWait_, lostAfter_, timeout_;
   std::shared_ptr<distributed::Store> store_;         // the agreements and the new communicators
   std::shared_ptr<distributed::Store> watchStore_;    // the watcher's own connection
   std::mutex epochMutex_;                             // epoch_'s changes against the watcher's aborts

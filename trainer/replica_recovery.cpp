@@ -34,8 +34,8 @@ std::unique_ptr<ReplicaGroups> startReplicaGroups(const RunParts& run) {
   }
   TLOG_INFO0("fault.survive: " << world / groupSize << " replica groups of " << groupSize
                                << " ranks; a lost rank's group leaves and the others go on");
-  return std::make_unique<ReplicaGroups>(env, groupSize, cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout,
-                                         /*joining=*/false, backend);
+  return std::make_unique<ReplicaGroups>(env, groupSize, cfg.fault.quorum_wait, cfg.fault.lost_after,
+                                         cfg.diagnostics.runtime.rendezvousTimeout, /*joining=*/false, backend);
 }
 
 // fault.survive, after this rank lost a peer (`why`) with `stepsDone` steps complete: the
@@ -138,8 +138,8 @@ std::unique_ptr<RunParts> rejoin(const TrainConfig& cfg, const std::string& reso
   const distributed::RankEnv env = distributed::RankEnv::fromEnvironment();
   replicas.reset();  // a live rank's former groups: their watcher must not abort the new world's builds
   replicas = std::make_unique<ReplicaGroups>(env, replicaGroupSize(cfg, env.world_size, env.local_world_size),
-                                             cfg.fault.quorum_wait, cfg.diagnostics.runtime.rendezvousTimeout,
-                                             /*joining=*/true);
+                                             cfg.fault.quorum_wait, cfg.fault.lost_after,
+                                             cfg.diagnostics.runtime.rendezvousTimeout, /*joining=*/true);
   if (groupAsksWithin.count() <= 0) {
     TLOG_INFO("fault.survive: restarted into a live run; waiting to rejoin at a step boundary");
   }

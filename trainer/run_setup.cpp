@@ -101,8 +101,8 @@ void startFlightRecorder(const TrainConfig& cfg, const distributed::RankEnv& env
 
 distributed::RuntimeOptions runtimeOptions(const TrainConfig& cfg, const distributed::RankEnv& env) {
   distributed::RuntimeOptions options = cfg.diagnostics.runtime;
-  // fault.survive: a rank stopped for a second is lost (a heartbeat's worth), not waited for.
-  if (cfg.fault.survive) options.lostWhenStoppedFor = kStoppedRankIsLostAfter;
+  // fault.survive: a rank stopped for fault.lost_after_s is lost, not waited for.
+  if (cfg.fault.survive) options.lostWhenStoppedFor = cfg.fault.lost_after;
   const bool cuda = cfg.run.device == "cuda";
   const int64_t gpus = cuda && torch::cuda::is_available() ? static_cast<int64_t>(torch::cuda::device_count()) : 0;
   const bool gpuPerRank = gpus >= env.local_world_size;

@@ -326,6 +326,11 @@ void bindFaultKeys(config::ConfigSchema& s, FaultSection& f) {
         "Seconds rank 0 waits for the live ranks to report after a loss before it names the groups that go on")
       .min(0.05)
       .max(600.0);
+  s.add("fault.lost_after_s", &f.lost_after,
+        "Seconds a rank may be stopped or send no heartbeat before it is lost (over shm its heartbeats may be late "
+        "twice this): longer on an overloaded host, where a live rank's heartbeats come late")
+      .min(0.2)
+      .max(600.0);
 }
 
 // The sections in this order: the resolved config lists keys in registration order.

@@ -97,6 +97,10 @@ struct FaultSection {
   // How long rank 0 waits for the live ranks to report after a loss before it names who
   // goes on (a lost group never reports, so every recovery waits this long).
   std::chrono::milliseconds quorum_wait = std::chrono::milliseconds(500);
+  // A rank stopped (SIGSTOP, a frozen host) or silent this long is lost: shm's collectives
+  // see a stopped peer's process after it, the heartbeats (1 per 100 ms) of a silent one
+  // after it over gloo and after twice it over shm, where they are the backstop.
+  std::chrono::milliseconds lost_after = std::chrono::milliseconds(1000);
 };
 
 // A model's EMA: the library's options (ema/ema_manager.h) and what the trainer does

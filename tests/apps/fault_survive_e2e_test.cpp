@@ -229,6 +229,31 @@ TEST(FaultSurviveE2ETest, ARankThatStallsAndComesBackRejoinsInProcess) {
   expectExportsEqual(reference(2, kRejoinRun), dir + "/run", /*bitwise=*/true);
 }
 
+// fault.lost_after_s: a rank frozen for 5 s in a run that allows 10 is not lost: the others
+// wait for it in their collectives (shm sees its process stopped, rank 0's watcher its
+// heartbeats late; neither for 10 s), nobody leaves, and the run ends as the uninterrupted one.
+TEST(FaultSurviveE2ETest, ARankStalledShorterThanLostAfterIsWaitedFor) {
+  const std::string dir = tessera::test::scratchPath("tessera_fault_survive", "pause_allowed");
+  const Nodes r = runNodes(dir, 2, kDeterministic + " --set fault.lost_after_s=10", "3:31:pause");
+  for (int n = 0; n < 2; ++n) {
+    EXPECT_EQ(r.status[n], 0) << r.logs[n];
+    EXPECT_EQ(r.logs[n].find("sent no heartbeat"), std::string::npos) << r.logs[n];
+    EXPECT_EQ(r.logs[n].find("go on as a world"), std::string::npos) << r.logs[n];
+    EXPECT_EQ(r.logs[n].find("restart"), std::string::npos) << r.logs[n];
+  }
+  EXPECT_NE(r.logs[0].find("done: 60 steps"), std::string::npos) << r.logs[0];
+  // The others did wait for it: one step took the pause's 5 s.
+  double longest = 0, previous = 0;
+  std::ifstream metrics(dir + "/run/metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);) {
+    const double time = nlohmann::json::parse(line).at("time").get<double>();
+    if (previous > 0) longest = std::max(longest, time - previous);
+    previous = time;
+  }
+  EXPECT_GT(longest, 4.5);
+  expectExportsEqual(reference(2, kDeterministic), dir + "/run", /*bitwise=*/true);
+}
+
 // Over gloo (several hosts' backend; here every rank on loopback): a killed peer's
 // connections close, a stopped one misses its heartbeats; the live group abandons the
 // collectives in flight and goes on to the same bits as the uninterrupted run over shm (the

@@ -34,7 +34,7 @@ RankEnv envOf(int rank, int world, int port, int restarts = 0) {
 TEST(ReplicaGroupsTest, AGroupThatLostARankLeavesAndTheOthersRenumber) {
   const auto server = Store::createTcp("127.0.0.1", 0, /*isServer=*/true, 5s);
   std::vector<std::unique_ptr<ReplicaGroups>> ranks;
-  for (int r = 0; r < 6; ++r) ranks.push_back(std::make_unique<ReplicaGroups>(envOf(r, 6, server->port()), 2, 2s, 5s));
+  for (int r = 0; r < 6; ++r) ranks.push_back(std::make_unique<ReplicaGroups>(envOf(r, 6, server->port()), 2, 2s, 1s, 5s));
   // Rank 3 is lost: 0, 1, 2, 4, 5 report after 10 steps; rank 2's group is not whole.
   std::vector<std::future<Membership>> answers;
   for (int r : {0, 1, 2, 4, 5}) answers.push_back(std::async(std::launch::async, [&, r] { return ranks[r]->recover(r, 6, 10); }));
@@ -50,7 +50,7 @@ TEST(ReplicaGroupsTest, AGroupThatLostARankLeavesAndTheOthersRenumber) {
 
 TEST(ReplicaGroupsTest, LiveRanksThatCompletedDifferentStepsStopWithTheReason) {
   const auto server = Store::createTcp("127.0.0.1", 0, /*isServer=*/true, 5s);
-  ReplicaGroups r0(envOf(0, 4, server->port()), 2, 2s, 5s), r1(envOf(1, 4, server->port()), 2, 2s, 5s);
+  ReplicaGroups r0(envOf(0, 4, server->port()), 2, 2s, 1s, 5s), r1(envOf(1, 4, server->port()), 2, 2s, 1s, 5s);
   auto one = std::async(std::launch::async, [&] { return r1.recover(1, 4, 11); });
   try {
     r0.recover(0, 4, 10);
@@ -64,7 +64,7 @@ TEST(ReplicaGroupsTest, LiveRanksThatCompletedDifferentStepsStopWithTheReason) {
 TEST(ReplicaGroupsTest, AWholeLostGroupIsAdmittedBackInItsPlace) {
   const auto server = Store::createTcp("127.0.0.1", 0, /*isServer=*/true, 5s);
   const int port = server->port();
-  ReplicaGroups r0(envOf(0, 4, port), 2, 2s, 5s), r1(envOf(1, 4, port), 2, 2s, 5s);
+  ReplicaGroups r0(envOf(0, 4, port), 2, 2s, 1s, 5s), r1(envOf(1, 4, port), 2, 2s, 1s, 5s);
   {
     auto one = std::async(std::launch::async, [&] { return r1.recover(1, 4, 7); });
     EXPECT_EQ(r0.recover(0, 4, 7).members, (std::vector<int>{0, 1}));
@@ -73,8 +73,8 @@ TEST(ReplicaGroupsTest, AWholeLostGroupIsAdmittedBackInItsPlace) {
   EXPECT_TRUE(ReplicaGroups::rejoins(envOf(2, 4, port, /*restarts=*/1), 5s));
   EXPECT_FALSE(ReplicaGroups::rejoins(envOf(2, 4, port, /*restarts=*/0), 5s));  // not restarted
   EXPECT_FALSE(ReplicaGroups::rejoins(envOf(0, 4, port, /*restarts=*/1), 5s));  // rank 0 never rejoins
-  ReplicaGroups j2(envOf(2, 4, port, 1), 2, 2s, 5s, /*joining=*/true);
-  ReplicaGroups j3(envOf(3, 4, port, 1), 2, 2s, 5s, /*joining=*/true);
+  ReplicaGroups j2(envOf(2, 4, port, 1), 2, 2s, 1s, 5s, /*joining=*/true);
+  ReplicaGroups j3(envOf(3, 4, port, 1), 2, 2s, 1s, 5s, /*joining=*/true);
   auto joined2 = std::async(std::launch::async, [&] { return j2.join(); });
   auto joined3 = std::async(std::launch::async, [&] { return j3.join(); });
   // Both asked before the live ranks admit them (rank 0 admits whole groups only).
@@ -104,8 +104,8 @@ TEST(ReplicaGroupsTest, AWholeLostGroupIsAdmittedBackInItsPlace) {
 
 TEST(ReplicaGroupsTest, ARankWaitingToRejoinStopsWhenTheRunFinishes) {
   const auto server = Store::createTcp("127.0.0.1", 0, /*isServer=*/true, 5s);
-  ReplicaGroups r0(envOf(0, 4, server->port()), 2, 2s, 5s);
-  ReplicaGroups joiner(envOf(2, 4, server->port(), 1), 2, 2s, 5s, /*joining=*/true);
+  ReplicaGroups r0(envOf(0, 4, server->port()), 2, 2s, 1s, 5s);
+  ReplicaGroups joiner(envOf(2, 4, server->port(), 1), 2, 2s, 1s, 5s, /*joining=*/true);
   auto joined = std::async(std::launch::async, [&] { return joiner.join(); });
   std::this_thread::sleep_for(100ms);
   r0.finished();
