@@ -8,9 +8,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <tuple>
 #include <numeric>
 #include <optional>
+#include <tuple>
 
 #include "common/counter_rng.h"
 #include "common/enum_names.h"
