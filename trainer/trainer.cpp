@@ -252,7 +252,9 @@ class TrainLoop {
     if (cfg_.eval.sample_every > 0 && done % cfg_.eval.sample_every == 0 && !last) writeSampleGrids(done);
     if (schedule_.periodicSaveDue(done)) saveCheckpoint(done);
     if (run_.localCheckpointer && schedule_.localSaveDue(done)) saveLocal(done);
-    if (run_.posthocWriter && done % run_.models.front().cfg.ema.snapshotEvery == 0) savePosthocSnapshot(done);
+    // The last step too, so that tessera-export reconstructs at the run's end even when
+    // snapshot_every does not divide run.steps.
+    if (run_.posthocWriter && (done % run_.models.front().cfg.ema.snapshotEvery == 0 || last)) savePosthocSnapshot(done);
   }
 
   // ema.posthoc: the power-function profiles at step `done`, for tessera-export
