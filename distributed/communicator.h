@@ -92,7 +92,8 @@ struct CommOptions {
   // diagnostics.flight_entries); 0: none recorded.
   int flightEntries = 2000;
   // shm: a peer whose process stays stopped (state T: SIGSTOP) this long fails the wait with
-  // PeerLostError, as one that exited (fault.survive: 1 s); 0: a stopped peer is waited for.
+  // PeerLostError, as one that exited (fault.survive: fault.lost_after_s, default 1 s); 0: a stopped peer is
+  // waited for.
   std::chrono::milliseconds lostWhenStoppedFor{0};
   // The abortCommunicators() generation this group belongs to (commAbortGeneration() when
   // its caller decided to build it, e.g. a replica group's membership change); building it

@@ -159,14 +159,15 @@ void ShardedModelEMAManager::resetFromLive() {
   updates_ = 0;
 }
 
+double warmupDecayCap(const EmaOptions& options, int64_t k) {
+  return std::max(0.0, 1.0 - std::pow(1.0 + static_cast<double>(k) / options.invGamma, -options.power));
+}
+
 double ShardedModelEMAManager::effectiveDecay(size_t decayIndex, int64_t k) const {
   TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::effectiveDecay: profile ", decayIndex,
                 " is not a decay");
   double d = options_.decays[decayIndex];
-  if (options_.warmup) {
-    d = std::min(d, 1.0 - std::pow(1.0 + static_cast<double>(k) / options_.invGamma, -options_.power));
-    d = std::max(d, 0.0);
-  }
+  if (options_.warmup) d = std::max(std::min(d, warmupDecayCap(options_, k)), 0.0);
   return std::pow(d, static_cast<double>(options_.updateEvery));
 }
 

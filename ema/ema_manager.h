@@ -54,6 +54,10 @@ struct EmaOptions {
   std::vector<double> powerStds;
 };
 
+// ema.warmup's cap on the decay at update count k (0-based): 1 - (1 + k / inv_gamma)^-power,
+// never below 0. One formula for the manager and the config's check of unreached decays.
+double warmupDecayCap(const EmaOptions& options, int64_t k);
+
 class ShardedModelEMAManager : public dtensor::Stateful {
  public:
   // Throws tessera::ConfigError for decays outside [0, 1), updateEvery < 1, an empty

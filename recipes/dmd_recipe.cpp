@@ -501,8 +501,15 @@ class DmdRecipe : public trainer::Recipe {
 
 std::pair<int64_t, int64_t> timestepRange(double minFraction, double maxFraction, int64_t timesteps) {
   const auto T = static_cast<double>(timesteps);
-  const int64_t first = std::min<int64_t>(timesteps - 1, static_cast<int64_t>(std::floor(minFraction * T)));
-  const int64_t last = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(maxFraction * T)) - 1, first, timesteps - 1);
+  // A fraction times T that is an integer but for the product's rounding (0.07 * 100 =
+  // 7.000000000000001) counts as that integer, or floor/ceil would move a bound by one.
+  const auto snapped = [](double x) {
+    const double nearest = std::round(x);
+    return std::abs(x - nearest) <= 1e-9 * std::max(1.0, std::abs(x)) ? nearest : x;
+  };
+  const int64_t first = std::min<int64_t>(timesteps - 1, static_cast<int64_t>(std::floor(snapped(minFraction * T))));
+  const int64_t last =
+      std::clamp<int64_t>(static_cast<int64_t>(std::ceil(snapped(maxFraction * T))) - 1, first, timesteps - 1);
   return {first, last};
 }
 

@@ -3,10 +3,12 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <iomanip>
 #include <limits>
-#include <utility>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "common/errors.h"
 #include "datasets/dataset.h"
@@ -103,7 +105,15 @@ Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels
   j.realImages = realFeatures_.size(0);
   j.realSource = realSource_;
   const at::Tensor asked = labels.to(at::kLong);
-  const at::Tensor hit = net_->forward(images).argmax(1).eq(asked);
+  // In batches, as the real images: the convnet's im2col columns of 10000 samples at once
+  // would be gigabytes.
+  std::vector<at::Tensor> predicted, features;
+  for (int64_t begin = 0; begin < images.size(0); begin += kBatch) {
+    const at::Tensor batch = images.slice(0, begin, std::min(begin + kBatch, images.size(0)));
+    predicted.push_back(net_->forward(batch).argmax(1));
+    features.push_back(featuresOf(batch));
+  }
+  const at::Tensor hit = at::cat(predicted).eq(asked);
   j.accuracy = hit.to(at::kDouble).mean().item<double>();
   const auto [count, correct] = hitsPerClass(asked, hit, static_cast<int64_t>(realCount_.size()));
   for (int64_t label = 0; label < count.size(0); ++label) {
@@ -117,7 +127,7 @@ Judgement SampleJudge::judge(const at::Tensor& samples, const at::Tensor& labels
     }
     j.perClass.push_back(c);
   }
-  j.frechet = frechetDistance(featuresOf(images), realFeatures_);
+  j.frechet = frechetDistance(at::cat(features), realFeatures_);
   j.realAccuracy = realAccuracy_;
   const int64_t n = samples.size(0);
   if (n >= 2 && realFeatures_.size(0) - n >= 2) {

@@ -119,8 +119,8 @@ void bindEmaKeys(config::ConfigSchema& s, const std::string& p, ModelEntry& m) {
         "reconstruct any sigma_rel afterwards with tessera-export --posthoc-ema (docs/ema.md)")
       .min(ema::kMinPowerEmaStd).lessThan(ema::kMaxPowerEmaStd);
   s.add(p + "posthoc.snapshot_every", &m.ema.snapshotEvery,
-        "Post-hoc EMA: steps between snapshots of the profiles in <run.dir>/posthoc/ (kept whatever "
-        "checkpoint.keep_last says)").min(0);
+        "Post-hoc EMA: steps between snapshots of the profiles in <run.dir>/posthoc/, and one at the last step "
+        "(kept whatever checkpoint.keep_last says)").min(0);
 }
 
 // A models: entry: the model keys at its top level, then its own sections; what it does
@@ -167,7 +167,7 @@ void bindRunKeys(config::ConfigSchema& s, RunOptions& run) {
         "start by a matrix-product probe on the run's device and compute dtype")
       .min(0.0);
   s.add("run.matmul_dtype", &run.matmul_dtype,
-        "What the fp32 Linear layers of the built-in models multiply in on the CPU: fp32, or bf16 (bf16 copies of "
+        "What the fp32 Linear layers (and the convnet's convolutions) of the built-in models multiply in on the CPU: fp32, or bf16 (bf16 copies of "
         "inputs and weights through oneDNN, accumulated and returned in fp32; masters, optimizer and everything "
         "else stay fp32; about 2x the products' speed on cores with AVX512-BF16 or AMX)")
       .oneOf({"fp32", "bf16"});
@@ -420,10 +420,10 @@ void validateModel(const ModelKeys& k, TrainConfig& c, int worldSize) {
     k.fail("ema.posthoc.snapshot_every", "must be > 0 when ema.posthoc.stds is set (the snapshots are what is reconstructed)");
   }
   if (m.ema.enabled && e.warmup) {
-    // The warmup's decay at the run's last update: a decay above it is never reached, and its
-    // EMA is the warmup's alone.
-    const double updates = static_cast<double>(std::max<int64_t>(1, (c.run.steps - e.startStep) / e.updateEvery));
-    const double reached = 1.0 - std::pow(1.0 + updates / e.invGamma, -e.power);
+    // The warmup's decay at the run's last update (count updates - 1): a decay above it is
+    // never reached, and its EMA is the warmup's alone.
+    const int64_t updates = std::max<int64_t>(1, (c.run.steps - e.startStep) / e.updateEvery);
+    const double reached = ema::warmupDecayCap(e, updates - 1);
     std::string unreached;
     int count = 0;
     for (double d : e.decays) {
@@ -435,7 +435,7 @@ void validateModel(const ModelKeys& k, TrainConfig& c, int worldSize) {
       c.warnings.push_back(strCat(m.sectionKeys, "ema.decays ", unreached, " are never reached in run.steps ",
                                   c.run.steps, " with ema.warmup (its decay is ", reached,
                                   " at the last update): their EMAs are the warmup's alone, the same tensors kept "
-                                  "and exported twice (set ema.warmup: false, or a lower ema.power, for the decays "
+                                  "and exported twice (set ema.warmup: false, or a higher ema.power, for the decays "
                                   "to apply)"));
     }
   }
@@ -721,6 +721,16 @@ void finishTrainConfig(config::ConfigSchema& s, TrainConfig& c, int worldSize) {
       throw ConfigError(s.errorMessage("fault.survive", strCat("needs run.recipe standard, not ", c.run.recipe,
                                                                " (a recipe that updates several models in one step "
                                                                "cannot yet be redone by the survivors)")));
+    }
+    // A loss must be noticed before the waits on the lost rank time out (over shm its
+    // heartbeats may be late twice lost_after_s): a timeout ends the run instead.
+    const auto& runtime = c.diagnostics.runtime;
+    if (2 * c.fault.lost_after >= std::min(runtime.commTimeout, runtime.rendezvousTimeout)) {
+      throw ConfigError(s.errorMessage(
+          "fault.lost_after_s",
+          strCat(c.fault.lost_after.count() / 1000.0, " s: twice it must be below diagnostics.collective_timeout_s (",
+                 runtime.commTimeout.count() / 1000.0, ") and diagnostics.startup_timeout_s (",
+                 runtime.rendezvousTimeout.count() / 1000.0, "), or a stopped rank ends the run in a timeout")));
     }
     for (const ModelEntry& m : c.models) {
       const sharding::StrategyKind kind = m.sharding.strategy;

@@ -109,7 +109,7 @@ struct EmaConfig {
   bool enabled = true;                    // ema.enabled
   ema::EmaOptions options;                // ema.decays, dtype, ..., posthoc.stds (prefix: the model's EMA name)
   std::optional<std::string> initFrom;    // ema.init_from: safetensors every profile starts from (fresh runs)
-  int64_t snapshotEvery = 0;              // ema.posthoc.snapshot_every: steps between post-hoc snapshots
+  int64_t snapshotEvery = 0;              // ema.posthoc.snapshot_every: steps between post-hoc snapshots (and the last)
 };
 
 // checkpoint.local: the node-local tier (checkpoint/local_tier.h).

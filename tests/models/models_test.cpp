@@ -624,15 +624,15 @@ TEST(ConvNetTest, StagesFeaturesAndHeadAsTorchWouldComputeThem) {
   ModelOptions o;
   o.arch = "convnet";
   o.hidden = {4, 6, 5};
-  auto net = std::dynamic_pointer_cast<FeatureModel>(initialized(makeModel(o, floatSpec({2, 8, 8}, /*classes=*/3))));
+  auto net = std::dynamic_pointer_cast<FeatureModel>(initialized(makeModel(o, floatSpec({2, 8, 12}, /*classes=*/3))));
   ASSERT_NE(net, nullptr);
   EXPECT_EQ(names(*net), (std::set<std::string>{"stages.0.weight", "stages.0.bias", "stages.1.weight", "stages.1.bias",
                                                 "fc.weight", "fc.bias", "head.weight", "head.bias"}));
   EXPECT_EQ(unitNames(*net), (std::vector<std::string>{"stages.0", "stages.1"}));
   auto p = net->named_parameters();
   EXPECT_EQ(p["stages.1.weight"].sizes(), (c10::IntArrayRef{6, 4, 3, 3}));
-  EXPECT_EQ(p["fc.weight"].sizes(), (c10::IntArrayRef{5, 6 * 2 * 2}));
-  const at::Tensor x = torch::randn({3, 2, 8, 8});
+  EXPECT_EQ(p["fc.weight"].sizes(), (c10::IntArrayRef{5, 6 * 2 * 3}));  // 8 x 12 pooled twice
+  const at::Tensor x = torch::randn({3, 2, 8, 12});  // not square: height and width kept apart
   at::Tensor h = x;
   for (const char* s : {"stages.0", "stages.1"}) {
     h = torch::max_pool2d(torch::relu(torch::conv2d(h, p[std::string(s) + ".weight"], p[std::string(s) + ".bias"], 1, 1)), 2);
@@ -646,8 +646,8 @@ TEST(ConvNetTest, StagesFeaturesAndHeadAsTorchWouldComputeThem) {
   batch.targets = torch::tensor(std::vector<int64_t>{2, 0, 1});
   const at::Tensor expected = -logits.log_softmax(1).gather(1, batch.targets.unsqueeze(1)).squeeze(1);
   EXPECT_TRUE(at::allclose(net->losses(batch), expected, 1e-5, 1e-6));
-  // The stages are im2col and a product (the same bits on any CPU): their gradients are
-  // torch::conv2d's, the input's too.
+  // The stages are im2col and kernels::linear's product (not at::conv2d, whose kernels the
+  // CPU chooses): their gradients are torch::conv2d's, the input's too.
   {
     const at::Tensor xn = x.clone().requires_grad_(true), xt = x.clone().requires_grad_(true);
     std::map<std::string, at::Tensor> torchParams;
@@ -667,8 +667,9 @@ TEST(ConvNetTest, StagesFeaturesAndHeadAsTorchWouldComputeThem) {
     }
     EXPECT_TRUE(at::allclose(xn.grad(), xt.grad(), 1e-4, 1e-6));
   }
-  // 2 x (2 x 4 x 2 x 9 x 64 + 2 x 6 x 4 x 9 x 16) convolutions' and the two linears' FLOPs.
-  EXPECT_DOUBLE_EQ(net->forwardFlopsPerSample(), 2.0 * 72 * 64 + 2.0 * 216 * 16 + 2.0 * 5 * 24 + 2.0 * 3 * 5);
+  // The convolutions' FLOPs (2 x 4 x 2 x 9 over 8 x 12 pixels, 2 x 6 x 4 x 9 over 4 x 6) and
+  // the two linears'.
+  EXPECT_DOUBLE_EQ(net->forwardFlopsPerSample(), 2.0 * 72 * 96 + 2.0 * 216 * 24 + 2.0 * 5 * 36 + 2.0 * 3 * 5);
   EXPECT_THROW(makeModel(o, floatSpec({2, 8, 8})), ConfigError);     // no classes
   EXPECT_THROW(makeModel(o, floatSpec({64}, 3)), ConfigError);       // not images
   o.hidden = {4};

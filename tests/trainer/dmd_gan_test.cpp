@@ -78,6 +78,10 @@ TEST(DmdGanTest, TimestepFractionsSpanTheirTimesteps) {
   EXPECT_EQ(timestepRange(0.0, 1.0, 1000), (Range{0, 999}));
   EXPECT_EQ(timestepRange(0.5, 0.5001, 50), (Range{25, 25}));  // one timestep
   EXPECT_EQ(timestepRange(0.999, 1.0, 10), (Range{9, 9}));
+  // Products that are integers but for their rounding: 0.07 * 100 = 7.000000000000001 and
+  // 0.29 * 100 = 28.999999999999996 are the fractions 7/100 and 29/100.
+  EXPECT_EQ(timestepRange(0.29, 0.5, 100), (Range{29, 49}));
+  EXPECT_EQ(timestepRange(0.0, 0.07, 100), (Range{0, 6}));
 }
 
 TEST(DmdGanTest, TheHeadIsPartOfTheCriticOnlyWhenAsked) {

@@ -218,6 +218,22 @@ TEST(TrainConfigTest, CheckpointAndDiagnosticsKeysLandInTheLibrariesOptions) {
     EXPECT_NE(std::string(e.what()).find("diagnostics.straggler_ratio"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(loadTrainConfig(kConfigs + "/default.yaml", {"diagnostics.straggler_ratio=0"}, 2));
+  // fault.lost_after_s notices a loss before the waits on the lost rank time out (over shm
+  // twice it): at 5 s a collective timeout of 10 would end the run first, 10.5 leaves room.
+  const auto survive = [&](const std::string& timeout) {
+    return loadTrainConfig(kConfigs + "/default.yaml",
+                           {"fault.survive=true", "sharding.strategy=no_shard", "fault.lost_after_s=5",
+                            "diagnostics.collective_timeout_s=" + timeout},
+                           2);
+  };
+  try {
+    survive("10");
+    ADD_FAILURE() << "fault.lost_after_s 5 under a collective timeout of 10 s was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("fault.lost_after_s"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("collective_timeout_s (10)"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(survive("10.5"));
 }
 
 // The single-model form is one entry, named for the state it always had; the MLP's EMA
