@@ -88,7 +88,7 @@ SeamConvImpl::SeamConvImpl(int64_t channels, at::Device device) {
 }
 
 at::Tensor SeamConvImpl::forward(const at::Tensor& images) {
-  return images + at::conv2d(images, weight, bias, /*stride=*/1, /*padding=*/1);
+  return images + layers::conv3x3(images, weight, bias);  // the convnet's 3x3 convolution
 }
 
 DiTBlock::DiTBlock(int64_t width, int64_t heads, int64_t mlpWidth, at::Device device) : heads_(heads) {

@@ -83,4 +83,15 @@ double linearFlops(const torch::nn::Module& module) {
   return total;
 }
 
+at::Tensor conv3x3(const at::Tensor& images, const at::Tensor& weight, const at::Tensor& bias) {
+  TESSERA_CHECK(images.dim() == 4 && weight.dim() == 4 && weight.size(1) == images.size(1) && weight.size(2) == 3 &&
+                    weight.size(3) == 3,
+                "conv3x3: images ", images.sizes(), " and weight ", weight.sizes(), " are not [N, C, H, W] and [out, C, 3, 3]");
+  const int64_t n = images.size(0), height = images.size(2), width = images.size(3), out = weight.size(0);
+  const at::Tensor columns = at::im2col(images, /*kernel_size=*/{3, 3}, /*dilation=*/{1, 1}, /*padding=*/{1, 1},
+                                        /*stride=*/{1, 1});  // [N, C x 9, H x W]
+  const at::Tensor rows = columns.transpose(1, 2).reshape({n * height * width, columns.size(1)});
+  return kernels::linear(rows, weight.reshape({out, -1}), bias).view({n, height, width, out}).permute({0, 3, 1, 2}).contiguous();
+}
+
 }  // namespace tessera::models::layers
