@@ -159,10 +159,6 @@ void ShardedModelEMAManager::resetFromLive() {
   updates_ = 0;
 }
 
-double warmupDecayCap(const EmaOptions& options, int64_t k) {
-  return std::max(0.0, 1.0 - std::pow(1.0 + static_cast<double>(k) / options.invGamma, -options.power));
-}
-
 double ShardedModelEMAManager::effectiveDecay(size_t decayIndex, int64_t k) const {
   TESSERA_CHECK(decayIndex < options_.decays.size(), "ShardedModelEMAManager::effectiveDecay: profile ", decayIndex,
                 " is not a decay");

@@ -15,6 +15,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -55,8 +57,11 @@ struct EmaOptions {
 };
 
 // ema.warmup's cap on the decay at update count k (0-based): 1 - (1 + k / inv_gamma)^-power,
-// never below 0. One formula for the manager and the config's check of unreached decays.
-double warmupDecayCap(const EmaOptions& options, int64_t k);
+// never below 0. One formula for the manager and the config's check of unreached decays
+// (inline: the config's readers link without the manager).
+inline double warmupDecayCap(const EmaOptions& options, int64_t k) {
+  return std::max(0.0, 1.0 - std::pow(1.0 + static_cast<double>(k) / options.invGamma, -options.power));
+}
 
 class ShardedModelEMAManager : public dtensor::Stateful {
  public:
